@@ -1,0 +1,232 @@
+"""The `.kv` cache file (SPEC §4): safetensors tensors + string metadata, validated on load.
+
+Tensors per layer i: `layers.{i}.keys` / `layers.{i}.values` `[Hkv, n_kept, D]` and
+`layers.{i}.positions` `[Hkv, n_kept]` int64 (original RoPE positions). No pickle, no torch.save.
+Writes are atomic (temporary file in the target directory, fsync, rename); an existing target is
+replaced only with `force`, and a symlink at the target is replaced, never written through.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as st_save
+
+from . import __version__
+from .errors import CacheFormatError, OutputError
+
+FORMAT_NAME = "rocketkv.kv_cache"
+FORMAT_VERSION = 1
+MAX_HEADER_BYTES = 16 << 20
+_DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "F64": 8}
+REQUIRED_METADATA = (
+    "format", "format_version", "rocketkv_version", "model_id", "model_digest", "tokenizer_digest",
+    "chat_template_digest", "dtype", "n_layers", "n_kv_heads", "head_dim", "n_context_tokens",
+    "document_sha256", "config", "budgets", "layer_windows", "prompt_template_id", "created_at",
+    "payload_sha256",
+)  # fmt: skip
+
+
+@dataclass
+class PrunedKVCache:
+    """A stored (pruned) KV cache of one document.
+
+    layers: per layer (keys `[1, Hkv, S_l, D]`, values `[1, Hkv, S_l, D]`, positions `[1, Hkv, S_l]`
+    int64), S_l = tokens kept by that layer. metadata: the string metadata of SPEC §4.
+    """
+
+    layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def n_context_tokens(self) -> int:
+        return int(self.metadata["n_context_tokens"])
+
+    def payload_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer)
+
+
+def _tensors(cache: PrunedKVCache) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, (k, v, p) in enumerate(cache.layers):
+        out[f"layers.{i}.keys"] = k[0].contiguous()
+        out[f"layers.{i}.values"] = v[0].contiguous()
+        out[f"layers.{i}.positions"] = p[0].to(torch.int64).contiguous()
+    return out
+
+
+def payload_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).reshape(-1).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def save_cache(cache: PrunedKVCache, path: str | Path, force: bool = False) -> Path:
+    """Write `cache` atomically to `path`.
+
+    Raises:
+        OutputError: target exists without `force`, is a directory, or its directory is missing
+            or not writable.
+    """
+    target = Path(path)
+    if target.is_dir() and not target.is_symlink():
+        raise OutputError(f"output path {target} is a directory", "give a file name with -o")
+    if (target.exists() or target.is_symlink()) and not force:
+        raise OutputError(f"{target} already exists", "pass --force to replace it")
+    parent = target.parent if str(target.parent) else Path(".")
+    if not parent.is_dir():
+        raise OutputError(f"output directory {parent} does not exist", f"create it first: mkdir -p {parent}")
+    tensors = {k: v.detach().cpu() for k, v in _tensors(cache).items()}
+    meta = dict(cache.metadata)
+    meta.update(
+        format=FORMAT_NAME,
+        format_version=str(FORMAT_VERSION),
+        rocketkv_version=__version__,
+        created_at=meta.get("created_at") or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        payload_sha256=payload_digest(tensors),
+    )
+    missing = [k for k in REQUIRED_METADATA if k not in meta]
+    assert not missing, f"metadata incomplete: {missing}"
+    data = st_save(tensors, metadata=meta)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{target.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise OutputError(f"cannot write in {parent}: {exc.strerror}", "choose a writable directory with -o") from exc
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)  # replaces a symlink itself, never the file it points to
+    except BaseException as exc:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise OutputError(f"cannot write {target}: {exc.strerror}") from exc
+        raise
+    dir_fd = os.open(parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return target
+
+
+def _read_header(path: Path, rebuild: str) -> dict:
+    """Parse and bound-check the safetensors header before any tensor is allocated."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CacheFormatError(f"{path} is not a rocketkv cache (too short)", rebuild)
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES or n > size - 8:
+                raise CacheFormatError(f"{path} is not a rocketkv cache (bad header length)", rebuild)
+            header = json.loads(f.read(n))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CacheFormatError(f"{path} is not a rocketkv cache (unreadable header)", rebuild) from exc
+    if not isinstance(header, dict):
+        raise CacheFormatError(f"{path} is not a rocketkv cache (unreadable header)", rebuild)
+    meta = header.pop("__metadata__", None) or {}
+    if meta.get("format") != FORMAT_NAME:
+        raise CacheFormatError(f"{path} is a safetensors file but not a rocketkv cache", rebuild)
+    payload = size - 8 - n
+    end = 0
+    for name, info in header.items():
+        try:
+            dtype, shape, (start, stop) = info["dtype"], info["shape"], info["data_offsets"]
+            expected = _DTYPE_BYTES[dtype] * int(torch.tensor(shape, dtype=torch.float64).prod().item())
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CacheFormatError(f"{path}: tensor {name!r} is described wrongly in the header", rebuild) from exc
+        if not (0 <= start <= stop <= payload) or stop - start != expected:
+            raise CacheFormatError(f"{path} is truncated or damaged (tensor {name!r})", rebuild)
+        end = max(end, stop)
+    if end != payload:
+        raise CacheFormatError(f"{path} is truncated or damaged (payload size)", rebuild)
+    return {"tensors": header, "metadata": meta}
+
+
+def load_cache(path: str | Path, rebuild: str = "rebuild it with: rocketkv ingest DOC -o FILE --force") -> PrunedKVCache:
+    """Load and validate a `.kv` file (format, version, header bounds, shapes, payload digest).
+
+    Model compatibility is checked separately by `check_compatible`.
+    Raises:
+        CacheFormatError: not a rocketkv cache, newer format, truncated, damaged, inconsistent.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise CacheFormatError(f"cache file not found: {path}", "build one with: rocketkv ingest DOC -o FILE")
+    info = _read_header(p, rebuild)
+    meta = info["metadata"]
+    missing = [k for k in REQUIRED_METADATA if k not in meta]
+    if missing:
+        raise CacheFormatError(f"{path}: metadata lacks {', '.join(missing)}", rebuild)
+    try:
+        version = int(meta["format_version"])
+        n_layers, n_kv, head_dim, n_ctx = (int(meta[k]) for k in ("n_layers", "n_kv_heads", "head_dim", "n_context_tokens"))
+    except ValueError as exc:
+        raise CacheFormatError(f"{path}: malformed metadata ({exc})", rebuild) from exc
+    if version > FORMAT_VERSION:
+        raise CacheFormatError(
+            f"{path} has format version {version}, newer than this rocketkv reads ({FORMAT_VERSION})",
+            "upgrade rocketkv, or " + rebuild,
+        )
+    expected = {f"layers.{i}.{kind}" for i in range(n_layers) for kind in ("keys", "values", "positions")}
+    if set(info["tensors"]) != expected:
+        raise CacheFormatError(f"{path}: tensors do not match n_layers={n_layers}", rebuild)
+    try:
+        with safe_open(str(p), framework="pt") as f:
+            tensors = {name: f.get_tensor(name) for name in sorted(expected)}
+    except Exception as exc:  # safetensors raises its own error types for damaged files
+        raise CacheFormatError(f"{path} is damaged: {exc}".splitlines()[0], rebuild) from exc
+    if payload_digest(tensors) != meta["payload_sha256"]:
+        raise CacheFormatError(f"{path} is damaged (payload digest mismatch)", rebuild)
+    layers = []
+    for i in range(n_layers):
+        k, v, pos = (tensors[f"layers.{i}.{kind}"] for kind in ("keys", "values", "positions"))
+        ok = (
+            k.dim() == 3 and k.shape[0] == n_kv and k.shape[2] == head_dim and v.shape[:2] == k.shape[:2]
+            and pos.shape == k.shape[:2] and pos.dtype == torch.int64
+            and (pos.numel() == 0 or (int(pos.min()) >= 0 and int(pos.max()) < n_ctx))
+        )  # fmt: skip
+        if not ok:
+            raise CacheFormatError(f"{path}: layer {i} tensors disagree with the metadata", rebuild)
+        layers.append((k.unsqueeze(0), v.unsqueeze(0), pos.unsqueeze(0)))
+    return PrunedKVCache(layers=layers, metadata=dict(meta))
+
+
+def check_compatible(cache: PrunedKVCache, expected: dict[str, str], path: str, rebuild: str) -> None:
+    """Refuse a cache built for another model, tokenizer, chat template, prompt or geometry.
+
+    Args:
+        expected: metadata values the current model produces (same keys as the file's).
+    Raises:
+        CacheFormatError naming the first mismatch and the rebuild command.
+    """
+    labels = {
+        "model_digest": "another model",
+        "tokenizer_digest": "another tokenizer",
+        "chat_template_digest": "another chat template",
+        "prompt_template_id": "another prompt template",
+        "n_layers": "a model with another layer count",
+        "n_kv_heads": "a model with another KV head count",
+        "head_dim": "a model with another head_dim",
+        "layer_windows": "a model with other sliding windows",
+    }
+    for key, label in labels.items():
+        if key in expected and cache.metadata.get(key) != expected[key]:
+            built = cache.metadata.get("model_id", "?")
+            raise CacheFormatError(f"{path} was built for {label} (model {built}), not this one", rebuild)

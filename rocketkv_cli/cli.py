@@ -1,0 +1,419 @@
+"""The `rocketkv` command line: parses, prints and maps errors; the work happens in `pipeline`.
+
+stdout carries results only (`--json`: one JSON object per line); stderr carries progress, logs and
+hints. Exit codes: 0 ok, 1 known failure (one line), 2 usage error, 130 interrupted (143 SIGTERM).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from . import __version__
+from .errors import InputError, OutputError, RocketKVError
+
+app = typer.Typer(
+    name="rocketkv",
+    help="Ask questions of very long documents with a local LLM and a compressed (RocketKV) KV cache.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True, highlight=False)
+_quiet = False
+
+
+class _Terminated(BaseException):
+    """Raised by the SIGTERM handler so that cleanup (`finally`) runs before exit 143."""
+
+
+def _on_sigterm(signum, frame):  # pragma: no cover - exercised through subprocess tests
+    raise _Terminated()
+
+
+def _log(message: str) -> None:
+    if not _quiet:
+        err.print(f"[dim]rocketkv:[/dim] {message}")
+
+
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    err.print(f"[bold red]Error:[/bold red] {message}", soft_wrap=True)
+    return typer.Exit(code)
+
+
+def command(fn):
+    """Wrap a command body: known errors → one line + exit 1; Ctrl-C → 130; SIGTERM → 143."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        try:
+            return fn(*args, **kwargs)
+        except RocketKVError as exc:
+            raise _fail(str(exc)) from None
+        except KeyboardInterrupt:
+            raise _fail("interrupted", 130) from None
+        except _Terminated:
+            raise _fail("terminated", 143) from None
+        except (ValueError, MemoryError) as exc:
+            if os.environ.get("ROCKETKV_DEBUG") == "1":
+                raise
+            raise _fail(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+
+    return wrapper
+
+
+ModelOpt = Annotated[
+    Optional[str],
+    typer.Option("--model", "-m", help="Preset (gemma-3-270m, smollm2-135m), model dir, .gguf file, or cached hub id."),
+]
+DeviceOpt = Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")]
+DtypeOpt = Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16 (ask: default = the cache's).")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or logs on stderr.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON object per line on stdout.")]
+TrustOpt = Annotated[bool, typer.Option(help="Allow model code from the model directory (off by default).")]
+
+
+@app.callback()
+def main(
+    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False,
+) -> None:
+    if version:
+        typer.echo(__version__)
+        raise typer.Exit(0)
+
+
+def _setup(quiet: bool) -> None:
+    global _quiet
+    _quiet = quiet
+    if quiet:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _engine(model: str, device: str, dtype: str, trust_remote_code: bool):
+    from .models import load_model
+    from .pipeline import Engine
+
+    t0 = time.perf_counter()
+    loaded = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=_log)
+    _log(f"loaded {loaded.model_id} on {loaded.device} ({str(loaded.dtype).removeprefix('torch.')}) in {time.perf_counter() - t0:.1f}s")
+    return Engine(loaded)
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} tokens"),
+        TimeRemainingColumn(),
+        console=err,
+        disable=_quiet or not err.is_terminal,
+        transient=True,
+    )
+
+
+def _prefill(engine, doc_path: str, prefill_cfg, encoding: str, errors: str):
+    from .ingest import read_document
+    from .pipeline import prefill_document
+
+    document = read_document(doc_path, encoding=encoding, errors=errors)
+    t0 = time.perf_counter()
+    with _progress() as bar:
+        task = bar.add_task("prefill", total=None)
+        stored = prefill_document(
+            engine, document, prefill_cfg, progress=lambda done, total: bar.update(task, completed=done, total=total)
+        )
+    elapsed = time.perf_counter() - t0
+    kept = max(layer[0].shape[2] for layer in stored.layers)
+    _log(f"prefilled {stored.n_context_tokens} tokens in {elapsed:.1f}s; keeping up to {kept} tokens per KV head per layer")
+    return stored, elapsed
+
+
+def _prefill_config(**kw):
+    from .config import PrefillConfig
+
+    pool = kw.pop("pool_kernel_size")
+    if pool == "auto":
+        kw["pool_kernel_size"] = 0
+    else:
+        try:
+            kw["pool_kernel_size"] = int(pool)
+        except ValueError:
+            raise InputError(f"--pool-kernel-size must be an odd integer or 'auto', got {pool!r}") from None
+    try:
+        return PrefillConfig(**{k: v for k, v in kw.items() if v is not None})
+    except ValueError as exc:
+        raise InputError(f"invalid option: {exc}") from None
+
+
+BudgetOpt = Annotated[int, typer.Option("--budget", "-b", help="Token budget t per KV head per layer (SPEC §3.1).")]
+
+
+@app.command()
+@command
+def ingest(
+    document: Annotated[str, typer.Argument(help="Text file to read, or - for stdin.")],
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Cache file to write (default: DOC with .kv).")] = None,
+    budget: BudgetOpt = 512,
+    max_new_tokens: Annotated[int, typer.Option(help="Answer length the budget plans for, in tokens.")] = 128,
+    window_size: Annotated[int, typer.Option(help="Observation window W in tokens.")] = 32,
+    pool_kernel_size: Annotated[str, typer.Option(help="Odd max-pool kernel in tokens, or 'auto'.")] = "63",
+    observation: Annotated[str, typer.Option(help="'tail' (document end) or 'probe' (+ a generic probe text).")] = "tail",
+    prompt_budget: Annotated[Optional[int], typer.Option(help="Override: tokens kept per KV head per layer.")] = None,
+    topk: Annotated[Optional[int], typer.Option(help="Override: tokens attended per decode step.")] = None,
+    page_size: Annotated[Optional[int], typer.Option(help="Override: tokens per min/max page.")] = None,
+    n_score_dims: Annotated[Optional[int], typer.Option(help="Override: head dims used for page scores.")] = None,
+    chunk_tokens: Annotated[int, typer.Option(help="Prefill chunk length in tokens.")] = 1024,
+    force: Annotated[bool, typer.Option("--force", "-f", help="Replace an existing output file.")] = False,
+    encoding: Annotated[str, typer.Option(help="Text encoding of the document.")] = "utf-8",
+    errors: Annotated[str, typer.Option(help="Decoding errors: strict, replace or ignore.")] = "strict",
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = None,
+    trust_remote_code: TrustOpt = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Prefill a document once, prune its KV cache with SnapKV++, and save it to a .kv file."""
+    from .cache_io import save_cache
+    from .models import DEFAULT_MODEL
+
+    _setup(quiet)
+    if output is None:
+        if document == "-":
+            raise OutputError("reading from stdin needs an output file", "pass -o FILE.kv")
+        output = Path(document).with_suffix(".kv")
+    if (output.exists() or output.is_symlink()) and not force:
+        raise OutputError(f"{output} already exists", "pass --force to replace it")
+    if not output.parent.is_dir():
+        raise OutputError(f"output directory {output.parent} does not exist", f"create it first: mkdir -p {output.parent}")
+    cfg = _prefill_config(
+        token_budget=budget, max_new_tokens=max_new_tokens, window_size=window_size, pool_kernel_size=pool_kernel_size,
+        observation=observation, prompt_budget=prompt_budget, topk=topk, page_size=page_size,
+        n_score_dims=n_score_dims, chunk_tokens=chunk_tokens,
+    )  # fmt: skip
+    engine = _engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code)
+    stored, elapsed = _prefill(engine, document, cfg, encoding, errors)
+    save_cache(stored, output, force=force)
+    _log(f"wrote {output} ({output.stat().st_size / 1e6:.1f} MB)")
+    if json_out:
+        row = {"cache": str(output), "n_context_tokens": stored.n_context_tokens, "file_bytes": output.stat().st_size,
+               "ingest_s": round(elapsed, 3), "budgets": json.loads(stored.metadata["budgets"])}  # fmt: skip
+        typer.echo(json.dumps(row))
+    else:
+        typer.echo(str(output))
+
+
+def _questions(positional: list[str], questions_file: Optional[str], doc_is_stdin: bool) -> list[str]:
+    questions = list(positional)
+    if questions_file is not None:
+        if questions_file == "-":
+            if doc_is_stdin:
+                raise InputError("the document and the questions cannot both come from stdin")
+            text = sys.stdin.read()
+        else:
+            try:
+                text = Path(questions_file).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise InputError(f"cannot read questions file {questions_file}: {exc}") from None
+        questions += [line.strip() for line in text.splitlines() if line.strip()]
+    if not questions:
+        raise InputError("no question given", "pass questions as arguments or with --questions-file")
+    return questions
+
+
+def _answer_and_print(engine, stored, source: str, questions, max_new_tokens, dense, overrides, json_out) -> None:
+    from .pipeline import answer, decode_config_for
+
+    planned = json.loads(stored.metadata["config"]).get("max_new_tokens", 128)
+    max_new = max_new_tokens or planned
+    decode = decode_config_for(stored, sparse=not dense, **overrides)
+    for i, ans in enumerate(answer(engine, stored, questions, max_new, decode)):
+        if json_out:
+            row = {"question": ans.question, "answer": ans.text, "cache": source,
+                   "n_question_tokens": ans.n_question_tokens, "n_answer_tokens": ans.n_answer_tokens,
+                   "stop_reason": ans.stop_reason, "prefill_s": round(ans.prefill_s, 4),
+                   "decode_s": round(ans.decode_s, 4)}  # fmt: skip
+            typer.echo(json.dumps(row, ensure_ascii=False))
+        else:
+            if len(questions) > 1 and i:
+                typer.echo("")
+            typer.echo(ans.text)
+        sys.stdout.flush()
+        _log(f"answered in {ans.prefill_s + ans.decode_s:.2f}s ({ans.n_answer_tokens} tokens, stop: {ans.stop_reason})")
+
+
+def _load_stored(cache: Path, model: Optional[str], device: str, dtype: Optional[str], trust_remote_code: bool):
+    from .cache_io import load_cache
+    from .pipeline import open_cache
+
+    stored = load_cache(cache)
+    engine = _engine(model or stored.metadata["model_id"], device, dtype or stored.metadata["dtype"], trust_remote_code)
+    open_cache(engine, stored, str(cache))
+    return engine, stored
+
+
+DenseOpt = Annotated[bool, typer.Option("--dense", help="Exact attention over the stored cache (no stage-2 sparsity).")]
+MaxNewOpt = Annotated[Optional[int], typer.Option(help="Answer length limit in tokens (default: the cache's plan).")]
+
+
+@app.command()
+@command
+def ask(
+    args: Annotated[Optional[list[str]], typer.Argument(help="QUESTION... with --cache; else DOC QUESTION...")] = None,
+    cache: Annotated[Optional[Path], typer.Option("--cache", "-c", help="A .kv file from `rocketkv ingest`.")] = None,
+    questions_file: Annotated[Optional[str], typer.Option(help="File with one question per line, or - for stdin.")] = None,
+    max_new_tokens: MaxNewOpt = None,
+    budget: BudgetOpt = 512,
+    dense: DenseOpt = False,
+    topk: Annotated[Optional[int], typer.Option(help="Override: tokens attended per decode step.")] = None,
+    page_size: Annotated[Optional[int], typer.Option(help="Override: tokens per page.")] = None,
+    n_score_dims: Annotated[Optional[int], typer.Option(help="Override: head dims for page scores.")] = None,
+    encoding: Annotated[str, typer.Option(help="Text encoding of DOC.")] = "utf-8",
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = None,
+    trust_remote_code: TrustOpt = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Answer questions from a saved cache (or from DOC, ingested in memory first)."""
+    from .models import DEFAULT_MODEL
+
+    _setup(quiet)
+    args = list(args or [])
+    overrides = {"topk": topk, "page_size": page_size, "n_score_dims": n_score_dims}
+    if cache is not None:
+        questions = _questions(args, questions_file, False)
+        engine, stored = _load_stored(cache, model, device, dtype, trust_remote_code)
+        source = str(cache)
+    else:
+        if not args:
+            raise InputError("no document or cache given", "use: rocketkv ask --cache FILE.kv QUESTION, or ask DOC QUESTION")
+        doc, rest = args[0], args[1:]
+        questions = _questions(rest, questions_file, doc == "-")
+        cfg = _prefill_config(token_budget=budget, max_new_tokens=max_new_tokens or 128, pool_kernel_size="63")
+        engine = _engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code)
+        stored, _ = _prefill(engine, doc, cfg, encoding, "strict")
+        source = doc
+    _answer_and_print(engine, stored, source, questions, max_new_tokens, dense, overrides, json_out)
+
+
+@app.command()
+@command
+def summarize(
+    document: Annotated[Optional[str], typer.Argument(help="Text file, or - for stdin (or use --cache).")] = None,
+    cache: Annotated[Optional[Path], typer.Option("--cache", "-c", help="A .kv file from `rocketkv ingest`.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Summary length limit in tokens.")] = 256,
+    budget: BudgetOpt = 512,
+    dense: DenseOpt = False,
+    encoding: Annotated[str, typer.Option(help="Text encoding of DOC.")] = "utf-8",
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = None,
+    trust_remote_code: TrustOpt = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Summarize a document (or a saved cache's document)."""
+    from .models import DEFAULT_MODEL
+    from .templates import read_prompt
+
+    _setup(quiet)
+    if (document is None) == (cache is None):
+        raise InputError("give either DOC or --cache FILE.kv", "e.g. rocketkv summarize book.txt")
+    if cache is not None:
+        engine, stored = _load_stored(cache, model, device, dtype, trust_remote_code)
+        source = str(cache)
+    else:
+        cfg = _prefill_config(token_budget=budget, max_new_tokens=max_new_tokens, pool_kernel_size="63")
+        engine = _engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code)
+        stored, _ = _prefill(engine, document, cfg, encoding, "strict")
+        source = document
+    engine.prompt = _without_stop_strings(engine.prompt)
+    _answer_and_print(engine, stored, source, [read_prompt("summarize.txt")], max_new_tokens, dense, {}, json_out)
+
+
+def _without_stop_strings(fmt):
+    import dataclasses
+
+    return dataclasses.replace(fmt, stop_strings=("\n\n\n",) if fmt.stop_strings else ())
+
+
+@app.command()
+@command
+def inspect(
+    cache: Annotated[Path, typer.Argument(help="A .kv file.")],
+    json_out: JsonOpt = False,
+) -> None:
+    """Show what a .kv cache holds (validates the file; does not load the model)."""
+    from .cache_io import load_cache
+
+    stored = load_cache(cache)
+    meta = stored.metadata
+    n_ctx = stored.n_context_tokens
+    kept = [layer[0].shape[2] for layer in stored.layers]
+    windows = json.loads(meta["layer_windows"])
+    elem = stored.layers[0][0].element_size()
+    n_kv, d = int(meta["n_kv_heads"]), int(meta["head_dim"])
+    full_bytes = sum(2 * n_kv * (min(n_ctx, w) if w else n_ctx) * d * elem for w in windows)
+    info = {
+        "cache": str(cache),
+        "file_bytes": cache.stat().st_size,
+        "full_kv_bytes": full_bytes,
+        "kv_bytes": sum(2 * n_kv * k * d * elem for k in kept),
+        "kept_tokens_per_layer": kept,
+        "n_full_attention_layers": sum(1 for w in windows if not w),
+        **{k: v for k, v in meta.items() if k not in ("config", "budgets", "layer_windows")},
+        "config": json.loads(meta["config"]),
+        "budgets": json.loads(meta["budgets"]),
+        "layer_windows": windows,
+    }
+    if json_out:
+        typer.echo(json.dumps(info))
+        return
+    full_kept = sorted({k for k, w in zip(kept, windows) if not w})
+    lines = [
+        ("cache", info["cache"]),
+        ("format", f"{meta['format']} v{meta['format_version']} (rocketkv {meta['rocketkv_version']})"),
+        ("model", f"{meta['model_id']} (digest {meta['model_digest'][:12]})"),
+        ("dtype", meta["dtype"]),
+        ("document", f"{meta.get('document_source', '?')} (sha256 {meta['document_sha256'][:12]})"),
+        ("context tokens", str(n_ctx)),
+        ("kept per KV head", f"{', '.join(map(str, full_kept)) or '-'} in {info['n_full_attention_layers']} full-attention layers; "
+                             f"{len(windows) - info['n_full_attention_layers']} sliding-window layers keep their window"),
+        ("budgets", ", ".join(f"{k}={v}" for k, v in info["budgets"].items())),
+        ("config", ", ".join(f"{k}={v}" for k, v in info["config"].items())),
+        ("size", f"file {info['file_bytes'] / 1e6:.2f} MB; KV {info['kv_bytes'] / 1e6:.2f} MB vs full KV {full_bytes / 1e6:.2f} MB "
+                 f"({info['kv_bytes'] / max(full_bytes, 1):.1%})"),
+        ("prompt template", meta["prompt_template_id"]),
+        ("created", meta["created_at"]),
+    ]  # fmt: skip
+    width = max(len(k) for k, _ in lines)
+    for k, v in lines:
+        typer.echo(f"{k:<{width}}  {v}")
+
+
+def run() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,173 @@
+"""Frozen, validated configuration and the RocketKV budget decomposition (SPEC §3.1, paper §3.6).
+
+All budgets are in tokens, per KV head, per layer. Nothing here reads the environment or the CLI.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+OBSERVATIONS = ("tail", "probe")
+DEFAULT_TOKEN_BUDGET = 512
+DEFAULT_MAX_NEW_TOKENS = 128
+DEFAULT_WINDOW_SIZE = 32
+DEFAULT_POOL_KERNEL_SIZE = 63
+
+
+def _positive(name: str, value: int | None, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Stage-1 (SnapKV++) settings, fixed at ingest time.
+
+    token_budget: t, the decode-time budget in tokens from which the rest is derived (SPEC §3.1).
+    max_new_tokens: answer length the budget plans for (S = n + max_new_tokens).
+    window_size: W, observation-window queries used to score (and always kept).
+    pool_kernel_size: odd max-pool kernel in tokens, or 0 for the `auto` rule by length.
+    observation: "tail" (the document's last W queries) or "probe" (those plus a generic
+        question-like probe text from `prompts/`, scored then dropped).
+    prompt_budget, topk, page_size, n_score_dims: overrides of the derived values (None = derive).
+    chunk_tokens: prefill chunk length in tokens (bounds activation memory).
+    """
+
+    token_budget: int = DEFAULT_TOKEN_BUDGET
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    window_size: int = DEFAULT_WINDOW_SIZE
+    pool_kernel_size: int = DEFAULT_POOL_KERNEL_SIZE
+    observation: str = "tail"
+    prompt_budget: int | None = None
+    topk: int | None = None
+    page_size: int | None = None
+    n_score_dims: int | None = None
+    chunk_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("token_budget", "max_new_tokens", "window_size", "chunk_tokens"):
+            _positive(name, getattr(self, name), allow_none=False)
+        for name in ("prompt_budget", "topk", "page_size", "n_score_dims"):
+            _positive(name, getattr(self, name))
+        k = self.pool_kernel_size
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0 or (k > 0 and k % 2 == 0):
+            raise ValueError(f"pool_kernel_size must be an odd positive integer or 0 (auto), got {k!r}")
+        if self.observation not in OBSERVATIONS:
+            raise ValueError(f"observation must be one of {OBSERVATIONS}, got {self.observation!r}")
+        if self.prompt_budget is not None and self.prompt_budget < self.window_size:
+            raise ValueError(
+                f"prompt_budget must be at least window_size ({self.window_size}), got {self.prompt_budget}"
+            )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Derived per-layer, per-KV-head budgets in tokens (SPEC §3.1)."""
+
+    prompt_budget: int  # tokens stage 1 keeps (observation window included)
+    capacity_budget: int  # prompt_budget + max_new_tokens
+    topk: int  # tokens attended exactly per decode step
+    page_size: int  # tokens per key min/max page
+    n_score_dims: int  # head dimensions used for approximate page scores
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_budget", "capacity_budget", "topk", "page_size", "n_score_dims"):
+            _positive(name, getattr(self, name), allow_none=False)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def derive_budgets(
+    n_context_tokens: int, max_new_tokens: int, token_budget: int, head_dim: int
+) -> Budgets:
+    """Split a token budget t into stage-1 and stage-2 budgets (paper §3.6, SPEC §3.1).
+
+    With S = n + max_new_tokens: c = max(1, S/t); r = min(0.2 + 0.06·log2(c), 0.8);
+    capacity = floor(S / c^r); prompt_budget = capacity − max_new_tokens; topk = t/2;
+    c2 = max(1, capacity/t); page_size = ceil(sqrt(c2)) (1 if that exceeds c2);
+    n_score_dims = floor(head_dim · page_size / c2) clamped to [1, head_dim].
+
+    Args:
+        n_context_tokens: n, document tokens.
+        max_new_tokens: tokens an answer may add.
+        token_budget: t, in tokens per KV head per layer.
+        head_dim: d.
+    Returns:
+        `Budgets`; prompt_budget is at least 1 (the caller keeps everything when n ≤ prompt_budget).
+    Raises:
+        ValueError: a non-positive argument, naming it.
+    """
+    for name, value in (
+        ("n_context_tokens", n_context_tokens),
+        ("max_new_tokens", max_new_tokens),
+        ("token_budget", token_budget),
+        ("head_dim", head_dim),
+    ):
+        _positive(name, value, allow_none=False)
+    seq = n_context_tokens + max_new_tokens
+    c = max(1.0, seq / token_budget)
+    r = min(0.2 + 0.06 * math.log2(c), 0.8)
+    capacity = math.floor(seq / c**r)
+    prompt_budget = max(1, capacity - max_new_tokens)
+    topk = max(1, token_budget // 2)
+    c2 = max(1.0, capacity / token_budget)
+    page_size = math.ceil(math.sqrt(c2))
+    if page_size > c2:
+        page_size = 1
+    n_score_dims = min(head_dim, max(1, math.floor(head_dim * page_size / c2)))
+    return Budgets(
+        prompt_budget=prompt_budget,
+        capacity_budget=prompt_budget + max_new_tokens,
+        topk=topk,
+        page_size=page_size,
+        n_score_dims=n_score_dims,
+    )
+
+
+def resolve_budgets(cfg: PrefillConfig, n_context_tokens: int, head_dim: int) -> Budgets:
+    """`derive_budgets` for `cfg`, with its explicit overrides applied. Shapes: scalars in tokens."""
+    b = derive_budgets(n_context_tokens, cfg.max_new_tokens, cfg.token_budget, head_dim)
+    prompt_budget = cfg.prompt_budget if cfg.prompt_budget is not None else b.prompt_budget
+    return Budgets(
+        prompt_budget=prompt_budget,
+        capacity_budget=prompt_budget + cfg.max_new_tokens,
+        topk=cfg.topk if cfg.topk is not None else b.topk,
+        page_size=cfg.page_size if cfg.page_size is not None else b.page_size,
+        n_score_dims=min(head_dim, cfg.n_score_dims) if cfg.n_score_dims is not None else b.n_score_dims,
+    )
+
+
+def auto_pool_kernel_size(n_context_tokens: int) -> int:
+    """The `auto` pooling rule: a kernel that grows with the document, in tokens (odd).
+
+    7 below 4K tokens, 15 below 16K, 31 below 64K, 63 from there (the paper's final fixed value).
+    """
+    for limit, kernel in ((4096, 7), (16384, 15), (65536, 31)):
+        if n_context_tokens < limit:
+            return kernel
+    return 63
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Stage-2 (hybrid sparse attention) settings used while answering.
+
+    sparse: False = exact attention over the whole stored cache (the "stage 1 only" method).
+    topk, page_size, n_score_dims: tokens attended per step, tokens per page, score dims.
+    """
+
+    topk: int
+    page_size: int
+    n_score_dims: int
+    sparse: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("topk", "page_size", "n_score_dims"):
+            _positive(name, getattr(self, name), allow_none=False)

@@ -1,0 +1,143 @@
+"""Stage 2 — hybrid sparse attention (HSA) for one decode step (SPEC §3.3). Pure torch reference.
+
+Keys are grouped in consecutive pages of `page_size` tokens with an element-wise min and max per
+page. Per step and KV head: choose the `n_score_dims` largest dims of Σ_g|q_g|, score pages with
+the sign trick (max where Σ_g q_g[i] > 0, else min), soften with a SparQ-style temperature, weight
+by token count, average over the GQA group, keep whole pages up to `topk` tokens, then run exact
+attention over the selected tokens only. RocketKV paper §3.4–3.5 (after SparQ / Quest).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def page_summaries(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Element-wise min and max of the keys of each page.
+
+    Args:
+        keys: `[B, Hkv, S, D]`. page_size: tokens per page; the last page may be partial.
+    Returns:
+        (page_min, page_max), each `[B, Hkv, P, D]` with P = ceil(S / page_size), keys' dtype.
+    """
+    b, hkv, s, d = keys.shape
+    n_pages = -(-s // page_size)
+    pad = n_pages * page_size - s
+    if pad:  # pad by repeating the last key: min/max of the partial page are unchanged
+        keys = torch.cat([keys, keys[:, :, -1:].expand(b, hkv, pad, d)], dim=2)
+    paged = keys.view(b, hkv, n_pages, page_size, d)
+    return paged.amin(dim=3), paged.amax(dim=3)
+
+
+def page_token_counts(n_tokens: int, page_size: int, device: torch.device | None = None) -> torch.Tensor:
+    """Tokens in each page: `[P]` float32 (page_size everywhere but a partial last page)."""
+    n_pages = -(-n_tokens // page_size)
+    counts = torch.full((n_pages,), float(page_size), device=device)
+    counts[-1] = n_tokens - (n_pages - 1) * page_size
+    return counts
+
+
+def page_scores(
+    query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, counts: torch.Tensor, n_score_dims: int
+) -> torch.Tensor:
+    """Approximate attention mass of each page, averaged over the GQA group, in float32.
+
+    Args:
+        query: `[B, H, 1, D]` decode query. page_min/page_max: `[B, Hkv, P, D]`. counts: `[P]`.
+        n_score_dims: r, head dims used.
+    Returns:
+        `[B, Hkv, P]` float32; each row sums to 1.
+    """
+    b, h, t, d = query.shape
+    hkv, n_pages = page_min.shape[1], page_min.shape[2]
+    assert t == 1 and page_max.shape == page_min.shape == (b, hkv, n_pages, d) and counts.shape == (n_pages,)
+    q = query.float().view(b, hkv, h // hkv, d)  # [B, Hkv, G, D]
+    dims = q.abs().sum(dim=2).topk(n_score_dims, dim=-1).indices  # [B, Hkv, r]
+    q_sel = torch.gather(q, 3, dims.unsqueeze(2).expand(-1, -1, q.shape[2], -1))  # [B, Hkv, G, r]
+    positive = q_sel.sum(dim=2) > 0  # [B, Hkv, r]
+    idx = dims.unsqueeze(2).expand(-1, -1, n_pages, -1)  # [B, Hkv, P, r]
+    bound = torch.where(
+        positive.unsqueeze(2), torch.gather(page_max, 3, idx), torch.gather(page_min, 3, idx)
+    ).float()  # [B, Hkv, P, r]
+    approx = torch.matmul(q_sel, bound.transpose(-1, -2))  # [B, Hkv, G, P]
+    temperature = torch.sqrt(d * q_sel.abs().sum(-1) / q.abs().sum(-1).clamp_min(1e-30))  # [B, Hkv, G]
+    logits = approx / temperature.clamp_min(1e-30).unsqueeze(-1) + counts.log()
+    return torch.softmax(logits, dim=-1).mean(dim=2)
+
+
+def select_pages(scores: torch.Tensor, topk: int, page_size: int, n_tokens: int) -> torch.Tensor:
+    """Token indices of the best pages, whole pages only, at most `topk` tokens (≥ 1 page).
+
+    Args:
+        scores: `[B, Hkv, P]`. topk: tokens. page_size: tokens per page. n_tokens: S.
+    Returns:
+        `[B, Hkv, N_sel]` int64 ascending; entries of a partial last page beyond S are clamped to
+        S − 1 (duplicates of a selected key; `sparse_attention` masks them via `valid`).
+    """
+    n_pages = scores.shape[-1]
+    n_sel_pages = min(n_pages, max(1, topk // page_size))
+    pages = scores.topk(n_sel_pages, dim=-1).indices.sort(dim=-1).values  # [B, Hkv, Psel]
+    offsets = torch.arange(page_size, device=scores.device)
+    return (pages.unsqueeze(-1) * page_size + offsets).flatten(2)  # [B, Hkv, Psel*page_size]
+
+
+def sparse_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    scaling: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Exact softmax attention of each query head over its KV head's selected tokens only.
+
+    Args:
+        query: `[B, H, 1, D]`. keys/values: `[B, Hkv, S, D]`. indices: `[B, Hkv, N_sel]` int64
+            (entries ≥ S are ignored). scaling, softcap: as the layer's attention.
+    Returns:
+        `[B, H, 1, D]` in the query dtype.
+    """
+    b, h, _, d = query.shape
+    hkv, s = keys.shape[1], keys.shape[2]
+    valid = indices < s  # [B, Hkv, N_sel]
+    idx = indices.clamp_max(s - 1).unsqueeze(-1)
+    k_sel = torch.gather(keys, 2, idx.expand(-1, -1, -1, d))  # [B, Hkv, N_sel, D]
+    v_sel = torch.gather(values, 2, idx.expand(-1, -1, -1, values.shape[-1]))
+    q = query.view(b, hkv, h // hkv, d)  # [B, Hkv, G, D]
+    logits = torch.matmul(q, k_sel.transpose(-1, -2)).float() * scaling  # [B, Hkv, G, N_sel]
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(logits, dim=-1).to(v_sel.dtype)
+    out = torch.matmul(probs, v_sel)  # [B, Hkv, G, Dv]
+    return out.view(b, h, 1, -1)
+
+
+def hsa_decode(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    page_min: torch.Tensor,
+    page_max: torch.Tensor,
+    topk: int,
+    page_size: int,
+    n_score_dims: int,
+    scaling: float,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One HSA decode step for one layer (SPEC §3.3). Exact attention when S ≤ topk.
+
+    Args:
+        query: `[B, H, 1, D]`. keys/values: `[B, Hkv, S, D]`. page_min/page_max: `[B, Hkv, P, D]`
+            summaries of `keys` (P = ceil(S / page_size)). topk, page_size, n_score_dims: budgets.
+    Returns:
+        (output `[B, H, 1, D]`, selected token indices `[B, Hkv, N_sel]`).
+    """
+    s = keys.shape[2]
+    if s <= topk:
+        indices = torch.arange(s, device=keys.device).expand(keys.shape[0], keys.shape[1], s)
+    else:
+        counts = page_token_counts(s, page_size, keys.device)
+        scores = page_scores(query, page_min, page_max, counts, n_score_dims)
+        indices = select_pages(scores, topk, page_size, s)
+    return sparse_attention(query, keys, values, indices, scaling, softcap), indices

@@ -1,0 +1,38 @@
+"""Error types. Every known failure is a `RocketKVError`; the CLI maps it to one line and exit code 1."""
+
+from __future__ import annotations
+
+
+class RocketKVError(Exception):
+    """Base class of rocketkv's known failures.
+
+    `hint` is the next command or action for the user; the CLI prints it after the message.
+    """
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message if not self.hint else f"{self.message} ({self.hint})"
+
+
+class InputError(RocketKVError):
+    """A document or question that cannot be used (missing, unreadable, empty, not text)."""
+
+
+class ModelLoadError(RocketKVError):
+    """A model that cannot be found, loaded, or is of an unsupported architecture."""
+
+
+class CacheFormatError(RocketKVError):
+    """A `.kv` file that is damaged, of another format version, or built for another model."""
+
+
+class BudgetError(RocketKVError):
+    """Budgets or lengths that cannot work (document longer than the context, question too long)."""
+
+
+class OutputError(RocketKVError):
+    """A target path that cannot be written (exists without --force, missing directory, symlink)."""

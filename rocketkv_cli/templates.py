@@ -1,0 +1,69 @@
+"""Prompt templates from `prompts/` and their split into a document part and a question part.
+
+The document part (everything up to the end of the document) is prefilled once at ingest; the
+question part (rest of the framing + question + generation prompt) is prefilled per question on top
+of the stored cache. Models with a chat template get it; others get the plain framing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from pathlib import Path
+
+_DOC = "\x00ROCKETKV_DOCUMENT\x00"
+_QUESTION = "\x00ROCKETKV_QUESTION\x00"
+PLAIN_STOP_STRINGS = ("\n\n", "\nQuestion:")
+
+
+@cache
+def read_prompt(name: str) -> str:
+    """Text of `prompts/<name>` (installed as `rocketkv_cli.prompts`), trailing newline removed."""
+    try:
+        text = resources.files("rocketkv_cli.prompts").joinpath(name).read_text(encoding="utf-8")
+    except ModuleNotFoundError:  # running from a source tree without installing
+        text = (Path(__file__).resolve().parent.parent / "prompts" / name).read_text(encoding="utf-8")
+    return text[:-1] if text.endswith("\n") else text
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """A template split around the document and the question (all strings)."""
+
+    template_id: str
+    before_document: str
+    before_question: str
+    after_question: str
+    add_special_tokens: bool  # plain framing: the tokenizer adds BOS; chat: the template does
+    stop_strings: tuple[str, ...]
+
+    def document_text(self, document: str) -> str:
+        return self.before_document + document
+
+    def question_text(self, question: str) -> str:
+        return self.before_question + question + self.after_question
+
+
+def prompt_format(tokenizer) -> PromptFormat:
+    """The prompt format for `tokenizer`: chat template if it has one, else `prompts/plain.txt`."""
+    has_chat = bool(getattr(tokenizer, "chat_template", None))
+    raw = read_prompt("chat.txt" if has_chat else "plain.txt")
+    body = raw.replace("{document}", _DOC).replace("{question}", _QUESTION)
+    if has_chat:
+        messages = [{"role": "user", "content": body}]
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        rendered = body
+    before_doc, rest = rendered.split(_DOC)
+    before_q, after_q = rest.split(_QUESTION)
+    digest = hashlib.sha256(rendered.encode()).hexdigest()[:12]
+    return PromptFormat(
+        template_id=f"{'chat' if has_chat else 'plain'}-{digest}",
+        before_document=before_doc,
+        before_question=before_q,
+        after_question=after_q,
+        add_special_tokens=not has_chat,
+        stop_strings=() if has_chat else PLAIN_STOP_STRINGS,
+    )

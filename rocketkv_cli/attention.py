@@ -66,7 +66,7 @@ def exact_attention(
         return F.scaled_dot_product_attention(
             query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=g > 1
         )
-    q = query.view(b, hkv, g * t, d)  # query heads of a group share the KV head
+    q = query.reshape(b, hkv, g * t, d)  # query heads of a group share the KV head
     logits = torch.matmul(q, keys.transpose(-1, -2)).float() * scaling  # [B, Hkv, G*T, S]
     logits = torch.tanh(logits / softcap) * softcap
     logits = logits.view(b, hkv, g, t, s).masked_fill(~mask.unsqueeze(2), float("-inf"))

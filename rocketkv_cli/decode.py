@@ -51,7 +51,7 @@ def page_scores(
     b, h, t, d = query.shape
     hkv, n_pages = page_min.shape[1], page_min.shape[2]
     assert t == 1 and page_max.shape == page_min.shape == (b, hkv, n_pages, d) and counts.shape == (n_pages,)
-    q = query.float().view(b, hkv, h // hkv, d)  # [B, Hkv, G, D]
+    q = query.float().reshape(b, hkv, h // hkv, d)  # [B, Hkv, G, D]
     dims = q.abs().sum(dim=2).topk(n_score_dims, dim=-1).indices  # [B, Hkv, r]
     q_sel = torch.gather(q, 3, dims.unsqueeze(2).expand(-1, -1, q.shape[2], -1))  # [B, Hkv, G, r]
     positive = q_sel.sum(dim=2) > 0  # [B, Hkv, r]
@@ -103,7 +103,7 @@ def sparse_attention(
     idx = indices.clamp_max(s - 1).unsqueeze(-1)
     k_sel = torch.gather(keys, 2, idx.expand(-1, -1, -1, d))  # [B, Hkv, N_sel, D]
     v_sel = torch.gather(values, 2, idx.expand(-1, -1, -1, values.shape[-1]))
-    q = query.view(b, hkv, h // hkv, d)  # [B, Hkv, G, D]
+    q = query.reshape(b, hkv, h // hkv, d)  # [B, Hkv, G, D]
     logits = torch.matmul(q, k_sel.transpose(-1, -2)).float() * scaling  # [B, Hkv, G, N_sel]
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap

@@ -1,0 +1,65 @@
+"""Budget decomposition (SPEC §3.1) and config validation."""
+
+import math
+
+import pytest
+
+from rocketkv_cli.config import Budgets, DecodeConfig, PrefillConfig, auto_pool_kernel_size, derive_budgets, resolve_budgets
+
+
+@pytest.mark.parametrize(
+    "seq, budget, expected",
+    [
+        # SPEC §3.1 examples (d=128, max_new=128): S=32K, t=256 and S=16K, t=1024
+        (32 * 1024, 256, (1490, 128, 3, 60)),
+        (16 * 1024, 1024, (4709, 512, 3, 81)),
+    ],
+    ids=["S32K-t256", "S16K-t1024"],
+)
+def test__derive_budgets__reproduces_spec_examples(seq, budget, expected):
+    b = derive_budgets(seq - 128, 128, budget, 128)
+    assert (b.prompt_budget, b.topk, b.page_size, b.n_score_dims) == expected
+    assert b.capacity_budget == b.prompt_budget + 128
+
+
+def test__derive_budgets__budget_covering_document_keeps_everything():
+    b = derive_budgets(1000, 128, 4096, 64)
+    assert b.prompt_budget == 1000 and b.page_size == 1 and b.n_score_dims == 64
+
+
+def test__derive_budgets__page_size_one_when_sqrt_exceeds_c2():
+    # c2 between 1 and 2: ceil(sqrt(c2)) = 2 > c2 only when c2 < 2 -> page 1
+    b = derive_budgets(300, 10, 256, 64)
+    c = max(1.0, 310 / 256)
+    capacity = math.floor(310 / c ** min(0.2 + 0.06 * math.log2(c), 0.8))
+    c2 = max(1.0, capacity / 256)
+    assert math.ceil(math.sqrt(c2)) > c2 and b.page_size == 1
+
+
+@pytest.mark.parametrize("field, value", [("token_budget", 0), ("token_budget", -5), ("window_size", 0),
+                                          ("pool_kernel_size", 4), ("observation", "head"), ("topk", 0)])
+def test__prefill_config__rejects_bad_values_naming_them(field, value):
+    with pytest.raises(ValueError, match=field):
+        PrefillConfig(**{field: value})
+
+
+def test__prefill_config__prompt_budget_below_window_rejected():
+    with pytest.raises(ValueError, match="prompt_budget"):
+        PrefillConfig(prompt_budget=8, window_size=32)
+
+
+def test__resolve_budgets__overrides_win():
+    b = resolve_budgets(PrefillConfig(prompt_budget=100, topk=7, page_size=5, n_score_dims=999), 5000, 64)
+    assert (b.prompt_budget, b.topk, b.page_size, b.n_score_dims, b.capacity_budget) == (100, 7, 5, 64, 228)
+
+
+def test__auto_pool_kernel_size__odd_and_growing():
+    sizes = [auto_pool_kernel_size(n) for n in (100, 5000, 20000, 100000)]
+    assert sizes == sorted(sizes) and all(k % 2 == 1 for k in sizes)
+
+
+def test__budgets_and_decode_config__validate():
+    with pytest.raises(ValueError, match="topk"):
+        DecodeConfig(topk=0, page_size=1, n_score_dims=1)
+    with pytest.raises(ValueError, match="page_size"):
+        Budgets(prompt_budget=1, capacity_budget=2, topk=1, page_size=0, n_score_dims=1)

@@ -1,0 +1,119 @@
+"""Stage 2 (HSA) against a slow loop reference on random data with odd shapes (SPEC §3.3)."""
+
+import math
+
+import pytest
+import torch
+
+from rocketkv_cli.attention import exact_attention
+from rocketkv_cli.decode import hsa_decode, page_summaries
+
+
+def loop_hsa(q, k, v, topk, page, r, scaling):
+    """Direct transcription of SPEC §3.3 with Python loops over heads, pages and tokens (float64)."""
+    b, h, _, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    g = h // hkv
+    out = torch.zeros(b, h, 1, d, dtype=torch.float64)
+    selected = []
+    for kv in range(hkv):
+        qs = [q[0, kv * g + gi, 0].double() for gi in range(g)]
+        keys = k[0, kv].double()
+        absum = sum(x.abs() for x in qs)
+        dims = sorted(range(d), key=lambda i: -float(absum[i]))[:r]
+        n_pages = math.ceil(s / page)
+        probs = torch.zeros(n_pages, dtype=torch.float64)
+        for qg in qs:
+            tau = math.sqrt(d * sum(abs(float(qg[i])) for i in dims) / float(qg.abs().sum()))
+            logits = []
+            for p in range(n_pages):
+                tokens = keys[p * page : (p + 1) * page]
+                score = 0.0
+                for i in dims:
+                    sign = float(sum(x[i] for x in qs))
+                    bound = tokens[:, i].max() if sign > 0 else tokens[:, i].min()
+                    score += float(qg[i]) * float(bound)
+                logits.append(score / tau + math.log(len(tokens)))
+            probs += torch.softmax(torch.tensor(logits, dtype=torch.float64), 0) / g
+        if s <= topk:
+            chosen = list(range(s))
+        else:
+            n_sel = min(n_pages, max(1, topk // page))
+            pages = sorted(range(n_pages), key=lambda p: -float(probs[p]))[:n_sel]
+            chosen = sorted(t for p in pages for t in range(p * page, min(s, (p + 1) * page)))
+        selected.append(set(chosen))
+        for gi, qg in enumerate(qs):
+            w = torch.softmax(keys[chosen] @ qg * scaling, 0)
+            out[0, kv * g + gi, 0] = w @ v[0, kv, chosen].double()
+    return out, selected
+
+
+CASES = [  # (group, head_dim, S, topk, page_size, n_score_dims)
+    (1, 64, 97, 24, 3, 20),
+    (3, 60, 101, 30, 4, 17),
+    (7, 64, 63, 16, 5, 64),
+    (3, 64, 1000, 128, 3, 60),
+    (7, 60, 40, 64, 2, 9),  # cache shorter than topk: exact
+]
+
+
+@pytest.mark.parametrize("g, d, s, topk, page, r", CASES, ids=[f"G{c[0]}-D{c[1]}-S{c[2]}-k{c[3]}-p{c[4]}" for c in CASES])
+def test__hsa_decode__selection_and_output_equal_loop_reference(g, d, s, topk, page, r):
+    torch.manual_seed(g * 1000 + s)
+    hkv = 2
+    q = torch.randn(1, hkv * g, 1, d)
+    k, v = torch.randn(1, hkv, s, d), torch.randn(1, hkv, s, d)
+    pmin, pmax = page_summaries(k, page)
+    out, idx = hsa_decode(q, k, v, pmin, pmax, topk, page, r, scaling=d**-0.5)
+    ref_out, ref_sel = loop_hsa(q, k, v, topk, page, r, d**-0.5)
+    for kv in range(hkv):
+        got = {int(i) for i in idx[0, kv] if i < s}
+        assert got == ref_sel[kv], f"KV head {kv}: selection differs"
+        assert len(got) <= max(topk, page)
+    err = (out.double() - ref_out).abs()
+    assert err.max() < 1e-4, f"max err {err.max():.3g} mean {err.mean():.3g}"
+
+
+def test__hsa_decode__all_pages_selected_equals_exact_attention():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 6, 1, 32), torch.randn(1, 2, 50, 32), torch.randn(1, 2, 50, 32)
+    pmin, pmax = page_summaries(k, 5)
+    out, idx = hsa_decode(q, k, v, pmin, pmax, topk=49 + 5, page_size=5, n_score_dims=8, scaling=0.2)
+    pos = torch.arange(50).view(1, 1, 50).expand(1, 2, 50)
+    ref = exact_attention(q, k, v, pos, torch.tensor([50]), 0.2)
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test__hsa_decode__selection_shared_by_gqa_group():
+    torch.manual_seed(3)
+    q, k, v = torch.randn(1, 8, 1, 16), torch.randn(1, 2, 90, 16), torch.randn(1, 2, 90, 16)
+    pmin, pmax = page_summaries(k, 3)
+    _, idx = hsa_decode(q, k, v, pmin, pmax, topk=30, page_size=3, n_score_dims=4, scaling=0.25)
+    assert idx.shape[:2] == (1, 2)  # one index set per KV head, not per query head
+
+
+@pytest.mark.parametrize("s, page", [(10, 3), (9, 3), (1, 4), (97, 7)])
+def test__page_summaries__min_max_of_each_page(s, page):
+    k = torch.randn(1, 2, s, 6)
+    pmin, pmax = page_summaries(k, page)
+    assert pmin.shape == (1, 2, math.ceil(s / page), 6)
+    for p in range(pmin.shape[2]):
+        chunk = k[:, :, p * page : (p + 1) * page]
+        assert torch.equal(pmin[:, :, p], chunk.amin(2)) and torch.equal(pmax[:, :, p], chunk.amax(2))
+
+
+def test__rocket_layer_pages__incremental_equals_recomputed():
+    from rocketkv_cli.hf import RocketLayer
+
+    k = torch.randn(1, 2, 23, 8)
+    layer = RocketLayer(k, k.clone(), torch.arange(23).view(1, 1, 23).expand(1, 2, 23).clone(), extra_tokens=4)
+    layer.pages(4)  # caches the context pages
+    for step in range(6):  # appending grows past the reserved room too
+        new = torch.randn(1, 2, 1, 8)
+        layer.append(new, new, torch.tensor([100 + step]))
+        keys, _, _ = layer.view()
+        ref = page_summaries(keys, 4)
+        got = layer.pages(4)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    layer.crop_to_context()
+    assert layer.view()[0].shape[2] == 23 and torch.equal(layer.view()[0], k)

@@ -106,3 +106,55 @@ def test__probe_observation__keeps_document_tokens_only():
     stored = prefill_document(engine, doc(300), cfg)
     n = stored.n_context_tokens
     assert all(int(p.max()) == n - 1 for _, _, p in stored.layers)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test__pruned_dense_answer__equals_transformers_with_pruned_tokens_masked(arch):
+    """Pruning = hiding the dropped tokens, per KV head, from every query after the document.
+
+    Reference: plain transformers (eager), full recompute per step, explicit position ids
+    0..L-1 and a 4D mask in which question/answer queries cannot see a head's pruned tokens.
+    Catches wrong RoPE positions (e.g. questions placed at the compressed length).
+    """
+    engine = quiet_engine(arch)
+    cfg = PrefillConfig(token_budget=64, max_new_tokens=8, window_size=8, prompt_budget=60, pool_kernel_size=3)
+    document, question = doc(200, seed=2), "Which word?"
+    stored = prefill_document(engine, document, cfg)
+    dec = dataclasses.replace(decode_config_for(stored), sparse=False)
+    ours = next(answer(engine, stored, [question], 8, dec)).token_ids
+    n = stored.n_context_tokens
+    ids = document_token_ids(engine, document) + engine.tokenizer(engine.prompt.question_text(question),
+                                                                  add_special_tokens=False)["input_ids"]  # fmt: skip
+    model, g = engine.model, engine.shape.n_heads // engine.shape.n_kv_heads
+    masks_per_layer = [layer[2][0] for layer in stored.layers]  # kept positions [Hkv, 60] per layer
+    out = []
+    for _ in range(8):
+        length = len(ids)
+        allowed = torch.ones(length, length, dtype=torch.bool).tril()
+        mask = torch.zeros(len(masks_per_layer), engine.shape.n_heads, length, length, dtype=torch.float64)
+        for li, kept_pos in enumerate(masks_per_layer):
+            for h in range(engine.shape.n_heads):
+                visible = allowed.clone()
+                hidden = torch.ones(n, dtype=torch.bool)
+                hidden[kept_pos[h // g]] = False
+                visible[n:, :n] &= ~hidden
+                mask[li, h] = torch.zeros(length, length, dtype=torch.float64).masked_fill(~visible, float("-inf"))
+        hooks = [layer.self_attn.register_forward_pre_hook(_mask_hook(mask[li]), with_kwargs=True)
+                 for li, layer in enumerate(model.model.layers)]  # fmt: skip
+        try:
+            logits = model(torch.tensor([ids]), position_ids=torch.arange(length).unsqueeze(0), use_cache=False).logits
+        finally:
+            for hk in hooks:
+                hk.remove()
+        token = int(logits[0, -1].argmax())
+        out.append(token)
+        ids.append(token)
+    assert list(ours) == out
+
+
+def _mask_hook(mask):
+    def hook(module, args, kwargs):
+        kwargs["attention_mask"] = mask.unsqueeze(0)
+        return args, kwargs
+
+    return hook

@@ -99,6 +99,8 @@ def _setup(quiet: bool) -> None:
     if quiet:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if quiet or not err.is_terminal:
+        os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF conversion bar
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     import transformers
 
@@ -128,11 +130,15 @@ def _progress() -> Progress:
     )
 
 
-def _prefill(engine, doc_path: str, prefill_cfg, encoding: str, errors: str):
+def _read(doc_path: str, encoding: str, errors: str = "strict"):
     from .ingest import read_document
+
+    return read_document(doc_path, encoding=encoding, errors=errors)
+
+
+def _prefill(engine, document, prefill_cfg):
     from .pipeline import prefill_document
 
-    document = read_document(doc_path, encoding=encoding, errors=errors)
     t0 = time.perf_counter()
     with _progress() as bar:
         task = bar.add_task("prefill", total=None)
@@ -195,6 +201,11 @@ def ingest(
     from .models import DEFAULT_MODEL
 
     _setup(quiet)
+    cfg = _prefill_config(
+        token_budget=budget, max_new_tokens=max_new_tokens, window_size=window_size, pool_kernel_size=pool_kernel_size,
+        observation=observation, prompt_budget=prompt_budget, topk=topk, page_size=page_size,
+        n_score_dims=n_score_dims, chunk_tokens=chunk_tokens,
+    )  # fmt: skip
     if output is None:
         if document == "-":
             raise OutputError("reading from stdin needs an output file", "pass -o FILE.kv")
@@ -203,13 +214,9 @@ def ingest(
         raise OutputError(f"{output} already exists", "pass --force to replace it")
     if not output.parent.is_dir():
         raise OutputError(f"output directory {output.parent} does not exist", f"create it first: mkdir -p {output.parent}")
-    cfg = _prefill_config(
-        token_budget=budget, max_new_tokens=max_new_tokens, window_size=window_size, pool_kernel_size=pool_kernel_size,
-        observation=observation, prompt_budget=prompt_budget, topk=topk, page_size=page_size,
-        n_score_dims=n_score_dims, chunk_tokens=chunk_tokens,
-    )  # fmt: skip
+    doc = _read(document, encoding, errors)
     engine = _engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code)
-    stored, elapsed = _prefill(engine, document, cfg, encoding, errors)
+    stored, elapsed = _prefill(engine, doc, cfg)
     save_cache(stored, output, force=force)
     _log(f"wrote {output} ({output.stat().st_size / 1e6:.1f} MB)")
     if json_out:
@@ -309,8 +316,9 @@ def ask(
         doc, rest = args[0], args[1:]
         questions = _questions(rest, questions_file, doc == "-")
         cfg = _prefill_config(token_budget=budget, max_new_tokens=max_new_tokens or 128, pool_kernel_size="63")
+        document = _read(doc, encoding)
         engine = _engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code)
-        stored, _ = _prefill(engine, doc, cfg, encoding, "strict")
+        stored, _ = _prefill(engine, document, cfg)
         source = doc
     _answer_and_print(engine, stored, source, questions, max_new_tokens, dense, overrides, json_out)
 
@@ -343,8 +351,9 @@ def summarize(
         source = str(cache)
     else:
         cfg = _prefill_config(token_budget=budget, max_new_tokens=max_new_tokens, pool_kernel_size="63")
+        doc = _read(document, encoding)
         engine = _engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code)
-        stored, _ = _prefill(engine, document, cfg, encoding, "strict")
+        stored, _ = _prefill(engine, doc, cfg)
         source = document
     engine.prompt = _without_stop_strings(engine.prompt)
     _answer_and_print(engine, stored, source, [read_prompt("summarize.txt")], max_new_tokens, dense, {}, json_out)

@@ -15,7 +15,7 @@ class RocketKVError(Exception):
         self.hint = hint
 
     def __str__(self) -> str:
-        return self.message if not self.hint else f"{self.message} ({self.hint})"
+        return self.message if not self.hint else f"{self.message} — {self.hint}"
 
 
 class InputError(RocketKVError):

@@ -65,10 +65,14 @@ def read_document(path: str, encoding: str = "utf-8", errors: str = "strict") ->
                     "pass --encoding latin-1 (or the right codec), or --errors replace",
                 ) from exc
             offset += len(block)
+        pending = len(decoder.getstate()[0])
         try:
             parts.append(decoder.decode(b"", final=True))
         except UnicodeDecodeError as exc:
-            raise InputError(f"{path} ends inside a {encoding} character (byte offset {offset})") from exc
+            raise InputError(
+                f"{path} is not valid {encoding} (incomplete character at byte offset {offset - pending + exc.start})",
+                "pass --encoding latin-1 (or the right codec), or --errors replace",
+            ) from exc
     text = "".join(parts)
     if not text.strip():
         what = "empty" if not text else "whitespace only"

@@ -11,14 +11,16 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
+import math
+import mmap
 import os
 import struct
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save as st_save
 
 from . import __version__
@@ -28,11 +30,13 @@ FORMAT_NAME = "rocketkv.kv_cache"
 FORMAT_VERSION = 1
 MAX_HEADER_BYTES = 16 << 20
 _DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "F64": 8}
+_TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
+                 "I32": torch.int32, "F64": torch.float64}  # fmt: skip
 REQUIRED_METADATA = (
     "format", "format_version", "rocketkv_version", "model_id", "model_digest", "tokenizer_digest",
     "chat_template_digest", "dtype", "n_layers", "n_kv_heads", "head_dim", "n_context_tokens",
     "document_sha256", "config", "budgets", "layer_windows", "prompt_template_id", "created_at",
-    "payload_sha256",
+    "payload_sha256", "metadata_sha256",
 )  # fmt: skip
 
 
@@ -74,6 +78,12 @@ def payload_digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def metadata_digest(meta: dict[str, str]) -> str:
+    """sha256 of every metadata entry but `metadata_sha256` itself (sorted JSON)."""
+    body = {k: v for k, v in meta.items() if k != "metadata_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def save_cache(cache: PrunedKVCache, path: str | Path, force: bool = False) -> Path:
     """Write `cache` atomically to `path`.
 
@@ -98,6 +108,7 @@ def save_cache(cache: PrunedKVCache, path: str | Path, force: bool = False) -> P
         created_at=meta.get("created_at") or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         payload_sha256=payload_digest(tensors),
     )
+    meta["metadata_sha256"] = metadata_digest(meta)
     missing = [k for k in REQUIRED_METADATA if k not in meta]
     assert not missing, f"metadata incomplete: {missing}"
     data = st_save(tensors, metadata=meta)
@@ -124,56 +135,86 @@ def save_cache(cache: PrunedKVCache, path: str | Path, force: bool = False) -> P
     return target
 
 
-def _read_header(path: Path, rebuild: str) -> dict:
-    """Parse and bound-check the safetensors header before any tensor is allocated."""
+def _parse_header(buf: mmap.mmap | bytes, path: Path, rebuild: str) -> dict:
+    """Parse and bound-check the safetensors header of `buf` before any tensor is made."""
+    size = len(buf)
+    if size < 8:
+        raise CacheFormatError(f"{path} is not a rocketkv cache (too short)", rebuild)
+    (n,) = struct.unpack("<Q", buf[:8])
+    if n > MAX_HEADER_BYTES or n > size - 8:
+        raise CacheFormatError(f"{path} is not a rocketkv cache (bad header length)", rebuild)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CacheFormatError(f"{path} is not a rocketkv cache (too short)", rebuild)
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES or n > size - 8:
-                raise CacheFormatError(f"{path} is not a rocketkv cache (bad header length)", rebuild)
-            header = json.loads(f.read(n))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        header = json.loads(bytes(buf[8 : 8 + n]))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CacheFormatError(f"{path} is not a rocketkv cache (unreadable header)", rebuild) from exc
     if not isinstance(header, dict):
         raise CacheFormatError(f"{path} is not a rocketkv cache (unreadable header)", rebuild)
     meta = header.pop("__metadata__", None) or {}
-    if meta.get("format") != FORMAT_NAME:
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise CacheFormatError(f"{path} is a safetensors file but not a rocketkv cache", rebuild)
     payload = size - 8 - n
     end = 0
     for name, info in header.items():
         try:
             dtype, shape, (start, stop) = info["dtype"], info["shape"], info["data_offsets"]
-            expected = _DTYPE_BYTES[dtype] * int(torch.tensor(shape, dtype=torch.float64).prod().item())
-        except (KeyError, TypeError, ValueError) as exc:
+            assert all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (*shape, start, stop))
+            expected = _DTYPE_BYTES[dtype] * math.prod(shape)
+        except (KeyError, TypeError, ValueError, AssertionError) as exc:
             raise CacheFormatError(f"{path}: tensor {name!r} is described wrongly in the header", rebuild) from exc
-        if not (0 <= start <= stop <= payload) or stop - start != expected:
+        if not (start <= stop <= payload) or stop - start != expected:
             raise CacheFormatError(f"{path} is truncated or damaged (tensor {name!r})", rebuild)
         end = max(end, stop)
     if end != payload:
         raise CacheFormatError(f"{path} is truncated or damaged (payload size)", rebuild)
-    return {"tensors": header, "metadata": meta}
+    return {"tensors": header, "metadata": meta, "base": 8 + n}
 
 
-def load_cache(path: str | Path, rebuild: str = "rebuild it with: rocketkv ingest DOC -o FILE --force") -> PrunedKVCache:
-    """Load and validate a `.kv` file (format, version, header bounds, shapes, payload digest).
+def _map_file(p: Path, path: str | Path) -> mmap.mmap | bytes:
+    """Memory-map the file once: header and tensors then come from the same inode, even if the
+    path is replaced meanwhile (a concurrent ingest), and tensors are views, not copies."""
+    try:
+        with open(p, "rb") as f:
+            try:
+                return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except ValueError:  # empty file
+                return b""
+    except OSError as exc:
+        raise CacheFormatError(f"cannot read cache {path}: {exc.strerror}") from exc
 
-    Model compatibility is checked separately by `check_compatible`.
+
+def _tensor(buf, base: int, info: dict) -> torch.Tensor:
+    """Zero-copy view `[shape]` of one tensor's bytes in `buf` (read-only; never written)."""
+    dtype = _TORCH_DTYPES[info["dtype"]]
+    start, stop = info["data_offsets"]
+    if stop == start:
+        return torch.empty(info["shape"], dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the mapping is read-only, and so is our use
+        flat = torch.frombuffer(buf, dtype=dtype, count=(stop - start) // _DTYPE_BYTES[info["dtype"]], offset=base + start)
+    return flat.view(info["shape"])
+
+
+def load_cache(path: str | Path) -> PrunedKVCache:
+    """Load and validate a `.kv` file (format, version, header bounds, shapes, digests).
+
+    Tensors are zero-copy views of a read-only memory map of the file. Model compatibility is
+    checked separately by `check_compatible`.
     Raises:
         CacheFormatError: not a rocketkv cache, newer format, truncated, damaged, inconsistent.
     """
     p = Path(path)
     if not p.is_file():
-        raise CacheFormatError(f"cache file not found: {path}", "build one with: rocketkv ingest DOC -o FILE")
-    info = _read_header(p, rebuild)
+        raise CacheFormatError(f"cache file not found: {path}", f"build one with: rocketkv ingest DOC -o {path}")
+    buf = _map_file(p, path)
+    info = _parse_header(buf, p, f"rebuild it with: rocketkv ingest DOC -o {path} --force")
     meta = info["metadata"]
+    source = meta.get("document_source") if isinstance(meta.get("document_source"), str) else None
+    rebuild = f"rebuild it with: rocketkv ingest {source or 'DOC'} -o {path} --force"
     missing = [k for k in REQUIRED_METADATA if k not in meta]
     if missing:
         raise CacheFormatError(f"{path}: metadata lacks {', '.join(missing)}", rebuild)
+    if not all(isinstance(v, str) for v in meta.values()) or metadata_digest(meta) != meta["metadata_sha256"]:
+        raise CacheFormatError(f"{path} is damaged (metadata digest mismatch)", rebuild)
     try:
         version = int(meta["format_version"])
         n_layers, n_kv, head_dim, n_ctx = (int(meta[k]) for k in ("n_layers", "n_kv_heads", "head_dim", "n_context_tokens"))
@@ -184,22 +225,21 @@ def load_cache(path: str | Path, rebuild: str = "rebuild it with: rocketkv inges
             f"{path} has format version {version}, newer than this rocketkv reads ({FORMAT_VERSION})",
             "upgrade rocketkv, or " + rebuild,
         )
+    if not 0 < n_layers <= 4096 or len(info["tensors"]) != 3 * n_layers:
+        raise CacheFormatError(f"{path}: tensors do not match n_layers={n_layers}", rebuild)
     expected = {f"layers.{i}.{kind}" for i in range(n_layers) for kind in ("keys", "values", "positions")}
     if set(info["tensors"]) != expected:
         raise CacheFormatError(f"{path}: tensors do not match n_layers={n_layers}", rebuild)
-    try:
-        with safe_open(str(p), framework="pt") as f:
-            tensors = {name: f.get_tensor(name) for name in sorted(expected)}
-    except Exception as exc:  # safetensors raises its own error types for damaged files
-        raise CacheFormatError(f"{path} is damaged: {exc}".splitlines()[0], rebuild) from exc
+    tensors = {name: _tensor(buf, info["base"], info["tensors"][name]) for name in sorted(expected)}
     if payload_digest(tensors) != meta["payload_sha256"]:
         raise CacheFormatError(f"{path} is damaged (payload digest mismatch)", rebuild)
     layers = []
     for i in range(n_layers):
         k, v, pos = (tensors[f"layers.{i}.{kind}"] for kind in ("keys", "values", "positions"))
         ok = (
-            k.dim() == 3 and k.shape[0] == n_kv and k.shape[2] == head_dim and v.shape[:2] == k.shape[:2]
-            and pos.shape == k.shape[:2] and pos.dtype == torch.int64
+            k.dim() == 3 and k.shape[0] == n_kv and k.shape[2] == head_dim and v.dim() == 3
+            and v.shape[:2] == k.shape[:2] and pos.shape == k.shape[:2] and pos.dtype == torch.int64
+            and k.dtype == v.dtype and str(k.dtype).removeprefix("torch.") == meta["dtype"]
             and (pos.numel() == 0 or (int(pos.min()) >= 0 and int(pos.max()) < n_ctx))
         )  # fmt: skip
         if not ok:

@@ -6,6 +6,7 @@ hints. Exit codes: 0 ok, 1 known failure (one line), 2 usage error, 130 interrup
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -65,10 +66,15 @@ def command(fn):
             raise _fail("interrupted", 130) from None
         except _Terminated:
             raise _fail("terminated", 143) from None
-        except (ValueError, MemoryError) as exc:
+        except (typer.Exit, typer.Abort, SystemExit):
+            raise
+        except MemoryError:
+            raise _fail("out of memory — try a smaller --chunk-tokens or --budget, or a shorter document") from None
+        except Exception as exc:  # unexpected: still one line unless debugging
             if os.environ.get("ROCKETKV_DEBUG") == "1":
                 raise
-            raise _fail(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            raise _fail(f"unexpected {type(exc).__name__}: {first} — rerun with ROCKETKV_DEBUG=1 for a traceback") from None
 
     return wrapper
 
@@ -113,7 +119,8 @@ def _engine(model: str, device: str, dtype: str, trust_remote_code: bool):
     from .pipeline import Engine
 
     t0 = time.perf_counter()
-    loaded = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=_log)
+    with err.status(f"loading {model}", spinner="dots") if err.is_terminal and not _quiet else contextlib.nullcontext():
+        loaded = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=_log)
     _log(f"loaded {loaded.model_id} on {loaded.device} ({str(loaded.dtype).removeprefix('torch.')}) in {time.perf_counter() - t0:.1f}s")
     return Engine(loaded)
 
@@ -240,6 +247,8 @@ def _questions(positional: list[str], questions_file: Optional[str], doc_is_stdi
             except (OSError, UnicodeDecodeError) as exc:
                 raise InputError(f"cannot read questions file {questions_file}: {exc}") from None
         questions += [line.strip() for line in text.splitlines() if line.strip()]
+    if any(not q.strip() for q in questions):
+        raise InputError("empty question", "give each question some text")
     if not questions:
         raise InputError("no question given", "pass questions as arguments or with --questions-file")
     return questions
@@ -419,9 +428,85 @@ def inspect(
         typer.echo(f"{k:<{width}}  {v}")
 
 
+def _default_source() -> Optional[Path]:
+    for base in (Path.cwd(), *Path.cwd().parents):
+        candidate = base / "shared" / "data" / "kjv.txt"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+@app.command()
+@command
+def bench(
+    context_tokens: Annotated[str, typer.Option(help="Comma-separated document lengths in tokens.")] = "4096,8192",
+    budget: BudgetOpt = 512,
+    source: Annotated[Optional[Path], typer.Option(help="Real text to cut documents from (default: shared/data/kjv.txt above the current directory).")] = None,
+    steps: Annotated[int, typer.Option(help="Decode steps timed (median), after 4 warm-up steps.")] = 24,
+    memory: Annotated[bool, typer.Option(help="Measure peak memory of ask vs full attention in child processes.")] = True,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all results, configuration and versions here.")] = None,
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """Measure ingest, file size, time to first token, decode latency and memory vs full attention."""
+    import tempfile
+
+    from rich.table import Table
+
+    from .bench import bench_one, machine_info
+    from .config import PrefillConfig
+    from .models import DEFAULT_MODEL
+
+    _setup(quiet)
+    try:
+        lengths = [int(x) for x in context_tokens.split(",") if x.strip()]
+    except ValueError:
+        raise InputError(f"--context-tokens must be comma-separated integers, got {context_tokens!r}") from None
+    if not lengths or min(lengths) < 64:
+        raise InputError(f"--context-tokens must be at least 64 tokens each, got {context_tokens!r}")
+    src = source or _default_source()
+    if src is None:
+        raise InputError("no source text found", "pass --source FILE (e.g. ../shared/data/kjv.txt)")
+    text = _read(str(src), "utf-8").text
+    cfg = _prefill_config(token_budget=budget, pool_kernel_size="63")
+    engine = _engine(model or DEFAULT_MODEL, device, dtype or "auto", False)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="rocketkv-bench-") as tmp:
+        for n in lengths:
+            row = bench_one(engine, text, n, cfg, Path(tmp), steps=steps, measure_memory=memory, log=_log)
+            rows.append(row)
+            typer.echo(json.dumps({"model": engine.loaded.model_id, **row}))
+    table = Table(title=f"rocketkv bench: {engine.loaded.model_id}, budget {budget}, {machine_info()['threads']} threads")
+    for col in ("context", "ingest s", "tok/s", "file/full KV", "TTFT file s", "TTFT full s", "TTFT ×",
+                "decode ms HSA", "decode ms full", "decode ×", "of ideal", "peak RSS ask/full"):  # fmt: skip
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(
+            str(r["context_tokens"]), f"{r['ingest_s']:.1f}", f"{r['prefill_tokens_per_s']:.0f}",
+            f"{r['file_vs_full_kv']:.2f}", f"{r['ttft_from_file_s']:.2f}", f"{r['ttft_full_reprefill_s']:.1f}",
+            f"{r['ttft_speedup']:.1f}", f"{r['decode_step_hsa_s'] * 1e3:.1f}", f"{r['decode_step_full_s'] * 1e3:.1f}",
+            f"{r['decode_speedup']:.2f}", f"{r['decode_speedup_fraction_of_ideal']:.0%}",
+            f"{r['peak_rss_ratio']:.2f}" if "peak_rss_ratio" in r else "-",
+        )  # fmt: skip
+    if not quiet:
+        err.print(table)
+    if json_path is not None:
+        report = {"machine": machine_info(), "model": engine.loaded.model_id, "device": str(engine.loaded.device),
+                  "dtype": str(engine.loaded.dtype).removeprefix("torch."), "config": cfg.to_dict(),
+                  "source": str(src), "rows": rows}  # fmt: skip
+        json_path.write_text(json.dumps(report, indent=2))
+        _log(f"wrote {json_path}")
+
+
 def run() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point (Ctrl-C outside a command body still exits 130, quietly)."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        err.print("[bold red]Error:[/bold red] interrupted")
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import make_engine, text_of_bytes
-from rocketkv_cli.cache_io import FORMAT_VERSION, load_cache, payload_digest, save_cache
+from rocketkv_cli.cache_io import FORMAT_VERSION, load_cache, metadata_digest, payload_digest, save_cache
 from rocketkv_cli.config import PrefillConfig
 from rocketkv_cli.errors import CacheFormatError, OutputError
 from rocketkv_cli.ingest import Document
@@ -91,14 +91,23 @@ def test__load__flipped_payload_byte_detected(kv_file):
         load_cache(kv_file)
 
 
-def _rewrite_metadata(path, **changes):
+def _rewrite_metadata(path, redigest=True, **changes):
+    """Edit metadata; with `redigest` also recompute its digest (a deliberate, consistent edit)."""
     data = path.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + n])
     header["__metadata__"].update(changes)
+    if redigest:
+        header["__metadata__"]["metadata_sha256"] = metadata_digest(header["__metadata__"])
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+
+
+def test__load__edited_metadata_detected_by_its_digest(kv_file):
+    _rewrite_metadata(kv_file, redigest=False, n_context_tokens="99999")
+    with pytest.raises(CacheFormatError, match="metadata digest"):
+        load_cache(kv_file)
 
 
 def test__load__newer_format_version_refused(kv_file):

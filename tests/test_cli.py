@@ -95,40 +95,6 @@ def test__summarize_from_cache_prints_text(rocketkv_bin, env, kv):
     assert json.loads(r.stdout)["n_answer_tokens"] <= 5
 
 
-@pytest.mark.parametrize(
-    "case",
-    ["missing", "directory", "empty", "whitespace", "binary", "latin1", "budget0", "unknown_model", "cuda",
-     "no_question", "missing_cache", "bad_pool"],
-)  # fmt: skip
-def test__bad_input__one_line_error_exit_1(rocketkv_bin, env, tiny_model_dir, tmp_path, case, kv):
-    doc = tmp_path / "d.txt"
-    doc.write_text("hello world " * 20)
-    model = ["--model", str(tiny_model_dir)]
-    args = {
-        "missing": ["ingest", tmp_path / "nope.txt", *model],
-        "directory": ["ingest", tmp_path, "-o", tmp_path / "x.kv", *model],
-        "empty": ["ingest", _write(tmp_path / "e.txt", b""), *model],
-        "whitespace": ["ingest", _write(tmp_path / "w.txt", b"  \n\t\n"), *model],
-        "binary": ["ingest", _write(tmp_path / "b.txt", b"\x7fELF\x00\x01\x02"), *model],
-        "latin1": ["ingest", _write(tmp_path / "l.txt", "café crème".encode("latin-1")), *model],
-        "budget0": ["ingest", doc, "--budget", "0", *model],
-        "unknown_model": ["ingest", doc, "--model", "no-such-model"],
-        "cuda": ["ingest", doc, "--device", "cuda", *model],
-        "no_question": ["ask", "--cache", kv],
-        "missing_cache": ["ask", "--cache", tmp_path / "none.kv", "q?"],
-        "bad_pool": ["ingest", doc, "--pool-kernel-size", "four", *model],
-    }[case]
-    r = run(rocketkv_bin, env, *args)
-    line = assert_one_line_error(r)
-    assert len(line) < 400
-    assert not list(tmp_path.glob("*.kv")), "no output on failure"
-
-
-def _write(path, data: bytes):
-    path.write_bytes(data)
-    return path
-
-
 def test__usage_error_exit_2(rocketkv_bin, env):
     r = run(rocketkv_bin, env, "ingest", "--no-such-option")
     assert r.returncode == 2

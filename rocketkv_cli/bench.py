@@ -1,0 +1,229 @@
+"""`rocketkv bench`: speed, memory and file size of rocketkv vs full attention, side by side (SPEC §7).
+
+Everything is measured in one process on the same machine and reported as ratios, except peak
+memory, which is the peak resident set of two child processes (`ask` from the file vs plain
+transformers answering over the whole document). No printing here: rows go back to the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .cache_io import PrunedKVCache, load_cache, save_cache
+from .config import PrefillConfig
+from .hf import forward_tokens, rocketkv_attention
+from .ingest import Document, tokenize
+from .pipeline import Engine, decode_config_for, document_token_ids, prefill_document, to_rocket_cache
+
+QUESTION = "Who is mentioned first in this text, and what happens to them?"
+Log = Callable[[str], None]
+
+
+def build_document(engine: Engine, source_text: str, n_tokens: int) -> Document:
+    """A document of about `n_tokens` framed tokens cut from `source_text` (repeated if short)."""
+    text = source_text
+    while len(tokenize(engine.tokenizer, text[: 8 * n_tokens], False)) < n_tokens:
+        text += "\n" + source_text
+    ids = tokenize(engine.tokenizer, text[: 8 * n_tokens], False)
+    overhead = len(document_token_ids(engine, Document("x", "", ""))) - 1
+    body = engine.tokenizer.decode(ids[: max(1, n_tokens - overhead)])
+    import hashlib
+
+    return Document(text=body, sha256=hashlib.sha256(body.encode()).hexdigest(), source=f"bench-{n_tokens}")
+
+
+def kv_bytes(engine: Engine, n_tokens: int, elem: int) -> int:
+    """Bytes of a full KV cache of `n_tokens` (sliding-window layers hold their window)."""
+    s = engine.shape
+    return sum(2 * s.n_kv_heads * (min(n_tokens, spec.sliding_window) if spec.sliding_window else n_tokens)
+               * s.head_dim * elem for spec in s.layers)  # fmt: skip
+
+
+def hsa_bytes_per_step(engine: Engine, stored: PrunedKVCache, elem: int) -> int:
+    """Cache bytes HSA reads per decode step: page min/max on the chosen dims + top-k K/V per full
+    layer, the whole window per sliding layer (the ideal of SPEC §7)."""
+    b = json.loads(stored.metadata["budgets"])
+    s, total = engine.shape, 0
+    for (k, _, _), spec in zip(stored.layers, s.layers):
+        kept = k.shape[2]
+        if spec.sliding_window or kept <= b["topk"]:
+            total += 2 * s.n_kv_heads * kept * s.head_dim * elem
+        else:
+            pages = -(-kept // b["page_size"])
+            total += s.n_kv_heads * (2 * pages * b["n_score_dims"] + 2 * b["topk"] * s.head_dim) * elem
+    return total
+
+
+def _median_step_s(step: Callable[[], None], steps: int, warmup: int) -> float:
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        step()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def full_attention_decode_s(engine: Engine, ids: list[int], steps: int, warmup: int) -> tuple[float, float]:
+    """Plain transformers: prefill `ids` in one call (time = full re-prefill TTFT), then decode.
+
+    Returns (seconds to first token, median seconds per decode step).
+    """
+    from transformers import DynamicCache
+
+    model = engine.model
+    t0 = time.perf_counter()
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=engine.ids(ids), cache=cache, use_cache=True, logits_to_keep=1)
+    token = out.logits[:, -1].argmax(-1, keepdim=True)
+    ttft = time.perf_counter() - t0
+
+    def step():
+        nonlocal token
+        o = model(input_ids=token, cache=cache, use_cache=True, logits_to_keep=1)
+        token = o.logits[:, -1].argmax(-1, keepdim=True)
+
+    return ttft, _median_step_s(step, steps, warmup)
+
+
+@torch.inference_mode()
+def rocketkv_answer_s(engine: Engine, path: Path, question: str, steps: int, warmup: int) -> tuple[float, float]:
+    """From the saved file: load, prefill the question, first token (TTFT); then HSA decode steps.
+
+    Returns (seconds to first token including the file load, median seconds per decode step).
+    """
+    t0 = time.perf_counter()
+    stored = load_cache(path)
+    ids = tokenize(engine.tokenizer, engine.prompt.question_text(question), False)
+    cache = to_rocket_cache(engine, stored, len(ids) + warmup + steps + 8)
+    decode = decode_config_for(stored)
+    n = stored.n_context_tokens
+    with rocketkv_attention(engine.model, cache, engine.shape, decode=decode):
+        logits = forward_tokens(engine.model, cache, engine.ids(ids), n)
+        token = int(logits.argmax())
+        ttft = time.perf_counter() - t0
+        position = n + len(ids)
+
+        def step():
+            nonlocal token, position
+            lg = forward_tokens(engine.model, cache, engine.ids([token]), position)
+            token, position = int(lg.argmax()), position + 1
+
+        return ttft, _median_step_s(step, steps, warmup)
+
+
+def peak_rss_bytes(argv: list[str], env: dict[str, str] | None = None) -> tuple[int, int]:
+    """Run a child process; return (exit code, its peak resident set in bytes)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, usage.ru_maxrss * 1024
+
+
+def machine_info() -> dict:
+    import transformers
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    from . import __version__
+
+    return {
+        "rocketkv": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(), "threads": torch.get_num_threads(), "cpu": cpu,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }  # fmt: skip
+
+
+def bench_one(
+    engine: Engine,
+    source_text: str,
+    n_tokens: int,
+    cfg: PrefillConfig,
+    workdir: Path,
+    steps: int = 24,
+    warmup: int = 4,
+    measure_memory: bool = True,
+    log: Log = lambda _m: None,
+) -> dict:
+    """All measurements of SPEC §7 for one context length. Times in seconds, sizes in bytes."""
+    document = build_document(engine, source_text, n_tokens)
+    elem = torch.tensor([], dtype=engine.loaded.dtype).element_size()
+    path = workdir / f"bench-{n_tokens}.kv"
+    log(f"{n_tokens} tokens: ingest")
+    t0 = time.perf_counter()
+    stored = prefill_document(engine, document, cfg)
+    save_cache(stored, path, force=True)
+    ingest_s = time.perf_counter() - t0
+    n = stored.n_context_tokens
+    log(f"{n_tokens} tokens: answer from the file (HSA)")
+    rk_ttft, rk_step = rocketkv_answer_s(engine, path, QUESTION, steps, warmup)
+    log(f"{n_tokens} tokens: full attention (plain transformers)")
+    ids = document_token_ids(engine, document) + tokenize(engine.tokenizer, engine.prompt.question_text(QUESTION), False)
+    full_ttft, full_step = full_attention_decode_s(engine, ids, steps, warmup)
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    full_kv, hsa_kv = kv_bytes(engine, n, elem), hsa_bytes_per_step(engine, stored, elem)
+    ideal = (weights + full_kv) / (weights + hsa_kv)
+    row = {
+        "context_tokens": n, "ingest_s": ingest_s, "prefill_tokens_per_s": n / ingest_s,
+        "file_bytes": path.stat().st_size, "full_kv_bytes": full_kv, "file_vs_full_kv": path.stat().st_size / full_kv,
+        "ttft_from_file_s": rk_ttft, "ttft_full_reprefill_s": full_ttft, "ttft_speedup": full_ttft / rk_ttft,
+        "decode_step_hsa_s": rk_step, "decode_step_full_s": full_step, "decode_speedup": full_step / rk_step,
+        "weights_bytes": weights, "hsa_kv_bytes_per_step": hsa_kv, "ideal_decode_speedup": ideal,
+        "decode_speedup_fraction_of_ideal": (full_step / rk_step) / ideal,
+        "budgets": json.loads(stored.metadata["budgets"]),
+    }  # fmt: skip
+    if measure_memory:
+        log(f"{n_tokens} tokens: peak memory of ask vs full attention (child processes)")
+        row.update(_memory(engine, path, document, workdir))
+    return row
+
+
+def _memory(engine: Engine, path: Path, document: Document, workdir: Path) -> dict:
+    doc_path = workdir / "bench-doc.txt"
+    doc_path.write_text(document.text)
+    common = ["--device", engine.loaded.device.type, "--dtype", str(engine.loaded.dtype).removeprefix("torch.")]
+    exe = [sys.executable, "-m", "rocketkv_cli.cli"]
+    ask = exe + ["ask", "--cache", str(path), QUESTION, "--max-new-tokens", "8", "-q", "--model",
+                 engine.loaded.model_id, *common]  # fmt: skip
+    full = [sys.executable, "-m", "rocketkv_cli.bench", "full-answer", engine.loaded.model_id, str(doc_path), *common]
+    rc1, ask_rss = peak_rss_bytes(ask)
+    rc2, full_rss = peak_rss_bytes(full)
+    if rc1 or rc2:
+        raise RuntimeError(f"memory measurement child failed (exit {rc1}, {rc2})")
+    return {"peak_rss_ask_bytes": ask_rss, "peak_rss_full_bytes": full_rss, "peak_rss_ratio": ask_rss / full_rss}
+
+
+def _full_answer_main(argv: list[str]) -> int:
+    """Child process: plain transformers answers QUESTION over the whole document (8 tokens)."""
+    model_id, doc_path, _, device, _, dtype = argv
+    from .models import load_model
+
+    engine = Engine(load_model(model_id, device=device, dtype=dtype))
+    document = Document(Path(doc_path).read_text(), "", doc_path)
+    ids = document_token_ids(engine, document) + tokenize(engine.tokenizer, engine.prompt.question_text(QUESTION), False)
+    full_attention_decode_s(engine, ids, steps=4, warmup=0)
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["full-answer"]:
+        sys.exit(_full_answer_main(sys.argv[2:]))
+    sys.exit(2)

@@ -491,7 +491,7 @@ def bench(
             f"{r['peak_rss_ratio']:.2f}" if "peak_rss_ratio" in r else "-",
         )  # fmt: skip
     if not quiet:
-        err.print(table)
+        Console(stderr=True, width=max(err.width, 170), highlight=False).print(table)
     if json_path is not None:
         report = {"machine": machine_info(), "model": engine.loaded.model_id, "device": str(engine.loaded.device),
                   "dtype": str(engine.loaded.dtype).removeprefix("torch."), "config": cfg.to_dict(),

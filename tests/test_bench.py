@@ -1,0 +1,36 @@
+"""`rocketkv bench` smoke test on a tiny model: runs end to end and writes the documented JSON schema."""
+
+import json
+import os
+import subprocess
+
+from conftest import text_of_bytes
+
+ROW_KEYS = {
+    "context_tokens", "ingest_s", "prefill_tokens_per_s", "file_bytes", "full_kv_bytes", "file_vs_full_kv",
+    "ttft_from_file_s", "ttft_full_reprefill_s", "ttft_speedup", "decode_step_hsa_s", "decode_step_full_s",
+    "decode_speedup", "weights_bytes", "hsa_kv_bytes_per_step", "ideal_decode_speedup",
+    "decode_speedup_fraction_of_ideal", "budgets", "peak_rss_ask_bytes", "peak_rss_full_bytes", "peak_rss_ratio",
+}  # fmt: skip
+
+
+def test__bench__tiny_model_json_schema(rocketkv_bin, tiny_model_dir, tmp_path):
+    source = tmp_path / "source.txt"
+    source.write_text(text_of_bytes(3000))
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "ROCKETKV_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([rocketkv_bin, "bench", "--model", str(tiny_model_dir), "--context-tokens", "300,600",
+                        "--budget", "64", "--steps", "3", "--source", str(source), "--json", str(out)],
+                       capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report) >= {"machine", "model", "device", "dtype", "config", "rows"}
+    assert set(report["machine"]) >= {"torch", "transformers", "threads", "cpu", "rocketkv"}
+    rows = report["rows"]
+    assert [row["context_tokens"] for row in rows] == [300, 600]
+    for row in rows:
+        assert set(row) == ROW_KEYS
+        assert row["file_bytes"] > 0 and row["peak_rss_ask_bytes"] > 0 and row["decode_step_hsa_s"] > 0
+        assert abs(row["decode_speedup"] - row["decode_step_full_s"] / row["decode_step_hsa_s"]) < 1e-9
+    stdout_rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [x["context_tokens"] for x in stdout_rows] == [300, 600]

@@ -63,9 +63,7 @@ def exact_attention(
     if softcap is None:
         if mask.shape[1] != 1:
             mask = mask.repeat_interleave(g, dim=1)  # [B, H, T, S]
-        return F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=g > 1
-        )
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=g > 1)
     q = query.reshape(b, hkv, g * t, d)  # query heads of a group share the KV head
     logits = torch.matmul(q, keys.transpose(-1, -2)).float() * scaling  # [B, Hkv, G*T, S]
     logits = torch.tanh(logits / softcap) * softcap

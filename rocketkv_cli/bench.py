@@ -7,13 +7,13 @@ transformers answering over the whole document). No printing here: rows go back 
 
 from __future__ import annotations
 
+import atexit
 import json
-import os
 import platform
+import runpy
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -124,12 +124,33 @@ def rocketkv_answer_s(engine: Engine, path: Path, question: str, steps: int, war
         return ttft, _median_step_s(step, steps, warmup)
 
 
-def peak_rss_bytes(argv: list[str], env: dict[str, str] | None = None) -> tuple[int, int]:
-    """Run a child process; return (exit code, its peak resident set in bytes)."""
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, usage.ru_maxrss * 1024
+def peak_rss_bytes(argv: list[str], workdir: Path) -> tuple[int, int]:
+    """Run `python -m <module> <args>` (argv = [module, *args]) in a child; return (exit code, peak RSS).
+
+    The child records its own high-water mark (VmHWM) at exit: `ru_maxrss` from wait4 is useless
+    here, as Linux children inherit the parent's maxrss across fork and exec.
+    """
+    out = workdir / "rss.txt"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "rocketkv_cli.bench", "rss", str(out), *argv]
+    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"memory measurement child failed (exit {proc.returncode}): {proc.stderr[-500:]}")
+    return proc.returncode, int(out.read_text())
+
+
+def _rss_main(argv: list[str]) -> None:
+    """Child: run module argv[1] as __main__ with argv[2:], then write VmHWM (bytes) to argv[0]."""
+    out, module, args = argv[0], argv[1], argv[2:]
+
+    def report() -> None:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                Path(out).write_text(str(int(line.split()[1]) * 1024))
+
+    atexit.register(report)
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 def machine_info() -> dict:
@@ -176,7 +197,9 @@ def bench_one(
     log(f"{n_tokens} tokens: answer from the file (HSA)")
     rk_ttft, rk_step = rocketkv_answer_s(engine, path, QUESTION, steps, warmup)
     log(f"{n_tokens} tokens: full attention (plain transformers)")
-    ids = document_token_ids(engine, document) + tokenize(engine.tokenizer, engine.prompt.question_text(QUESTION), False)
+    ids = document_token_ids(engine, document) + tokenize(
+        engine.tokenizer, engine.prompt.question_text(QUESTION), False
+    )
     full_ttft, full_step = full_attention_decode_s(engine, ids, steps, warmup)
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     full_kv, hsa_kv = kv_bytes(engine, n, elem), hsa_bytes_per_step(engine, stored, elem)
@@ -200,14 +223,11 @@ def _memory(engine: Engine, path: Path, document: Document, workdir: Path) -> di
     doc_path = workdir / "bench-doc.txt"
     doc_path.write_text(document.text)
     common = ["--device", engine.loaded.device.type, "--dtype", str(engine.loaded.dtype).removeprefix("torch.")]
-    exe = [sys.executable, "-m", "rocketkv_cli.cli"]
-    ask = exe + ["ask", "--cache", str(path), QUESTION, "--max-new-tokens", "8", "-q", "--model",
-                 engine.loaded.model_id, *common]  # fmt: skip
-    full = [sys.executable, "-m", "rocketkv_cli.bench", "full-answer", engine.loaded.model_id, str(doc_path), *common]
-    rc1, ask_rss = peak_rss_bytes(ask)
-    rc2, full_rss = peak_rss_bytes(full)
-    if rc1 or rc2:
-        raise RuntimeError(f"memory measurement child failed (exit {rc1}, {rc2})")
+    ask = ["rocketkv_cli.cli", "ask", "--cache", str(path), QUESTION, "--max-new-tokens", "8", "-q", "--model",
+           engine.loaded.model_id, *common]  # fmt: skip
+    full = ["rocketkv_cli.bench", "full-answer", engine.loaded.model_id, str(doc_path), *common]
+    _, ask_rss = peak_rss_bytes(ask, workdir)
+    _, full_rss = peak_rss_bytes(full, workdir)
     return {"peak_rss_ask_bytes": ask_rss, "peak_rss_full_bytes": full_rss, "peak_rss_ratio": ask_rss / full_rss}
 
 
@@ -218,7 +238,9 @@ def _full_answer_main(argv: list[str]) -> int:
 
     engine = Engine(load_model(model_id, device=device, dtype=dtype))
     document = Document(Path(doc_path).read_text(), "", doc_path)
-    ids = document_token_ids(engine, document) + tokenize(engine.tokenizer, engine.prompt.question_text(QUESTION), False)
+    ids = document_token_ids(engine, document) + tokenize(
+        engine.tokenizer, engine.prompt.question_text(QUESTION), False
+    )
     full_attention_decode_s(engine, ids, steps=4, warmup=0)
     return 0
 
@@ -226,4 +248,7 @@ def _full_answer_main(argv: list[str]) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["full-answer"]:
         sys.exit(_full_answer_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["rss"]:
+        _rss_main(sys.argv[2:])
+        sys.exit(0)
     sys.exit(2)

@@ -190,7 +190,9 @@ def _tensor(buf, base: int, info: dict) -> torch.Tensor:
         return torch.empty(info["shape"], dtype=dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the mapping is read-only, and so is our use
-        flat = torch.frombuffer(buf, dtype=dtype, count=(stop - start) // _DTYPE_BYTES[info["dtype"]], offset=base + start)
+        flat = torch.frombuffer(
+            buf, dtype=dtype, count=(stop - start) // _DTYPE_BYTES[info["dtype"]], offset=base + start
+        )
     return flat.view(info["shape"])
 
 
@@ -217,7 +219,9 @@ def load_cache(path: str | Path) -> PrunedKVCache:
         raise CacheFormatError(f"{path} is damaged (metadata digest mismatch)", rebuild)
     try:
         version = int(meta["format_version"])
-        n_layers, n_kv, head_dim, n_ctx = (int(meta[k]) for k in ("n_layers", "n_kv_heads", "head_dim", "n_context_tokens"))
+        n_layers, n_kv, head_dim, n_ctx = (
+            int(meta[k]) for k in ("n_layers", "n_kv_heads", "head_dim", "n_context_tokens")
+        )
     except ValueError as exc:
         raise CacheFormatError(f"{path}: malformed metadata ({exc})", rebuild) from exc
     if version > FORMAT_VERSION:

@@ -84,9 +84,7 @@ class Budgets:
         return asdict(self)
 
 
-def derive_budgets(
-    n_context_tokens: int, max_new_tokens: int, token_budget: int, head_dim: int
-) -> Budgets:
+def derive_budgets(n_context_tokens: int, max_new_tokens: int, token_budget: int, head_dim: int) -> Budgets:
     """Split a token budget t into stage-1 and stage-2 budgets (paper §3.6, SPEC §3.1).
 
     With S = n + max_new_tokens: c = max(1, S/t); r = min(0.2 + 0.06·log2(c), 0.8);

@@ -131,7 +131,9 @@ def _select_rows(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     rs0, rs1 = x.stride(0) // d, x.stride(1) // d
     n_rows = (b - 1) * rs0 + (hkv - 1) * rs1 + s
     rows = x.as_strided((n_rows, d), (d, 1))
-    base = (torch.arange(b, device=x.device).view(b, 1, 1) * rs0 + torch.arange(hkv, device=x.device).view(1, hkv, 1) * rs1)
+    base = (
+        torch.arange(b, device=x.device).view(b, 1, 1) * rs0 + torch.arange(hkv, device=x.device).view(1, hkv, 1) * rs1
+    )
     return rows.index_select(0, (indices + base).reshape(-1))
 
 

@@ -236,7 +236,13 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
             session.captured.setdefault(module.layer_idx, []).append(query[:, :, keep].detach().float())
     keys, values, k_pos = layer.view()
     dec = session.decode
-    if query.shape[2] == 1 and dec is not None and dec.sparse and spec.sliding_window is None and layer.length > dec.topk:
+    if (
+        query.shape[2] == 1
+        and dec is not None
+        and dec.sparse
+        and spec.sliding_window is None
+        and layer.length > dec.topk
+    ):
         pmin, pmax = layer.pages(dec.page_size)
         out, _ = hsa_decode(
             query, keys, values, pmin, pmax, dec.topk, dec.page_size, dec.n_score_dims, spec.scaling, spec.softcap
@@ -275,7 +281,9 @@ def rocketkv_attention(
 
 
 @torch.inference_mode()
-def forward_tokens(model: torch.nn.Module, cache: RocketCache, input_ids: torch.Tensor, start_position: int) -> torch.Tensor:
+def forward_tokens(
+    model: torch.nn.Module, cache: RocketCache, input_ids: torch.Tensor, start_position: int
+) -> torch.Tensor:
     """Run `input_ids` `[1, T]` at RoPE positions start_position … start_position+T−1 over `cache`.
 
     Must run inside `rocketkv_attention`. Only the last position's logits are computed.

@@ -80,7 +80,6 @@ def read_document(path: str, encoding: str = "utf-8", errors: str = "strict") ->
     return Document(text=text, sha256=digest.hexdigest(), source="-" if path == "-" else str(Path(path)))
 
 
-
 def tokenize(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     """Token ids of `text` (the engine works on ids only)."""
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])

@@ -122,7 +122,9 @@ def _converted_dir(gguf: Path, progress: Progress) -> Path:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     except Exception as exc:  # transformers raises many types for a bad GGUF
-        raise ModelLoadError(f"cannot load GGUF {gguf}: {exc}".splitlines()[0], "check the file, or use another --model") from exc
+        raise ModelLoadError(
+            f"cannot load GGUF {gguf}: {exc}".splitlines()[0], "check the file, or use another --model"
+        ) from exc
     model.hf_quantizer = None  # the de-quantized model refuses save_pretrained while it keeps these
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

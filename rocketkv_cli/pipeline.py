@@ -174,9 +174,7 @@ def open_cache(engine: Engine, stored: PrunedKVCache, path: str) -> None:
 def to_rocket_cache(engine: Engine, stored: PrunedKVCache, extra_tokens: int) -> RocketCache:
     """A `RocketCache` over `stored` on the model's device/dtype, with room for `extra_tokens`."""
     dev, dtype = engine.loaded.device, engine.loaded.dtype
-    layers = [
-        RocketLayer(k.to(dev, dtype), v.to(dev, dtype), p.to(dev), extra_tokens) for k, v, p in stored.layers
-    ]
+    layers = [RocketLayer(k.to(dev, dtype), v.to(dev, dtype), p.to(dev), extra_tokens) for k, v, p in stored.layers]
     return RocketCache(layers)
 
 

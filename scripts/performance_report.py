@@ -25,7 +25,18 @@ RUNS = {  # preset: context lengths (tokens), the last the largest the preset's 
 
 
 def run(model: str, lengths: str, budget: int, out: Path) -> dict:
-    cmd = [ROCKETKV, "bench", "--model", model, "--context-tokens", lengths, "--budget", str(budget), "--json", str(out)]
+    cmd = [
+        ROCKETKV,
+        "bench",
+        "--model",
+        model,
+        "--context-tokens",
+        lengths,
+        "--budget",
+        str(budget),
+        "--json",
+        str(out),
+    ]
     print("$", " ".join(cmd[1:]), file=sys.stderr)
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())

@@ -39,7 +39,9 @@ def main() -> int:
             failures += not ok
             shown = out.error_line or (out.stderr.strip().splitlines() or [""])[-1]
             shown = shown.replace(str(ws.root) + "/", "").replace("|", "\\|")
-            rows.append(f"| {case.group} | {case.name} | `{out.command}` | {out.code} | {shown} | {'ok' if ok else 'FAIL'} |")
+            rows.append(
+                f"| {case.group} | {case.name} | `{out.command}` | {out.code} | {shown} | {'ok' if ok else 'FAIL'} |"
+            )
             print(f"{'ok  ' if ok else 'FAIL'} {case.name}: exit {out.code}", file=sys.stderr)
     text = [
         "# Reliability: bad input, damaged caches, failing writes, interruptions",

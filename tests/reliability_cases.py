@@ -196,8 +196,8 @@ def enormous(ws: Workspace) -> Path:
 
 
 def foreign_safetensors(ws: Workspace) -> Path:
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     path = ws.root / "weights.kv"
     save_file({"embed.weight": torch.zeros(4, 4)}, str(path))
@@ -205,8 +205,8 @@ def foreign_safetensors(ws: Workspace) -> Path:
 
 
 def other_model(ws: Workspace) -> Path:
-    from conftest import byte_tokenizer, tiny_model
     import torch
+    from conftest import byte_tokenizer, tiny_model
 
     path = ws.root / "other-model"
     if not path.exists():

@@ -6,9 +6,9 @@ import struct
 
 import pytest
 import torch
+from conftest import make_engine, text_of_bytes
 from safetensors.torch import save_file
 
-from conftest import make_engine, text_of_bytes
 from rocketkv_cli.cache_io import FORMAT_VERSION, load_cache, metadata_digest, payload_digest, save_cache
 from rocketkv_cli.config import PrefillConfig
 from rocketkv_cli.errors import CacheFormatError, OutputError

@@ -5,7 +5,6 @@ import os
 import subprocess
 
 import pytest
-
 from conftest import text_of_bytes
 
 
@@ -51,7 +50,16 @@ def test__ingest_then_ask_json__one_object_per_question(rocketkv_bin, env, kv):
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert [row["question"] for row in rows] == ["What is the code?", "Which word is first?"]
-    keys = {"question", "answer", "cache", "n_question_tokens", "n_answer_tokens", "stop_reason", "prefill_s", "decode_s"}
+    keys = {
+        "question",
+        "answer",
+        "cache",
+        "n_question_tokens",
+        "n_answer_tokens",
+        "stop_reason",
+        "prefill_s",
+        "decode_s",
+    }
     assert all(set(row) == keys for row in rows)
     assert all(0 < row["n_answer_tokens"] <= 6 or row["stop_reason"] != "length" for row in rows)
 
@@ -102,7 +110,6 @@ def test__usage_error_exit_2(rocketkv_bin, env):
 
 def test__cache_for_another_model_refused(rocketkv_bin, env, kv, tmp_path):
     import torch
-
     from conftest import byte_tokenizer, tiny_model
 
     other = tmp_path / "other"

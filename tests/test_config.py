@@ -4,7 +4,14 @@ import math
 
 import pytest
 
-from rocketkv_cli.config import Budgets, DecodeConfig, PrefillConfig, auto_pool_kernel_size, derive_budgets, resolve_budgets
+from rocketkv_cli.config import (
+    Budgets,
+    DecodeConfig,
+    PrefillConfig,
+    auto_pool_kernel_size,
+    derive_budgets,
+    resolve_budgets,
+)
 
 
 @pytest.mark.parametrize(
@@ -36,8 +43,17 @@ def test__derive_budgets__page_size_one_when_sqrt_exceeds_c2():
     assert math.ceil(math.sqrt(c2)) > c2 and b.page_size == 1
 
 
-@pytest.mark.parametrize("field, value", [("token_budget", 0), ("token_budget", -5), ("window_size", 0),
-                                          ("pool_kernel_size", 4), ("observation", "head"), ("topk", 0)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("token_budget", 0),
+        ("token_budget", -5),
+        ("window_size", 0),
+        ("pool_kernel_size", 4),
+        ("observation", "head"),
+        ("topk", 0),
+    ],
+)
 def test__prefill_config__rejects_bad_values_naming_them(field, value):
     with pytest.raises(ValueError, match=field):
         PrefillConfig(**{field: value})

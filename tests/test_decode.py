@@ -57,7 +57,9 @@ CASES = [  # (group, head_dim, S, topk, page_size, n_score_dims)
 ]
 
 
-@pytest.mark.parametrize("g, d, s, topk, page, r", CASES, ids=[f"G{c[0]}-D{c[1]}-S{c[2]}-k{c[3]}-p{c[4]}" for c in CASES])
+@pytest.mark.parametrize(
+    "g, d, s, topk, page, r", CASES, ids=[f"G{c[0]}-D{c[1]}-S{c[2]}-k{c[3]}-p{c[4]}" for c in CASES]
+)
 def test__hsa_decode__selection_and_output_equal_loop_reference(g, d, s, topk, page, r):
     torch.manual_seed(g * 1000 + s)
     hkv = 2

@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 import torch
-
 from conftest import ARCHS, make_engine, text_of_bytes
+
 from rocketkv_cli.cache_io import load_cache, save_cache
 from rocketkv_cli.config import PrefillConfig
 from rocketkv_cli.ingest import Document

@@ -3,7 +3,6 @@ never a wrong answer, never a lost file). `scripts/reliability_report.py` docume
 
 import pytest
 import torch
-
 from conftest import byte_tokenizer, text_of_bytes, tiny_model
 from reliability_cases import CASES, make_workspace, run_case
 

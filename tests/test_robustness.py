@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_engine, text_of_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import make_engine, text_of_bytes
 from rocketkv_cli.cache_io import load_cache, save_cache
 from rocketkv_cli.config import PrefillConfig
 from rocketkv_cli.errors import CacheFormatError
@@ -120,7 +120,9 @@ def test__four_concurrent_ask_processes__same_answers_as_one(rocketkv_bin, tiny_
     cmd = [rocketkv_bin, "ask", "--cache", str(kv), "What is the code?", "Which word?", "--json", "-q",
            "--max-new-tokens", "8"]  # fmt: skip
     single = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(4)]
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(4)
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
     answers = lambda text: [json.loads(x)["answer"] for x in text.splitlines()]  # noqa: E731
@@ -138,7 +140,9 @@ def test__same_document_and_settings__identical_cache_but_creation_time(rocketkv
     a, b = (load_cache(p) for p in paths)
     assert all(torch.equal(x, y) for la, lb in zip(a.layers, b.layers) for x, y in zip(la, lb))
     drop = {"created_at", "metadata_sha256"}
-    assert {k: v for k, v in a.metadata.items() if k not in drop} == {k: v for k, v in b.metadata.items() if k not in drop}
+    assert {k: v for k, v in a.metadata.items() if k not in drop} == {
+        k: v for k, v in b.metadata.items() if k not in drop
+    }
 
 
 def test__no_pickle_in_the_package():

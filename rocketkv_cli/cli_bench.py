@@ -1,0 +1,105 @@
+"""`rocketkv bench`: the command (the measurements are in `bench.py`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from .cli_common import (
+    BudgetOpt,
+    DeviceOpt,
+    DtypeOpt,
+    ModelOpt,
+    QuietOpt,
+    err,
+    load_engine,
+    log,
+    prefill_config,
+    read_doc,
+    setup,
+)
+from .errors import InputError
+
+
+def _default_source() -> Optional[Path]:
+    for base in (Path.cwd(), *Path.cwd().parents):
+        candidate = base / "shared" / "data" / "kjv.txt"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def bench(
+    context_tokens: Annotated[str, typer.Option(help="Comma-separated document lengths in tokens.")] = "4096,8192",
+    budget: BudgetOpt = 512,
+    source: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="Real text to cut documents from (default: shared/data/kjv.txt above the current directory)."
+        ),
+    ] = None,
+    steps: Annotated[int, typer.Option(help="Decode steps timed (median), after 4 warm-up steps.")] = 24,
+    memory: Annotated[
+        bool, typer.Option(help="Measure peak memory of ask vs full attention in child processes.")
+    ] = True,
+    json_path: Annotated[
+        Optional[Path], typer.Option("--json", help="Write all results, configuration and versions here.")
+    ] = None,
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """Measure ingest, file size, time to first token, decode latency and memory vs full attention."""
+    import tempfile
+
+    from rich.table import Table
+
+    from .bench import bench_one, machine_info
+    from .models import DEFAULT_MODEL
+
+    setup(quiet)
+    try:
+        lengths = [int(x) for x in context_tokens.split(",") if x.strip()]
+    except ValueError:
+        raise InputError(f"--context-tokens must be comma-separated integers, got {context_tokens!r}") from None
+    if not lengths or min(lengths) < 64:
+        raise InputError(f"--context-tokens must be at least 64 tokens each, got {context_tokens!r}")
+    src = source or _default_source()
+    if src is None:
+        raise InputError("no source text found", "pass --source FILE (e.g. ../shared/data/kjv.txt)")
+    text = read_doc(str(src), "utf-8").text
+    cfg = prefill_config(token_budget=budget, pool_kernel_size="63")
+    engine = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", False)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="rocketkv-bench-") as tmp:
+        for n in lengths:
+            row = bench_one(engine, text, n, cfg, Path(tmp), steps=steps, measure_memory=memory, log=log)
+            rows.append(row)
+            typer.echo(json.dumps({"model": engine.loaded.model_id, **row}))
+    table = Table(
+        title=f"rocketkv bench: {engine.loaded.model_id}, budget {budget}, {machine_info()['threads']} threads"
+    )
+    for col in ("context", "ingest s", "tok/s", "file/full KV", "TTFT file s", "TTFT full s", "TTFT ×",
+                "decode ms HSA", "decode ms full", "decode ×", "of ideal", "peak RSS ask/full"):  # fmt: skip
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(
+            str(r["context_tokens"]), f"{r['ingest_s']:.1f}", f"{r['prefill_tokens_per_s']:.0f}",
+            f"{r['file_vs_full_kv']:.2f}", f"{r['ttft_from_file_s']:.2f}", f"{r['ttft_full_reprefill_s']:.1f}",
+            f"{r['ttft_speedup']:.1f}", f"{r['decode_step_hsa_s'] * 1e3:.1f}", f"{r['decode_step_full_s'] * 1e3:.1f}",
+            f"{r['decode_speedup']:.2f}", f"{r['decode_speedup_fraction_of_ideal']:.0%}",
+            f"{r['peak_rss_ratio']:.2f}" if "peak_rss_ratio" in r else "-",
+        )  # fmt: skip
+    if not quiet:
+        Console(stderr=True, width=max(err.width, 170), highlight=False).print(table)
+    if json_path is not None:
+        report = {"machine": machine_info(), "model": engine.loaded.model_id, "device": str(engine.loaded.device),
+                  "dtype": str(engine.loaded.dtype).removeprefix("torch."), "config": cfg.to_dict(),
+                  "source": str(src), "rows": rows}  # fmt: skip
+        json_path.write_text(json.dumps(report, indent=2))
+        log(f"wrote {json_path}")

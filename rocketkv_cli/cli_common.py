@@ -1,0 +1,171 @@
+"""Shared pieces of the command line: the stderr console, error mapping, option types, helpers.
+
+Commands live in `cli.py` (ingest, ask, summarize, inspect) and `cli_bench.py` (bench).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from .errors import InputError, RocketKVError
+
+err = Console(stderr=True, highlight=False)
+_state = {"quiet": False}
+
+
+class _Terminated(BaseException):
+    """Raised by the SIGTERM handler so that cleanup (`finally`) runs before exit 143."""
+
+
+def _on_sigterm(signum, frame):  # pragma: no cover - exercised through subprocess tests
+    raise _Terminated()
+
+
+def log(message: str) -> None:
+    if not _state["quiet"]:
+        err.print(f"[dim]rocketkv:[/dim] {message}")
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    err.print(f"[bold red]Error:[/bold red] {message}", soft_wrap=True)
+    return typer.Exit(code)
+
+
+def command(fn):
+    """Wrap a command body: known errors → one line + exit 1; Ctrl-C → 130; SIGTERM → 143."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        try:
+            return fn(*args, **kwargs)
+        except RocketKVError as exc:
+            raise fail(str(exc)) from None
+        except KeyboardInterrupt:
+            raise fail("interrupted", 130) from None
+        except _Terminated:
+            raise fail("terminated", 143) from None
+        except (typer.Exit, typer.Abort, SystemExit):
+            raise
+        except MemoryError:
+            raise fail("out of memory — try a smaller --chunk-tokens or --budget, or a shorter document") from None
+        except Exception as exc:  # unexpected: still one line unless debugging
+            if os.environ.get("ROCKETKV_DEBUG") == "1":
+                raise
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            raise fail(
+                f"unexpected {type(exc).__name__}: {first} — rerun with ROCKETKV_DEBUG=1 for a traceback"
+            ) from None
+
+    return wrapper
+
+
+ModelOpt = Annotated[
+    Optional[str],
+    typer.Option("--model", "-m", help="Preset (gemma-3-270m, smollm2-135m), model dir, .gguf file, or cached hub id."),
+]
+DeviceOpt = Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")]
+DtypeOpt = Annotated[
+    Optional[str], typer.Option(help="auto, float32, bfloat16 or float16 (ask: default = the cache's).")
+]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or logs on stderr.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON object per line on stdout.")]
+TrustOpt = Annotated[bool, typer.Option(help="Allow model code from the model directory (off by default).")]
+
+
+def setup(quiet: bool) -> None:
+    _state["quiet"] = quiet
+    if quiet:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if quiet or not err.is_terminal:
+        os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF conversion bar
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def load_engine(model: str, device: str, dtype: str, trust_remote_code: bool):
+    from .models import load_model
+    from .pipeline import Engine
+
+    t0 = time.perf_counter()
+    with (
+        err.status(f"loading {model}", spinner="dots")
+        if err.is_terminal and not _state["quiet"]
+        else contextlib.nullcontext()
+    ):
+        loaded = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=log)
+    dtype_name = str(loaded.dtype).removeprefix("torch.")
+    log(f"loaded {loaded.model_id} on {loaded.device} ({dtype_name}) in {time.perf_counter() - t0:.1f}s")
+    return Engine(loaded)
+
+
+def progress_bar() -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} tokens"),
+        TimeRemainingColumn(),
+        console=err,
+        disable=_state["quiet"] or not err.is_terminal,
+        transient=True,
+    )
+
+
+def read_doc(doc_path: str, encoding: str, errors: str = "strict"):
+    from .ingest import read_document
+
+    return read_document(doc_path, encoding=encoding, errors=errors)
+
+
+def prefill(engine, document, prefill_cfg):
+    from .pipeline import prefill_document
+
+    t0 = time.perf_counter()
+    with progress_bar() as bar:
+        task = bar.add_task("prefill", total=None)
+        stored = prefill_document(
+            engine, document, prefill_cfg, progress=lambda done, total: bar.update(task, completed=done, total=total)
+        )
+    elapsed = time.perf_counter() - t0
+    kept = max(layer[0].shape[2] for layer in stored.layers)
+    log(f"prefilled {stored.n_context_tokens} tokens in {elapsed:.1f}s; keeping up to {kept} per KV head per layer")
+    return stored, elapsed
+
+
+def prefill_config(**kw):
+    from .config import PrefillConfig
+
+    pool = kw.pop("pool_kernel_size")
+    if pool == "auto":
+        kw["pool_kernel_size"] = 0
+    else:
+        try:
+            kw["pool_kernel_size"] = int(pool)
+        except ValueError:
+            raise InputError(f"--pool-kernel-size must be an odd integer or 'auto', got {pool!r}") from None
+    try:
+        return PrefillConfig(**{k: v for k, v in kw.items() if v is not None})
+    except ValueError as exc:
+        raise InputError(f"invalid option: {exc}") from None
+
+
+BudgetOpt = Annotated[int, typer.Option("--budget", "-b", help="Token budget t per KV head per layer (SPEC §3.1).")]
+TopkOpt = Annotated[Optional[int], typer.Option(help="Override: tokens attended exactly per decode step.")]
+PageSizeOpt = Annotated[Optional[int], typer.Option(help="Override: tokens per key min/max page.")]
+ScoreDimsOpt = Annotated[Optional[int], typer.Option(help="Override: head dims used for page scores.")]
+EncodingOpt = Annotated[str, typer.Option(help="Text encoding of the document.")]
+CacheOpt = Annotated[Optional[Path], typer.Option("--cache", "-c", help="A .kv file from `rocketkv ingest`.")]

@@ -120,19 +120,36 @@ def save_cache(cache: PrunedKVCache, path: str | Path, force: bool = False) -> P
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
+            os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp's 0600 would stop sharing the cache
             os.fsync(f.fileno())
-        os.replace(tmp, target)  # replaces a symlink itself, never the file it points to
+        if force:
+            os.replace(tmp, target)  # replaces a symlink itself, never the file it points to
+        else:
+            os.link(tmp, target)  # atomic no-clobber: fails if the target appeared meanwhile
+            os.unlink(tmp)
+    except FileExistsError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise OutputError(f"{target} already exists", "pass --force to replace it") from exc
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
         if isinstance(exc, OSError):
             raise OutputError(f"cannot write {target}: {exc.strerror}") from exc
         raise
-    dir_fd = os.open(parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    try:  # make the rename durable; best effort (some filesystems refuse fsync on directories)
+        dir_fd = os.open(parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError:
+        pass
     return target
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _parse_header(buf: mmap.mmap | bytes, path: Path, rebuild: str) -> dict:
@@ -224,6 +241,13 @@ def load_cache(path: str | Path) -> PrunedKVCache:
         )
     except ValueError as exc:
         raise CacheFormatError(f"{path}: malformed metadata ({exc})", rebuild) from exc
+    try:
+        for key in ("config", "budgets", "layer_windows"):
+            json.loads(meta[key])
+    except json.JSONDecodeError as exc:
+        raise CacheFormatError(f"{path}: malformed metadata ({exc})", rebuild) from exc
+    if version < 1 or min(n_kv, head_dim, n_ctx) < 1:
+        raise CacheFormatError(f"{path}: malformed metadata (version or sizes)", rebuild)
     if version > FORMAT_VERSION:
         raise CacheFormatError(
             f"{path} has format version {version}, newer than this rocketkv reads ({FORMAT_VERSION})",
@@ -242,7 +266,8 @@ def load_cache(path: str | Path) -> PrunedKVCache:
         k, v, pos = (tensors[f"layers.{i}.{kind}"] for kind in ("keys", "values", "positions"))
         ok = (
             k.dim() == 3 and k.shape[0] == n_kv and k.shape[2] == head_dim and v.dim() == 3
-            and v.shape[:2] == k.shape[:2] and pos.shape == k.shape[:2] and pos.dtype == torch.int64
+            and v.shape[:2] == k.shape[:2] and v.shape[2] == head_dim and pos.shape == k.shape[:2]
+            and pos.dtype == torch.int64 and (pos.shape[1] < 2 or bool((pos[:, 1:] > pos[:, :-1]).all()))
             and k.dtype == v.dtype and str(k.dtype).removeprefix("torch.") == meta["dtype"]
             and (pos.numel() == 0 or (int(pos.min()) >= 0 and int(pos.max()) < n_ctx))
         )  # fmt: skip

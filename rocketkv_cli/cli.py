@@ -144,7 +144,10 @@ def _answer_and_print(engine, stored, source: str, questions, max_new_tokens, de
 
     planned = json.loads(stored.metadata["config"]).get("max_new_tokens", 128)
     max_new = max_new_tokens or planned
-    decode = decode_config_for(stored, sparse=not dense, **overrides)
+    try:
+        decode = decode_config_for(stored, sparse=not dense, **overrides)
+    except ValueError as exc:
+        raise InputError(f"invalid option: {exc}") from None
     for i, ans in enumerate(answer(engine, stored, questions, max_new, decode)):
         if json_out:
             row = {"question": ans.question, "answer": ans.text, "cache": source,
@@ -173,7 +176,9 @@ def _load_stored(cache: Path, model: Optional[str], device: str, dtype: Optional
 
 
 DenseOpt = Annotated[bool, typer.Option("--dense", help="Exact attention over the stored cache (no stage-2 sparsity).")]
-MaxNewOpt = Annotated[Optional[int], typer.Option(help="Answer length limit in tokens (default: the cache's plan).")]
+MaxNewOpt = Annotated[
+    Optional[int], typer.Option(min=1, help="Answer length limit in tokens (default: the cache's plan).")
+]
 
 
 @app.command()
@@ -228,7 +233,7 @@ def ask(
 def summarize(
     document: Annotated[Optional[str], typer.Argument(help="Text file, or - for stdin (or use --cache).")] = None,
     cache: CacheOpt = None,
-    max_new_tokens: Annotated[int, typer.Option(help="Summary length limit in tokens.")] = 256,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Summary length limit in tokens.")] = 256,
     budget: BudgetOpt = 512,
     dense: DenseOpt = False,
     encoding: EncodingOpt = "utf-8",

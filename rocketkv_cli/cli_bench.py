@@ -100,6 +100,7 @@ def bench(
     if json_path is not None:
         report = {"machine": machine_info(), "model": engine.loaded.model_id, "device": str(engine.loaded.device),
                   "dtype": str(engine.loaded.dtype).removeprefix("torch."), "config": cfg.to_dict(),
-                  "source": str(src), "rows": rows}  # fmt: skip
+                  "source": str(src), "head_dim": engine.shape.head_dim, "n_kv_heads": engine.shape.n_kv_heads,
+                  "layer_windows": [spec.sliding_window for spec in engine.shape.layers], "rows": rows}  # fmt: skip
         json_path.write_text(json.dumps(report, indent=2))
         log(f"wrote {json_path}")

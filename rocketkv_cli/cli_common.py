@@ -9,12 +9,14 @@ import contextlib
 import functools
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from .errors import InputError, RocketKVError
@@ -32,13 +34,21 @@ def _on_sigterm(signum, frame):  # pragma: no cover - exercised through subproce
 
 
 def log(message: str) -> None:
+    """One status line on stderr (user text is never parsed as Rich markup)."""
     if not _state["quiet"]:
-        err.print(f"[dim]rocketkv:[/dim] {message}")
+        err.print(f"[dim]rocketkv:[/dim] {escape(message)}", emoji=False)
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:
-    err.print(f"[bold red]Error:[/bold red] {message}", soft_wrap=True)
+    err.print(f"[bold red]Error:[/bold red] {escape(message)}", soft_wrap=True, emoji=False)
     return typer.Exit(code)
+
+
+def _stdout_closed() -> typer.Exit:
+    """stdout's reader went away (`| head`): stop quietly, as Unix tools do (128 + SIGPIPE)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return typer.Exit(141)
 
 
 def command(fn):
@@ -57,6 +67,8 @@ def command(fn):
             raise fail("terminated", 143) from None
         except (typer.Exit, typer.Abort, SystemExit):
             raise
+        except BrokenPipeError:
+            raise _stdout_closed() from None
         except MemoryError:
             raise fail("out of memory — try a smaller --chunk-tokens or --budget, or a shorter document") from None
         except Exception as exc:  # unexpected: still one line unless debugging

@@ -69,14 +69,14 @@ def page_scores(
     return torch.softmax(logits, dim=-1).mean(dim=2)
 
 
-def select_pages(scores: torch.Tensor, topk: int, page_size: int, n_tokens: int) -> torch.Tensor:
+def select_pages(scores: torch.Tensor, topk: int, page_size: int) -> torch.Tensor:
     """Token indices of the best pages, whole pages only, at most `topk` tokens (≥ 1 page).
 
     Args:
-        scores: `[B, Hkv, P]`. topk: tokens. page_size: tokens per page. n_tokens: S.
+        scores: `[B, Hkv, P]`. topk: tokens. page_size: tokens per page.
     Returns:
-        `[B, Hkv, N_sel]` int64 ascending; entries of a partial last page beyond S are clamped to
-        S − 1 (duplicates of a selected key; `sparse_attention` masks them via `valid`).
+        `[B, Hkv, N_sel]` int64 ascending, N_sel = pages × page_size; indices of a partial last
+        page may reach past the last token (`sparse_attention` masks those).
     """
     n_pages = scores.shape[-1]
     n_sel_pages = min(n_pages, max(1, topk // page_size))
@@ -163,5 +163,5 @@ def hsa_decode(
     else:
         counts = page_token_counts(s, page_size, keys.device)
         scores = page_scores(query, page_min, page_max, counts, n_score_dims)
-        indices = select_pages(scores, topk, page_size, s)
+        indices = select_pages(scores, topk, page_size)
     return sparse_attention(query, keys, values, indices, scaling, softcap), indices

@@ -63,12 +63,23 @@ def model_shape(model: torch.nn.Module) -> ModelShape:
             f"unsupported architecture {cfg.model_type!r}; rocketkv supports {', '.join(SUPPORTED_MODEL_TYPES)}",
             "choose a model of a supported architecture with --model",
         )
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope_types = {v.get("rope_type") for v in rope.values() if isinstance(v, dict)} | {rope.get("rope_type")}
+    if rope_types & {"dynamic", "longrope"}:
+        raise ModelLoadError(
+            f"RoPE type {sorted(t for t in rope_types if t)} changes frequencies with the sequence length, which "
+            "chunked prefill would get wrong",
+            "use a model with default, linear, llama3 or yarn RoPE",
+        )
     attn_modules = [layer.self_attn for layer in model.model.layers]
     specs = []
     for module in attn_modules:
-        window = getattr(module, "sliding_window", None)
-        if window is None and getattr(module, "is_sliding", False):
-            window = cfg.sliding_window
+        if hasattr(module, "sliding_window") or hasattr(module, "is_sliding"):
+            window = getattr(module, "sliding_window", None)
+            if window is None and getattr(module, "is_sliding", False):
+                window = cfg.sliding_window
+        else:  # Mistral, Phi-3: every layer gets config.sliding_window (transformers passes it per call)
+            window = getattr(cfg, "sliding_window", None)
         specs.append(
             LayerSpec(
                 scaling=float(module.scaling),
@@ -228,6 +239,12 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     if session is None:
         raise RuntimeError("rocketkv attention called outside rocketkv_attention()")
     spec = session.shape.layers[module.layer_idx]
+    passed = kwargs.get("sliding_window")
+    if (passed or None) != spec.sliding_window or (scaling is not None and abs(scaling - spec.scaling) > 1e-12):
+        raise RuntimeError(
+            f"layer {module.layer_idx}: transformers passed sliding_window={passed}, scaling={scaling}; "
+            f"rocketkv expected {spec.sliding_window}, {spec.scaling}"
+        )
     layer = session.cache.layers[module.layer_idx]
     q_pos = session.cache.query_positions
     if session.capture_from is not None and spec.sliding_window is None:

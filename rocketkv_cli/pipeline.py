@@ -19,7 +19,7 @@ from .errors import BudgetError, InputError
 from .hf import ModelShape, RocketCache, RocketLayer, empty_cache, forward_tokens, model_shape, rocketkv_attention
 from .ingest import Document, tokenize
 from .models import LoadedModel, chat_template_digest, model_digest, stop_token_ids, tokenizer_digest
-from .prefill import gather_tokens, observation_scores, pool_scores, select_kept_tokens
+from .prefill import gather_tokens, observation_scores, snapkv_select
 from .templates import PromptFormat, prompt_format, read_prompt
 
 QUESTION_RESERVE_TOKENS = 256  # room kept for a question when checking a document against the context
@@ -84,6 +84,12 @@ def prefill_document(
             "use a shorter document or a model with a longer context",
         )
     budgets = resolve_budgets(cfg, n, shape.head_dim)
+    if n > budgets.prompt_budget and budgets.prompt_budget < cfg.window_size:
+        raise BudgetError(
+            f"token budget {cfg.token_budget} with max_new_tokens {cfg.max_new_tokens} leaves a prompt budget of "
+            f"{budgets.prompt_budget} tokens, below the observation window ({cfg.window_size})",
+            "raise --budget or lower --max-new-tokens",
+        )
     probe_ids = []
     if cfg.observation == "probe":
         probe_ids = tokenize(engine.tokenizer, engine.prompt.question_text(read_prompt("probe.txt")), False)
@@ -111,7 +117,7 @@ def prefill_document(
         q_pos = torch.arange(capture_from, n + len(probe_ids), device=keys.device)
         assert queries.shape[2] == q_pos.shape[0], (queries.shape, q_pos.shape)
         scores = observation_scores(queries, keys, q_pos, positions[0, 0], spec.scaling, spec.softcap)[..., :n]
-        kept = select_kept_tokens(pool_scores(scores, kernel), budgets.prompt_budget, cfg.window_size)
+        kept = snapkv_select(scores, budgets.prompt_budget, cfg.window_size, kernel)
         layers.append(tuple(gather_tokens(t[:, :, :n], kept) for t in (keys, values, positions)))
     metadata = dict(engine.identity)
     metadata.update(
@@ -193,17 +199,20 @@ def answer(
         InputError: an empty question. BudgetError: a question that does not fit the context.
     """
     n_ctx = stored.n_context_tokens
-    cache = to_rocket_cache(engine, stored, QUESTION_RESERVE_TOKENS + max_new_tokens)
-    for question in questions:
+    room = engine.shape.max_context_tokens - n_ctx - max_new_tokens
+    prepared = []
+    for question in questions:  # all checked before any is answered
         if not question.strip():
             raise InputError("empty question", "give a question with text")
         ids = tokenize(engine.tokenizer, engine.prompt.question_text(question), False)
-        room = engine.shape.max_context_tokens - n_ctx - max_new_tokens
         if len(ids) > room:
             raise BudgetError(
                 f"question is {len(ids)} tokens; only {max(room, 0)} fit after the document and the answer",
                 "shorten the question or lower --max-new-tokens",
             )
+        prepared.append((question, ids))
+    cache = to_rocket_cache(engine, stored, QUESTION_RESERVE_TOKENS + max_new_tokens)
+    for question, ids in prepared:
         try:
             yield _answer_one(engine, cache, question, ids, n_ctx, max_new_tokens, decode)
         finally:

@@ -97,6 +97,24 @@ def select_kept_tokens(pooled: torch.Tensor, prompt_budget: int, window_size: in
     return kept
 
 
+def snapkv_select(scores: torch.Tensor, prompt_budget: int, window_size: int, kernel_size: int) -> torch.Tensor:
+    """SnapKV++ selection from raw observation scores: pool the prefix only, then select.
+
+    The window's own keys are always kept, so their (large) scores are excluded from pooling:
+    pooled over the whole sequence they would spill into the `kernel_size // 2` prefix tokens just
+    before the window and take top-k slots (SnapKV pools `scores[..., :-W]`).
+
+    Args:
+        scores: `[B, Hkv, S]` float32 from `observation_scores`. prompt_budget, window_size, kernel_size:
+            tokens. Returns: `[B, Hkv, min(S, prompt_budget)]` int64 ascending.
+    """
+    s = scores.shape[-1]
+    window = min(window_size, prompt_budget, s)
+    prefix = pool_scores(scores[..., : s - window], kernel_size) if s > window else scores[..., :0]
+    pooled = torch.cat([prefix, scores[..., s - window :]], dim=-1)  # [B, Hkv, S]
+    return select_kept_tokens(pooled, prompt_budget, window_size)
+
+
 def gather_tokens(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """Gather per-KV-head tokens.
 

@@ -42,6 +42,18 @@ def run(model: str, lengths: str, budget: int, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def with_geometry(report: dict) -> dict:
+    """Fill in layer windows / head_dim for reports written before `bench` recorded them."""
+    if "layer_windows" not in report:
+        from rocketkv_cli.hf import model_shape
+        from rocketkv_cli.models import load_model
+
+        shape = model_shape(load_model(report["model"], device="cpu").model)
+        report.update(layer_windows=[s.sliding_window for s in shape.layers], head_dim=shape.head_dim,
+                      n_kv_heads=shape.n_kv_heads)  # fmt: skip
+    return report
+
+
 def table(report: dict) -> list[str]:
     lines = [
         "| context tokens | ingest s | prefill tok/s | file / full KV | TTFT from file s | TTFT full re-prefill s | TTFT speedup "
@@ -63,6 +75,36 @@ def closest(report: dict, n: int) -> dict:
     return min(report["rows"], key=lambda r: abs(r["context_tokens"] - n))
 
 
+def kv_fraction(windows: list, n: int, kept_full: int) -> float:
+    """Stored KV / full KV for a document of n tokens when full layers keep `kept_full` tokens."""
+    full = sum(min(n, w) if w else n for w in windows)
+    return sum(min(n, w) if w else min(n, kept_full) for w in windows) / full
+
+
+def why_file(report: dict, row: dict) -> str:
+    """Explain a file-size miss from the budget arithmetic (SPEC §3.1) and the layer kinds."""
+    from rocketkv_cli.config import derive_budgets
+
+    n, windows, d = row["context_tokens"], report["layer_windows"], report["head_dim"]
+    budget = report["config"]["token_budget"]
+    kept = row["budgets"]["prompt_budget"]
+    parts = [f"why: at t={budget} stage 1 keeps prompt_budget={kept} of {n} tokens ({kept / n:.0%}) per full-attention "
+             "layer (SPEC §3.1: capacity = S / c^r keeps more than t)"]  # fmt: skip
+    sliding = [w for w in windows if w]
+    if sliding:
+        share = sum(min(n, w) for w in sliding) / sum(min(n, w) if w else n for w in windows)
+        parts.append(f"{len(sliding)} of {len(windows)} layers are sliding-window layers that keep their "
+                     f"{max(sliding)}-token window whole (SPEC §3.2.6): {share:.0%} of the full KV by themselves")  # fmt: skip
+    for t in (256, 128, 64):
+        frac = kv_fraction(windows, n, derive_budgets(n, 128, t, d).prompt_budget)
+        if frac <= 0.25:
+            parts.append(f"t={t} would store {frac:.0%}; the default budget is for the accuracy evaluation to set")
+            break
+    else:
+        parts.append("no budget down to t=64 reaches 1/4 with whole sliding windows stored")
+    return "; ".join(parts)
+
+
 def targets(reports: dict[str, dict]) -> list[str]:
     smol, gemma = reports["smollm2-135m"], reports["gemma-3-270m"]
     s8, g8 = closest(smol, 8192), closest(gemma, 8192)
@@ -78,13 +120,19 @@ def targets(reports: dict[str, dict]) -> list[str]:
           f"{s8['decode_speedup']:.2f}× at {s8['context_tokens']} tokens")  # fmt: skip
     check("… at ≥ 70% of the memory-traffic ideal", s8["decode_speedup_fraction_of_ideal"] >= 0.7,
           f"{s8['decode_speedup_fraction_of_ideal']:.0%} of an ideal {s8['ideal_decode_speedup']:.2f}×")  # fmt: skip
-    for name, r in (("SmolLM2", s8), ("Gemma", g8)):
-        check(f"cache file ≤ 1/4 of the full KV at the default budget, ~8K tokens ({name})",
-              r["file_vs_full_kv"] <= 0.25, f"{r['file_vs_full_kv']:.3f} at {r['context_tokens']} tokens")  # fmt: skip
+    for name, rep, r in (("SmolLM2", smol, s8), ("Gemma", gemma, g8)):
+        ok = r["file_vs_full_kv"] <= 0.25
+        detail = f"{r['file_vs_full_kv']:.3f} at {r['context_tokens']} tokens"
+        if not ok:
+            detail += "; " + why_file(rep, r)
+        check(f"cache file ≤ 1/4 of the full KV at the default budget, ~8K tokens ({name})", ok, detail)
     for name, rep in (("SmolLM2", smol), ("Gemma", gemma)):
-        worst = max(r["peak_rss_ratio"] for r in rep["rows"])
-        check(f"peak memory of ask below full attention's ({name}, every length)", worst < 1,
-              f"worst ask/full ratio {worst:.2f}")  # fmt: skip
+        worst = max(rep["rows"], key=lambda r: r["peak_rss_ratio"])
+        detail = f"worst ask/full ratio {worst['peak_rss_ratio']:.2f} at {worst['context_tokens']} tokens"
+        if worst["peak_rss_ratio"] >= 1:
+            detail += ("; why: both processes hold the weights, and at short contexts full attention's KV and "
+                       "activations are small next to them, while ask also maps the file and copies it once")  # fmt: skip
+        check(f"peak memory of ask below full attention's ({name}, every length)", worst["peak_rss_ratio"] < 1, detail)
     return out
 
 
@@ -92,12 +140,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", type=int, default=512)
     parser.add_argument("--quick", action="store_true", help="short lengths only (a smoke run, not for the docs)")
+    parser.add_argument("--from-json", action="store_true", help="rewrite the page from docs/bench/*.json, no runs")
     args = parser.parse_args()
     bench_dir = ROOT / "docs" / "bench"
     bench_dir.mkdir(parents=True, exist_ok=True)
     reports = {}
     for model, lengths in RUNS.items():
-        reports[model] = run(model, "1024,2048" if args.quick else lengths, args.budget, bench_dir / f"{model}.json")
+        out = bench_dir / f"{model}.json"
+        if args.from_json:
+            reports[model] = with_geometry(json.loads(out.read_text()))
+        else:
+            reports[model] = run(model, "1024,2048" if args.quick else lengths, args.budget, out)
     machine = reports["gemma-3-270m"]["machine"]
     lines = [
         "# Performance",

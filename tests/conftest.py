@@ -46,15 +46,15 @@ def tiny_config(arch: str):
     if arch == "qwen2":  # Qwen2.5-0.5B: 24 layers, 14 heads / 2 KV (G=7), head_dim 64; here G=7 too
         return tf.Qwen2Config(hidden_size=112, intermediate_size=128, num_hidden_layers=2, num_attention_heads=7,
                               num_key_value_heads=1, **common)  # fmt: skip
-    if arch == "mistral":  # Mistral-7B: 32 layers, 32 heads / 8 KV
+    if arch == "mistral":  # Mistral-7B-v0.1: 32 layers, 32 heads / 8 KV, sliding window 4096 on every layer
         return tf.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                num_key_value_heads=2, sliding_window=None, **common)  # fmt: skip
+                                num_key_value_heads=2, sliding_window=16, **common)  # fmt: skip
     if arch == "qwen3":  # Qwen3: q/k RMS norms before RoPE
         return tf.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                               num_key_value_heads=2, head_dim=16, **common)  # fmt: skip
-    if arch == "phi3":  # Phi-3-mini: fused qkv projection
+    if arch == "phi3":  # Phi-3-mini-4k: fused qkv projection, sliding window 2047 on every layer
         return tf.Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, **common)  # fmt: skip
+                             num_key_value_heads=2, sliding_window=16, **common)  # fmt: skip
     if arch == "gemma3_text":  # Gemma 3 270M: 18 layers (5 sliding : 1 full), 4 heads / 1 KV, d=256, window 512
         return tf.Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                                    num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24, sliding_window=16,

@@ -311,6 +311,7 @@ M = lambda ws: ["--model", ws.model]  # noqa: E731
 CASES: list[Case] = [
     # input documents
     Case("missing document", "input", lambda ws: ["ingest", ws.root / "nope.txt", *M(ws)], 1, "not found"),
+    Case("missing document with [markup] in its name", "input", lambda ws: ["ingest", ws.root / "notes[/x][bold].txt", *M(ws)], 1, "notes[/x][bold].txt"),
     Case("a directory", "input", lambda ws: ["ingest", ws.root / "home", "-o", ws.root / "d.kv", *M(ws)], 1, "is a directory"),
     Case("empty file", "input", lambda ws: ["ingest", ws.file("empty.txt", b""), *M(ws)], 1, "is empty"),
     Case("whitespace only", "input", lambda ws: ["ingest", ws.file("ws.txt", b" \n\t \n"), *M(ws)], 1, "whitespace only"),
@@ -326,6 +327,10 @@ CASES: list[Case] = [
     Case("negative budget", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "b.kv", "--budget", "-5", *M(ws)], 1, "token_budget"),
     Case("non-integer budget", "options", lambda ws: ["ingest", ws.doc, "--budget", "lots", *M(ws)], 2, "", notes="usage error: Typer's message, exit 2"),
     Case("budget larger than the document", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "big-budget.kv", "--budget", "100000", *M(ws)], 0, "", check=_full_cache_check, notes="keeps every token: full attention"),
+    Case("--max-new-tokens 0", "options", lambda ws: ["ask", "--cache", ws.kv, QUESTION, "--max-new-tokens", "0"], 2, "", notes="usage error: Typer's range check, exit 2"),
+    Case("ask --topk 0", "options", lambda ws: ["ask", "--cache", ws.kv, QUESTION, "--topk", "0"], 1, "topk"),
+    Case("unknown --errors handler", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "e.kv", "--errors", "shrug", *M(ws)], 1, "--errors"),
+    Case("prompt budget below the window", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "w.kv", "--budget", "2", "--max-new-tokens", "600", *M(ws)], 1, "below the observation window"),
     Case("unknown model name", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "m.kv", "--model", "no-such-model"], 1, "unknown model"),
     Case("model directory without weights", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "m.kv", "--model", no_weights(ws)], 1, "no *.safetensors"),
     Case("unsupported architecture", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "m.kv", "--model", unsupported(ws)], 1, "unsupported architecture"),

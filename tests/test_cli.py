@@ -94,7 +94,8 @@ def test__ingest_from_stdin_and_ask_without_cache(rocketkv_bin, env, doc, tiny_m
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["cache"] == str(out)
     r = run(rocketkv_bin, env, "ask", doc, "Which word?", "--model", tiny_model_dir, "--max-new-tokens", "4", "--json")
-    assert r.returncode == 0, r.stderr and json.loads(r.stdout)["question"] == "Which word?"
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["question"] == "Which word?"
 
 
 def test__summarize_from_cache_prints_text(rocketkv_bin, env, kv):
@@ -118,3 +119,17 @@ def test__cache_for_another_model_refused(rocketkv_bin, env, kv, tmp_path):
     r = run(rocketkv_bin, env, "ask", "--cache", kv, "q?", "--model", other)
     line = assert_one_line_error(r)
     assert "another model" in line and "rocketkv ingest" in line
+
+
+def test__closed_stdout__quiet_exit_141(rocketkv_bin, env, kv):
+    """`rocketkv ask ... | head -c 1`: no traceback, no 'Exception ignored' noise."""
+    proc = subprocess.Popen([rocketkv_bin, "ask", "--cache", str(kv), "--questions-file", "-", "--json",
+                             "--max-new-tokens", "2"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)  # fmt: skip
+    proc.stdin.write(b"Which word?\n" * 200)
+    proc.stdin.close()
+    proc.stdout.read(1)
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141, stderr
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr

@@ -86,14 +86,6 @@ def test__hsa_decode__all_pages_selected_equals_exact_attention():
     assert torch.allclose(out, ref, atol=1e-5)
 
 
-def test__hsa_decode__selection_shared_by_gqa_group():
-    torch.manual_seed(3)
-    q, k, v = torch.randn(1, 8, 1, 16), torch.randn(1, 2, 90, 16), torch.randn(1, 2, 90, 16)
-    pmin, pmax = page_summaries(k, 3)
-    _, idx = hsa_decode(q, k, v, pmin, pmax, topk=30, page_size=3, n_score_dims=4, scaling=0.25)
-    assert idx.shape[:2] == (1, 2)  # one index set per KV head, not per query head
-
-
 @pytest.mark.parametrize("s, page", [(10, 3), (9, 3), (1, 4), (97, 7)])
 def test__page_summaries__min_max_of_each_page(s, page):
     k = torch.randn(1, 2, s, 6)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rocketkv_cli.prefill import gather_tokens, observation_scores, pool_scores, select_kept_tokens
+from rocketkv_cli.prefill import gather_tokens, observation_scores, pool_scores, select_kept_tokens, snapkv_select
 
 
 def naive_scores(q, k, q_pos, k_pos, scaling, softcap=None):
@@ -99,3 +99,20 @@ def test__gather_tokens__per_kv_head_no_repeat():
     out = gather_tokens(keys, idx)
     assert out.shape == (1, 2, 3, 5) and out.is_contiguous()
     assert torch.equal(out[0, 1, 2], keys[0, 1, 4]) and torch.equal(out[0, 0, 1], keys[0, 0, 3])
+
+
+def test__snapkv_select__window_scores_do_not_spill_into_prefix():
+    """Pooling covers the prefix only: the window's large self-attention mass must not promote the
+    kernel//2 tokens just before it (SnapKV pools scores[..., :-W])."""
+    torch.manual_seed(0)
+    s, window, budget, kernel = 120, 8, 30, 7
+    scores = torch.rand(1, 2, s) * 0.1
+    scores[..., -window:] = 100.0
+    kept = snapkv_select(scores, budget, window, kernel)
+    prefix_pooled = pool_scores(scores[..., : s - window], kernel)
+    for h in range(2):
+        got = set(kept[0, h].tolist())
+        assert set(range(s - window, s)) <= got and len(got) == budget
+        inside = [float(prefix_pooled[0, h, i]) for i in got if i < s - window]
+        outside = [float(prefix_pooled[0, h, i]) for i in range(s - window) if i not in got]
+        assert min(inside) >= max(outside)  # a top-k of the prefix-pooled scores (ties at the cut excused)

@@ -169,6 +169,7 @@ def _parse_header(buf: mmap.mmap | bytes, path: Path, rebuild: str) -> dict:
     meta = header.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise CacheFormatError(f"{path} is a safetensors file but not a rocketkv cache", rebuild)
+    rebuild = rebuild_hint(meta, path)  # from here on it is a damaged rocketkv cache
     payload = size - 8 - n
     end = 0
     for name, info in header.items():
@@ -184,6 +185,12 @@ def _parse_header(buf: mmap.mmap | bytes, path: Path, rebuild: str) -> dict:
     if end != payload:
         raise CacheFormatError(f"{path} is truncated or damaged (payload size)", rebuild)
     return {"tensors": header, "metadata": meta, "base": 8 + n}
+
+
+def rebuild_hint(meta: dict, path: Path) -> str:
+    """The command that rebuilds a (damaged) cache, naming its document when the metadata says."""
+    source = meta.get("document_source") if isinstance(meta.get("document_source"), str) else None
+    return f"rebuild it with: rocketkv ingest {source or 'DOC'} -o {path} --force"
 
 
 def _map_file(p: Path, path: str | Path) -> mmap.mmap | bytes:
@@ -225,10 +232,9 @@ def load_cache(path: str | Path) -> PrunedKVCache:
     if not p.is_file():
         raise CacheFormatError(f"cache file not found: {path}", f"build one with: rocketkv ingest DOC -o {path}")
     buf = _map_file(p, path)
-    info = _parse_header(buf, p, f"rebuild it with: rocketkv ingest DOC -o {path} --force")
+    info = _parse_header(buf, p, "give a .kv file written by: rocketkv ingest DOC -o FILE.kv")
     meta = info["metadata"]
-    source = meta.get("document_source") if isinstance(meta.get("document_source"), str) else None
-    rebuild = f"rebuild it with: rocketkv ingest {source or 'DOC'} -o {path} --force"
+    rebuild = rebuild_hint(meta, p)
     missing = [k for k in REQUIRED_METADATA if k not in meta]
     if missing:
         raise CacheFormatError(f"{path}: metadata lacks {', '.join(missing)}", rebuild)

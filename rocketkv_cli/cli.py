@@ -48,13 +48,19 @@ app = typer.Typer(
 )
 
 
-@app.callback()
-def main(
-    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False,
-) -> None:
-    if version:
+def _print_version(value: bool) -> None:
+    if value:
         typer.echo(__version__)
         raise typer.Exit(0)
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        bool, typer.Option("--version", is_eager=True, callback=_print_version, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Ask questions of very long documents with a local LLM and a compressed (RocketKV) KV cache."""
 
 
 @app.command()
@@ -190,7 +196,7 @@ def ask(
         Optional[str], typer.Option(help="File with one question per line, or - for stdin.")
     ] = None,
     max_new_tokens: MaxNewOpt = None,
-    budget: BudgetOpt = 512,
+    budget: Annotated[int, typer.Option("--budget", "-b", help="Token budget when DOC is ingested in memory (a cache keeps its own).")] = 512,
     dense: DenseOpt = False,
     topk: TopkOpt = None,
     page_size: PageSizeOpt = None,
@@ -299,6 +305,8 @@ def inspect(
         "budgets": json.loads(meta["budgets"]),
         "layer_windows": windows,
     }
+    for key in ("format_version", "n_layers", "n_kv_heads", "head_dim", "n_context_tokens"):
+        info[key] = int(info[key])
     if json_out:
         typer.echo(json.dumps(info))
         return
@@ -315,7 +323,7 @@ def inspect(
          + (f"; {len(windows) - n_full} sliding-window layers keep their last {max(w or 0 for w in windows)}"
             if n_full < len(windows) else "")),
         ("budgets", ", ".join(f"{k}={v}" for k, v in info["budgets"].items())),
-        ("config", ", ".join(f"{k}={v}" for k, v in info["config"].items())),
+        ("config", ", ".join(f"{k}={v}" for k, v in info["config"].items() if v is not None)),
         ("size", f"file {info['file_bytes'] / 1e6:.2f} MB; KV {info['kv_bytes'] / 1e6:.2f} MB = "
                  f"{info['kv_bytes'] / max(full_bytes, 1):.1%} of the full KV ({full_bytes / 1e6:.2f} MB)"),
         ("prompt template", meta["prompt_template_id"]),
@@ -330,7 +338,8 @@ app.command()(command(bench))
 
 
 def run() -> None:
-    """Console-script entry point (Ctrl-C outside a command body still exits 130, quietly)."""
+    """Console-script entry point. Ctrl-C inside a command exits 130 (see `cli_common.command`);
+    this guard only covers the moments before Typer takes over (imports)."""
     try:
         app()
     except KeyboardInterrupt:

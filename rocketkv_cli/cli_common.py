@@ -36,7 +36,7 @@ def _on_sigterm(signum, frame):  # pragma: no cover - exercised through subproce
 def log(message: str) -> None:
     """One status line on stderr (user text is never parsed as Rich markup)."""
     if not _state["quiet"]:
-        err.print(f"[dim]rocketkv:[/dim] {escape(message)}", emoji=False)
+        err.print(f"[dim]rocketkv:[/dim] {escape(message)}", emoji=False, soft_wrap=True)
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:

@@ -311,5 +311,13 @@ def forward_tokens(
     t = input_ids.shape[1]
     positions = torch.arange(start_position, start_position + t, device=input_ids.device)
     cache.query_positions = positions
+    before = cache.layers[0].length
     out = model(input_ids=input_ids, position_ids=positions.unsqueeze(0), cache=cache, use_cache=True, logits_to_keep=1)
+    if cache.layers[0].length == before:  # an older transformers ignores `cache=` and would answer wrongly
+        import transformers
+
+        raise ModelLoadError(
+            f"transformers {transformers.__version__} did not use rocketkv's cache",
+            "install a supported version: pip install 'transformers>=5.24,<5.30'",
+        )
     return out.logits[:, -1].float()

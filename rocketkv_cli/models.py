@@ -7,7 +7,9 @@ de-quantized by transformers once and saved as a plain safetensors copy under th
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -124,9 +126,11 @@ def _converted_dir(gguf: Path, progress: Progress, key: str | None = None) -> Pa
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     progress(f"converting {gguf.name} to safetensors once (about a minute on 2 cores)")
+    quiet = contextlib.nullcontext() if sys.stderr.isatty() else contextlib.redirect_stderr(io.StringIO())
     try:
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        with quiet:  # the GGUF loader draws its own tqdm bar, which would flood a log file
+            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     except Exception as exc:  # transformers raises many types for a bad GGUF
         raise ModelLoadError(
             f"cannot load GGUF {gguf}: {exc}".splitlines()[0], "check the file, or use another --model"

@@ -146,6 +146,21 @@ def _prefill_chunks(
     return logits
 
 
+def repeated_tail(tokens: list[int], min_tokens: int = 24, max_period: int = 64) -> int:
+    """Length of a loop at the end of greedy output, or 0.
+
+    A loop is a period p ≤ max_period whose last span repeats the span before it, with the
+    repeated span at least `min_tokens` long (so "very very" is not one). Returns the number of
+    trailing tokens to drop (one copy of the repeated span).
+    """
+    n = len(tokens)
+    for p in range(1, min(max_period, n // 2) + 1):
+        span = p * max(1, -(-min_tokens // p))  # whole periods, ≥ min_tokens
+        if 2 * span <= n and tokens[n - span :] == tokens[n - 2 * span : n - span]:
+            return span
+    return 0
+
+
 @dataclass(frozen=True)
 class Answer:
     """One answer. Times in seconds; token counts in tokens."""
@@ -154,7 +169,7 @@ class Answer:
     text: str
     n_question_tokens: int
     n_answer_tokens: int
-    stop_reason: str  # "eos", "stop_string" or "length"
+    stop_reason: str  # "eos", "stop_string", "repetition" or "length"
     token_ids: tuple[int, ...]  # generated tokens (stop token excluded)
     prefill_s: float
     decode_s: float
@@ -233,6 +248,11 @@ def _answer_one(engine, cache, question, ids, n_ctx, max_new_tokens, decode) -> 
                 reason = "eos"
                 break
             out.append(token)
+            loop = repeated_tail(out)
+            if loop:
+                del out[len(out) - loop :]
+                reason = "repetition"
+                break
             text = engine.tokenizer.decode(out, skip_special_tokens=True).lstrip()
             if any(s in text for s in engine.prompt.stop_strings):
                 reason = "stop_string"

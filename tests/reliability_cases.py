@@ -136,8 +136,8 @@ def run_case(ws: Workspace, case: Case) -> Outcome:
 
     def show(a: str) -> str:
         if len(a) > 60:
-            return json.dumps(a[:24] + f"…({len(a)} chars)")
-        return json.dumps(a) if (" " in a or not a) else a
+            return json.dumps(a[:24] + f"…({len(a)} chars)", ensure_ascii=False)
+        return json.dumps(a, ensure_ascii=False) if (" " in a or not a) else a
 
     shown = " ".join(show(a) for a in argv if a not in ("setpriv",))
     shown = shown.replace(str(ws.root) + "/", "").replace(ROCKETKV, "rocketkv")
@@ -311,7 +311,7 @@ M = lambda ws: ["--model", ws.model]  # noqa: E731
 CASES: list[Case] = [
     # input documents
     Case("missing document", "input", lambda ws: ["ingest", ws.root / "nope.txt", *M(ws)], 1, "not found"),
-    Case("missing document with [markup] in its name", "input", lambda ws: ["ingest", ws.root / "notes[/x][bold].txt", *M(ws)], 1, "notes[/x][bold].txt"),
+    Case("missing document with [markup] in its name", "input", lambda ws: ["ingest", ws.root / "notes[x][bold].txt", *M(ws)], 1, "notes[x][bold].txt"),
     Case("a directory", "input", lambda ws: ["ingest", ws.root / "home", "-o", ws.root / "d.kv", *M(ws)], 1, "is a directory"),
     Case("empty file", "input", lambda ws: ["ingest", ws.file("empty.txt", b""), *M(ws)], 1, "is empty"),
     Case("whitespace only", "input", lambda ws: ["ingest", ws.file("ws.txt", b" \n\t \n"), *M(ws)], 1, "whitespace only"),

@@ -96,6 +96,8 @@ def save_cache(cache: PrunedKVCache, path: str | Path, force: bool = False) -> P
         raise OutputError(f"output path {target} is a directory", "give a file name with -o")
     if (target.exists() or target.is_symlink()) and not force:
         raise OutputError(f"{target} already exists", "pass --force to replace it")
+    if target.exists() and not target.is_symlink() and not target.is_file():
+        raise OutputError(f"{target} is not a regular file; rocketkv will not replace it", "choose another -o")
     parent = target.parent if str(target.parent) else Path(".")
     if not parent.is_dir():
         raise OutputError(f"output directory {parent} does not exist", f"create it first: mkdir -p {parent}")
@@ -113,7 +115,7 @@ def save_cache(cache: PrunedKVCache, path: str | Path, force: bool = False) -> P
     assert not missing, f"metadata incomplete: {missing}"
     data = st_save(tensors, metadata=meta)
     try:
-        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{target.name}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=parent, prefix=".rocketkv-", suffix=".tmp")
     except OSError as exc:
         raise OutputError(f"cannot write in {parent}: {exc.strerror}", "choose a writable directory with -o") from exc
     try:
@@ -254,6 +256,17 @@ def load_cache(path: str | Path) -> PrunedKVCache:
         raise CacheFormatError(f"{path}: malformed metadata ({exc})", rebuild) from exc
     if version < 1 or min(n_kv, head_dim, n_ctx) < 1:
         raise CacheFormatError(f"{path}: malformed metadata (version or sizes)", rebuild)
+    try:
+        from .config import Budgets, PrefillConfig
+
+        PrefillConfig(**json.loads(meta["config"]))
+        budgets = json.loads(meta["budgets"])
+        Budgets(**{k: budgets[k] for k in ("prompt_budget", "capacity_budget", "topk", "page_size", "n_score_dims")})
+        windows = json.loads(meta["layer_windows"])
+        assert isinstance(windows, list) and len(windows) == n_layers
+        assert all(w is None or (isinstance(w, int) and w > 0) for w in windows)
+    except (TypeError, ValueError, KeyError, AssertionError) as exc:
+        raise CacheFormatError(f"{path}: malformed metadata (config, budgets or layer windows)", rebuild) from exc
     if version > FORMAT_VERSION:
         raise CacheFormatError(
             f"{path} has format version {version}, newer than this rocketkv reads ({FORMAT_VERSION})",
@@ -275,7 +288,7 @@ def load_cache(path: str | Path) -> PrunedKVCache:
             and v.shape[:2] == k.shape[:2] and v.shape[2] == head_dim and pos.shape == k.shape[:2]
             and pos.dtype == torch.int64 and (pos.shape[1] < 2 or bool((pos[:, 1:] > pos[:, :-1]).all()))
             and k.dtype == v.dtype and str(k.dtype).removeprefix("torch.") == meta["dtype"]
-            and (pos.numel() == 0 or (int(pos.min()) >= 0 and int(pos.max()) < n_ctx))
+            and pos.numel() > 0 and int(pos.min()) >= 0 and bool((pos[:, -1] == n_ctx - 1).all())
         )  # fmt: skip
         if not ok:
             raise CacheFormatError(f"{path}: layer {i} tensors disagree with the metadata", rebuild)

@@ -7,6 +7,7 @@ hints. Exit codes: 0 ok, 1 known failure (one line), 2 usage error, 130 interrup
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -102,17 +103,21 @@ def ingest(
         observation=observation, prompt_budget=prompt_budget, topk=topk, page_size=page_size,
         n_score_dims=n_score_dims, chunk_tokens=chunk_tokens,
     )  # fmt: skip
+    doc = read_doc(document, encoding, errors)  # bad documents fail before anything else is touched
     if output is None:
         if document == "-":
             raise OutputError("reading from stdin needs an output file", "pass -o FILE.kv")
         output = Path(document).with_suffix(".kv")
     if (output.exists() or output.is_symlink()) and not force:
         raise OutputError(f"{output} already exists", "pass --force to replace it")
+    if output.exists() and not output.is_symlink() and not output.is_file():
+        raise OutputError(f"{output} is not a regular file; rocketkv will not replace it", "choose another -o")
+    if document != "-" and output.exists() and os.path.samefile(document, output):
+        raise OutputError(f"-o {output} is the document itself", "choose another output file")
     if not output.parent.is_dir():
         raise OutputError(
             f"output directory {output.parent} does not exist", f"create it first: mkdir -p {output.parent}"
         )
-    doc = read_doc(document, encoding, errors)
     engine = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code)
     stored, elapsed = prefill(engine, doc, cfg)
     save_cache(stored, output, force=force)
@@ -131,15 +136,20 @@ def _questions(positional: list[str], questions_file: Optional[str], doc_is_stdi
         if questions_file == "-":
             if doc_is_stdin:
                 raise InputError("the document and the questions cannot both come from stdin")
-            text = sys.stdin.read()
+            text = sys.stdin.buffer.read().decode("utf-8-sig", errors="replace")
         else:
             try:
-                text = Path(questions_file).read_text(encoding="utf-8")
+                text = Path(questions_file).read_text(encoding="utf-8-sig")
             except (OSError, UnicodeDecodeError) as exc:
                 raise InputError(f"cannot read questions file {questions_file}: {exc}") from None
-        questions += [line.strip() for line in text.splitlines() if line.strip()]
+        questions += [line.strip() for line in text.split("\n") if line.strip()]  # only \n ends a question
     if any(not q.strip() for q in questions):
         raise InputError("empty question", "give each question some text")
+    for q in questions:
+        try:
+            q.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InputError("a question is not valid UTF-8 text", "check the question's encoding") from None
     if not questions:
         raise InputError("no question given", "pass questions as arguments or with --questions-file")
     return questions
@@ -196,7 +206,9 @@ def ask(
         Optional[str], typer.Option(help="File with one question per line, or - for stdin.")
     ] = None,
     max_new_tokens: MaxNewOpt = None,
-    budget: Annotated[int, typer.Option("--budget", "-b", help="Token budget when DOC is ingested in memory (a cache keeps its own).")] = 512,
+    budget: Annotated[
+        int, typer.Option("--budget", "-b", help="Token budget when DOC is ingested in memory (a cache keeps its own).")
+    ] = 512,
     dense: DenseOpt = False,
     topk: TopkOpt = None,
     page_size: PageSizeOpt = None,

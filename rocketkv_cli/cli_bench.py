@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -42,7 +43,7 @@ def bench(
             help="Real text to cut documents from (default: shared/data/kjv.txt above the current directory)."
         ),
     ] = None,
-    steps: Annotated[int, typer.Option(help="Decode steps timed (median), after 4 warm-up steps.")] = 24,
+    steps: Annotated[int, typer.Option(min=1, help="Decode steps timed (median), after 4 warm-up steps.")] = 24,
     memory: Annotated[
         bool, typer.Option(help="Measure peak memory of ask vs full attention in child processes.")
     ] = True,
@@ -75,6 +76,9 @@ def bench(
     text = read_doc(str(src), "utf-8").text
     cfg = prefill_config(token_budget=budget, pool_kernel_size="63")
     engine = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", False)
+    room = engine.shape.max_context_tokens - 128 - 256  # the answer plan and a question
+    if max(lengths) > room:
+        raise InputError(f"--context-tokens {max(lengths)} exceeds what {engine.loaded.model_id} fits ({room})")
     rows = []
     with tempfile.TemporaryDirectory(prefix="rocketkv-bench-") as tmp:
         for n in lengths:
@@ -102,5 +106,7 @@ def bench(
                   "dtype": str(engine.loaded.dtype).removeprefix("torch."), "config": cfg.to_dict(),
                   "source": str(src), "head_dim": engine.shape.head_dim, "n_kv_heads": engine.shape.n_kv_heads,
                   "layer_windows": [spec.sliding_window for spec in engine.shape.layers], "rows": rows}  # fmt: skip
-        json_path.write_text(json.dumps(report, indent=2))
+        tmp = json_path.with_name(f".{json_path.name}.tmp")
+        tmp.write_text(json.dumps(report, indent=2))
+        os.replace(tmp, json_path)  # an old report is replaced whole or not at all
         log(f"wrote {json_path}")

@@ -40,7 +40,8 @@ def log(message: str) -> None:
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:
-    err.print(f"[bold red]Error:[/bold red] {escape(message)}", soft_wrap=True, emoji=False)
+    one_line = message.replace("\r", "\\r").replace("\n", "\\n")
+    err.print(f"[bold red]Error:[/bold red] {escape(one_line)}", soft_wrap=True, emoji=False)
     return typer.Exit(code)
 
 

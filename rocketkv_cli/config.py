@@ -57,6 +57,8 @@ class PrefillConfig:
             raise ValueError(f"pool_kernel_size must be an odd positive integer or 0 (auto), got {k!r}")
         if self.observation not in OBSERVATIONS:
             raise ValueError(f"observation must be one of {OBSERVATIONS}, got {self.observation!r}")
+        if self.page_size is not None and self.page_size > (self.topk or self.token_budget // 2 or 1):
+            raise ValueError(f"page_size must not exceed topk (tokens attended per step), got {self.page_size}")
         if self.prompt_budget is not None and self.prompt_budget < self.window_size:
             raise ValueError(
                 f"prompt_budget must be at least window_size ({self.window_size}), got {self.prompt_budget}"
@@ -119,6 +121,7 @@ def derive_budgets(n_context_tokens: int, max_new_tokens: int, token_budget: int
     page_size = math.ceil(math.sqrt(c2))
     if page_size > c2:
         page_size = 1
+    page_size = min(page_size, topk)  # a page never exceeds what one step attends
     n_score_dims = min(head_dim, max(1, math.floor(head_dim * page_size / c2)))
     return Budgets(
         prompt_budget=prompt_budget,
@@ -169,3 +172,5 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         for name in ("topk", "page_size", "n_score_dims"):
             _positive(name, getattr(self, name), allow_none=False)
+        if self.page_size > self.topk:
+            raise ValueError(f"page_size must not exceed topk ({self.topk}), got {self.page_size}")

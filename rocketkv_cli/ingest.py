@@ -33,9 +33,12 @@ def read_document(path: str, encoding: str = "utf-8", errors: str = "strict") ->
     digest = hashlib.sha256()
     codec = "utf-8-sig" if encoding.lower().replace("_", "-") in ("utf-8", "utf8") else encoding
     try:
+        if not codecs.lookup(codec)._is_text_encoding:
+            raise LookupError(codec)
         decoder = codecs.getincrementaldecoder(codec)(errors=errors)
+        codec = codecs.lookup(codec).name  # canonical name, for the NUL check below ("u8" is utf-8)
     except LookupError as exc:
-        raise InputError(f"unknown encoding {encoding!r}", "pass a Python codec name to --encoding") from exc
+        raise InputError(f"unknown text encoding {encoding!r}", "pass a text codec name to --encoding") from exc
     try:
         codecs.lookup_error(errors)
     except LookupError as exc:
@@ -81,7 +84,8 @@ def read_document(path: str, encoding: str = "utf-8", errors: str = "strict") ->
     if not text.strip():
         what = "empty" if not text else "whitespace only"
         raise InputError(f"document {path if path != '-' else '(stdin)'} is {what}", "give a document with text")
-    return Document(text=text, sha256=digest.hexdigest(), source="-" if path == "-" else str(Path(path)))
+    source = "-" if path == "-" else str(Path(path)).encode("utf-8", "backslashreplace").decode("utf-8")
+    return Document(text=text, sha256=digest.hexdigest(), source=source)
 
 
 def tokenize(tokenizer, text: str, add_special_tokens: bool) -> list[int]:

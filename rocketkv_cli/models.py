@@ -49,6 +49,7 @@ class LoadedModel:
     tokenizer: object
     device: torch.device
     dtype: torch.dtype
+    weights_digest: str | None = None  # sha256 of the weight files (None: in-memory model)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -223,7 +224,40 @@ def load_model(
         ) from exc
     lm.to(dev).eval()
     lm.requires_grad_(False)
-    return LoadedModel(model_id=model_id, model=lm, tokenizer=tok, device=dev, dtype=torch_dtype)
+    files = sorted(Path(where).glob("*.safetensors")) if Path(where).is_dir() else []
+    digest = weights_file_digest(files) if files else None
+    return LoadedModel(model_id=model_id, model=lm, tokenizer=tok, device=dev, dtype=torch_dtype, weights_digest=digest)
+
+
+def weights_file_digest(files: list[Path]) -> str:
+    """sha256 over the bytes of every weight file, in name order; each file's digest is cached
+    under the rocketkv home by (path, size, mtime), so it is read in full once per file version."""
+    cache_path = rocketkv_home() / "digests.json"
+    try:
+        known = json.loads(cache_path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    h, changed = hashlib.sha256(), False
+    for f in files:
+        st = f.stat()
+        key = f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+        if key not in known:
+            fh = hashlib.sha256()
+            with open(f, "rb") as src:
+                while block := src.read(1 << 24):
+                    fh.update(block)
+            known[key], changed = fh.hexdigest(), True
+        h.update(f"{f.name}:{known[key]}".encode())
+    if changed:
+        try:
+            cache_path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=cache_path.parent, prefix=".digests-", suffix=".tmp")
+            with os.fdopen(fd, "w") as out:
+                json.dump(known, out)
+            os.replace(tmp, cache_path)
+        except OSError:
+            pass  # a read-only home only costs a re-hash next time
+    return h.hexdigest()
 
 
 def _config_model_type(where: str) -> str | None:
@@ -239,18 +273,21 @@ def _config_model_type(where: str) -> str | None:
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "dtype", "torch_dtype", "quantization_config", "architectures"}
 
 
-def model_digest(model: torch.nn.Module) -> str:
-    """sha256 over the config and a sampled weights fingerprint (≤1024 values per tensor, as bf16).
+def model_digest(model: torch.nn.Module, weights_digest: str | None = None) -> str:
+    """sha256 over the config and the weights, independent of the dtype the model was loaded in.
 
-    Identifies a model independently of the dtype it was loaded in; fast (milliseconds).
+    weights_digest: digest of the weight files (`weights_file_digest`), which covers every byte.
+    Without it (a model built in memory) every weight is fingerprinted in memory: the bf16 bytes of
+    each tensor, all of them.
     """
     h = hashlib.sha256()
     cfg = {k: v for k, v in model.config.to_dict().items() if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS}
     h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    if weights_digest is not None:
+        h.update(weights_digest.encode())
+        return h.hexdigest()
     for name, p in sorted(model.state_dict().items()):
-        flat = p.detach().reshape(-1)
-        step = max(1, flat.numel() // 1024)
-        sample = flat[::step][:1024].to("cpu", torch.bfloat16).view(torch.int16)
+        sample = p.detach().reshape(-1).to("cpu", torch.bfloat16).view(torch.int16)
         h.update(f"{name}:{tuple(p.shape)}".encode())
         h.update(sample.numpy().tobytes())
     return h.hexdigest()

@@ -41,7 +41,7 @@ class Engine:
     def identity(self) -> dict[str, str]:
         """Metadata that a cache must match to be used with this model."""
         return {
-            "model_digest": model_digest(self.model),
+            "model_digest": model_digest(self.model, self.loaded.weights_digest),
             "tokenizer_digest": tokenizer_digest(self.tokenizer),
             "chat_template_digest": chat_template_digest(self.tokenizer),
             "prompt_template_id": self.prompt.template_id,
@@ -78,6 +78,11 @@ def prefill_document(
     n = len(doc_ids)
     shape = engine.shape
     limit = shape.max_context_tokens - cfg.max_new_tokens - QUESTION_RESERVE_TOKENS
+    if limit < 1:
+        raise BudgetError(
+            f"max_new_tokens {cfg.max_new_tokens} leaves no room in this model's {shape.max_context_tokens}-token context",
+            "lower --max-new-tokens",
+        )
     if n > limit:
         raise BudgetError(
             f"document is {n} tokens; this model's context fits {limit} (after room for a question and answer)",
@@ -180,6 +185,7 @@ def decode_config_for(stored: PrunedKVCache, sparse: bool = True, **overrides: i
     b = json.loads(stored.metadata["budgets"])
     vals = {k: b[k] for k in ("topk", "page_size", "n_score_dims")}
     vals.update({k: v for k, v in overrides.items() if v is not None})
+    vals["n_score_dims"] = min(vals["n_score_dims"], int(stored.metadata["head_dim"]))
     return DecodeConfig(sparse=sparse, **vals)
 
 

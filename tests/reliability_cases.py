@@ -249,6 +249,19 @@ def unreadable(ws: Workspace) -> Path:
     return path
 
 
+def fifo(ws: Workspace) -> Path:
+    path = ws.root / "pipe.kv"
+    if not path.exists():
+        os.mkfifo(path)
+    return path
+
+
+def _is_fifo(ws: Workspace) -> None:
+    import stat
+
+    assert stat.S_ISFIFO((ws.root / "pipe.kv").stat().st_mode), "the FIFO was replaced"
+
+
 def read_only_dir(ws: Workspace) -> Path:
     path = ws.root / "ro"
     path.mkdir(exist_ok=True)
@@ -328,6 +341,7 @@ CASES: list[Case] = [
     Case("non-integer budget", "options", lambda ws: ["ingest", ws.doc, "--budget", "lots", *M(ws)], 2, "", notes="usage error: Typer's message, exit 2"),
     Case("budget larger than the document", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "big-budget.kv", "--budget", "100000", *M(ws)], 0, "", check=_full_cache_check, notes="keeps every token: full attention"),
     Case("--max-new-tokens 0", "options", lambda ws: ["ask", "--cache", ws.kv, QUESTION, "--max-new-tokens", "0"], 2, "", notes="usage error: Typer's range check, exit 2"),
+    Case("ask --page-size larger than topk", "options", lambda ws: ["ask", "--cache", ws.kv, QUESTION, "--page-size", "100000000"], 1, "page_size"),
     Case("ask --topk 0", "options", lambda ws: ["ask", "--cache", ws.kv, QUESTION, "--topk", "0"], 1, "topk"),
     Case("unknown --errors handler", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "e.kv", "--errors", "shrug", *M(ws)], 1, "--errors"),
     Case("prompt budget below the window", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "w.kv", "--budget", "2", "--max-new-tokens", "600", *M(ws)], 1, "below the observation window"),
@@ -342,6 +356,8 @@ CASES: list[Case] = [
     Case("target is a symlink (no --force)", "outputs", lambda ws: ["ingest", ws.doc, "-o", symlink_target(ws), *M(ws)], 1, "already exists", check=_symlink_check),
     Case("target is a symlink (--force)", "outputs", lambda ws: ["ingest", ws.doc, "-o", symlink_target(ws), "--force", *M(ws)], 0, "", check=_symlink_check, notes="the link is replaced by the new file; its target is untouched"),
     Case("write fails half-way (file size limit)", "outputs", lambda ws: ["ingest", ws.doc, "-o", existing_target(ws), "--force", *M(ws)], 1, "cannot write", file_size_limit=10_000, check=_untouched("existing.kv", b"old contents")),
+    Case("-o the document itself (--force)", "outputs", lambda ws: ["ingest", ws.file("self.txt", b"some words " * 40), "-o", ws.root / "self.txt", "--force", *M(ws)], 1, "the document itself", check=_untouched("self.txt", b"some words " * 40)),
+    Case("-o a FIFO (--force)", "outputs", lambda ws: ["ingest", ws.doc, "-o", fifo(ws), "--force", *M(ws)], 1, "not a regular file", check=_is_fifo),
     # cache files
     Case("cache from another model", "cache", lambda ws: ["ask", "--cache", ws.kv, QUESTION, "--model", other_model(ws)], 1, "another model"),
     Case("cache from another tokenizer", "cache", lambda ws: ["ask", "--cache", ws.kv, QUESTION, "--model", other_tokenizer(ws)], 1, "another tokenizer"),
@@ -350,6 +366,8 @@ CASES: list[Case] = [
     Case("truncated by one byte", "cache", lambda ws: ["ask", "--cache", truncated(ws, 0.99999), QUESTION], 1, "truncated or damaged"),
     Case("one payload byte flipped", "cache", lambda ws: ["ask", "--cache", flipped(ws), QUESTION], 1, "payload digest"),
     Case("metadata edited to claim other shapes", "cache", lambda ws: ["ask", "--cache", edited(ws, "shapes.kv", head_dim="8"), QUESTION], 1, "disagree with the metadata"),
+    Case("n_context_tokens raised (metadata re-digested)", "cache", lambda ws: ["ask", "--cache", edited(ws, "ctx.kv", n_context_tokens="5000"), QUESTION], 1, "disagree with the metadata"),
+    Case("config with max_new_tokens 0 (re-digested)", "cache", lambda ws: ["ask", "--cache", edited(ws, "cfg.kv", config='{"max_new_tokens": 0}'), QUESTION], 1, "malformed metadata"),
     Case("newer format version", "cache", lambda ws: ["ask", "--cache", edited(ws, "newer.kv", format_version="99"), QUESTION], 1, "newer than this rocketkv"),
     Case("random bytes named .kv", "cache", lambda ws: ["ask", "--cache", ws.file("random.kv", os.urandom(5000)), QUESTION], 1, "not a rocketkv cache"),
     Case("safetensors that is not a cache", "cache", lambda ws: ["ask", "--cache", foreign_safetensors(ws), QUESTION], 1, "not a rocketkv cache"),

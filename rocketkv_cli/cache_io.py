@@ -84,14 +84,12 @@ def metadata_digest(meta: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def save_cache(cache: PrunedKVCache, path: str | Path, force: bool = False) -> Path:
-    """Write `cache` atomically to `path`.
+def check_target(target: Path, force: bool) -> Path:
+    """Refuse an output path rocketkv must not write (also called before a long ingest starts).
 
-    Raises:
-        OutputError: target exists without `force`, is a directory, or its directory is missing
-            or not writable.
+    Returns the target's directory. Raises OutputError: a directory, an existing file without
+    `force`, a special file (device, FIFO, socket), or a missing directory.
     """
-    target = Path(path)
     if target.is_dir() and not target.is_symlink():
         raise OutputError(f"output path {target} is a directory", "give a file name with -o")
     if (target.exists() or target.is_symlink()) and not force:
@@ -101,6 +99,18 @@ def save_cache(cache: PrunedKVCache, path: str | Path, force: bool = False) -> P
     parent = target.parent if str(target.parent) else Path(".")
     if not parent.is_dir():
         raise OutputError(f"output directory {parent} does not exist", f"create it first: mkdir -p {parent}")
+    return parent
+
+
+def save_cache(cache: PrunedKVCache, path: str | Path, force: bool = False) -> Path:
+    """Write `cache` atomically to `path`.
+
+    Raises:
+        OutputError: target exists without `force`, is a directory, or its directory is missing
+            or not writable.
+    """
+    target = Path(path)
+    parent = check_target(target, force)
     tensors = {k: v.detach().cpu() for k, v in _tensors(cache).items()}
     meta = dict(cache.metadata)
     meta.update(

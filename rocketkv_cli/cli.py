@@ -94,7 +94,7 @@ def ingest(
     quiet: QuietOpt = False,
 ) -> None:
     """Prefill a document once, prune its KV cache with SnapKV++, and save it to a .kv file."""
-    from .cache_io import save_cache
+    from .cache_io import check_target, save_cache
     from .models import DEFAULT_MODEL
 
     setup(quiet)
@@ -108,16 +108,9 @@ def ingest(
         if document == "-":
             raise OutputError("reading from stdin needs an output file", "pass -o FILE.kv")
         output = Path(document).with_suffix(".kv")
-    if (output.exists() or output.is_symlink()) and not force:
-        raise OutputError(f"{output} already exists", "pass --force to replace it")
-    if output.exists() and not output.is_symlink() and not output.is_file():
-        raise OutputError(f"{output} is not a regular file; rocketkv will not replace it", "choose another -o")
+    check_target(output, force)  # fail now, not after a long prefill
     if document != "-" and output.exists() and os.path.samefile(document, output):
         raise OutputError(f"-o {output} is the document itself", "choose another output file")
-    if not output.parent.is_dir():
-        raise OutputError(
-            f"output directory {output.parent} does not exist", f"create it first: mkdir -p {output.parent}"
-        )
     engine = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code)
     stored, elapsed = prefill(engine, doc, cfg)
     save_cache(stored, output, force=force)

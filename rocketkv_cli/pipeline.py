@@ -259,8 +259,8 @@ def _answer_one(engine, cache, question, ids, n_ctx, max_new_tokens, decode) -> 
                 del out[len(out) - loop :]
                 reason = "repetition"
                 break
-            text = engine.tokenizer.decode(out, skip_special_tokens=True).lstrip()
-            if any(s in text for s in engine.prompt.stop_strings):
+            stops = engine.prompt.stop_strings
+            if stops and any(s in engine.tokenizer.decode(out, skip_special_tokens=True).lstrip() for s in stops):
                 reason = "stop_string"
                 break
             if len(out) == max_new_tokens:

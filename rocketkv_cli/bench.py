@@ -8,6 +8,7 @@ transformers answering over the whole document). No printing here: rows go back 
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import platform
 import runpy
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .cache_io import PrunedKVCache, load_cache, save_cache
+from .cache_io import PrunedKVCache, full_kv_bytes, load_cache, save_cache
 from .config import PrefillConfig
 from .hf import forward_tokens, rocketkv_attention
 from .ingest import Document, tokenize
@@ -38,16 +39,7 @@ def build_document(engine: Engine, source_text: str, n_tokens: int) -> Document:
     ids = tokenize(engine.tokenizer, text[: 8 * n_tokens], False)
     overhead = len(document_token_ids(engine, Document("x", "", ""))) - 1
     body = engine.tokenizer.decode(ids[: max(1, n_tokens - overhead)])
-    import hashlib
-
     return Document(text=body, sha256=hashlib.sha256(body.encode()).hexdigest(), source=f"bench-{n_tokens}")
-
-
-def kv_bytes(engine: Engine, n_tokens: int, elem: int) -> int:
-    """Bytes of a full KV cache of `n_tokens` (sliding-window layers hold their window)."""
-    s = engine.shape
-    return sum(2 * s.n_kv_heads * (min(n_tokens, spec.sliding_window) if spec.sliding_window else n_tokens)
-               * s.head_dim * elem for spec in s.layers)  # fmt: skip
 
 
 def hsa_bytes_per_step(engine: Engine, stored: PrunedKVCache, elem: int) -> int:
@@ -202,7 +194,10 @@ def bench_one(
     )
     full_ttft, full_step = full_attention_decode_s(engine, ids, steps, warmup)
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    full_kv, hsa_kv = kv_bytes(engine, n, elem), hsa_bytes_per_step(engine, stored, elem)
+    full_kv = full_kv_bytes(
+        n, [x.sliding_window for x in engine.shape.layers], engine.shape.n_kv_heads, engine.shape.head_dim, elem
+    )
+    hsa_kv = hsa_bytes_per_step(engine, stored, elem)
     ideal = (weights + full_kv) / (weights + hsa_kv)
     row = {
         "context_tokens": n, "ingest_s": ingest_s, "prefill_tokens_per_s": n / ingest_s,

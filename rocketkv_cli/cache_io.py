@@ -55,8 +55,13 @@ class PrunedKVCache:
     def n_context_tokens(self) -> int:
         return int(self.metadata["n_context_tokens"])
 
-    def payload_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer)
+
+def full_kv_bytes(
+    n_context_tokens: int, layer_windows: list[int | None], n_kv_heads: int, head_dim: int, element_bytes: int
+) -> int:
+    """Bytes of the unpruned KV cache of a document (keys + values; sliding layers hold their window)."""
+    tokens = sum(min(n_context_tokens, w) if w else n_context_tokens for w in layer_windows)
+    return 2 * n_kv_heads * tokens * head_dim * element_bytes
 
 
 def _tensors(cache: PrunedKVCache) -> dict[str, torch.Tensor]:

@@ -288,7 +288,7 @@ def inspect(
     json_out: JsonOpt = False,
 ) -> None:
     """Show what a .kv cache holds (validates the file; does not load the model)."""
-    from .cache_io import load_cache
+    from .cache_io import full_kv_bytes, load_cache
 
     stored = load_cache(cache)
     meta = stored.metadata
@@ -297,7 +297,7 @@ def inspect(
     windows = json.loads(meta["layer_windows"])
     elem = stored.layers[0][0].element_size()
     n_kv, d = int(meta["n_kv_heads"]), int(meta["head_dim"])
-    full_bytes = sum(2 * n_kv * (min(n_ctx, w) if w else n_ctx) * d * elem for w in windows)
+    full_bytes = full_kv_bytes(n_ctx, windows, n_kv, d, elem)
     info = {
         "cache": str(cache),
         "file_bytes": cache.stat().st_size,

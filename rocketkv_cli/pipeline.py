@@ -139,16 +139,14 @@ def prefill_document(
 
 def _prefill_chunks(
     engine: Engine, cache: RocketCache, ids: list[int], start: int, chunk: int, progress: TokenProgress
-) -> torch.Tensor:
-    logits = None
+) -> None:
     for offset in range(0, len(ids), chunk):
         piece = ids[offset : offset + chunk]
-        logits = forward_tokens(engine.model, cache, engine.ids(piece), start + offset)
+        forward_tokens(engine.model, cache, engine.ids(piece), start + offset)
         for layer, spec in zip(cache.layers, engine.shape.layers):
             if spec.sliding_window is not None:
                 layer.keep_last(spec.sliding_window)
         progress(offset + len(piece), len(ids))
-    return logits
 
 
 def repeated_tail(tokens: list[int], min_tokens: int = 24, max_period: int = 64) -> int:

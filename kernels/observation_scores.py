@@ -29,7 +29,8 @@ from ._utils import (
 @triton.jit
 def _window_logits(q, k, qpos, kpos, o_m, o_n, m_m, m_n, i_b, i_h,
                    stride_qb, stride_qh, stride_qw, stride_kb, stride_kh, stride_ks, scaling, softcap,
-                   W: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr):  # fmt: skip
+                   W: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                   SOFTCAP: tl.constexpr):  # fmt: skip
     """Logits `[BLOCK_M, BLOCK_N]` of window rows o_m (row = g·W + w) against keys o_n, masked."""
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D

@@ -117,7 +117,8 @@ def page_scores_triton(
         check_dtype(op, name, x)
         check_last_dim_contiguous(op, name, x)
     if page_min.stride() != page_max.stride():
-        raise ValueError(f"{op}: page_min and page_max must share strides, got {page_min.stride()}, {page_max.stride()}")
+        raise ValueError(f"{op}: page_min and page_max must share strides, got {page_min.stride()}, "
+                         f"{page_max.stride()}")
     g = h // hkv
     if g > 64:
         raise ValueError(f"{op}: GQA group {g} (query {tuple(query.shape)}, pages {tuple(page_min.shape)}) exceeds 64")

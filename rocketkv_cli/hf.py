@@ -14,11 +14,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface, Cache
 from transformers.cache_utils import CacheLayerMixin
 
-from .attention import exact_attention
 from . import ops
+from .attention import exact_attention
 from .config import DecodeConfig
 from .errors import ModelLoadError
 
@@ -271,6 +272,10 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         out, _ = ops.hsa_decode(
             query, keys, values, pmin, pmax, dec.topk, dec.page_size, dec.n_score_dims, spec.scaling, spec.softcap
         )
+    elif query.shape[2] == 1 and spec.sliding_window is None and spec.softcap is None:
+        # one new token: every cached key is in its past, so no mask (lets SDPA use its fused decode kernels)
+        gqa = query.shape[1] != keys.shape[1]
+        out = F.scaled_dot_product_attention(query, keys, values, scale=spec.scaling, enable_gqa=gqa)
     else:
         if layer.n_context == 0:  # ingest: positions are shared by all heads
             k_pos = k_pos[:, :1]

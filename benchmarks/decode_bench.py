@@ -54,7 +54,8 @@ def llama_config(smoke: bool):
 
     if smoke:  # same structure at toy size: GQA group 4, head_dim 128
         return LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
-                           num_key_value_heads=2, head_dim=128, vocab_size=1000, max_position_embeddings=4096)  # fmt: skip
+                           num_key_value_heads=2, head_dim=128, vocab_size=1000,
+                           max_position_embeddings=4096)  # fmt: skip
     # Llama-3.1-8B: 32 layers, 32 heads / 8 KV heads, head_dim 128, vocab 128,256, RoPE llama3, 128K context
     return LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
@@ -157,7 +158,6 @@ def attention_only(shape, n: int, kept: int, budgets, device, dtype, reps: int) 
 def sparse_kernel_bandwidth(shape, device, dtype, peak: float | None, smoke: bool) -> list[dict]:
     """Achieved bytes/s of `sparse_attention_triton` reading N_sel gathered K/V rows per KV head."""
     import torch
-
     from rocketkv_cli.kernels.sparse_attention import sparse_attention_triton
 
     hkv, h, d = shape.n_kv_heads, shape.n_heads, shape.head_dim
@@ -166,7 +166,8 @@ def sparse_kernel_bandwidth(shape, device, dtype, peak: float | None, smoke: boo
     q = torch.randn(1, h, 1, d, device=device, dtype=dtype)
     rows = []
     for n_sel in ([64, 256] if smoke else [128, 512, 4096, 16384, 65536]):
-        idx = torch.randperm(s, device=device)[:n_sel].sort().values.view(1, 1, n_sel).expand(1, hkv, n_sel).contiguous()
+        idx = torch.randperm(s, device=device)[:n_sel].sort().values  # [N_sel], one selection for all heads
+        idx = idx.view(1, 1, n_sel).expand(1, hkv, n_sel).contiguous()  # [1, Hkv, N_sel]
         t = bench_fn(lambda: sparse_attention_triton(q, k, v, idx, d**-0.5), device, 2)
         elem = k.element_size()
         n_bytes = hkv * n_sel * (2 * d * elem + 8) + 2 * h * d * elem  # K+V rows, indices, query and output
@@ -210,8 +211,10 @@ def main() -> int:
     shape = model_shape(model)
     n_params = sum(p.numel() for p in model.parameters())
     weight_bytes = n_params * dtype.itemsize
-    print(f"model: {n_params / 1e9:.2f}B params, {weight_bytes / 2**30:.1f} GiB, built in {time.perf_counter() - t0:.1f} s"
-          f"; device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; peak {peak_src}")
+    build_s = time.perf_counter() - t0
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"model: {n_params / 1e9:.2f}B params, {weight_bytes / 2**30:.1f} GiB, built in {build_s:.1f} s; "
+          f"device {name}; peak {peak_src}")
     elem = dtype.itemsize
     n_full = len(shape.full_layers)
     results = {"device": peak_src, "params": n_params, "contexts": [], "sparse_kernel": []}
@@ -239,7 +242,8 @@ def main() -> int:
                      "attn_layer_hsa_ms": attn["hsa_ms"], "attn_layer_sdpa_ms": attn["sdpa_ms"],
                      "attn_speedup": attn["sdpa_ms"] / attn["hsa_ms"]}  # fmt: skip
             row["budgets"].append(entry)
-            print(f"  budget {t:5d} (keep {b.prompt_budget}, topk {b.topk}, page {b.page_size}, dims {b.n_score_dims}): "
+            print(f"  budget {t:5d} (keep {b.prompt_budget}, topk {b.topk}, page {b.page_size}, "
+                  f"dims {b.n_score_dims}): "
                   f"{1e3 * hsa_s:.2f} ms/token, speedup {entry['speedup']:.2f}x (ideal {ideal:.2f}x, "
                   f"{100 * entry['fraction_of_ideal']:.0f}% of it); one layer's attention: HSA {attn['hsa_ms']:.3f} ms "
                   f"vs SDPA {attn['sdpa_ms']:.3f} ms = {entry['attn_speedup']:.1f}x")  # fmt: skip

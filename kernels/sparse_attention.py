@@ -114,7 +114,7 @@ def sparse_attention_triton(
     indices: torch.Tensor,
     scaling: float,
     softcap: float | None = None,
-    block_n: int = 32,
+    block_n: int | None = None,
     n_splits: int | None = None,
 ) -> torch.Tensor:
     """Exact softmax attention of each query head over its KV head's selected tokens (Triton).
@@ -126,7 +126,7 @@ def sparse_attention_triton(
         query: `[B, H, 1, D]`. keys/values: `[B, Hkv, S, D]`; only the last dim must be contiguous
             (a view of a larger cache buffer is read in place). indices: `[B, Hkv, N_sel]` int64
             (entries ≥ S are ignored). scaling, softcap: the layer's attention scaling / soft-cap.
-        block_n: selected tokens per inner step. n_splits: splits of the selection (None = enough
+        block_n: selected tokens per inner step (None: 64 on CUDA, 32 in the interpreter). n_splits: splits of the selection (None = enough
             programs to fill the device), merged by a second kernel.
     Returns:
         `[B, H, 1, D]` in the query dtype.
@@ -153,6 +153,7 @@ def sparse_attention_triton(
         raise ValueError(f"{op}: GQA group {g} (query {tuple(query.shape)}, keys {tuple(keys.shape)}) exceeds 64")
     indices = indices.contiguous()
     block_g, block_d = block_dim(g), block_dim(d)
+    block_n = block_n or (64 if query.is_cuda and d <= 128 else 32)
     if n_splits is None:
         n_splits = max(1, min(triton.cdiv(n_sel, block_n), triton.cdiv(n_programs_target(keys.device), b * hkv)))
     split_len = triton.cdiv(triton.cdiv(n_sel, n_splits), block_n) * block_n

@@ -310,6 +310,10 @@ def test__dispatch__without_triton_auto_falls_back_and_forced_triton_errors(monk
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setenv(ops.ENV_VAR, "auto")
     assert ops.implementation("sparse_attention", FAKE_CUDA) is decode.sparse_attention
+    q, k = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 40, 16)
+    pmin, pmax = ops.page_summaries(k, 4)  # the whole torch path runs without triton
+    out, idx = ops.hsa_decode(q, k, k, pmin, pmax, topk=8, page_size=4, n_score_dims=5, scaling=0.25)
+    assert out.shape == (1, 4, 1, 16) and idx.shape == (1, 2, 8)
     monkeypatch.setenv(ops.ENV_VAR, "triton")
     with pytest.raises(ops.KernelUnavailableError, match="pip install triton.*ROCKETKV_KERNELS=torch"):
         ops.implementation("sparse_attention", torch.zeros(1))

@@ -27,15 +27,21 @@ from ._utils import (
 
 
 @triton.jit
-def _window_logits(q, k, qpos, kpos, o_m, o_n, m_m, m_n, i_b, i_h,
-                   stride_qb, stride_qh, stride_qw, stride_kb, stride_kh, stride_ks, scaling, softcap,
-                   W: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+def _window_queries(q, o_m, m_m, i_b, i_h, stride_qb, stride_qh, stride_qw,
+                    W: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """Window query rows o_m (row = g·W + w of KV head i_h) as float32 `[BLOCK_M, BLOCK_D]`."""
+    o_d = tl.arange(0, BLOCK_D)
+    p_q = q + i_b * stride_qb + (i_h * G + o_m // W)[:, None] * stride_qh + (o_m % W)[:, None] * stride_qw
+    return tl.load(p_q + o_d[None, :], mask=m_m[:, None] & (o_d < D)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _window_logits(b_q, k, qpos, kpos, o_m, o_n, m_m, m_n, i_b, i_h, stride_kb, stride_kh, stride_ks, scaling,
+                   softcap, W: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                    SOFTCAP: tl.constexpr):  # fmt: skip
-    """Logits `[BLOCK_M, BLOCK_N]` of window rows o_m (row = g·W + w) against keys o_n, masked."""
+    """Logits `[BLOCK_M, BLOCK_N]` of window rows o_m (queries b_q) against keys o_n, causally masked."""
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < D
-    p_q = q + i_b * stride_qb + (i_h * G + o_m // W)[:, None] * stride_qh + (o_m % W)[:, None] * stride_qw
-    b_q = tl.load(p_q + o_d[None, :], mask=m_m[:, None] & m_d[None, :], other=0.0).to(tl.float32)
     p_k = k + i_b * stride_kb + i_h * stride_kh + o_n[:, None] * stride_ks + o_d[None, :]
     b_k = tl.load(p_k, mask=m_n[:, None] & m_d[None, :], other=0.0).to(tl.float32)
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scaling  # [BLOCK_M, BLOCK_N]
@@ -56,18 +62,18 @@ def _window_stats_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     i_bh, i_m, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // HKV, i_bh % HKV
+    i_b, i_h = (i_bh // HKV).to(tl.int64), i_bh % HKV  # int64: batch offsets can pass 2^31 elements
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = o_m < G * W
+    b_q = _window_queries(q, o_m, m_m, i_b, i_h, stride_qb, stride_qh, stride_qw, W, G, D, BLOCK_D)
     b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_M], tl.float32)
     start = i_s * SPLIT_LEN
     end = tl.minimum(start + SPLIT_LEN, S)
     for i_n in range(start, end, BLOCK_N):
         o_n = i_n + tl.arange(0, BLOCK_N)
-        b_s = _window_logits(q, k, qpos, kpos, o_m, o_n, m_m, o_n < end, i_b, i_h,
-                             stride_qb, stride_qh, stride_qw, stride_kb, stride_kh, stride_ks, scaling, softcap,
-                             W, G, D, BLOCK_D, SOFTCAP)  # fmt: skip
+        b_s = _window_logits(b_q, k, qpos, kpos, o_m, o_n, m_m, o_n < end, i_b, i_h, stride_kb, stride_kh,
+                             stride_ks, scaling, softcap, W, D, BLOCK_D, SOFTCAP)  # fmt: skip
         b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
         b_m_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
         b_l = b_l * tl.exp(b_m - b_m_safe) + tl.sum(tl.exp(b_s - b_m_safe[:, None]), 1)
@@ -85,16 +91,16 @@ def _window_scores_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     i_bh, i_n = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // HKV, i_bh % HKV
+    i_b, i_h = (i_bh // HKV).to(tl.int64), i_bh % HKV
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < S
     b_acc = tl.zeros([BLOCK_N], tl.float32)
     for i_m in range(0, G * W, BLOCK_M):
         o_m = i_m + tl.arange(0, BLOCK_M)
         m_m = o_m < G * W
-        b_s = _window_logits(q, k, qpos, kpos, o_m, o_n, m_m, m_n, i_b, i_h,
-                             stride_qb, stride_qh, stride_qw, stride_kb, stride_kh, stride_ks, scaling, softcap,
-                             W, G, D, BLOCK_D, SOFTCAP)  # fmt: skip
+        b_q = _window_queries(q, o_m, m_m, i_b, i_h, stride_qb, stride_qh, stride_qw, W, G, D, BLOCK_D)
+        b_s = _window_logits(b_q, k, qpos, kpos, o_m, o_n, m_m, m_n, i_b, i_h, stride_kb, stride_kh, stride_ks,
+                             scaling, softcap, W, D, BLOCK_D, SOFTCAP)  # fmt: skip
         b_lse = tl.load(lse + i_bh * ROWS_PAD + o_m, mask=m_m, other=0.0)
         b_p = tl.exp(b_s - b_lse[:, None])
         b_acc += tl.sum(tl.where(m_m[:, None], b_p, 0.0), 0)

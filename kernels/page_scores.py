@@ -29,7 +29,7 @@ def _page_logits_kernel(
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
 ):  # fmt: skip
     i_bh, i_p = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // HKV, i_bh % HKV
+    i_b, i_h = (i_bh // HKV).to(tl.int64), i_bh % HKV
     o_g, o_d, o_r = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_R)
     o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
     m_g, m_r, m_p = o_g < G, o_r < R, o_p < P

@@ -22,7 +22,7 @@ def _page_minmax_kernel(
     D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     i_bh, i_p = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // HKV, i_bh % HKV
+    i_b, i_h = (i_bh // HKV).to(tl.int64), i_bh % HKV  # int64: batch offsets can pass 2^31 elements
     o_p = FIRST_PAGE + i_p * BLOCK_P + tl.arange(0, BLOCK_P)
     o_d = tl.arange(0, BLOCK_D)
     m_p, m_d = o_p < FIRST_PAGE + N_PAGES, o_d < D

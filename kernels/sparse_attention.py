@@ -31,7 +31,7 @@ def _sparse_attention_split_kernel(
     SOFTCAP: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     i_bh, i_s = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // HKV, i_bh % HKV
+    i_b, i_h = (i_bh // HKV).to(tl.int64), i_bh % HKV  # int64: batch offsets can pass 2^31 elements
     o_g, o_d, o_n = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_N)
     m_g, m_d = o_g < G, o_d < D
     p_q = q + i_b * stride_qb + (i_h * G + o_g)[:, None] * stride_qh + o_d[None, :]
@@ -89,7 +89,7 @@ def _sparse_attention_merge_kernel(
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     i_bh = tl.program_id(0)
-    i_b, i_h = i_bh // HKV, i_bh % HKV
+    i_b, i_h = (i_bh // HKV).to(tl.int64), i_bh % HKV
     o_g, o_d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
     b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     for i_s in range(0, NUM_SPLITS):
@@ -126,8 +126,9 @@ def sparse_attention_triton(
         query: `[B, H, 1, D]`. keys/values: `[B, Hkv, S, D]`; only the last dim must be contiguous
             (a view of a larger cache buffer is read in place). indices: `[B, Hkv, N_sel]` int64
             (entries ≥ S are ignored). scaling, softcap: the layer's attention scaling / soft-cap.
-        block_n: selected tokens per inner step (None: 64 on CUDA, 32 in the interpreter). n_splits: splits of the selection (None = enough
-            programs to fill the device), merged by a second kernel.
+        block_n: selected tokens per inner step (None: 64 on CUDA, 32 in the interpreter).
+        n_splits: splits of the selection (None = enough programs to fill the device), merged by a
+            second kernel.
     Returns:
         `[B, H, 1, D]` in the query dtype.
     Raises:

@@ -2,7 +2,7 @@
 # Prepared GPU check for the Triton kernels (issue "Triton kernels for the decode and scoring hot paths").
 #
 #   benchmarks/gpu_check.sh            # on one NVIDIA GPU: ~4 min on an H200 (estimate), < 8 min budget
-#   benchmarks/gpu_check.sh --smoke    # CPU dry run of the same steps: Triton interpreter, tiny shapes
+#   benchmarks/gpu_check.sh --smoke    # CPU dry run (~1.5 min): interpreter tests, sm_90 compile, tiny benchmark
 #
 # Needs a Python environment with a CUDA build of torch, triton and this package installed
 # (`pip install -e '.[test]'`); it installs nothing. Steps:
@@ -22,6 +22,8 @@ if [ "${1:-}" = "--smoke" ]; then
     export TRITON_INTERPRET=1
     echo "== smoke: kernel tests under the Triton interpreter (CPU)"
     timeout 300 "$PY" -m pytest tests/test_kernels.py -q -p no:cacheprovider; tests_rc=$?
+    echo "== smoke: compile every kernel for sm_90 without a GPU (what the interpreter does not check)"
+    env -u TRITON_INTERPRET timeout 300 "$PY" benchmarks/compile_check.py || tests_rc=1
     echo "== smoke: decode benchmark, tiny model on CPU (numbers meaningless; proves the script runs)"
     timeout 300 "$PY" benchmarks/decode_bench.py --smoke; bench_rc=$?
 else

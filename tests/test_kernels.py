@@ -332,3 +332,32 @@ def test__dispatch__backend_logged_once_per_op_at_debug(monkeypatch, caplog):
 def test__dispatch__kernel_exceptions_propagate(monkeypatch, triton_backend):
     with pytest.raises(ValueError, match="n_score_dims"):
         ops.page_scores(_randn(1, 1, 1, 16), _randn(1, 1, 2, 16), _randn(1, 1, 2, 16), torch.ones(2), 0)
+
+
+# --- the product path through the kernels ------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])  # GQA group 3; soft-capping and sliding layers
+def test__ingest_and_answer__triton_backend_equals_torch(monkeypatch, arch):
+    """Stage-1 scoring/pooling (pipeline) and the HSA decode step (hf attention) through `ops`."""
+    from conftest import make_engine, text_of_bytes
+
+    from rocketkv_cli.config import PrefillConfig
+    from rocketkv_cli.ingest import Document
+    from rocketkv_cli.pipeline import answer, decode_config_for, prefill_document
+
+    engine = make_engine(arch, dtype=torch.float32)
+    engine.stop_ids = set()
+    document = Document(text=text_of_bytes(300, seed=2), sha256="0" * 64, source="doc.txt")
+    cfg = PrefillConfig(token_budget=32, max_new_tokens=6, window_size=8, pool_kernel_size=5)
+    runs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv(ops.ENV_VAR, backend)
+        stored = prefill_document(engine, document, cfg)
+        dec = decode_config_for(stored)
+        assert all(stored.layers[i][0].shape[2] > dec.topk for i in engine.shape.full_layers)  # HSA selects
+        runs[backend] = (stored, next(answer(engine, stored, ["Which word?"], 6, dec)).token_ids)
+    (ref, ref_ids), (out, out_ids) = runs["torch"], runs["triton"]
+    for (_, _, ref_pos), (_, _, out_pos) in zip(ref.layers, out.layers):
+        assert torch.equal(ref_pos, out_pos), "stage 1 kept other tokens with the Triton backend"
+    assert list(out_ids) == list(ref_ids)

@@ -19,7 +19,8 @@ from .errors import BudgetError, InputError
 from .hf import ModelShape, RocketCache, RocketLayer, empty_cache, forward_tokens, model_shape, rocketkv_attention
 from .ingest import Document, tokenize
 from .models import LoadedModel, chat_template_digest, model_digest, stop_token_ids, tokenizer_digest
-from .prefill import gather_tokens, observation_scores, snapkv_select
+from .ops import observation_scores, snapkv_select
+from .prefill import gather_tokens
 from .templates import PromptFormat, prompt_format, read_prompt
 
 QUESTION_RESERVE_TOKENS = 256  # room kept for a question when checking a document against the context

@@ -47,10 +47,13 @@ class PrunedKVCache:
 
     layers: per layer (keys `[1, Hkv, S_l, D]`, values `[1, Hkv, S_l, D]`, positions `[1, Hkv, S_l]`
     int64), S_l = tokens kept by that layer. metadata: the string metadata of SPEC §4.
+    token_ids: `[n_context_tokens]` int32, the framed document's token ids, or None (stored for
+    segments of long documents, where questions are routed by them).
     """
 
     layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     metadata: dict[str, str] = field(default_factory=dict)
+    token_ids: torch.Tensor | None = None
 
     @property
     def n_context_tokens(self) -> int:
@@ -104,6 +107,8 @@ def _tensors(cache: PrunedKVCache) -> dict[str, torch.Tensor]:
         out[f"layers.{i}.keys"] = k[0].contiguous()
         out[f"layers.{i}.values"] = v[0].contiguous()
         out[f"layers.{i}.positions"] = p[0].to(torch.int64).contiguous()
+    if cache.token_ids is not None:
+        out["token_ids"] = cache.token_ids.to(torch.int32).contiguous()
     return out
 
 
@@ -176,12 +181,14 @@ def save_segmented(
 
     `segments` may be memory-mapped checkpoints (`load_cache` results): memory stays at one tensor
     beyond the maps, whatever the file size. Tensors are named `segments.{j}.layers.{i}.{kind}`;
-    the layout is plain safetensors (contiguous, 8-byte dtypes first). `metadata` gets the
+    each segment's `token_ids` (required here) go in `segments.{j}.token_ids`. The layout is plain
+    safetensors (contiguous, 8-byte dtypes first). `metadata` gets the
     `segments` list (see `segment_entry`) and the total `n_context_tokens`.
     Raises:
         OutputError: as `save_cache`.
     """
     tensors: dict[str, torch.Tensor] = {}
+    assert all(seg.token_ids is not None for seg in segments), "segments need their token ids"
     for j, seg in enumerate(segments):
         for name, t in _tensors(seg).items():
             tensors[f"segments.{j}.{name}"] = t
@@ -374,15 +381,17 @@ def load_cache(path: str | Path) -> PrunedKVCache | SegmentedKVCache:
             "upgrade rocketkv, or " + rebuild,
         )
     segments = _segment_entries(meta, version, n_ctx, path, rebuild)
-    if not 0 < n_layers <= 4096 or len(info["tensors"]) != 3 * n_layers * len(segments):
+    if not 0 < n_layers <= 4096 or len(info["tensors"]) > 4 * n_layers * len(segments):
         raise CacheFormatError(f"{path}: tensors do not match n_layers={n_layers}", rebuild)
     prefixes = [""] if version == 1 else [f"segments.{j}." for j in range(len(segments))]
     expected = {
         f"{p}layers.{i}.{kind}" for p in prefixes for i in range(n_layers) for kind in ("keys", "values", "positions")
     }
-    if set(info["tensors"]) != expected:
+    ids_names = {f"{p}token_ids" for p in prefixes}  # optional in v1, required in v2
+    names = set(info["tensors"])
+    if not expected <= names <= expected | ids_names or (version > 1 and not ids_names <= names):
         raise CacheFormatError(f"{path}: tensors do not match n_layers={n_layers}", rebuild)
-    tensors = {name: _tensor(buf, info["base"], info["tensors"][name]) for name in sorted(expected)}
+    tensors = {name: _tensor(buf, info["base"], info["tensors"][name]) for name in sorted(names)}
     if payload_digest(tensors) != meta["payload_sha256"]:
         raise CacheFormatError(f"{path} is damaged (payload digest mismatch)", rebuild)
     parts = []
@@ -392,7 +401,9 @@ def load_cache(path: str | Path) -> PrunedKVCache | SegmentedKVCache:
             _checked_layer(tensors, f"{prefix}layers.{i}.", n_kv, head_dim, n_seg, meta["dtype"])
             for i in range(n_layers)
         ]
-        if any(layer is None for layer in layers):
+        ids = tensors.get(f"{prefix}token_ids")
+        ids_ok = ids is None or (ids.dtype == torch.int32 and ids.shape == (n_seg,) and int(ids.min()) >= 0)
+        if any(layer is None for layer in layers) or not ids_ok:
             where = f"segment {j} " if version > 1 else ""
             raise CacheFormatError(f"{path}: {where}layer tensors disagree with the metadata", rebuild)
         seg_meta = dict(meta)
@@ -402,7 +413,7 @@ def load_cache(path: str | Path) -> PrunedKVCache | SegmentedKVCache:
                 segment_index=str(j), segment_start_token=str(entry["start_token"]),
                 segment_ids_sha256=entry["ids_sha256"],
             )  # fmt: skip
-        parts.append(PrunedKVCache(layers=layers, metadata=seg_meta))
+        parts.append(PrunedKVCache(layers=layers, metadata=seg_meta, token_ids=ids))
     return parts[0] if version == 1 else SegmentedKVCache(segments=parts, metadata=dict(meta))
 
 

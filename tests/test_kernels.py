@@ -246,12 +246,22 @@ def test__rocket_layer_pages__triton_update_after_crop_and_new_tail(triton_backe
 @pytest.mark.parametrize(
     "op, args",
     [
-        ("sparse_attention", lambda: (_randn(1, 2, 1, 64), _randn(1, 1, 5, 32), _randn(1, 1, 5, 32),
-                                      torch.zeros(1, 1, 2, dtype=torch.long), 1.0)),  # fmt: skip
+        (
+            "sparse_attention",
+            lambda: (
+                _randn(1, 2, 1, 64),
+                _randn(1, 1, 5, 32),
+                _randn(1, 1, 5, 32),
+                torch.zeros(1, 1, 2, dtype=torch.long),
+                1.0,
+            ),
+        ),  # fmt: skip
         ("page_scores", lambda: (_randn(1, 2, 1, 64), _randn(1, 1, 3, 64), _randn(1, 1, 3, 64), torch.ones(3), 65)),
         ("page_summaries", lambda: (_randn(1, 1, 5, 300), 2)),
-        ("observation_scores", lambda: (_randn(1, 2, 4, 64), _randn(1, 1, 5, 64).transpose(2, 3),
-                                        torch.arange(4), torch.arange(5), 1.0)),  # fmt: skip
+        (
+            "observation_scores",
+            lambda: (_randn(1, 2, 4, 64), _randn(1, 1, 5, 64).transpose(2, 3), torch.arange(4), torch.arange(5), 1.0),
+        ),  # fmt: skip
     ],
 )
 def test__launchers__reject_bad_shapes_with_value_error(triton_backend, op, args):

@@ -28,6 +28,7 @@ from rocketkv_cli.segments import (
     Checkpoints,
     frame_tokens,
     ingest_stream,
+    lexical_scores,
     merge_segments,
     question_queries,
     route,
@@ -190,15 +191,42 @@ def test__route_picks_the_segment_holding_a_key_aligned_with_the_question(engine
         keys = keys.clone()
         keys[0, :, -2] = planted.to(keys.dtype)
         layers[i] = (keys, values, pos)
-    parts[target] = PrunedKVCache(layers=layers, metadata=parts[target].metadata)
+    parts[target] = PrunedKVCache(layers=layers, metadata=parts[target].metadata, token_ids=parts[target].token_ids)
     planted_cache = SegmentedKVCache(segments=parts, metadata=stored.metadata)
     scores = segment_scores(engine, planted_cache, question)
     assert int(scores.argmax()) == target, scores
-    assert route(engine, planted_cache, question, 2)[0] <= route(engine, planted_cache, question, 2)[1]
-    assert target in route(engine, planted_cache, question, 2)
+    no_terms = "zzz qqq?"  # no letter of it occurs in the document: BM25 is 0, routing uses the keys
+    assert float(lexical_scores(engine, planted_cache, no_terms).max()) == 0.0
+    assert route(engine, planted_cache, no_terms, 1) == [int(segment_scores(engine, planted_cache, no_terms).argmax())]
     order = [3, 0, 2, 1] + list(range(4, len(parts)))  # scores follow the segments, not their order
     permuted = SegmentedKVCache(segments=[parts[j] for j in order], metadata=stored.metadata)
     assert torch.allclose(segment_scores(engine, permuted, question), scores[order], atol=1e-5)
+
+
+def test__route_by_terms_finds_the_segment_with_the_rare_word(engine):
+    lines = lines_text(30).splitlines(keepends=True)
+    lines.insert(22, "the zebra bazaar\n")  # 'z' and 'b' occur nowhere else (byte tokens are the terms)
+    stored = ingest_stream(engine, TextPieces("".join(lines), "doc.txt"), CFG, segment_tokens=300)
+    texts = [engine.tokenizer.decode(p.token_ids.tolist()) for p in stored.segments]
+    own = next(j for j, t in enumerate(texts) if "zebra" in t)
+    assert own > 0
+    assert route(engine, stored, "where is the zebra?", 1) == [own]
+    assert own in route(engine, stored, "where is the zebra?", 3) and len(route(engine, stored, "zebra", 3)) == 3
+
+
+def test__bm25_matches_the_formula_by_hand(engine):
+    import math
+
+    stored = ingest_stream(engine, TextPieces(lines_text(30), "doc.txt"), CFG, segment_tokens=300)
+    question = "g"  # one term: the byte 'g'
+    term = int(engine.term_ids[engine.tokenizer("g", add_special_tokens=False)["input_ids"][0]])
+    counts = [int((engine.term_ids[p.token_ids.long()] == term).sum()) for p in stored.segments]
+    lengths = [int((engine.term_ids[p.token_ids.long()] >= 0).sum()) for p in stored.segments]
+    n, df, avg = len(counts), sum(c > 0 for c in counts), sum(lengths) / len(lengths)
+    idf = math.log(1 + (n - df + 0.5) / (df + 0.5))
+    expected = [idf * c * 2.2 / (c + 1.2 * (0.25 + 0.75 * length / avg)) for c, length in zip(counts, lengths)]
+    got = lexical_scores(engine, stored, question).tolist()
+    assert got == pytest.approx(expected, rel=1e-5), (got, expected)
 
 
 def test__one_routed_segment_answers_as_that_segment_alone(engine):

@@ -26,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -42,17 +43,21 @@ def run(args: list[str], timeout: float | None = None, interrupt_after: float | 
     cmd = ["/usr/bin/time", "-f", "MAXRSS_KB %M", ROCKETKV, *args]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    if interrupt_after is not None:
-        try:
-            out, err = proc.communicate(timeout=interrupt_after)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGINT)
-            out, err = proc.communicate(timeout=120)
-    else:
-        out, err = proc.communicate(timeout=timeout)
+    lines: list[tuple[float, str]] = []  # stderr lines with the time they arrived (seconds from start)
+    reader = threading.Thread(target=lambda: lines.extend((time.perf_counter() - t0, x) for x in proc.stderr))
+    reader.start()
+    try:
+        out = proc.stdout.read() if interrupt_after is None else ""
+        proc.wait(timeout=interrupt_after if interrupt_after is not None else timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=120)
+    out += proc.stdout.read()
+    reader.join()
     seconds = time.perf_counter() - t0
+    err = "".join(x for _, x in lines)
     rss = re.findall(r"MAXRSS_KB (\d+)", err)
-    return {"code": proc.returncode, "stdout": out, "stderr": err, "seconds": seconds,
+    return {"code": proc.returncode, "stdout": out, "stderr": err, "seconds": seconds, "lines": lines,
             "peak_rss_bytes": int(rss[-1]) * 1024 if rss else None}  # fmt: skip
 
 
@@ -80,7 +85,10 @@ def build_document(tok, n_tokens: int, per_depth: int, seed: int) -> tuple[str, 
             needles.append({"name": name, "number": str(rng.randint(100000, 999999)), "depth": depth,
                             "at_depth": round(depth + 0.01 * k, 3)})  # fmt: skip
     for needle in sorted(needles, key=lambda n: -n["at_depth"]):  # insert from the end: indices stay valid
-        body.insert(int(needle["at_depth"] * len(body)), f"The special magic number for {needle['name']} is {needle['number']}.\n")
+        body.insert(
+            int(needle["at_depth"] * len(body)),
+            f"The special magic number for {needle['name']} is {needle['number']}.\n",
+        )
     text = "".join(body)
     for needle in needles:
         prefix = text[: text.index(f"for {needle['name']} is")]
@@ -144,15 +152,16 @@ def preset_report(preset: str, args, work: Path) -> dict:
 
 def full_book(preset: str, tok, seconds: float, work: Path) -> dict:
     """Ingest the whole book for `seconds`, then interrupt: tokens/s and the projected total."""
-    total = sum(len(ids) for ids in tok(KJV.read_text(encoding="utf-8-sig").splitlines(), add_special_tokens=False)["input_ids"])
+    total = sum(
+        len(ids) for ids in tok(KJV.read_text(encoding="utf-8-sig").splitlines(), add_special_tokens=False)["input_ids"]
+    )
     out = work / f"{preset}-kjv-full.kv"
     r = run(["ingest", str(KJV), "-o", str(out), "-m", preset], interrupt_after=seconds)
-    done = [(int(m[0]), int(m[1])) for m in re.findall(r"segment (\d+): prefilled \((\d+) tokens", r["stderr"])]
-    loaded = re.search(r"loaded .* in ([\d.]+)s", r["stderr"])
     shutil.rmtree(work / f".{out.name}.segments", ignore_errors=True)
+    start = next(t for t, line in r["lines"] if "loaded " in line)  # prefill starts once the model is loaded
+    done = [(t, int(m.group(1))) for t, line in r["lines"] if (m := re.search(r"prefilled \((\d+) tokens", line))]
     tokens = sum(n for _, n in done)
-    load_s = float(loaded.group(1)) if loaded else 0.0
-    rate = tokens / max(r["seconds"] - load_s, 1e-9)
+    rate = tokens / (done[-1][0] - start) if done else 0.0
     return {"book_tokens": total, "segments_done": len(done), "tokens_done": tokens, "seconds": r["seconds"],
             "tokens_per_s": rate, "projected_total_s": total / rate if rate else None,
             "peak_rss_bytes": r["peak_rss_bytes"], "exit_code": r["code"]}  # fmt: skip
@@ -176,11 +185,11 @@ def render(results: list[dict], command: str) -> str:
         for depth in DEPTHS:
             group = [n for n in r["needles"] if n["depth"] == depth]
             k = len(group)
-            out.append(f"| {r['preset']} | {depth:.0%} | {sum(n['routed_hit'] for n in group)}/{k} | "
-                       f"{sum(n['routed_to_own'] for n in group)}/{k} | {sum(n['own_hit'] for n in group)}/{k} |")  # fmt: skip
+            hits = [sum(n[key] for n in group) for key in ("routed_hit", "routed_to_own", "own_hit")]
+            out.append(f"| {r['preset']} | {depth:.0%} | " + " | ".join(f"{h}/{k}" for h in hits) + " |")
         n = r["needles"]
-        out.append(f"| {r['preset']} | all | {sum(x['routed_hit'] for x in n)}/{len(n)} | "
-                   f"{sum(x['routed_to_own'] for x in n)}/{len(n)} | {sum(x['own_hit'] for x in n)}/{len(n)} |")  # fmt: skip
+        hits = [sum(x[key] for x in n) for key in ("routed_hit", "routed_to_own", "own_hit")]
+        out.append(f"| {r['preset']} | all | " + " | ".join(f"{h}/{len(n)}" for h in hits) + " |")
     out += ["", "## Summaries (`rocketkv summarize --cache FILE`)", ""]
     for r in results:
         out += [f"**{r['preset']}** ({len(r['partial_summaries'])} partial summaries, {r['summarize_s']:.0f} s):", "",
@@ -192,8 +201,11 @@ def render(results: list[dict], command: str) -> str:
                 "|---|---|---|---|---|---|"]  # fmt: skip
         for r in books:
             b = r["full_book"]
-            out.append(f"| {r['preset']} | {b['book_tokens']:,} | {b['tokens_done']:,} in {b['segments_done']} segments | "
-                       f"{b['tokens_per_s']:.0f} | {b['projected_total_s'] / 60:.0f} min | {b['peak_rss_bytes'] / 2**20:.0f} MiB |")  # fmt: skip
+            projected = f"{b['projected_total_s'] / 60:.0f} min" if b["projected_total_s"] else "-"
+            out.append(
+                f"| {r['preset']} | {b['book_tokens']:,} | {b['tokens_done']:,} in {b['segments_done']} segments | "
+                f"{b['tokens_per_s']:.0f} | {projected} | {b['peak_rss_bytes'] / 2**20:.0f} MiB |"
+            )
     return "\n".join(out) + "\n"
 
 

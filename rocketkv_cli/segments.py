@@ -63,7 +63,9 @@ class Checkpoints:
             part = load_cache(path)
         except CacheFormatError:  # e.g. the machine died mid-write of an older rocketkv: redo it
             return None
-        if not isinstance(part, PrunedKVCache) or any(part.metadata.get(k) != v for k, v in expected.items()):
+        if not isinstance(part, PrunedKVCache) or part.token_ids is None:
+            return None
+        if any(part.metadata.get(k) != v for k, v in expected.items()):
             return None
         return part
 

@@ -278,3 +278,28 @@ def test__cli_ingest_segments_resumes_after_sigint_and_answers(rocketkv_bin, tin
     a = subprocess.run([rocketkv_bin, "ask", "--cache", str(out), "which word?", "--segment", "999"], env=env,
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert a.returncode == 1 and "out of range" in a.stderr
+
+
+def test__cli_long_document_from_stdin_and_in_memory_ask_and_summarize(rocketkv_bin, tiny_model_dir, tmp_path):
+    text = lines_text(40)  # ~2.2K tokens: 5+ segments of 512
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    common = ["--model", str(tiny_model_dir), "--segment-tokens", "512"]
+    out = tmp_path / "stdin.kv"
+    r = subprocess.run([rocketkv_bin, "ingest", "-", "-o", str(out), *common, "--budget", "64", "--json"], input=text,
+                       env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["n_segments"] >= 5
+    assert load_cache(out).metadata["document_sha256"] == hashlib.sha256(text.encode()).hexdigest()
+    doc = tmp_path / "doc.txt"
+    doc.write_text(text)
+    r = subprocess.run([rocketkv_bin, "ask", str(doc), "which word?", *common, "--max-new-tokens", "3", "--json"],
+                       env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["segments"]) == 1
+    r = subprocess.run([rocketkv_bin, "summarize", "--cache", str(out), "--max-new-tokens", "3", "--json"],
+                       env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout)
+    n = json.loads(subprocess.run([rocketkv_bin, "inspect", str(out), "--json"], capture_output=True, text=True).stdout)
+    assert [p["segment"] for p in row["partial_summaries"] if p["level"] == 0] == list(range(n["n_segments"]))
+    assert row["n_answer_tokens"] <= 3 and "summary of part 1/" in r.stderr

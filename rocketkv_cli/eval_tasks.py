@@ -46,10 +46,12 @@ class Needle:
 
 @dataclass(frozen=True)
 class Question:
-    """A question and the values a correct answer contains (case-insensitive substrings)."""
+    """A question, the values a correct answer contains (case-insensitive substrings), and the
+    depths of the needles that hold them (empty when the answer is spread over the document)."""
 
     text: str
     expected: tuple[str, ...]
+    depths: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -208,17 +210,19 @@ def generate(
         depths = _depths(rng, n_needles)
         rng.shuffle(depths)  # the target (pairs[0]) lands anywhere among the distractors
         inserts = [(d, _niah_needle(k, v)) for d, (k, v) in zip(depths, pairs)]
-        questions = (Question(_niah_question(pairs[0][0]), (pairs[0][1],)),)
+        questions = (Question(_niah_question(pairs[0][0]), (pairs[0][1],), (depths[0],)),)
     elif task == "multivalue":
         key = _key(rng, keys)
         vals = [_number(rng, values) for _ in range(4)]
-        inserts = [(d, _niah_needle(key, v)) for d, v in zip(_depths(rng, 4), vals)]
+        depths = _depths(rng, 4)
+        inserts = [(d, _niah_needle(key, v)) for d, v in zip(depths, vals)]
         questions = (Question(f"What are all the special magic numbers for {key} mentioned in the provided text?",
-                              tuple(vals)),)  # fmt: skip
+                              tuple(vals), tuple(depths)),)  # fmt: skip
     elif task == "multiquery":
         pairs = [(_key(rng, keys), _number(rng, values)) for _ in range(4)]
-        inserts = [(d, _niah_needle(k, v)) for d, (k, v) in zip(_depths(rng, 4), pairs)]
-        questions = tuple(Question(_niah_question(k), (v,)) for k, v in pairs)
+        depths = _depths(rng, 4)
+        inserts = [(d, _niah_needle(k, v)) for d, (k, v) in zip(depths, pairs)]
+        questions = tuple(Question(_niah_question(k), (v,), (d,)) for d, (k, v) in zip(depths, pairs))
     else:  # vt: a chain of assignments, one hop per depth
         names: list[str] = []
         while len(names) < 4:
@@ -227,9 +231,10 @@ def generate(
                 names.append(name)
         value = str(rng.randint(10_000, 99_999))
         chain = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
-        inserts = list(zip(_depths(rng, 4), chain))
+        depths = _depths(rng, 4)
+        inserts = list(zip(depths, chain))
         questions = (Question(f"Find all variables that are assigned the value {value} in the text above.",
-                              tuple(names)),)  # fmt: skip
+                              tuple(names), tuple(depths)),)  # fmt: skip
     document, needles = assemble(sentences, inserts, n_tokens, count_tokens)
     return Sample(task, index, seed, document, questions, needles, ANSWER_TOKENS[task])
 

@@ -16,6 +16,7 @@ import typer
 
 from . import __version__
 from .cli_bench import bench
+from .cli_eval import eval_command
 from .cli_common import (
     BudgetOpt,
     CacheOpt,
@@ -340,6 +341,7 @@ def inspect(
 
 
 app.command()(command(bench))
+app.command(name="eval")(command(eval_command))
 
 
 def run() -> None:

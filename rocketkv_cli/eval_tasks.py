@@ -90,10 +90,11 @@ def _number(rng: random.Random, taken: set[str]) -> str:
 
 
 def _depths(rng: random.Random, k: int) -> list[float]:
-    """k depths spread over DEPTH_RANGE: one uniform draw in each of k equal slices (sorted)."""
+    """k depths spread over DEPTH_RANGE: one uniform draw in the middle 80% of each of k equal
+    slices (sorted; neighbours at least a fifth of a slice apart, so needles do not overlap)."""
     lo, hi = DEPTH_RANGE
     step = (hi - lo) / k
-    return [round(lo + step * (i + rng.random()), 3) for i in range(k)]
+    return [round(lo + step * (i + 0.1 + 0.8 * rng.random()), 3) for i in range(k)]
 
 
 def noise_sentences(rng: random.Random) -> Callable[[], str]:
@@ -149,10 +150,10 @@ def assemble(
     for size in sizes:
         cumulative.append(cumulative[-1] + size)
     pieces_at: dict[int, list[tuple[float, str]]] = {}
-    placed = 0  # tokens of inserts placed before the current one
+    placed, slot = 0, 0  # tokens of inserts placed before the current one; slot of the previous one
     for depth, text in inserts:
         target = depth * (total + insert_tokens) - placed  # haystack tokens that should precede it
-        slot = min(range(len(cumulative)), key=lambda j: abs(cumulative[j] - target))
+        slot = min(range(slot, len(cumulative)), key=lambda j: abs(cumulative[j] - target))  # in depth order
         pieces_at.setdefault(slot, []).append((depth, text))
         placed += count_tokens(" " + text)
     pieces: list[str] = []

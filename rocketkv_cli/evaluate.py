@@ -298,8 +298,9 @@ def run_eval(
 ) -> dict:
     """Run every method of `cfg` on every sample, through saved `.kv` files in `workdir`.
 
-    Returns the report: {"format", "format_version", "config", "model", "summary", "records",
-    "elapsed_s"}; each record is one question answered by one method at one budget.
+    Returns the report: {"format", "format_version", "config", "model", "summary", "samples",
+    "records", "elapsed_s"}; each record is one question answered by one method at one budget;
+    `samples` has each sample's shared prefill + pruning time and its cache save/load time (s).
     Raises:
         ValueError: a task needing haystack text without it. BudgetError: a length the model's
         context does not fit. OutputError: `workdir` not writable.
@@ -315,7 +316,7 @@ def run_eval(
     caches, runs = plan(cfg)
     count = lambda text: len(tokenize(engine.tokenizer, text, False))  # noqa: E731
     total = len(cfg.context_tokens) * len(tasks) * cfg.samples * (len(caches) + len(runs))
-    done, t0, records = 0, time.perf_counter(), []
+    done, t0, records, samples = 0, time.perf_counter(), [], []
     for n in cfg.context_tokens:
         for task in tasks:
             for index in range(cfg.samples):
@@ -324,17 +325,25 @@ def run_eval(
                 progress(done, total, f"{what}: prefill")
                 doc = Document(sample.document, hashlib.sha256(sample.document.encode()).hexdigest(),
                                f"eval-{task}-{index}")  # fmt: skip
+                t_sample = time.perf_counter()
                 stored = dict(zip(caches, prefill_variants(engine, doc, list(caches.values()))))
+                prefill_s, io_s = time.perf_counter() - t_sample, 0.0
                 done += len(caches)
                 for key, cache in stored.items():
+                    t_io = time.perf_counter()
                     path = save_cache(cache, workdir / f"{key}.kv", force=True)
                     loaded = load_cache(path)
                     open_cache(engine, loaded, str(path))
+                    io_s += time.perf_counter() - t_io
                     for run in (r for r in runs if r.cache_key == key):
                         progress(done, total, f"{what}: {run.label}" + (f" t={run.budget}" if run.budget else ""))
                         records += _answer_run(engine, loaded, run, sample, n, cfg)
                         done += 1
                 _agree(records[-len(runs) * len(sample.questions) :])
+                samples.append({"context_tokens": n, "n_context_tokens": stored["full" if "full" in stored else key]
+                                .n_context_tokens, "task": task, "sample": index, "n_caches": len(caches),
+                                "prefill_s": round(prefill_s, 3), "save_load_s": round(io_s, 3),
+                                "total_s": round(time.perf_counter() - t_sample, 3)})  # fmt: skip
     progress(done, total, "done")
     return {
         "format": REPORT_FORMAT,
@@ -346,6 +355,7 @@ def run_eval(
                   "n_kv_heads": engine.shape.n_kv_heads, "max_context_tokens": engine.shape.max_context_tokens,
                   "layer_windows": [s.sliding_window for s in engine.shape.layers]},  # fmt: skip
         "summary": summarize(records),
+        "samples": samples,
         "records": records,
         "elapsed_s": round(time.perf_counter() - t0, 3),
     }

@@ -16,7 +16,6 @@ import typer
 
 from . import __version__
 from .cli_bench import bench
-from .cli_eval import eval_command
 from .cli_common import (
     BudgetOpt,
     CacheOpt,
@@ -39,6 +38,7 @@ from .cli_common import (
     read_doc,
     setup,
 )  # fmt: skip
+from .cli_eval import eval_command
 from .errors import InputError, OutputError
 
 app = typer.Typer(

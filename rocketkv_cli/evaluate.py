@@ -154,8 +154,9 @@ def plan(cfg: EvalConfig) -> tuple[dict[str, PrefillConfig], list[Run]]:
         if "hsa" in cfg.methods:
             runs.append(Run("hsa", t, None, None, "full", "hsa"))
         if "sink_recent" in cfg.methods:
-            caches[f"t{t}-sink"] = PrefillConfig(token_budget=t, selection="sink_recent", n_sink_tokens=cfg.n_sink_tokens,
-                                                 **base)  # fmt: skip
+            caches[f"t{t}-sink"] = PrefillConfig(
+                token_budget=t, selection="sink_recent", n_sink_tokens=cfg.n_sink_tokens, **base
+            )
             runs.append(Run("sink_recent", t, None, None, f"t{t}-sink", "sink_recent"))
     return caches, runs
 

@@ -62,7 +62,8 @@ def test__generate__expected_values_sit_at_the_stated_depth(tok, task, index):
         assert question.depths
         for value in question.expected:
             # the needle that holds the value (vt: the one assigning that variable)
-            holders = [nd for nd in s.needles if (nd.text.startswith(f"VAR {value} =") if task == "vt" else value in nd.text)]
+            holds = (lambda t: t.startswith(f"VAR {value} =")) if task == "vt" else (lambda t: value in t)
+            holders = [nd for nd in s.needles if holds(nd.text)]
             assert len(holders) == 1, (value, s.needles)
             needle = holders[0]
             assert needle.depth in question.depths
@@ -239,7 +240,8 @@ SUMMARY_KEYS = {"context_tokens", "task", "label", "method", "budget", "observat
 
 
 def test__cli_eval__tiny_model_end_to_end_json_schema(rocketkv_bin, tiny_model_dir, tmp_path):
-    env = {**os.environ, "ROCKETKV_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
+    # one thread: a tiny model gains nothing from more, and a busy 2-core machine makes them spin (10× slower)
+    env = {**os.environ, "ROCKETKV_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     hay = tmp_path / "hay.txt"
     hay.write_text(HAYSTACK)
     out = tmp_path / "eval.json"

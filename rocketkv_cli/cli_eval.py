@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -134,7 +135,7 @@ def eval_command(
             if not kept:
                 raise InputError("niah_text needs real text and none was found", "pass --haystack FILE")
             log("skipping niah_text: no real text found (pass --haystack FILE, e.g. ../shared/data/kjv.txt)")
-            cfg = EvalConfig(**{**cfg.to_dict(), "tasks": kept})
+            cfg = dataclasses.replace(cfg, tasks=kept)
     engine = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", False)
     with _progress() as bar, tempfile.TemporaryDirectory(prefix="rocketkv-eval-") as tmp:
         task = bar.add_task("eval", total=None)

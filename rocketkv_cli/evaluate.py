@@ -237,6 +237,7 @@ def prefill_variants(
         if probe_ids:
             _prefill_chunks(engine, cache, probe_ids, n, cfgs[0].chunk_tokens, lambda d, t: None)
     queries = {i: torch.cat(session.captured[i], dim=2) for i in session.captured}  # [1, H, n - from + probe, D]
+    scores: dict[tuple, torch.Tensor] = {}  # (layer, observation, window) → [1, Hkv, n]: shared by budgets, kernels
     out = []
     for c, b in zip(cfgs, budgets):
         kernel = c.pool_kernel_size or auto_pool_kernel_size(n)
@@ -253,8 +254,10 @@ def prefill_variants(
             elif c.selection == "sink_recent":
                 kept = sink_recent_select(n, b.prompt_budget, c.n_sink_tokens, keys.shape[1], keys.device)
             else:
-                kept = snapkv_select(_scores(queries[i], keys, positions, n, len(probe_ids), c, capture_from, spec),
-                                     b.prompt_budget, c.window_size, kernel)  # fmt: skip
+                key = (i, c.observation, c.window_size)
+                if key not in scores:
+                    scores[key] = _scores(queries[i], keys, positions, n, len(probe_ids), c, capture_from, spec)
+                kept = snapkv_select(scores[key], b.prompt_budget, c.window_size, kernel)
             if kept is None:
                 layers.append(tuple(t[:, :, :n].contiguous() for t in (keys, values, positions)))
             else:

@@ -193,6 +193,7 @@ def test__prefill_variants__equal_prefill_document_for_each_config(arch):
     doc = Document(text_of_bytes(700), "0" * 64, "doc.txt")
     cfgs = [
         PrefillConfig(token_budget=64, max_new_tokens=8, window_size=8),
+        PrefillConfig(token_budget=128, max_new_tokens=8, window_size=8, pool_kernel_size=0),  # scores reused
         PrefillConfig(token_budget=64, max_new_tokens=8, window_size=8, observation="probe", pool_kernel_size=0),
         PrefillConfig(token_budget=64, max_new_tokens=8, window_size=24, pool_kernel_size=7),
         PrefillConfig(token_budget=64, max_new_tokens=8, window_size=8, selection="sink_recent"),

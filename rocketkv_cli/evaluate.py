@@ -24,7 +24,7 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -284,15 +284,6 @@ def _scores(queries, keys, positions, n, n_probe, c: PrefillConfig, capture_from
     return observation_scores(q, k, q_pos, positions[0, 0, : n + probe], spec.scaling, spec.softcap)[..., :n]
 
 
-@dataclass
-class _Unit:
-    """One generated sample at one length (for progress and records)."""
-
-    context_tokens: int
-    sample: Sample
-    records: list[dict] = field(default_factory=list)
-
-
 def run_eval(
     engine: Engine,
     cfg: EvalConfig,
@@ -326,28 +317,16 @@ def run_eval(
             for index in range(cfg.samples):
                 sample = generate(task, index, cfg.seed, n, count, haystack_text)
                 what = f"{task} #{index + 1}/{cfg.samples} at {n} tokens"
+
+                def step(label: str) -> None:
+                    nonlocal done
+                    progress(done, total, f"{what}: {label}")
+                    done += 1
+
                 progress(done, total, f"{what}: prefill")
-                doc = Document(sample.document, hashlib.sha256(sample.document.encode()).hexdigest(),
-                               f"eval-{task}-{index}")  # fmt: skip
-                t_sample = time.perf_counter()
-                stored = dict(zip(caches, prefill_variants(engine, doc, list(caches.values()))))
-                prefill_s, io_s = time.perf_counter() - t_sample, 0.0
-                done += len(caches)
-                for key, cache in stored.items():
-                    t_io = time.perf_counter()
-                    path = save_cache(cache, workdir / f"{key}.kv", force=True)
-                    loaded = load_cache(path)
-                    open_cache(engine, loaded, str(path))
-                    io_s += time.perf_counter() - t_io
-                    for run in (r for r in runs if r.cache_key == key):
-                        progress(done, total, f"{what}: {run.label}" + (f" t={run.budget}" if run.budget else ""))
-                        records += _answer_run(engine, loaded, run, sample, n, cfg)
-                        done += 1
-                _agree(records[-len(runs) * len(sample.questions) :])
-                samples.append({"context_tokens": n, "n_context_tokens": stored["full" if "full" in stored else key]
-                                .n_context_tokens, "task": task, "sample": index, "n_caches": len(caches),
-                                "prefill_s": round(prefill_s, 3), "save_load_s": round(io_s, 3),
-                                "total_s": round(time.perf_counter() - t_sample, 3)})  # fmt: skip
+                sample_records, timing = _run_sample(engine, cfg, sample, n, caches, runs, workdir, step)
+                records += sample_records
+                samples.append(timing)
     progress(done, total, "done")
     return {
         "format": REPORT_FORMAT,
@@ -363,6 +342,34 @@ def run_eval(
         "records": records,
         "elapsed_s": round(time.perf_counter() - t0, 3),
     }
+
+
+def _run_sample(engine, cfg, sample: Sample, n: int, caches: dict, runs: list, workdir: Path, step) -> tuple:
+    """Prefill the sample once, save and load each cache, answer every run from its file.
+
+    Returns (records, timing): the sample's records and its shared prefill + pruning and cache
+    save/load times in seconds. `step(label)` is called once per cache and once per run."""
+    doc = Document(sample.document, hashlib.sha256(sample.document.encode()).hexdigest(),
+                   f"eval-{sample.task}-{sample.index}")  # fmt: skip
+    t0 = time.perf_counter()
+    stored = dict(zip(caches, prefill_variants(engine, doc, list(caches.values()))))
+    prefill_s, io_s, records = time.perf_counter() - t0, 0.0, []
+    for key in caches:
+        step(f"cache {key}")
+    for key, cache in stored.items():
+        t_io = time.perf_counter()
+        path = save_cache(cache, workdir / f"{key}.kv", force=True)
+        loaded = load_cache(path)
+        open_cache(engine, loaded, str(path))
+        io_s += time.perf_counter() - t_io
+        for run in (r for r in runs if r.cache_key == key):
+            step(run.label + (f" t={run.budget}" if run.budget else ""))
+            records += _answer_run(engine, loaded, run, sample, n, cfg)
+    _agree(records)
+    timing = {"context_tokens": n, "n_context_tokens": next(iter(stored.values())).n_context_tokens,
+              "task": sample.task, "sample": sample.index, "n_caches": len(caches), "prefill_s": round(prefill_s, 3),
+              "save_load_s": round(io_s, 3), "total_s": round(time.perf_counter() - t0, 3)}  # fmt: skip
+    return records, timing
 
 
 def _answer_run(engine: Engine, stored: PrunedKVCache, run: Run, sample: Sample, n: int, cfg: EvalConfig) -> list:

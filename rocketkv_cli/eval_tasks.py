@@ -250,7 +250,7 @@ def _fwe(rng: random.Random, index: int, seed: int, n_tokens: int, count_tokens:
     weights = [1.0 / (rank + 1) ** 2 for rank in range(len(vocab))]
     words: list[str] = []
     total = 0
-    while total < n_tokens:
+    while total < n_tokens or len(set(words)) < 4:  # a third place needs a fourth word to beat
         chunk = rng.choices(vocab, weights=weights, k=16)
         words += chunk
         total += count_tokens(" " + " ".join(chunk))

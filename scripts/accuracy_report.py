@@ -7,7 +7,9 @@ per task, budgets 128–1024, every method, and the stage-1 ablation: observatio
 probe / wide × pool kernel 63 / auto), keeps the JSON as docs/bench/accuracy-<preset>.json, and
 writes the tables plus the defaults the numbers support. `--quick` is a smoke run of the whole
 chain (SmolLM2 only, 1K tokens, one sample, one budget) written under build/accuracy-quick/: it
-is not evidence. Hours on a 2-core CPU for the full run; see docs/accuracy.md for the measured time.
+is not evidence (about 5 minutes on an idle 2-core CPU). The full run takes about 10 hours on an
+idle 2-core CPU (about 5 per preset: 7,400 answers of ~2 s each, plus one prefill and 29 pruned
+caches written and read back per sample); `--samples N` shortens it proportionally.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ROCKETKV = str(Path(sys.executable).parent / "rocketkv")
 FULL = {"smollm2-135m": 4096, "gemma-3-270m": 8192}  # preset: context tokens
-COMMON = ["--budgets", "128,256,512,1024", "--samples", "20", "--methods", "all", "--tasks", "all",
+COMMON = ["--budgets", "128,256,512,1024", "--methods", "all", "--tasks", "all",
           "--observations", "tail,probe,wide", "--pool-kernels", "63,auto", "--seed", "0"]  # fmt: skip
 QUICK = {"smollm2-135m": 1024}
-QUICK_COMMON = ["--budgets", "256", "--samples", "1", "--methods", "all", "--tasks", "all",
+QUICK_COMMON = ["--budgets", "256", "--methods", "all", "--tasks", "all",
                 "--observations", "tail,probe,wide", "--pool-kernels", "63,auto", "--seed", "0"]  # fmt: skip
 DEFAULT_VARIANT = ("tail", "63")  # ingest's defaults before this report: --observation tail --pool-kernel-size 63
 MARGIN = 0.02  # a variant must beat the current default by 2 points of mean score to replace it
@@ -194,15 +196,17 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="a smoke run of the whole chain (not evidence)")
     parser.add_argument("--from-json", action="store_true", help="rewrite the page from the JSON files, no runs")
     parser.add_argument("--out-dir", type=Path, help="default: docs/ (quick: build/accuracy-quick/)")
+    parser.add_argument("--samples", type=int, help="samples per task (default 20; quick: 1)")
     args = parser.parse_args()
     out_dir = args.out_dir or (ROOT / "build" / "accuracy-quick" if args.quick else ROOT / "docs")
     json_dir = out_dir / "bench"
     json_dir.mkdir(parents=True, exist_ok=True)
+    samples = args.samples or (1 if args.quick else 20)
     reports = {}
     for model, n in (QUICK if args.quick else FULL).items():
         out = json_dir / f"accuracy-{model}.json"
         reports[model] = json.loads(out.read_text()) if args.from_json else run(
-            model, n, QUICK_COMMON if args.quick else COMMON, out)  # fmt: skip
+            model, n, [*(QUICK_COMMON if args.quick else COMMON), "--samples", str(samples)], out)  # fmt: skip
     (out_dir / "accuracy.md").write_text(page(reports, args.quick))
     print(out_dir / "accuracy.md")
     return 0

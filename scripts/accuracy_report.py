@@ -9,7 +9,9 @@ writes the tables plus the defaults the numbers support. `--quick` is a smoke ru
 chain (SmolLM2 only, 1K tokens, one sample, one budget) written under build/accuracy-quick/: it
 is not evidence (about 5 minutes on an idle 2-core CPU). The full run takes about 10 hours on an
 idle 2-core CPU (about 5 per preset: 7,400 answers of ~2 s each, plus one prefill and 29 pruned
-caches written and read back per sample); `--samples N` shortens it proportionally.
+caches written and read back per sample); `--samples N` shortens it proportionally. Run it on an
+otherwise idle machine: with another process on the same 2 cores, torch's two threads spin against
+it and decode runs 10-30× slower (seen here); OMP_NUM_THREADS=1 limits that damage.
 """
 
 from __future__ import annotations

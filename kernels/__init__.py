@@ -1,7 +1,13 @@
 """Triton kernels for rocketkv's hot paths (SPEC §5), installed as `rocketkv_cli.kernels`.
 
-None is implemented yet: every op runs its torch reference (`rocketkv_cli.prefill`,
-`rocketkv_cli.decode`) on every device. The kernels are tracked in the issue "Triton kernels for
-the decode and scoring hot paths"; each will live in its own file here with a launcher of the same
-signature as its reference, dispatched by `rocketkv_cli.ops`.
+One op family per file, each a private `@triton.jit` kernel (or two) plus a host launcher
+`<op>_triton(...)` with the same signature, layout and return as its torch reference:
+
+- `page_summaries`: page min/max build at ingest and update on append (`decode.page_summaries`);
+- `page_scores`: stage-2 approximate page scores on the chosen dims (`decode.page_scores`);
+- `sparse_attention`: decode attention over the selected tokens (`decode.sparse_attention`);
+- `observation_scores`: stage-1 window scoring and pooling (`prefill.observation_scores`, `pool_scores`).
+
+Nothing here is imported unless `rocketkv_cli.ops` chooses the Triton backend (this package's
+`__init__` imports no triton, so the torch path works without it installed).
 """

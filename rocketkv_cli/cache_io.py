@@ -27,11 +27,12 @@ from . import __version__
 from .errors import CacheFormatError, OutputError
 
 FORMAT_NAME = "rocketkv.kv_cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # v1: one segment (`layers.*` tensors); v2: `segments.{j}.layers.*`
 MAX_HEADER_BYTES = 16 << 20
 _DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "F64": 8}
 _TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
                  "I32": torch.int32, "F64": torch.float64}  # fmt: skip
+_ST_DTYPES = {v: k for k, v in _TORCH_DTYPES.items()}
 REQUIRED_METADATA = (
     "format", "format_version", "rocketkv_version", "model_id", "model_digest", "tokenizer_digest",
     "chat_template_digest", "dtype", "n_layers", "n_kv_heads", "head_dim", "n_context_tokens",
@@ -46,14 +47,50 @@ class PrunedKVCache:
 
     layers: per layer (keys `[1, Hkv, S_l, D]`, values `[1, Hkv, S_l, D]`, positions `[1, Hkv, S_l]`
     int64), S_l = tokens kept by that layer. metadata: the string metadata of SPEC §4.
+    token_ids: `[n_context_tokens]` int32, the framed document's token ids, or None (stored for
+    segments of long documents, where questions are routed by them).
     """
 
     layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    metadata: dict[str, str] = field(default_factory=dict)
+    token_ids: torch.Tensor | None = None
+
+    @property
+    def n_context_tokens(self) -> int:
+        return int(self.metadata["n_context_tokens"])
+
+
+@dataclass
+class SegmentedKVCache:
+    """The stored cache of a document longer than the model's context (format v2).
+
+    segments: one `PrunedKVCache` per segment, in document order; each was prefilled on its own
+    at RoPE positions 0 … n_j−1 (n_j = its framed length in tokens) and carries its own metadata
+    (`n_context_tokens` = n_j, its `budgets`, `segment_index`, `segment_start_token` = offset of
+    its first document token in the whole document's tokens). metadata: the file's metadata;
+    `n_context_tokens` there is the sum of the segments' n_j.
+    """
+
+    segments: list[PrunedKVCache]
     metadata: dict[str, str] = field(default_factory=dict)
 
     @property
     def n_context_tokens(self) -> int:
         return int(self.metadata["n_context_tokens"])
+
+
+SEGMENT_FIELDS = ("n_context_tokens", "start_token", "budgets", "ids_sha256")
+
+
+def segment_entry(segment: PrunedKVCache) -> dict:
+    """The per-segment record stored in a v2 file's `segments` metadata (JSON list)."""
+    meta = segment.metadata
+    return {
+        "n_context_tokens": int(meta["n_context_tokens"]),
+        "start_token": int(meta.get("segment_start_token", 0)),
+        "budgets": json.loads(meta["budgets"]),
+        "ids_sha256": meta.get("segment_ids_sha256", ""),
+    }
 
 
 def full_kv_bytes(
@@ -70,6 +107,8 @@ def _tensors(cache: PrunedKVCache) -> dict[str, torch.Tensor]:
         out[f"layers.{i}.keys"] = k[0].contiguous()
         out[f"layers.{i}.values"] = v[0].contiguous()
         out[f"layers.{i}.positions"] = p[0].to(torch.int64).contiguous()
+    if cache.token_ids is not None:
+        out["token_ids"] = cache.token_ids.to(torch.int32).contiguous()
     return out
 
 
@@ -107,20 +146,11 @@ def check_target(target: Path, force: bool) -> Path:
     return parent
 
 
-def save_cache(cache: PrunedKVCache, path: str | Path, force: bool = False) -> Path:
-    """Write `cache` atomically to `path`.
-
-    Raises:
-        OutputError: target exists without `force`, is a directory, or its directory is missing
-            or not writable.
-    """
-    target = Path(path)
-    parent = check_target(target, force)
-    tensors = {k: v.detach().cpu() for k, v in _tensors(cache).items()}
-    meta = dict(cache.metadata)
+def _finish_metadata(meta: dict[str, str], tensors: dict[str, torch.Tensor], version: int) -> dict[str, str]:
+    meta = dict(meta)
     meta.update(
         format=FORMAT_NAME,
-        format_version=str(FORMAT_VERSION),
+        format_version=str(version),
         rocketkv_version=__version__,
         created_at=meta.get("created_at") or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         payload_sha256=payload_digest(tensors),
@@ -128,14 +158,76 @@ def save_cache(cache: PrunedKVCache, path: str | Path, force: bool = False) -> P
     meta["metadata_sha256"] = metadata_digest(meta)
     missing = [k for k in REQUIRED_METADATA if k not in meta]
     assert not missing, f"metadata incomplete: {missing}"
+    return meta
+
+
+def save_cache(cache: PrunedKVCache, path: str | Path, force: bool = False) -> Path:
+    """Write a one-segment `cache` (format v1) atomically to `path`.
+
+    Raises:
+        OutputError: target exists without `force`, is a directory, or its directory is missing
+            or not writable.
+    """
+    tensors = {k: v.detach().cpu() for k, v in _tensors(cache).items()}
+    meta = _finish_metadata(cache.metadata, tensors, 1)
     data = st_save(tensors, metadata=meta)
+    return _atomic_write(Path(path), force, lambda f: f.write(data))
+
+
+def save_segmented(
+    segments: list[PrunedKVCache], metadata: dict[str, str], path: str | Path, force: bool = False
+) -> Path:
+    """Write a multi-segment cache (format v2) atomically to `path`, streaming tensor by tensor.
+
+    `segments` may be memory-mapped checkpoints (`load_cache` results): memory stays at one tensor
+    beyond the maps, whatever the file size. Tensors are named `segments.{j}.layers.{i}.{kind}`;
+    each segment's `token_ids` (required here) go in `segments.{j}.token_ids`. The layout is plain
+    safetensors (contiguous, 8-byte dtypes first). `metadata` gets the
+    `segments` list (see `segment_entry`) and the total `n_context_tokens`.
+    Raises:
+        OutputError: as `save_cache`.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    assert all(seg.token_ids is not None for seg in segments), "segments need their token ids"
+    for j, seg in enumerate(segments):
+        for name, t in _tensors(seg).items():
+            tensors[f"segments.{j}.{name}"] = t
+    meta = dict(metadata)
+    meta["segments"] = json.dumps([segment_entry(seg) for seg in segments])
+    meta["n_context_tokens"] = str(sum(int(seg.metadata["n_context_tokens"]) for seg in segments))
+    meta = _finish_metadata(meta, tensors, 2)
+    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header: dict = {"__metadata__": meta}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+
+    def write(f) -> None:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for name in order:
+            t = tensors[name].contiguous()
+            if t.numel():
+                f.write(t.view(torch.uint8).reshape(-1).numpy().tobytes())
+
+    return _atomic_write(Path(path), force, write)
+
+
+def _atomic_write(target: Path, force: bool, write) -> Path:
+    """Write through `write(file)` into a temporary file beside `target`, fsync, then rename."""
+    parent = check_target(target, force)
     try:
         fd, tmp = tempfile.mkstemp(dir=parent, prefix=".rocketkv-", suffix=".tmp")
     except OSError as exc:
         raise OutputError(f"cannot write in {parent}: {exc.strerror}", "choose a writable directory with -o") from exc
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp's 0600 would stop sharing the cache
             os.fsync(f.fileno())
@@ -237,11 +329,12 @@ def _tensor(buf, base: int, info: dict) -> torch.Tensor:
     return flat.view(info["shape"])
 
 
-def load_cache(path: str | Path) -> PrunedKVCache:
+def load_cache(path: str | Path) -> PrunedKVCache | SegmentedKVCache:
     """Load and validate a `.kv` file (format, version, header bounds, shapes, digests).
 
     Tensors are zero-copy views of a read-only memory map of the file. Model compatibility is
-    checked separately by `check_compatible`.
+    checked separately by `check_compatible`. A v1 file gives a `PrunedKVCache`, a v2 file (a
+    document in segments) a `SegmentedKVCache`.
     Raises:
         CacheFormatError: not a rocketkv cache, newer format, truncated, damaged, inconsistent.
     """
@@ -287,28 +380,80 @@ def load_cache(path: str | Path) -> PrunedKVCache:
             f"{path} has format version {version}, newer than this rocketkv reads ({FORMAT_VERSION})",
             "upgrade rocketkv, or " + rebuild,
         )
-    if not 0 < n_layers <= 4096 or len(info["tensors"]) != 3 * n_layers:
+    segments = _segment_entries(meta, version, n_ctx, path, rebuild)
+    if not 0 < n_layers <= 4096 or len(info["tensors"]) > 4 * n_layers * len(segments):
         raise CacheFormatError(f"{path}: tensors do not match n_layers={n_layers}", rebuild)
-    expected = {f"layers.{i}.{kind}" for i in range(n_layers) for kind in ("keys", "values", "positions")}
-    if set(info["tensors"]) != expected:
+    prefixes = [""] if version == 1 else [f"segments.{j}." for j in range(len(segments))]
+    expected = {
+        f"{p}layers.{i}.{kind}" for p in prefixes for i in range(n_layers) for kind in ("keys", "values", "positions")
+    }
+    ids_names = {f"{p}token_ids" for p in prefixes}  # optional in v1, required in v2
+    names = set(info["tensors"])
+    if not expected <= names <= expected | ids_names or (version > 1 and not ids_names <= names):
         raise CacheFormatError(f"{path}: tensors do not match n_layers={n_layers}", rebuild)
-    tensors = {name: _tensor(buf, info["base"], info["tensors"][name]) for name in sorted(expected)}
+    tensors = {name: _tensor(buf, info["base"], info["tensors"][name]) for name in sorted(names)}
     if payload_digest(tensors) != meta["payload_sha256"]:
         raise CacheFormatError(f"{path} is damaged (payload digest mismatch)", rebuild)
-    layers = []
-    for i in range(n_layers):
-        k, v, pos = (tensors[f"layers.{i}.{kind}"] for kind in ("keys", "values", "positions"))
-        ok = (
-            k.dim() == 3 and k.shape[0] == n_kv and k.shape[2] == head_dim and v.dim() == 3
-            and v.shape[:2] == k.shape[:2] and v.shape[2] == head_dim and pos.shape == k.shape[:2]
-            and pos.dtype == torch.int64 and (pos.shape[1] < 2 or bool((pos[:, 1:] > pos[:, :-1]).all()))
-            and k.dtype == v.dtype and str(k.dtype).removeprefix("torch.") == meta["dtype"]
-            and pos.numel() > 0 and int(pos.min()) >= 0 and bool((pos[:, -1] == n_ctx - 1).all())
-        )  # fmt: skip
-        if not ok:
-            raise CacheFormatError(f"{path}: layer {i} tensors disagree with the metadata", rebuild)
-        layers.append((k.unsqueeze(0), v.unsqueeze(0), pos.unsqueeze(0)))
-    return PrunedKVCache(layers=layers, metadata=dict(meta))
+    parts = []
+    for j, (prefix, entry) in enumerate(zip(prefixes, segments)):
+        n_seg = entry["n_context_tokens"]
+        layers = [
+            _checked_layer(tensors, f"{prefix}layers.{i}.", n_kv, head_dim, n_seg, meta["dtype"])
+            for i in range(n_layers)
+        ]
+        ids = tensors.get(f"{prefix}token_ids")
+        ids_ok = ids is None or (ids.dtype == torch.int32 and ids.shape == (n_seg,) and int(ids.min()) >= 0)
+        if any(layer is None for layer in layers) or not ids_ok:
+            where = f"segment {j} " if version > 1 else ""
+            raise CacheFormatError(f"{path}: {where}layer tensors disagree with the metadata", rebuild)
+        seg_meta = dict(meta)
+        if version > 1:
+            seg_meta.update(
+                n_context_tokens=str(entry["n_context_tokens"]), budgets=json.dumps(entry["budgets"], sort_keys=True),
+                segment_index=str(j), segment_start_token=str(entry["start_token"]),
+                segment_ids_sha256=entry["ids_sha256"],
+            )  # fmt: skip
+        parts.append(PrunedKVCache(layers=layers, metadata=seg_meta, token_ids=ids))
+    return parts[0] if version == 1 else SegmentedKVCache(segments=parts, metadata=dict(meta))
+
+
+def _segment_entries(meta: dict, version: int, n_ctx: int, path, rebuild: str) -> list[dict]:
+    """The per-segment records of a v2 file (validated), or one record for a v1 file."""
+    if version == 1:
+        return [{"n_context_tokens": n_ctx}]
+    try:
+        entries = json.loads(meta["segments"])
+        assert isinstance(entries, list) and 2 <= len(entries) <= 1 << 20
+        from .config import Budgets
+
+        start = 0
+        for e in entries:
+            assert isinstance(e, dict) and set(e) == set(SEGMENT_FIELDS)
+            assert all(
+                isinstance(e[k], int) and not isinstance(e[k], bool) for k in ("n_context_tokens", "start_token")
+            )
+            assert e["n_context_tokens"] >= 1 and e["start_token"] >= start and isinstance(e["ids_sha256"], str)
+            b = e["budgets"]
+            Budgets(**{k: b[k] for k in ("prompt_budget", "capacity_budget", "topk", "page_size", "n_score_dims")})
+            start = e["start_token"]
+        assert sum(e["n_context_tokens"] for e in entries) == n_ctx
+    except (KeyError, TypeError, ValueError, AssertionError, json.JSONDecodeError) as exc:
+        raise CacheFormatError(f"{path}: malformed metadata (segments)", rebuild) from exc
+    return entries
+
+
+def _checked_layer(tensors: dict, prefix: str, n_kv: int, head_dim: int, n_ctx: int, dtype: str):
+    """One layer's (keys, values, positions) `[1, Hkv, S, D]`, `[1, Hkv, S]`, or None when they
+    disagree with the metadata (shapes, dtype, positions strictly increasing and ending at n_ctx−1)."""
+    k, v, pos = (tensors[f"{prefix}{kind}"] for kind in ("keys", "values", "positions"))
+    ok = (
+        k.dim() == 3 and k.shape[0] == n_kv and k.shape[2] == head_dim and v.dim() == 3
+        and v.shape[:2] == k.shape[:2] and v.shape[2] == head_dim and pos.shape == k.shape[:2]
+        and pos.dtype == torch.int64 and (pos.shape[1] < 2 or bool((pos[:, 1:] > pos[:, :-1]).all()))
+        and k.dtype == v.dtype and str(k.dtype).removeprefix("torch.") == dtype
+        and pos.numel() > 0 and int(pos.min()) >= 0 and bool((pos[:, -1] == n_ctx - 1).all())
+    )  # fmt: skip
+    return (k.unsqueeze(0), v.unsqueeze(0), pos.unsqueeze(0)) if ok else None
 
 
 def check_compatible(cache: PrunedKVCache, expected: dict[str, str], path: str, rebuild: str) -> None:

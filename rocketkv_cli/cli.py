@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -27,15 +28,18 @@ from .cli_common import (
     PageSizeOpt,
     QuietOpt,
     ScoreDimsOpt,
+    SegmentOpt,
+    SegmentsOpt,
+    SegmentTokensOpt,
     TopkOpt,
     TrustOpt,
     command,
     err,
     load_engine,
     log,
+    open_stream,
     prefill,
     prefill_config,
-    read_doc,
     setup,
 )  # fmt: skip
 from .cli_eval import eval_command
@@ -84,6 +88,7 @@ def ingest(
     page_size: PageSizeOpt = None,
     n_score_dims: ScoreDimsOpt = None,
     chunk_tokens: Annotated[int, typer.Option(help="Prefill chunk length in tokens.")] = 1024,
+    segment_tokens: SegmentTokensOpt = None,
     force: Annotated[bool, typer.Option("--force", "-f", help="Replace an existing output file.")] = False,
     encoding: EncodingOpt = "utf-8",
     errors: Annotated[str, typer.Option(help="Decoding errors: strict, replace or ignore.")] = "strict",
@@ -94,9 +99,14 @@ def ingest(
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Prefill a document once, prune its KV cache with SnapKV++, and save it to a .kv file."""
-    from .cache_io import check_target, save_cache
+    """Prefill a document once, prune its KV cache with SnapKV++, and save it to a .kv file.
+
+    A document longer than the model's context is ingested in segments, each checkpointed beside
+    the output: an interrupted ingest continues where it stopped when the same command is rerun.
+    """
+    from .cache_io import SegmentedKVCache, check_target, save_cache, save_segmented
     from .models import DEFAULT_MODEL
+    from .segments import Checkpoints
 
     setup(quiet)
     cfg = prefill_config(
@@ -104,7 +114,8 @@ def ingest(
         observation=observation, prompt_budget=prompt_budget, topk=topk, page_size=page_size,
         n_score_dims=n_score_dims, chunk_tokens=chunk_tokens,
     )  # fmt: skip
-    doc = read_doc(document, encoding, errors)  # bad documents fail before anything else is touched
+    stream = open_stream(document, encoding, errors)
+    stream.validate()  # bad documents fail before anything else is touched
     if output is None:
         if document == "-":
             raise OutputError("reading from stdin needs an output file", "pass -o FILE.kv")
@@ -113,12 +124,21 @@ def ingest(
     if document != "-" and output.exists() and os.path.samefile(document, output):
         raise OutputError(f"-o {output} is the document itself", "choose another output file")
     engine = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code)
-    stored, elapsed = prefill(engine, doc, cfg)
-    save_cache(stored, output, force=force)
+    checkpoints = Checkpoints(output)
+    if checkpoints.count():
+        log(f"resuming: {checkpoints.count()} checkpointed segments in {checkpoints.dir}")
+    stored, elapsed = prefill(engine, stream, cfg, segment_tokens, checkpoints)
+    if isinstance(stored, SegmentedKVCache):
+        save_segmented(stored.segments, stored.metadata, output, force=force)
+        checkpoints.remove()
+    else:
+        save_cache(stored, output, force=force)
     log(f"wrote {output} ({output.stat().st_size / 1e6:.1f} MB)")
     if json_out:
-        row = {"cache": str(output), "n_context_tokens": stored.n_context_tokens, "file_bytes": output.stat().st_size,
-               "ingest_s": round(elapsed, 3), "budgets": json.loads(stored.metadata["budgets"])}  # fmt: skip
+        n_segments = len(stored.segments) if isinstance(stored, SegmentedKVCache) else 1
+        row = {"cache": str(output), "n_context_tokens": stored.n_context_tokens, "n_segments": n_segments,
+               "file_bytes": output.stat().st_size, "ingest_s": round(elapsed, 3),
+               "budgets": json.loads(stored.metadata["budgets"])}  # fmt: skip
         typer.echo(json.dumps(row))
     else:
         typer.echo(str(output))
@@ -149,21 +169,35 @@ def _questions(positional: list[str], questions_file: Optional[str], doc_is_stdi
     return questions
 
 
-def _answer_and_print(engine, stored, source: str, questions, max_new_tokens, dense, overrides, json_out) -> None:
+def _answer_and_print(engine, stored, source: str, questions, max_new_tokens, dense, overrides, json_out,
+                      n_segments: int = 1, segment: Optional[int] = None) -> None:  # fmt: skip
+    from .cache_io import SegmentedKVCache
     from .pipeline import answer, decode_config_for
+    from .segments import iter_segment_answers
 
     planned = json.loads(stored.metadata["config"]).get("max_new_tokens", 128)
     max_new = max_new_tokens or planned
-    try:
-        decode = decode_config_for(stored, sparse=not dense, **overrides)
-    except ValueError as exc:
-        raise InputError(f"invalid option: {exc}") from None
-    for i, ans in enumerate(answer(engine, stored, questions, max_new, decode)):
+    if isinstance(stored, SegmentedKVCache):
+        jobs = iter_segment_answers(engine, stored, questions, n_segments, segment)
+    elif segment not in (None, 0):
+        raise InputError(f"--segment {segment}: this cache has one segment (0)")
+    else:
+        jobs = ((q, None, stored) for q in questions)
+    for i, (question, chosen, part) in enumerate(jobs):
+        if chosen is not None:
+            log(f"question {i + 1}: answering from segment{'s' * (len(chosen) > 1)} {', '.join(map(str, chosen))}")
+        try:
+            decode = decode_config_for(part, sparse=not dense, **overrides)
+        except ValueError as exc:
+            raise InputError(f"invalid option: {exc}") from None
+        ans = next(answer(engine, part, [question], max_new, decode))
         if json_out:
             row = {"question": ans.question, "answer": ans.text, "cache": source,
                    "n_question_tokens": ans.n_question_tokens, "n_answer_tokens": ans.n_answer_tokens,
                    "stop_reason": ans.stop_reason, "prefill_s": round(ans.prefill_s, 4),
                    "decode_s": round(ans.decode_s, 4)}  # fmt: skip
+            if chosen is not None:
+                row["segments"] = chosen
             typer.echo(json.dumps(row, ensure_ascii=False))
         else:
             if len(questions) > 1 and i:
@@ -207,6 +241,9 @@ def ask(
     topk: TopkOpt = None,
     page_size: PageSizeOpt = None,
     n_score_dims: ScoreDimsOpt = None,
+    segments: SegmentsOpt = 1,
+    segment: SegmentOpt = None,
+    segment_tokens: SegmentTokensOpt = None,
     encoding: EncodingOpt = "utf-8",
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
@@ -233,11 +270,12 @@ def ask(
         doc, rest = args[0], args[1:]
         questions = _questions(rest, questions_file, doc == "-")
         cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens or 128, pool_kernel_size="63")
-        document = read_doc(doc, encoding)
+        stream = open_stream(doc, encoding)
+        stream.validate()
         engine = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code)
-        stored, _ = prefill(engine, document, cfg)
+        stored, _ = prefill(engine, stream, cfg, segment_tokens)
         source = doc
-    _answer_and_print(engine, stored, source, questions, max_new_tokens, dense, overrides, json_out)
+    _answer_and_print(engine, stored, source, questions, max_new_tokens, dense, overrides, json_out, segments, segment)
 
 
 @app.command()
@@ -248,6 +286,7 @@ def summarize(
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Summary length limit in tokens.")] = 256,
     budget: BudgetOpt = 512,
     dense: DenseOpt = False,
+    segment_tokens: SegmentTokensOpt = None,
     encoding: EncodingOpt = "utf-8",
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
@@ -256,24 +295,50 @@ def summarize(
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Summarize a document (or a saved cache's document)."""
+    """Summarize a document (or a saved cache's document).
+
+    A document longer than the context is summarized segment by segment (each partial summary is
+    shown on stderr), then the summaries are summarized as one text.
+    """
     from .models import DEFAULT_MODEL
-    from .templates import read_prompt
+    from .pipeline import answer, decode_config_for
+    from .segments import summarize as summarize_stored
 
     setup(quiet)
     if (document is None) == (cache is None):
         raise InputError("give either DOC or --cache FILE.kv", "e.g. rocketkv summarize book.txt")
+    cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens, pool_kernel_size="63")
     if cache is not None:
         engine, stored = _load_stored(cache, model, device, dtype, trust_remote_code)
         source = str(cache)
     else:
-        cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens, pool_kernel_size="63")
-        doc = read_doc(document, encoding)
+        stream = open_stream(document, encoding)
+        stream.validate()
         engine = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code)
-        stored, _ = prefill(engine, doc, cfg)
+        stored, _ = prefill(engine, stream, cfg, segment_tokens)
         source = document
     engine.prompt = _without_stop_strings(engine.prompt)
-    _answer_and_print(engine, stored, source, [read_prompt("summarize.txt")], max_new_tokens, dense, {}, json_out)
+    partials = []
+
+    def summarize_one(part, prompt: str):
+        return next(answer(engine, part, [prompt], max_new_tokens, decode_config_for(part, sparse=not dense)))
+
+    def on_partial(event) -> None:
+        partials.append({"level": event.level, "segment": event.index, "summary": event.text})
+        log(f"summary of part {event.index + 1}/{event.total} (level {event.level}): {event.text}")
+
+    t0 = time.perf_counter()
+    final = summarize_stored(engine, stored, cfg, summarize_one, on_partial)
+    elapsed = time.perf_counter() - t0
+    if json_out:
+        row = {"summary": final.text, "source": source, "n_answer_tokens": final.n_answer_tokens,
+               "stop_reason": final.stop_reason, "summarize_s": round(elapsed, 3)}  # fmt: skip
+        if partials:
+            row["partial_summaries"] = partials
+        typer.echo(json.dumps(row, ensure_ascii=False))
+    else:
+        typer.echo(final.text)
+    log(f"summarized in {elapsed:.1f}s ({final.n_answer_tokens} tokens, stop: {final.stop_reason})")
 
 
 def _without_stop_strings(fmt):
@@ -289,16 +354,17 @@ def inspect(
     json_out: JsonOpt = False,
 ) -> None:
     """Show what a .kv cache holds (validates the file; does not load the model)."""
-    from .cache_io import full_kv_bytes, load_cache
+    from .cache_io import SegmentedKVCache, full_kv_bytes, load_cache
 
     stored = load_cache(cache)
     meta = stored.metadata
+    parts = stored.segments if isinstance(stored, SegmentedKVCache) else [stored]
     n_ctx = stored.n_context_tokens
-    kept = [layer[0].shape[2] for layer in stored.layers]
     windows = json.loads(meta["layer_windows"])
-    elem = stored.layers[0][0].element_size()
+    elem = parts[0].layers[0][0].element_size()
     n_kv, d = int(meta["n_kv_heads"]), int(meta["head_dim"])
-    full_bytes = full_kv_bytes(n_ctx, windows, n_kv, d, elem)
+    full_bytes = sum(full_kv_bytes(p.n_context_tokens, windows, n_kv, d, elem) for p in parts)
+    kept = [sum(p.layers[i][0].shape[2] for p in parts) for i in range(len(windows))]
     info = {
         "cache": str(cache),
         "file_bytes": cache.stat().st_size,
@@ -306,11 +372,14 @@ def inspect(
         "kv_bytes": sum(2 * n_kv * k * d * elem for k in kept),
         "kept_tokens_per_layer": kept,
         "n_full_attention_layers": sum(1 for w in windows if not w),
-        **{k: v for k, v in meta.items() if k not in ("config", "budgets", "layer_windows")},
+        "n_segments": len(parts),
+        **{k: v for k, v in meta.items() if k not in ("config", "budgets", "layer_windows", "segments")},
         "config": json.loads(meta["config"]),
         "budgets": json.loads(meta["budgets"]),
         "layer_windows": windows,
     }
+    if len(parts) > 1:
+        info["segments"] = json.loads(meta["segments"])
     for key in ("format_version", "n_layers", "n_kv_heads", "head_dim", "n_context_tokens"):
         info[key] = int(info[key])
     if json_out:
@@ -318,6 +387,8 @@ def inspect(
         return
     full_kept = sorted({k for k, w in zip(kept, windows) if not w})
     n_full = info["n_full_attention_layers"]
+    sliding = f"; {len(windows) - n_full} sliding-window layers keep their last {max(w or 0 for w in windows)}"
+    per = " (all segments)" if len(parts) > 1 else ""
     lines = [
         ("cache", info["cache"]),
         ("format", f"{meta['format']} v{meta['format_version']} (rocketkv {meta['rocketkv_version']})"),
@@ -325,9 +396,13 @@ def inspect(
         ("dtype", meta["dtype"]),
         ("document", f"{meta.get('document_source', '?')} (sha256 {meta['document_sha256'][:12]})"),
         ("context tokens", str(n_ctx)),
-        ("kept per KV head", f"{', '.join(map(str, full_kept)) or '-'} of {n_ctx} tokens in {n_full} full-attention layers"
-         + (f"; {len(windows) - n_full} sliding-window layers keep their last {max(w or 0 for w in windows)}"
-            if n_full < len(windows) else "")),
+    ]
+    if len(parts) > 1:
+        sizes = [p.n_context_tokens for p in parts]
+        lines.append(("segments", f"{len(parts)} (0-{len(parts) - 1}), {min(sizes)}-{max(sizes)} tokens each"))
+    lines += [
+        ("kept per KV head", f"{', '.join(map(str, full_kept)) or '-'} of {n_ctx} tokens{per} in "
+         f"{n_full} full-attention layers" + (sliding if n_full < len(windows) else "")),
         ("budgets", ", ".join(f"{k}={v}" for k, v in info["budgets"].items())),
         ("config", ", ".join(f"{k}={v}" for k, v in info["config"].items() if v is not None)),
         ("size", f"file {info['file_bytes'] / 1e6:.2f} MB; KV {info['kv_bytes'] / 1e6:.2f} MB = "

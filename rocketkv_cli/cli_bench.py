@@ -20,7 +20,6 @@ from .cli_common import (
     load_engine,
     log,
     prefill_config,
-    read_doc,
     setup,
 )
 from .errors import InputError
@@ -73,7 +72,9 @@ def bench(
     src = source or _default_source()
     if src is None:
         raise InputError("no source text found", "pass --source FILE (e.g. ../shared/data/kjv.txt)")
-    text = read_doc(str(src), "utf-8").text
+    from .ingest import read_document
+
+    text = read_document(str(src)).text
     cfg = prefill_config(token_budget=budget, pool_kernel_size="63")
     engine = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", False)
     room = engine.shape.max_context_tokens - 128 - 256  # the answer plan and a question

@@ -17,7 +17,8 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
+from rich.text import Text
 
 from .errors import InputError, RocketKVError
 
@@ -126,11 +127,17 @@ def load_engine(model: str, device: str, dtype: str, trust_remote_code: bool):
     return Engine(loaded)
 
 
+class _TokenRate(ProgressColumn):
+    def render(self, task) -> Text:
+        return Text(f"{task.speed:,.0f} tokens/s" if task.speed else "")
+
+
 def progress_bar() -> Progress:
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
-        TextColumn("{task.completed}/{task.total} tokens"),
+        TextColumn("{task.completed:,.0f}/{task.total:,.0f} tokens"),
+        _TokenRate(),
         TimeRemainingColumn(),
         console=err,
         disable=_state["quiet"] or not err.is_terminal,
@@ -138,24 +145,39 @@ def progress_bar() -> Progress:
     )
 
 
-def read_doc(doc_path: str, encoding: str, errors: str = "strict"):
-    from .ingest import read_document
+def open_stream(doc_path: str, encoding: str, errors: str = "strict"):
+    from .ingest import TextStream
 
-    return read_document(doc_path, encoding=encoding, errors=errors)
+    return TextStream(doc_path, encoding=encoding, errors=errors)
 
 
-def prefill(engine, document, prefill_cfg):
-    from .pipeline import prefill_document
+def prefill(engine, stream, prefill_cfg, segment_tokens=None, checkpoints=None):
+    """Prefill a document stream (segmented when longer than the context) with a progress bar.
+
+    Returns (stored cache, seconds)."""
+    from .cache_io import SegmentedKVCache
+    from .segments import ingest_stream
 
     t0 = time.perf_counter()
+    so_far = [0]
+
+    def on_segment(event):
+        so_far[0] += event.n_tokens
+        what = "found checkpointed" if event.resumed else "prefilled"
+        log(f"segment {event.index}: {what} ({event.n_tokens} tokens; {so_far[0]} so far)")
+
     with progress_bar() as bar:
         task = bar.add_task("prefill", total=None)
-        stored = prefill_document(
-            engine, document, prefill_cfg, progress=lambda done, total: bar.update(task, completed=done, total=total)
-        )
+        stored = ingest_stream(
+            engine, stream, prefill_cfg, segment_tokens, checkpoints, on_segment,
+            lambda done, total: bar.update(task, completed=done, total=total),
+        )  # fmt: skip
     elapsed = time.perf_counter() - t0
-    kept = max(layer[0].shape[2] for layer in stored.layers)
-    log(f"prefilled {stored.n_context_tokens} tokens in {elapsed:.1f}s; keeping up to {kept} per KV head per layer")
+    parts = stored.segments if isinstance(stored, SegmentedKVCache) else [stored]
+    kept = max(layer[0].shape[2] for p in parts for layer in p.layers)
+    where = f" in {len(parts)} segments" if len(parts) > 1 else ""
+    log(f"prefilled {stored.n_context_tokens} tokens{where} in {elapsed:.1f}s; "
+        f"keeping up to {kept} per KV head per layer{' per segment' if where else ''}")  # fmt: skip
     return stored, elapsed
 
 
@@ -182,3 +204,13 @@ PageSizeOpt = Annotated[Optional[int], typer.Option(help="Override: tokens per k
 ScoreDimsOpt = Annotated[Optional[int], typer.Option(help="Override: head dims used for page scores.")]
 EncodingOpt = Annotated[str, typer.Option(help="Text encoding of the document.")]
 CacheOpt = Annotated[Optional[Path], typer.Option("--cache", "-c", help="A .kv file from `rocketkv ingest`.")]
+SegmentTokensOpt = Annotated[
+    Optional[int],
+    typer.Option(min=64, help="Tokens per segment for documents longer than the context (default: all that fit)."),
+]
+SegmentsOpt = Annotated[
+    int, typer.Option("--segments", min=1, help="Segmented caches: answer from the N segments that best match.")
+]
+SegmentOpt = Annotated[
+    Optional[int], typer.Option("--segment", min=0, help="Segmented caches: answer from segment J (no routing).")
+]

@@ -14,8 +14,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from .cli_common import DeviceOpt, DtypeOpt, ModelOpt, QuietOpt, _state, err, load_engine, log, read_doc, setup
+from .cli_common import DeviceOpt, DtypeOpt, ModelOpt, QuietOpt, _state, err, load_engine, log, setup
 from .errors import InputError, OutputError
+from .ingest import read_document
 
 
 def _default_haystack() -> Optional[Path]:
@@ -129,7 +130,7 @@ def eval_command(
     haystack_text, haystack_path = None, haystack or _default_haystack()
     if any(t in NEEDS_HAYSTACK_TEXT for t in cfg.tasks):
         if haystack_path is not None:  # an explicit --haystack that is missing fails here
-            haystack_text = read_doc(str(haystack_path), "utf-8").text
+            haystack_text = read_document(str(haystack_path)).text
         else:
             kept = tuple(t for t in cfg.tasks if t not in NEEDS_HAYSTACK_TEXT)
             if not kept:

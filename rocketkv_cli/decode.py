@@ -29,6 +29,28 @@ def page_summaries(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, to
     return paged.amin(dim=3), paged.amax(dim=3)
 
 
+def update_page_summaries(
+    page_min: torch.Tensor, page_max: torch.Tensor, keys: torch.Tensor, start: int, page_size: int
+) -> None:
+    """Recompute, in place, the pages touched by keys from token `start` on (the update on append).
+
+    Pages are consecutive from token 0, so after appending tokens `[start, S)` only the pages from
+    `start // page_size` on change; those are rebuilt from `keys` (exact, same as a full rebuild).
+
+    Args:
+        page_min/page_max: `[B, Hkv, P_cap, D]` buffers, P_cap ≥ ceil(S / page_size).
+        keys: `[B, Hkv, S, D]`, all keys so far. start: first new token, 0 ≤ start ≤ S.
+    """
+    s = keys.shape[2]
+    first = start // page_size
+    n_pages = -(-s // page_size)
+    assert page_min.shape[2] >= n_pages and page_max.shape == page_min.shape and 0 <= start <= s
+    if n_pages > first:
+        pmin, pmax = page_summaries(keys[:, :, first * page_size :], page_size)  # [B, Hkv, n_pages - first, D]
+        page_min[:, :, first:n_pages] = pmin
+        page_max[:, :, first:n_pages] = pmax
+
+
 def page_token_counts(n_tokens: int, page_size: int, device: torch.device | None = None) -> torch.Tensor:
     """Tokens in each page: `[P]` float32 (page_size everywhere but a partial last page)."""
     n_pages = -(-n_tokens // page_size)

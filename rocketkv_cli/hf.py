@@ -14,12 +14,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface, Cache
 from transformers.cache_utils import CacheLayerMixin
 
+from . import ops
 from .attention import exact_attention
 from .config import DecodeConfig
-from .decode import hsa_decode, page_summaries
 from .errors import ModelLoadError
 
 ATTN_NAME = "rocketkv"
@@ -122,7 +123,8 @@ class RocketLayer(CacheLayerMixin):
         self.length = s
         self.n_context = s
         self.is_initialized = True
-        self._ctx_pages: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self._pages: tuple[int, torch.Tensor, torch.Tensor] | None = None  # page_size, min/max buffers
+        self._pages_valid = 0  # tokens the page buffers summarize
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         pass  # buffers are allocated in __init__
@@ -138,6 +140,7 @@ class RocketLayer(CacheLayerMixin):
             )
             self.positions = torch.cat([self.positions, self.positions.new_empty(*self.positions.shape[:2], grow)], 2)
         end = self.length + t
+        self._pages_valid = min(self._pages_valid, self.length)  # pages from here on are stale
         self.keys[:, :, self.length : end] = key_states
         self.values[:, :, self.length : end] = value_states
         self.positions[:, :, self.length : end] = positions.view(1, 1, t)
@@ -152,16 +155,21 @@ class RocketLayer(CacheLayerMixin):
         return self.keys[:, :, :n], self.values[:, :, :n], self.positions[:, :, :n]
 
     def pages(self, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Page min/max `[B, Hkv, P, D]` of the current keys; complete context pages are cached."""
-        n_full = self.n_context // page_size
-        if self._ctx_pages is None or self._ctx_pages[0] != page_size:
-            pmin, pmax = page_summaries(self.keys[:, :, : n_full * page_size], page_size)
-            self._ctx_pages = (page_size, pmin, pmax)
-        _, pmin, pmax = self._ctx_pages
-        if self.length > n_full * page_size:  # pages touched by the tail: recomputed (small)
-            tmin, tmax = page_summaries(self.keys[:, :, n_full * page_size : self.length], page_size)
-            pmin, pmax = torch.cat([pmin, tmin], 2), torch.cat([pmax, tmax], 2)
-        return pmin, pmax
+        """Page min/max `[B, Hkv, P, D]` of the current keys (views of buffers updated in place).
+
+        Built once over the context, then only the pages touched by tokens appended since the last
+        call are recomputed (`ops.update_page_summaries`, SPEC §3.3).
+        """
+        n_pages = -(-self.length // page_size)
+        if self._pages is None or self._pages[0] != page_size or self._pages[1].shape[2] < n_pages:
+            b, hkv, cap, d = self.keys.shape
+            buf = self.keys.new_empty(2, b, hkv, -(-cap // page_size), d)
+            self._pages, self._pages_valid = (page_size, buf[0], buf[1]), 0
+        _, pmin, pmax = self._pages
+        if self._pages_valid != self.length:
+            ops.update_page_summaries(pmin, pmax, self.keys[:, :, : self.length], self._pages_valid, page_size)
+            self._pages_valid = self.length
+        return pmin[:, :, :n_pages], pmax[:, :, :n_pages]
 
     def keep_last(self, n_tokens: int) -> None:
         """Keep only the last `n_tokens` (sliding-window layers during chunked prefill)."""
@@ -172,7 +180,7 @@ class RocketLayer(CacheLayerMixin):
             buf[:, :, :n_tokens] = buf[:, :, start : self.length].clone()
         self.length = n_tokens
         self.n_context = min(self.n_context, n_tokens)
-        self._ctx_pages = None
+        self._pages_valid = 0
 
     def crop_to_context(self) -> None:
         """Drop the tail: the cache is back to the stored context."""
@@ -261,9 +269,13 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         and layer.length > dec.topk
     ):
         pmin, pmax = layer.pages(dec.page_size)
-        out, _ = hsa_decode(
+        out, _ = ops.hsa_decode(
             query, keys, values, pmin, pmax, dec.topk, dec.page_size, dec.n_score_dims, spec.scaling, spec.softcap
         )
+    elif query.shape[2] == 1 and spec.sliding_window is None and spec.softcap is None:
+        # one new token: every cached key is in its past, so no mask (lets SDPA use its fused decode kernels)
+        gqa = query.shape[1] != keys.shape[1]
+        out = F.scaled_dot_product_attention(query, keys, values, scale=spec.scaling, enable_gqa=gqa)
     else:
         if layer.n_context == 0:  # ingest: positions are shared by all heads
             k_pos = k_pos[:, :1]

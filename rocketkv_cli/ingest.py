@@ -1,17 +1,19 @@
-"""Reading documents (files or stdin) into text, and text into token ids. No torch kernels here."""
+"""Reading documents (files or stdin) as streams of text, and text into token ids. No torch here."""
 
 from __future__ import annotations
 
 import codecs
-import contextlib
 import hashlib
+import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import InputError
 
 READ_BLOCK_BYTES = 1 << 20
+MAX_PIECE_CHARS = 1 << 20  # a line longer than this is cut (at whitespace when there is some)
 
 
 @dataclass(frozen=True)
@@ -23,71 +25,216 @@ class Document:
     source: str
 
 
-def read_document(path: str, encoding: str = "utf-8", errors: str = "strict") -> Document:
-    """Read `path` (`-` = stdin) in blocks and decode it.
+class TextStream:
+    """The decoded text of `path` (`-` = stdin), read in 1 MiB blocks and yielded in pieces.
 
-    A UTF-8 BOM is dropped. Raises InputError (one line, with a hint) for a missing path, a
-    directory, no permission, NUL bytes (binary or UTF-16 without `--encoding`), undecodable
-    bytes (naming the byte offset), or an empty / whitespace-only document.
+    Iterating yields strings that end at a newline (except a document's last piece, and a line
+    longer than MAX_PIECE_CHARS, which is cut), so that no more than one block of text is held
+    at a time. After iteration, `sha256` is the digest of all bytes read and `has_text` says
+    whether any non-whitespace text was seen. `bytes_read` / `total_bytes` (None for stdin and
+    other non-regular files) drive progress bars. A UTF-8 BOM is dropped.
+
+    Raises InputError (one line, with a hint) for a missing path, a directory, no permission, an
+    unknown codec or error handler, NUL bytes (binary or UTF-16 without `encoding`), undecodable
+    bytes (naming the byte offset).
     """
-    digest = hashlib.sha256()
-    codec = "utf-8-sig" if encoding.lower().replace("_", "-") in ("utf-8", "utf8") else encoding
-    try:
-        if not codecs.lookup(codec)._is_text_encoding:
-            raise LookupError(codec)
-        decoder = codecs.getincrementaldecoder(codec)(errors=errors)
-        codec = codecs.lookup(codec).name  # canonical name, for the NUL check below ("u8" is utf-8)
-    except LookupError as exc:
-        raise InputError(f"unknown text encoding {encoding!r}", "pass a text codec name to --encoding") from exc
-    try:
-        codecs.lookup_error(errors)
-    except LookupError as exc:
-        raise InputError(f"unknown --errors handler {errors!r}", "use strict, replace or ignore") from exc
-    parts: list[str] = []
-    offset = 0
-    try:
-        stream = sys.stdin.buffer if path == "-" else open(path, "rb")
-    except FileNotFoundError as exc:
-        raise InputError(f"document not found: {path}", "check the path") from exc
-    except IsADirectoryError as exc:
-        raise InputError(f"{path} is a directory, not a document", "give a text file, or - for stdin") from exc
-    except PermissionError as exc:
-        raise InputError(f"no permission to read {path}", "check the file's permissions") from exc
-    except OSError as exc:
-        raise InputError(f"cannot read {path}: {exc.strerror}") from exc
-    with stream if path != "-" else contextlib.nullcontext(stream):
-        while block := stream.read(READ_BLOCK_BYTES):
-            digest.update(block)
-            if b"\x00" in block and codec.lower().startswith("utf-8"):
-                at = offset + block.index(b"\x00")
+
+    def __init__(self, path: str, encoding: str = "utf-8", errors: str = "strict"):
+        self.path, self.encoding, self._errors = path, encoding, errors
+        codec = "utf-8-sig" if encoding.lower().replace("_", "-") in ("utf-8", "utf8") else encoding
+        try:
+            if not codecs.lookup(codec)._is_text_encoding:
+                raise LookupError(codec)
+            self._decoder = codecs.getincrementaldecoder(codec)(errors=errors)
+            self._codec = codecs.lookup(codec).name  # canonical name, for the NUL check ("u8" is utf-8)
+        except LookupError as exc:
+            raise InputError(f"unknown text encoding {encoding!r}", "pass a text codec name to --encoding") from exc
+        try:
+            codecs.lookup_error(errors)
+        except LookupError as exc:
+            raise InputError(f"unknown --errors handler {errors!r}", "use strict, replace or ignore") from exc
+        try:
+            self._stream = sys.stdin.buffer if path == "-" else open(path, "rb")
+        except FileNotFoundError as exc:
+            raise InputError(f"document not found: {path}", "check the path") from exc
+        except IsADirectoryError as exc:
+            raise InputError(f"{path} is a directory, not a document", "give a text file, or - for stdin") from exc
+        except PermissionError as exc:
+            raise InputError(f"no permission to read {path}", "check the file's permissions") from exc
+        except OSError as exc:
+            raise InputError(f"cannot read {path}: {exc.strerror}") from exc
+        st = os.fstat(self._stream.fileno()) if path != "-" else None
+        self.total_bytes: int | None = st.st_size if st is not None and Path(path).is_file() else None
+        self.bytes_read = 0
+        self.has_text = False
+        self._digest = hashlib.sha256()
+        self.source = "-" if path == "-" else str(Path(path)).encode("utf-8", "backslashreplace").decode("utf-8")
+
+    @property
+    def sha256(self) -> str:
+        return self._digest.hexdigest()
+
+    def __iter__(self) -> Iterator[str]:
+        carry = ""
+        try:
+            for text in self._decoded():
+                self.has_text = self.has_text or bool(text.strip())
+                carry += text
+                cut = carry.rfind("\n") + 1
+                if cut == 0 and len(carry) > MAX_PIECE_CHARS:
+                    cut = max(carry.rfind(" ", 0, MAX_PIECE_CHARS), carry.rfind("\t", 0, MAX_PIECE_CHARS)) + 1
+                    cut = cut or MAX_PIECE_CHARS
+                if cut:
+                    yield carry[:cut]
+                    carry = carry[cut:]
+            if carry:
+                yield carry
+        finally:
+            if self.path != "-":
+                self._stream.close()
+
+    def _decoded(self) -> Iterator[str]:
+        path, encoding, decoder = self.path, self.encoding, self._decoder
+        hint = "pass --encoding latin-1 (or the right codec), or --errors replace"
+        while block := self._stream.read(READ_BLOCK_BYTES):
+            self._digest.update(block)
+            if b"\x00" in block and self._codec.lower().startswith("utf-8"):
+                at = self.bytes_read + block.index(b"\x00")
                 raise InputError(
                     f"{path} looks binary (NUL byte at offset {at})",
                     "for UTF-16 text pass --encoding utf-16; rocketkv reads text documents",
                 )
             try:
-                parts.append(decoder.decode(block))
+                text = decoder.decode(block)
             except UnicodeDecodeError as exc:
                 raise InputError(
-                    f"{path} is not valid {encoding} (byte offset {offset + exc.start})",
-                    "pass --encoding latin-1 (or the right codec), or --errors replace",
+                    f"{path} is not valid {encoding} (byte offset {self.bytes_read + exc.start})", hint
                 ) from exc
-            offset += len(block)
+            self.bytes_read += len(block)
+            yield text
         pending = len(decoder.getstate()[0])
         try:
-            parts.append(decoder.decode(b"", final=True))
+            yield decoder.decode(b"", final=True)
         except UnicodeDecodeError as exc:
+            at = self.bytes_read - pending + exc.start
             raise InputError(
-                f"{path} is not valid {encoding} (incomplete character at byte offset {offset - pending + exc.start})",
-                "pass --encoding latin-1 (or the right codec), or --errors replace",
+                f"{path} is not valid {encoding} (incomplete character at byte offset {at})", hint
             ) from exc
-    text = "".join(parts)
-    if not text.strip():
-        what = "empty" if not text else "whitespace only"
-        raise InputError(f"document {path if path != '-' else '(stdin)'} is {what}", "give a document with text")
-    source = "-" if path == "-" else str(Path(path)).encode("utf-8", "backslashreplace").decode("utf-8")
-    return Document(text=text, sha256=digest.hexdigest(), source=source)
+
+    def validate(self) -> None:
+        """Decode a regular file once, up front (cheap), so that encoding errors and empty files
+        fail before a long prefill; stdin and other streams are checked as they are read."""
+        if self.total_bytes is None:
+            return
+        check = TextStream(self.path, self.encoding, self._errors)
+        for _ in check:
+            pass
+        check.check_not_empty()
+
+    def check_not_empty(self) -> None:
+        """Raise InputError when the whole stream (already read) had no text."""
+        if not self.has_text:
+            what = "whitespace only" if self.bytes_read else "empty"
+            raise InputError(
+                f"document {self.source if self.path != '-' else '(stdin)'} is {what}", "give a document with text"
+            )
+
+
+def read_document(path: str, encoding: str = "utf-8", errors: str = "strict") -> Document:
+    """Read all of `path` (`-` = stdin) into one `Document` (for documents that fit the context).
+
+    Raises InputError as `TextStream` does, and for an empty / whitespace-only document.
+    """
+    stream = TextStream(path, encoding, errors)
+    text = "".join(stream)
+    stream.check_not_empty()
+    return Document(text=text, sha256=stream.sha256, source=stream.source)
 
 
 def tokenize(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     """Token ids of `text` (the engine works on ids only)."""
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def token_counts(tokenizer, pieces: list[str]) -> list[int]:
+    """Token count of each string of `pieces` (one batched tokenizer call; no special tokens)."""
+    if not pieces:
+        return []
+    return [len(ids) for ids in tokenizer(pieces, add_special_tokens=False)["input_ids"]]
+
+
+def _split_long_line(tokenizer, line: str, n_tokens: int, max_tokens: int) -> list[tuple[str, int]]:
+    """Cut a line of `n_tokens` > `max_tokens` into parts of at most `max_tokens` tokens each,
+    at whitespace where there is some (character cuts sized in proportion to the token count)."""
+    parts: list[tuple[str, int]] = []
+    stack = [(line, n_tokens)]
+    while stack:
+        text, n = stack.pop()
+        if n <= max_tokens or len(text) < 2:
+            parts.append((text, n))
+            continue
+        size = max(1, min(len(text) - 1, int(len(text) * max_tokens * 0.8 / n)))
+        cut = max(text.rfind(" ", 0, size), text.rfind("\t", 0, size)) + 1 or size
+        head, tail = text[:cut], text[cut:]
+        n_head, n_tail = token_counts(tokenizer, [head, tail])
+        stack += [(tail, n_tail), (head, n_head)]  # head is popped first: order is kept
+    return parts
+
+
+def segment_texts(tokenizer, pieces, max_tokens: int) -> Iterator[str]:
+    """Group the lines of `pieces` (an iterable of text, e.g. a `TextStream`) into consecutive
+    segment texts of at most about `max_tokens` tokens each (counted per line, no special tokens).
+
+    Segments end at line ends; a line longer than a segment is cut (at whitespace when possible).
+    Joining the yielded texts gives back the input exactly. Holds one segment of text at a time.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    buf: list[str] = []
+    n_buf = 0
+    for piece in pieces:
+        lines = piece.splitlines(keepends=True)
+        for line, n in zip(lines, token_counts(tokenizer, lines)):
+            parts = _split_long_line(tokenizer, line, n, max_tokens) if n > max_tokens else [(line, n)]
+            for part, n_part in parts:
+                if buf and n_buf + n_part > max_tokens:
+                    yield "".join(buf)
+                    buf, n_buf = [], 0
+                buf.append(part)
+                n_buf += n_part
+    if buf:
+        yield "".join(buf)
+
+
+class TextPieces:
+    """An in-memory text with `TextStream`'s interface (for text rocketkv made itself, e.g. summaries)."""
+
+    def __init__(self, text: str, source: str):
+        self.text, self.source = text, source
+        self.sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        self.total_bytes = self.bytes_read = len(text.encode("utf-8"))
+
+    def __iter__(self) -> Iterator[str]:
+        yield self.text
+
+    def check_not_empty(self) -> None:
+        if not self.text.strip():
+            raise InputError(f"document {self.source} is empty", "give a document with text")
+
+
+def term_ids(tokenizer) -> list[int]:
+    """For each token id, the id of its normalised term (-1 for special and punctuation-only tokens).
+
+    Tokens that differ only by a word-start marker (`Ġ`, `▁`, a space) or by case map to one term,
+    so that "Lisbon" in a question matches " Lisbon" inside a line. Used for lexical routing.
+    """
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    terms: dict[str, int] = {}
+    out = []
+    for i, tok in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
+        text = (tok or "").replace("Ġ", "").replace("▁", "").replace("Ċ", "").strip().lower()
+        if i in special or not any(ch.isalnum() for ch in text):
+            out.append(-1)
+        else:
+            out.append(terms.setdefault(text, len(terms)))
+    return out

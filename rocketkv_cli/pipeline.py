@@ -17,9 +17,10 @@ from .cache_io import PrunedKVCache, check_compatible
 from .config import DecodeConfig, PrefillConfig, auto_pool_kernel_size, resolve_budgets
 from .errors import BudgetError, InputError
 from .hf import ModelShape, RocketCache, RocketLayer, empty_cache, forward_tokens, model_shape, rocketkv_attention
-from .ingest import Document, tokenize
+from .ingest import Document, term_ids, tokenize
 from .models import LoadedModel, chat_template_digest, model_digest, stop_token_ids, tokenizer_digest
-from .prefill import gather_tokens, observation_scores, sink_recent_select, snapkv_select
+from .ops import observation_scores, snapkv_select
+from .prefill import gather_tokens, sink_recent_select
 from .templates import PromptFormat, prompt_format, read_prompt
 
 QUESTION_RESERVE_TOKENS = 256  # room kept for a question when checking a document against the context
@@ -51,6 +52,11 @@ class Engine:
             "layer_windows": json.dumps([s.sliding_window for s in self.shape.layers]),
         }
 
+    @cached_property
+    def term_ids(self) -> torch.Tensor:
+        """`[vocab]` int64: each token id's normalised term id, -1 for none (`ingest.term_ids`)."""
+        return torch.tensor(term_ids(self.tokenizer), dtype=torch.int64)
+
     def ids(self, token_ids: list[int]) -> torch.Tensor:
         return torch.tensor([token_ids], dtype=torch.long, device=self.loaded.device)
 
@@ -58,6 +64,19 @@ class Engine:
 def document_token_ids(engine: Engine, document: Document) -> list[int]:
     """Token ids of the framed document (template text before the document + the document)."""
     return tokenize(engine.tokenizer, engine.prompt.document_text(document.text), engine.prompt.add_special_tokens)
+
+
+def context_limit(engine: Engine, max_new_tokens: int) -> int:
+    """Most framed document tokens one prefill may hold: the model's context minus room for a
+    question (QUESTION_RESERVE_TOKENS) and the answer. Raises BudgetError when nothing is left."""
+    shape = engine.shape
+    limit = shape.max_context_tokens - max_new_tokens - QUESTION_RESERVE_TOKENS
+    if limit < 1:
+        raise BudgetError(
+            f"max_new_tokens {max_new_tokens} leaves no room in this model's {shape.max_context_tokens}-token context",
+            "lower --max-new-tokens",
+        )
+    return limit
 
 
 def prefill_document(
@@ -75,19 +94,34 @@ def prefill_document(
         BudgetError: the document (plus room for a question and the answer) exceeds the context.
     """
     doc_ids = document_token_ids(engine, document)
+    limit = context_limit(engine, cfg.max_new_tokens)
+    if len(doc_ids) > limit:
+        raise BudgetError(
+            f"document is {len(doc_ids)} tokens; this model's context fits {limit} "
+            "(after room for a question and answer)",
+            "ingest it in segments: rocketkv ingest DOC (documents longer than the context are segmented)",
+        )
+    return prefill_ids(
+        engine, doc_ids, cfg, {"document_sha256": document.sha256, "document_source": document.source}, progress
+    )
+
+
+def prefill_ids(
+    engine: Engine,
+    doc_ids: list[int],
+    cfg: PrefillConfig,
+    document_meta: dict[str, str],
+    progress: TokenProgress = lambda done, total: None,
+) -> PrunedKVCache:
+    """Prefill framed document token ids `doc_ids` (RoPE positions 0 … n−1) and prune (SPEC §3.2).
+
+    document_meta: metadata naming the document (`document_sha256`, `document_source`, …).
+    The caller checks `doc_ids` against `context_limit`.
+    Raises:
+        BudgetError: the prompt budget falls below the observation window.
+    """
     n = len(doc_ids)
     shape = engine.shape
-    limit = shape.max_context_tokens - cfg.max_new_tokens - QUESTION_RESERVE_TOKENS
-    if limit < 1:
-        raise BudgetError(
-            f"max_new_tokens {cfg.max_new_tokens} leaves no room in this model's {shape.max_context_tokens}-token context",
-            "lower --max-new-tokens",
-        )
-    if n > limit:
-        raise BudgetError(
-            f"document is {n} tokens; this model's context fits {limit} (after room for a question and answer)",
-            "use a shorter document or a model with a longer context",
-        )
     budgets = resolve_budgets(cfg, n, shape.head_dim)
     if n > budgets.prompt_budget and budgets.prompt_budget < cfg.window_size:
         raise BudgetError(
@@ -133,8 +167,7 @@ def prefill_document(
         model_id=engine.loaded.model_id,
         dtype=str(engine.loaded.dtype).removeprefix("torch."),
         n_context_tokens=str(n),
-        document_sha256=document.sha256,
-        document_source=document.source,
+        **document_meta,
         config=json.dumps(cfg.to_dict(), sort_keys=True),
         budgets=json.dumps(budgets.to_dict() | {"pool_kernel_size": kernel}, sort_keys=True),
     )

@@ -6,6 +6,8 @@ the last `window_size` tokens are always kept; kept tokens stay in original orde
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -97,7 +99,13 @@ def select_kept_tokens(pooled: torch.Tensor, prompt_budget: int, window_size: in
     return kept
 
 
-def snapkv_select(scores: torch.Tensor, prompt_budget: int, window_size: int, kernel_size: int) -> torch.Tensor:
+def snapkv_select(
+    scores: torch.Tensor,
+    prompt_budget: int,
+    window_size: int,
+    kernel_size: int,
+    pool: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """SnapKV++ selection from raw observation scores: pool the prefix only, then select.
 
     The window's own keys are always kept, so their (large) scores are excluded from pooling:
@@ -106,11 +114,13 @@ def snapkv_select(scores: torch.Tensor, prompt_budget: int, window_size: int, ke
 
     Args:
         scores: `[B, Hkv, S]` float32 from `observation_scores`. prompt_budget, window_size, kernel_size:
-            tokens. Returns: `[B, Hkv, min(S, prompt_budget)]` int64 ascending.
+            tokens. pool: the pooling function (default `pool_scores`; `ops` passes its dispatched one).
+            Returns: `[B, Hkv, min(S, prompt_budget)]` int64 ascending.
     """
+    pool = pool or pool_scores
     s = scores.shape[-1]
     window = min(window_size, prompt_budget, s)
-    prefix = pool_scores(scores[..., : s - window], kernel_size) if s > window else scores[..., :0]
+    prefix = pool(scores[..., : s - window], kernel_size) if s > window else scores[..., :0]
     pooled = torch.cat([prefix, scores[..., s - window :]], dim=-1)  # [B, Hkv, S]
     return select_kept_tokens(pooled, prompt_budget, window_size)
 

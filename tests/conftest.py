@@ -13,6 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Triton kernels run on CPU tensors only under its interpreter, which is read when kernels are
+# defined: set it before anything imports triton, and only where no GPU would run them natively.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 if not SHARED_DATA.is_dir():  # CI lays shared/ beside the clone
     SHARED_DATA = Path(os.environ.get("ROCKETKV_SHARED_DATA", "/work/shared/data"))

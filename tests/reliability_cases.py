@@ -311,6 +311,14 @@ def _full_cache_check(ws: Workspace) -> None:
     (ws.root / "big-budget.kv").rename(ws.root / "big-budget-keep.kv")
 
 
+def _segmented_check(ws: Workspace) -> None:
+    from rocketkv_cli.cache_io import SegmentedKVCache, load_cache
+
+    stored = load_cache(ws.root / "h.kv")
+    assert isinstance(stored, SegmentedKVCache) and len(stored.segments) == 2, type(stored)
+    assert not (ws.root / ".h.kv.segments").exists(), "checkpoints left behind"
+
+
 def _no_partial_then(name: str) -> Callable[[Workspace], None]:
     def check(ws: Workspace) -> None:
         assert not (ws.root / name).exists(), f"partial file {name} left behind"
@@ -333,7 +341,10 @@ CASES: list[Case] = [
     Case("Latin-1 text with --encoding latin-1", "input", lambda ws: ["ingest", ws.file("latin1ok.txt", ("Café crème. " * 30).encode("latin-1")), "-o", ws.root / "latin1-keep.kv", "--encoding", "latin-1", *M(ws)], 0, "", notes="decodes and ingests"),
     Case("UTF-16 text", "input", lambda ws: ["ingest", ws.file("utf16.txt", "hello there".encode("utf-16")), *M(ws)], 1, "--encoding utf-16"),
     Case("unreadable permissions", "input", lambda ws: ["ingest", unreadable(ws), *M(ws)], 1, "no permission", drop_dac=True),
-    Case("document longer than the context", "input", lambda ws: ["ingest", ws.file("huge.txt", b"word " * 1000), "-o", ws.root / "h.kv", *M(ws)], 1, "context fits"),
+    Case("document longer than the context", "input", lambda ws: ["ingest", ws.file("huge.txt", b"word " * 1000), "-o", ws.root / "h.kv", *M(ws)], 0, "", check=_segmented_check, notes="ingested in 2 segments"),
+    Case("--segment-tokens too small for the framing", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "s.kv", "--segment-tokens", "64", *M(ws)], 1, "no room for text"),
+    Case("--segment-tokens over the context", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "s.kv", "--segment-tokens", "100000", *M(ws)], 1, "more than this model's context fits"),
+    Case("--segment on a one-segment cache", "questions", lambda ws: ["ask", "--cache", ws.kv, "--segment", "3", QUESTION], 1, "one segment"),
     Case("- with empty stdin", "input", lambda ws: ["ingest", "-", "-o", ws.root / "stdin.kv", *M(ws)], 1, "(stdin) is empty", stdin=""),
     # options
     Case("budget 0", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "b.kv", "--budget", "0", *M(ws)], 1, "token_budget"),

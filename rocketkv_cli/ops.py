@@ -1,0 +1,193 @@
+"""Kernel dispatch: one rule for every hot-path op (SPEC §5).
+
+Each op has a torch reference (the specification, in `decode.py` / `prefill.py`) and a Triton
+launcher of the same signature in `rocketkv_cli.kernels.<file>`. The rule, evaluated per call from
+the first tensor argument's device and `ROCKETKV_KERNELS`:
+
+- `auto` (default): Triton for CUDA tensors when `triton` is installed, torch otherwise;
+- `torch`: always the reference;
+- `triton`: always the kernels (CPU tensors need `TRITON_INTERPRET=1`, as in the tests).
+
+Nothing is decided or imported at import time; `triton` is imported only when a kernel is first
+used. The backend chosen for each op is logged once at debug level. Kernel exceptions propagate.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import decode, prefill
+
+ENV_VAR = "ROCKETKV_KERNELS"
+BACKENDS = ("auto", "torch", "triton")
+log = logging.getLogger(__name__)
+
+# op → (reference function, "kernels module:launcher" loaded on first use)
+DISPATCH: dict[str, tuple[Callable[..., Any], str]] = {
+    "page_summaries": (decode.page_summaries, "page_summaries:page_summaries_triton"),
+    "update_page_summaries": (decode.update_page_summaries, "page_summaries:update_page_summaries_triton"),
+    "page_scores": (decode.page_scores, "page_scores:page_scores_triton"),
+    "sparse_attention": (decode.sparse_attention, "sparse_attention:sparse_attention_triton"),
+    "observation_scores": (prefill.observation_scores, "observation_scores:observation_scores_triton"),
+    "pool_scores": (prefill.pool_scores, "observation_scores:pool_scores_triton"),
+}
+_logged: set[tuple[str, str]] = set()
+
+
+class KernelUnavailableError(RuntimeError):
+    """`ROCKETKV_KERNELS=triton` was asked for but the Triton kernels cannot be loaded."""
+
+
+def requested_backend() -> str:
+    """The value of `ROCKETKV_KERNELS` (default `auto`), lower-cased.
+
+    Raises:
+        ValueError: a value other than auto, torch or triton.
+    """
+    value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if value not in BACKENDS:
+        raise ValueError(f"{ENV_VAR} must be one of {', '.join(BACKENDS)}, got {os.environ[ENV_VAR]!r}")
+    return value
+
+
+def triton_available() -> bool:
+    """Whether the `triton` package imports (says nothing about a GPU: it imports on CPU too)."""
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return False
+    return True
+
+
+def backend_for(tensor: torch.Tensor) -> str:
+    """`"triton"` or `"torch"` for an op whose first tensor argument is `tensor` (the rule above).
+
+    Raises:
+        ValueError: an invalid `ROCKETKV_KERNELS`.
+    """
+    requested = requested_backend()
+    if requested != "auto":
+        return requested
+    return "triton" if tensor.is_cuda and triton_available() else "torch"
+
+
+def implementation(op: str, tensor: torch.Tensor) -> Callable[..., Any]:
+    """The function that runs `op` for `tensor`'s device under the current setting.
+
+    Raises:
+        KeyError: an unknown op. ValueError: an invalid `ROCKETKV_KERNELS`.
+        KernelUnavailableError: Triton chosen but `triton` (or the kernel module) fails to import.
+    """
+    reference, target = DISPATCH[op]
+    backend = backend_for(tensor)
+    if (op, backend) not in _logged:
+        _logged.add((op, backend))
+        log.debug("rocketkv op %s: %s backend (%s=%s, device %s)", op, backend, ENV_VAR, requested_backend(),
+                  tensor.device)  # fmt: skip
+    if backend == "torch":
+        return reference
+    module_name, fn_name = target.split(":")
+    try:
+        module = importlib.import_module(f"rocketkv_cli.kernels.{module_name}")
+    except ImportError as exc:
+        raise KernelUnavailableError(
+            f"{op}: the Triton backend was chosen ({ENV_VAR}={requested_backend()}) but cannot be loaded: {exc}. "
+            f"Install it with `pip install triton`, or set {ENV_VAR}=torch."
+        ) from exc
+    return getattr(module, fn_name)
+
+
+def page_summaries(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatched `decode.page_summaries`: keys `[B, Hkv, S, D]` → (min, max) `[B, Hkv, P, D]`."""
+    return implementation("page_summaries", keys)(keys, page_size)
+
+
+def update_page_summaries(
+    page_min: torch.Tensor, page_max: torch.Tensor, keys: torch.Tensor, start: int, page_size: int
+) -> None:
+    """Dispatched `decode.update_page_summaries` (in place, pages touched from token `start` on)."""
+    implementation("update_page_summaries", keys)(page_min, page_max, keys, start, page_size)
+
+
+def page_scores(
+    query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, counts: torch.Tensor, n_score_dims: int
+) -> torch.Tensor:
+    """Dispatched `decode.page_scores`: query `[B, H, 1, D]`, pages `[B, Hkv, P, D]` → `[B, Hkv, P]` float32."""
+    return implementation("page_scores", query)(query, page_min, page_max, counts, n_score_dims)
+
+
+def sparse_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    scaling: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Dispatched `decode.sparse_attention`: `[B, H, 1, D]` over indices `[B, Hkv, N_sel]` → `[B, H, 1, D]`."""
+    return implementation("sparse_attention", query)(query, keys, values, indices, scaling, softcap)
+
+
+def observation_scores(
+    window_queries: torch.Tensor,
+    keys: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    scaling: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Dispatched `prefill.observation_scores`: `[B, H, W, D]` × `[B, Hkv, S, D]` → `[B, Hkv, S]` float32."""
+    fn = implementation("observation_scores", keys)
+    return fn(window_queries, keys, query_positions, key_positions, scaling, softcap)
+
+
+def pool_scores(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
+    """Dispatched `prefill.pool_scores`: `[B, Hkv, S]` → `[B, Hkv, S]` (stride-1 max-pool)."""
+    return implementation("pool_scores", scores)(scores, kernel_size)
+
+
+def snapkv_select(scores: torch.Tensor, prompt_budget: int, window_size: int, kernel_size: int) -> torch.Tensor:
+    """`prefill.snapkv_select` with the dispatched pooling (SPEC §3.2 steps 4–5).
+
+    Args: scores `[B, Hkv, S]` float32; budgets in tokens. Returns: `[B, Hkv, min(S, prompt_budget)]` int64.
+    """
+    return prefill.snapkv_select(scores, prompt_budget, window_size, kernel_size, pool=pool_scores)
+
+
+def hsa_decode(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    page_min: torch.Tensor,
+    page_max: torch.Tensor,
+    topk: int,
+    page_size: int,
+    n_score_dims: int,
+    scaling: float,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode.hsa_decode` composed from the dispatched parts (SPEC §3.3, RocketKV §3.5).
+
+    Page scoring and sparse attention run on the selected backend; the page top-k is `torch.topk`
+    (`decode.select_pages`) on every backend. Exact attention when S ≤ topk.
+
+    Args:
+        query: `[B, H, 1, D]`. keys/values: `[B, Hkv, S, D]`. page_min/page_max: `[B, Hkv, P, D]`.
+        topk, page_size, n_score_dims: budgets (tokens, tokens, dims). scaling, softcap: the layer's.
+    Returns:
+        (output `[B, H, 1, D]`, selected token indices `[B, Hkv, N_sel]` int64).
+    """
+    s = keys.shape[2]
+    if s <= topk:
+        indices = torch.arange(s, device=keys.device).expand(keys.shape[0], keys.shape[1], s)
+    else:
+        counts = decode.page_token_counts(s, page_size, keys.device)
+        scores = page_scores(query, page_min, page_max, counts, n_score_dims)  # [B, Hkv, P]
+        indices = decode.select_pages(scores, topk, page_size)  # [B, Hkv, N_sel]
+    return sparse_attention(query, keys, values, indices, scaling, softcap), indices

@@ -1,0 +1,337 @@
+"""Documents longer than the model's context: segmented ingest (checkpointed and resumable),
+routing each question to the segments that hold its answer, and hierarchical summaries.
+
+Design (README "How it works"): the document is cut at line ends into segments that each fit the
+context; each segment is prefilled on its own at RoPE positions 0 … n_j−1 and pruned with
+SnapKV++, so ingest time is linear in the document and memory is one segment's working set. A
+question is routed to the segments that best match it (`route`: BM25 over each segment's stored
+token ids, with the question's queries against the stored keys as the fallback), then answered
+over the top segments' kept KV (`merge_segments`). No argument parsing or printing here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+
+import torch
+
+from .cache_io import PrunedKVCache, SegmentedKVCache, load_cache, save_cache
+from .config import PrefillConfig
+from .errors import BudgetError, CacheFormatError, InputError
+from .hf import empty_cache, forward_tokens, rocketkv_attention
+from .ingest import Document, TextStream, segment_texts, tokenize
+from .pipeline import Answer, Engine, TokenProgress, context_limit, document_token_ids, prefill_document, prefill_ids
+
+SEGMENT_SLACK_TOKENS = 16  # joint tokenization of a segment may differ from the per-line count
+MIN_SEGMENT_TEXT_TOKENS = 64
+SEGMENT_KEYS = ("segment_index", "segment_start_token", "segment_ids_sha256")
+
+
+@dataclass(frozen=True)
+class SegmentDone:
+    """Progress event: segment `index` is prefilled (or was found checkpointed: `resumed`)."""
+
+    index: int
+    n_tokens: int  # framed tokens of this segment
+    resumed: bool
+
+
+class Checkpoints:
+    """Finished segments of an ingest into `target`, each a v1 `.kv` file in a hidden folder beside it.
+
+    A checkpoint is reused only when its model identity, configuration and token ids' sha256 all
+    match (so a changed document or option re-prefills from the first differing segment).
+    """
+
+    def __init__(self, target: Path):
+        self.dir = target.parent / f".{target.name}.segments"
+
+    def _path(self, index: int) -> Path:
+        return self.dir / f"{index:06d}.kv"
+
+    def load(self, index: int, expected: dict[str, str]) -> PrunedKVCache | None:
+        path = self._path(index)
+        if not path.is_file():
+            return None
+        try:
+            part = load_cache(path)
+        except CacheFormatError:  # e.g. the machine died mid-write of an older rocketkv: redo it
+            return None
+        if not isinstance(part, PrunedKVCache) or any(part.metadata.get(k) != v for k, v in expected.items()):
+            return None
+        return part
+
+    def save(self, index: int, part: PrunedKVCache) -> PrunedKVCache:
+        """Write `part` and return it memory-mapped from disk (its tensors leave RAM)."""
+        self.dir.mkdir(exist_ok=True)
+        save_cache(part, self._path(index), force=True)
+        return load_cache(self._path(index))
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def count(self) -> int:
+        return len(list(self.dir.glob("*.kv"))) if self.dir.is_dir() else 0
+
+
+def frame_tokens(engine: Engine) -> int:
+    """Tokens the prompt framing puts before a document (BOS, instructions)."""
+    return len(document_token_ids(engine, Document("", "", "")))
+
+
+def segment_limit(engine: Engine, cfg: PrefillConfig, segment_tokens: int | None) -> int:
+    """Framed tokens per segment: `segment_tokens`, or all the context fits (None).
+
+    Raises BudgetError: more than the context fits, or too few for the framing.
+    """
+    limit = context_limit(engine, cfg.max_new_tokens)
+    seg = segment_tokens or limit
+    if seg > limit:
+        raise BudgetError(
+            f"--segment-tokens {seg} is more than this model's context fits ({limit})", f"use at most {limit}"
+        )
+    room = seg - frame_tokens(engine) - SEGMENT_SLACK_TOKENS
+    if room < MIN_SEGMENT_TEXT_TOKENS:
+        raise BudgetError(
+            f"--segment-tokens {seg} leaves no room for text after the prompt framing ({max(room, 0)} tokens)",
+            f"use at least {seg - room + MIN_SEGMENT_TEXT_TOKENS}",
+        )
+    return seg
+
+
+def ingest_stream(
+    engine: Engine,
+    stream: TextStream,
+    cfg: PrefillConfig,
+    segment_tokens: int | None = None,
+    checkpoints: Checkpoints | None = None,
+    on_segment: Callable[[SegmentDone], None] = lambda event: None,
+    progress: TokenProgress = lambda done, total: None,
+) -> PrunedKVCache | SegmentedKVCache:
+    """Prefill and prune a document of any length, read as a stream.
+
+    A document that fits one segment gives a `PrunedKVCache` exactly as `prefill_document` would.
+    A longer one is cut into segments of ≤ `segment_tokens` framed tokens (see `segment_limit`),
+    each prefilled at positions 0 … n_j−1 and pruned on its own; with `checkpoints`, each finished
+    segment is saved (and then memory-mapped) so an interrupted ingest resumes where it stopped.
+    `progress(done, total)` reports tokens prefilled so far and the estimated total (from the
+    bytes read, for a file).
+    Raises:
+        InputError: the stream's errors, or an empty document. BudgetError: see `segment_limit`.
+    """
+    seg = segment_limit(engine, cfg, segment_tokens)
+    frame = frame_tokens(engine)
+    texts = segment_texts(engine.tokenizer, stream, seg - frame - SEGMENT_SLACK_TOKENS)
+    first, second = next(texts, ""), next(texts, None)
+    if second is None:
+        stream.check_not_empty()
+        return prefill_document(engine, Document(first, stream.sha256, stream.source), cfg, progress)
+    parts: list[PrunedKVCache] = []
+    start = tokens_done = bytes_done = 0
+    for index, text in enumerate(chain([first, second], texts)):
+        ids = document_token_ids(engine, Document(text, "", ""))
+        bytes_done += len(text.encode("utf-8", "surrogatepass"))
+        size = stream.total_bytes or 0
+
+        def seg_progress(done: int, total: int, before: int = tokens_done, read: int = bytes_done) -> None:
+            estimate = (before + total) * size / read if size > read else before + total
+            progress(before + done, max(int(estimate), before + done))
+
+        if len(ids) > seg:
+            raise BudgetError(f"segment {index} tokenized to {len(ids)} tokens, over {seg}", "lower --segment-tokens")
+        ids_sha = hashlib.sha256(torch.tensor(ids, dtype=torch.int64).numpy().tobytes()).hexdigest()
+        meta = {
+            "document_sha256": ids_sha, "document_source": stream.source, "segment_index": str(index),
+            "segment_start_token": str(start), "segment_ids_sha256": ids_sha,
+        }  # fmt: skip
+        expected = {**engine.identity, **meta, "config": json.dumps(cfg.to_dict(), sort_keys=True)}
+        part = checkpoints.load(index, expected) if checkpoints else None
+        resumed = part is not None
+        if part is None:
+            part = prefill_ids(engine, ids, cfg, meta, seg_progress)
+            part.token_ids = torch.tensor(ids, dtype=torch.int32)
+            if checkpoints:
+                part = checkpoints.save(index, part)
+        parts.append(part)
+        on_segment(SegmentDone(index=index, n_tokens=len(ids), resumed=resumed))
+        start += len(ids) - frame
+        tokens_done += len(ids)
+    metadata = {k: v for k, v in parts[0].metadata.items() if k not in SEGMENT_KEYS}
+    metadata.update(document_sha256=stream.sha256, n_context_tokens=str(sum(p.n_context_tokens for p in parts)))
+    return SegmentedKVCache(segments=parts, metadata=metadata)
+
+
+@torch.inference_mode()
+def question_queries(engine: Engine, question: str, position: int) -> dict[int, torch.Tensor]:
+    """Queries of the question's own tokens (not the framing) in each full-attention layer.
+
+    The framed question is run alone at RoPE positions starting at `position` (where it would
+    follow a segment). Returns {layer index: `[1, H, T_q, D]` float32}.
+    """
+    before = len(tokenize(engine.tokenizer, engine.prompt.before_question, False))
+    ids = tokenize(engine.tokenizer, engine.prompt.question_text(question), False)
+    n_q = len(tokenize(engine.tokenizer, engine.prompt.before_question + question, False))
+    cache = empty_cache(engine.model, engine.shape, len(ids))
+    with rocketkv_attention(engine.model, cache, engine.shape, capture_from=position + before) as session:
+        forward_tokens(engine.model, cache, engine.ids(ids), position)
+    span = max(1, n_q - before)
+    return {i: torch.cat(q, dim=2)[:, :, :span] for i, q in session.captured.items()}
+
+
+def segment_scores(engine: Engine, stored: SegmentedKVCache, question: str) -> torch.Tensor:
+    """Relevance of each segment to `question`, `[N_segments]` float32 (higher = more relevant).
+
+    Per full-attention layer, query head and question token: the largest attention logit over
+    the segment's kept keys (the framing tokens, shared by all segments, are left out); each such
+    maximum is standardised across segments (z-score) and the mean over layers, heads and tokens
+    is the segment's score. A needle's key stands out in the heads that retrieve it.
+    """
+    shape = engine.shape
+    position = max(p.n_context_tokens for p in stored.segments)
+    queries = question_queries(engine, question, position)
+    frame = frame_tokens(engine)
+    group = shape.n_heads // shape.n_kv_heads
+    per_segment = []
+    for part in stored.segments:
+        maxima = []
+        for i, q in sorted(queries.items()):
+            keys, _, pos = part.layers[i]  # [1, Hkv, S, D], [1, Hkv, S]
+            k = keys[0].float()
+            b, h, t, d = q.shape
+            assert k.shape[0] * group == h and k.shape[2] == d, (q.shape, k.shape)
+            logits = torch.einsum("kgtd,ksd->kgts", q[0].view(k.shape[0], group, t, d), k)  # [Hkv, G, T, S]
+            logits = logits.masked_fill((pos[0] < frame)[:, None, None, :], float("-inf"))
+            maxima.append(logits.amax(dim=-1).reshape(h, t))  # [H, T]
+        per_segment.append(torch.stack(maxima))  # [L_full, H, T]
+    m = torch.stack(per_segment)  # [N, L_full, H, T]
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    z = (m - m.mean(dim=0)) / (m.std(dim=0, unbiased=False) + 1e-6)
+    return z.flatten(1).mean(dim=1)
+
+
+BM25_K1, BM25_B = 1.2, 0.75  # Okapi BM25's usual constants
+
+
+def lexical_scores(engine: Engine, stored: SegmentedKVCache, question: str) -> torch.Tensor:
+    """Okapi BM25 of the question's terms in each segment's stored token ids, `[N_segments]` float32.
+
+    Terms are token ids normalised by `Engine.term_ids` (word-start marker and case dropped). Formula:
+    Σ_t idf(t) · tf·(k1+1) / (tf + k1·(1 − b + b·len/avg_len)), idf(t) = ln(1 + (N − df + ½)/(df + ½))
+    (Robertson et al., "Okapi at TREC-3", 1994; the idf variant of Lucene). Zero when no term occurs.
+    """
+    terms = engine.term_ids
+    q = terms[torch.tensor(tokenize(engine.tokenizer, question, False), dtype=torch.int64)]
+    q = torch.unique(q[q >= 0])
+    if q.numel() == 0:
+        return torch.zeros(len(stored.segments))
+    tf, lengths = [], []
+    for part in stored.segments:
+        assert part.token_ids is not None, "segments carry their token ids"
+        t = terms[part.token_ids.long()]  # [n_j]
+        lengths.append(float((t >= 0).sum()))
+        tf.append((t[:, None] == q[None, :]).sum(dim=0).float())  # [Q]
+    tf_m = torch.stack(tf)  # [N, Q]
+    n = tf_m.shape[0]
+    df = (tf_m > 0).sum(dim=0).float()
+    idf = torch.log(1 + (n - df + 0.5) / (df + 0.5))
+    length = torch.tensor(lengths)
+    norm = BM25_K1 * (1 - BM25_B + BM25_B * length / length.mean().clamp(min=1.0))
+    return (idf * tf_m * (BM25_K1 + 1) / (tf_m + norm[:, None])).sum(dim=1)
+
+
+def route(engine: Engine, stored: SegmentedKVCache, question: str, n_segments: int) -> list[int]:
+    """The `n_segments` segments most relevant to `question`, in document order.
+
+    Ranked by `lexical_scores` (BM25 over the stored token ids); when no term of the question
+    occurs anywhere, by `segment_scores` (the question's queries against the stored keys).
+    docs/long-documents.md compares the two on planted needles: BM25 finds the needle's segment
+    far more often with these small models.
+    """
+    if n_segments < 1:
+        raise InputError(f"--segments must be at least 1, got {n_segments}")
+    scores = lexical_scores(engine, stored, question)
+    if float(scores.max()) <= 0.0:
+        scores = segment_scores(engine, stored, question)
+    top = torch.topk(scores, min(n_segments, scores.shape[0])).indices
+    return sorted(int(i) for i in top)
+
+
+def merge_segments(stored: SegmentedKVCache, indices: list[int]) -> PrunedKVCache:
+    """One cache over the chosen segments, for answering (parallel context windows).
+
+    Each segment keeps its own RoPE positions 0 … n_j−1; their kept KV are concatenated along
+    the sequence, and the question follows at max n_j, so it sees every chosen segment at the
+    distances it had at ingest. One index gives that segment's cache unchanged.
+    """
+    if not indices or any(not 0 <= j < len(stored.segments) for j in indices):
+        raise InputError(
+            f"segment {indices} out of range; this cache has segments 0-{len(stored.segments) - 1}",
+            "see them with: rocketkv inspect CACHE",
+        )
+    parts = [stored.segments[j] for j in indices]
+    if len(parts) == 1:
+        return parts[0]
+    layers = [tuple(torch.cat(kinds, dim=2) for kinds in zip(*layer)) for layer in zip(*(p.layers for p in parts))]
+    meta = dict(parts[0].metadata)
+    meta["n_context_tokens"] = str(max(p.n_context_tokens for p in parts))
+    meta["segment_index"] = ",".join(map(str, indices))
+    return PrunedKVCache(layers=layers, metadata=meta)
+
+
+def iter_segment_answers(
+    engine: Engine, stored: SegmentedKVCache, questions: list[str], n_segments: int, segment: int | None
+) -> Iterator[tuple[str, list[int], PrunedKVCache]]:
+    """For each question: the chosen segment indices and the cache to answer it from."""
+    for question in questions:
+        chosen = [segment] if segment is not None else route(engine, stored, question, n_segments)
+        yield question, chosen, merge_segments(stored, chosen)
+
+
+@dataclass(frozen=True)
+class PartialSummary:
+    """Progress event of a hierarchical summary: the summary of segment `index` of `total` at `level`."""
+
+    level: int
+    index: int
+    total: int
+    text: str
+
+
+def summarize(
+    engine: Engine,
+    stored: PrunedKVCache | SegmentedKVCache,
+    cfg: PrefillConfig,
+    summarize_one: Callable[[PrunedKVCache, str], Answer],
+    on_partial: Callable[[PartialSummary], None] = lambda event: None,
+    prompt: str | None = None,
+    level: int = 0,
+) -> Answer:
+    """Summary of a stored document; hierarchical when it is segmented.
+
+    A one-segment cache is summarized directly (`summarize_one(cache, question)` answers one
+    question from a cache). A segmented one: each segment is summarized with `summarize.txt`
+    (reported through `on_partial`), the summaries are joined in order into a new text, which is
+    ingested in memory with `cfg` and summarized with `summarize_parts.txt`, recursively while it
+    is still longer than the context. Returns the final summary's `Answer`.
+    """
+    from .templates import read_prompt
+
+    if isinstance(stored, PrunedKVCache):
+        return summarize_one(stored, prompt or read_prompt("summarize.txt"))
+    n = len(stored.segments)
+    partials = []
+    for j, part in enumerate(stored.segments):
+        text = summarize_one(part, read_prompt("summarize.txt")).text
+        partials.append(text)
+        on_partial(PartialSummary(level=level, index=j, total=n, text=text))
+    joined = "\n\n".join(f"Part {j + 1} of {n}: {text}" for j, text in enumerate(partials))
+    from .ingest import TextPieces
+
+    combined = ingest_stream(engine, TextPieces(joined, f"summaries (level {level + 1})"), cfg)
+    return summarize(engine, combined, cfg, summarize_one, on_partial, read_prompt("summarize_parts.txt"), level + 1)

@@ -1,0 +1,241 @@
+"""Evidence for documents longer than the context (issue: huge documents) → docs/long-documents.md.
+
+Per preset, through the installed CLI (every number comes from a real `rocketkv` subprocess):
+1. a slice of ../shared/data/kjv.txt of about --tokens tokens, with needles ("The special magic
+   number for NAME is NUMBER.") planted at 10%, 50% and 90% depth (--needles-per-depth each);
+2. `rocketkv ingest` of it with default settings: time, file size, peak RSS (GNU time), segments;
+3. `rocketkv ask --cache` with every needle question (routing, default settings): hit rate, next
+   to the hit rate when the needle's own segment is given directly (`--segment J`);
+4. `rocketkv summarize --cache` of the same cache: run time and the summary;
+5. the whole book for --full-book-seconds, then Ctrl-C: tokens/s and the projected total time.
+
+Usage:
+    python scripts/long_documents_report.py                      # both presets, ~25-40 min on 2 cores
+    python scripts/long_documents_report.py --from-json          # rewrite the page from the JSON
+    python scripts/long_documents_report.py --presets smollm2-135m --tokens 20000 --full-book-seconds 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KJV = ROOT.parent / "shared" / "data" / "kjv.txt"
+DEPTHS = (0.1, 0.5, 0.9)
+NAMES = ["Lisbon", "Nairobi", "Osaka", "Quito", "Tbilisi", "Hobart", "Reykjavik", "Accra", "Tallinn", "Lima",
+         "Perth", "Bergen", "Cusco", "Dakar", "Hanoi", "Kigali", "Malmo", "Oaxaca", "Porto", "Sapporo"]  # fmt: skip
+ROCKETKV = str(Path(sys.executable).parent / "rocketkv")
+
+
+def run(args: list[str], timeout: float | None = None, interrupt_after: float | None = None) -> dict:
+    """Run `rocketkv ARGS` under GNU time; return stdout, stderr, seconds and peak RSS in bytes."""
+    cmd = ["/usr/bin/time", "-f", "MAXRSS_KB %M", ROCKETKV, *args]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines: list[tuple[float, str]] = []  # stderr lines with the time they arrived (seconds from start)
+    reader = threading.Thread(target=lambda: lines.extend((time.perf_counter() - t0, x) for x in proc.stderr))
+    reader.start()
+    try:
+        out = proc.stdout.read() if interrupt_after is None else ""
+        proc.wait(timeout=interrupt_after if interrupt_after is not None else timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=120)
+    out += proc.stdout.read()
+    reader.join()
+    seconds = time.perf_counter() - t0
+    err = "".join(x for _, x in lines)
+    rss = re.findall(r"MAXRSS_KB (\d+)", err)
+    return {"code": proc.returncode, "stdout": out, "stderr": err, "seconds": seconds, "lines": lines,
+            "peak_rss_bytes": int(rss[-1]) * 1024 if rss else None}  # fmt: skip
+
+
+def tokenizer_of(preset: str):
+    from rocketkv_cli.models import load_model
+
+    return load_model(preset).tokenizer
+
+
+def build_document(tok, n_tokens: int, per_depth: int, seed: int) -> tuple[str, list[dict]]:
+    """A KJV slice of about `n_tokens` tokens with needles; returns (text, needles)."""
+    lines = KJV.read_text(encoding="utf-8-sig").splitlines(keepends=True)
+    counts = [len(ids) for ids in tok(lines[:60000], add_special_tokens=False)["input_ids"]]
+    total, end = 0, 0
+    while total < n_tokens and end < len(counts):
+        total += counts[end]
+        end += 1
+    body = lines[:end]
+    rng = random.Random(seed)
+    names = rng.sample(NAMES, per_depth * len(DEPTHS))
+    needles = []
+    for d_i, depth in enumerate(DEPTHS):
+        for k in range(per_depth):
+            name = names[d_i * per_depth + k]
+            needles.append({"name": name, "number": str(rng.randint(100000, 999999)), "depth": depth,
+                            "at_depth": round(depth + 0.01 * k, 3)})  # fmt: skip
+    for needle in sorted(needles, key=lambda n: -n["at_depth"]):  # insert from the end: indices stay valid
+        body.insert(
+            int(needle["at_depth"] * len(body)),
+            f"The special magic number for {needle['name']} is {needle['number']}.\n",
+        )
+    text = "".join(body)
+    for needle in needles:
+        prefix = text[: text.index(f"for {needle['name']} is")]
+        needle["token_offset"] = len(tok(prefix, add_special_tokens=False)["input_ids"])
+        needle["question"] = f"What is the special magic number for {needle['name']}?"
+    return text, needles
+
+
+def own_segment(segments: list[dict], token_offset: int) -> int:
+    return max(j for j, s in enumerate(segments) if s["start_token"] <= token_offset)
+
+
+def preset_report(preset: str, args, work: Path) -> dict:
+    tok = tokenizer_of(preset)
+    text, needles = build_document(tok, args.tokens, args.needles_per_depth, args.seed)
+    doc = work / f"{preset}-kjv-needles.txt"
+    doc.write_text(text)
+    kv = work / f"{preset}.kv"
+    kv.unlink(missing_ok=True)
+    ing = run(["ingest", str(doc), "-o", str(kv), "-m", preset, "--json"])
+    assert ing["code"] == 0, ing["stderr"][-2000:]
+    row = json.loads(ing["stdout"])
+    info = json.loads(run(["inspect", str(kv), "--json"])["stdout"])
+    questions = work / f"{preset}-questions.txt"
+    questions.write_text("".join(n["question"] + "\n" for n in needles))
+    routed = run(["ask", "--cache", str(kv), "--questions-file", str(questions), "--json"])
+    assert routed["code"] == 0, routed["stderr"][-2000:]
+    for needle, line in zip(needles, routed["stdout"].splitlines()):
+        ans = json.loads(line)
+        needle.update(routed_answer=ans["answer"], routed_segments=ans["segments"],
+                      routed_hit=needle["number"] in ans["answer"])  # fmt: skip
+    for needle in needles:
+        needle["own_segment"] = own_segment(info["segments"], needle["token_offset"])
+        needle["routed_to_own"] = needle["own_segment"] in needle["routed_segments"]
+    for seg in sorted({n["own_segment"] for n in needles}):
+        group = [n for n in needles if n["own_segment"] == seg]
+        qfile = work / f"{preset}-q{seg}.txt"
+        qfile.write_text("".join(n["question"] + "\n" for n in group))
+        direct = run(["ask", "--cache", str(kv), "--segment", str(seg), "--questions-file", str(qfile), "--json"])
+        assert direct["code"] == 0, direct["stderr"][-2000:]
+        for needle, line in zip(group, direct["stdout"].splitlines()):
+            ans = json.loads(line)["answer"]
+            needle.update(own_answer=ans, own_hit=needle["number"] in ans)
+    summ = run(["summarize", "--cache", str(kv), "--json"])
+    assert summ["code"] == 0, summ["stderr"][-2000:]
+    summary = json.loads(summ["stdout"])
+    result = {
+        "preset": preset, "document_tokens": info["n_context_tokens"], "n_segments": row["n_segments"],
+        "ingest_s": ing["seconds"], "ingest_tokens_per_s": info["n_context_tokens"] / row["ingest_s"],
+        "ingest_peak_rss_bytes": ing["peak_rss_bytes"], "file_bytes": row["file_bytes"],
+        "full_kv_bytes": info["full_kv_bytes"], "needles": needles,
+        "ask_s": routed["seconds"], "ask_peak_rss_bytes": routed["peak_rss_bytes"],
+        "summarize_s": summ["seconds"], "summary": summary["summary"],
+        "partial_summaries": summary.get("partial_summaries", []),
+    }  # fmt: skip
+    if args.full_book_seconds > 0:
+        result["full_book"] = full_book(preset, tok, args.full_book_seconds, work)
+    kv.unlink(missing_ok=True)
+    return result
+
+
+def full_book(preset: str, tok, seconds: float, work: Path) -> dict:
+    """Ingest the whole book for `seconds`, then interrupt: tokens/s and the projected total."""
+    total = sum(
+        len(ids) for ids in tok(KJV.read_text(encoding="utf-8-sig").splitlines(), add_special_tokens=False)["input_ids"]
+    )
+    out = work / f"{preset}-kjv-full.kv"
+    r = run(["ingest", str(KJV), "-o", str(out), "-m", preset], interrupt_after=seconds)
+    shutil.rmtree(work / f".{out.name}.segments", ignore_errors=True)
+    start = next(t for t, line in r["lines"] if "loaded " in line)  # prefill starts once the model is loaded
+    done = [(t, int(m.group(1))) for t, line in r["lines"] if (m := re.search(r"prefilled \((\d+) tokens", line))]
+    tokens = sum(n for _, n in done)
+    rate = tokens / (done[-1][0] - start) if done else 0.0
+    return {"book_tokens": total, "segments_done": len(done), "tokens_done": tokens, "seconds": r["seconds"],
+            "tokens_per_s": rate, "projected_total_s": total / rate if rate else None,
+            "peak_rss_bytes": r["peak_rss_bytes"], "exit_code": r["code"]}  # fmt: skip
+
+
+def render(results: list[dict], command: str) -> str:
+    out = ["# Documents longer than the context", "",
+           f"Generated by `{command}` (numbers from `rocketkv` subprocesses on this machine; "
+           "see the JSON in `docs/bench/long-documents.json`).", ""]  # fmt: skip
+    out += ["## Ingest, file size, memory", "",
+            "| preset | document tokens | segments | ingest | tokens/s | peak RSS | file | file / full KV |",
+            "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in results:
+        out.append(f"| {r['preset']} | {r['document_tokens']:,} | {r['n_segments']} | {r['ingest_s']:.0f} s | "
+                   f"{r['ingest_tokens_per_s']:.0f} | {r['ingest_peak_rss_bytes'] / 2**20:.0f} MiB | "
+                   f"{r['file_bytes'] / 1e6:.0f} MB | {r['file_bytes'] / r['full_kv_bytes']:.2f} |")  # fmt: skip
+    out += ["", "## Needles (default settings: `rocketkv ask --cache FILE QUESTION`)", "",
+            "| preset | depth | found (routed) | routed to the needle's segment | found (own segment given) |",
+            "|---|---|---|---|---|"]  # fmt: skip
+    for r in results:
+        for depth in DEPTHS:
+            group = [n for n in r["needles"] if n["depth"] == depth]
+            k = len(group)
+            hits = [sum(n[key] for n in group) for key in ("routed_hit", "routed_to_own", "own_hit")]
+            out.append(f"| {r['preset']} | {depth:.0%} | " + " | ".join(f"{h}/{k}" for h in hits) + " |")
+        n = r["needles"]
+        hits = [sum(x[key] for x in n) for key in ("routed_hit", "routed_to_own", "own_hit")]
+        out.append(f"| {r['preset']} | all | " + " | ".join(f"{h}/{len(n)}" for h in hits) + " |")
+    out += ["", "## Summaries (`rocketkv summarize --cache FILE`)", ""]
+    for r in results:
+        out += [f"**{r['preset']}** ({len(r['partial_summaries'])} partial summaries, {r['summarize_s']:.0f} s):", "",
+                "> " + r["summary"].replace("\n", "\n> "), ""]  # fmt: skip
+    books = [r for r in results if r.get("full_book")]
+    if books:
+        out += ["## The whole book (`rocketkv ingest kjv.txt`, interrupted)", "",
+                "| preset | book tokens | tokens done | tokens/s | projected total | peak RSS so far |",
+                "|---|---|---|---|---|---|"]  # fmt: skip
+        for r in books:
+            b = r["full_book"]
+            projected = f"{b['projected_total_s'] / 60:.0f} min" if b["projected_total_s"] else "-"
+            out.append(
+                f"| {r['preset']} | {b['book_tokens']:,} | {b['tokens_done']:,} in {b['segments_done']} segments | "
+                f"{b['tokens_per_s']:.0f} | {projected} | {b['peak_rss_bytes'] / 2**20:.0f} MiB |"
+            )
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--presets", default="gemma-3-270m,smollm2-135m")
+    ap.add_argument("--tokens", type=int, default=120_000)
+    ap.add_argument("--needles-per-depth", type=int, default=5)
+    ap.add_argument("--full-book-seconds", type=float, default=180)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/rocketkv-long"))
+    ap.add_argument("--json", type=Path, default=ROOT / "docs" / "bench" / "long-documents.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "long-documents.md")
+    ap.add_argument("--from-json", action="store_true", help="only rewrite the page from --json")
+    args = ap.parse_args()
+    command = "python scripts/long_documents_report.py " + " ".join(sys.argv[1:])
+    if args.from_json:
+        data = json.loads(args.json.read_text())
+    else:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        results = []
+        for preset in args.presets.split(","):
+            print(f"== {preset}", file=sys.stderr, flush=True)
+            results.append(preset_report(preset, args, args.workdir))
+        data = {"command": command.strip(), "results": results}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(data, indent=1))
+    args.out.write_text(render(data["results"], data["command"]))
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()

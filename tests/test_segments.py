@@ -1,0 +1,280 @@
+"""Documents longer than the context: streaming, segmenting, the v2 file, resume, routing.
+
+A tiny random Llama with the byte tokenizer (1 token per byte) and segments of a few hundred
+tokens, so that a few-thousand-byte document already needs many segments.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from conftest import byte_tokenizer, make_engine, text_of_bytes
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rocketkv_cli.cache_io import PrunedKVCache, SegmentedKVCache, load_cache, save_segmented
+from rocketkv_cli.config import PrefillConfig
+from rocketkv_cli.errors import CacheFormatError
+from rocketkv_cli.ingest import Document, TextPieces, TextStream, segment_texts, token_counts
+from rocketkv_cli.pipeline import answer, decode_config_for, prefill_document
+from rocketkv_cli.segments import (
+    Checkpoints,
+    frame_tokens,
+    ingest_stream,
+    lexical_scores,
+    merge_segments,
+    question_queries,
+    route,
+    segment_scores,
+)
+
+CFG = PrefillConfig(token_budget=64, max_new_tokens=8, window_size=8, pool_kernel_size=7, chunk_tokens=64)
+
+
+def lines_text(n_lines: int, seed: int = 0) -> str:
+    return "".join(text_of_bytes(30 + (i * 7) % 50, seed + i) + "\n" for i in range(n_lines))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return make_engine("llama", torch.float32)
+
+
+# --- streaming and segmenting ------------------------------------------------------------------
+
+
+def test__text_stream_pieces_join_to_the_file_and_digest_its_bytes(tmp_path):
+    data = ("ünïcode line\n" * 200_000).encode() + b"last line without newline"
+    path = tmp_path / "doc.txt"
+    path.write_bytes(b"\xef\xbb\xbf" + data)  # with a BOM
+    stream = TextStream(str(path))
+    pieces = list(stream)
+    assert len(pieces) > 2, "a 2.6 MB file must come in several pieces"
+    assert all(p.endswith("\n") for p in pieces[:-1])
+    assert "".join(pieces) == data.decode()
+    assert stream.sha256 == hashlib.sha256(b"\xef\xbb\xbf" + data).hexdigest()
+    assert stream.bytes_read == stream.total_bytes == len(data) + 3
+
+
+def test__text_stream_validate_names_the_byte_offset_before_any_work(tmp_path):
+    from rocketkv_cli.errors import InputError
+
+    path = tmp_path / "bad.txt"
+    path.write_bytes(b"a" * 3_000_000 + b"\xff" + b"b" * 10)
+    with pytest.raises(InputError, match="byte offset 3000000"):
+        TextStream(str(path)).validate()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    text=st.text(alphabet=st.sampled_from(list("ab \n\té")), min_size=0, max_size=600),
+    max_tokens=st.integers(min_value=4, max_value=50),  # a character can be 4 byte tokens
+)
+def test__segment_texts_partition_the_text_within_the_budget(text, max_tokens):
+    tok = byte_tokenizer()
+    segments = list(segment_texts(tok, [text[: len(text) // 2], text[len(text) // 2 :]], max_tokens))
+    assert "".join(segments) == text
+    counts = token_counts(tok, segments)
+    assert all(c <= max_tokens for c in counts), (counts, max_tokens)
+    assert all(segments), "no empty segment"
+
+
+def test__segments_end_at_line_ends_when_lines_fit():
+    tok = byte_tokenizer()
+    text = lines_text(40)
+    segments = list(segment_texts(tok, [text], 200))
+    assert len(segments) > 5
+    assert all(s.endswith("\n") for s in segments)
+
+
+# --- segmented ingest ---------------------------------------------------------------------------
+
+
+def test__short_document_is_one_segment_exactly_as_before(engine):
+    text = lines_text(5)
+    stored = ingest_stream(engine, TextPieces(text, "doc.txt"), CFG, segment_tokens=400)
+    direct = prefill_document(engine, Document(text, TextPieces(text, "doc.txt").sha256, "doc.txt"), CFG)
+    assert isinstance(stored, PrunedKVCache)
+    for a, b in zip(stored.layers, direct.layers):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test__each_segment_is_prefilled_on_its_own(engine):
+    text = lines_text(40)
+    stored = ingest_stream(engine, TextPieces(text, "doc.txt"), CFG, segment_tokens=300)
+    assert isinstance(stored, SegmentedKVCache) and len(stored.segments) >= 5
+    frame = frame_tokens(engine)
+    pieces = list(segment_texts(engine.tokenizer, [text], 300 - frame - 16))
+    assert len(pieces) == len(stored.segments)
+    start = 0
+    for j, (part, piece) in enumerate(zip(stored.segments, pieces)):
+        alone = prefill_document(engine, Document(piece, "", ""), CFG)
+        assert part.n_context_tokens == alone.n_context_tokens <= 300
+        assert int(part.metadata["segment_start_token"]) == start, j
+        start += alone.n_context_tokens - frame
+        for a, b in zip(part.layers, alone.layers):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), f"segment {j} differs from its own prefill"
+    assert stored.n_context_tokens == sum(p.n_context_tokens for p in stored.segments)
+
+
+def test__segmented_file_round_trips_and_is_plain_safetensors(engine, tmp_path):
+    from safetensors import safe_open
+
+    stored = ingest_stream(engine, TextPieces(lines_text(30), "doc.txt"), CFG, segment_tokens=300)
+    path = save_segmented(stored.segments, stored.metadata, tmp_path / "book.kv")
+    loaded = load_cache(path)
+    assert isinstance(loaded, SegmentedKVCache) and len(loaded.segments) == len(stored.segments)
+    assert loaded.metadata["format_version"] == "2"
+    for a, b in zip(stored.segments, loaded.segments):
+        assert a.n_context_tokens == b.n_context_tokens
+        assert a.metadata["segment_start_token"] == b.metadata["segment_start_token"]
+        assert json.loads(a.metadata["budgets"]) == json.loads(b.metadata["budgets"])
+        for la, lb in zip(a.layers, b.layers):
+            assert all(torch.equal(x, y) for x, y in zip(la, lb))
+    with safe_open(str(path), framework="pt") as f:  # the reference reader accepts the layout
+        assert torch.equal(f.get_tensor("segments.1.layers.0.keys"), stored.segments[1].layers[0][0][0])
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0xFF
+    (tmp_path / "bad.kv").write_bytes(bytes(raw))
+    with pytest.raises(CacheFormatError, match="payload digest"):
+        load_cache(tmp_path / "bad.kv")
+
+
+def test__interrupted_ingest_resumes_from_the_checkpoints(engine, tmp_path):
+    text = lines_text(40)
+    target = tmp_path / "book.kv"
+    checkpoints = Checkpoints(target)
+    seen = []
+
+    def stop_after_three(event):
+        seen.append(event)
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        ingest_stream(engine, TextPieces(text, "doc.txt"), CFG, 300, checkpoints, stop_after_three)
+    assert checkpoints.count() == 3 and not target.exists()
+    events = []
+    resumed = ingest_stream(engine, TextPieces(text, "doc.txt"), CFG, 300, checkpoints, events.append)
+    assert [e.resumed for e in events[:3]] == [True] * 3 and not any(e.resumed for e in events[3:])
+    fresh = ingest_stream(engine, TextPieces(text, "doc.txt"), CFG, 300)
+    for a, b in zip(resumed.segments, fresh.segments):
+        for la, lb in zip(a.layers, b.layers):
+            assert all(torch.equal(x, y) for x, y in zip(la, lb))
+    changed = ingest_stream(engine, TextPieces("changed\n" + text, "doc.txt"), CFG, 300, checkpoints, events.append)
+    assert not any(e.resumed for e in events[len(resumed.segments) :]), "a changed document reused checkpoints"
+    assert len(changed.segments) >= len(resumed.segments)
+
+
+# --- routing and answering -----------------------------------------------------------------------
+
+
+def test__route_picks_the_segment_holding_a_key_aligned_with_the_question(engine):
+    stored = ingest_stream(engine, TextPieces(lines_text(30), "doc.txt"), CFG, segment_tokens=300)
+    question = "where is the stone?"
+    position = max(p.n_context_tokens for p in stored.segments)
+    queries = question_queries(engine, question, position)
+    target = 2
+    group = engine.shape.n_heads // engine.shape.n_kv_heads
+    parts = list(stored.segments)
+    layers = list(parts[target].layers)
+    for i, q in queries.items():  # plant one key per KV head along its group's mean question query
+        keys, values, pos = layers[i]
+        planted = q[0].view(keys.shape[1], group, q.shape[2], -1).mean(dim=(1, 2)) * 50.0  # [Hkv, D]
+        keys = keys.clone()
+        keys[0, :, -2] = planted.to(keys.dtype)
+        layers[i] = (keys, values, pos)
+    parts[target] = PrunedKVCache(layers=layers, metadata=parts[target].metadata, token_ids=parts[target].token_ids)
+    planted_cache = SegmentedKVCache(segments=parts, metadata=stored.metadata)
+    scores = segment_scores(engine, planted_cache, question)
+    assert int(scores.argmax()) == target, scores
+    no_terms = "zzz qqq?"  # no letter of it occurs in the document: BM25 is 0, routing uses the keys
+    assert float(lexical_scores(engine, planted_cache, no_terms).max()) == 0.0
+    assert route(engine, planted_cache, no_terms, 1) == [int(segment_scores(engine, planted_cache, no_terms).argmax())]
+    order = [3, 0, 2, 1] + list(range(4, len(parts)))  # scores follow the segments, not their order
+    permuted = SegmentedKVCache(segments=[parts[j] for j in order], metadata=stored.metadata)
+    assert torch.allclose(segment_scores(engine, permuted, question), scores[order], atol=1e-5)
+
+
+def test__route_by_terms_finds_the_segment_with_the_rare_word(engine):
+    lines = lines_text(30).splitlines(keepends=True)
+    lines.insert(22, "the zebra bazaar\n")  # 'z' and 'b' occur nowhere else (byte tokens are the terms)
+    stored = ingest_stream(engine, TextPieces("".join(lines), "doc.txt"), CFG, segment_tokens=300)
+    texts = [engine.tokenizer.decode(p.token_ids.tolist()) for p in stored.segments]
+    own = next(j for j, t in enumerate(texts) if "zebra" in t)
+    assert own > 0
+    assert route(engine, stored, "where is the zebra?", 1) == [own]
+    assert own in route(engine, stored, "where is the zebra?", 3) and len(route(engine, stored, "zebra", 3)) == 3
+
+
+def test__bm25_matches_the_formula_by_hand(engine):
+    import math
+
+    stored = ingest_stream(engine, TextPieces(lines_text(30), "doc.txt"), CFG, segment_tokens=300)
+    question = "g"  # one term: the byte 'g'
+    term = int(engine.term_ids[engine.tokenizer("g", add_special_tokens=False)["input_ids"][0]])
+    counts = [int((engine.term_ids[p.token_ids.long()] == term).sum()) for p in stored.segments]
+    lengths = [int((engine.term_ids[p.token_ids.long()] >= 0).sum()) for p in stored.segments]
+    n, df, avg = len(counts), sum(c > 0 for c in counts), sum(lengths) / len(lengths)
+    idf = math.log(1 + (n - df + 0.5) / (df + 0.5))
+    expected = [idf * c * 2.2 / (c + 1.2 * (0.25 + 0.75 * length / avg)) for c, length in zip(counts, lengths)]
+    got = lexical_scores(engine, stored, question).tolist()
+    assert got == pytest.approx(expected, rel=1e-5), (got, expected)
+
+
+def test__one_routed_segment_answers_as_that_segment_alone(engine):
+    stored = ingest_stream(engine, TextPieces(lines_text(30), "doc.txt"), CFG, segment_tokens=300)
+    part = merge_segments(stored, [1])
+    assert part is stored.segments[1]
+    merged = merge_segments(stored, [0, 2])
+    assert merged.n_context_tokens == max(stored.segments[0].n_context_tokens, stored.segments[2].n_context_tokens)
+    a = next(answer(engine, merged, ["which word?"], 4, decode_config_for(merged)))
+    assert a.n_answer_tokens >= 1
+
+
+# --- the CLI --------------------------------------------------------------------------------------
+
+
+def test__cli_ingest_segments_resumes_after_sigint_and_answers(rocketkv_bin, tiny_model_dir, tmp_path):
+    doc = tmp_path / "book.txt"
+    doc.write_text(lines_text(200))  # ~11K tokens, 1 byte each: many 512-token segments
+    out = tmp_path / "book.kv"
+    cmd = [rocketkv_bin, "ingest", str(doc), "-o", str(out), "--model", str(tiny_model_dir), "--segment-tokens",
+           "512", "--budget", "128", "--max-new-tokens", "8"]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ckpt = tmp_path / ".book.kv.segments"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not ckpt.is_dir() or len(list(ckpt.glob("*.kv"))) < 2):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert not out.exists() and len(list(ckpt.glob("*.kv"))) >= 2
+    r = subprocess.run(cmd + ["--json"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "resuming" in r.stderr and "found checkpointed" in r.stderr
+    row = json.loads(r.stdout)
+    assert row["n_segments"] >= 15 and not ckpt.exists()
+    fresh = tmp_path / "fresh.kv"
+    r2 = subprocess.run(cmd[:4] + [str(fresh)] + cmd[5:] + ["-q"], env=env, capture_output=True, text=True, timeout=300)
+    assert r2.returncode == 0, r2.stderr
+    assert load_cache(out).metadata["payload_sha256"] == load_cache(fresh).metadata["payload_sha256"]
+    info = json.loads(subprocess.run([rocketkv_bin, "inspect", str(out), "--json"], capture_output=True, text=True,
+                                     timeout=60).stdout)  # fmt: skip
+    assert info["n_segments"] == row["n_segments"] and len(info["segments"]) == row["n_segments"]
+    assert info["document_sha256"] == hashlib.sha256(doc.read_bytes()).hexdigest()
+    a = subprocess.run([rocketkv_bin, "ask", "--cache", str(out), "which word?", "--json"], env=env,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert a.returncode == 0, a.stderr
+    assert len(json.loads(a.stdout)["segments"]) == 1
+    a = subprocess.run([rocketkv_bin, "ask", "--cache", str(out), "which word?", "--segment", "999"], env=env,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert a.returncode == 1 and "out of range" in a.stderr

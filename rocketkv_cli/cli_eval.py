@@ -74,12 +74,16 @@ def eval_command(
     context_tokens: Annotated[str, typer.Option(help="Comma-separated document lengths in tokens.")] = "4096",
     budgets: Annotated[str, typer.Option(help="Comma-separated token budgets t (SPEC §3.1).")] = "128,256,512,1024",
     methods: Annotated[
-        str, typer.Option(help="Comma-separated: full, rocketkv, snapkv (stage 1 only), hsa (stage 2 only), "
-                               "sink_recent; or all.")  # fmt: skip
+        str,
+        typer.Option(
+            help="Comma-separated: full, rocketkv, snapkv (stage 1 only), hsa (stage 2 only), sink_recent; or all."
+        ),  # fmt: skip
     ] = "all",
     tasks: Annotated[
-        str, typer.Option(help="Comma-separated: niah_noise, niah_text, multikey, multivalue, multiquery, vt, fwe; "
-                               "or all.")  # fmt: skip
+        str,
+        typer.Option(
+            help="Comma-separated: niah_noise, niah_text, multikey, multivalue, multiquery, vt, fwe; or all."
+        ),  # fmt: skip
     ] = "all",
     samples: Annotated[int, typer.Option(min=1, help="Samples per task and length.")] = 4,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the task generators.")] = 0,

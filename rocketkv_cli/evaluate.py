@@ -332,11 +332,17 @@ def run_eval(
         "format": REPORT_FORMAT,
         "format_version": REPORT_VERSION,
         "config": cfg.to_dict() | {"tasks": tasks},
-        "model": {"model_id": engine.loaded.model_id, "model_digest": engine.identity["model_digest"],
-                  "device": str(engine.loaded.device), "dtype": str(engine.loaded.dtype).removeprefix("torch."),
-                  "prompt_template_id": engine.prompt.template_id, "head_dim": engine.shape.head_dim,
-                  "n_kv_heads": engine.shape.n_kv_heads, "max_context_tokens": engine.shape.max_context_tokens,
-                  "layer_windows": [s.sliding_window for s in engine.shape.layers]},  # fmt: skip
+        "model": {
+            "model_id": engine.loaded.model_id,
+            "model_digest": engine.identity["model_digest"],
+            "device": str(engine.loaded.device),
+            "dtype": str(engine.loaded.dtype).removeprefix("torch."),
+            "prompt_template_id": engine.prompt.template_id,
+            "head_dim": engine.shape.head_dim,
+            "n_kv_heads": engine.shape.n_kv_heads,
+            "max_context_tokens": engine.shape.max_context_tokens,
+            "layer_windows": [s.sliding_window for s in engine.shape.layers],
+        },  # fmt: skip
         "summary": summarize(records),
         "samples": samples,
         "records": records,

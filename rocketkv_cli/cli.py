@@ -42,6 +42,7 @@ from .cli_common import (
     prefill_config,
     setup,
 )  # fmt: skip
+from .cli_eval import eval_command
 from .errors import InputError, OutputError
 
 app = typer.Typer(
@@ -415,6 +416,7 @@ def inspect(
 
 
 app.command()(command(bench))
+app.command(name="eval")(command(eval_command))
 
 
 def run() -> None:

@@ -9,6 +9,7 @@ import math
 from dataclasses import asdict, dataclass
 
 OBSERVATIONS = ("tail", "probe")
+SELECTIONS = ("snapkv", "sink_recent")
 DEFAULT_TOKEN_BUDGET = 512
 DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_WINDOW_SIZE = 32
@@ -34,6 +35,9 @@ class PrefillConfig:
         question-like probe text from `prompts/`, scored then dropped).
     prompt_budget, topk, page_size, n_score_dims: overrides of the derived values (None = derive).
     chunk_tokens: prefill chunk length in tokens (bounds activation memory).
+    selection: "snapkv" (SnapKV++, SPEC §3.2) or "sink_recent" (a baseline for `rocketkv eval`:
+        the first `n_sink_tokens` tokens plus the most recent ones, same kept count, no scoring).
+    n_sink_tokens: attention-sink tokens kept at the start by "sink_recent".
     """
 
     token_budget: int = DEFAULT_TOKEN_BUDGET
@@ -46,8 +50,15 @@ class PrefillConfig:
     page_size: int | None = None
     n_score_dims: int | None = None
     chunk_tokens: int = 1024
+    selection: str = "snapkv"
+    n_sink_tokens: int = 4
 
     def __post_init__(self) -> None:
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
+        sinks = self.n_sink_tokens
+        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+            raise ValueError(f"n_sink_tokens must be a non-negative integer, got {sinks!r}")
         for name in ("token_budget", "max_new_tokens", "window_size", "chunk_tokens"):
             _positive(name, getattr(self, name), allow_none=False)
         for name in ("prompt_budget", "topk", "page_size", "n_score_dims"):
@@ -65,7 +76,13 @@ class PrefillConfig:
             )
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """All fields, except the selection fields while at their defaults: a default cache's
+        `config` metadata stays exactly what rocketkv wrote before they existed (older readers
+        reject unknown keys), and a file without them reads back as SnapKV++."""
+        d = asdict(self)
+        if self.selection == "snapkv" and self.n_sink_tokens == 4:
+            del d["selection"], d["n_sink_tokens"]
+        return d
 
 
 @dataclass(frozen=True)

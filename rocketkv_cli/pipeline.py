@@ -20,7 +20,7 @@ from .hf import ModelShape, RocketCache, RocketLayer, empty_cache, forward_token
 from .ingest import Document, term_ids, tokenize
 from .models import LoadedModel, chat_template_digest, model_digest, stop_token_ids, tokenizer_digest
 from .ops import observation_scores, snapkv_select
-from .prefill import gather_tokens
+from .prefill import gather_tokens, sink_recent_select
 from .templates import PromptFormat, prompt_format, read_prompt
 
 QUESTION_RESERVE_TOKENS = 256  # room kept for a question when checking a document against the context
@@ -151,6 +151,10 @@ def prefill_ids(
         keys, values, positions = cache.layers[i].view()  # [1, Hkv, n + probe, D]
         if n <= budgets.prompt_budget:
             layers.append(tuple(t[:, :, :n].contiguous() for t in (keys, values, positions)))
+            continue
+        if cfg.selection == "sink_recent":  # eval baseline: no scoring
+            kept = sink_recent_select(n, budgets.prompt_budget, cfg.n_sink_tokens, keys.shape[1], keys.device)
+            layers.append(tuple(gather_tokens(t[:, :, :n], kept) for t in (keys, values, positions)))
             continue
         queries = torch.cat(session.captured[i], dim=2)  # [1, H, W(+probe), D]
         q_pos = torch.arange(capture_from, n + len(probe_ids), device=keys.device)

@@ -1,0 +1,179 @@
+"""`rocketkv eval`: the command (tasks are in `eval_tasks.py`, the runs and scoring in `evaluate.py`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from .cli_common import DeviceOpt, DtypeOpt, ModelOpt, QuietOpt, _state, err, load_engine, log, setup
+from .errors import InputError, OutputError
+from .ingest import read_document
+
+
+def _default_haystack() -> Optional[Path]:
+    """`shared/data/kjv.txt` in the current directory or above it (the repository's sibling)."""
+    for base in (Path.cwd(), *Path.cwd().parents):
+        candidate = base / "shared" / "data" / "kjv.txt"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _ints(name: str, text: str, allow_auto: bool = False) -> tuple[int, ...]:
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        if allow_auto and part == "auto":
+            out.append(0)
+            continue
+        try:
+            out.append(int(part))
+        except ValueError:
+            raise InputError(f"--{name} must be comma-separated integers{' or auto' if allow_auto else ''}, "
+                             f"got {text!r}") from None  # fmt: skip
+    return tuple(out)
+
+
+def _names(text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    if text.strip() == "all":
+        return allowed
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
+def _table(report: dict, n: int, what: str) -> "Table":  # noqa: F821
+    from rich.table import Table
+
+    rows = [r for r in report["summary"] if r["context_tokens"] == n]
+    columns = sorted({(r["label"], r["budget"]) for r in rows}, key=lambda c: (c[1] or 0, c[0] != "full", c[0]))
+    tasks = [t for t in report["config"]["tasks"] if any(r["task"] == t for r in rows)] + ["mean"]
+    cell = {(r["task"], r["label"], r["budget"]): r for r in rows}
+    title = f"rocketkv eval: {report['model']['model_id']}, {n} tokens — {what}"
+    table = Table(title=escape(title), title_justify="left")
+    table.add_column("task")
+    for label, budget in columns:
+        table.add_column(escape(label if budget is None else f"{label}\nt={budget}"), justify="right")
+    for task in tasks:
+        values = []
+        for label, budget in columns:
+            r = cell.get((task, label, budget))
+            v = None if r is None else (r["score"] if what.startswith("score") else r["agreement"])
+            values.append("-" if v is None else f"{100 * v:.0f}")
+        table.add_row(task, *values, style="bold" if task == "mean" else None)
+    return table
+
+
+def eval_command(
+    context_tokens: Annotated[str, typer.Option(help="Comma-separated document lengths in tokens.")] = "4096",
+    budgets: Annotated[str, typer.Option(help="Comma-separated token budgets t (SPEC §3.1).")] = "128,256,512,1024",
+    methods: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated: full, rocketkv, snapkv (stage 1 only), hsa (stage 2 only), sink_recent; or all."
+        ),  # fmt: skip
+    ] = "all",
+    tasks: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated: niah_noise, niah_text, multikey, multivalue, multiquery, vt, fwe; or all."
+        ),  # fmt: skip
+    ] = "all",
+    samples: Annotated[int, typer.Option(min=1, help="Samples per task and length.")] = 4,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the task generators.")] = 0,
+    observations: Annotated[
+        str, typer.Option(help="Stage-1 observation windows for rocketkv: tail, probe, wide (comma-separated).")
+    ] = "tail",
+    pool_kernels: Annotated[str, typer.Option(help="Stage-1 pool kernels for rocketkv: odd sizes or auto.")] = "63",
+    window_size: Annotated[int, typer.Option(min=1, help="Observation window W in tokens (tail, probe).")] = 32,
+    wide_window_size: Annotated[int, typer.Option(min=1, help="Window of the 'wide' observation, tokens.")] = 128,
+    max_new_tokens: Annotated[
+        Optional[int], typer.Option(min=1, help="Answer cap in tokens (default: each task's own).")
+    ] = None,
+    haystack: Annotated[
+        Optional[Path],
+        typer.Option(help="Real text for niah_text (default: shared/data/kjv.txt in or above the current directory)."),
+    ] = None,
+    json_path: Annotated[
+        Optional[Path], typer.Option("--json", help="Write the report (every record, configuration, versions) here.")
+    ] = None,
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """Score full attention, rocketkv and baselines on generated long-context tasks (SPEC §6)."""
+    import tempfile
+
+    from .bench import machine_info
+    from .eval_tasks import NEEDS_HAYSTACK_TEXT, TASKS
+    from .evaluate import METHODS, OBSERVATIONS, EvalConfig, run_eval
+    from .models import DEFAULT_MODEL
+
+    setup(quiet)
+    task_list = _names(tasks, TASKS)
+    try:
+        cfg = EvalConfig(
+            context_tokens=_ints("context-tokens", context_tokens), budgets=_ints("budgets", budgets),
+            methods=_names(methods, METHODS), tasks=task_list, samples=samples, seed=seed,
+            observations=_names(observations, OBSERVATIONS), pool_kernels=_ints("pool-kernels", pool_kernels, True),
+            window_size=window_size, wide_window_size=wide_window_size, max_new_tokens=max_new_tokens,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise InputError(f"invalid option: {exc}") from None
+    if json_path is not None and json_path.is_dir():
+        raise OutputError(f"--json {json_path} is a directory", "give a file name")
+    if json_path is not None and not (json_path.parent if str(json_path.parent) else Path(".")).is_dir():
+        raise OutputError(f"--json directory {json_path.parent} does not exist", f"mkdir -p {json_path.parent}")
+    haystack_text, haystack_path = None, haystack or _default_haystack()
+    if any(t in NEEDS_HAYSTACK_TEXT for t in cfg.tasks):
+        if haystack_path is not None:  # an explicit --haystack that is missing fails here
+            haystack_text = read_document(str(haystack_path)).text
+        else:
+            kept = tuple(t for t in cfg.tasks if t not in NEEDS_HAYSTACK_TEXT)
+            if not kept:
+                raise InputError("niah_text needs real text and none was found", "pass --haystack FILE")
+            log("skipping niah_text: no real text found (pass --haystack FILE, e.g. ../shared/data/kjv.txt)")
+            cfg = dataclasses.replace(cfg, tasks=kept)
+    engine = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", False)
+    with _progress() as bar, tempfile.TemporaryDirectory(prefix="rocketkv-eval-") as tmp:
+        task = bar.add_task("eval", total=None)
+
+        started = time.perf_counter()
+
+        def on_progress(done: int, total: int, what: str) -> None:
+            bar.update(task, completed=done, total=total, description=what)
+            if bar.disable and what.endswith(": prefill"):  # no live bar (a log file): one line per sample
+                left = (time.perf_counter() - started) / done * (total - done) if done else None
+                log(f"{done}/{total} steps; {what}" + (f"; ETA {left / 60:.0f} min" if left is not None else ""))
+
+        report = run_eval(engine, cfg, Path(tmp), haystack_text, on_progress)
+    report["config"]["haystack"] = str(haystack_path) if haystack_text is not None else None
+    report["versions"] = machine_info()
+    for row in report["summary"]:
+        typer.echo(json.dumps({"model": engine.loaded.model_id, **row}))
+    if not quiet:
+        console = Console(stderr=True, width=max(err.width, 160), highlight=False)
+        for n in cfg.context_tokens:
+            console.print(_table(report, n, "score % (expected values found)"))
+            if "full" in cfg.methods:
+                console.print(_table(report, n, "agreement % with full attention (greedy tokens)"))
+    if json_path is not None:
+        tmp_json = json_path.with_name(f".{json_path.name}.tmp")
+        tmp_json.write_text(json.dumps(report, indent=1, ensure_ascii=False))
+        os.replace(tmp_json, json_path)  # an old report is replaced whole or not at all
+        log(f"wrote {json_path}")
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("ETA"), TimeRemainingColumn(), console=err, disable=_state["quiet"] or not err.is_terminal,
+        transient=True,
+    )  # fmt: skip

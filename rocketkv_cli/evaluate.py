@@ -1,0 +1,443 @@
+"""`rocketkv eval`: full attention vs rocketkv vs baselines on RULER-style tasks (SPEC §6).
+
+Every method answers through the saved-file path the CLI uses: its cache is written with
+`cache_io.save_cache`, read back with `load_cache`, checked with `open_cache` and answered with
+`pipeline.answer` (the code `rocketkv ask` runs). The document is prefilled once per sample;
+`prefill_variants` prunes that one prefill for every method's stage-1 settings, and a test holds
+it equal to `prefill_document` for each of them. No printing here: progress goes through a callback.
+
+Methods (budgets in tokens, SPEC §3.1):
+- full: nothing pruned, exact attention.
+- rocketkv: SnapKV++ at the budget's prompt_budget, then HSA at its topk (both stages).
+- snapkv: the same stage-1 cache, exact attention over it (stage 1 only).
+- hsa: nothing pruned, HSA with topk = t/2 and pages/dims from the budget over the full cache
+  (stage 2 only).
+- sink_recent: the first `n_sink_tokens` plus the most recent tokens, the same kept count as
+  rocketkv's stage 1, exact attention over them (a StreamingLLM-style baseline).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .cache_io import PrunedKVCache, load_cache, save_cache
+from .config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_WINDOW_SIZE, PrefillConfig, auto_pool_kernel_size, resolve_budgets
+from .errors import BudgetError
+from .eval_tasks import NEEDS_HAYSTACK_TEXT, TASKS, Sample, generate
+from .hf import empty_cache, rocketkv_attention
+from .ingest import Document, tokenize
+from .pipeline import (
+    QUESTION_RESERVE_TOKENS,
+    Engine,
+    _prefill_chunks,
+    answer,
+    decode_config_for,
+    document_token_ids,
+    open_cache,
+)
+from .prefill import gather_tokens, observation_scores, sink_recent_select, snapkv_select
+from .templates import read_prompt
+
+METHODS = ("full", "rocketkv", "snapkv", "hsa", "sink_recent")
+OBSERVATIONS = ("tail", "probe", "wide")  # stage-1 observation windows compared by the ablation
+FULL_TOKEN_BUDGET = 1 << 30  # a budget above any document: stage 1 keeps everything
+REPORT_FORMAT = "rocketkv.eval"
+REPORT_VERSION = 1
+Progress = Callable[[int, int, str], None]  # (steps done, steps total, what is running)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What one `rocketkv eval` run measures. Lengths and budgets in tokens.
+
+    context_tokens: document lengths. budgets: token budgets t. methods: subset of METHODS.
+    tasks: subset of eval_tasks.TASKS. samples: samples per task and length. seed: generator seed.
+    observations: stage-1 observation windows for rocketkv ("tail" = last `window_size` document
+        queries; "probe" = those plus prompts/probe.txt, scored then dropped; "wide" = the last
+        `wide_window_size` queries). pool_kernels: odd kernels, 0 = the `auto` rule. rocketkv is run
+        for every (observation, pool kernel) pair; snapkv (stage 1 only) uses the first pair.
+    plan_new_tokens: the answer length budgets plan for (ingest's --max-new-tokens).
+    max_new_tokens: answer cap; None = each task's own (eval_tasks.ANSWER_TOKENS).
+    """
+
+    context_tokens: tuple[int, ...] = (4096,)
+    budgets: tuple[int, ...] = (128, 256, 512, 1024)
+    methods: tuple[str, ...] = METHODS
+    tasks: tuple[str, ...] = TASKS
+    samples: int = 4
+    seed: int = 0
+    observations: tuple[str, ...] = ("tail",)
+    pool_kernels: tuple[int, ...] = (63,)
+    window_size: int = DEFAULT_WINDOW_SIZE
+    wide_window_size: int = 4 * DEFAULT_WINDOW_SIZE
+    n_sink_tokens: int = 4
+    plan_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    max_new_tokens: int | None = None
+    chunk_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("methods", METHODS), ("tasks", TASKS), ("observations", OBSERVATIONS)):
+            values = getattr(self, name)
+            if not values or len(set(values)) != len(values) or any(v not in allowed for v in values):
+                raise ValueError(f"{name} must be distinct values from {', '.join(allowed)}, got {','.join(values)}")
+        for name in ("context_tokens", "budgets", "pool_kernels"):
+            values = getattr(self, name)
+            if not values or len(set(values)) != len(values):
+                raise ValueError(f"{name} must be distinct values, got {values}")
+        if min(self.context_tokens) < 64:
+            raise ValueError(f"context_tokens must be at least 64 each, got {self.context_tokens}")
+        if min(self.budgets) < 2:
+            raise ValueError(f"budgets must be at least 2 tokens each, got {self.budgets}")
+        if any(k < 0 or (k and k % 2 == 0) for k in self.pool_kernels):
+            raise ValueError(f"pool_kernels must be odd or 0 (auto), got {self.pool_kernels}")
+        for name in ("samples", "window_size", "wide_window_size", "plan_new_tokens", "chunk_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+        if self.seed < 0 or self.n_sink_tokens < 0:
+            raise ValueError(f"seed and n_sink_tokens must be non-negative, got {self.seed}, {self.n_sink_tokens}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One method at one budget (and stage-1 variant), answered from the cache `cache_key`."""
+
+    method: str
+    budget: int | None  # None: full attention, no budget
+    observation: str | None
+    pool_kernel: int | None  # 0 = auto
+    cache_key: str
+    label: str  # method as shown in tables
+
+
+def pool_label(kernel: int) -> str:
+    return "auto" if kernel == 0 else str(kernel)
+
+
+def plan(cfg: EvalConfig) -> tuple[dict[str, PrefillConfig], list[Run]]:
+    """The distinct stage-1 caches a sample needs (key → PrefillConfig) and the runs over them."""
+    caches: dict[str, PrefillConfig] = {}
+    runs: list[Run] = []
+    base = dict(max_new_tokens=cfg.plan_new_tokens, window_size=cfg.window_size, chunk_tokens=cfg.chunk_tokens)
+    if {"full", "hsa"} & set(cfg.methods):
+        caches["full"] = PrefillConfig(token_budget=FULL_TOKEN_BUDGET, **base)
+    if "full" in cfg.methods:
+        runs.append(Run("full", None, None, None, "full", "full"))
+    variants = [(o, k) for o in cfg.observations for k in cfg.pool_kernels]
+    for t in cfg.budgets:
+        for i, (obs, kernel) in enumerate(variants):
+            methods = [m for m in ("rocketkv", "snapkv") if m in cfg.methods and (m == "rocketkv" or i == 0)]
+            if not methods:
+                continue
+            key = f"t{t}-{obs}-{pool_label(kernel)}"
+            caches[key] = PrefillConfig(
+                token_budget=t, max_new_tokens=cfg.plan_new_tokens, chunk_tokens=cfg.chunk_tokens,
+                window_size=cfg.wide_window_size if obs == "wide" else cfg.window_size,
+                observation="probe" if obs == "probe" else "tail", pool_kernel_size=kernel,
+            )  # fmt: skip
+            for m in methods:
+                label = f"{m}[{obs},{pool_label(kernel)}]" if m == "rocketkv" and len(variants) > 1 else m
+                runs.append(Run(m, t, obs, kernel, key, label))
+        if "hsa" in cfg.methods:
+            runs.append(Run("hsa", t, None, None, "full", "hsa"))
+        if "sink_recent" in cfg.methods:
+            caches[f"t{t}-sink"] = PrefillConfig(
+                token_budget=t, selection="sink_recent", n_sink_tokens=cfg.n_sink_tokens, **base
+            )
+            runs.append(Run("sink_recent", t, None, None, f"t{t}-sink", "sink_recent"))
+    return caches, runs
+
+
+def stage2_only_budgets(n_context_tokens: int, max_new_tokens: int, token_budget: int, head_dim: int) -> dict:
+    """HSA settings for a budget over the unpruned cache ("stage 2 only"): SPEC §3.1 with the whole
+    compression given to stage 2 (capacity = S): topk = t/2, c2 = S/t, page_size = ceil(√c2)
+    (1 if above c2, at most topk), n_score_dims = floor(d·page_size/c2) in [1, d]. In tokens."""
+    seq = n_context_tokens + max_new_tokens
+    topk = max(1, token_budget // 2)
+    c2 = max(1.0, seq / token_budget)
+    page_size = math.ceil(math.sqrt(c2))
+    page_size = min(1 if page_size > c2 else page_size, topk)
+    return {"topk": topk, "page_size": page_size,
+            "n_score_dims": min(head_dim, max(1, math.floor(head_dim * page_size / c2)))}  # fmt: skip
+
+
+def match_fraction(answer_text: str, expected: tuple[str, ...] | list[str]) -> float:
+    """RULER's string_match_all: the fraction of expected values found in the answer as
+    case-insensitive substrings (1.0 = all found). Raises ValueError when nothing is expected."""
+    if not expected:
+        raise ValueError("no expected values to match")
+    text = answer_text.lower()
+    return sum(value.lower() in text for value in expected) / len(expected)
+
+
+def token_agreement(reference: tuple[int, ...] | list[int], tokens: tuple[int, ...] | list[int]) -> float:
+    """Greedy-token agreement with full attention: the length of the common prefix of the two
+    greedy answers over the longer one's length (1.0 = identical, 1.0 when both are empty). After
+    the first differing token the two continuations see different text, so only the prefix counts."""
+    longest = max(len(reference), len(tokens))
+    if longest == 0:
+        return 1.0
+    same = 0
+    for a, b in zip(reference, tokens):
+        if a != b:
+            break
+        same += 1
+    return same / longest
+
+
+def prefill_variants(
+    engine: Engine,
+    document: Document,
+    cfgs: list[PrefillConfig],
+    progress: Callable[[int, int], None] = lambda done, total: None,
+) -> list[PrunedKVCache]:
+    """`prefill_document` for several stage-1 configs from one exact prefill of the document.
+
+    The configs may differ in budgets, window size, observation, pool kernel and selection, not
+    in `chunk_tokens` (the prefill itself). The result for each config equals `prefill_document`'s
+    (tested): the widest window's queries are captured once and each config scores with its own
+    slice of them; the probe text, if any config uses it, is prefilled after the document.
+    Raises:
+        ValueError: configs with different chunk_tokens. BudgetError: as `prefill_document`.
+    """
+    if len({c.chunk_tokens for c in cfgs}) != 1:
+        raise ValueError(f"configs must share chunk_tokens, got {sorted({c.chunk_tokens for c in cfgs})}")
+    doc_ids = document_token_ids(engine, document)
+    n, shape = len(doc_ids), engine.shape
+    limit = shape.max_context_tokens - max(c.max_new_tokens for c in cfgs) - QUESTION_RESERVE_TOKENS
+    if n > limit:
+        raise BudgetError(f"document is {n} tokens; this model's context fits {limit}", "use shorter documents")
+    budgets = [resolve_budgets(c, n, shape.head_dim) for c in cfgs]
+    for c, b in zip(cfgs, budgets):
+        if n > b.prompt_budget and b.prompt_budget < c.window_size:
+            raise BudgetError(f"token budget {c.token_budget} leaves a prompt budget of {b.prompt_budget} tokens, "
+                              f"below the observation window ({c.window_size})", "raise the budget")  # fmt: skip
+    probe_ids: list[int] = []
+    if any(c.observation == "probe" for c in cfgs):
+        probe_ids = tokenize(engine.tokenizer, engine.prompt.question_text(read_prompt("probe.txt")), False)
+    capture_from = max(0, n - max(c.window_size for c in cfgs))
+    cache = empty_cache(engine.model, shape, n + len(probe_ids))
+    with rocketkv_attention(engine.model, cache, shape, capture_from=capture_from) as session:
+        _prefill_chunks(engine, cache, doc_ids, 0, cfgs[0].chunk_tokens, progress)
+        sliding = {i: tuple(t.clone() for t in cache.layers[i].view()) for i, s in enumerate(shape.layers)
+                   if s.sliding_window}  # fmt: skip
+        if probe_ids:
+            _prefill_chunks(engine, cache, probe_ids, n, cfgs[0].chunk_tokens, lambda d, t: None)
+    queries = {i: torch.cat(session.captured[i], dim=2) for i in session.captured}  # [1, H, n - from + probe, D]
+    scores: dict[tuple, torch.Tensor] = {}  # (layer, observation, window) → [1, Hkv, n]: shared by budgets, kernels
+    out = []
+    for c, b in zip(cfgs, budgets):
+        kernel = c.pool_kernel_size or auto_pool_kernel_size(n)
+        layers = []
+        for i, spec in enumerate(shape.layers):
+            if spec.sliding_window is not None:
+                k, v, p = sliding[i]
+                keep = min(spec.sliding_window, k.shape[2])
+                layers.append(tuple(t[:, :, -keep:].contiguous() for t in (k, v, p)))
+                continue
+            keys, values, positions = cache.layers[i].view()  # [1, Hkv, n + probe, D]
+            if n <= b.prompt_budget:
+                kept = None
+            elif c.selection == "sink_recent":
+                kept = sink_recent_select(n, b.prompt_budget, c.n_sink_tokens, keys.shape[1], keys.device)
+            else:
+                key = (i, c.observation, c.window_size)
+                if key not in scores:
+                    scores[key] = _scores(queries[i], keys, positions, n, len(probe_ids), c, capture_from, spec)
+                kept = snapkv_select(scores[key], b.prompt_budget, c.window_size, kernel)
+            if kept is None:
+                layers.append(tuple(t[:, :, :n].contiguous() for t in (keys, values, positions)))
+            else:
+                layers.append(tuple(gather_tokens(t[:, :, :n], kept) for t in (keys, values, positions)))
+        metadata = dict(engine.identity)
+        metadata.update(
+            model_id=engine.loaded.model_id, dtype=str(engine.loaded.dtype).removeprefix("torch."),
+            n_context_tokens=str(n), document_sha256=document.sha256, document_source=document.source,
+            config=json.dumps(c.to_dict(), sort_keys=True),
+            budgets=json.dumps(b.to_dict() | {"pool_kernel_size": kernel}, sort_keys=True),
+        )  # fmt: skip
+        out.append(PrunedKVCache(layers=layers, metadata=metadata))
+    return out
+
+
+def _scores(queries, keys, positions, n, n_probe, c: PrefillConfig, capture_from, spec) -> torch.Tensor:
+    """Observation scores `[1, Hkv, n]` of one config from the captured queries `[1, H, ·, D]`."""
+    probe = n_probe if c.observation == "probe" else 0
+    start = max(0, n - c.window_size)
+    q = queries[:, :, start - capture_from : n + probe - capture_from]  # [1, H, W(+probe), D]
+    q_pos = torch.arange(start, n + probe, device=keys.device)
+    assert q.shape[2] == q_pos.shape[0], (q.shape, q_pos.shape)
+    k = keys[:, :, : n + probe]  # a tail config never sees the probe's keys, as in prefill_document
+    return observation_scores(q, k, q_pos, positions[0, 0, : n + probe], spec.scaling, spec.softcap)[..., :n]
+
+
+def run_eval(
+    engine: Engine,
+    cfg: EvalConfig,
+    workdir: Path,
+    haystack_text: str | None = None,
+    progress: Progress = lambda done, total, what: None,
+) -> dict:
+    """Run every method of `cfg` on every sample, through saved `.kv` files in `workdir`.
+
+    Returns the report: {"format", "format_version", "config", "model", "summary", "samples",
+    "records", "elapsed_s"}; each record is one question answered by one method at one budget;
+    `samples` has each sample's shared prefill + pruning time and its cache save/load time (s).
+    Raises:
+        ValueError: a task needing haystack text without it. BudgetError: a length the model's
+        context does not fit. OutputError: `workdir` not writable.
+    """
+    tasks = [t for t in cfg.tasks if haystack_text is not None or t not in NEEDS_HAYSTACK_TEXT]
+    if len(tasks) != len(cfg.tasks):
+        raise ValueError(f"tasks {', '.join(NEEDS_HAYSTACK_TEXT)} need a haystack text")
+    room = engine.shape.max_context_tokens - cfg.plan_new_tokens - QUESTION_RESERVE_TOKENS - 64
+    if max(cfg.context_tokens) > room:
+        raise BudgetError(f"--context-tokens {max(cfg.context_tokens)} exceeds what {engine.loaded.model_id} fits "
+                          f"({room} tokens with room for the framing, a question and the answer)",
+                          "use shorter --context-tokens")  # fmt: skip
+    caches, runs = plan(cfg)
+    count = lambda text: len(tokenize(engine.tokenizer, text, False))  # noqa: E731
+    total = len(cfg.context_tokens) * len(tasks) * cfg.samples * (len(caches) + len(runs))
+    done, t0, records, samples = 0, time.perf_counter(), [], []
+    for n in cfg.context_tokens:
+        for task in tasks:
+            for index in range(cfg.samples):
+                sample = generate(task, index, cfg.seed, n, count, haystack_text)
+                what = f"{task} #{index + 1}/{cfg.samples} at {n} tokens"
+
+                def step(label: str) -> None:
+                    nonlocal done
+                    progress(done, total, f"{what}: {label}")
+                    done += 1
+
+                progress(done, total, f"{what}: prefill")
+                sample_records, timing = _run_sample(engine, cfg, sample, n, caches, runs, workdir, step)
+                records += sample_records
+                samples.append(timing)
+    progress(done, total, "done")
+    return {
+        "format": REPORT_FORMAT,
+        "format_version": REPORT_VERSION,
+        "config": cfg.to_dict() | {"tasks": tasks},
+        "model": {
+            "model_id": engine.loaded.model_id,
+            "model_digest": engine.identity["model_digest"],
+            "device": str(engine.loaded.device),
+            "dtype": str(engine.loaded.dtype).removeprefix("torch."),
+            "prompt_template_id": engine.prompt.template_id,
+            "head_dim": engine.shape.head_dim,
+            "n_kv_heads": engine.shape.n_kv_heads,
+            "max_context_tokens": engine.shape.max_context_tokens,
+            "layer_windows": [s.sliding_window for s in engine.shape.layers],
+        },  # fmt: skip
+        "summary": summarize(records),
+        "samples": samples,
+        "records": records,
+        "elapsed_s": round(time.perf_counter() - t0, 3),
+    }
+
+
+def _run_sample(engine, cfg, sample: Sample, n: int, caches: dict, runs: list, workdir: Path, step) -> tuple:
+    """Prefill the sample once, save and load each cache, answer every run from its file.
+
+    Returns (records, timing): the sample's records and its shared prefill + pruning and cache
+    save/load times in seconds. `step(label)` is called once per cache and once per run."""
+    doc = Document(sample.document, hashlib.sha256(sample.document.encode()).hexdigest(),
+                   f"eval-{sample.task}-{sample.index}")  # fmt: skip
+    t0 = time.perf_counter()
+    stored = dict(zip(caches, prefill_variants(engine, doc, list(caches.values()))))
+    prefill_s, io_s, records = time.perf_counter() - t0, 0.0, []
+    for key in caches:
+        step(f"cache {key}")
+    for key, cache in stored.items():
+        t_io = time.perf_counter()
+        path = save_cache(cache, workdir / f"{key}.kv", force=True)
+        loaded = load_cache(path)
+        open_cache(engine, loaded, str(path))
+        io_s += time.perf_counter() - t_io
+        for run in (r for r in runs if r.cache_key == key):
+            step(run.label + (f" t={run.budget}" if run.budget else ""))
+            records += _answer_run(engine, loaded, run, sample, n, cfg)
+    _agree(records)
+    timing = {"context_tokens": n, "n_context_tokens": next(iter(stored.values())).n_context_tokens,
+              "task": sample.task, "sample": sample.index, "n_caches": len(caches), "prefill_s": round(prefill_s, 3),
+              "save_load_s": round(io_s, 3), "total_s": round(time.perf_counter() - t0, 3)}  # fmt: skip
+    return records, timing
+
+
+def _answer_run(engine: Engine, stored: PrunedKVCache, run: Run, sample: Sample, n: int, cfg: EvalConfig) -> list:
+    """Answer the sample's questions with one run; one record per question."""
+    n_ctx = stored.n_context_tokens
+    if run.method == "hsa":
+        decode = decode_config_for(stored, True, **stage2_only_budgets(n_ctx, cfg.plan_new_tokens, run.budget,
+                                                                         engine.shape.head_dim))  # fmt: skip
+    else:
+        decode = decode_config_for(stored, sparse=run.method == "rocketkv")
+    max_new = cfg.max_new_tokens or sample.max_new_tokens
+    kept = max(k.shape[2] for (k, _, _), s in zip(stored.layers, engine.shape.layers) if s.sliding_window is None)
+    out = []
+    for qi, (question, ans) in enumerate(
+        zip(sample.questions, answer(engine, stored, [q.text for q in sample.questions], max_new, decode))
+    ):
+        score = match_fraction(ans.text, question.expected)
+        out.append({
+            "context_tokens": n, "n_context_tokens": n_ctx, "task": sample.task, "sample": sample.index,
+            "seed": sample.seed, "question_index": qi, "question": question.text, "expected": list(question.expected),
+            "needle_depths": list(question.depths), "method": run.method, "label": run.label, "budget": run.budget,
+            "observation": run.observation,
+            "pool_kernel": None if run.pool_kernel is None else pool_label(run.pool_kernel),
+            "kept_tokens": kept, "sparse": decode.sparse, "topk": decode.topk, "page_size": decode.page_size,
+            "n_score_dims": decode.n_score_dims, "answer": ans.text, "token_ids": list(ans.token_ids),
+            "n_answer_tokens": ans.n_answer_tokens, "stop_reason": ans.stop_reason, "score": score,
+            "correct": score == 1.0, "agreement": None, "prefill_s": round(ans.prefill_s, 4),
+            "decode_s": round(ans.decode_s, 4),
+        })  # fmt: skip
+    return out
+
+
+def _agree(sample_records: list[dict]) -> None:
+    """Fill in each record's agreement with the full-attention answer to the same question."""
+    reference = {r["question_index"]: r["token_ids"] for r in sample_records if r["method"] == "full"}
+    if not reference:
+        return
+    for r in sample_records:
+        r["agreement"] = token_agreement(reference[r["question_index"]], r["token_ids"])
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """Mean score and agreement per (context, task, method label, budget), plus a "mean" task row
+    per (context, method label, budget) that averages the task means (each task weighs the same).
+    Scores and agreements are fractions in [0, 1]; agreement is None without a full-attention run."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in records:
+        groups[(r["context_tokens"], r["task"], r["label"], r["budget"])].append(r)
+    rows = []
+    for (n, task, label, budget), rs in groups.items():
+        agree = [r["agreement"] for r in rs if r["agreement"] is not None]
+        rows.append({"context_tokens": n, "task": task, "label": label, "method": rs[0]["method"], "budget": budget,
+                     "observation": rs[0]["observation"], "pool_kernel": rs[0]["pool_kernel"],
+                     "score": sum(r["score"] for r in rs) / len(rs),
+                     "agreement": sum(agree) / len(agree) if agree else None, "n": len(rs)})  # fmt: skip
+    means: dict[tuple, list[dict]] = defaultdict(list)
+    for row in rows:
+        means[(row["context_tokens"], row["label"], row["budget"])].append(row)
+    for (n, label, budget), rs in means.items():
+        agree = [r["agreement"] for r in rs if r["agreement"] is not None]
+        rows.append({**{k: rs[0][k] for k in ("method", "observation", "pool_kernel")}, "context_tokens": n,
+                     "task": "mean", "label": label, "budget": budget, "score": sum(r["score"] for r in rs) / len(rs),
+                     "agreement": sum(agree) / len(agree) if agree else None,
+                     "n": sum(r["n"] for r in rs)})  # fmt: skip
+    return rows

@@ -1,0 +1,291 @@
+"""`rocketkv eval`: task generators, scoring, the sink+recent selection, one-prefill variants, the CLI."""
+
+import json
+import os
+import subprocess
+from collections import Counter
+
+import pytest
+import torch
+from conftest import byte_tokenizer, make_engine, text_of_bytes
+
+from rocketkv_cli.cache_io import load_cache, save_cache
+from rocketkv_cli.config import PrefillConfig
+from rocketkv_cli.eval_tasks import DEPTH_RANGE, TASKS, generate
+from rocketkv_cli.evaluate import (
+    FULL_TOKEN_BUDGET,
+    EvalConfig,
+    match_fraction,
+    plan,
+    prefill_variants,
+    stage2_only_budgets,
+    token_agreement,
+)
+from rocketkv_cli.ingest import Document
+from rocketkv_cli.pipeline import answer, decode_config_for, prefill_document
+from rocketkv_cli.prefill import sink_recent_select
+
+HAYSTACK = (
+    "In the beginning the river ran north. The stone was green; the cloud was light: all was paper.\n"
+    "Seven metal lanterns hung there. Who lit them? Nobody knows!\n"
+) * 20
+N_TOKENS = 2000
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+def count(tok):
+    return lambda text: len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test__generate__deterministic_per_seed(tok, task):
+    a = generate(task, 3, 7, N_TOKENS, count(tok), HAYSTACK)
+    b = generate(task, 3, 7, N_TOKENS, count(tok), HAYSTACK)
+    assert a == b
+    assert generate(task, 3, 8, N_TOKENS, count(tok), HAYSTACK).document != a.document
+    assert generate(task, 4, 7, N_TOKENS, count(tok), HAYSTACK).document != a.document
+
+
+@pytest.mark.parametrize("task", [t for t in TASKS if t != "fwe"])
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test__generate__expected_values_sit_at_the_stated_depth(tok, task, index):
+    s = generate(task, index, 0, N_TOKENS, count(tok), HAYSTACK)
+    enc = tok(s.document, add_special_tokens=False, return_offsets_mapping=True)
+    n = len(enc["input_ids"])
+    assert abs(n - N_TOKENS) <= 0.05 * N_TOKENS
+    starts = [start for start, _ in enc["offset_mapping"]]
+    for question in s.questions:
+        assert question.depths
+        for value in question.expected:
+            # the needle that holds the value (vt: the one assigning that variable)
+            holds = (lambda t: t.startswith(f"VAR {value} =")) if task == "vt" else (lambda t: value in t)
+            holders = [nd for nd in s.needles if holds(nd.text)]
+            assert len(holders) == 1, (value, s.needles)
+            needle = holders[0]
+            assert needle.depth in question.depths
+            assert s.document[needle.char_offset : needle.char_offset + len(needle.text)] == needle.text
+            token_at = next(i for i, st in enumerate(starts) if st >= needle.char_offset)  # first token of the needle
+            assert abs(token_at / n - needle.depth) <= 0.02, (token_at / n, needle.depth)
+            assert DEPTH_RANGE[0] <= needle.depth <= DEPTH_RANGE[1]
+            if task != "vt":
+                assert s.document.count(value) == 1
+
+
+def test__generate__multikey_distractors_have_other_keys_and_values(tok):
+    s = generate("multikey", 0, 0, N_TOKENS, count(tok))
+    (question,) = s.questions
+    assert len(s.needles) == 4
+    others = [nd for nd in s.needles if question.expected[0] not in nd.text]
+    assert len(others) == 3 and all(question.text.split(" for ")[1].split()[0] not in nd.text for nd in others)
+
+
+def test__generate__multiquery_asks_one_question_per_needle(tok):
+    s = generate("multiquery", 0, 0, N_TOKENS, count(tok))
+    assert len(s.questions) == len(s.needles) == 4
+    assert len({q.text for q in s.questions}) == 4
+
+
+def test__generate__vt_chain_leads_back_to_the_value(tok):
+    s = generate("vt", 0, 0, N_TOKENS, count(tok))
+    (question,) = s.questions
+    value = question.text.split("value ")[1].split()[0]
+    first, *rest = question.expected
+    assert f"VAR {first} = {value}." in s.document
+    for a, b in zip(question.expected, rest):
+        assert f"VAR {b} = VAR {a}." in s.document
+
+
+def test__generate__fwe_answer_is_the_three_most_frequent_words(tok):
+    s = generate("fwe", 0, 0, N_TOKENS, count(tok))
+    counts = Counter(s.document.split()).most_common(4)
+    assert set(s.questions[0].expected) == {w for w, _ in counts[:3]}
+    assert counts[2][1] > counts[3][1]
+
+
+def test__generate__bad_input_raises(tok):
+    with pytest.raises(ValueError, match="haystack"):
+        generate("niah_text", 0, 0, N_TOKENS, count(tok))
+    with pytest.raises(ValueError, match="unknown task"):
+        generate("nope", 0, 0, N_TOKENS, count(tok))
+    with pytest.raises(ValueError, match="at least 64"):
+        generate("vt", 0, 0, 10, count(tok))
+
+
+@pytest.mark.parametrize(
+    "answer_text, expected, score",
+    [
+        ("The number is 1234567.", ("1234567",), 1.0),
+        ("the word is ALPHA", ("alpha",), 1.0),
+        ("1234567 and 7654321", ("1234567", "7654321", "1111111", "2222222"), 0.5),
+        ("123456", ("1234567",), 0.0),
+        ("", ("x",), 0.0),
+    ],
+)
+def test__match_fraction__case_insensitive_share_of_expected_values(answer_text, expected, score):
+    assert match_fraction(answer_text, expected) == score
+
+
+def test__match_fraction__nothing_expected_raises():
+    with pytest.raises(ValueError):
+        match_fraction("x", ())
+
+
+@pytest.mark.parametrize(
+    "ref, out, agreement",
+    [((1, 2, 3), (1, 2, 3), 1.0), ((1, 2, 3, 4), (1, 2, 9, 4), 0.5), ((1, 2), (1, 2, 3, 4), 0.5), ((), (), 1.0),
+     ((5,), (), 0.0), ((1, 2, 3), (9, 2, 3), 0.0)],
+)  # fmt: skip
+def test__token_agreement__common_prefix_over_longer_answer(ref, out, agreement):
+    assert token_agreement(ref, out) == agreement
+
+
+def test__stage2_only_budgets__spec_arithmetic_with_capacity_S():
+    # S = 4096 + 128, t = 256: topk 128, c2 = 16.5, page ceil(sqrt(16.5)) = 5, dims floor(64·5/16.5) = 19
+    assert stage2_only_budgets(4096, 128, 256, 64) == {"topk": 128, "page_size": 5, "n_score_dims": 19}
+    assert stage2_only_budgets(100, 28, 1024, 64) == {"topk": 512, "page_size": 1, "n_score_dims": 64}
+
+
+def test__sink_recent_select__sinks_then_most_recent_tokens():
+    kept = sink_recent_select(100, 20, 4, 3)
+    assert kept.shape == (1, 3, 20)
+    assert kept[0, 0].tolist() == [0, 1, 2, 3, *range(84, 100)]
+    assert torch.equal(kept[0, 0], kept[0, 2])
+    assert sink_recent_select(10, 20, 4, 2)[0, 1].tolist() == list(range(10))
+    assert sink_recent_select(100, 6, 10, 1)[0, 0].tolist() == [0, 1, 2, 97, 98, 99]  # sinks ≤ half
+
+
+def test__prefill_config__selection_validated_and_default_metadata_unchanged():
+    with pytest.raises(ValueError, match="selection"):
+        PrefillConfig(selection="h2o")
+    with pytest.raises(ValueError, match="n_sink_tokens"):
+        PrefillConfig(selection="sink_recent", n_sink_tokens=-1)
+    d = PrefillConfig().to_dict()
+    assert "selection" not in d and "n_sink_tokens" not in d  # what older rocketkv wrote and reads
+    assert PrefillConfig(**d) == PrefillConfig()
+    sink = PrefillConfig(selection="sink_recent", n_sink_tokens=2)
+    assert PrefillConfig(**sink.to_dict()) == sink
+
+
+def test__sink_recent_cache__saves_loads_and_answers(tmp_path):
+    engine = make_engine("llama")
+    doc = Document(text_of_bytes(500), "0" * 64, "doc.txt")
+    cfg = PrefillConfig(token_budget=64, max_new_tokens=8, window_size=8, selection="sink_recent", n_sink_tokens=4)
+    stored = prefill_document(engine, doc, cfg)
+    n = stored.n_context_tokens
+    for _, _, positions in stored.layers:
+        pb = positions.shape[2]
+        assert positions[0, 0].tolist() == [0, 1, 2, 3, *range(n - pb + 4, n)]
+    path = save_cache(stored, tmp_path / "s.kv")
+    loaded = load_cache(path)
+    assert json.loads(loaded.metadata["config"])["selection"] == "sink_recent"
+    a = next(answer(engine, stored, ["Q?"], 4, decode_config_for(stored, sparse=False)))
+    b = next(answer(engine, loaded, ["Q?"], 4, decode_config_for(loaded, sparse=False)))
+    assert a.token_ids == b.token_ids
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test__prefill_variants__equal_prefill_document_for_each_config(arch):
+    engine = make_engine(arch)
+    doc = Document(text_of_bytes(700), "0" * 64, "doc.txt")
+    cfgs = [
+        PrefillConfig(token_budget=64, max_new_tokens=8, window_size=8),
+        PrefillConfig(token_budget=128, max_new_tokens=8, window_size=8, pool_kernel_size=0),  # scores reused
+        PrefillConfig(token_budget=64, max_new_tokens=8, window_size=8, observation="probe", pool_kernel_size=0),
+        PrefillConfig(token_budget=64, max_new_tokens=8, window_size=24, pool_kernel_size=7),
+        PrefillConfig(token_budget=64, max_new_tokens=8, window_size=8, selection="sink_recent"),
+        PrefillConfig(token_budget=FULL_TOKEN_BUDGET, max_new_tokens=8, window_size=8),
+    ]
+    for cfg, many in zip(cfgs, prefill_variants(engine, doc, cfgs)):
+        one = prefill_document(engine, doc, cfg)
+        assert many.metadata == one.metadata
+        for a, b in zip(one.layers, many.layers):
+            for x, y in zip(a, b):
+                assert x.shape == y.shape and torch.equal(x, y), cfg
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        prefill_variants(engine, doc, [cfgs[0], PrefillConfig(chunk_tokens=64)])
+
+
+def test__plan__one_cache_per_stage1_setting_and_every_method():
+    caches, runs = plan(EvalConfig(budgets=(128, 512), observations=("tail", "probe"), pool_kernels=(63, 0)))
+    assert set(caches) == {"full", *(f"t{t}-{o}-{k}" for t in (128, 512) for o in ("tail", "probe")
+                                      for k in ("63", "auto")), "t128-sink", "t512-sink"}  # fmt: skip
+    labels = Counter(r.label for r in runs)
+    assert labels["full"] == 1 and labels["snapkv"] == labels["hsa"] == labels["sink_recent"] == 2
+    assert labels["rocketkv[probe,auto]"] == 2
+    snap = [r for r in runs if r.method == "snapkv"]
+    assert all(r.cache_key == f"t{r.budget}-tail-63" for r in snap)  # same cache as rocketkv's first variant
+    assert {r.cache_key for r in runs if r.method == "hsa"} == {"full"}
+
+
+@pytest.mark.parametrize(
+    "kw", [{"methods": ("full", "h2o")}, {"budgets": ()}, {"pool_kernels": (8,)}, {"context_tokens": (10,)},
+           {"samples": 0}, {"observations": ("tail", "tail")}],
+)  # fmt: skip
+def test__eval_config__rejects_bad_values(kw):
+    with pytest.raises(ValueError):
+        EvalConfig(**kw)
+
+
+RECORD_KEYS = {
+    "context_tokens", "n_context_tokens", "task", "sample", "seed", "question_index", "question", "expected",
+    "needle_depths", "method", "label", "budget", "observation", "pool_kernel", "kept_tokens", "sparse", "topk",
+    "page_size", "n_score_dims", "answer", "token_ids", "n_answer_tokens", "stop_reason", "score", "correct",
+    "agreement", "prefill_s", "decode_s",
+}  # fmt: skip
+SUMMARY_KEYS = {"context_tokens", "task", "label", "method", "budget", "observation", "pool_kernel", "score",
+                "agreement", "n"}  # fmt: skip
+
+
+def test__cli_eval__tiny_model_end_to_end_json_schema(rocketkv_bin, tiny_model_dir, tmp_path):
+    # one thread: a tiny model gains nothing from more, and a busy 2-core machine makes them spin (10× slower)
+    env = {**os.environ, "ROCKETKV_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    hay = tmp_path / "hay.txt"
+    hay.write_text(HAYSTACK)
+    out = tmp_path / "eval.json"
+    r = subprocess.run([rocketkv_bin, "eval", "--model", str(tiny_model_dir), "--context-tokens", "300",
+                        "--budgets", "64", "--samples", "2", "--tasks", "niah_text,multiquery,fwe",
+                        "--observations", "tail,probe", "--window-size", "8", "--max-new-tokens", "3",
+                        "--haystack", str(hay), "--json", str(out)],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report) == {"format", "format_version", "config", "model", "versions", "summary", "samples",
+                           "records", "elapsed_s"}  # fmt: skip
+    assert len(report["samples"]) == 3 * 2 and all(s["prefill_s"] > 0 for s in report["samples"])
+    assert report["format"] == "rocketkv.eval" and report["format_version"] == 1
+    assert report["config"]["samples"] == 2 and report["config"]["budgets"] == [64]
+    assert report["config"]["haystack"] == str(hay)
+    assert set(report["versions"]) >= {"rocketkv", "torch", "transformers", "threads"}
+    records = report["records"]
+    assert all(set(rec) == RECORD_KEYS for rec in records)
+    # questions: niah_text 1 + multiquery 4 + fwe 1, per sample; runs: full, 2 rocketkv, snapkv, hsa, sink_recent
+    assert len(records) == 2 * (1 + 4 + 1) * 6
+    assert {rec["label"] for rec in records} == {"full", "rocketkv[tail,63]", "rocketkv[probe,63]", "snapkv", "hsa",
+                                                  "sink_recent"}  # fmt: skip
+    assert all(rec["agreement"] == 1.0 for rec in records if rec["method"] == "full")
+    assert all(0 <= rec["score"] <= 1 and 0 <= rec["agreement"] <= 1 for rec in records)
+    assert all(rec["kept_tokens"] < rec["n_context_tokens"] for rec in records if rec["method"] not in ("full", "hsa"))
+    assert all(rec["sparse"] == (rec["method"] in ("rocketkv", "hsa")) for rec in records)
+    summary = report["summary"]
+    assert all(set(row) == SUMMARY_KEYS for row in summary)
+    assert {row["task"] for row in summary} == {"niah_text", "multiquery", "fwe", "mean"}
+    stdout_rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(stdout_rows) == len(summary)
+
+
+def test__cli_eval__bad_options_are_one_line_errors(rocketkv_bin, tmp_path):
+    env = {**os.environ, "ROCKETKV_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
+    for args, message in (
+        (["--methods", "full,h2o"], "methods must be"),
+        (["--tasks", "niah_text", "--haystack", str(tmp_path / "missing.txt")], "not found"),
+    ):
+        r = subprocess.run([rocketkv_bin, "eval", *args], capture_output=True, text=True, env=env, cwd=tmp_path,
+                           timeout=120)  # fmt: skip
+        assert r.returncode == 1, r.stderr
+        errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
+        assert len(errors) == 1 and message in errors[0], r.stderr
+        assert r.stdout == ""

@@ -28,7 +28,7 @@ from .errors import CacheFormatError, OutputError
 
 FORMAT_NAME = "rocketkv.kv_cache"
 FORMAT_VERSION = 2  # v1: one segment (`layers.*` tensors); v2: `segments.{j}.layers.*`
-MAX_HEADER_BYTES = 16 << 20
+MAX_HEADER_BYTES = 100 << 20  # as safetensors itself
 _DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "F64": 8}
 _TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
                  "I32": torch.int32, "F64": torch.float64}  # fmt: skip
@@ -189,6 +189,8 @@ def save_segmented(
     """
     tensors: dict[str, torch.Tensor] = {}
     assert all(seg.token_ids is not None for seg in segments), "segments need their token ids"
+    dtypes = {str(seg.layers[0][0].dtype).removeprefix("torch.") for seg in segments}
+    assert dtypes == {metadata["dtype"]}, f"segments in {dtypes}, metadata says {metadata['dtype']}"
     for j, seg in enumerate(segments):
         for name, t in _tensors(seg).items():
             tensors[f"segments.{j}.{name}"] = t
@@ -206,6 +208,11 @@ def save_segmented(
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
+    if len(head) > MAX_HEADER_BYTES:
+        raise OutputError(
+            f"{len(segments)} segments make a file header of {len(head)} bytes, over {MAX_HEADER_BYTES}",
+            "raise --segment-tokens (fewer, longer segments)",
+        )
 
     def write(f) -> None:
         f.write(struct.pack("<Q", len(head)))
@@ -403,6 +410,8 @@ def load_cache(path: str | Path) -> PrunedKVCache | SegmentedKVCache:
         ]
         ids = tensors.get(f"{prefix}token_ids")
         ids_ok = ids is None or (ids.dtype == torch.int32 and ids.shape == (n_seg,) and int(ids.min()) >= 0)
+        if ids_ok and ids is not None and version > 1:
+            ids_ok = hashlib.sha256(ids.to(torch.int64).numpy().tobytes()).hexdigest() == entry["ids_sha256"]
         if any(layer is None for layer in layers) or not ids_ok:
             where = f"segment {j} " if version > 1 else ""
             raise CacheFormatError(f"{path}: {where}layer tensors disagree with the metadata", rebuild)
@@ -437,7 +446,7 @@ def _segment_entries(meta: dict, version: int, n_ctx: int, path, rebuild: str) -
             Budgets(**{k: b[k] for k in ("prompt_budget", "capacity_budget", "topk", "page_size", "n_score_dims")})
             start = e["start_token"]
         assert sum(e["n_context_tokens"] for e in entries) == n_ctx
-    except (KeyError, TypeError, ValueError, AssertionError, json.JSONDecodeError) as exc:
+    except (KeyError, TypeError, ValueError, AssertionError, RecursionError, json.JSONDecodeError) as exc:
         raise CacheFormatError(f"{path}: malformed metadata (segments)", rebuild) from exc
     return entries
 

@@ -104,7 +104,7 @@ def ingest(
     A document longer than the model's context is ingested in segments, each checkpointed beside
     the output: an interrupted ingest continues where it stopped when the same command is rerun.
     """
-    from .cache_io import SegmentedKVCache, check_target, save_cache, save_segmented
+    from .cache_io import SegmentedKVCache, check_target, load_cache, save_cache, save_segmented
     from .models import DEFAULT_MODEL
     from .segments import Checkpoints
 
@@ -126,13 +126,14 @@ def ingest(
     engine = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code)
     checkpoints = Checkpoints(output)
     if checkpoints.count():
-        log(f"resuming: {checkpoints.count()} checkpointed segments in {checkpoints.dir}")
+        log(f"resuming: found {checkpoints.count()} checkpointed segments in {checkpoints.dir} (reused if they match)")
     stored, elapsed = prefill(engine, stream, cfg, segment_tokens, checkpoints)
     if isinstance(stored, SegmentedKVCache):
         save_segmented(stored.segments, stored.metadata, output, force=force)
-        checkpoints.remove()
+        load_cache(output)  # the checkpoints go only once the file reads back whole
     else:
         save_cache(stored, output, force=force)
+    checkpoints.remove()
     log(f"wrote {output} ({output.stat().st_size / 1e6:.1f} MB)")
     if json_out:
         n_segments = len(stored.segments) if isinstance(stored, SegmentedKVCache) else 1
@@ -172,25 +173,35 @@ def _questions(positional: list[str], questions_file: Optional[str], doc_is_stdi
 def _answer_and_print(engine, stored, source: str, questions, max_new_tokens, dense, overrides, json_out,
                       n_segments: int = 1, segment: Optional[int] = None) -> None:  # fmt: skip
     from .cache_io import SegmentedKVCache
-    from .pipeline import answer, decode_config_for
+    from .pipeline import answer, decode_config_for, prepare_questions
     from .segments import iter_segment_answers
 
     planned = json.loads(stored.metadata["config"]).get("max_new_tokens", 128)
     max_new = max_new_tokens or planned
+
+    def decode_for(part):
+        try:
+            return decode_config_for(part, sparse=not dense, **overrides)
+        except ValueError as exc:
+            raise InputError(f"invalid option: {exc}") from None
+
     if isinstance(stored, SegmentedKVCache):
-        jobs = iter_segment_answers(engine, stored, questions, n_segments, segment)
+        jobs = list(iter_segment_answers(engine, stored, questions, n_segments, segment))  # route every question
+        for question, _, part in jobs:  # then check every question before any is answered
+            prepare_questions(engine, part, [question], max_new)
+        decodes = [decode_for(part) for _, _, part in jobs]
+
+        def answers():
+            for i, ((question, chosen, part), decode) in enumerate(zip(jobs, decodes)):
+                log(f"question {i + 1}: answering from segment{'s' * (len(chosen) > 1)} {', '.join(map(str, chosen))}")
+                yield next(answer(engine, part, [question], max_new, decode)), chosen
+
+        results = answers()
     elif segment not in (None, 0):
         raise InputError(f"--segment {segment}: this cache has one segment (0)")
     else:
-        jobs = ((q, None, stored) for q in questions)
-    for i, (question, chosen, part) in enumerate(jobs):
-        if chosen is not None:
-            log(f"question {i + 1}: answering from segment{'s' * (len(chosen) > 1)} {', '.join(map(str, chosen))}")
-        try:
-            decode = decode_config_for(part, sparse=not dense, **overrides)
-        except ValueError as exc:
-            raise InputError(f"invalid option: {exc}") from None
-        ans = next(answer(engine, part, [question], max_new, decode))
+        results = ((ans, None) for ans in answer(engine, stored, questions, max_new, decode_for(stored)))
+    for i, (ans, chosen) in enumerate(results):
         if json_out:
             row = {"question": ans.question, "answer": ans.text, "cache": source,
                    "n_question_tokens": ans.n_question_tokens, "n_answer_tokens": ans.n_answer_tokens,
@@ -273,7 +284,7 @@ def ask(
         stream = open_stream(doc, encoding)
         stream.validate()
         engine = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code)
-        stored, _ = prefill(engine, stream, cfg, segment_tokens)
+        stored, _ = prefill(engine, stream, cfg, segment_tokens, scratch_checkpoints())
         source = doc
     _answer_and_print(engine, stored, source, questions, max_new_tokens, dense, overrides, json_out, segments, segment)
 
@@ -315,7 +326,7 @@ def summarize(
         stream = open_stream(document, encoding)
         stream.validate()
         engine = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code)
-        stored, _ = prefill(engine, stream, cfg, segment_tokens)
+        stored, _ = prefill(engine, stream, cfg, segment_tokens, scratch_checkpoints())
         source = document
     engine.prompt = _without_stop_strings(engine.prompt)
     partials = []
@@ -339,6 +350,20 @@ def summarize(
     else:
         typer.echo(final.text)
     log(f"summarized in {elapsed:.1f}s ({final.n_answer_tokens} tokens, stop: {final.stop_reason})")
+
+
+def scratch_checkpoints():
+    """Checkpoints in a temporary folder (removed at exit), so that a long document ingested in
+    memory for `ask DOC` / `summarize DOC` keeps its finished segments on disk, not in RAM."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from .segments import Checkpoints
+
+    folder = tempfile.mkdtemp(prefix="rocketkv-")
+    atexit.register(shutil.rmtree, folder, True)
+    return Checkpoints(Path(folder) / "memory.kv")
 
 
 def _without_stop_strings(fmt):

@@ -219,7 +219,8 @@ class TextPieces:
 
     def check_not_empty(self) -> None:
         if not self.text.strip():
-            raise InputError(f"document {self.source} is empty", "give a document with text")
+            what = "whitespace only" if self.text else "empty"
+            raise InputError(f"document {self.source} is {what}", "give a document with text")
 
 
 def term_ids(tokenizer) -> list[int]:

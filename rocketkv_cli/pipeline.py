@@ -240,6 +240,29 @@ def to_rocket_cache(engine: Engine, stored: PrunedKVCache, extra_tokens: int) ->
     return RocketCache(layers)
 
 
+def prepare_questions(
+    engine: Engine, stored: PrunedKVCache, questions: Iterable[str], max_new_tokens: int
+) -> list[tuple[str, list[int]]]:
+    """Each question with its framed token ids, checked against the room left after the document.
+
+    Raises:
+        InputError: an empty question. BudgetError: a question that does not fit the context.
+    """
+    room = engine.shape.max_context_tokens - stored.n_context_tokens - max_new_tokens
+    prepared = []
+    for question in questions:
+        if not question.strip():
+            raise InputError("empty question", "give a question with text")
+        ids = tokenize(engine.tokenizer, engine.prompt.question_text(question), False)
+        if len(ids) > room:
+            raise BudgetError(
+                f"question is {len(ids)} tokens; only {max(room, 0)} fit after the document and the answer",
+                "shorten the question or lower --max-new-tokens",
+            )
+        prepared.append((question, ids))
+    return prepared
+
+
 def answer(
     engine: Engine,
     stored: PrunedKVCache,
@@ -255,18 +278,7 @@ def answer(
         InputError: an empty question. BudgetError: a question that does not fit the context.
     """
     n_ctx = stored.n_context_tokens
-    room = engine.shape.max_context_tokens - n_ctx - max_new_tokens
-    prepared = []
-    for question in questions:  # all checked before any is answered
-        if not question.strip():
-            raise InputError("empty question", "give a question with text")
-        ids = tokenize(engine.tokenizer, engine.prompt.question_text(question), False)
-        if len(ids) > room:
-            raise BudgetError(
-                f"question is {len(ids)} tokens; only {max(room, 0)} fit after the document and the answer",
-                "shorten the question or lower --max-new-tokens",
-            )
-        prepared.append((question, ids))
+    prepared = prepare_questions(engine, stored, questions, max_new_tokens)  # all checked before any is answered
     cache = to_rocket_cache(engine, stored, QUESTION_RESERVE_TOKENS + max_new_tokens)
     for question, ids in prepared:
         try:

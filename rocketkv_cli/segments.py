@@ -23,7 +23,7 @@ import torch
 
 from .cache_io import PrunedKVCache, SegmentedKVCache, load_cache, save_cache
 from .config import PrefillConfig
-from .errors import BudgetError, CacheFormatError, InputError
+from .errors import BudgetError, CacheFormatError, InputError, OutputError
 from .hf import empty_cache, forward_tokens, rocketkv_attention
 from .ingest import Document, TextStream, segment_texts, tokenize
 from .pipeline import Answer, Engine, TokenProgress, context_limit, document_token_ids, prefill_document, prefill_ids
@@ -71,7 +71,11 @@ class Checkpoints:
 
     def save(self, index: int, part: PrunedKVCache) -> PrunedKVCache:
         """Write `part` and return it memory-mapped from disk (its tensors leave RAM)."""
-        self.dir.mkdir(exist_ok=True)
+        try:
+            self.dir.mkdir(exist_ok=True)
+        except OSError as exc:
+            raise OutputError(f"cannot create the checkpoint folder {self.dir}: {exc.strerror}",
+                              "choose a writable output directory, or remove what is in the way") from exc  # fmt: skip
         save_cache(part, self._path(index), force=True)
         return load_cache(self._path(index))
 
@@ -152,7 +156,8 @@ def ingest_stream(
             "document_sha256": ids_sha, "document_source": stream.source, "segment_index": str(index),
             "segment_start_token": str(start), "segment_ids_sha256": ids_sha,
         }  # fmt: skip
-        expected = {**engine.identity, **meta, "config": json.dumps(cfg.to_dict(), sort_keys=True)}
+        expected = {**engine.identity, **meta, "config": json.dumps(cfg.to_dict(), sort_keys=True),
+                    "dtype": str(engine.loaded.dtype).removeprefix("torch.")}  # fmt: skip
         part = checkpoints.load(index, expected) if checkpoints else None
         resumed = part is not None
         if part is None:
@@ -164,6 +169,7 @@ def ingest_stream(
         on_segment(SegmentDone(index=index, n_tokens=len(ids), resumed=resumed))
         start += len(ids) - frame
         tokens_done += len(ids)
+    stream.check_not_empty()  # a whitespace-only stdin longer than one segment
     metadata = {k: v for k, v in parts[0].metadata.items() if k not in SEGMENT_KEYS}
     metadata.update(document_sha256=stream.sha256, n_context_tokens=str(sum(p.n_context_tokens for p in parts)))
     return SegmentedKVCache(segments=parts, metadata=metadata)
@@ -197,21 +203,24 @@ def segment_scores(engine: Engine, stored: SegmentedKVCache, question: str) -> t
     shape = engine.shape
     position = max(p.n_context_tokens for p in stored.segments)
     queries = question_queries(engine, question, position)
+    if not queries:  # every layer is a sliding-window layer: no signal, keep document order
+        return torch.zeros(len(stored.segments))
     frame = frame_tokens(engine)
     group = shape.n_heads // shape.n_kv_heads
     per_segment = []
     for part in stored.segments:
         maxima = []
         for i, q in sorted(queries.items()):
-            keys, _, pos = part.layers[i]  # [1, Hkv, S, D], [1, Hkv, S]
-            k = keys[0].float()
+            keys, _, pos = part.layers[i]  # [1, Hkv, S, D], [1, Hkv, S] (memory-mapped, on the CPU)
+            k = keys[0].to(q.device, torch.float32)
+            pos = pos.to(q.device)
             b, h, t, d = q.shape
             assert k.shape[0] * group == h and k.shape[2] == d, (q.shape, k.shape)
             logits = torch.einsum("kgtd,ksd->kgts", q[0].view(k.shape[0], group, t, d), k)  # [Hkv, G, T, S]
             logits = logits.masked_fill((pos[0] < frame)[:, None, None, :], float("-inf"))
             maxima.append(logits.amax(dim=-1).reshape(h, t))  # [H, T]
         per_segment.append(torch.stack(maxima))  # [L_full, H, T]
-    m = torch.stack(per_segment)  # [N, L_full, H, T]
+    m = torch.stack(per_segment).cpu()  # [N, L_full, H, T]
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     z = (m - m.mean(dim=0)) / (m.std(dim=0, unbiased=False) + 1e-6)
     return z.flatten(1).mean(dim=1)
@@ -235,7 +244,10 @@ def lexical_scores(engine: Engine, stored: SegmentedKVCache, question: str) -> t
     tf, lengths = [], []
     for part in stored.segments:
         assert part.token_ids is not None, "segments carry their token ids"
-        t = terms[part.token_ids.long()]  # [n_j]
+        ids = part.token_ids.long()
+        if ids.numel() and int(ids.max()) >= terms.shape[0]:
+            raise CacheFormatError(f"segment token ids exceed this tokenizer's {terms.shape[0]} tokens")
+        t = terms[ids]  # [n_j]
         lengths.append(float((t >= 0).sum()))
         tf.append((t[:, None] == q[None, :]).sum(dim=0).float())  # [Q]
     tf_m = torch.stack(tf)  # [N, Q]
@@ -267,9 +279,11 @@ def route(engine: Engine, stored: SegmentedKVCache, question: str, n_segments: i
 def merge_segments(stored: SegmentedKVCache, indices: list[int]) -> PrunedKVCache:
     """One cache over the chosen segments, for answering (parallel context windows).
 
-    Each segment keeps its own RoPE positions 0 … n_j−1; their kept KV are concatenated along
-    the sequence, and the question follows at max n_j, so it sees every chosen segment at the
-    distances it had at ingest. One index gives that segment's cache unchanged.
+    Each segment keeps its own RoPE positions 0 … n_j−1 (keys are stored rotated, so moving them
+    would need a re-rotation); their kept KV are concatenated along the sequence and the question
+    follows at max n_j. The longest chosen segment is seen at the distances it had at ingest, a
+    shorter one max n_j − n_j tokens further away (its sliding-window layers' tokens may fall out
+    of the window). One index gives that segment's cache unchanged.
     """
     if not indices or any(not 0 <= j < len(stored.segments) for j in indices):
         raise InputError(
@@ -336,4 +350,9 @@ def summarize(
     from .ingest import TextPieces
 
     combined = ingest_stream(engine, TextPieces(joined, f"summaries (level {level + 1})"), cfg)
+    if isinstance(combined, SegmentedKVCache) and len(combined.segments) >= n:
+        raise BudgetError(
+            f"the summaries of {n} parts do not fit in fewer parts; the summary would never finish",
+            "lower --max-new-tokens",
+        )
     return summarize(engine, combined, cfg, summarize_one, on_partial, read_prompt("summarize_parts.txt"), level + 1)

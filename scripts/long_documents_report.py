@@ -51,7 +51,10 @@ def run(args: list[str], timeout: float | None = None, interrupt_after: float | 
         out = proc.stdout.read() if interrupt_after is None else ""
         proc.wait(timeout=interrupt_after if interrupt_after is not None else timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)  # not SIGINT: a background job may have SIGINT ignored
+        # SIGTERM (a background job may have SIGINT ignored) to rocketkv only: GNU time must live to report
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        for pid in children or [str(proc.pid)]:
+            os.kill(int(pid), signal.SIGTERM)
         proc.wait(timeout=120)
     out += proc.stdout.read()
     reader.join()
@@ -252,9 +255,10 @@ def render(results: list[dict], command: str) -> str:
         for r in books:
             b = r["full_book"]
             projected = f"{b['projected_total_s'] / 60:.0f} min" if b["projected_total_s"] else "-"
+            rss = f"{b['peak_rss_bytes'] / 2**20:.0f} MiB" if b["peak_rss_bytes"] else "-"
             out.append(
                 f"| {r['preset']} | {b['book_tokens']:,} | {b['tokens_done']:,} in {b['segments_done']} segments | "
-                f"{b['tokens_per_s']:.0f} | {projected} | {b['peak_rss_bytes'] / 2**20:.0f} MiB |"
+                f"{b['tokens_per_s']:.0f} | {projected} | {rss} |"
             )
     return "\n".join(out) + "\n"
 

@@ -173,34 +173,74 @@ def test__interrupted_ingest_resumes_from_the_checkpoints(engine, tmp_path):
     assert len(changed.segments) >= len(resumed.segments)
 
 
+def test__checkpoints_of_another_dtype_are_not_reused(tmp_path):
+    text = lines_text(40)
+    checkpoints = Checkpoints(tmp_path / "book.kv")
+    stop = []
+
+    def stop_after_two(event):
+        stop.append(event)
+        if len(stop) == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        ingest_stream(make_engine("llama", torch.float32), TextPieces(text, "d"), CFG, 300, checkpoints, stop_after_two)
+    events = []
+    stored = ingest_stream(
+        make_engine("llama", torch.float64), TextPieces(text, "d"), CFG, 300, checkpoints, events.append
+    )
+    assert not any(e.resumed for e in events), "float32 checkpoints reused in a float64 ingest"
+    assert {p.layers[0][0].dtype for p in stored.segments} == {torch.float64}
+    save_segmented(stored.segments, stored.metadata, tmp_path / "book.kv")
+    assert isinstance(load_cache(tmp_path / "book.kv"), SegmentedKVCache)
+
+
+def test__whitespace_only_stream_longer_than_a_segment_is_refused(engine):
+    from rocketkv_cli.errors import InputError
+
+    with pytest.raises(InputError, match="whitespace only"):
+        ingest_stream(engine, TextPieces("  \n" * 2000, "-"), CFG, segment_tokens=300)
+
+
 # --- routing and answering -----------------------------------------------------------------------
 
 
-def test__route_picks_the_segment_holding_a_key_aligned_with_the_question(engine):
-    stored = ingest_stream(engine, TextPieces(lines_text(30), "doc.txt"), CFG, segment_tokens=300)
-    question = "where is the stone?"
+def _plant(engine, stored, question: str, target: int) -> SegmentedKVCache:
+    """A copy of `stored` where segment `target` holds, per KV head, one key along its group's mean
+    query of `question` (so that the question's queries score that segment highest)."""
     position = max(p.n_context_tokens for p in stored.segments)
     queries = question_queries(engine, question, position)
-    target = 2
     group = engine.shape.n_heads // engine.shape.n_kv_heads
     parts = list(stored.segments)
     layers = list(parts[target].layers)
-    for i, q in queries.items():  # plant one key per KV head along its group's mean question query
+    for i, q in queries.items():
         keys, values, pos = layers[i]
         planted = q[0].view(keys.shape[1], group, q.shape[2], -1).mean(dim=(1, 2)) * 50.0  # [Hkv, D]
         keys = keys.clone()
         keys[0, :, -2] = planted.to(keys.dtype)
         layers[i] = (keys, values, pos)
     parts[target] = PrunedKVCache(layers=layers, metadata=parts[target].metadata, token_ids=parts[target].token_ids)
-    planted_cache = SegmentedKVCache(segments=parts, metadata=stored.metadata)
-    scores = segment_scores(engine, planted_cache, question)
+    return SegmentedKVCache(segments=parts, metadata=stored.metadata)
+
+
+def test__keys_score_picks_the_segment_holding_a_key_aligned_with_the_question(engine):
+    stored = ingest_stream(engine, TextPieces(lines_text(30), "doc.txt"), CFG, segment_tokens=300)
+    question, target = "where is the stone?", 2
+    planted = _plant(engine, stored, question, target)
+    scores = segment_scores(engine, planted, question)
     assert int(scores.argmax()) == target, scores
-    no_terms = "zzz qqq?"  # no letter of it occurs in the document: BM25 is 0, routing uses the keys
-    assert float(lexical_scores(engine, planted_cache, no_terms).max()) == 0.0
-    assert route(engine, planted_cache, no_terms, 1) == [int(segment_scores(engine, planted_cache, no_terms).argmax())]
+    parts = planted.segments
     order = [3, 0, 2, 1] + list(range(4, len(parts)))  # scores follow the segments, not their order
     permuted = SegmentedKVCache(segments=[parts[j] for j in order], metadata=stored.metadata)
     assert torch.allclose(segment_scores(engine, permuted, question), scores[order], atol=1e-5)
+
+
+def test__route_falls_back_to_the_keys_when_no_word_of_the_question_occurs(engine):
+    stored = ingest_stream(engine, TextPieces(lines_text(30), "doc.txt"), CFG, segment_tokens=300)
+    no_terms, target = "zzz qqq?", 3  # no letter of it occurs in the document: BM25 is 0 everywhere
+    planted = _plant(engine, stored, no_terms, target)
+    assert float(lexical_scores(engine, planted, no_terms).max()) == 0.0
+    assert route(engine, planted, no_terms, 1) == [target]
 
 
 def test__route_by_terms_finds_the_segment_with_the_rare_word(engine):
@@ -267,6 +307,15 @@ def test__cli_ingest_segments_resumes_after_sigint_and_answers(rocketkv_bin, tin
     r2 = subprocess.run(cmd[:4] + [str(fresh)] + cmd[5:] + ["-q"], env=env, capture_output=True, text=True, timeout=300)
     assert r2.returncode == 0, r2.stderr
     assert load_cache(out).metadata["payload_sha256"] == load_cache(fresh).metadata["payload_sha256"]
+    stale = tmp_path / ".short.kv.segments"  # left by an interrupted segmented ingest into short.kv
+    stale.mkdir()
+    (stale / "000000.kv").write_bytes(b"left from another run")
+    (tmp_path / "short.txt").write_text(lines_text(3))
+    r3 = subprocess.run([rocketkv_bin, "ingest", str(tmp_path / "short.txt"), "-o", str(tmp_path / "short.kv"),
+                         *cmd[5:], "-q"], env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r3.returncode == 0, r3.stderr
+    assert isinstance(load_cache(tmp_path / "short.kv"), PrunedKVCache)
+    assert not stale.exists(), "a checkpoint folder was left behind"
     info = json.loads(subprocess.run([rocketkv_bin, "inspect", str(out), "--json"], capture_output=True, text=True,
                                      timeout=60).stdout)  # fmt: skip
     assert info["n_segments"] == row["n_segments"] and len(info["segments"]) == row["n_segments"]
@@ -275,6 +324,9 @@ def test__cli_ingest_segments_resumes_after_sigint_and_answers(rocketkv_bin, tin
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert a.returncode == 0, a.stderr
     assert len(json.loads(a.stdout)["segments"]) == 1
+    a = subprocess.run([rocketkv_bin, "ask", "--cache", str(out), "which word?", "why " * 3000], env=env,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert a.returncode == 1 and a.stdout == "", "a question was answered before a bad one was refused"
     a = subprocess.run([rocketkv_bin, "ask", "--cache", str(out), "which word?", "--segment", "999"], env=env,
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert a.returncode == 1 and "out of range" in a.stderr

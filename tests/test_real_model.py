@@ -42,3 +42,30 @@ def test__gemma_preset__planted_fact_survives_pruning(rocketkv_bin, needle_doc):
     r = run(rocketkv_bin, "ask", "--cache", kv, QUESTION, "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "7391" in json.loads(r.stdout)["answer"]
+
+
+def test__gemma_preset__segmented_document_routes_the_question_to_the_fact(rocketkv_bin, tmp_path):
+    """~3.5K tokens of the KJV in segments of 768 tokens, the fact planted in the 4th: the question
+    must be routed to that segment and answered from it."""
+    src = SHARED_DATA / "kjv.txt"
+    if not src.exists():
+        pytest.fail(f"shared data missing: {src}")
+    lines = src.read_text(encoding="utf-8-sig").splitlines(keepends=True)[2000:2100]
+    lines.insert(70, FACT + "\n")
+    doc = tmp_path / "kjv-needle.txt"
+    doc.write_text("".join(lines))
+    kv = tmp_path / "kjv-needle.kv"
+    r = run(rocketkv_bin, "ingest", doc, "-o", kv, "--segment-tokens", "768", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout)["n_segments"] >= 4
+    info = json.loads(run(rocketkv_bin, "inspect", kv, "--json").stdout)
+    text = doc.read_text()
+    from rocketkv_cli.models import load_model
+
+    tokenizer = load_model("gemma-3-270m").tokenizer
+    offset = len(tokenizer(text[: text.index(FACT)], add_special_tokens=False)["input_ids"])
+    own = max(j for j, s in enumerate(info["segments"]) if s["start_token"] <= offset)  # the fact's segment
+    r = run(rocketkv_bin, "ask", "--cache", kv, QUESTION, "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = json.loads(r.stdout)
+    assert row["segments"] == [own] and "7391" in row["answer"], row

@@ -221,21 +221,3 @@ class TextPieces:
         if not self.text.strip():
             what = "whitespace only" if self.text else "empty"
             raise InputError(f"document {self.source} is {what}", "give a document with text")
-
-
-def term_ids(tokenizer) -> list[int]:
-    """For each token id, the id of its normalised term (-1 for special and punctuation-only tokens).
-
-    Tokens that differ only by a word-start marker (`Ġ`, `▁`, a space) or by case map to one term,
-    so that "Lisbon" in a question matches " Lisbon" inside a line. Used for lexical routing.
-    """
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    terms: dict[str, int] = {}
-    out = []
-    for i, tok in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
-        text = (tok or "").replace("Ġ", "").replace("▁", "").replace("Ċ", "").strip().lower()
-        if i in special or not any(ch.isalnum() for ch in text):
-            out.append(-1)
-        else:
-            out.append(terms.setdefault(text, len(terms)))
-    return out

@@ -17,7 +17,7 @@ from .cache_io import PrunedKVCache, check_compatible
 from .config import DecodeConfig, PrefillConfig, auto_pool_kernel_size, resolve_budgets
 from .errors import BudgetError, InputError
 from .hf import ModelShape, RocketCache, RocketLayer, empty_cache, forward_tokens, model_shape, rocketkv_attention
-from .ingest import Document, term_ids, tokenize
+from .ingest import Document, tokenize
 from .models import LoadedModel, chat_template_digest, model_digest, stop_token_ids, tokenizer_digest
 from .ops import observation_scores, snapkv_select
 from .prefill import gather_tokens, sink_recent_select
@@ -51,11 +51,6 @@ class Engine:
             "head_dim": str(self.shape.head_dim),
             "layer_windows": json.dumps([s.sliding_window for s in self.shape.layers]),
         }
-
-    @cached_property
-    def term_ids(self) -> torch.Tensor:
-        """`[vocab]` int64: each token id's normalised term id, -1 for none (`ingest.term_ids`)."""
-        return torch.tensor(term_ids(self.tokenizer), dtype=torch.int64)
 
     def ids(self, token_ids: list[int]) -> torch.Tensor:
         return torch.tensor([token_ids], dtype=torch.long, device=self.loaded.device)

@@ -256,17 +256,30 @@ def test__route_by_terms_finds_the_segment_with_the_rare_word(engine):
 
 def test__bm25_matches_the_formula_by_hand(engine):
     import math
+    import re
 
-    stored = ingest_stream(engine, TextPieces(lines_text(30), "doc.txt"), CFG, segment_tokens=300)
-    question = "g"  # one term: the byte 'g'
-    term = int(engine.term_ids[engine.tokenizer("g", add_special_tokens=False)["input_ids"][0]])
-    counts = [int((engine.term_ids[p.token_ids.long()] == term).sum()) for p in stored.segments]
-    lengths = [int((engine.term_ids[p.token_ids.long()] >= 0).sum()) for p in stored.segments]
+    lines = lines_text(30).splitlines(keepends=True)
+    lines[5:5] = ["marble marble, Marble\n"]
+    lines[25:25] = ["marble\n"]
+    stored = ingest_stream(engine, TextPieces("".join(lines), "doc.txt"), CFG, segment_tokens=300)
+    texts = [engine.tokenizer.decode(p.token_ids.tolist(), skip_special_tokens=True) for p in stored.segments]
+    seg_words = [re.findall(r"[a-z0-9]+", t.lower()) for t in texts]
+    counts = [w.count("marble") for w in seg_words]
+    lengths = [len(w) for w in seg_words]
     n, df, avg = len(counts), sum(c > 0 for c in counts), sum(lengths) / len(lengths)
+    assert 0 < df < n, "the word must be in some segments only"
     idf = math.log(1 + (n - df + 0.5) / (df + 0.5))
     expected = [idf * c * 2.2 / (c + 1.2 * (0.25 + 0.75 * length / avg)) for c, length in zip(counts, lengths)]
-    got = lexical_scores(engine, stored, question).tolist()
+    got = lexical_scores(engine, stored, "Marble?").tolist()
     assert got == pytest.approx(expected, rel=1e-5), (got, expected)
+
+
+def test__a_rare_word_counts_as_one_term_however_it_is_tokenized(engine):
+    lines = lines_text(30).splitlines(keepends=True)
+    lines.insert(22, "the word quixotic is here\n")
+    stored = ingest_stream(engine, TextPieces("".join(lines), "doc.txt"), CFG, segment_tokens=300)
+    scores = lexical_scores(engine, stored, "where is quixotic")  # 8 byte tokens, all common letters but q, x
+    assert int((scores > 0).sum()) >= 1 and scores.argmax() == route(engine, stored, "where is quixotic", 1)[0]
 
 
 def test__one_routed_segment_answers_as_that_segment_alone(engine):

@@ -54,6 +54,7 @@ class PrunedKVCache:
     layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     metadata: dict[str, str] = field(default_factory=dict)
     token_ids: torch.Tensor | None = None
+    mapping: object | None = field(default=None, repr=False, compare=False)  # the file's memory map, if loaded
 
     @property
     def n_context_tokens(self) -> int:
@@ -112,14 +113,23 @@ def _tensors(cache: PrunedKVCache) -> dict[str, torch.Tensor]:
     return out
 
 
-def payload_digest(tensors: dict[str, torch.Tensor]) -> str:
-    """sha256 over every tensor's name, dtype, shape and bytes, in name order."""
+def payload_digest(tensors: dict[str, torch.Tensor], after_each=lambda name: None) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order (`after_each(name)`
+    runs after each tensor, e.g. to release the memory-mapped pages just read)."""
     h = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name].contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
         h.update(t.view(torch.uint8).reshape(-1).numpy().tobytes() if t.numel() else b"")
+        after_each(name)
     return h.hexdigest()
+
+
+def release_pages(mapping) -> None:
+    """Drop a read-only file mapping's resident pages from this process (they stay in the page
+    cache and fault back in when read), so reading a big cache once does not keep it in RSS."""
+    if isinstance(mapping, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
+        mapping.madvise(mmap.MADV_DONTNEED)
 
 
 def metadata_digest(meta: dict[str, str]) -> str:
@@ -197,7 +207,16 @@ def save_segmented(
     meta = dict(metadata)
     meta["segments"] = json.dumps([segment_entry(seg) for seg in segments])
     meta["n_context_tokens"] = str(sum(int(seg.metadata["n_context_tokens"]) for seg in segments))
-    meta = _finish_metadata(meta, tensors, 2)
+    maps = {f"segments.{j}.{name}": seg.mapping for j, seg in enumerate(segments) for name in _tensors(seg)}
+    release = lambda name: release_pages(maps[name])  # noqa: E731  (memory stays one tensor, not the book)
+    meta = dict(meta)
+    meta.update(
+        format=FORMAT_NAME, format_version="2", rocketkv_version=__version__,
+        created_at=meta.get("created_at") or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        payload_sha256=payload_digest(tensors, release),
+    )  # fmt: skip
+    meta["metadata_sha256"] = metadata_digest(meta)
+    assert not [k for k in REQUIRED_METADATA if k not in meta], "metadata incomplete"
     order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
     header: dict = {"__metadata__": meta}
     offset = 0
@@ -221,6 +240,7 @@ def save_segmented(
             t = tensors[name].contiguous()
             if t.numel():
                 f.write(t.view(torch.uint8).reshape(-1).numpy().tobytes())
+            release(name)
 
     return _atomic_write(Path(path), force, write)
 
@@ -401,6 +421,7 @@ def load_cache(path: str | Path) -> PrunedKVCache | SegmentedKVCache:
     tensors = {name: _tensor(buf, info["base"], info["tensors"][name]) for name in sorted(names)}
     if payload_digest(tensors) != meta["payload_sha256"]:
         raise CacheFormatError(f"{path} is damaged (payload digest mismatch)", rebuild)
+    release_pages(buf)  # verified; pages come back from the page cache when used
     parts = []
     for j, (prefix, entry) in enumerate(zip(prefixes, segments)):
         n_seg = entry["n_context_tokens"]
@@ -422,7 +443,7 @@ def load_cache(path: str | Path) -> PrunedKVCache | SegmentedKVCache:
                 segment_index=str(j), segment_start_token=str(entry["start_token"]),
                 segment_ids_sha256=entry["ids_sha256"],
             )  # fmt: skip
-        parts.append(PrunedKVCache(layers=layers, metadata=seg_meta, token_ids=ids))
+        parts.append(PrunedKVCache(layers=layers, metadata=seg_meta, token_ids=ids, mapping=buf))
     return parts[0] if version == 1 else SegmentedKVCache(segments=parts, metadata=dict(meta))
 
 

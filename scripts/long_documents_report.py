@@ -189,9 +189,9 @@ DESIGN = """\
   segments leave RAM. Rerunning the same command reuses every checkpoint whose model, settings
   and token ids (sha256) match, and prefills the rest; the folder is removed once the final file
   is written (format v2: every segment's pruned KV, its token ids, its start offset in the book).
-- **Routing.** A question is answered from the segment whose stored token ids match it best by
-  Okapi BM25 (token ids folded by case and word-start marker), falling back to the question's
-  queries scored against the stored keys when no word of the question occurs in the book. The
+- **Routing.** A question is answered from the segment whose words (decoded from its stored token
+  ids) match it best by Okapi BM25, falling back to the question's queries scored against the
+  stored keys when no word of the question occurs in the book. The
   chosen segment's cache is then used exactly as a short document's (`--segment J` forces one,
   `--segments N` answers over the N best together as parallel context windows).
 - **Summaries.** `summarize` summarizes each segment from its cache, joins the summaries in order
@@ -201,12 +201,12 @@ DESIGN = """\
 
 `python scripts/routing_experiment.py --model M` plants 8 needles in a 30K-token KJV slice cut
 into 8 segments of 4,096 tokens and ranks the segments for each needle's question two ways: BM25
-over the stored token ids, and the question's own queries (a question-only forward pass, each
+over the segments' words, and the question's own queries (a question-only forward pass, each
 full-attention layer's queries at the question's tokens) against each segment's kept keys (the
 largest logit per layer, head and question token, standardised across segments and averaged:
 `segments.segment_scores`). Top-1 hits out of 8 (chance: 1):
 
-| model | BM25 over token ids | queries vs stored keys |
+| model | BM25 over words | queries vs stored keys |
 |---|---|---|
 | smollm2-135m | 8/8 | 0/8 |
 | gemma-3-270m | 8/8 | 1/8 |
@@ -215,6 +215,9 @@ Other ways of pooling the key scores (joint softmax mass over all segments, log-
 10% of heads) did no better than 4/8 on SmolLM2. The question's queries are computed without the
 document in context, and in models this small they do not single out the needle's keys; the
 words of the question do. BM25 needs the token ids, which cost 4 bytes per token in the file.
+A first version counted token ids rather than words: on the 120K-token SmolLM2 run below it sent
+3 of 15 needle questions to the wrong segment, because a rare name cut into common sub-word
+tokens ("Accra") did not count as rare; counting whole words fixed that.
 """
 
 

@@ -103,6 +103,12 @@ def _cmd(ws: Workspace, case: Case) -> list[str]:
     return argv
 
 
+def default_sigint() -> None:
+    """In the child: Ctrl-C handled normally even when the tests run as a background job (which
+    starts with SIGINT ignored, and so would its children)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_case(ws: Workspace, case: Case) -> Outcome:
     """Run one case's command in a subprocess and collect what it printed."""
     argv = _cmd(ws, case)
@@ -117,7 +123,7 @@ def run_case(ws: Workspace, case: Case) -> Outcome:
         out, errs, code = r.stdout, r.stderr, r.returncode
     else:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ws.env,
-                                stdin=subprocess.DEVNULL)  # fmt: skip
+                                stdin=subprocess.DEVNULL, preexec_fn=default_sigint)  # fmt: skip
         lines = []
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # wait until the model is loaded and work has begun

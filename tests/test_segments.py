@@ -302,7 +302,14 @@ def test__cli_ingest_segments_resumes_after_sigint_and_answers(rocketkv_bin, tin
     cmd = [rocketkv_bin, "ingest", str(doc), "-o", str(out), "--model", str(tiny_model_dir), "--segment-tokens",
            "512", "--budget", "128", "--max-new-tokens", "8"]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # even as a background job
     ckpt = tmp_path / ".book.kv.segments"
     deadline = time.time() + 120
     while time.time() < deadline and (not ckpt.is_dir() or len(list(ckpt.glob("*.kv"))) < 2):

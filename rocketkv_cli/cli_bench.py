@@ -16,6 +16,7 @@ from .cli_common import (
     DtypeOpt,
     ModelOpt,
     QuietOpt,
+    default_kjv,
     err,
     load_engine,
     log,
@@ -23,14 +24,6 @@ from .cli_common import (
     setup,
 )
 from .errors import InputError
-
-
-def _default_source() -> Optional[Path]:
-    for base in (Path.cwd(), *Path.cwd().parents):
-        candidate = base / "shared" / "data" / "kjv.txt"
-        if candidate.is_file():
-            return candidate
-    return None
 
 
 def bench(
@@ -69,7 +62,7 @@ def bench(
         raise InputError(f"--context-tokens must be comma-separated integers, got {context_tokens!r}") from None
     if not lengths or min(lengths) < 64:
         raise InputError(f"--context-tokens must be at least 64 tokens each, got {context_tokens!r}")
-    src = source or _default_source()
+    src = source or default_kjv()
     if src is None:
         raise InputError("no source text found", "pass --source FILE (e.g. ../shared/data/kjv.txt)")
     from .ingest import read_document

@@ -181,6 +181,15 @@ def prefill(engine, stream, prefill_cfg, segment_tokens=None, checkpoints=None):
     return stored, elapsed
 
 
+def default_kjv() -> Optional[Path]:
+    """`shared/data/kjv.txt` in the current directory or above it (the repository's sibling), or None."""
+    for base in (Path.cwd(), *Path.cwd().parents):
+        candidate = base / "shared" / "data" / "kjv.txt"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
 def prefill_config(**kw):
     from .config import PrefillConfig
 

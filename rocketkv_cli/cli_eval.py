@@ -14,18 +14,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from .cli_common import DeviceOpt, DtypeOpt, ModelOpt, QuietOpt, _state, err, load_engine, log, setup
+from .cli_common import DeviceOpt, DtypeOpt, ModelOpt, QuietOpt, _state, default_kjv, err, load_engine, log, setup
 from .errors import InputError, OutputError
 from .ingest import read_document
-
-
-def _default_haystack() -> Optional[Path]:
-    """`shared/data/kjv.txt` in the current directory or above it (the repository's sibling)."""
-    for base in (Path.cwd(), *Path.cwd().parents):
-        candidate = base / "shared" / "data" / "kjv.txt"
-        if candidate.is_file():
-            return candidate
-    return None
 
 
 def _ints(name: str, text: str, allow_auto: bool = False) -> tuple[int, ...]:
@@ -131,7 +122,7 @@ def eval_command(
         raise OutputError(f"--json {json_path} is a directory", "give a file name")
     if json_path is not None and not (json_path.parent if str(json_path.parent) else Path(".")).is_dir():
         raise OutputError(f"--json directory {json_path.parent} does not exist", f"mkdir -p {json_path.parent}")
-    haystack_text, haystack_path = None, haystack or _default_haystack()
+    haystack_text, haystack_path = None, haystack or default_kjv()
     if any(t in NEEDS_HAYSTACK_TEXT for t in cfg.tasks):
         if haystack_path is not None:  # an explicit --haystack that is missing fails here
             haystack_text = read_document(str(haystack_path)).text

@@ -22,6 +22,7 @@ from .cli_common import (
     log,
     prefill_config,
     setup,
+    steps_bar,
 )
 from .errors import InputError
 
@@ -74,9 +75,17 @@ def bench(
     if max(lengths) > room:
         raise InputError(f"--context-tokens {max(lengths)} exceeds what {engine.loaded.model_id} fits ({room})")
     rows = []
-    with tempfile.TemporaryDirectory(prefix="rocketkv-bench-") as tmp:
+    phases = 4 if memory else 3  # bench_one's logged phases per length
+    with tempfile.TemporaryDirectory(prefix="rocketkv-bench-") as tmp, steps_bar() as bar:
+        task = bar.add_task("bench", total=len(lengths) * phases)
+
+        def on_phase(message: str) -> None:
+            log(message)
+            bar.update(task, description=message)
+            bar.advance(task)
+
         for n in lengths:
-            row = bench_one(engine, text, n, cfg, Path(tmp), steps=steps, measure_memory=memory, log=log)
+            row = bench_one(engine, text, n, cfg, Path(tmp), steps=steps, measure_memory=memory, log=on_phase)
             rows.append(row)
             typer.echo(json.dumps({"model": engine.loaded.model_id, **row}))
     table = Table(

@@ -17,7 +17,15 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.text import Text
 
 from .errors import InputError, RocketKVError
@@ -132,17 +140,34 @@ class _TokenRate(ProgressColumn):
         return Text(f"{task.speed:,.0f} tokens/s" if task.speed else "")
 
 
+class _TokenCount(ProgressColumn):
+    """"done/total tokens"; the total is unknown ("?") until the first chunk reports it."""
+
+    def render(self, task) -> Text:
+        total = "?" if task.total is None else f"{task.total:,.0f}"
+        return Text(f"{task.completed:,.0f}/{total} tokens")
+
+
 def progress_bar() -> Progress:
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
-        TextColumn("{task.completed:,.0f}/{task.total:,.0f} tokens"),
+        _TokenCount(),
         _TokenRate(),
         TimeRemainingColumn(),
         console=err,
         disable=_state["quiet"] or not err.is_terminal,
         transient=True,
     )
+
+
+def steps_bar() -> Progress:
+    """A bar over counted steps (eval's runs, bench's measurements): description, M/N, elapsed, ETA."""
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("ETA"), TimeRemainingColumn(), console=err, disable=_state["quiet"] or not err.is_terminal,
+        transient=True,
+    )  # fmt: skip
 
 
 def open_stream(doc_path: str, encoding: str, errors: str = "strict"):

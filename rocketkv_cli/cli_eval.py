@@ -12,9 +12,8 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from .cli_common import DeviceOpt, DtypeOpt, ModelOpt, QuietOpt, _state, default_kjv, err, load_engine, log, setup
+from .cli_common import DeviceOpt, DtypeOpt, ModelOpt, QuietOpt, default_kjv, err, load_engine, log, setup, steps_bar
 from .errors import InputError, OutputError
 from .ingest import read_document
 
@@ -133,7 +132,7 @@ def eval_command(
             log("skipping niah_text: no real text found (pass --haystack FILE, e.g. ../shared/data/kjv.txt)")
             cfg = dataclasses.replace(cfg, tasks=kept)
     engine = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", False)
-    with _progress() as bar, tempfile.TemporaryDirectory(prefix="rocketkv-eval-") as tmp:
+    with steps_bar() as bar, tempfile.TemporaryDirectory(prefix="rocketkv-eval-") as tmp:
         task = bar.add_task("eval", total=None)
 
         started = time.perf_counter()
@@ -160,11 +159,3 @@ def eval_command(
         tmp_json.write_text(json.dumps(report, indent=1, ensure_ascii=False))
         os.replace(tmp_json, json_path)  # an old report is replaced whole or not at all
         log(f"wrote {json_path}")
-
-
-def _progress() -> Progress:
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TextColumn("ETA"), TimeRemainingColumn(), console=err, disable=_state["quiet"] or not err.is_terminal,
-        transient=True,
-    )  # fmt: skip

@@ -123,3 +123,58 @@ def text_of_bytes(n: int, seed: int = 0) -> str:
     while sum(len(w) + 1 for w in out) < n:
         out.append(words[int(torch.randint(0, len(words), (1,), generator=g))])
     return " ".join(out)[:n]
+
+
+def run_in_terminal(argv: list[str], env: dict, timeout: float = 600, cwd=None, columns: int = 100):
+    """Run `argv` with stdin, stdout and stderr on a pseudo-terminal, as in a user's shell.
+
+    Rich draws its progress bars and spinners only when stderr is a terminal, so this is the code
+    path a pipe-only test never runs. Returns (exit code, everything the terminal showed, as text
+    with `\\r\\n` line ends and ANSI escapes kept).
+    """
+    import fcntl
+    import pty
+    import select
+    import struct
+    import subprocess
+    import termios
+    import time
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    env = {**env, "TERM": "xterm-256color", "COLUMNS": str(columns)}
+    env.pop("NO_COLOR", None)
+    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=cwd, close_fds=True,
+                            start_new_session=True)  # fmt: skip
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + timeout
+    try:
+        while True:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise TimeoutError(f"{argv} ran over {timeout}s; output so far: {b''.join(chunks)[-2000:]!r}")
+            ready, _, _ = select.select([master], [], [], 0.2)
+            if ready:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # EIO: the child side closed
+                    data = b""
+                if not data:
+                    break
+                chunks.append(data)
+            elif proc.poll() is not None:
+                ready, _, _ = select.select([master], [], [], 0.2)
+                if not ready:
+                    break
+    finally:
+        os.close(master)
+    return proc.wait(timeout=30), b"".join(chunks).decode("utf-8", "replace")
+
+
+ANSI_ESCAPE = r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[()][0-9A-Za-z]|\x1b[=>78]"
+
+
+def strip_ansi(text: str) -> str:
+    import re
+
+    return re.sub(ANSI_ESCAPE, "", text)

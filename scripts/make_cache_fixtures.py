@@ -1,0 +1,73 @@
+"""Write the `.kv` fixtures in tests/data/ (format v1 and v2) and the answers they must give.
+
+The files are built from tiny random-init models (tests/conftest.py, fixed seeds, float32) and
+kept in the repository, so that every later rocketkv must still read what an earlier one wrote:
+tests/test_fixtures.py loads each file with the current code, answers the recorded questions and
+compares the token ids with `tests/data/fixtures.json`. Run it only to add a format version (the
+files of older versions must stay as they were written):
+
+    python scripts/make_cache_fixtures.py [--out tests/data]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+QUESTIONS = ["What is the lighthouse keeper's code?", "When does the ferry leave?"]
+MAX_NEW_TOKENS = 8
+
+
+def document_text(n_words: int, seed: int) -> str:
+    words = "alpha river stone green seven cloud north paper light metal".split()
+    body = " ".join(words[(i * 7 + seed + i // 3) % len(words)] for i in range(n_words))
+    return f"The lighthouse keeper's code is 4242.\n{body}\nThe ferry leaves at noon.\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "tests" / "data")
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT / "tests"))
+    import torch
+    from conftest import make_engine
+
+    from rocketkv_cli.cache_io import load_cache, save_cache, save_segmented
+    from rocketkv_cli.config import PrefillConfig
+    from rocketkv_cli.ingest import Document, TextPieces
+    from rocketkv_cli.pipeline import answer, decode_config_for, prefill_document
+    from rocketkv_cli.segments import ingest_stream
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    cfg = PrefillConfig(token_budget=64, max_new_tokens=MAX_NEW_TOKENS, window_size=8, pool_kernel_size=7)
+    record = {}
+    for arch in ("llama", "gemma3_text"):
+        engine = make_engine(arch, torch.float32)
+        text = document_text(120, 0)
+        name = f"v1-{arch}.kv"
+        stored = prefill_document(engine, Document(text, "0" * 64, f"{arch}.txt"), cfg)
+        save_cache(stored, args.out / name, force=True)
+        loaded = load_cache(args.out / name)
+        record[name] = {"arch": arch, "answers": [
+            list(a.token_ids) for a in answer(engine, loaded, QUESTIONS, MAX_NEW_TOKENS, decode_config_for(loaded))
+        ]}  # fmt: skip
+    engine = make_engine("llama", torch.float32)
+    text = "".join(document_text(30 + 7 * i, i) for i in range(3))
+    stored = ingest_stream(engine, TextPieces(text, "book.txt"), cfg, segment_tokens=200)
+    name = "v2-llama.kv"
+    save_segmented(stored.segments, stored.metadata, args.out / name, force=True)
+    loaded = load_cache(args.out / name)
+    record[name] = {"arch": "llama", "answers": [
+        [list(a.token_ids) for a in answer(engine, part, QUESTIONS, MAX_NEW_TOKENS, decode_config_for(part))]
+        for part in loaded.segments
+    ]}  # fmt: skip
+    (args.out / "fixtures.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {', '.join(record)} and fixtures.json in {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -47,19 +47,37 @@ def cases():
                 consts = dict(G=g, D=d, BLOCK_G=bg, BLOCK_D=bd, BLOCK_N=64 if d <= 128 else 32, SOFTCAP=softcap,
                               IEEE=ieee, UPCAST=False)  # fmt: skip
                 yield f"sparse split {dt} G{g} D{d} softcap={softcap}", sa._sparse_attention_split_kernel, attn, consts
-            yield f"sparse merge {dt} G{g} D{d}", sa._sparse_attention_merge_kernel, attn, dict(
-                G=g, D=d, BLOCK_G=bg, BLOCK_D=bd)
+            yield (
+                f"sparse merge {dt} G{g} D{d}",
+                sa._sparse_attention_merge_kernel,
+                attn,
+                dict(G=g, D=d, BLOCK_G=bg, BLOCK_D=bd),
+            )
             pages = {"q": "*fp32", "pmin": f"*{dt}", "pmax": f"*{dt}", "counts": "*fp32", "dims": "*i32",
                      "logits": "*fp32", "blk_m": "*fp32", "blk_l": "*fp32", "out": "*fp32"}  # fmt: skip
             r = min(d, 60)
-            yield f"page logits {dt} G{g} D{d}", ps._page_logits_kernel, pages, dict(
-                G=g, D=d, R=r, BLOCK_G=bg, BLOCK_D=bd, BLOCK_R=pow2(r), BLOCK_P=64)
+            yield (
+                f"page logits {dt} G{g} D{d}",
+                ps._page_logits_kernel,
+                pages,
+                dict(G=g, D=d, R=r, BLOCK_G=bg, BLOCK_D=bd, BLOCK_R=pow2(r), BLOCK_P=64),
+            )
             yield f"page softmax G{g}", ps._page_softmax_mean_kernel, pages, dict(G=g, BLOCK_G=bg, BLOCK_P=64)
             yield f"page min/max {dt} D{d}", pm._page_minmax_kernel, {"k": f"*{dt}", "pmin": f"*{dt}",
                                                                       "pmax": f"*{dt}"}, dict(
                 D=d, BLOCK_P=16, BLOCK_D=pow2(d, 1))  # fmt: skip
-            window = {"q": "*fp32", "k": f"*{dt}", "qpos": "*i64", "kpos": "*i64", "part_m": "*fp32",
-                      "part_l": "*fp32", "lse": "*fp32", "scores": "*fp32", "scaling": "fp32", "softcap": "fp32"}
+            window = {
+                "q": "*fp32",
+                "k": f"*{dt}",
+                "qpos": "*i64",
+                "kpos": "*i64",
+                "part_m": "*fp32",
+                "part_l": "*fp32",
+                "lse": "*fp32",
+                "scores": "*fp32",
+                "scaling": "fp32",
+                "softcap": "fp32",
+            }
             consts = dict(W=32, G=g, D=d, BLOCK_M=16 if d > 128 else 32, BLOCK_N=32, BLOCK_D=bd, SOFTCAP=g == 7)
             yield f"window stats {dt} G{g} D{d}", ob._window_stats_kernel, window, consts
             yield f"window scores {dt} G{g} D{d}", ob._window_scores_kernel, window, consts

@@ -83,7 +83,7 @@ def random_cache(shape, n_tokens: int, n_positions: int, room: int, device, dtyp
     """A `RocketCache` of random keys/values, `n_tokens` per layer at sorted positions < n_positions."""
     import torch
 
-    from rocketkv_cli.hf import RocketCache, RocketLayer
+    from rocketkv_cli.model.hf import RocketCache, RocketLayer
 
     g = torch.Generator(device=device).manual_seed(seed)
     pos = torch.linspace(0, n_positions - 1, n_tokens, device=device).long()  # kept tokens keep their positions
@@ -107,7 +107,7 @@ def decode_step_s(model, shape, cache, decode, n_positions: int, steps: int, war
     """Median seconds per single-token decode step over `cache` (the tail is cropped afterwards)."""
     import torch
 
-    from rocketkv_cli.hf import forward_tokens, rocketkv_attention
+    from rocketkv_cli.model.hf import forward_tokens, rocketkv_attention
 
     ids = torch.tensor([[7]], device=device)
     times = []
@@ -165,7 +165,7 @@ def sparse_kernel_bandwidth(shape, device, dtype, peak: float | None, smoke: boo
     k, v = (torch.randn(1, hkv, s, d, device=device, dtype=dtype) for _ in range(2))
     q = torch.randn(1, h, 1, d, device=device, dtype=dtype)
     rows = []
-    for n_sel in ([64, 256] if smoke else [128, 512, 4096, 16384, 65536]):
+    for n_sel in [64, 256] if smoke else [128, 512, 4096, 16384, 65536]:
         idx = torch.randperm(s, device=device)[:n_sel].sort().values  # [N_sel], one selection for all heads
         idx = idx.view(1, 1, n_sel).expand(1, hkv, n_sel).contiguous()  # [1, Hkv, N_sel]
         t = bench_fn(lambda: sparse_attention_triton(q, k, v, idx, d**-0.5), device, 2)
@@ -197,8 +197,8 @@ def main() -> int:
         os.environ.setdefault("ROCKETKV_KERNELS", "triton")  # exercise the kernels on CPU tensors
     import torch
 
-    from rocketkv_cli.config import DecodeConfig, derive_budgets
-    from rocketkv_cli.hf import model_shape
+    from rocketkv_cli.core.config import DecodeConfig, derive_budgets
+    from rocketkv_cli.model.hf import model_shape
 
     device = torch.device("cpu" if args.smoke else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -213,8 +213,10 @@ def main() -> int:
     weight_bytes = n_params * dtype.itemsize
     build_s = time.perf_counter() - t0
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"model: {n_params / 1e9:.2f}B params, {weight_bytes / 2**30:.1f} GiB, built in {build_s:.1f} s; "
-          f"device {name}; peak {peak_src}")
+    print(
+        f"model: {n_params / 1e9:.2f}B params, {weight_bytes / 2**30:.1f} GiB, built in {build_s:.1f} s; "
+        f"device {name}; peak {peak_src}"
+    )
     elem = dtype.itemsize
     n_full = len(shape.full_layers)
     results = {"device": peak_src, "params": n_params, "contexts": [], "sparse_kernel": []}

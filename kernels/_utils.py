@@ -28,8 +28,9 @@ def check_device(op: str, *tensors: torch.Tensor) -> None:
 def check_last_dim_contiguous(op: str, name: str, t: torch.Tensor) -> None:
     """Raise `ValueError` unless `t`'s last dim is contiguous (other dims may be strided views)."""
     if t.stride(-1) != 1:
-        raise ValueError(f"{op}: {name} must be contiguous in its last dim, got shape {tuple(t.shape)} "
-                         f"strides {t.stride()}")
+        raise ValueError(
+            f"{op}: {name} must be contiguous in its last dim, got shape {tuple(t.shape)} strides {t.stride()}"
+        )
 
 
 def check_head_dim(op: str, name: str, d: int) -> None:

@@ -148,11 +148,15 @@ def observation_scores_triton(
     b, h, w, d = window_queries.shape
     hkv, s = keys.shape[1], keys.shape[2]
     if keys.shape != (b, hkv, s, d) or h % hkv or s == 0 or w == 0:
-        raise ValueError(f"{op}: expected window_queries [B, H, W>0, D] and keys [B, Hkv, S>0, D], got "
-                         f"{tuple(window_queries.shape)}, {tuple(keys.shape)}")
+        raise ValueError(
+            f"{op}: expected window_queries [B, H, W>0, D] and keys [B, Hkv, S>0, D], got "
+            f"{tuple(window_queries.shape)}, {tuple(keys.shape)}"
+        )
     if query_positions.shape != (w,) or key_positions.shape != (s,):
-        raise ValueError(f"{op}: expected query_positions [{w}] and key_positions [{s}], got "
-                         f"{tuple(query_positions.shape)}, {tuple(key_positions.shape)}")
+        raise ValueError(
+            f"{op}: expected query_positions [{w}] and key_positions [{s}], got "
+            f"{tuple(query_positions.shape)}, {tuple(key_positions.shape)}"
+        )
     check_device(op, window_queries, keys, query_positions, key_positions)
     check_head_dim(op, "keys", d)
     for name, x in (("window_queries", window_queries), ("keys", keys)):

@@ -105,8 +105,10 @@ def page_scores_triton(
     b, h, t, d = query.shape
     hkv, n_pages = page_min.shape[1], page_min.shape[2]
     if t != 1 or h % hkv or page_min.shape != (b, hkv, n_pages, d) or page_max.shape != page_min.shape:
-        raise ValueError(f"{op}: expected query [B, H, 1, D] and page_min/page_max [B, Hkv, P, D], got "
-                         f"{tuple(query.shape)}, {tuple(page_min.shape)}, {tuple(page_max.shape)}")
+        raise ValueError(
+            f"{op}: expected query [B, H, 1, D] and page_min/page_max [B, Hkv, P, D], got "
+            f"{tuple(query.shape)}, {tuple(page_min.shape)}, {tuple(page_max.shape)}"
+        )
     if counts.shape != (n_pages,) or n_pages == 0:
         raise ValueError(f"{op}: expected counts [P={n_pages}] with P > 0, got {tuple(counts.shape)}")
     if not 1 <= n_score_dims <= d:
@@ -117,8 +119,9 @@ def page_scores_triton(
         check_dtype(op, name, x)
         check_last_dim_contiguous(op, name, x)
     if page_min.stride() != page_max.stride():
-        raise ValueError(f"{op}: page_min and page_max must share strides, got {page_min.stride()}, "
-                         f"{page_max.stride()}")
+        raise ValueError(
+            f"{op}: page_min and page_max must share strides, got {page_min.stride()}, {page_max.stride()}"
+        )
     g = h // hkv
     if g > 64:
         raise ValueError(f"{op}: GQA group {g} (query {tuple(query.shape)}, pages {tuple(page_min.shape)}) exceeds 64")

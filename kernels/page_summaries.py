@@ -104,11 +104,14 @@ def update_page_summaries_triton(
     b, hkv, s, d = keys.shape
     n_pages = triton.cdiv(s, page_size)
     if page_min.shape[:2] != (b, hkv) or page_min.shape[3] != d or page_min.shape[2] < n_pages:
-        raise ValueError(f"{op}: page buffers {tuple(page_min.shape)} cannot hold the {n_pages} pages of keys "
-                         f"{tuple(keys.shape)}")
+        raise ValueError(
+            f"{op}: page buffers {tuple(page_min.shape)} cannot hold the {n_pages} pages of keys {tuple(keys.shape)}"
+        )
     if page_max.shape != page_min.shape or page_max.stride() != page_min.stride() or not 0 <= start <= s:
-        raise ValueError(f"{op}: page_max {tuple(page_max.shape)} must match page_min {tuple(page_min.shape)}, "
-                         f"and start {start} must be in [0, {s}]")
+        raise ValueError(
+            f"{op}: page_max {tuple(page_max.shape)} must match page_min {tuple(page_min.shape)}, "
+            f"and start {start} must be in [0, {s}]"
+        )
     check_device(op, page_min, page_max)
     check_last_dim_contiguous(op, "page_min", page_min)
     first = start // page_size

@@ -140,8 +140,10 @@ def sparse_attention_triton(
     hkv, s = keys.shape[1], keys.shape[2]
     n_sel = indices.shape[-1]
     if t != 1 or h % hkv or keys.shape != (b, hkv, s, d) or values.shape != (b, hkv, s, d):
-        raise ValueError(f"{op}: expected query [B, H, 1, D] and keys/values [B, Hkv, S, D] with the same D, got "
-                         f"{tuple(query.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}")
+        raise ValueError(
+            f"{op}: expected query [B, H, 1, D] and keys/values [B, Hkv, S, D] with the same D, got "
+            f"{tuple(query.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}"
+        )
     if indices.shape != (b, hkv, n_sel) or indices.dtype != torch.int64 or n_sel == 0:
         raise ValueError(f"{op}: expected int64 indices [B, Hkv, N_sel>0], got {tuple(indices.shape)} {indices.dtype}")
     check_device(op, query, keys, values, indices)

@@ -141,10 +141,15 @@ def choose(means: dict, reports: dict[str, dict]) -> list[str]:
         full = cells.get(("mean", "full", None))
         if full is None:
             continue
-        ok = [t for t in report["config"]["budgets"]
-              if ("mean", label, t) in cells and cells[("mean", label, t)]["score"] >= full["score"] - NEAR_FULL]
-        line = (f"- {model}: full attention scores {pct(full['score'])}%; the smallest budget whose rocketkv score is "
-                f"within {pct(NEAR_FULL)} points of it is " + (f"t={min(ok)}." if ok else "none of those measured."))
+        ok = [
+            t
+            for t in report["config"]["budgets"]
+            if ("mean", label, t) in cells and cells[("mean", label, t)]["score"] >= full["score"] - NEAR_FULL
+        ]
+        line = (
+            f"- {model}: full attention scores {pct(full['score'])}%; the smallest budget whose rocketkv score is "
+            f"within {pct(NEAR_FULL)} points of it is " + (f"t={min(ok)}." if ok else "none of those measured.")
+        )
         if full["score"] < 0.2:
             line += (" Full attention itself fails most tasks at this length, so the agreement numbers, which need "
                      "no labels, carry the comparison here.")  # fmt: skip

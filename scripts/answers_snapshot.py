@@ -26,7 +26,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("ROCKETKV_SHARED_DATA", ROOT.parent / "shared" / "data"))
-VOLATILE = {"prefill_s", "decode_s", "summarize_s", "ingest_s", "created_at", "metadata_sha256", "cache", "source"}
+VOLATILE = {
+    "prefill_s",
+    "decode_s",
+    "summarize_s",
+    "ingest_s",
+    "created_at",
+    "metadata_sha256",
+    "cache",
+    "source",
+    "document_source",
+    "file_bytes",
+}  # paths (and so header sizes) differ between checkouts
 
 
 def tiny_model_dir(arch: str, where: Path) -> Path:
@@ -60,22 +71,39 @@ def cases(tmp: Path, models: Path, quick: bool) -> list[tuple[str, list[str]]]:
         kv = tmp / f"{arch}.kv"
         common = ["--model", m]
         out += [
-            (f"{arch}-ingest", ["ingest", str(doc), "-o", str(kv), "--budget", "64", "--max-new-tokens", "8",
-                                "--json", *common]),
+            (
+                f"{arch}-ingest",
+                ["ingest", str(doc), "-o", str(kv), "--budget", "64", "--max-new-tokens", "8", "--json", *common],
+            ),
             (f"{arch}-inspect", ["inspect", str(kv), "--json"]),
             (f"{arch}-ask", ["ask", "--cache", str(kv), *qs, "--json"]),
             (f"{arch}-dense", ["ask", "--cache", str(kv), qs[0], "--dense", "--json"]),
             (f"{arch}-summarize", ["summarize", "--cache", str(kv), "--max-new-tokens", "6", "--json"]),
-            (f"{arch}-ask-doc", ["ask", str(doc), qs[1], "--budget", "48", "--max-new-tokens", "5", "--json",
-                                 *common]),
+            (f"{arch}-ask-doc", ["ask", str(doc), qs[1], "--budget", "48", "--max-new-tokens", "5", "--json", *common]),
         ]
     m = str(tiny_model_dir("llama", models))
     doc = tmp / "long.txt"
     doc.write_text("\n".join(facts_text(40 + 9 * i) for i in range(12)))
     kv = tmp / "long.kv"
     out += [
-        ("seg-ingest", ["ingest", str(doc), "-o", str(kv), "--segment-tokens", "256", "--budget", "64",
-                        "--max-new-tokens", "8", "--json", "--model", m]),
+        (
+            "seg-ingest",
+            [
+                "ingest",
+                str(doc),
+                "-o",
+                str(kv),
+                "--segment-tokens",
+                "256",
+                "--budget",
+                "64",
+                "--max-new-tokens",
+                "8",
+                "--json",
+                "--model",
+                m,
+            ],
+        ),
         ("seg-inspect", ["inspect", str(kv), "--json"]),
         ("seg-ask", ["ask", "--cache", str(kv), *qs, "--json"]),
         ("seg-ask-2", ["ask", "--cache", str(kv), qs[0], "--segments", "2", "--json"]),
@@ -103,10 +131,23 @@ def cases(tmp: Path, models: Path, quick: bool) -> list[tuple[str, list[str]]]:
     book.write_bytes((DATA / "kjv.txt").read_bytes()[:40000])
     kv = tmp / "kjv.kv"
     out += [
-        ("kjv-ingest", ["ingest", str(book), "-o", str(kv), "--model", "smollm2-135m", "--segment-tokens", "4096",
-                        "--json"]),
-        ("kjv-ask", ["ask", "--cache", str(kv), "Who was Abraham's son?", "What did God create in the beginning?",
-                     "--json", "--max-new-tokens", "24"]),
+        (
+            "kjv-ingest",
+            ["ingest", str(book), "-o", str(kv), "--model", "smollm2-135m", "--segment-tokens", "4096", "--json"],
+        ),
+        (
+            "kjv-ask",
+            [
+                "ask",
+                "--cache",
+                str(kv),
+                "Who was Abraham's son?",
+                "What did God create in the beginning?",
+                "--json",
+                "--max-new-tokens",
+                "24",
+            ],
+        ),
     ]
     return out
 

@@ -66,7 +66,7 @@ def run(args: list[str], timeout: float | None = None, interrupt_after: float | 
 
 
 def tokenizer_of(preset: str):
-    from rocketkv_cli.models import load_model
+    from rocketkv_cli.model.loading import load_model
 
     return load_model(preset).tokenizer
 

@@ -35,11 +35,11 @@ def main() -> int:
     import torch
     from conftest import make_engine
 
-    from rocketkv_cli.cache_io import load_cache, save_cache, save_segmented
-    from rocketkv_cli.config import PrefillConfig
-    from rocketkv_cli.ingest import Document, TextPieces
-    from rocketkv_cli.pipeline import answer, decode_config_for, prefill_document
-    from rocketkv_cli.segments import ingest_stream
+    from rocketkv_cli.core.config import PrefillConfig
+    from rocketkv_cli.engine.answer import answer, decode_config_for
+    from rocketkv_cli.engine.documents import Document, TextPieces
+    from rocketkv_cli.engine.segments import ingest_stream
+    from rocketkv_cli.store.format import load_cache, save_cache, save_segmented
 
     args.out.mkdir(parents=True, exist_ok=True)
     cfg = PrefillConfig(token_budget=64, max_new_tokens=MAX_NEW_TOKENS, window_size=8, pool_kernel_size=7)
@@ -48,7 +48,7 @@ def main() -> int:
         engine = make_engine(arch, torch.float32)
         text = document_text(120, 0)
         name = f"v1-{arch}.kv"
-        stored = prefill_document(engine, Document(text, "0" * 64, f"{arch}.txt"), cfg)
+        stored = engine.ingest(Document(text, "0" * 64, f"{arch}.txt"), cfg)
         save_cache(stored, args.out / name, force=True)
         loaded = load_cache(args.out / name)
         record[name] = {"arch": arch, "answers": [

@@ -45,8 +45,8 @@ def run(model: str, lengths: str, budget: int, out: Path) -> dict:
 def with_geometry(report: dict) -> dict:
     """Fill in layer windows / head_dim for reports written before `bench` recorded them."""
     if "layer_windows" not in report:
-        from rocketkv_cli.hf import model_shape
-        from rocketkv_cli.models import load_model
+        from rocketkv_cli.model.hf import model_shape
+        from rocketkv_cli.model.loading import load_model
 
         shape = model_shape(load_model(report["model"], device="cpu").model)
         report.update(layer_windows=[s.sliding_window for s in shape.layers], head_dim=shape.head_dim,
@@ -83,7 +83,7 @@ def kv_fraction(windows: list, n: int, kept_full: int) -> float:
 
 def why_file(report: dict, row: dict) -> str:
     """Explain a file-size miss from the budget arithmetic (SPEC §3.1) and the layer kinds."""
-    from rocketkv_cli.config import derive_budgets
+    from rocketkv_cli.core.config import derive_budgets
 
     n, windows, d = row["context_tokens"], report["layer_windows"], report["head_dim"]
     budget = report["config"]["token_budget"]

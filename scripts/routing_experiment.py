@@ -19,12 +19,12 @@ NAMES = ["Lisbon", "Nairobi", "Osaka", "Quito", "Tbilisi", "Hobart", "Reykjavik"
 
 
 def main() -> None:
-    from rocketkv_cli.cache_io import load_cache, save_segmented
-    from rocketkv_cli.config import PrefillConfig
-    from rocketkv_cli.ingest import TextStream, tokenize
-    from rocketkv_cli.models import load_model
-    from rocketkv_cli.pipeline import Engine
-    from rocketkv_cli.segments import ingest_stream, lexical_scores, segment_scores
+    from rocketkv_cli.core.config import PrefillConfig
+    from rocketkv_cli.engine.documents import TextStream, tokenize
+    from rocketkv_cli.engine.engine import Engine
+    from rocketkv_cli.engine.segments import ingest_stream, lexical_scores, segment_scores
+    from rocketkv_cli.model.loading import load_model
+    from rocketkv_cli.store.format import load_cache, save_segmented
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")

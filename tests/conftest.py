@@ -87,8 +87,8 @@ def tiny_model(arch: str, dtype=torch.float64, seed: int = 0):
 
 def make_engine(arch: str, dtype=torch.float64, seed: int = 0):
     """A rocketkv Engine over a tiny random model and the byte tokenizer."""
-    from rocketkv_cli.models import LoadedModel
-    from rocketkv_cli.pipeline import Engine
+    from rocketkv_cli.engine.engine import Engine
+    from rocketkv_cli.model.loading import LoadedModel
 
     model = tiny_model(arch, dtype, seed)
     loaded = LoadedModel(model_id=f"tiny-{arch}", model=model, tokenizer=byte_tokenizer(), device=torch.device("cpu"),
@@ -178,3 +178,8 @@ def strip_ansi(text: str) -> str:
     import re
 
     return re.sub(ANSI_ESCAPE, "", text)
+
+
+def same_layer(a, b) -> bool:
+    """Two `LayerKV`s hold bit-identical keys, values and positions."""
+    return all(torch.equal(getattr(a, k), getattr(b, k)) for k in ("keys", "values", "positions"))

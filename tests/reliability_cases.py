@@ -162,7 +162,7 @@ def _header(path: Path) -> tuple[int, dict, bytes]:
 
 
 def _write_header(path: Path, header: dict, payload: bytes, redigest: bool = True) -> Path:
-    from rocketkv_cli.cache_io import metadata_digest
+    from rocketkv_cli.store.format import metadata_digest
 
     if redigest:
         header["__metadata__"]["metadata_sha256"] = metadata_digest(header["__metadata__"])
@@ -310,7 +310,7 @@ def _symlink_check(ws: Workspace) -> None:
 
 
 def _full_cache_check(ws: Workspace) -> None:
-    from rocketkv_cli.cache_io import load_cache
+    from rocketkv_cli.store.format import load_cache
 
     stored = load_cache(ws.root / "big-budget.kv")
     assert all(layer[0].shape[2] == stored.n_context_tokens for layer in stored.layers), "pruned despite big budget"
@@ -318,7 +318,7 @@ def _full_cache_check(ws: Workspace) -> None:
 
 
 def _segmented_check(ws: Workspace) -> None:
-    from rocketkv_cli.cache_io import SegmentedKVCache, load_cache
+    from rocketkv_cli.store.format import SegmentedKVCache, load_cache
 
     stored = load_cache(ws.root / "h.kv")
     assert isinstance(stored, SegmentedKVCache) and len(stored.segments) == 2, type(stored)

@@ -1,5 +1,6 @@
 """The .kv file: round trip, atomic writes, and refusal of damaged or foreign files (SPEC §4)."""
 
+import dataclasses
 import json
 import os
 import struct
@@ -9,18 +10,17 @@ import torch
 from conftest import make_engine, text_of_bytes
 from safetensors.torch import save_file
 
-from rocketkv_cli.cache_io import FORMAT_VERSION, load_cache, metadata_digest, payload_digest, save_cache
-from rocketkv_cli.config import PrefillConfig
+from rocketkv_cli.core.config import PrefillConfig
+from rocketkv_cli.engine.documents import Document
 from rocketkv_cli.errors import CacheFormatError, OutputError
-from rocketkv_cli.ingest import Document
-from rocketkv_cli.pipeline import open_cache, prefill_document
+from rocketkv_cli.store.format import FORMAT_VERSION, load_cache, metadata_digest, payload_digest, save_cache
 
 
 @pytest.fixture(scope="module")
 def stored():
     engine = make_engine("llama", torch.float32)
     document = Document(text=text_of_bytes(300), sha256="0" * 64, source="doc.txt")
-    return prefill_document(engine, document, PrefillConfig(token_budget=32, max_new_tokens=8, window_size=8))
+    return engine.ingest(document, PrefillConfig(token_budget=32, max_new_tokens=8, window_size=8))
 
 
 @pytest.fixture()
@@ -31,10 +31,14 @@ def kv_file(stored, tmp_path):
 def test__round_trip__bit_exact_and_metadata_kept(stored, kv_file):
     loaded = load_cache(kv_file)
     for a, b in zip(stored.layers, loaded.layers):
-        assert all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(a, b))
-    assert loaded.metadata["format_version"] == "1"
-    for key in ("model_digest", "tokenizer_digest", "n_context_tokens", "config", "budgets", "document_sha256"):
-        assert loaded.metadata[key] == stored.metadata[key]
+        for kind in ("keys", "values", "positions"):
+            x, y = getattr(a, kind), getattr(b, kind)
+            assert torch.equal(x, y) and x.dtype == y.dtype, kind
+    assert loaded.info.format_version == 1 and loaded.info.created_at
+    kept = ("identity", "dtype", "n_context_tokens", "document_sha256", "document_source", "config", "budgets",
+            "pool_kernel_size", "segment")  # fmt: skip
+    for field in kept:
+        assert getattr(loaded.info, field) == getattr(stored.info, field), field
 
 
 def test__save__refuses_existing_without_force_and_replaces_with_force(stored, kv_file):
@@ -147,12 +151,12 @@ def test__load__random_bytes_and_foreign_safetensors_refused(tmp_path):
 def test__open_cache__other_model_or_tokenizer_refused_with_rebuild_command(stored, kv_file):
     other = make_engine("llama", torch.float32, seed=1)  # same architecture, other weights
     with pytest.raises(CacheFormatError, match="another model") as info:
-        open_cache(other, load_cache(kv_file), str(kv_file))
+        other.check(load_cache(kv_file), str(kv_file))
     assert "rocketkv ingest" in str(info.value)
     same = make_engine("llama", torch.float32)
-    same.identity["tokenizer_digest"] = "0" * 64
+    same.identity = dataclasses.replace(same.identity, tokenizer_digest="0" * 64)
     with pytest.raises(CacheFormatError, match="another tokenizer"):
-        open_cache(same, load_cache(kv_file), str(kv_file))
+        same.check(load_cache(kv_file), str(kv_file))
 
 
 def test__payload_digest__covers_every_tensor(stored):

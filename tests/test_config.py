@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from rocketkv_cli.config import (
+from rocketkv_cli.core.config import (
     Budgets,
     DecodeConfig,
     PrefillConfig,

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from rocketkv_cli.attention import exact_attention
-from rocketkv_cli.decode import hsa_decode, page_summaries
+from rocketkv_cli.core.attention import exact_attention
+from rocketkv_cli.core.stage2 import hsa_decode, page_summaries
 
 
 def loop_hsa(q, k, v, topk, page, r, scaling):
@@ -97,7 +97,7 @@ def test__page_summaries__min_max_of_each_page(s, page):
 
 
 def test__rocket_layer_pages__incremental_equals_recomputed():
-    from rocketkv_cli.hf import RocketLayer
+    from rocketkv_cli.model.hf import RocketLayer
 
     k = torch.randn(1, 2, 23, 8)
     layer = RocketLayer(k, k.clone(), torch.arange(23).view(1, 1, 23).expand(1, 2, 23).clone(), extra_tokens=4)

@@ -7,23 +7,23 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import byte_tokenizer, make_engine, text_of_bytes
+from conftest import byte_tokenizer, make_engine, same_layer, text_of_bytes
 
-from rocketkv_cli.cache_io import load_cache, save_cache
-from rocketkv_cli.config import PrefillConfig
-from rocketkv_cli.eval_tasks import DEPTH_RANGE, TASKS, generate
-from rocketkv_cli.evaluate import (
+from rocketkv_cli.core.config import PrefillConfig
+from rocketkv_cli.core.stage1 import sink_recent_select
+from rocketkv_cli.engine.answer import answer, decode_config_for
+from rocketkv_cli.engine.documents import Document
+from rocketkv_cli.eval.runner import (
     FULL_TOKEN_BUDGET,
     EvalConfig,
+    compress_variants,
     match_fraction,
     plan,
-    prefill_variants,
     stage2_only_budgets,
     token_agreement,
 )
-from rocketkv_cli.ingest import Document
-from rocketkv_cli.pipeline import answer, decode_config_for, prefill_document
-from rocketkv_cli.prefill import sink_recent_select
+from rocketkv_cli.eval.tasks import DEPTH_RANGE, TASKS, generate
+from rocketkv_cli.store.format import load_cache, save_cache
 
 HAYSTACK = (
     "In the beginning the river ran north. The stone was green; the cloud was light: all was paper.\n"
@@ -174,21 +174,22 @@ def test__sink_recent_cache__saves_loads_and_answers(tmp_path):
     engine = make_engine("llama")
     doc = Document(text_of_bytes(500), "0" * 64, "doc.txt")
     cfg = PrefillConfig(token_budget=64, max_new_tokens=8, window_size=8, selection="sink_recent", n_sink_tokens=4)
-    stored = prefill_document(engine, doc, cfg)
+    stored = engine.ingest(doc, cfg)
     n = stored.n_context_tokens
-    for _, _, positions in stored.layers:
+    for layer in stored.layers:
+        positions = layer.positions
         pb = positions.shape[2]
         assert positions[0, 0].tolist() == [0, 1, 2, 3, *range(n - pb + 4, n)]
     path = save_cache(stored, tmp_path / "s.kv")
     loaded = load_cache(path)
-    assert json.loads(loaded.metadata["config"])["selection"] == "sink_recent"
+    assert loaded.info.config.selection == "sink_recent"
     a = next(answer(engine, stored, ["Q?"], 4, decode_config_for(stored, sparse=False)))
     b = next(answer(engine, loaded, ["Q?"], 4, decode_config_for(loaded, sparse=False)))
     assert a.token_ids == b.token_ids
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
-def test__prefill_variants__equal_prefill_document_for_each_config(arch):
+def test__compress_variants__equal_ingest_for_each_config(arch):
     engine = make_engine(arch)
     doc = Document(text_of_bytes(700), "0" * 64, "doc.txt")
     cfgs = [
@@ -199,14 +200,12 @@ def test__prefill_variants__equal_prefill_document_for_each_config(arch):
         PrefillConfig(token_budget=64, max_new_tokens=8, window_size=8, selection="sink_recent"),
         PrefillConfig(token_budget=FULL_TOKEN_BUDGET, max_new_tokens=8, window_size=8),
     ]
-    for cfg, many in zip(cfgs, prefill_variants(engine, doc, cfgs)):
-        one = prefill_document(engine, doc, cfg)
-        assert many.metadata == one.metadata
-        for a, b in zip(one.layers, many.layers):
-            for x, y in zip(a, b):
-                assert x.shape == y.shape and torch.equal(x, y), cfg
+    for cfg, many in zip(cfgs, compress_variants(engine, doc, cfgs)):
+        one = engine.ingest(doc, cfg)
+        assert many.info == one.info
+        assert all(same_layer(a, b) for a, b in zip(one.layers, many.layers)), cfg
     with pytest.raises(ValueError, match="chunk_tokens"):
-        prefill_variants(engine, doc, [cfgs[0], PrefillConfig(chunk_tokens=64)])
+        compress_variants(engine, doc, [cfgs[0], PrefillConfig(chunk_tokens=64)])
 
 
 def test__plan__one_cache_per_stage1_setting_and_every_method():

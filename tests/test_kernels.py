@@ -14,7 +14,9 @@ import types
 import pytest
 import torch
 
-from rocketkv_cli import decode, ops, prefill
+from rocketkv_cli import ops
+from rocketkv_cli.core import stage1 as prefill
+from rocketkv_cli.core import stage2 as decode
 
 pytest.importorskip("triton")
 CUDA = torch.cuda.is_available()
@@ -228,7 +230,7 @@ def test__ops_hsa_decode__triton_equals_torch(monkeypatch, g, s, d, topk, page, 
 
 def test__rocket_layer_pages__triton_update_after_crop_and_new_tail(triton_backend):
     """Page buffers updated on append stay exact after a question's tail is cropped and replaced."""
-    from rocketkv_cli.hf import RocketLayer
+    from rocketkv_cli.model.hf import RocketLayer
 
     k = _randn(1, 2, 23, 60, seed=16)
     pos = torch.arange(23, device=DEVICE).view(1, 1, 23).expand(1, 2, 23).clone()
@@ -352,9 +354,9 @@ def test__ingest_and_answer__triton_backend_equals_torch(monkeypatch, arch):
     """Stage-1 scoring/pooling (pipeline) and the HSA decode step (hf attention) through `ops`."""
     from conftest import make_engine, text_of_bytes
 
-    from rocketkv_cli.config import PrefillConfig
-    from rocketkv_cli.ingest import Document
-    from rocketkv_cli.pipeline import answer, decode_config_for, prefill_document
+    from rocketkv_cli.core.config import PrefillConfig
+    from rocketkv_cli.engine.answer import answer, decode_config_for
+    from rocketkv_cli.engine.documents import Document
 
     engine = make_engine(arch, dtype=torch.float32)
     engine.stop_ids = set()
@@ -363,11 +365,11 @@ def test__ingest_and_answer__triton_backend_equals_torch(monkeypatch, arch):
     runs = {}
     for backend in ("torch", "triton"):
         monkeypatch.setenv(ops.ENV_VAR, backend)
-        stored = prefill_document(engine, document, cfg)
+        stored = engine.ingest(document, cfg)
         dec = decode_config_for(stored)
-        assert all(stored.layers[i][0].shape[2] > dec.topk for i in engine.shape.full_layers)  # HSA selects
+        assert all(stored.layers[i].n_kept_tokens > dec.topk for i in engine.shape.full_layers)  # HSA selects
         runs[backend] = (stored, next(answer(engine, stored, ["Which word?"], 6, dec)).token_ids)
     (ref, ref_ids), (out, out_ids) = runs["torch"], runs["triton"]
-    for (_, _, ref_pos), (_, _, out_pos) in zip(ref.layers, out.layers):
-        assert torch.equal(ref_pos, out_pos), "stage 1 kept other tokens with the Triton backend"
+    for a, b in zip(ref.layers, out.layers):
+        assert torch.equal(a.positions, b.positions), "stage 1 kept other tokens with the Triton backend"
     assert list(out_ids) == list(ref_ids)

@@ -6,10 +6,10 @@ import pytest
 import torch
 from conftest import ARCHS, make_engine, text_of_bytes
 
-from rocketkv_cli.cache_io import load_cache, save_cache
-from rocketkv_cli.config import PrefillConfig
-from rocketkv_cli.ingest import Document
-from rocketkv_cli.pipeline import answer, decode_config_for, document_token_ids, open_cache, prefill_document
+from rocketkv_cli.core.config import PrefillConfig
+from rocketkv_cli.engine.answer import answer, decode_config_for
+from rocketkv_cli.engine.documents import Document
+from rocketkv_cli.store.format import load_cache, save_cache
 
 N_NEW = 12
 
@@ -37,11 +37,11 @@ def test__full_budget__greedy_equals_plain_transformers(arch, chunk):
     engine = quiet_engine(arch)
     document, question = doc(), "Which word comes first?"
     cfg = PrefillConfig(token_budget=100_000, max_new_tokens=N_NEW, chunk_tokens=chunk)
-    stored = prefill_document(engine, document, cfg)
-    assert all(layer[0].shape[2] == min(stored.n_context_tokens, w or 10**9)
+    stored = engine.ingest(document, cfg)
+    assert all(layer.n_kept_tokens == min(stored.n_context_tokens, w or 10**9)
                for layer, w in zip(stored.layers, [s.sliding_window for s in engine.shape.layers]))  # fmt: skip
     ours = next(answer(engine, stored, [question], N_NEW, decode_config_for(stored)))
-    ids = document_token_ids(engine, document) + engine.tokenizer(engine.prompt.question_text(question),
+    ids = engine.document_ids(document) + engine.tokenizer(engine.prompt.question_text(question),
                                                                   add_special_tokens=False)["input_ids"]  # fmt: skip
     ref = engine.model.generate(torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False, pad_token_id=1)
     assert list(ours.token_ids) == ref[0, len(ids) :].tolist()
@@ -51,9 +51,10 @@ def test__full_budget__greedy_equals_plain_transformers(arch, chunk):
 def test__pruned__kept_count_and_positions(arch):
     engine = quiet_engine(arch)
     cfg = PrefillConfig(token_budget=64, max_new_tokens=8, window_size=8, prompt_budget=40, pool_kernel_size=7)
-    stored = prefill_document(engine, doc(300), cfg)
+    stored = engine.ingest(doc(300), cfg)
     n = stored.n_context_tokens
-    for (k, v, p), spec in zip(stored.layers, engine.shape.layers):
+    for layer, spec in zip(stored.layers, engine.shape.layers):
+        k, p = layer.keys, layer.positions
         if spec.sliding_window:
             assert p[0, 0].tolist() == list(range(n - spec.sliding_window, n))
         else:
@@ -65,10 +66,10 @@ def test__pruned__kept_count_and_positions(arch):
 def sparse_setup(arch="llama"):
     engine = quiet_engine(arch)
     cfg = PrefillConfig(token_budget=32, max_new_tokens=N_NEW, window_size=8, pool_kernel_size=5)
-    stored = prefill_document(engine, doc(400, seed=1), cfg)
+    stored = engine.ingest(doc(400, seed=1), cfg)
     dec = decode_config_for(stored)
     full = engine.shape.full_layers[0]
-    assert stored.layers[full][0].shape[2] > dec.topk  # HSA really selects
+    assert stored.layers[full].n_kept_tokens > dec.topk  # HSA really selects
     return engine, stored, dec
 
 
@@ -76,9 +77,9 @@ def test__save_load_answer__equals_in_memory(tmp_path):
     engine, stored, dec = sparse_setup()
     path = save_cache(stored, tmp_path / "doc.kv")
     loaded = load_cache(path)
-    open_cache(engine, loaded, str(path))
-    for (k1, v1, p1), (k2, v2, p2) in zip(stored.layers, loaded.layers):
-        assert torch.equal(k1, k2) and torch.equal(v1, v2) and torch.equal(p1, p2)
+    engine.check(loaded, str(path))
+    for a, b in zip(stored.layers, loaded.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) and torch.equal(a.positions, b.positions)
     qs = ["alpha?", "Where is the stone?"]
     a = [x.token_ids for x in answer(engine, stored, qs, N_NEW, dec)]
     b = [x.token_ids for x in answer(engine, loaded, qs, N_NEW, dec)]
@@ -88,21 +89,21 @@ def test__save_load_answer__equals_in_memory(tmp_path):
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
 def test__questions_are_independent(arch):
     engine, stored, dec = sparse_setup(arch)
-    before = [tuple(t.clone() for t in layer) for layer in stored.layers]
+    before = [(x.keys.clone(), x.values.clone(), x.positions.clone()) for x in stored.layers]
     q1, q2 = "What is green?", "Name the river."
     both = [x.token_ids for x in answer(engine, stored, [q1, q2], N_NEW, dec)]
     alone = next(answer(engine, stored, [q2], N_NEW, dec)).token_ids
     assert both[1] == alone
     for old, new in zip(before, stored.layers):  # the stored cache itself is read-only
-        assert all(torch.equal(a, b) for a, b in zip(old, new))
+        assert all(torch.equal(a, b) for a, b in zip(old, (new.keys, new.values, new.positions)))
 
 
 def test__probe_observation__keeps_document_tokens_only():
     engine = quiet_engine("gemma3_text")
     cfg = PrefillConfig(token_budget=64, max_new_tokens=8, window_size=8, prompt_budget=40, observation="probe")
-    stored = prefill_document(engine, doc(300), cfg)
+    stored = engine.ingest(doc(300), cfg)
     n = stored.n_context_tokens
-    assert all(int(p.max()) == n - 1 for _, _, p in stored.layers)
+    assert all(int(layer.positions.max()) == n - 1 for layer in stored.layers)
 
 
 @pytest.mark.parametrize("arch, chunk", [("llama", 1024), ("qwen2", 1024), ("llama", 29)])
@@ -117,14 +118,14 @@ def test__pruned_dense_answer__equals_transformers_with_pruned_tokens_masked(arc
     cfg = PrefillConfig(token_budget=64, max_new_tokens=8, window_size=8, prompt_budget=60, pool_kernel_size=3,
                         chunk_tokens=chunk)  # fmt: skip
     document, question = doc(200, seed=2), "Which word?"
-    stored = prefill_document(engine, document, cfg)
+    stored = engine.ingest(document, cfg)
     dec = dataclasses.replace(decode_config_for(stored), sparse=False)
     ours = next(answer(engine, stored, [question], 8, dec)).token_ids
     n = stored.n_context_tokens
-    ids = document_token_ids(engine, document) + engine.tokenizer(engine.prompt.question_text(question),
+    ids = engine.document_ids(document) + engine.tokenizer(engine.prompt.question_text(question),
                                                                   add_special_tokens=False)["input_ids"]  # fmt: skip
     model, g = engine.model, engine.shape.n_heads // engine.shape.n_kv_heads
-    masks_per_layer = [layer[2][0] for layer in stored.layers]  # kept positions [Hkv, 60] per layer
+    masks_per_layer = [layer.positions[0] for layer in stored.layers]  # kept positions [Hkv, 60] per layer
     out = []
     for _ in range(8):
         length = len(ids)
@@ -164,6 +165,6 @@ def _mask_hook(mask):
     ids=["period3", "period1", "no-loop", "too-short"],
 )
 def test__repeated_tail__finds_greedy_loops(tokens, dropped):
-    from rocketkv_cli.pipeline import repeated_tail
+    from rocketkv_cli.engine.answer import repeated_tail
 
     assert repeated_tail(tokens) == dropped

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rocketkv_cli.prefill import gather_tokens, observation_scores, pool_scores, select_kept_tokens, snapkv_select
+from rocketkv_cli.core.stage1 import gather_tokens, observation_scores, pool_scores, select_kept_tokens, snapkv_select
 
 
 def naive_scores(q, k, q_pos, k_pos, scaling, softcap=None):

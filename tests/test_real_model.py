@@ -60,7 +60,7 @@ def test__gemma_preset__segmented_document_routes_the_question_to_the_fact(rocke
     assert json.loads(r.stdout)["n_segments"] >= 4
     info = json.loads(run(rocketkv_bin, "inspect", kv, "--json").stdout)
     text = doc.read_text()
-    from rocketkv_cli.models import load_model
+    from rocketkv_cli.model.loading import load_model
 
     tokenizer = load_model("gemma-3-270m").tokenizer
     offset = len(tokenizer(text[: text.index(FACT)], add_special_tokens=False)["input_ids"])

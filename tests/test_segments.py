@@ -15,17 +15,15 @@ import time
 
 import pytest
 import torch
-from conftest import byte_tokenizer, make_engine, text_of_bytes
+from conftest import byte_tokenizer, make_engine, same_layer, text_of_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rocketkv_cli.cache_io import PrunedKVCache, SegmentedKVCache, load_cache, save_segmented
-from rocketkv_cli.config import PrefillConfig
-from rocketkv_cli.errors import CacheFormatError
-from rocketkv_cli.ingest import Document, TextPieces, TextStream, segment_texts, token_counts
-from rocketkv_cli.pipeline import answer, decode_config_for, prefill_document
-from rocketkv_cli.segments import (
-    Checkpoints,
+from rocketkv_cli.core.cache import CompressedKVCache, LayerKV, SegmentedKVCache
+from rocketkv_cli.core.config import PrefillConfig
+from rocketkv_cli.engine.answer import answer, decode_config_for
+from rocketkv_cli.engine.documents import Document, TextPieces, TextStream, segment_texts, token_counts
+from rocketkv_cli.engine.segments import (
     frame_tokens,
     ingest_stream,
     lexical_scores,
@@ -34,6 +32,9 @@ from rocketkv_cli.segments import (
     route,
     segment_scores,
 )
+from rocketkv_cli.errors import CacheFormatError
+from rocketkv_cli.store.checkpoints import Checkpoints
+from rocketkv_cli.store.format import load_cache, read_metadata, save_segmented
 
 CFG = PrefillConfig(token_budget=64, max_new_tokens=8, window_size=8, pool_kernel_size=7, chunk_tokens=64)
 
@@ -100,10 +101,9 @@ def test__segments_end_at_line_ends_when_lines_fit():
 def test__short_document_is_one_segment_exactly_as_before(engine):
     text = lines_text(5)
     stored = ingest_stream(engine, TextPieces(text, "doc.txt"), CFG, segment_tokens=400)
-    direct = prefill_document(engine, Document(text, TextPieces(text, "doc.txt").sha256, "doc.txt"), CFG)
-    assert isinstance(stored, PrunedKVCache)
-    for a, b in zip(stored.layers, direct.layers):
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    direct = engine.ingest(Document(text, TextPieces(text, "doc.txt").sha256, "doc.txt"), CFG)
+    assert isinstance(stored, CompressedKVCache)
+    assert all(same_layer(a, b) for a, b in zip(stored.layers, direct.layers))
 
 
 def test__each_segment_is_prefilled_on_its_own(engine):
@@ -115,12 +115,11 @@ def test__each_segment_is_prefilled_on_its_own(engine):
     assert len(pieces) == len(stored.segments)
     start = 0
     for j, (part, piece) in enumerate(zip(stored.segments, pieces)):
-        alone = prefill_document(engine, Document(piece, "", ""), CFG)
+        alone = engine.ingest(Document(piece, "", ""), CFG)
         assert part.n_context_tokens == alone.n_context_tokens <= 300
-        assert int(part.metadata["segment_start_token"]) == start, j
+        assert part.info.segment.start_token == start and part.info.segment.index == j, j
         start += alone.n_context_tokens - frame
-        for a, b in zip(part.layers, alone.layers):
-            assert all(torch.equal(x, y) for x, y in zip(a, b)), f"segment {j} differs from its own prefill"
+        assert all(same_layer(a, b) for a, b in zip(part.layers, alone.layers)), f"segment {j} differs from its own"
     assert stored.n_context_tokens == sum(p.n_context_tokens for p in stored.segments)
 
 
@@ -128,18 +127,17 @@ def test__segmented_file_round_trips_and_is_plain_safetensors(engine, tmp_path):
     from safetensors import safe_open
 
     stored = ingest_stream(engine, TextPieces(lines_text(30), "doc.txt"), CFG, segment_tokens=300)
-    path = save_segmented(stored.segments, stored.metadata, tmp_path / "book.kv")
+    path = save_segmented(stored, tmp_path / "book.kv")
     loaded = load_cache(path)
     assert isinstance(loaded, SegmentedKVCache) and len(loaded.segments) == len(stored.segments)
-    assert loaded.metadata["format_version"] == "2"
+    assert loaded.info.format_version == 2
     for a, b in zip(stored.segments, loaded.segments):
         assert a.n_context_tokens == b.n_context_tokens
-        assert a.metadata["segment_start_token"] == b.metadata["segment_start_token"]
-        assert json.loads(a.metadata["budgets"]) == json.loads(b.metadata["budgets"])
-        for la, lb in zip(a.layers, b.layers):
-            assert all(torch.equal(x, y) for x, y in zip(la, lb))
+        assert a.info.segment == b.info.segment
+        assert a.info.budgets == b.info.budgets and a.info.pool_kernel_size == b.info.pool_kernel_size
+        assert all(same_layer(la, lb) for la, lb in zip(a.layers, b.layers))
     with safe_open(str(path), framework="pt") as f:  # the reference reader accepts the layout
-        assert torch.equal(f.get_tensor("segments.1.layers.0.keys"), stored.segments[1].layers[0][0][0])
+        assert torch.equal(f.get_tensor("segments.1.layers.0.keys"), stored.segments[1].layers[0].keys[0])
     raw = bytearray(path.read_bytes())
     raw[-5] ^= 0xFF
     (tmp_path / "bad.kv").write_bytes(bytes(raw))
@@ -166,8 +164,7 @@ def test__interrupted_ingest_resumes_from_the_checkpoints(engine, tmp_path):
     assert [e.resumed for e in events[:3]] == [True] * 3 and not any(e.resumed for e in events[3:])
     fresh = ingest_stream(engine, TextPieces(text, "doc.txt"), CFG, 300)
     for a, b in zip(resumed.segments, fresh.segments):
-        for la, lb in zip(a.layers, b.layers):
-            assert all(torch.equal(x, y) for x, y in zip(la, lb))
+        assert all(same_layer(la, lb) for la, lb in zip(a.layers, b.layers))
     changed = ingest_stream(engine, TextPieces("changed\n" + text, "doc.txt"), CFG, 300, checkpoints, events.append)
     assert not any(e.resumed for e in events[len(resumed.segments) :]), "a changed document reused checkpoints"
     assert len(changed.segments) >= len(resumed.segments)
@@ -190,8 +187,8 @@ def test__checkpoints_of_another_dtype_are_not_reused(tmp_path):
         make_engine("llama", torch.float64), TextPieces(text, "d"), CFG, 300, checkpoints, events.append
     )
     assert not any(e.resumed for e in events), "float32 checkpoints reused in a float64 ingest"
-    assert {p.layers[0][0].dtype for p in stored.segments} == {torch.float64}
-    save_segmented(stored.segments, stored.metadata, tmp_path / "book.kv")
+    assert {p.layers[0].keys.dtype for p in stored.segments} == {torch.float64}
+    save_segmented(stored, tmp_path / "book.kv")
     assert isinstance(load_cache(tmp_path / "book.kv"), SegmentedKVCache)
 
 
@@ -214,13 +211,13 @@ def _plant(engine, stored, question: str, target: int) -> SegmentedKVCache:
     parts = list(stored.segments)
     layers = list(parts[target].layers)
     for i, q in queries.items():
-        keys, values, pos = layers[i]
+        keys = layers[i].keys
         planted = q[0].view(keys.shape[1], group, q.shape[2], -1).mean(dim=(1, 2)) * 50.0  # [Hkv, D]
         keys = keys.clone()
         keys[0, :, -2] = planted.to(keys.dtype)
-        layers[i] = (keys, values, pos)
-    parts[target] = PrunedKVCache(layers=layers, metadata=parts[target].metadata, token_ids=parts[target].token_ids)
-    return SegmentedKVCache(segments=parts, metadata=stored.metadata)
+        layers[i] = LayerKV(keys, layers[i].values, layers[i].positions)
+    parts[target] = CompressedKVCache(info=parts[target].info, layers=tuple(layers), token_ids=parts[target].token_ids)
+    return SegmentedKVCache(info=stored.info, segments=tuple(parts))
 
 
 def test__keys_score_picks_the_segment_holding_a_key_aligned_with_the_question(engine):
@@ -231,7 +228,7 @@ def test__keys_score_picks_the_segment_holding_a_key_aligned_with_the_question(e
     assert int(scores.argmax()) == target, scores
     parts = planted.segments
     order = [3, 0, 2, 1] + list(range(4, len(parts)))  # scores follow the segments, not their order
-    permuted = SegmentedKVCache(segments=[parts[j] for j in order], metadata=stored.metadata)
+    permuted = SegmentedKVCache(info=stored.info, segments=tuple(parts[j] for j in order))
     assert torch.allclose(segment_scores(engine, permuted, question), scores[order], atol=1e-5)
 
 
@@ -326,7 +323,7 @@ def test__cli_ingest_segments_resumes_after_sigint_and_answers(rocketkv_bin, tin
     fresh = tmp_path / "fresh.kv"
     r2 = subprocess.run(cmd[:4] + [str(fresh)] + cmd[5:] + ["-q"], env=env, capture_output=True, text=True, timeout=300)
     assert r2.returncode == 0, r2.stderr
-    assert load_cache(out).metadata["payload_sha256"] == load_cache(fresh).metadata["payload_sha256"]
+    assert read_metadata(out)["payload_sha256"] == read_metadata(fresh)["payload_sha256"]
     stale = tmp_path / ".short.kv.segments"  # left by an interrupted segmented ingest into short.kv
     stale.mkdir()
     (stale / "000000.kv").write_bytes(b"left from another run")
@@ -334,7 +331,7 @@ def test__cli_ingest_segments_resumes_after_sigint_and_answers(rocketkv_bin, tin
     r3 = subprocess.run([rocketkv_bin, "ingest", str(tmp_path / "short.txt"), "-o", str(tmp_path / "short.kv"),
                          *cmd[5:], "-q"], env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert r3.returncode == 0, r3.stderr
-    assert isinstance(load_cache(tmp_path / "short.kv"), PrunedKVCache)
+    assert isinstance(load_cache(tmp_path / "short.kv"), CompressedKVCache)
     assert not stale.exists(), "a checkpoint folder was left behind"
     info = json.loads(subprocess.run([rocketkv_bin, "inspect", str(out), "--json"], capture_output=True, text=True,
                                      timeout=60).stdout)  # fmt: skip
@@ -361,7 +358,7 @@ def test__cli_long_document_from_stdin_and_in_memory_ask_and_summarize(rocketkv_
                        env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["n_segments"] >= 5
-    assert load_cache(out).metadata["document_sha256"] == hashlib.sha256(text.encode()).hexdigest()
+    assert load_cache(out).info.document_sha256 == hashlib.sha256(text.encode()).hexdigest()
     doc = tmp_path / "doc.txt"
     doc.write_text(text)
     r = subprocess.run([rocketkv_bin, "ask", str(doc), "which word?", *common, "--max-new-tokens", "3", "--json"],

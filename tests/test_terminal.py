@@ -42,8 +42,9 @@ def check_terminal_run(code: int, shown: str, want_bar: bool = True) -> list[str
 @pytest.fixture(scope="module")
 def kv(rocketkv_bin, env, doc, tiny_model_dir):
     out = doc.parent / "doc.kv"
-    code, shown = run_in_terminal([rocketkv_bin, "ingest", str(doc), "-o", str(out), "--model", str(tiny_model_dir),
-                                   "--budget", "64", "--max-new-tokens", "6", "--chunk-tokens", "256"], env)  # fmt: skip
+    argv = [rocketkv_bin, "ingest", str(doc), "-o", str(out), "--model", str(tiny_model_dir), "--budget", "64",
+            "--max-new-tokens", "6", "--chunk-tokens", "256"]  # fmt: skip
+    code, shown = run_in_terminal(argv, env)
     lines = check_terminal_run(code, shown)
     assert str(out) in lines and out.is_file()
     return out

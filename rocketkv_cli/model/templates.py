@@ -24,7 +24,7 @@ def read_prompt(name: str) -> str:
     try:
         text = resources.files("rocketkv_cli.prompts").joinpath(name).read_text(encoding="utf-8")
     except ModuleNotFoundError:  # running from a source tree without installing
-        text = (Path(__file__).resolve().parent.parent / "prompts" / name).read_text(encoding="utf-8")
+        text = (Path(__file__).resolve().parents[2] / "prompts" / name).read_text(encoding="utf-8")
     return text[:-1] if text.endswith("\n") else text
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
 
 DEFAULT_MODEL = "gemma-3-270m"
 PRESETS = ("gemma-3-270m", "smollm2-135m")
@@ -307,7 +307,7 @@ def chat_template_digest(tokenizer) -> str:
 
 
 def stop_token_ids(model: torch.nn.Module, tokenizer) -> set[int]:
-    """Union of the generation config's and the tokenizer's EOS ids (SPEC §2)."""
+    """Union of the generation config's and the tokenizer's EOS ids (a model may stop on either)."""
     ids: set[int] = set()
     gen = getattr(model, "generation_config", None)
     for source in (getattr(gen, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
@@ -316,3 +316,18 @@ def stop_token_ids(model: torch.nn.Module, tokenizer) -> set[int]:
         elif source:
             ids.update(int(i) for i in source)
     return ids
+
+
+def configure_transformers(quiet: bool, progress_bars: bool) -> None:
+    """Offline, quiet transformers: no hub access, no advisory warnings, errors only in its log;
+    its own progress bars (the GGUF conversion's tqdm) only when `progress_bars`."""
+    if quiet:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if not progress_bars:
+        os.environ.setdefault("TQDM_DISABLE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()

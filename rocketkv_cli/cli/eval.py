@@ -13,9 +13,9 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from .cli_common import DeviceOpt, DtypeOpt, ModelOpt, QuietOpt, default_kjv, err, load_engine, log, setup, steps_bar
-from .errors import InputError, OutputError
-from .ingest import read_document
+from ..engine.documents import read_document
+from ..errors import InputError, OutputError
+from .common import DeviceOpt, DtypeOpt, ModelOpt, QuietOpt, default_kjv, err, load_engine, log, setup, steps_bar
 
 
 def _ints(name: str, text: str, allow_auto: bool = False) -> tuple[int, ...]:
@@ -101,10 +101,10 @@ def eval_command(
     """Score full attention, rocketkv and baselines on generated long-context tasks (SPEC §6)."""
     import tempfile
 
-    from .bench import machine_info
-    from .eval_tasks import NEEDS_HAYSTACK_TEXT, TASKS
-    from .evaluate import METHODS, OBSERVATIONS, EvalConfig, run_eval
-    from .models import DEFAULT_MODEL
+    from ..engine.api import DEFAULT_MODEL
+    from ..eval.bench import machine_info
+    from ..eval.runner import METHODS, OBSERVATIONS, EvalConfig, run_eval
+    from ..eval.tasks import NEEDS_HAYSTACK_TEXT, TASKS
 
     setup(quiet)
     task_list = _names(tasks, TASKS)
@@ -131,7 +131,7 @@ def eval_command(
                 raise InputError("niah_text needs real text and none was found", "pass --haystack FILE")
             log("skipping niah_text: no real text found (pass --haystack FILE, e.g. ../shared/data/kjv.txt)")
             cfg = dataclasses.replace(cfg, tasks=kept)
-    engine = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", False)
+    engine = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", False).engine
     with steps_bar() as bar, tempfile.TemporaryDirectory(prefix="rocketkv-eval-") as tmp:
         task = bar.add_task("eval", total=None)
 

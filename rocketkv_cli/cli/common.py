@@ -1,6 +1,7 @@
 """Shared pieces of the command line: the stderr console, error mapping, option types, helpers.
 
-Commands live in `cli.py` (ingest, ask, summarize, inspect) and `cli_bench.py` (bench).
+One module per command beside this one; each parses, calls the Python API
+(`rocketkv_cli.engine.api`), prints, and maps errors. No tensor math or orchestration here.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
-from .errors import InputError, RocketKVError
+from ..errors import InputError, RocketKVError
 
 err = Console(stderr=True, highlight=False)
 _state = {"quiet": False}
@@ -106,22 +107,16 @@ TrustOpt = Annotated[bool, typer.Option(help="Allow model code from the model di
 
 
 def setup(quiet: bool) -> None:
-    _state["quiet"] = quiet
-    if quiet:
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if quiet or not err.is_terminal:
-        os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF conversion bar
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    import transformers
+    """Per-command start: quiet or not, and transformers offline and silent."""
+    from ..model.loading import configure_transformers
 
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    _state["quiet"] = quiet
+    configure_transformers(quiet, progress_bars=err.is_terminal and not quiet)
 
 
 def load_engine(model: str, device: str, dtype: str, trust_remote_code: bool):
-    from .models import load_model
-    from .pipeline import Engine
+    """`RocketKV.load` with a spinner on a terminal and a timing line on stderr."""
+    from ..engine.api import RocketKV
 
     t0 = time.perf_counter()
     with (
@@ -129,10 +124,11 @@ def load_engine(model: str, device: str, dtype: str, trust_remote_code: bool):
         if err.is_terminal and not _state["quiet"]
         else contextlib.nullcontext()
     ):
-        loaded = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=log)
+        rk = RocketKV.load(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, log=log)
+    loaded = rk.engine.loaded
     dtype_name = str(loaded.dtype).removeprefix("torch.")
     log(f"loaded {loaded.model_id} on {loaded.device} ({dtype_name}) in {time.perf_counter() - t0:.1f}s")
-    return Engine(loaded)
+    return rk
 
 
 class _TokenRate(ProgressColumn):
@@ -141,7 +137,7 @@ class _TokenRate(ProgressColumn):
 
 
 class _TokenCount(ProgressColumn):
-    """"done/total tokens"; the total is unknown ("?") until the first chunk reports it."""
+    """ "done/total tokens"; the total is unknown ("?") until the first chunk reports it."""
 
     def render(self, task) -> Text:
         total = "?" if task.total is None else f"{task.total:,.0f}"
@@ -171,39 +167,34 @@ def steps_bar() -> Progress:
 
 
 def open_stream(doc_path: str, encoding: str, errors: str = "strict"):
-    from .ingest import TextStream
+    """The document as a validated stream (fails before any model loads)."""
+    from ..engine.api import open_document
 
-    return TextStream(doc_path, encoding=encoding, errors=errors)
+    return open_document(doc_path, encoding, errors)
 
 
-def prefill(engine, stream, prefill_cfg, segment_tokens=None, checkpoints=None):
-    """Prefill a document stream (segmented when longer than the context) with a progress bar.
+def ingest(rk, document, cfg, output=None, force=False, segment_tokens=None):
+    """`RocketKV.ingest` with a progress bar (tokens, tokens/s, ETA) and a line per segment.
 
-    Returns (stored cache, seconds)."""
-    from .cache_io import SegmentedKVCache
-    from .segments import ingest_stream
-
-    t0 = time.perf_counter()
+    Returns the `Ingested` result."""
     so_far = [0]
 
-    def on_segment(event):
+    def on_segment(event) -> None:
         so_far[0] += event.n_tokens
         what = "found checkpointed" if event.resumed else "prefilled"
         log(f"segment {event.index}: {what} ({event.n_tokens} tokens; {so_far[0]} so far)")
 
     with progress_bar() as bar:
         task = bar.add_task("prefill", total=None)
-        stored = ingest_stream(
-            engine, stream, prefill_cfg, segment_tokens, checkpoints, on_segment,
-            lambda done, total: bar.update(task, completed=done, total=total),
-        )  # fmt: skip
-    elapsed = time.perf_counter() - t0
-    parts = stored.segments if isinstance(stored, SegmentedKVCache) else [stored]
-    kept = max(layer[0].shape[2] for p in parts for layer in p.layers)
-    where = f" in {len(parts)} segments" if len(parts) > 1 else ""
-    log(f"prefilled {stored.n_context_tokens} tokens{where} in {elapsed:.1f}s; "
-        f"keeping up to {kept} per KV head per layer{' per segment' if where else ''}")  # fmt: skip
-    return stored, elapsed
+        done = rk.ingest(document, output=output, force=force, config=cfg, segment_tokens=segment_tokens,
+                         on_segment=on_segment,
+                         progress=lambda n, total: bar.update(task, completed=n, total=total))  # fmt: skip
+    stored = done.cache
+    n_parts = stored.n_segments
+    where = f" in {n_parts} segments" if n_parts > 1 else ""
+    log(f"prefilled {stored.n_context_tokens} tokens{where} in {done.seconds:.1f}s; "
+        f"keeping up to {stored.max_kept_tokens} per KV head per layer{' per segment' if where else ''}")  # fmt: skip
+    return done
 
 
 def default_kjv() -> Optional[Path]:
@@ -216,7 +207,9 @@ def default_kjv() -> Optional[Path]:
 
 
 def prefill_config(**kw):
-    from .config import PrefillConfig
+    """A `PrefillConfig` from option values (`pool_kernel_size` as text: odd or 'auto').
+    Raises InputError naming the invalid value."""
+    from ..core.config import PrefillConfig
 
     pool = kw.pop("pool_kernel_size")
     if pool == "auto":
@@ -232,7 +225,7 @@ def prefill_config(**kw):
         raise InputError(f"invalid option: {exc}") from None
 
 
-BudgetOpt = Annotated[int, typer.Option("--budget", "-b", help="Token budget t per KV head per layer (SPEC §3.1).")]
+BudgetOpt = Annotated[int, typer.Option("--budget", "-b", help="Token budget t per KV head per layer (tokens).")]
 TopkOpt = Annotated[Optional[int], typer.Option(help="Override: tokens attended exactly per decode step.")]
 PageSizeOpt = Annotated[Optional[int], typer.Option(help="Override: tokens per key min/max page.")]
 ScoreDimsOpt = Annotated[Optional[int], typer.Option(help="Override: head dims used for page scores.")]

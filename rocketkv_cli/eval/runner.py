@@ -1,10 +1,11 @@
 """`rocketkv eval`: full attention vs rocketkv vs baselines on RULER-style tasks (SPEC §6).
 
 Every method answers through the saved-file path the CLI uses: its cache is written with
-`cache_io.save_cache`, read back with `load_cache`, checked with `open_cache` and answered with
-`pipeline.answer` (the code `rocketkv ask` runs). The document is prefilled once per sample;
-`prefill_variants` prunes that one prefill for every method's stage-1 settings, and a test holds
-it equal to `prefill_document` for each of them. No printing here: progress goes through a callback.
+`store.format.save_cache`, read back with `load_cache`, checked with `Engine.check` and answered
+with `engine.answer.answer` (the code `rocketkv ask` runs). The document is prefilled once per
+sample (`Engine.prefill`) and compressed for every method's stage-1 settings (`Engine.compress`,
+through the same selectors and kernel dispatch as `ingest`). No printing here: progress goes
+through a callback.
 
 Methods (budgets in tokens, SPEC §3.1):
 - full: nothing pruned, exact attention.
@@ -19,7 +20,6 @@ Methods (budgets in tokens, SPEC §3.1):
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import time
 from collections import defaultdict
@@ -27,25 +27,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
-from .cache_io import PrunedKVCache, load_cache, save_cache
-from .config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_WINDOW_SIZE, PrefillConfig, auto_pool_kernel_size, resolve_budgets
-from .errors import BudgetError
-from .eval_tasks import NEEDS_HAYSTACK_TEXT, TASKS, Sample, generate
-from .hf import empty_cache, rocketkv_attention
-from .ingest import Document, tokenize
-from .pipeline import (
-    QUESTION_RESERVE_TOKENS,
-    Engine,
-    _prefill_chunks,
-    answer,
-    decode_config_for,
-    document_token_ids,
-    open_cache,
-)
-from .prefill import gather_tokens, observation_scores, sink_recent_select, snapkv_select
-from .templates import read_prompt
+from ..core.cache import CompressedKVCache
+from ..core.config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_WINDOW_SIZE, PrefillConfig
+from ..engine.answer import answer, decode_config_for
+from ..engine.documents import Document, tokenize
+from ..engine.engine import QUESTION_RESERVE_TOKENS, Engine
+from ..errors import BudgetError
+from ..store.format import load_cache, save_cache
+from .tasks import NEEDS_HAYSTACK_TEXT, TASKS, Sample, generate
 
 METHODS = ("full", "rocketkv", "snapkv", "hsa", "sink_recent")
 OBSERVATIONS = ("tail", "probe", "wide")  # stage-1 observation windows compared by the ablation
@@ -198,90 +187,32 @@ def token_agreement(reference: tuple[int, ...] | list[int], tokens: tuple[int, .
     return same / longest
 
 
-def prefill_variants(
+def compress_variants(
     engine: Engine,
     document: Document,
     cfgs: list[PrefillConfig],
     progress: Callable[[int, int], None] = lambda done, total: None,
-) -> list[PrunedKVCache]:
-    """`prefill_document` for several stage-1 configs from one exact prefill of the document.
+) -> list[CompressedKVCache]:
+    """`Engine.ingest` for several stage-1 configs from one exact prefill of the document.
 
     The configs may differ in budgets, window size, observation, pool kernel and selection, not
-    in `chunk_tokens` (the prefill itself). The result for each config equals `prefill_document`'s
-    (tested): the widest window's queries are captured once and each config scores with its own
-    slice of them; the probe text, if any config uses it, is prefilled after the document.
+    in `chunk_tokens` (the prefill itself): the widest window's queries are captured once, the
+    probe text is prefilled after the document if any config uses it, and `Engine.compress`
+    gives each config its cache (equal to its own `Engine.ingest`; tested).
     Raises:
-        ValueError: configs with different chunk_tokens. BudgetError: as `prefill_document`.
+        ValueError: configs with different chunk_tokens. BudgetError: as `Engine.ingest`.
     """
     if len({c.chunk_tokens for c in cfgs}) != 1:
         raise ValueError(f"configs must share chunk_tokens, got {sorted({c.chunk_tokens for c in cfgs})}")
-    doc_ids = document_token_ids(engine, document)
-    n, shape = len(doc_ids), engine.shape
-    limit = shape.max_context_tokens - max(c.max_new_tokens for c in cfgs) - QUESTION_RESERVE_TOKENS
+    doc_ids = engine.document_ids(document)
+    n = len(doc_ids)
+    limit = engine.shape.max_context_tokens - max(c.max_new_tokens for c in cfgs) - QUESTION_RESERVE_TOKENS
     if n > limit:
         raise BudgetError(f"document is {n} tokens; this model's context fits {limit}", "use shorter documents")
-    budgets = [resolve_budgets(c, n, shape.head_dim) for c in cfgs]
-    for c, b in zip(cfgs, budgets):
-        if n > b.prompt_budget and b.prompt_budget < c.window_size:
-            raise BudgetError(f"token budget {c.token_budget} leaves a prompt budget of {b.prompt_budget} tokens, "
-                              f"below the observation window ({c.window_size})", "raise the budget")  # fmt: skip
-    probe_ids: list[int] = []
-    if any(c.observation == "probe" for c in cfgs):
-        probe_ids = tokenize(engine.tokenizer, engine.prompt.question_text(read_prompt("probe.txt")), False)
-    capture_from = max(0, n - max(c.window_size for c in cfgs))
-    cache = empty_cache(engine.model, shape, n + len(probe_ids))
-    with rocketkv_attention(engine.model, cache, shape, capture_from=capture_from) as session:
-        _prefill_chunks(engine, cache, doc_ids, 0, cfgs[0].chunk_tokens, progress)
-        sliding = {i: tuple(t.clone() for t in cache.layers[i].view()) for i, s in enumerate(shape.layers)
-                   if s.sliding_window}  # fmt: skip
-        if probe_ids:
-            _prefill_chunks(engine, cache, probe_ids, n, cfgs[0].chunk_tokens, lambda d, t: None)
-    queries = {i: torch.cat(session.captured[i], dim=2) for i in session.captured}  # [1, H, n - from + probe, D]
-    scores: dict[tuple, torch.Tensor] = {}  # (layer, observation, window) → [1, Hkv, n]: shared by budgets, kernels
-    out = []
-    for c, b in zip(cfgs, budgets):
-        kernel = c.pool_kernel_size or auto_pool_kernel_size(n)
-        layers = []
-        for i, spec in enumerate(shape.layers):
-            if spec.sliding_window is not None:
-                k, v, p = sliding[i]
-                keep = min(spec.sliding_window, k.shape[2])
-                layers.append(tuple(t[:, :, -keep:].contiguous() for t in (k, v, p)))
-                continue
-            keys, values, positions = cache.layers[i].view()  # [1, Hkv, n + probe, D]
-            if n <= b.prompt_budget:
-                kept = None
-            elif c.selection == "sink_recent":
-                kept = sink_recent_select(n, b.prompt_budget, c.n_sink_tokens, keys.shape[1], keys.device)
-            else:
-                key = (i, c.observation, c.window_size)
-                if key not in scores:
-                    scores[key] = _scores(queries[i], keys, positions, n, len(probe_ids), c, capture_from, spec)
-                kept = snapkv_select(scores[key], b.prompt_budget, c.window_size, kernel)
-            if kept is None:
-                layers.append(tuple(t[:, :, :n].contiguous() for t in (keys, values, positions)))
-            else:
-                layers.append(tuple(gather_tokens(t[:, :, :n], kept) for t in (keys, values, positions)))
-        metadata = dict(engine.identity)
-        metadata.update(
-            model_id=engine.loaded.model_id, dtype=str(engine.loaded.dtype).removeprefix("torch."),
-            n_context_tokens=str(n), document_sha256=document.sha256, document_source=document.source,
-            config=json.dumps(c.to_dict(), sort_keys=True),
-            budgets=json.dumps(b.to_dict() | {"pool_kernel_size": kernel}, sort_keys=True),
-        )  # fmt: skip
-        out.append(PrunedKVCache(layers=layers, metadata=metadata))
-    return out
-
-
-def _scores(queries, keys, positions, n, n_probe, c: PrefillConfig, capture_from, spec) -> torch.Tensor:
-    """Observation scores `[1, Hkv, n]` of one config from the captured queries `[1, H, ·, D]`."""
-    probe = n_probe if c.observation == "probe" else 0
-    start = max(0, n - c.window_size)
-    q = queries[:, :, start - capture_from : n + probe - capture_from]  # [1, H, W(+probe), D]
-    q_pos = torch.arange(start, n + probe, device=keys.device)
-    assert q.shape[2] == q_pos.shape[0], (q.shape, q_pos.shape)
-    k = keys[:, :, : n + probe]  # a tail config never sees the probe's keys, as in prefill_document
-    return observation_scores(q, k, q_pos, positions[0, 0, : n + probe], spec.scaling, spec.softcap)[..., :n]
+    window = max(c.window_size for c in cfgs)
+    probe = any(c.observation == "probe" for c in cfgs)
+    prefill = engine.prefill(doc_ids, window, probe, cfgs[0].chunk_tokens, progress)
+    return [engine.compress(prefill, c, document.sha256, document.source) for c in cfgs]
 
 
 def run_eval(
@@ -334,7 +265,7 @@ def run_eval(
         "config": cfg.to_dict() | {"tasks": tasks},
         "model": {
             "model_id": engine.loaded.model_id,
-            "model_digest": engine.identity["model_digest"],
+            "model_digest": engine.identity.model_digest,
             "device": str(engine.loaded.device),
             "dtype": str(engine.loaded.dtype).removeprefix("torch."),
             "prompt_template_id": engine.prompt.template_id,
@@ -358,7 +289,7 @@ def _run_sample(engine, cfg, sample: Sample, n: int, caches: dict, runs: list, w
     doc = Document(sample.document, hashlib.sha256(sample.document.encode()).hexdigest(),
                    f"eval-{sample.task}-{sample.index}")  # fmt: skip
     t0 = time.perf_counter()
-    stored = dict(zip(caches, prefill_variants(engine, doc, list(caches.values()))))
+    stored = dict(zip(caches, compress_variants(engine, doc, list(caches.values()))))
     prefill_s, io_s, records = time.perf_counter() - t0, 0.0, []
     for key in caches:
         step(f"cache {key}")
@@ -366,7 +297,9 @@ def _run_sample(engine, cfg, sample: Sample, n: int, caches: dict, runs: list, w
         t_io = time.perf_counter()
         path = save_cache(cache, workdir / f"{key}.kv", force=True)
         loaded = load_cache(path)
-        open_cache(engine, loaded, str(path))
+        if not isinstance(loaded, CompressedKVCache):
+            raise BudgetError(f"{path}: eval documents fit one segment")
+        engine.check(loaded, str(path))
         io_s += time.perf_counter() - t_io
         for run in (r for r in runs if r.cache_key == key):
             step(run.label + (f" t={run.budget}" if run.budget else ""))
@@ -378,7 +311,7 @@ def _run_sample(engine, cfg, sample: Sample, n: int, caches: dict, runs: list, w
     return records, timing
 
 
-def _answer_run(engine: Engine, stored: PrunedKVCache, run: Run, sample: Sample, n: int, cfg: EvalConfig) -> list:
+def _answer_run(engine: Engine, stored: CompressedKVCache, run: Run, sample: Sample, n: int, cfg: EvalConfig) -> list:
     """Answer the sample's questions with one run; one record per question."""
     n_ctx = stored.n_context_tokens
     if run.method == "hsa":
@@ -387,7 +320,7 @@ def _answer_run(engine: Engine, stored: PrunedKVCache, run: Run, sample: Sample,
     else:
         decode = decode_config_for(stored, sparse=run.method == "rocketkv")
     max_new = cfg.max_new_tokens or sample.max_new_tokens
-    kept = max(k.shape[2] for (k, _, _), s in zip(stored.layers, engine.shape.layers) if s.sliding_window is None)
+    kept = max(layer.n_kept_tokens for layer, s in zip(stored.layers, engine.shape.layers) if s.sliding_window is None)
     out = []
     for qi, (question, ans) in enumerate(
         zip(sample.questions, answer(engine, stored, [q.text for q in sample.questions], max_new, decode))

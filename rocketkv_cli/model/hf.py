@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, Cache
 from transformers.cache_utils import CacheLayerMixin
 
-from . import ops
-from .attention import exact_attention
-from .config import DecodeConfig
-from .errors import ModelLoadError
+from .. import ops
+from ..core.attention import exact_attention
+from ..core.config import DecodeConfig
+from ..errors import ModelLoadError
 
 ATTN_NAME = "rocketkv"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
@@ -56,7 +56,7 @@ def model_shape(model: torch.nn.Module) -> ModelShape:
     """Read layer kinds, scaling and head geometry from a loaded causal LM.
 
     Raises:
-        ModelLoadError: an architecture outside SPEC §2's list.
+        ModelLoadError: an architecture outside `SUPPORTED_MODEL_TYPES`.
     """
     cfg = model.config
     if cfg.model_type not in SUPPORTED_MODEL_TYPES:
@@ -311,17 +311,19 @@ def rocketkv_attention(
 
 @torch.inference_mode()
 def forward_tokens(
-    model: torch.nn.Module, cache: RocketCache, input_ids: torch.Tensor, start_position: int
+    model: torch.nn.Module, cache: RocketCache, input_ids: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
-    """Run `input_ids` `[1, T]` at RoPE positions start_position … start_position+T−1 over `cache`.
+    """Run `input_ids` `[1, T]` at RoPE positions `positions` `[T]` int64 over `cache`.
 
     Must run inside `rocketkv_attention`. Only the last position's logits are computed.
     Returns:
         `[1, V]` float32 logits of the last position.
+    Raises:
+        ModelLoadError: a transformers version that ignored rocketkv's cache.
     """
-    assert input_ids.dim() == 2 and input_ids.shape[0] == 1, input_ids.shape
-    t = input_ids.shape[1]
-    positions = torch.arange(start_position, start_position + t, device=input_ids.device)
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or positions.shape != (input_ids.shape[1],):
+        raise ValueError(f"forward_tokens wants input_ids [1, T] and positions [T], got {tuple(input_ids.shape)}, "
+                         f"{tuple(positions.shape)}")  # fmt: skip
     cache.query_positions = positions
     before = cache.layers[0].length
     out = model(input_ids=input_ids, position_ids=positions.unsqueeze(0), cache=cache, use_cache=True, logits_to_keep=1)
@@ -333,3 +335,28 @@ def forward_tokens(
             "install a supported version: pip install 'transformers>=5.24,<5.30'",
         )
     return out.logits[:, -1].float()
+
+
+class PlainDecoder:
+    """Plain transformers over its own `DynamicCache`: the full-attention baseline `bench` times.
+
+    `prefill(input_ids [1, T])` runs the whole prompt in one call; `decode_one_token(token)` one
+    step. Both return the next greedy token id.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        from transformers import DynamicCache
+
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor) -> int:
+        out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=1)
+        return int(out.logits[0, -1].argmax())
+
+    @torch.inference_mode()
+    def decode_one_token(self, token: int) -> int:
+        ids = torch.tensor([[token]], device=self.model.device)
+        out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1)
+        return int(out.logits[0, -1].argmax())

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import InputError
+from ..errors import InputError
 
 READ_BLOCK_BYTES = 1 << 20
 MAX_PIECE_CHARS = 1 << 20  # a line longer than this is cut (at whitespace when there is some)

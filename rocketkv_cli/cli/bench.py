@@ -10,7 +10,8 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from .cli_common import (
+from ..errors import InputError
+from .common import (
     BudgetOpt,
     DeviceOpt,
     DtypeOpt,
@@ -24,7 +25,6 @@ from .cli_common import (
     setup,
     steps_bar,
 )
-from .errors import InputError
 
 
 def bench(
@@ -53,8 +53,9 @@ def bench(
 
     from rich.table import Table
 
-    from .bench import bench_one, machine_info
-    from .models import DEFAULT_MODEL
+    from ..engine.api import DEFAULT_MODEL
+    from ..engine.documents import read_document
+    from ..eval.bench import bench_one, machine_info
 
     setup(quiet)
     try:
@@ -66,14 +67,13 @@ def bench(
     src = source or default_kjv()
     if src is None:
         raise InputError("no source text found", "pass --source FILE (e.g. ../shared/data/kjv.txt)")
-    from .ingest import read_document
-
     text = read_document(str(src)).text
     cfg = prefill_config(token_budget=budget, pool_kernel_size="63")
-    engine = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", False)
-    room = engine.shape.max_context_tokens - 128 - 256  # the answer plan and a question
+    rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", False)
+    engine = rk.engine
+    room = rk.engine.context_limit(128)  # the answer plan and a question
     if max(lengths) > room:
-        raise InputError(f"--context-tokens {max(lengths)} exceeds what {engine.loaded.model_id} fits ({room})")
+        raise InputError(f"--context-tokens {max(lengths)} exceeds what {rk.model_id} fits ({room})")
     rows = []
     phases = 4 if memory else 3  # bench_one's logged phases per length
     with tempfile.TemporaryDirectory(prefix="rocketkv-bench-") as tmp, steps_bar() as bar:

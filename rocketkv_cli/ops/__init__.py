@@ -1,6 +1,6 @@
 """Kernel dispatch: one rule for every hot-path op (SPEC §5).
 
-Each op has a torch reference (the specification, in `decode.py` / `prefill.py`) and a Triton
+Each op has a torch reference (the specification, in `stage2.py` / `stage1.py`) and a Triton
 launcher of the same signature in `rocketkv_cli.kernels.<file>`. The rule, evaluated per call from
 the first tensor argument's device and `ROCKETKV_KERNELS`:
 
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import decode, prefill
+from ..core import stage1, stage2
 
 ENV_VAR = "ROCKETKV_KERNELS"
 BACKENDS = ("auto", "torch", "triton")
@@ -30,12 +30,12 @@ log = logging.getLogger(__name__)
 
 # op → (reference function, "kernels module:launcher" loaded on first use)
 DISPATCH: dict[str, tuple[Callable[..., Any], str]] = {
-    "page_summaries": (decode.page_summaries, "page_summaries:page_summaries_triton"),
-    "update_page_summaries": (decode.update_page_summaries, "page_summaries:update_page_summaries_triton"),
-    "page_scores": (decode.page_scores, "page_scores:page_scores_triton"),
-    "sparse_attention": (decode.sparse_attention, "sparse_attention:sparse_attention_triton"),
-    "observation_scores": (prefill.observation_scores, "observation_scores:observation_scores_triton"),
-    "pool_scores": (prefill.pool_scores, "observation_scores:pool_scores_triton"),
+    "page_summaries": (stage2.page_summaries, "page_summaries:page_summaries_triton"),
+    "update_page_summaries": (stage2.update_page_summaries, "page_summaries:update_page_summaries_triton"),
+    "page_scores": (stage2.page_scores, "page_scores:page_scores_triton"),
+    "sparse_attention": (stage2.sparse_attention, "sparse_attention:sparse_attention_triton"),
+    "observation_scores": (stage1.observation_scores, "observation_scores:observation_scores_triton"),
+    "pool_scores": (stage1.pool_scores, "observation_scores:pool_scores_triton"),
 }
 _logged: set[tuple[str, str]] = set()
 
@@ -104,21 +104,21 @@ def implementation(op: str, tensor: torch.Tensor) -> Callable[..., Any]:
 
 
 def page_summaries(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatched `decode.page_summaries`: keys `[B, Hkv, S, D]` → (min, max) `[B, Hkv, P, D]`."""
+    """Dispatched `stage2.page_summaries`: keys `[B, Hkv, S, D]` → (min, max) `[B, Hkv, P, D]`."""
     return implementation("page_summaries", keys)(keys, page_size)
 
 
 def update_page_summaries(
     page_min: torch.Tensor, page_max: torch.Tensor, keys: torch.Tensor, start: int, page_size: int
 ) -> None:
-    """Dispatched `decode.update_page_summaries` (in place, pages touched from token `start` on)."""
+    """Dispatched `stage2.update_page_summaries` (in place, pages touched from token `start` on)."""
     implementation("update_page_summaries", keys)(page_min, page_max, keys, start, page_size)
 
 
 def page_scores(
     query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, counts: torch.Tensor, n_score_dims: int
 ) -> torch.Tensor:
-    """Dispatched `decode.page_scores`: query `[B, H, 1, D]`, pages `[B, Hkv, P, D]` → `[B, Hkv, P]` float32."""
+    """Dispatched `stage2.page_scores`: query `[B, H, 1, D]`, pages `[B, Hkv, P, D]` → `[B, Hkv, P]` float32."""
     return implementation("page_scores", query)(query, page_min, page_max, counts, n_score_dims)
 
 
@@ -130,7 +130,7 @@ def sparse_attention(
     scaling: float,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Dispatched `decode.sparse_attention`: `[B, H, 1, D]` over indices `[B, Hkv, N_sel]` → `[B, H, 1, D]`."""
+    """Dispatched `stage2.sparse_attention`: `[B, H, 1, D]` over indices `[B, Hkv, N_sel]` → `[B, H, 1, D]`."""
     return implementation("sparse_attention", query)(query, keys, values, indices, scaling, softcap)
 
 
@@ -142,22 +142,22 @@ def observation_scores(
     scaling: float,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Dispatched `prefill.observation_scores`: `[B, H, W, D]` × `[B, Hkv, S, D]` → `[B, Hkv, S]` float32."""
+    """Dispatched `stage1.observation_scores`: `[B, H, W, D]` × `[B, Hkv, S, D]` → `[B, Hkv, S]` float32."""
     fn = implementation("observation_scores", keys)
     return fn(window_queries, keys, query_positions, key_positions, scaling, softcap)
 
 
 def pool_scores(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
-    """Dispatched `prefill.pool_scores`: `[B, Hkv, S]` → `[B, Hkv, S]` (stride-1 max-pool)."""
+    """Dispatched `stage1.pool_scores`: `[B, Hkv, S]` → `[B, Hkv, S]` (stride-1 max-pool)."""
     return implementation("pool_scores", scores)(scores, kernel_size)
 
 
 def snapkv_select(scores: torch.Tensor, prompt_budget: int, window_size: int, kernel_size: int) -> torch.Tensor:
-    """`prefill.snapkv_select` with the dispatched pooling (SPEC §3.2 steps 4–5).
+    """`stage1.snapkv_select` with the dispatched pooling (SPEC §3.2 steps 4–5).
 
     Args: scores `[B, Hkv, S]` float32; budgets in tokens. Returns: `[B, Hkv, min(S, prompt_budget)]` int64.
     """
-    return prefill.snapkv_select(scores, prompt_budget, window_size, kernel_size, pool=pool_scores)
+    return stage1.snapkv_select(scores, prompt_budget, window_size, kernel_size, pool=pool_scores)
 
 
 def hsa_decode(
@@ -172,22 +172,10 @@ def hsa_decode(
     scaling: float,
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`decode.hsa_decode` composed from the dispatched parts (SPEC §3.3, RocketKV §3.5).
+    """`stage2.hsa_decode` with the dispatched page scoring and sparse attention (RocketKV §3.5).
 
-    Page scoring and sparse attention run on the selected backend; the page top-k is `torch.topk`
-    (`decode.select_pages`) on every backend. Exact attention when S ≤ topk.
-
-    Args:
-        query: `[B, H, 1, D]`. keys/values: `[B, Hkv, S, D]`. page_min/page_max: `[B, Hkv, P, D]`.
-        topk, page_size, n_score_dims: budgets (tokens, tokens, dims). scaling, softcap: the layer's.
-    Returns:
-        (output `[B, H, 1, D]`, selected token indices `[B, Hkv, N_sel]` int64).
+    Args: query `[B, H, 1, D]`; keys/values `[B, Hkv, S, D]`; page_min/page_max `[B, Hkv, P, D]`;
+    budgets in tokens. Returns: (output `[B, H, 1, D]`, indices `[B, Hkv, N_sel]` int64).
     """
-    s = keys.shape[2]
-    if s <= topk:
-        indices = torch.arange(s, device=keys.device).expand(keys.shape[0], keys.shape[1], s)
-    else:
-        counts = decode.page_token_counts(s, page_size, keys.device)
-        scores = page_scores(query, page_min, page_max, counts, n_score_dims)  # [B, Hkv, P]
-        indices = decode.select_pages(scores, topk, page_size)  # [B, Hkv, N_sel]
-    return sparse_attention(query, keys, values, indices, scaling, softcap), indices
+    return stage2.hsa_decode(query, keys, values, page_min, page_max, topk, page_size, n_score_dims, scaling,
+                             softcap, score_pages=page_scores, attend=sparse_attention)  # fmt: skip

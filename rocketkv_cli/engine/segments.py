@@ -11,28 +11,30 @@ over the top segments' kept KV (`merge_segments`). No argument parsing or printi
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import json
 import re
-import shutil
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import chain
-from pathlib import Path
 
 import torch
 
-from .cache_io import PrunedKVCache, SegmentedKVCache, load_cache, save_cache
-from .config import PrefillConfig
-from .errors import BudgetError, CacheFormatError, InputError, OutputError
-from .hf import empty_cache, forward_tokens, rocketkv_attention
-from .ingest import Document, TextStream, segment_texts, tokenize
-from .pipeline import Answer, Engine, TokenProgress, context_limit, document_token_ids, prefill_document, prefill_ids
+from ..core.cache import CacheInfo, CompressedKVCache, LayerKV, SegmentedKVCache, SegmentInfo
+from ..core.config import PrefillConfig, resolve_budgets
+from ..errors import BudgetError, CacheFormatError, InputError
+from ..model.hf import empty_cache, forward_tokens, rocketkv_attention
+from ..model.templates import read_prompt
+from ..store.checkpoints import Checkpoints
+from .answer import Answer, answer, decode_config_for
+from .documents import Document, TextPieces, TextStream, segment_texts, tokenize
+from .engine import Engine, TokenProgress
+from .selectors import pool_kernel_of
 
 SEGMENT_SLACK_TOKENS = 16  # joint tokenization of a segment may differ from the per-line count
 MIN_SEGMENT_TEXT_TOKENS = 64
-SEGMENT_KEYS = ("segment_index", "segment_start_token", "segment_ids_sha256")
+SUMMARY_STOP_STRINGS = ("\n\n\n",)  # summaries are paragraphs: only a long gap ends one early
 
 
 @dataclass(frozen=True)
@@ -44,53 +46,9 @@ class SegmentDone:
     resumed: bool
 
 
-class Checkpoints:
-    """Finished segments of an ingest into `target`, each a v1 `.kv` file in a hidden folder beside it.
-
-    A checkpoint is reused only when its model identity, configuration and token ids' sha256 all
-    match (so a changed document or option re-prefills from the first differing segment).
-    """
-
-    def __init__(self, target: Path):
-        self.dir = target.parent / f".{target.name}.segments"
-
-    def _path(self, index: int) -> Path:
-        return self.dir / f"{index:06d}.kv"
-
-    def load(self, index: int, expected: dict[str, str]) -> PrunedKVCache | None:
-        path = self._path(index)
-        if not path.is_file():
-            return None
-        try:
-            part = load_cache(path)
-        except CacheFormatError:  # e.g. the machine died mid-write of an older rocketkv: redo it
-            return None
-        if not isinstance(part, PrunedKVCache) or part.token_ids is None:
-            return None
-        if any(part.metadata.get(k) != v for k, v in expected.items()):
-            return None
-        return part
-
-    def save(self, index: int, part: PrunedKVCache) -> PrunedKVCache:
-        """Write `part` and return it memory-mapped from disk (its tensors leave RAM)."""
-        try:
-            self.dir.mkdir(exist_ok=True)
-        except OSError as exc:
-            raise OutputError(f"cannot create the checkpoint folder {self.dir}: {exc.strerror}",
-                              "choose a writable output directory, or remove what is in the way") from exc  # fmt: skip
-        save_cache(part, self._path(index), force=True)
-        return load_cache(self._path(index))
-
-    def remove(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def count(self) -> int:
-        return len(list(self.dir.glob("*.kv"))) if self.dir.is_dir() else 0
-
-
 def frame_tokens(engine: Engine) -> int:
     """Tokens the prompt framing puts before a document (BOS, instructions)."""
-    return len(document_token_ids(engine, Document("", "", "")))
+    return len(engine.document_ids(Document("", "", "")))
 
 
 def segment_limit(engine: Engine, cfg: PrefillConfig, segment_tokens: int | None) -> int:
@@ -98,7 +56,7 @@ def segment_limit(engine: Engine, cfg: PrefillConfig, segment_tokens: int | None
 
     Raises BudgetError: more than the context fits, or too few for the framing.
     """
-    limit = context_limit(engine, cfg.max_new_tokens)
+    limit = engine.context_limit(cfg.max_new_tokens)
     seg = segment_tokens or limit
     if seg > limit:
         raise BudgetError(
@@ -115,16 +73,16 @@ def segment_limit(engine: Engine, cfg: PrefillConfig, segment_tokens: int | None
 
 def ingest_stream(
     engine: Engine,
-    stream: TextStream,
+    stream: TextStream | TextPieces,
     cfg: PrefillConfig,
     segment_tokens: int | None = None,
     checkpoints: Checkpoints | None = None,
     on_segment: Callable[[SegmentDone], None] = lambda event: None,
     progress: TokenProgress = lambda done, total: None,
-) -> PrunedKVCache | SegmentedKVCache:
+) -> CompressedKVCache | SegmentedKVCache:
     """Prefill and prune a document of any length, read as a stream.
 
-    A document that fits one segment gives a `PrunedKVCache` exactly as `prefill_document` would.
+    A document that fits one segment gives a `CompressedKVCache` exactly as `Engine.ingest` would.
     A longer one is cut into segments of ≤ `segment_tokens` framed tokens (see `segment_limit`),
     each prefilled at positions 0 … n_j−1 and pruned on its own; with `checkpoints`, each finished
     segment is saved (and then memory-mapped) so an interrupted ingest resumes where it stopped.
@@ -139,11 +97,11 @@ def ingest_stream(
     first, second = next(texts, ""), next(texts, None)
     if second is None:
         stream.check_not_empty()
-        return prefill_document(engine, Document(first, stream.sha256, stream.source), cfg, progress)
-    parts: list[PrunedKVCache] = []
+        return engine.ingest(Document(first, stream.sha256, stream.source), cfg, progress)
+    parts: list[CompressedKVCache] = []
     start = tokens_done = bytes_done = 0
     for index, text in enumerate(chain([first, second], texts)):
-        ids = document_token_ids(engine, Document(text, "", ""))
+        ids = engine.document_ids(Document(text, "", ""))
         bytes_done += len(text.encode("utf-8", "surrogatepass"))
         size = stream.total_bytes or 0
 
@@ -154,16 +112,11 @@ def ingest_stream(
         if len(ids) > seg:
             raise BudgetError(f"segment {index} tokenized to {len(ids)} tokens, over {seg}", "lower --segment-tokens")
         ids_sha = hashlib.sha256(torch.tensor(ids, dtype=torch.int64).numpy().tobytes()).hexdigest()
-        meta = {
-            "document_sha256": ids_sha, "document_source": stream.source, "segment_index": str(index),
-            "segment_start_token": str(start), "segment_ids_sha256": ids_sha,
-        }  # fmt: skip
-        expected = {**engine.identity, **meta, "config": json.dumps(cfg.to_dict(), sort_keys=True),
-                    "dtype": str(engine.loaded.dtype).removeprefix("torch.")}  # fmt: skip
-        part = checkpoints.load(index, expected) if checkpoints else None
+        where = SegmentInfo(index=index, start_token=start, ids_sha256=ids_sha)
+        part = _checkpointed(engine, checkpoints, index, ids, cfg, ids_sha, stream.source, where)
         resumed = part is not None
         if part is None:
-            part = prefill_ids(engine, ids, cfg, meta, seg_progress)
+            part = engine.ingest_ids(ids, cfg, ids_sha, stream.source, where, seg_progress)
             part.token_ids = torch.tensor(ids, dtype=torch.int32)
             if checkpoints:
                 part = checkpoints.save(index, part)
@@ -172,9 +125,21 @@ def ingest_stream(
         start += len(ids) - frame
         tokens_done += len(ids)
     stream.check_not_empty()  # a whitespace-only stdin longer than one segment
-    metadata = {k: v for k, v in parts[0].metadata.items() if k not in SEGMENT_KEYS}
-    metadata.update(document_sha256=stream.sha256, n_context_tokens=str(sum(p.n_context_tokens for p in parts)))
-    return SegmentedKVCache(segments=parts, metadata=metadata)
+    info = parts[0].info.with_(segment=None, document_sha256=stream.sha256, created_at=None,
+                               n_context_tokens=sum(p.n_context_tokens for p in parts))  # fmt: skip
+    return SegmentedKVCache(info=info, segments=tuple(parts))
+
+
+def _checkpointed(engine: Engine, checkpoints: Checkpoints | None, index: int, ids: list[int], cfg: PrefillConfig,
+                  ids_sha: str, source: str, where: SegmentInfo) -> CompressedKVCache | None:  # fmt: skip
+    """Segment `index` from the checkpoints when one was built exactly so; else None."""
+    if checkpoints is None:
+        return None
+    n = len(ids)
+    expected = CacheInfo(identity=engine.identity, dtype=engine.dtype_name, n_context_tokens=n, document_sha256=ids_sha,
+                         document_source=source, config=cfg, budgets=resolve_budgets(cfg, n, engine.shape.head_dim),
+                         pool_kernel_size=pool_kernel_of(cfg, n), segment=where)  # fmt: skip
+    return checkpoints.load(index, expected)
 
 
 @torch.inference_mode()
@@ -185,11 +150,12 @@ def question_queries(engine: Engine, question: str, position: int) -> dict[int, 
     follow a segment). Returns {layer index: `[1, H, T_q, D]` float32}.
     """
     before = len(tokenize(engine.tokenizer, engine.prompt.before_question, False))
-    ids = tokenize(engine.tokenizer, engine.prompt.question_text(question), False)
+    ids = engine.question_ids(question)
     n_q = len(tokenize(engine.tokenizer, engine.prompt.before_question + question, False))
     cache = empty_cache(engine.model, engine.shape, len(ids))
+    positions = torch.arange(position, position + len(ids), device=engine.loaded.device)
     with rocketkv_attention(engine.model, cache, engine.shape, capture_from=position + before) as session:
-        forward_tokens(engine.model, cache, engine.ids(ids), position)
+        forward_tokens(engine.model, cache, engine.ids(ids), positions)
     span = max(1, n_q - before)
     return {i: torch.cat(q, dim=2)[:, :, :span] for i, q in session.captured.items()}
 
@@ -213,9 +179,9 @@ def segment_scores(engine: Engine, stored: SegmentedKVCache, question: str) -> t
     for part in stored.segments:
         maxima = []
         for i, q in sorted(queries.items()):
-            keys, _, pos = part.layers[i]  # [1, Hkv, S, D], [1, Hkv, S] (memory-mapped, on the CPU)
-            k = keys[0].to(q.device, torch.float32)
-            pos = pos.to(q.device)
+            layer = part.layers[i]  # [1, Hkv, S, D], [1, Hkv, S] (memory-mapped, on the CPU)
+            k = layer.keys[0].to(q.device, torch.float32)
+            pos = layer.positions.to(q.device)
             b, h, t, d = q.shape
             assert k.shape[0] * group == h and k.shape[2] == d, (q.shape, k.shape)
             logits = torch.einsum("kgtd,ksd->kgts", q[0].view(k.shape[0], group, t, d), k)  # [Hkv, G, T, S]
@@ -253,7 +219,8 @@ def lexical_scores(engine: Engine, stored: SegmentedKVCache, question: str) -> t
     vocab = len(engine.tokenizer)
     tf, lengths = [], []
     for part in stored.segments:
-        assert part.token_ids is not None, "segments carry their token ids"
+        if part.token_ids is None:
+            raise CacheFormatError("a segment of this cache has no token ids")
         ids = part.token_ids.tolist()
         if ids and max(ids) >= vocab:
             raise CacheFormatError(f"segment token ids exceed this tokenizer's {vocab} tokens")
@@ -286,7 +253,7 @@ def route(engine: Engine, stored: SegmentedKVCache, question: str, n_segments: i
     return sorted(int(i) for i in top)
 
 
-def merge_segments(stored: SegmentedKVCache, indices: list[int]) -> PrunedKVCache:
+def merge_segments(stored: SegmentedKVCache, indices: list[int]) -> CompressedKVCache:
     """One cache over the chosen segments, for answering (parallel context windows).
 
     Each segment keeps its own RoPE positions 0 … n_j−1 (keys are stored rotated, so moving them
@@ -294,6 +261,8 @@ def merge_segments(stored: SegmentedKVCache, indices: list[int]) -> PrunedKVCach
     follows at max n_j. The longest chosen segment is seen at the distances it had at ingest, a
     shorter one max n_j − n_j tokens further away (its sliding-window layers' tokens may fall out
     of the window). One index gives that segment's cache unchanged.
+    Raises:
+        InputError: an index out of range.
     """
     if not indices or any(not 0 <= j < len(stored.segments) for j in indices):
         raise InputError(
@@ -303,20 +272,49 @@ def merge_segments(stored: SegmentedKVCache, indices: list[int]) -> PrunedKVCach
     parts = [stored.segments[j] for j in indices]
     if len(parts) == 1:
         return parts[0]
-    layers = [tuple(torch.cat(kinds, dim=2) for kinds in zip(*layer)) for layer in zip(*(p.layers for p in parts))]
-    meta = dict(parts[0].metadata)
-    meta["n_context_tokens"] = str(max(p.n_context_tokens for p in parts))
-    meta["segment_index"] = ",".join(map(str, indices))
-    return PrunedKVCache(layers=layers, metadata=meta)
+    layers = tuple(
+        LayerKV(*(torch.cat(kinds, dim=2) for kinds in zip(*((x.keys, x.values, x.positions) for x in layer))))
+        for layer in zip(*(p.layers for p in parts))
+    )  # each [1, Hkv, Σ S_j, D] / [1, Hkv, Σ S_j]
+    info = parts[0].info.with_(n_context_tokens=max(p.n_context_tokens for p in parts), segment=None)
+    return CompressedKVCache(info=info, layers=layers)
 
 
-def iter_segment_answers(
-    engine: Engine, stored: SegmentedKVCache, questions: list[str], n_segments: int, segment: int | None
-) -> Iterator[tuple[str, list[int], PrunedKVCache]]:
-    """For each question: the chosen segment indices and the cache to answer it from."""
+def answer_segmented(
+    engine: Engine,
+    stored: SegmentedKVCache,
+    questions: list[str],
+    max_new_tokens: int,
+    sparse: bool,
+    overrides: dict[str, int | None],
+    n_segments: int = 1,
+    segment: int | None = None,
+    log: Callable[[str], None] = lambda message: None,
+) -> Iterator[Answer]:
+    """Answer each question from the segments it is routed to (`route`), or from `segment`.
+
+    Every question is routed and checked before any is answered (`log` names the segments).
+    Raises:
+        InputError: an empty question or a bad segment index. BudgetError: a question that does
+        not fit. ValueError: overrides that make no valid stage-2 configuration.
+    """
+    from .answer import prepare_questions
+
+    jobs = []
     for question in questions:
         chosen = [segment] if segment is not None else route(engine, stored, question, n_segments)
-        yield question, chosen, merge_segments(stored, chosen)
+        jobs.append((question, chosen, merge_segments(stored, chosen)))
+    for question, _, part in jobs:
+        prepare_questions(engine, part, [question], max_new_tokens)
+    decodes = [decode_config_for(part, sparse, **overrides) for _, _, part in jobs]
+
+    def answers() -> Iterator[Answer]:
+        for i, ((question, chosen, part), decode) in enumerate(zip(jobs, decodes)):
+            log(f"question {i + 1}: answering from segment{'s' * (len(chosen) > 1)} {', '.join(map(str, chosen))}")
+            ans = next(answer(engine, part, [question], max_new_tokens, decode))
+            yield dataclasses.replace(ans, segments=tuple(chosen))
+
+    return answers()
 
 
 @dataclass(frozen=True)
@@ -331,38 +329,44 @@ class PartialSummary:
 
 def summarize(
     engine: Engine,
-    stored: PrunedKVCache | SegmentedKVCache,
+    stored: CompressedKVCache | SegmentedKVCache,
     cfg: PrefillConfig,
-    summarize_one: Callable[[PrunedKVCache, str], Answer],
+    max_new_tokens: int,
+    sparse: bool = True,
     on_partial: Callable[[PartialSummary], None] = lambda event: None,
     prompt: str | None = None,
     level: int = 0,
 ) -> Answer:
     """Summary of a stored document; hierarchical when it is segmented.
 
-    A one-segment cache is summarized directly (`summarize_one(cache, question)` answers one
-    question from a cache). A segmented one: each segment is summarized with `summarize.txt`
-    (reported through `on_partial`), the summaries are joined in order into a new text, which is
-    ingested in memory with `cfg` and summarized with `summarize_parts.txt`, recursively while it
-    is still longer than the context. Returns the final summary's `Answer`.
+    A one-segment cache is answered the summary prompt (`prompts/summarize.txt`; stop strings
+    SUMMARY_STOP_STRINGS). A segmented one: each segment is summarized (reported through
+    `on_partial`), the summaries are joined in order into a new text, which is ingested in memory
+    with `cfg` and summarized with `summarize_parts.txt`, recursively while it is still longer
+    than the context. Returns the final summary's `Answer`.
+    Raises:
+        BudgetError: summaries that do not shrink (the recursion would never end).
     """
-    from .templates import read_prompt
+    stops = SUMMARY_STOP_STRINGS if engine.prompt.stop_strings else ()
 
-    if isinstance(stored, PrunedKVCache):
-        return summarize_one(stored, prompt or read_prompt("summarize.txt"))
+    def one(part: CompressedKVCache, text: str) -> Answer:
+        decode = decode_config_for(part, sparse)
+        return next(answer(engine, part, [text], max_new_tokens, decode, stop_strings=stops))
+
+    if isinstance(stored, CompressedKVCache):
+        return one(stored, prompt or read_prompt("summarize.txt"))
     n = len(stored.segments)
     partials = []
     for j, part in enumerate(stored.segments):
-        text = summarize_one(part, read_prompt("summarize.txt")).text
+        text = one(part, read_prompt("summarize.txt")).text
         partials.append(text)
         on_partial(PartialSummary(level=level, index=j, total=n, text=text))
     joined = "\n\n".join(f"Part {j + 1} of {n}: {text}" for j, text in enumerate(partials))
-    from .ingest import TextPieces
-
     combined = ingest_stream(engine, TextPieces(joined, f"summaries (level {level + 1})"), cfg)
     if isinstance(combined, SegmentedKVCache) and len(combined.segments) >= n:
         raise BudgetError(
             f"the summaries of {n} parts do not fit in fewer parts; the summary would never finish",
             "lower --max-new-tokens",
         )
-    return summarize(engine, combined, cfg, summarize_one, on_partial, read_prompt("summarize_parts.txt"), level + 1)
+    return summarize(engine, combined, cfg, max_new_tokens, sparse, on_partial, read_prompt("summarize_parts.txt"),
+                     level + 1)  # fmt: skip

@@ -1,9 +1,11 @@
-"""The `.kv` cache file (SPEC §4): safetensors tensors + string metadata, validated on load.
+"""The `.kv` cache file (docs/file-format.md): safetensors tensors + string metadata, validated on load.
 
-Tensors per layer i: `layers.{i}.keys` / `layers.{i}.values` `[Hkv, n_kept, D]` and
-`layers.{i}.positions` `[Hkv, n_kept]` int64 (original RoPE positions). No pickle, no torch.save.
-Writes are atomic (temporary file in the target directory, fsync, rename); an existing target is
-replaced only with `force`, and a symlink at the target is replaced, never written through.
+The only place where a `CompressedKVCache` / `SegmentedKVCache` becomes bytes and strings, and
+back. Tensors per layer i: `layers.{i}.keys` / `layers.{i}.values` `[Hkv, n_kept, D]` and
+`layers.{i}.positions` `[Hkv, n_kept]` int64 (original RoPE positions); v2 prefixes them with
+`segments.{j}.`. No pickle, no torch.save. Writes are atomic (temporary file in the target
+directory, fsync, rename); an existing target is replaced only with `force`, and a symlink at the
+target is replaced, never written through. Nothing read from a file is checked with `assert`.
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ import os
 import struct
 import tempfile
 import warnings
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save as st_save
 
-from . import __version__
-from .errors import CacheFormatError, OutputError
+from .. import __version__
+from ..core.cache import CacheInfo, CompressedKVCache, LayerKV, ModelIdentity, SegmentedKVCache, SegmentInfo
+from ..core.config import Budgets, PrefillConfig
+from ..errors import CacheFormatError, OutputError
 
 FORMAT_NAME = "rocketkv.kv_cache"
 FORMAT_VERSION = 2  # v1: one segment (`layers.*` tensors); v2: `segments.{j}.layers.*`
@@ -41,73 +46,47 @@ REQUIRED_METADATA = (
 )  # fmt: skip
 
 
-@dataclass
-class PrunedKVCache:
-    """A stored (pruned) KV cache of one document.
-
-    layers: per layer (keys `[1, Hkv, S_l, D]`, values `[1, Hkv, S_l, D]`, positions `[1, Hkv, S_l]`
-    int64), S_l = tokens kept by that layer. metadata: the string metadata of SPEC §4.
-    token_ids: `[n_context_tokens]` int32, the framed document's token ids, or None (stored for
-    segments of long documents, where questions are routed by them).
-    """
-
-    layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    metadata: dict[str, str] = field(default_factory=dict)
-    token_ids: torch.Tensor | None = None
-    mapping: object | None = field(default=None, repr=False, compare=False)  # the file's memory map, if loaded
-
-    @property
-    def n_context_tokens(self) -> int:
-        return int(self.metadata["n_context_tokens"])
-
-
-@dataclass
-class SegmentedKVCache:
-    """The stored cache of a document longer than the model's context (format v2).
-
-    segments: one `PrunedKVCache` per segment, in document order; each was prefilled on its own
-    at RoPE positions 0 … n_j−1 (n_j = its framed length in tokens) and carries its own metadata
-    (`n_context_tokens` = n_j, its `budgets`, `segment_index`, `segment_start_token` = offset of
-    its first document token in the whole document's tokens). metadata: the file's metadata;
-    `n_context_tokens` there is the sum of the segments' n_j.
-    """
-
-    segments: list[PrunedKVCache]
-    metadata: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def n_context_tokens(self) -> int:
-        return int(self.metadata["n_context_tokens"])
-
-
 SEGMENT_FIELDS = ("n_context_tokens", "start_token", "budgets", "ids_sha256")
+BUDGET_FIELDS = ("prompt_budget", "capacity_budget", "topk", "page_size", "n_score_dims")
 
 
-def segment_entry(segment: PrunedKVCache) -> dict:
+def info_metadata(info: CacheInfo) -> dict[str, str]:
+    """The string metadata of `info` (everything but the format fields and digests)."""
+    ident = info.identity
+    meta = {
+        "model_id": ident.model_id, "model_digest": ident.model_digest, "tokenizer_digest": ident.tokenizer_digest,
+        "chat_template_digest": ident.chat_template_digest, "prompt_template_id": ident.prompt_template_id,
+        "n_layers": str(ident.n_layers), "n_kv_heads": str(ident.n_kv_heads), "head_dim": str(ident.head_dim),
+        "layer_windows": json.dumps(list(ident.layer_windows)), "dtype": info.dtype,
+        "n_context_tokens": str(info.n_context_tokens), "document_sha256": info.document_sha256,
+        "document_source": info.document_source, "config": json.dumps(info.config.to_dict(), sort_keys=True),
+        "budgets": json.dumps(info.budgets_record(), sort_keys=True),
+    }  # fmt: skip
+    if info.segment is not None:
+        meta.update(segment_index=str(info.segment.index), segment_start_token=str(info.segment.start_token),
+                    segment_ids_sha256=info.segment.ids_sha256)  # fmt: skip
+    if info.created_at:
+        meta["created_at"] = info.created_at
+    return meta
+
+
+def _segment_entry(segment: CompressedKVCache) -> dict:
     """The per-segment record stored in a v2 file's `segments` metadata (JSON list)."""
-    meta = segment.metadata
+    seg = segment.info.segment
     return {
-        "n_context_tokens": int(meta["n_context_tokens"]),
-        "start_token": int(meta.get("segment_start_token", 0)),
-        "budgets": json.loads(meta["budgets"]),
-        "ids_sha256": meta.get("segment_ids_sha256", ""),
+        "n_context_tokens": segment.n_context_tokens,
+        "start_token": seg.start_token if seg else 0,
+        "budgets": segment.info.budgets_record(),
+        "ids_sha256": seg.ids_sha256 if seg else "",
     }
 
 
-def full_kv_bytes(
-    n_context_tokens: int, layer_windows: list[int | None], n_kv_heads: int, head_dim: int, element_bytes: int
-) -> int:
-    """Bytes of the unpruned KV cache of a document (keys + values; sliding layers hold their window)."""
-    tokens = sum(min(n_context_tokens, w) if w else n_context_tokens for w in layer_windows)
-    return 2 * n_kv_heads * tokens * head_dim * element_bytes
-
-
-def _tensors(cache: PrunedKVCache) -> dict[str, torch.Tensor]:
+def _tensors(cache: CompressedKVCache) -> dict[str, torch.Tensor]:
     out = {}
-    for i, (k, v, p) in enumerate(cache.layers):
-        out[f"layers.{i}.keys"] = k[0].contiguous()
-        out[f"layers.{i}.values"] = v[0].contiguous()
-        out[f"layers.{i}.positions"] = p[0].to(torch.int64).contiguous()
+    for i, layer in enumerate(cache.layers):
+        out[f"layers.{i}.keys"] = layer.keys[0].contiguous()
+        out[f"layers.{i}.values"] = layer.values[0].contiguous()
+        out[f"layers.{i}.positions"] = layer.positions[0].to(torch.int64).contiguous()
     if cache.token_ids is not None:
         out["token_ids"] = cache.token_ids.to(torch.int32).contiguous()
     return out
@@ -156,22 +135,29 @@ def check_target(target: Path, force: bool) -> Path:
     return parent
 
 
-def _finish_metadata(meta: dict[str, str], tensors: dict[str, torch.Tensor], version: int) -> dict[str, str]:
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _finish_metadata(
+    meta: dict[str, str], tensors: dict[str, torch.Tensor], version: int, after_each: Callable[[str], None]
+) -> dict[str, str]:
     meta = dict(meta)
     meta.update(
         format=FORMAT_NAME,
         format_version=str(version),
         rocketkv_version=__version__,
-        created_at=meta.get("created_at") or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        payload_sha256=payload_digest(tensors),
+        created_at=meta.get("created_at") or _now(),
+        payload_sha256=payload_digest(tensors, after_each),
     )
     meta["metadata_sha256"] = metadata_digest(meta)
     missing = [k for k in REQUIRED_METADATA if k not in meta]
-    assert not missing, f"metadata incomplete: {missing}"
+    if missing:
+        raise ValueError(f"metadata incomplete: {missing}")
     return meta
 
 
-def save_cache(cache: PrunedKVCache, path: str | Path, force: bool = False) -> Path:
+def save_cache(cache: CompressedKVCache, path: str | Path, force: bool = False) -> Path:
     """Write a one-segment `cache` (format v1) atomically to `path`.
 
     Raises:
@@ -179,44 +165,36 @@ def save_cache(cache: PrunedKVCache, path: str | Path, force: bool = False) -> P
             or not writable.
     """
     tensors = {k: v.detach().cpu() for k, v in _tensors(cache).items()}
-    meta = _finish_metadata(cache.metadata, tensors, 1)
+    meta = _finish_metadata(info_metadata(cache.info), tensors, 1, lambda name: None)
     data = st_save(tensors, metadata=meta)
     return _atomic_write(Path(path), force, lambda f: f.write(data))
 
 
-def save_segmented(
-    segments: list[PrunedKVCache], metadata: dict[str, str], path: str | Path, force: bool = False
-) -> Path:
+def save_segmented(cache: SegmentedKVCache, path: str | Path, force: bool = False) -> Path:
     """Write a multi-segment cache (format v2) atomically to `path`, streaming tensor by tensor.
 
-    `segments` may be memory-mapped checkpoints (`load_cache` results): memory stays at one tensor
-    beyond the maps, whatever the file size. Tensors are named `segments.{j}.layers.{i}.{kind}`;
-    each segment's `token_ids` (required here) go in `segments.{j}.token_ids`. The layout is plain
-    safetensors (contiguous, 8-byte dtypes first). `metadata` gets the
-    `segments` list (see `segment_entry`) and the total `n_context_tokens`.
+    The segments may be memory-mapped checkpoints (`load_cache` results): memory stays at one
+    tensor beyond the maps, whatever the file size. Tensors are named
+    `segments.{j}.layers.{i}.{kind}`; each segment's `token_ids` (required here) go in
+    `segments.{j}.token_ids`. The layout is plain safetensors (contiguous, 8-byte dtypes first).
+    The metadata is the file's `info` plus the `segments` list (see `_segment_entry`).
     Raises:
-        OutputError: as `save_cache`.
+        OutputError: as `save_cache`, or a header over MAX_HEADER_BYTES.
+        ValueError: a segment without token ids, or in another dtype than `cache.info`.
     """
-    tensors: dict[str, torch.Tensor] = {}
-    assert all(seg.token_ids is not None for seg in segments), "segments need their token ids"
-    dtypes = {str(seg.layers[0][0].dtype).removeprefix("torch.") for seg in segments}
-    assert dtypes == {metadata["dtype"]}, f"segments in {dtypes}, metadata says {metadata['dtype']}"
-    for j, seg in enumerate(segments):
-        for name, t in _tensors(seg).items():
-            tensors[f"segments.{j}.{name}"] = t
-    meta = dict(metadata)
-    meta["segments"] = json.dumps([segment_entry(seg) for seg in segments])
-    meta["n_context_tokens"] = str(sum(int(seg.metadata["n_context_tokens"]) for seg in segments))
+    segments = cache.segments
+    if any(seg.token_ids is None for seg in segments):
+        raise ValueError("segments need their token ids")
+    dtypes = {str(seg.layers[0].keys.dtype).removeprefix("torch.") for seg in segments}
+    if dtypes != {cache.info.dtype}:
+        raise ValueError(f"segments in {dtypes}, the cache says {cache.info.dtype}")
+    tensors = {f"segments.{j}.{name}": t for j, seg in enumerate(segments) for name, t in _tensors(seg).items()}
     maps = {f"segments.{j}.{name}": seg.mapping for j, seg in enumerate(segments) for name in _tensors(seg)}
     release = lambda name: release_pages(maps[name])  # noqa: E731  (memory stays one tensor, not the book)
-    meta = dict(meta)
-    meta.update(
-        format=FORMAT_NAME, format_version="2", rocketkv_version=__version__,
-        created_at=meta.get("created_at") or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        payload_sha256=payload_digest(tensors, release),
-    )  # fmt: skip
-    meta["metadata_sha256"] = metadata_digest(meta)
-    assert not [k for k in REQUIRED_METADATA if k not in meta], "metadata incomplete"
+    meta = info_metadata(cache.info.with_(created_at=None, segment=None))
+    meta["segments"] = json.dumps([_segment_entry(seg) for seg in segments])
+    meta["n_context_tokens"] = str(sum(seg.n_context_tokens for seg in segments))
+    meta = _finish_metadata(meta, tensors, 2, release)
     order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
     header: dict = {"__metadata__": meta}
     offset = 0
@@ -309,18 +287,32 @@ def _parse_header(buf: mmap.mmap | bytes, path: Path, rebuild: str) -> dict:
     payload = size - 8 - n
     end = 0
     for name, info in header.items():
-        try:
-            dtype, shape, (start, stop) = info["dtype"], info["shape"], info["data_offsets"]
-            assert all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (*shape, start, stop))
-            expected = _DTYPE_BYTES[dtype] * math.prod(shape)
-        except (KeyError, TypeError, ValueError, AssertionError) as exc:
-            raise CacheFormatError(f"{path}: tensor {name!r} is described wrongly in the header", rebuild) from exc
+        expected = _described_bytes(info)
+        if expected is None:
+            raise CacheFormatError(f"{path}: tensor {name!r} is described wrongly in the header", rebuild)
+        start, stop = info["data_offsets"]
         if not (start <= stop <= payload) or stop - start != expected:
             raise CacheFormatError(f"{path} is truncated or damaged (tensor {name!r})", rebuild)
         end = max(end, stop)
     if end != payload:
         raise CacheFormatError(f"{path} is truncated or damaged (payload size)", rebuild)
     return {"tensors": header, "metadata": meta, "base": 8 + n}
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _described_bytes(info: Any) -> int | None:
+    """Bytes a header entry says its tensor has, or None when the entry is malformed."""
+    if not isinstance(info, dict) or info.get("dtype") not in _DTYPE_BYTES:
+        return None
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not isinstance(shape, list) or not isinstance(offsets, list) or len(offsets) != 2:
+        return None
+    if not all(_is_count(x) for x in (*shape, *offsets)):
+        return None
+    return _DTYPE_BYTES[info["dtype"]] * math.prod(shape)
 
 
 def rebuild_hint(meta: dict, path: Path) -> str:
@@ -356,95 +348,124 @@ def _tensor(buf, base: int, info: dict) -> torch.Tensor:
     return flat.view(info["shape"])
 
 
-def load_cache(path: str | Path) -> PrunedKVCache | SegmentedKVCache:
+def load_cache(path: str | Path) -> CompressedKVCache | SegmentedKVCache:
     """Load and validate a `.kv` file (format, version, header bounds, shapes, digests).
 
     Tensors are zero-copy views of a read-only memory map of the file. Model compatibility is
-    checked separately by `check_compatible`. A v1 file gives a `PrunedKVCache`, a v2 file (a
-    document in segments) a `SegmentedKVCache`.
+    checked separately (`ModelIdentity.mismatch`). A v1 file gives a `CompressedKVCache`, a v2
+    file (a document in segments) a `SegmentedKVCache`.
     Raises:
         CacheFormatError: not a rocketkv cache, newer format, truncated, damaged, inconsistent.
     """
-    p = Path(path)
+    return _load(Path(path), str(path))[0]
+
+
+def read_metadata(path: str | Path) -> dict[str, str]:
+    """The validated string metadata of a `.kv` file (for `inspect`). Raises CacheFormatError."""
+    return _load(Path(path), str(path))[1]
+
+
+def _load(p: Path, path: str) -> tuple[CompressedKVCache | SegmentedKVCache, dict[str, str]]:
     if not p.is_file():
         raise CacheFormatError(f"cache file not found: {path}", f"build one with: rocketkv ingest DOC -o {path}")
     buf = _map_file(p, path)
-    info = _parse_header(buf, p, "give a .kv file written by: rocketkv ingest DOC -o FILE.kv")
-    meta = info["metadata"]
+    header = _parse_header(buf, p, "give a .kv file written by: rocketkv ingest DOC -o FILE.kv")
+    meta = header["metadata"]
     rebuild = rebuild_hint(meta, p)
     missing = [k for k in REQUIRED_METADATA if k not in meta]
     if missing:
         raise CacheFormatError(f"{path}: metadata lacks {', '.join(missing)}", rebuild)
     if not all(isinstance(v, str) for v in meta.values()) or metadata_digest(meta) != meta["metadata_sha256"]:
         raise CacheFormatError(f"{path} is damaged (metadata digest mismatch)", rebuild)
-    try:
-        version = int(meta["format_version"])
-        n_layers, n_kv, head_dim, n_ctx = (
-            int(meta[k]) for k in ("n_layers", "n_kv_heads", "head_dim", "n_context_tokens")
-        )
-    except ValueError as exc:
-        raise CacheFormatError(f"{path}: malformed metadata ({exc})", rebuild) from exc
-    try:
-        for key in ("config", "budgets", "layer_windows"):
-            json.loads(meta[key])
-    except json.JSONDecodeError as exc:
-        raise CacheFormatError(f"{path}: malformed metadata ({exc})", rebuild) from exc
-    if version < 1 or min(n_kv, head_dim, n_ctx) < 1:
-        raise CacheFormatError(f"{path}: malformed metadata (version or sizes)", rebuild)
-    try:
-        from .config import Budgets, PrefillConfig
-
-        PrefillConfig(**json.loads(meta["config"]))
-        budgets = json.loads(meta["budgets"])
-        Budgets(**{k: budgets[k] for k in ("prompt_budget", "capacity_budget", "topk", "page_size", "n_score_dims")})
-        windows = json.loads(meta["layer_windows"])
-        assert isinstance(windows, list) and len(windows) == n_layers
-        assert all(w is None or (isinstance(w, int) and w > 0) for w in windows)
-    except (TypeError, ValueError, KeyError, AssertionError) as exc:
-        raise CacheFormatError(f"{path}: malformed metadata (config, budgets or layer windows)", rebuild) from exc
-    if version > FORMAT_VERSION:
-        raise CacheFormatError(
-            f"{path} has format version {version}, newer than this rocketkv reads ({FORMAT_VERSION})",
-            "upgrade rocketkv, or " + rebuild,
-        )
-    segments = _segment_entries(meta, version, n_ctx, path, rebuild)
-    if not 0 < n_layers <= 4096 or len(info["tensors"]) > 4 * n_layers * len(segments):
+    info = _info(meta, path, rebuild)
+    version = info.format_version or 1
+    segments = _segment_entries(meta, version, info.n_context_tokens, path, rebuild)
+    n_layers = info.identity.n_layers
+    if len(header["tensors"]) > 4 * n_layers * len(segments):
         raise CacheFormatError(f"{path}: tensors do not match n_layers={n_layers}", rebuild)
     prefixes = [""] if version == 1 else [f"segments.{j}." for j in range(len(segments))]
     expected = {
         f"{p}layers.{i}.{kind}" for p in prefixes for i in range(n_layers) for kind in ("keys", "values", "positions")
     }
     ids_names = {f"{p}token_ids" for p in prefixes}  # optional in v1, required in v2
-    names = set(info["tensors"])
+    names = set(header["tensors"])
     if not expected <= names <= expected | ids_names or (version > 1 and not ids_names <= names):
         raise CacheFormatError(f"{path}: tensors do not match n_layers={n_layers}", rebuild)
-    tensors = {name: _tensor(buf, info["base"], info["tensors"][name]) for name in sorted(names)}
+    tensors = {name: _tensor(buf, header["base"], header["tensors"][name]) for name in sorted(names)}
     if payload_digest(tensors) != meta["payload_sha256"]:
         raise CacheFormatError(f"{path} is damaged (payload digest mismatch)", rebuild)
     release_pages(buf)  # verified; pages come back from the page cache when used
     parts = []
     for j, (prefix, entry) in enumerate(zip(prefixes, segments)):
-        n_seg = entry["n_context_tokens"]
-        layers = [
-            _checked_layer(tensors, f"{prefix}layers.{i}.", n_kv, head_dim, n_seg, meta["dtype"])
-            for i in range(n_layers)
-        ]
+        seg_info = info if version == 1 else _segment_info(info, j, entry)
+        where = f"segment {j} " if version > 1 else ""
+        layers = tuple(_checked_layer(tensors, f"{prefix}layers.{i}.", seg_info) for i in range(n_layers))
         ids = tensors.get(f"{prefix}token_ids")
-        ids_ok = ids is None or (ids.dtype == torch.int32 and ids.shape == (n_seg,) and int(ids.min()) >= 0)
-        if ids_ok and ids is not None and version > 1:
-            ids_ok = hashlib.sha256(ids.to(torch.int64).numpy().tobytes()).hexdigest() == entry["ids_sha256"]
-        if any(layer is None for layer in layers) or not ids_ok:
-            where = f"segment {j} " if version > 1 else ""
+        if any(layer is None for layer in layers) or not _ids_ok(ids, seg_info, version > 1):
             raise CacheFormatError(f"{path}: {where}layer tensors disagree with the metadata", rebuild)
-        seg_meta = dict(meta)
-        if version > 1:
-            seg_meta.update(
-                n_context_tokens=str(entry["n_context_tokens"]), budgets=json.dumps(entry["budgets"], sort_keys=True),
-                segment_index=str(j), segment_start_token=str(entry["start_token"]),
-                segment_ids_sha256=entry["ids_sha256"],
-            )  # fmt: skip
-        parts.append(PrunedKVCache(layers=layers, metadata=seg_meta, token_ids=ids, mapping=buf))
-    return parts[0] if version == 1 else SegmentedKVCache(segments=parts, metadata=dict(meta))
+        parts.append(CompressedKVCache(info=seg_info, layers=layers, token_ids=ids, mapping=buf))  # type: ignore[arg-type]
+    if version == 1:
+        return parts[0], meta
+    return SegmentedKVCache(info=info, segments=tuple(parts)), meta
+
+
+def _int(meta: dict[str, str], key: str) -> int:
+    value = meta[key]
+    if not value.isdigit():
+        raise ValueError(f"{key}={value!r}")
+    return int(value)
+
+
+def _info(meta: dict[str, str], path: str, rebuild: str) -> CacheInfo:
+    """The typed `CacheInfo` of validated string metadata. Raises CacheFormatError."""
+    try:
+        version = _int(meta, "format_version")
+        n_layers, n_kv, head_dim, n_ctx = (_int(meta, k) for k in ("n_layers", "n_kv_heads", "head_dim",
+                                                                    "n_context_tokens"))  # fmt: skip
+    except ValueError as exc:
+        raise CacheFormatError(f"{path}: malformed metadata ({exc})", rebuild) from exc
+    if version < 1 or min(n_kv, head_dim, n_ctx) < 1 or not 0 < n_layers <= 4096:
+        raise CacheFormatError(f"{path}: malformed metadata (version or sizes)", rebuild)
+    if version > FORMAT_VERSION:
+        raise CacheFormatError(
+            f"{path} has format version {version}, newer than this rocketkv reads ({FORMAT_VERSION})",
+            "upgrade rocketkv, or " + rebuild,
+        )
+    try:
+        config = PrefillConfig(**json.loads(meta["config"]))
+        budgets, kernel = _budgets(json.loads(meta["budgets"]))
+        windows = json.loads(meta["layer_windows"])
+        if not isinstance(windows, list) or len(windows) != n_layers:
+            raise ValueError("layer_windows")
+        if not all(w is None or (_is_count(w) and w > 0) for w in windows):
+            raise ValueError("layer_windows")
+        segment = None
+        if "segment_index" in meta:
+            segment = SegmentInfo(_int(meta, "segment_index"), _int(meta, "segment_start_token"),
+                                  meta.get("segment_ids_sha256", ""))  # fmt: skip
+    except (TypeError, ValueError, KeyError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        raise CacheFormatError(f"{path}: malformed metadata (config, budgets or layer windows)", rebuild) from exc
+    identity = ModelIdentity(
+        model_id=meta["model_id"], model_digest=meta["model_digest"], tokenizer_digest=meta["tokenizer_digest"],
+        chat_template_digest=meta["chat_template_digest"], prompt_template_id=meta["prompt_template_id"],
+        n_layers=n_layers, n_kv_heads=n_kv, head_dim=head_dim, layer_windows=tuple(windows),
+    )  # fmt: skip
+    return CacheInfo(
+        identity=identity, dtype=meta["dtype"], n_context_tokens=n_ctx, document_sha256=meta["document_sha256"],
+        document_source=meta.get("document_source", ""), config=config, budgets=budgets, pool_kernel_size=kernel,
+        segment=segment, created_at=meta["created_at"], format_version=version,
+        rocketkv_version=meta["rocketkv_version"],
+    )  # fmt: skip
+
+
+def _budgets(raw: Any) -> tuple[Budgets, int]:
+    """(Budgets, pool kernel) of a stored budgets record. Raises TypeError/ValueError/KeyError."""
+    if not isinstance(raw, dict):
+        raise ValueError("budgets")
+    kernel = raw.get("pool_kernel_size", 0)
+    if not _is_count(kernel):
+        raise ValueError("pool_kernel_size")
+    return Budgets(**{k: raw[k] for k in BUDGET_FIELDS}), kernel
 
 
 def _segment_entries(meta: dict, version: int, n_ctx: int, path, rebuild: str) -> list[dict]:
@@ -452,59 +473,55 @@ def _segment_entries(meta: dict, version: int, n_ctx: int, path, rebuild: str) -
     if version == 1:
         return [{"n_context_tokens": n_ctx}]
     try:
-        entries = json.loads(meta["segments"])
-        assert isinstance(entries, list) and 2 <= len(entries) <= 1 << 20
-        from .config import Budgets
-
+        entries = json.loads(meta.get("segments", ""))
+        if not isinstance(entries, list) or not 2 <= len(entries) <= 1 << 20:
+            raise ValueError("segments")
         start = 0
         for e in entries:
-            assert isinstance(e, dict) and set(e) == set(SEGMENT_FIELDS)
-            assert all(
-                isinstance(e[k], int) and not isinstance(e[k], bool) for k in ("n_context_tokens", "start_token")
-            )
-            assert e["n_context_tokens"] >= 1 and e["start_token"] >= start and isinstance(e["ids_sha256"], str)
-            b = e["budgets"]
-            Budgets(**{k: b[k] for k in ("prompt_budget", "capacity_budget", "topk", "page_size", "n_score_dims")})
+            if not isinstance(e, dict) or set(e) != set(SEGMENT_FIELDS) or not isinstance(e["ids_sha256"], str):
+                raise ValueError("segment entry")
+            if not (_is_count(e["n_context_tokens"]) and _is_count(e["start_token"])):
+                raise ValueError("segment entry")
+            if e["n_context_tokens"] < 1 or e["start_token"] < start:
+                raise ValueError("segment entry")
+            _budgets(e["budgets"])
             start = e["start_token"]
-        assert sum(e["n_context_tokens"] for e in entries) == n_ctx
-    except (KeyError, TypeError, ValueError, AssertionError, RecursionError, json.JSONDecodeError) as exc:
+        if sum(e["n_context_tokens"] for e in entries) != n_ctx:
+            raise ValueError("segment lengths")
+    except (KeyError, TypeError, ValueError, RecursionError) as exc:
         raise CacheFormatError(f"{path}: malformed metadata (segments)", rebuild) from exc
     return entries
 
 
-def _checked_layer(tensors: dict, prefix: str, n_kv: int, head_dim: int, n_ctx: int, dtype: str):
-    """One layer's (keys, values, positions) `[1, Hkv, S, D]`, `[1, Hkv, S]`, or None when they
-    disagree with the metadata (shapes, dtype, positions strictly increasing and ending at n_ctx−1)."""
+def _segment_info(info: CacheInfo, index: int, entry: dict) -> CacheInfo:
+    budgets, kernel = _budgets(entry["budgets"])
+    return info.with_(
+        n_context_tokens=entry["n_context_tokens"], budgets=budgets, pool_kernel_size=kernel,
+        segment=SegmentInfo(index, entry["start_token"], entry["ids_sha256"]),
+    )  # fmt: skip
+
+
+def _checked_layer(tensors: dict, prefix: str, info: CacheInfo) -> LayerKV | None:
+    """One layer's `LayerKV` (`[1, Hkv, S, D]`, `[1, Hkv, S]`), or None when its tensors disagree
+    with the metadata (shapes, dtype, positions strictly increasing and ending at n_ctx−1)."""
     k, v, pos = (tensors[f"{prefix}{kind}"] for kind in ("keys", "values", "positions"))
+    n_kv, head_dim, n_ctx = info.identity.n_kv_heads, info.identity.head_dim, info.n_context_tokens
     ok = (
         k.dim() == 3 and k.shape[0] == n_kv and k.shape[2] == head_dim and v.dim() == 3
         and v.shape[:2] == k.shape[:2] and v.shape[2] == head_dim and pos.shape == k.shape[:2]
         and pos.dtype == torch.int64 and (pos.shape[1] < 2 or bool((pos[:, 1:] > pos[:, :-1]).all()))
-        and k.dtype == v.dtype and str(k.dtype).removeprefix("torch.") == dtype
+        and k.dtype == v.dtype and str(k.dtype).removeprefix("torch.") == info.dtype
         and pos.numel() > 0 and int(pos.min()) >= 0 and bool((pos[:, -1] == n_ctx - 1).all())
     )  # fmt: skip
-    return (k.unsqueeze(0), v.unsqueeze(0), pos.unsqueeze(0)) if ok else None
+    return LayerKV(k.unsqueeze(0), v.unsqueeze(0), pos.unsqueeze(0)) if ok else None
 
 
-def check_compatible(cache: PrunedKVCache, expected: dict[str, str], path: str, rebuild: str) -> None:
-    """Refuse a cache built for another model, tokenizer, chat template, prompt or geometry.
-
-    Args:
-        expected: metadata values the current model produces (same keys as the file's).
-    Raises:
-        CacheFormatError naming the first mismatch and the rebuild command.
-    """
-    labels = {
-        "model_digest": "another model",
-        "tokenizer_digest": "another tokenizer",
-        "chat_template_digest": "another chat template",
-        "prompt_template_id": "another prompt template",
-        "n_layers": "a model with another layer count",
-        "n_kv_heads": "a model with another KV head count",
-        "head_dim": "a model with another head_dim",
-        "layer_windows": "a model with other sliding windows",
-    }
-    for key, label in labels.items():
-        if key in expected and cache.metadata.get(key) != expected[key]:
-            built = cache.metadata.get("model_id", "?")
-            raise CacheFormatError(f"{path} was built for {label} (model {built}), not this one", rebuild)
+def _ids_ok(ids: torch.Tensor | None, info: CacheInfo, check_digest: bool) -> bool:
+    """Token ids (optional in v1) are int32 `[n_context_tokens]`, non-negative, matching their digest in v2."""
+    if ids is None:
+        return not check_digest
+    if ids.dtype != torch.int32 or ids.shape != (info.n_context_tokens,) or int(ids.min()) < 0:
+        return False
+    if not check_digest or info.segment is None:
+        return True
+    return hashlib.sha256(ids.to(torch.int64).numpy().tobytes()).hexdigest() == info.segment.ids_sha256

@@ -9,6 +9,8 @@ attention over the selected tokens only. RocketKV paper §3.4–3.5 (after SparQ
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -170,20 +172,28 @@ def hsa_decode(
     n_score_dims: int,
     scaling: float,
     softcap: float | None = None,
+    score_pages: Callable[..., torch.Tensor] | None = None,
+    attend: Callable[..., torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One HSA decode step for one layer (SPEC §3.3). Exact attention when S ≤ topk.
+    """One HSA decode step for one layer (RocketKV §3.5; docs/algorithm.md). Exact attention when S ≤ topk.
 
     Args:
         query: `[B, H, 1, D]`. keys/values: `[B, Hkv, S, D]`. page_min/page_max: `[B, Hkv, P, D]`
-            summaries of `keys` (P = ceil(S / page_size)). topk, page_size, n_score_dims: budgets.
+            summaries of `keys` (P = ceil(S / page_size)). topk, page_size, n_score_dims: budgets
+            (tokens, tokens, dims). scaling, softcap: the layer's.
+        score_pages, attend: implementations of `page_scores` and `sparse_attention` (default
+            these references; `ops.hsa_decode` passes the dispatched ones). The page top-k is
+            `select_pages` on every backend.
     Returns:
-        (output `[B, H, 1, D]`, selected token indices `[B, Hkv, N_sel]`).
+        (output `[B, H, 1, D]`, selected token indices `[B, Hkv, N_sel]` int64).
     """
+    score_pages = score_pages or page_scores
+    attend = attend or sparse_attention
     s = keys.shape[2]
     if s <= topk:
         indices = torch.arange(s, device=keys.device).expand(keys.shape[0], keys.shape[1], s)
     else:
         counts = page_token_counts(s, page_size, keys.device)
-        scores = page_scores(query, page_min, page_max, counts, n_score_dims)
-        indices = select_pages(scores, topk, page_size)
-    return sparse_attention(query, keys, values, indices, scaling, softcap), indices
+        scores = score_pages(query, page_min, page_max, counts, n_score_dims)  # [B, Hkv, P]
+        indices = select_pages(scores, topk, page_size)  # [B, Hkv, N_sel]
+    return attend(query, keys, values, indices, scaling, softcap), indices

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import json
 import platform
 import runpy
 import statistics
@@ -21,11 +20,13 @@ from pathlib import Path
 
 import torch
 
-from .cache_io import PrunedKVCache, full_kv_bytes, load_cache, save_cache
-from .config import PrefillConfig
-from .hf import forward_tokens, rocketkv_attention
-from .ingest import Document, tokenize
-from .pipeline import Engine, decode_config_for, document_token_ids, prefill_document, to_rocket_cache
+from ..core.cache import CompressedKVCache, full_kv_bytes
+from ..core.config import PrefillConfig
+from ..engine.answer import decode_config_for
+from ..engine.documents import Document, tokenize
+from ..engine.engine import Decoder, Engine
+from ..model.hf import PlainDecoder
+from ..store.format import load_cache, save_cache
 
 QUESTION = "Who is mentioned first in this text, and what happens to them?"
 Log = Callable[[str], None]
@@ -37,23 +38,23 @@ def build_document(engine: Engine, source_text: str, n_tokens: int) -> Document:
     while len(tokenize(engine.tokenizer, text[: 8 * n_tokens], False)) < n_tokens:
         text += "\n" + source_text
     ids = tokenize(engine.tokenizer, text[: 8 * n_tokens], False)
-    overhead = len(document_token_ids(engine, Document("x", "", ""))) - 1
+    overhead = len(engine.document_ids(Document("x", "", ""))) - 1
     body = engine.tokenizer.decode(ids[: max(1, n_tokens - overhead)])
     return Document(text=body, sha256=hashlib.sha256(body.encode()).hexdigest(), source=f"bench-{n_tokens}")
 
 
-def hsa_bytes_per_step(engine: Engine, stored: PrunedKVCache, elem: int) -> int:
+def hsa_bytes_per_step(engine: Engine, stored: CompressedKVCache, elem: int) -> int:
     """Cache bytes HSA reads per decode step: page min/max on the chosen dims + top-k K/V per full
-    layer, the whole window per sliding layer (the ideal of SPEC §7)."""
-    b = json.loads(stored.metadata["budgets"])
+    layer, the whole window per sliding layer (the memory-traffic ideal, docs/performance.md)."""
+    b = stored.info.budgets
     s, total = engine.shape, 0
-    for (k, _, _), spec in zip(stored.layers, s.layers):
-        kept = k.shape[2]
-        if spec.sliding_window or kept <= b["topk"]:
+    for layer, spec in zip(stored.layers, s.layers):
+        kept = layer.n_kept_tokens
+        if spec.sliding_window or kept <= b.topk:
             total += 2 * s.n_kv_heads * kept * s.head_dim * elem
         else:
-            pages = -(-kept // b["page_size"])
-            total += s.n_kv_heads * (2 * pages * b["n_score_dims"] + 2 * b["topk"] * s.head_dim) * elem
+            pages = -(-kept // b.page_size)
+            total += s.n_kv_heads * (2 * pages * b.n_score_dims + 2 * b.topk * s.head_dim) * elem
     return total
 
 
@@ -67,30 +68,23 @@ def _median_step_s(step: Callable[[], None], steps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-@torch.inference_mode()
 def full_attention_decode_s(engine: Engine, ids: list[int], steps: int, warmup: int) -> tuple[float, float]:
     """Plain transformers: prefill `ids` in one call (time = full re-prefill TTFT), then decode.
 
     Returns (seconds to first token, median seconds per decode step).
     """
-    from transformers import DynamicCache
-
-    model = engine.model
     t0 = time.perf_counter()
-    cache = DynamicCache(config=model.config)
-    out = model(input_ids=engine.ids(ids), cache=cache, use_cache=True, logits_to_keep=1)
-    token = out.logits[:, -1].argmax(-1, keepdim=True)
+    plain = PlainDecoder(engine.model)
+    token = plain.prefill(engine.ids(ids))
     ttft = time.perf_counter() - t0
 
-    def step():
+    def step() -> None:
         nonlocal token
-        o = model(input_ids=token, cache=cache, use_cache=True, logits_to_keep=1)
-        token = o.logits[:, -1].argmax(-1, keepdim=True)
+        token = plain.decode_one_token(token)
 
     return ttft, _median_step_s(step, steps, warmup)
 
 
-@torch.inference_mode()
 def rocketkv_answer_s(engine: Engine, path: Path, question: str, steps: int, warmup: int) -> tuple[float, float]:
     """From the saved file: load, prefill the question, first token (TTFT); then HSA decode steps.
 
@@ -98,20 +92,17 @@ def rocketkv_answer_s(engine: Engine, path: Path, question: str, steps: int, war
     """
     t0 = time.perf_counter()
     stored = load_cache(path)
-    ids = tokenize(engine.tokenizer, engine.prompt.question_text(question), False)
-    cache = to_rocket_cache(engine, stored, len(ids) + warmup + steps + 8)
-    decode = decode_config_for(stored)
-    n = stored.n_context_tokens
-    with rocketkv_attention(engine.model, cache, engine.shape, decode=decode):
-        logits = forward_tokens(engine.model, cache, engine.ids(ids), n)
-        token = int(logits.argmax())
+    if not isinstance(stored, CompressedKVCache):
+        raise ValueError(f"{path}: bench documents fit one segment")
+    ids = engine.question_ids(question)
+    decoder = Decoder(engine, stored, len(ids) + warmup + steps + 8, decode_config_for(stored))
+    with decoder.attention():
+        token = int(decoder.prefill(ids).argmax())
         ttft = time.perf_counter() - t0
-        position = n + len(ids)
 
-        def step():
-            nonlocal token, position
-            lg = forward_tokens(engine.model, cache, engine.ids([token]), position)
-            token, position = int(lg.argmax()), position + 1
+        def step() -> None:
+            nonlocal token
+            token = int(decoder.decode_one_token(token).argmax())
 
         return ttft, _median_step_s(step, steps, warmup)
 
@@ -124,7 +115,7 @@ def peak_rss_bytes(argv: list[str], workdir: Path) -> tuple[int, int]:
     """
     out = workdir / "rss.txt"
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "rocketkv_cli.bench", "rss", str(out), *argv]
+    cmd = [sys.executable, "-m", "rocketkv_cli.eval.bench", "rss", str(out), *argv]
     proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"memory measurement child failed (exit {proc.returncode}): {proc.stderr[-500:]}")
@@ -156,7 +147,7 @@ def machine_info() -> dict:
                 break
     except OSError:
         pass
-    from . import __version__
+    from .. import __version__
 
     return {
         "rocketkv": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
@@ -182,16 +173,14 @@ def bench_one(
     path = workdir / f"bench-{n_tokens}.kv"
     log(f"{n_tokens} tokens: ingest")
     t0 = time.perf_counter()
-    stored = prefill_document(engine, document, cfg)
+    stored = engine.ingest(document, cfg)
     save_cache(stored, path, force=True)
     ingest_s = time.perf_counter() - t0
     n = stored.n_context_tokens
     log(f"{n_tokens} tokens: answer from the file (HSA)")
     rk_ttft, rk_step = rocketkv_answer_s(engine, path, QUESTION, steps, warmup)
     log(f"{n_tokens} tokens: full attention (plain transformers)")
-    ids = document_token_ids(engine, document) + tokenize(
-        engine.tokenizer, engine.prompt.question_text(QUESTION), False
-    )
+    ids = engine.document_ids(document) + engine.question_ids(QUESTION)
     full_ttft, full_step = full_attention_decode_s(engine, ids, steps, warmup)
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     full_kv = full_kv_bytes(
@@ -206,7 +195,7 @@ def bench_one(
         "decode_step_hsa_s": rk_step, "decode_step_full_s": full_step, "decode_speedup": full_step / rk_step,
         "weights_bytes": weights, "hsa_kv_bytes_per_step": hsa_kv, "ideal_decode_speedup": ideal,
         "decode_speedup_fraction_of_ideal": (full_step / rk_step) / ideal,
-        "budgets": json.loads(stored.metadata["budgets"]),
+        "budgets": stored.info.budgets_record(),
     }  # fmt: skip
     if measure_memory:
         log(f"{n_tokens} tokens: peak memory of ask vs full attention (child processes)")
@@ -220,7 +209,7 @@ def _memory(engine: Engine, path: Path, document: Document, workdir: Path) -> di
     common = ["--device", engine.loaded.device.type, "--dtype", str(engine.loaded.dtype).removeprefix("torch.")]
     ask = ["rocketkv_cli.cli", "ask", "--cache", str(path), QUESTION, "--max-new-tokens", "8", "-q", "--model",
            engine.loaded.model_id, *common]  # fmt: skip
-    full = ["rocketkv_cli.bench", "full-answer", engine.loaded.model_id, str(doc_path), *common]
+    full = ["rocketkv_cli.eval.bench", "full-answer", engine.loaded.model_id, str(doc_path), *common]
     _, ask_rss = peak_rss_bytes(ask, workdir)
     _, full_rss = peak_rss_bytes(full, workdir)
     return {"peak_rss_ask_bytes": ask_rss, "peak_rss_full_bytes": full_rss, "peak_rss_ratio": ask_rss / full_rss}
@@ -229,13 +218,11 @@ def _memory(engine: Engine, path: Path, document: Document, workdir: Path) -> di
 def _full_answer_main(argv: list[str]) -> int:
     """Child process: plain transformers answers QUESTION over the whole document (8 tokens)."""
     model_id, doc_path, _, device, _, dtype = argv
-    from .models import load_model
+    from ..model.loading import load_model
 
     engine = Engine(load_model(model_id, device=device, dtype=dtype))
     document = Document(Path(doc_path).read_text(), "", doc_path)
-    ids = document_token_ids(engine, document) + tokenize(
-        engine.tokenizer, engine.prompt.question_text(QUESTION), False
-    )
+    ids = engine.document_ids(document) + engine.question_ids(QUESTION)
     full_attention_decode_s(engine, ids, steps=4, warmup=0)
     return 0
 

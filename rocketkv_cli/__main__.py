@@ -1,0 +1,5 @@
+"""`python -m rocketkv_cli`: the same as the `rocketkv` command."""
+
+from .cli import run
+
+run()

@@ -1,0 +1,63 @@
+"""The `rocketkv` command line: one small module per command, each parsing its options, calling
+the Python API (`rocketkv_cli.engine.api`), printing, and mapping errors (`common.command`).
+
+stdout carries results only (`--json`: one JSON object per line); stderr carries progress, logs and
+hints. Exit codes: 0 ok, 1 known failure (one line), 2 usage error, 130 interrupted (143 SIGTERM).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from .. import __version__
+from .ask import ask_command
+from .bench import bench
+from .common import command, err
+from .eval import eval_command
+from .ingest import ingest_command
+from .inspect import inspect_command
+from .summarize import summarize_command
+
+app = typer.Typer(
+    name="rocketkv",
+    help="Ask questions of very long documents with a local LLM and a compressed (RocketKV) KV cache.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(__version__)
+        raise typer.Exit(0)
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        bool, typer.Option("--version", is_eager=True, callback=_print_version, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Ask questions of very long documents with a local LLM and a compressed (RocketKV) KV cache."""
+
+
+app.command(name="ingest")(command(ingest_command))
+app.command(name="ask")(command(ask_command))
+app.command(name="summarize")(command(summarize_command))
+app.command(name="inspect")(command(inspect_command))
+app.command(name="bench")(command(bench))
+app.command(name="eval")(command(eval_command))
+
+
+def run() -> None:
+    """Console-script entry point. Ctrl-C inside a command exits 130 (see `common.command`);
+    this guard only covers the moments before Typer takes over (imports)."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        err.print("[bold red]Error:[/bold red] interrupted")
+        sys.exit(130)

@@ -1,0 +1,5 @@
+"""`python -m rocketkv_cli.cli`: the same as the `rocketkv` command."""
+
+from . import run
+
+run()

@@ -1,0 +1,91 @@
+"""`rocketkv ingest`: prefill a document once, prune its KV cache, save it to a `.kv` file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .common import (
+    BudgetOpt,
+    DeviceOpt,
+    DtypeOpt,
+    EncodingOpt,
+    JsonOpt,
+    ModelOpt,
+    PageSizeOpt,
+    QuietOpt,
+    ScoreDimsOpt,
+    SegmentTokensOpt,
+    TopkOpt,
+    TrustOpt,
+    ingest,
+    load_engine,
+    log,
+    open_stream,
+    prefill_config,
+    setup,
+)  # fmt: skip
+
+
+def ingest_command(
+    document: Annotated[str, typer.Argument(help="Text file to read, or - for stdin.")],
+    output: Annotated[
+        Optional[Path], typer.Option("--output", "-o", help="Cache file to write (default: DOC with .kv).")
+    ] = None,
+    budget: BudgetOpt = 512,
+    max_new_tokens: Annotated[int, typer.Option(help="Answer length the budget plans for, in tokens.")] = 128,
+    window_size: Annotated[int, typer.Option(help="Observation window W in tokens.")] = 32,
+    pool_kernel_size: Annotated[str, typer.Option(help="Odd max-pool kernel in tokens, or 'auto'.")] = "63",
+    observation: Annotated[
+        str, typer.Option(help="'tail' (document end) or 'probe' (+ a generic probe text).")
+    ] = "tail",
+    prompt_budget: Annotated[Optional[int], typer.Option(help="Override: tokens kept per KV head per layer.")] = None,
+    topk: TopkOpt = None,
+    page_size: PageSizeOpt = None,
+    n_score_dims: ScoreDimsOpt = None,
+    chunk_tokens: Annotated[int, typer.Option(help="Prefill chunk length in tokens.")] = 1024,
+    segment_tokens: SegmentTokensOpt = None,
+    force: Annotated[bool, typer.Option("--force", "-f", help="Replace an existing output file.")] = False,
+    encoding: EncodingOpt = "utf-8",
+    errors: Annotated[str, typer.Option(help="Decoding errors: strict, replace or ignore.")] = "strict",
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = None,
+    trust_remote_code: TrustOpt = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Prefill a document once, prune its KV cache with SnapKV++, and save it to a .kv file.
+
+    A document longer than the model's context is ingested in segments, each checkpointed beside
+    the output: an interrupted ingest continues where it stopped when the same command is rerun.
+    """
+    from ..engine.api import DEFAULT_MODEL, check_output, default_output, pending_checkpoints
+
+    setup(quiet)
+    cfg = prefill_config(
+        token_budget=budget, max_new_tokens=max_new_tokens, window_size=window_size, pool_kernel_size=pool_kernel_size,
+        observation=observation, prompt_budget=prompt_budget, topk=topk, page_size=page_size,
+        n_score_dims=n_score_dims, chunk_tokens=chunk_tokens,
+    )  # fmt: skip
+    stream = open_stream(document, encoding, errors)  # bad documents fail before anything else is touched
+    output = output if output is not None else default_output(document)
+    check_output(output, force, document)  # fail now, not after a long prefill
+    rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code)
+    count, folder = pending_checkpoints(output)
+    if count:
+        log(f"resuming: found {count} checkpointed segments in {folder} (reused if they match)")
+    done = ingest(rk, stream, cfg, output, force, segment_tokens)
+    size = output.stat().st_size
+    log(f"wrote {output} ({size / 1e6:.1f} MB)")
+    if json_out:
+        cache = done.cache
+        row = {"cache": str(output), "n_context_tokens": cache.n_context_tokens, "n_segments": cache.n_segments,
+               "file_bytes": size, "ingest_s": round(done.seconds, 3),
+               "budgets": cache.info.budgets_record()}  # fmt: skip
+        typer.echo(json.dumps(row))
+    else:
+        typer.echo(str(output))

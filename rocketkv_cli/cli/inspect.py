@@ -1,0 +1,57 @@
+"""`rocketkv inspect`: validate a `.kv` file and show what it holds (no model is loaded)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .common import JsonOpt
+
+
+def inspect_command(
+    cache: Annotated[Path, typer.Argument(help="A .kv file.")],
+    json_out: JsonOpt = False,
+) -> None:
+    """Show what a .kv cache holds (validates the file; does not load the model)."""
+    from ..store.describe import describe
+
+    info = describe(cache)
+    if json_out:
+        typer.echo(json.dumps(info))
+        return
+    for key, value in _lines(info):
+        typer.echo(f"{key:<16}  {value}")
+
+
+def _lines(info: dict) -> list[tuple[str, str]]:
+    windows, kept = info["layer_windows"], info["kept_tokens_per_layer"]
+    n_parts, n_ctx, n_full = info["n_segments"], info["n_context_tokens"], info["n_full_attention_layers"]
+    full_kept = sorted({k for k, w in zip(kept, windows) if not w})
+    sliding = f"; {len(windows) - n_full} sliding-window layers keep their last {max(w or 0 for w in windows)}"
+    per = " (all segments)" if n_parts > 1 else ""
+    full_bytes = info["full_kv_bytes"]
+    lines = [
+        ("cache", info["cache"]),
+        ("format", f"{info['format']} v{info['format_version']} (rocketkv {info['rocketkv_version']})"),
+        ("model", f"{info['model_id']} (digest {info['model_digest'][:12]})"),
+        ("dtype", info["dtype"]),
+        ("document", f"{info.get('document_source', '?')} (sha256 {info['document_sha256'][:12]})"),
+        ("context tokens", str(n_ctx)),
+    ]
+    if n_parts > 1:
+        sizes = [s["n_context_tokens"] for s in info["segments"]]
+        lines.append(("segments", f"{n_parts} (0-{n_parts - 1}), {min(sizes)}-{max(sizes)} tokens each"))
+    lines += [
+        ("kept per KV head", f"{', '.join(map(str, full_kept)) or '-'} of {n_ctx} tokens{per} in "
+         f"{n_full} full-attention layers" + (sliding if n_full < len(windows) else "")),
+        ("budgets", ", ".join(f"{k}={v}" for k, v in info["budgets"].items())),
+        ("config", ", ".join(f"{k}={v}" for k, v in info["config"].items() if v is not None)),
+        ("size", f"file {info['file_bytes'] / 1e6:.2f} MB; KV {info['kv_bytes'] / 1e6:.2f} MB = "
+                 f"{info['kv_bytes'] / max(full_bytes, 1):.1%} of the full KV ({full_bytes / 1e6:.2f} MB)"),
+        ("prompt template", info["prompt_template_id"]),
+        ("created", info["created_at"]),
+    ]  # fmt: skip
+    return lines

@@ -1,0 +1,84 @@
+"""`rocketkv summarize`: a summary of a document or a saved cache (hierarchical when segmented)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Optional
+
+import typer
+
+from ..errors import InputError
+from .ask import DenseOpt, open_cache
+from .common import (
+    BudgetOpt,
+    CacheOpt,
+    DeviceOpt,
+    DtypeOpt,
+    EncodingOpt,
+    JsonOpt,
+    ModelOpt,
+    QuietOpt,
+    SegmentTokensOpt,
+    TrustOpt,
+    ingest,
+    load_engine,
+    log,
+    open_stream,
+    prefill_config,
+    setup,
+)  # fmt: skip
+
+
+def summarize_command(
+    document: Annotated[Optional[str], typer.Argument(help="Text file, or - for stdin (or use --cache).")] = None,
+    cache: CacheOpt = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Summary length limit in tokens.")] = 256,
+    budget: BudgetOpt = 512,
+    dense: DenseOpt = False,
+    segment_tokens: SegmentTokensOpt = None,
+    encoding: EncodingOpt = "utf-8",
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = None,
+    trust_remote_code: TrustOpt = False,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Summarize a document (or a saved cache's document).
+
+    A document longer than the context is summarized segment by segment (each partial summary is
+    shown on stderr), then the summaries are summarized as one text.
+    """
+    from ..engine.api import DEFAULT_MODEL
+
+    setup(quiet)
+    if (document is None) == (cache is None):
+        raise InputError("give either DOC or --cache FILE.kv", "e.g. rocketkv summarize book.txt")
+    cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens, pool_kernel_size="63")
+    if cache is not None:
+        rk, stored = open_cache(cache, model, device, dtype, trust_remote_code)
+        source = str(cache)
+    else:
+        stream = open_stream(document, encoding)
+        rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code)
+        stored = ingest(rk, stream, cfg, segment_tokens=segment_tokens).cache
+        source = document
+    partials = []
+
+    def on_partial(event) -> None:
+        partials.append({"level": event.level, "segment": event.index, "summary": event.text})
+        log(f"summary of part {event.index + 1}/{event.total} (level {event.level}): {event.text}")
+
+    t0 = time.perf_counter()
+    final = rk.summarize(stored, max_new_tokens=max_new_tokens, dense=dense, config=cfg, on_partial=on_partial)
+    elapsed = time.perf_counter() - t0
+    if json_out:
+        row = {"summary": final.text, "source": source, "n_answer_tokens": final.n_answer_tokens,
+               "stop_reason": final.stop_reason, "summarize_s": round(elapsed, 3)}  # fmt: skip
+        if partials:
+            row["partial_summaries"] = partials
+        typer.echo(json.dumps(row, ensure_ascii=False))
+    else:
+        typer.echo(final.text)
+    log(f"summarized in {elapsed:.1f}s ({final.n_answer_tokens} tokens, stop: {final.stop_reason})")

@@ -1,0 +1,238 @@
+"""The Python API: load a model once, ingest documents, open `.kv` files, answer, summarize.
+
+    from rocketkv_cli import RocketKV
+
+    rk = RocketKV.load("smollm2-135m")                  # a preset, a model dir, a .gguf, a cached hub id
+    rk.ingest("contract.txt", output="contract.kv", token_budget=512)
+    cache = rk.open("contract.kv")
+    for answer in rk.ask(cache, ["Who are the parties?", "When does it end?"]):
+        print(answer.text, answer.to_dict(cache="contract.kv"))
+    print(rk.summarize(cache).text)
+
+The CLI is a thin layer over this class (it parses, prints and maps errors). Every method raises
+`rocketkv_cli.errors.RocketKVError` subclasses for known failures (one line each).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..core.cache import AnyCache, CompressedKVCache, SegmentedKVCache
+from ..core.config import DEFAULT_MAX_NEW_TOKENS, PrefillConfig
+from ..errors import InputError, OutputError
+from ..model.loading import DEFAULT_MODEL, load_model
+from ..store.checkpoints import Checkpoints
+from ..store.format import check_target, load_cache, save_cache, save_segmented
+from .answer import Answer, answer, decode_config_for
+from .documents import TextPieces, TextStream
+from .engine import Engine, TokenProgress
+from .segments import PartialSummary, SegmentDone, answer_segmented, ingest_stream, summarize
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Ingested:
+    """What `RocketKV.ingest` made: the cache, the file written (None: in memory only), seconds."""
+
+    cache: AnyCache
+    path: Path | None
+    seconds: float
+
+
+def open_document(path: str, encoding: str = "utf-8", errors: str = "strict") -> TextStream:
+    """A document as a stream (`-` = stdin), with a regular file decoded once up front so a bad
+    document fails before any model loads. Raises InputError (missing, binary, bad encoding, empty)."""
+    stream = TextStream(path, encoding=encoding, errors=errors)
+    stream.validate()
+    return stream
+
+
+def default_output(document: str) -> Path:
+    """Where `ingest DOC` writes without `-o`: DOC with the suffix `.kv`. Raises OutputError for stdin."""
+    if document == "-":
+        raise OutputError("reading from stdin needs an output file", "pass -o FILE.kv")
+    return Path(document).with_suffix(".kv")
+
+
+def check_output(output: Path, force: bool, document: str | None = None) -> None:
+    """Refuse an output rocketkv must not write, before any work (see `store.format.check_target`),
+    or one that is the document itself. Raises OutputError."""
+    check_target(output, force)
+    if document not in (None, "-") and output.exists() and os.path.samefile(document, output):
+        raise OutputError(f"-o {output} is the document itself", "choose another output file")
+
+
+def read_cache(path: str | Path) -> AnyCache:
+    """Load and validate a `.kv` file without a model (memory-mapped). Raises CacheFormatError."""
+    return load_cache(path)
+
+
+def pending_checkpoints(output: Path) -> tuple[int, Path]:
+    """(count, folder) of checkpointed segments an earlier, interrupted ingest into `output` left."""
+    checkpoints = Checkpoints(output)
+    return checkpoints.count(), checkpoints.dir
+
+
+class RocketKV:
+    """A loaded model and everything rocketkv does with it. Build with `RocketKV.load`."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    @classmethod
+    def load(
+        cls,
+        model: str = DEFAULT_MODEL,
+        device: str = "auto",
+        dtype: str = "auto",
+        trust_remote_code: bool = False,
+        log: Log = lambda message: None,
+    ) -> RocketKV:
+        """Load a model offline: a preset (`gemma-3-270m`, `smollm2-135m`), a Hugging Face model
+        directory, a `.gguf` file or a hub id already in the local cache. device: cpu, cuda[:N]
+        or auto; dtype: auto, float32, bfloat16 or float16. Raises ModelLoadError."""
+        loaded = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=log)
+        return cls(Engine(loaded))
+
+    @property
+    def model_id(self) -> str:
+        return self.engine.loaded.model_id
+
+    def ingest(
+        self,
+        document: str | Path | TextStream | None = None,
+        *,
+        text: str | None = None,
+        output: str | Path | None = None,
+        force: bool = False,
+        config: PrefillConfig | None = None,
+        segment_tokens: int | None = None,
+        progress: TokenProgress = lambda done, total: None,
+        on_segment: Callable[[SegmentDone], None] = lambda event: None,
+        **config_fields,
+    ) -> Ingested:
+        """Prefill a document once and prune its KV cache (SnapKV++); write it to `output` if given.
+
+        document: a path (`-` = stdin) or an open `TextStream`; or `text=` for an in-memory text.
+        config: stage-1 settings, or their fields as keywords (`token_budget=512`, …).
+        A document longer than the model's context is ingested in segments, each checkpointed
+        beside `output` (in a temporary folder without one) so a rerun resumes an interrupted
+        ingest. Writes are atomic; an existing `output` is replaced only with `force`.
+        Raises:
+            InputError, OutputError, BudgetError, ValueError (invalid config fields).
+        """
+        cfg = config or PrefillConfig(**config_fields)
+        if (document is None) == (text is None):
+            raise InputError("give a document path or text=, not both")
+        stream: TextStream | TextPieces
+        if text is not None:
+            stream = TextPieces(text, "<text>")
+        elif isinstance(document, TextStream):
+            stream = document
+        else:
+            stream = open_document(str(document))
+        target = Path(output) if output is not None else None
+        if target is not None:
+            check_output(target, force, None if isinstance(document, TextStream) or document is None else str(document))
+        checkpoints = Checkpoints(target) if target is not None else _scratch_checkpoints()
+        t0 = time.perf_counter()
+        cache = ingest_stream(self.engine, stream, cfg, segment_tokens, checkpoints, on_segment, progress)
+        if target is not None:
+            if isinstance(cache, SegmentedKVCache):
+                save_segmented(cache, target, force=force)
+                load_cache(target)  # the checkpoints go only once the file reads back whole
+            else:
+                save_cache(cache, target, force=force)
+            checkpoints.remove()
+        return Ingested(cache=cache, path=target, seconds=time.perf_counter() - t0)
+
+    def open(self, path: str | Path) -> AnyCache:
+        """Load a `.kv` file and check it was built for this model. Raises CacheFormatError."""
+        cache = load_cache(path)
+        self.check(cache, str(path))
+        return cache
+
+    def check(self, cache: AnyCache, path: str = "the cache") -> None:
+        """Refuse a cache built for another model, tokenizer or template. Raises CacheFormatError."""
+        first = cache.segments[0] if isinstance(cache, SegmentedKVCache) else cache
+        self.engine.check(first, path)
+
+    def ask(
+        self,
+        cache: AnyCache,
+        questions: str | Iterable[str],
+        *,
+        max_new_tokens: int | None = None,
+        dense: bool = False,
+        topk: int | None = None,
+        page_size: int | None = None,
+        n_score_dims: int | None = None,
+        segments: int = 1,
+        segment: int | None = None,
+        log: Log = lambda message: None,
+    ) -> Iterator[Answer]:
+        """Answer each question independently from `cache` (greedy); yields `Answer`s in order.
+
+        max_new_tokens: answer cap (default: what the cache planned for). dense: exact attention
+        over the stored cache instead of stage-2 HSA. topk/page_size/n_score_dims: stage-2
+        overrides. segments/segment: for a segmented cache, answer from the `segments` best
+        matching segments, or from segment `segment`. Every question is checked before any is
+        answered.
+        Raises:
+            InputError: an empty question, a bad override or segment. BudgetError: a question
+            that does not fit the context.
+        """
+        qs = [questions] if isinstance(questions, str) else list(questions)
+        max_new = max_new_tokens or cache.info.config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+        overrides = {"topk": topk, "page_size": page_size, "n_score_dims": n_score_dims}
+        try:
+            if isinstance(cache, SegmentedKVCache):
+                return answer_segmented(self.engine, cache, qs, max_new, not dense, overrides, segments, segment, log)
+            if segment not in (None, 0):
+                raise InputError(f"--segment {segment}: this cache has one segment (0)")
+            decode = decode_config_for(cache, sparse=not dense, **overrides)
+        except ValueError as exc:
+            raise InputError(f"invalid option: {exc}") from None
+        return answer(self.engine, cache, qs, max_new, decode)
+
+    def summarize(
+        self,
+        cache: AnyCache,
+        *,
+        max_new_tokens: int = 256,
+        dense: bool = False,
+        config: PrefillConfig | None = None,
+        on_partial: Callable[[PartialSummary], None] = lambda event: None,
+    ) -> Answer:
+        """A summary of the cache's document; hierarchical for a segmented cache (each segment,
+        then the summaries, ingested in memory with `config`). Raises BudgetError."""
+        cfg = config or PrefillConfig(max_new_tokens=max_new_tokens)
+        return summarize(self.engine, cache, cfg, max_new_tokens, not dense, on_partial)
+
+
+def _scratch_checkpoints() -> Checkpoints:
+    """Checkpoints in a temporary folder (removed at exit), so that a long document ingested in
+    memory keeps its finished segments on disk, memory-mapped, not in RAM."""
+    folder = tempfile.mkdtemp(prefix="rocketkv-")
+    atexit.register(shutil.rmtree, folder, True)
+    return Checkpoints(Path(folder) / "memory.kv")
+
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "Answer",
+    "CompressedKVCache",
+    "Ingested",
+    "RocketKV",
+    "SegmentedKVCache",
+    "open_document",
+    "read_cache",
+]

@@ -1,0 +1,301 @@
+"""The engine: a loaded model and the field's two verbs.
+
+- `Engine.prefill(doc_ids, …)`: the document's exact prefill, in chunks (keys cached after RoPE,
+  the observation window's queries captured), then `Engine.compress(prefill, cfg)`: stage 1 per
+  full-attention layer through a selector (`selectors.py`). One prefill can be compressed for
+  many configurations (eval); `Engine.ingest` is both for one.
+- `Decoder(engine, cache, …)`: static buffers over one compressed cache (context + a
+  preallocated per-question tail), with `prefill(question ids)` and `decode_one_token(token)` at
+  explicit RoPE positions n, n+1, … and `reset()` back to the stored context.
+
+No argument parsing or printing here; progress goes through callbacks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from ..core.cache import CacheInfo, CompressedKVCache, LayerKV, ModelIdentity, SegmentInfo
+from ..core.config import DecodeConfig, PrefillConfig, resolve_budgets
+from ..core.stage1 import gather_tokens
+from ..errors import BudgetError, CacheFormatError
+from ..model.hf import (
+    ModelShape,
+    RocketCache,
+    RocketLayer,
+    empty_cache,
+    forward_tokens,
+    model_shape,
+    rocketkv_attention,
+)
+from ..model.loading import LoadedModel, chat_template_digest, model_digest, stop_token_ids, tokenizer_digest
+from ..model.templates import PromptFormat, prompt_format, read_prompt
+from .documents import Document, tokenize
+from .selectors import LayerPrefill, pool_kernel_of, selector_for
+
+QUESTION_RESERVE_TOKENS = 256  # room kept for a question when checking a document against the context
+TokenProgress = Callable[[int, int], None]  # (tokens done, tokens total)
+
+
+@dataclass
+class Prefill:
+    """One exact prefill of a framed document of `n_context_tokens` tokens.
+
+    layers: per decoder layer, a `LayerPrefill` (full attention: all keys, captured queries) or a
+    `LayerKV` (sliding window: its last `sliding_window` tokens, what it keeps).
+    """
+
+    n_context_tokens: int
+    layers: list[LayerPrefill | LayerKV]
+
+
+class Engine:
+    """A loaded model plus what rocketkv derives from it once (shape, prompt format, identity)."""
+
+    def __init__(self, loaded: LoadedModel):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.shape: ModelShape = model_shape(loaded.model)
+        self.prompt: PromptFormat = prompt_format(loaded.tokenizer)
+        self.stop_ids = stop_token_ids(loaded.model, loaded.tokenizer)
+
+    @cached_property
+    def identity(self) -> ModelIdentity:
+        """What a cache must match to be used with this model."""
+        return ModelIdentity(
+            model_id=self.loaded.model_id,
+            model_digest=model_digest(self.model, self.loaded.weights_digest),
+            tokenizer_digest=tokenizer_digest(self.tokenizer),
+            chat_template_digest=chat_template_digest(self.tokenizer),
+            prompt_template_id=self.prompt.template_id,
+            n_layers=len(self.shape.layers),
+            n_kv_heads=self.shape.n_kv_heads,
+            head_dim=self.shape.head_dim,
+            layer_windows=tuple(s.sliding_window for s in self.shape.layers),
+        )
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.loaded.dtype).removeprefix("torch.")
+
+    def ids(self, token_ids: list[int]) -> torch.Tensor:
+        """`[1, T]` int64 on the model's device."""
+        return torch.tensor([token_ids], dtype=torch.long, device=self.loaded.device)
+
+    def document_ids(self, document: Document) -> list[int]:
+        """Token ids of the framed document (template text before the document + the document)."""
+        return tokenize(self.tokenizer, self.prompt.document_text(document.text), self.prompt.add_special_tokens)
+
+    def question_ids(self, question: str) -> list[int]:
+        """Token ids of the framed question (the rest of the template, the question, the answer cue)."""
+        return tokenize(self.tokenizer, self.prompt.question_text(question), False)
+
+    def context_limit(self, max_new_tokens: int) -> int:
+        """Most framed document tokens one prefill may hold: the model's context minus room for a
+        question (QUESTION_RESERVE_TOKENS) and the answer. Raises BudgetError when nothing is left."""
+        limit = self.shape.max_context_tokens - max_new_tokens - QUESTION_RESERVE_TOKENS
+        if limit < 1:
+            raise BudgetError(
+                f"max_new_tokens {max_new_tokens} leaves no room in this model's {self.shape.max_context_tokens}-token "
+                "context", "lower --max-new-tokens",
+            )  # fmt: skip
+        return limit
+
+    def check(self, cache: CompressedKVCache, path: str) -> None:
+        """Refuse a cache built for another model, tokenizer, chat template, prompt or geometry.
+
+        Raises:
+            CacheFormatError naming the first mismatch and the command that rebuilds the file.
+        """
+        label = cache.info.identity.mismatch(self.identity)
+        if label is not None:
+            rebuild = (f"rebuild it with: rocketkv ingest {cache.info.document_source or 'DOC'} -o {path} "
+                       f"--model {self.loaded.model_id} --force")  # fmt: skip
+            built = cache.info.identity.model_id
+            raise CacheFormatError(f"{path} was built for {label} (model {built}), not this one", rebuild)
+
+    # -- verb 1: prefill -------------------------------------------------------------------------
+
+    def prefill(
+        self,
+        doc_ids: list[int],
+        window_tokens: int,
+        probe: bool = False,
+        chunk_tokens: int = 1024,
+        progress: TokenProgress = lambda done, total: None,
+    ) -> Prefill:
+        """Exact prefill of framed document ids `doc_ids` at RoPE positions 0 … n−1, in chunks.
+
+        window_tokens: queries of the last this many document tokens are captured per
+        full-attention layer (the widest observation window any later compression needs). probe:
+        also prefill the probe text (`prompts/probe.txt`) after the document; its queries are
+        captured and its keys kept apart from the document's. The caller checks `doc_ids`
+        against `context_limit`.
+        """
+        n, shape = len(doc_ids), self.shape
+        probe_ids = self.question_ids(read_prompt("probe.txt")) if probe else []
+        capture_from = max(0, n - window_tokens)
+        cache = empty_cache(self.model, shape, n + len(probe_ids))
+        with rocketkv_attention(self.model, cache, shape, capture_from=capture_from) as session:
+            self._prefill_chunks(cache, doc_ids, 0, chunk_tokens, progress)
+            sliding = {i: _last_tokens(cache.layers[i].view(), s.sliding_window)
+                       for i, s in enumerate(shape.layers) if s.sliding_window}  # fmt: skip
+            if probe_ids:
+                self._prefill_chunks(cache, probe_ids, n, chunk_tokens, lambda d, t: None)
+        layers: list[LayerPrefill | LayerKV] = []
+        for i, spec in enumerate(shape.layers):
+            if spec.sliding_window is not None:
+                layers.append(sliding[i])
+                continue
+            keys, values, positions = cache.layers[i].view()  # [1, Hkv, n + probe, D]
+            queries = torch.cat(session.captured[i], dim=2)  # [1, H, n + probe - capture_from, D]
+            assert queries.shape[2] == n + len(probe_ids) - capture_from, (queries.shape, n, capture_from)
+            layers.append(LayerPrefill(keys, values, positions, queries, n, len(probe_ids), capture_from, spec.scaling,
+                                       spec.softcap))  # fmt: skip
+        return Prefill(n_context_tokens=n, layers=layers)
+
+    def _prefill_chunks(
+        self, cache: RocketCache, ids: list[int], start: int, chunk: int, progress: TokenProgress
+    ) -> None:
+        for offset in range(0, len(ids), chunk):
+            piece = ids[offset : offset + chunk]
+            positions = torch.arange(start + offset, start + offset + len(piece), device=self.loaded.device)
+            forward_tokens(self.model, cache, self.ids(piece), positions)
+            for layer, spec in zip(cache.layers, self.shape.layers):
+                if spec.sliding_window is not None:
+                    layer.keep_last(spec.sliding_window)
+            progress(offset + len(piece), len(ids))
+
+    def compress(
+        self,
+        prefill: Prefill,
+        cfg: PrefillConfig,
+        document_sha256: str,
+        document_source: str,
+        segment: SegmentInfo | None = None,
+    ) -> CompressedKVCache:
+        """Stage 1 over one prefill: each full-attention layer keeps `prompt_budget` tokens per KV
+        head (all when the document is shorter) chosen by `cfg`'s selector; sliding-window layers
+        keep their window (RocketKV §3.2; docs/algorithm.md).
+
+        Raises:
+            BudgetError: the prompt budget falls below the observation window.
+        """
+        n = prefill.n_context_tokens
+        budgets = resolve_budgets(cfg, n, self.shape.head_dim)
+        if n > budgets.prompt_budget and budgets.prompt_budget < cfg.window_size:
+            raise BudgetError(
+                f"token budget {cfg.token_budget} with max_new_tokens {cfg.max_new_tokens} leaves a prompt budget of "
+                f"{budgets.prompt_budget} tokens, below the observation window ({cfg.window_size})",
+                "raise --budget or lower --max-new-tokens",
+            )
+        selector = selector_for(cfg)
+        layers = []
+        for i, layer in enumerate(prefill.layers):
+            if isinstance(layer, LayerKV):
+                layers.append(layer)
+                continue
+            tensors = (layer.keys[:, :, :n], layer.values[:, :, :n], layer.positions[:, :, :n])
+            if n <= budgets.prompt_budget:
+                layers.append(LayerKV(*(t.contiguous() for t in tensors)))
+                continue
+            kept = selector.select(layer, budgets.prompt_budget)  # [1, Hkv, prompt_budget]
+            layers.append(LayerKV(*(gather_tokens(t, kept) for t in tensors)))
+        info = CacheInfo(
+            identity=self.identity, dtype=self.dtype_name, n_context_tokens=n, document_sha256=document_sha256,
+            document_source=document_source, config=cfg, budgets=budgets, pool_kernel_size=pool_kernel_of(cfg, n),
+            segment=segment,
+        )  # fmt: skip
+        return CompressedKVCache(info=info, layers=tuple(layers))
+
+    def ingest_ids(
+        self,
+        doc_ids: list[int],
+        cfg: PrefillConfig,
+        document_sha256: str,
+        document_source: str,
+        segment: SegmentInfo | None = None,
+        progress: TokenProgress = lambda done, total: None,
+    ) -> CompressedKVCache:
+        """`prefill` then `compress` for one configuration. Raises BudgetError as `compress`."""
+        prefill = self.prefill(doc_ids, cfg.window_size, cfg.observation == "probe", cfg.chunk_tokens, progress)
+        return self.compress(prefill, cfg, document_sha256, document_source, segment)
+
+    def ingest(
+        self, document: Document, cfg: PrefillConfig, progress: TokenProgress = lambda done, total: None
+    ) -> CompressedKVCache:
+        """Prefill and prune a document that fits the context (RocketKV §3.2).
+
+        Raises:
+            BudgetError: the document (plus room for a question and the answer) exceeds the
+                context, or the prompt budget falls below the observation window.
+        """
+        doc_ids = self.document_ids(document)
+        limit = self.context_limit(cfg.max_new_tokens)
+        if len(doc_ids) > limit:
+            raise BudgetError(
+                f"document is {len(doc_ids)} tokens; this model's context fits {limit} "
+                "(after room for a question and answer)",
+                "ingest it in segments: rocketkv ingest DOC (documents longer than the context are segmented)",
+            )
+        return self.ingest_ids(doc_ids, cfg, document.sha256, document.source, progress=progress)
+
+
+def _last_tokens(kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], n_tokens: int) -> LayerKV:
+    """A copy of the last `n_tokens` of a layer's keys, values `[1, Hkv, S, D]` and positions."""
+    keep = min(n_tokens, kv[0].shape[2])
+    return LayerKV(*(t[:, :, -keep:].clone() for t in kv))
+
+
+class Decoder:
+    """Answering state over one compressed cache: static KV buffers holding the stored context
+    followed by a preallocated tail of `tail_tokens` (question + answer), and the two verbs.
+
+    `prefill(ids)` runs a question's tokens with exact attention over context + themselves at
+    positions n, n+1, …; `decode_one_token(token)` runs one generated token at the next position
+    with stage-2 HSA (`decode`; None = exact attention). `reset()` drops the tail: the stored
+    context is never written, so one question cannot change another's answer.
+    """
+
+    def __init__(self, engine: Engine, cache: CompressedKVCache, tail_tokens: int, decode: DecodeConfig | None):
+        dev, dtype = engine.loaded.device, engine.loaded.dtype
+        layers = [RocketLayer(layer.keys.to(dev, dtype), layer.values.to(dev, dtype), layer.positions.to(dev),
+                              tail_tokens) for layer in cache.layers]  # fmt: skip
+        self.engine, self.decode = engine, decode
+        self.cache = RocketCache(layers)
+        self.n_context_tokens = cache.n_context_tokens
+        self.position = self.n_context_tokens  # RoPE position of the next token
+        self._token = torch.zeros(1, 1, dtype=torch.long, device=dev)  # [1, 1] static input
+        self._position = torch.zeros(1, dtype=torch.long, device=dev)  # [1]
+
+    @contextlib.contextmanager
+    def attention(self) -> Iterator[None]:
+        """rocketkv's attention over this decoder's cache (around a question's prefill + decode)."""
+        with rocketkv_attention(self.engine.model, self.cache, self.engine.shape, decode=self.decode):
+            yield
+
+    def prefill(self, ids: list[int]) -> torch.Tensor:
+        """Run `ids` at the next positions; returns the last position's logits `[1, V]` float32."""
+        positions = torch.arange(self.position, self.position + len(ids), device=self._position.device)
+        logits = forward_tokens(self.engine.model, self.cache, self.engine.ids(ids), positions)
+        self.position += len(ids)
+        return logits
+
+    def decode_one_token(self, token: int) -> torch.Tensor:
+        """Run one token at the next position; returns its logits `[1, V]` float32."""
+        self._token.fill_(token)
+        self._position.fill_(self.position)
+        logits = forward_tokens(self.engine.model, self.cache, self._token, self._position)
+        self.position += 1
+        return logits
+
+    def reset(self) -> None:
+        """Back to the stored context (the tail's tokens are forgotten)."""
+        self.cache.crop_to_context()
+        self.position = self.n_context_tokens

@@ -1,0 +1,66 @@
+"""Checkpoints of a segmented ingest: each finished segment as a v1 `.kv` file in a hidden folder
+beside the target, so that an interrupted ingest resumes where it stopped."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from ..core.cache import CacheInfo, CompressedKVCache
+from ..errors import CacheFormatError, OutputError
+from .format import load_cache, save_cache
+
+
+class Checkpoints:
+    """Finished segments of an ingest into `target`, in `.TARGET.segments/` beside it.
+
+    A checkpoint is reused only when it was built the same way (`same_build`: model identity,
+    dtype, configuration, segment position and token ids' sha256), so a changed document or
+    option re-prefills from the first differing segment.
+    """
+
+    def __init__(self, target: Path):
+        self.dir = target.parent / f".{target.name}.segments"
+
+    def _path(self, index: int) -> Path:
+        return self.dir / f"{index:06d}.kv"
+
+    def load(self, index: int, expected: CacheInfo) -> CompressedKVCache | None:
+        """Checkpoint `index` when it exists, reads back whole and matches `expected`; else None."""
+        path = self._path(index)
+        if not path.is_file():
+            return None
+        try:
+            part = load_cache(path)
+        except CacheFormatError:  # e.g. the machine died mid-write of an older rocketkv: redo it
+            return None
+        if not isinstance(part, CompressedKVCache) or part.token_ids is None:
+            return None
+        return part if same_build(part.info, expected) else None
+
+    def save(self, index: int, part: CompressedKVCache) -> CompressedKVCache:
+        """Write `part` and return it memory-mapped from disk (its tensors leave RAM).
+
+        Raises OutputError: the folder cannot be created or written."""
+        try:
+            self.dir.mkdir(exist_ok=True)
+        except OSError as exc:
+            raise OutputError(f"cannot create the checkpoint folder {self.dir}: {exc.strerror}",
+                              "choose a writable output directory, or remove what is in the way") from exc  # fmt: skip
+        save_cache(part, self._path(index), force=True)
+        loaded = load_cache(self._path(index))
+        if not isinstance(loaded, CompressedKVCache):
+            raise CacheFormatError(f"checkpoint {self._path(index)} did not read back as one segment")
+        return loaded
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def count(self) -> int:
+        return len(list(self.dir.glob("*.kv"))) if self.dir.is_dir() else 0
+
+
+def same_build(a: CacheInfo, b: CacheInfo) -> bool:
+    """Whether two segment caches were built from the same tokens, model and settings."""
+    return (a.identity == b.identity and a.dtype == b.dtype and a.config == b.config and a.segment == b.segment
+            and a.document_sha256 == b.document_sha256)  # fmt: skip

@@ -108,10 +108,10 @@ TrustOpt = Annotated[bool, typer.Option(help="Allow model code from the model di
 
 def setup(quiet: bool) -> None:
     """Per-command start: quiet or not, and transformers offline and silent."""
-    from ..model.loading import configure_transformers
+    from ..engine.api import configure
 
     _state["quiet"] = quiet
-    configure_transformers(quiet, progress_bars=err.is_terminal and not quiet)
+    configure(quiet, progress_bars=err.is_terminal and not quiet)
 
 
 def load_engine(model: str, device: str, dtype: str, trust_remote_code: bool):

@@ -16,7 +16,7 @@ def inspect_command(
     json_out: JsonOpt = False,
 ) -> None:
     """Show what a .kv cache holds (validates the file; does not load the model)."""
-    from ..store.describe import describe
+    from ..engine.api import describe
 
     info = describe(cache)
     if json_out:

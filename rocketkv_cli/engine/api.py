@@ -27,8 +27,9 @@ from pathlib import Path
 from ..core.cache import AnyCache, CompressedKVCache, SegmentedKVCache
 from ..core.config import DEFAULT_MAX_NEW_TOKENS, PrefillConfig
 from ..errors import InputError, OutputError
-from ..model.loading import DEFAULT_MODEL, load_model
+from ..model.loading import DEFAULT_MODEL, configure_transformers, load_model
 from ..store.checkpoints import Checkpoints
+from ..store.describe import describe
 from ..store.format import check_target, load_cache, save_cache, save_segmented
 from .answer import Answer, answer, decode_config_for
 from .documents import TextPieces, TextStream
@@ -68,6 +69,11 @@ def check_output(output: Path, force: bool, document: str | None = None) -> None
     check_target(output, force)
     if document not in (None, "-") and output.exists() and os.path.samefile(document, output):
         raise OutputError(f"-o {output} is the document itself", "choose another output file")
+
+
+def configure(quiet: bool, progress_bars: bool) -> None:
+    """Offline, quiet model loading (no hub access; transformers' own bars only if `progress_bars`)."""
+    configure_transformers(quiet, progress_bars)
 
 
 def read_cache(path: str | Path) -> AnyCache:
@@ -229,6 +235,7 @@ def _scratch_checkpoints() -> Checkpoints:
 __all__ = [
     "DEFAULT_MODEL",
     "Answer",
+    "describe",
     "CompressedKVCache",
     "Ingested",
     "RocketKV",

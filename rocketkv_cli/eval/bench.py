@@ -137,7 +137,7 @@ def _rss_main(argv: list[str]) -> None:
 
 
 def machine_info() -> dict:
-    import transformers
+    from ..model.loading import transformers_version
 
     cpu = platform.processor()
     try:
@@ -150,7 +150,7 @@ def machine_info() -> dict:
     from .. import __version__
 
     return {
-        "rocketkv": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+        "rocketkv": __version__, "torch": torch.__version__, "transformers": transformers_version(),
         "python": platform.python_version(), "threads": torch.get_num_threads(), "cpu": cpu,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }  # fmt: skip

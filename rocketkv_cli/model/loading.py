@@ -318,6 +318,12 @@ def stop_token_ids(model: torch.nn.Module, tokenizer) -> set[int]:
     return ids
 
 
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 def configure_transformers(quiet: bool, progress_bars: bool) -> None:
     """Offline, quiet transformers: no hub access, no advisory warnings, errors only in its log;
     its own progress bars (the GGUF conversion's tqdm) only when `progress_bars`."""

@@ -58,7 +58,7 @@ def main() -> int:
     text = "".join(document_text(30 + 7 * i, i) for i in range(3))
     stored = ingest_stream(engine, TextPieces(text, "book.txt"), cfg, segment_tokens=200)
     name = "v2-llama.kv"
-    save_segmented(stored.segments, stored.metadata, args.out / name, force=True)
+    save_segmented(stored, args.out / name, force=True)
     loaded = load_cache(args.out / name)
     record[name] = {"arch": "llama", "answers": [
         [list(a.token_ids) for a in answer(engine, part, QUESTIONS, MAX_NEW_TOKENS, decode_config_for(part))]

@@ -1,0 +1,78 @@
+"""The Python API (`rocketkv_cli.RocketKV`): what the README shows, and that it answers exactly
+as the installed CLI does from the same file."""
+
+import json
+import os
+import subprocess
+
+import pytest
+from conftest import text_of_bytes
+
+from rocketkv_cli import Answer, CompressedKVCache, RocketKV, SegmentedKVCache
+from rocketkv_cli.errors import CacheFormatError, InputError, OutputError
+
+JSON_KEYS = {"question", "answer", "cache", "n_question_tokens", "n_answer_tokens", "stop_reason", "prefill_s",
+             "decode_s"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def rk(tiny_model_dir):
+    return RocketKV.load(str(tiny_model_dir), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def doc(tmp_path_factory):
+    path = tmp_path_factory.mktemp("api") / "doc.txt"
+    path.write_text(text_of_bytes(900) + "\nThe secret code is 4242.\n")
+    return path
+
+
+def test__readme_example__ingest_open_ask_summarize(rk, doc, tmp_path):
+    out = tmp_path / "doc.kv"
+    done = rk.ingest(str(doc), output=out, token_budget=64, max_new_tokens=6)
+    assert done.path == out and out.is_file() and isinstance(done.cache, CompressedKVCache)
+    cache = rk.open(out)
+    answers = list(rk.ask(cache, ["What is the code?", "Which word is first?"]))
+    assert [a.question for a in answers] == ["What is the code?", "Which word is first?"]
+    assert all(isinstance(a, Answer) and set(a.to_dict(cache=str(out))) == JSON_KEYS for a in answers)
+    assert all(1 <= a.n_answer_tokens <= 6 for a in answers)
+    assert rk.summarize(cache, max_new_tokens=4).n_answer_tokens <= 4
+
+
+def test__api_answers_equal_the_cli_from_the_same_file(rk, doc, tmp_path, rocketkv_bin):
+    out = tmp_path / "same.kv"
+    rk.ingest(str(doc), output=out, token_budget=64, max_new_tokens=6)
+    questions = ["What is the code?", "Where is the river?"]
+    ours = [a.to_dict(cache=str(out)) for a in rk.ask(rk.open(out), questions)]
+    env = {**os.environ, "ROCKETKV_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([rocketkv_bin, "ask", "--cache", str(out), *questions, "--json"], capture_output=True,
+                       text=True, env=env, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    theirs = [json.loads(line) for line in r.stdout.splitlines()]
+    drop = ("prefill_s", "decode_s")
+    assert [{k: v for k, v in row.items() if k not in drop} for row in ours] == [
+        {k: v for k, v in row.items() if k not in drop} for row in theirs
+    ]
+
+
+def test__text_in_memory_and_a_long_text_in_segments(rk):
+    short = rk.ingest(text="The code is 77.\n" * 20, token_budget=64, max_new_tokens=4)
+    assert short.path is None and isinstance(short.cache, CompressedKVCache)
+    long = rk.ingest(text=text_of_bytes(3000).replace(" ", "\n", 80), token_budget=64, max_new_tokens=4,
+                     segment_tokens=800)  # fmt: skip
+    assert isinstance(long.cache, SegmentedKVCache) and long.cache.n_segments >= 3
+    (a,) = rk.ask(long.cache, "Which word?")
+    assert a.segments is not None and len(a.segments) == 1
+
+
+def test__known_failures_are_rocketkv_errors(rk, doc, tmp_path, tiny_model_dir):
+    with pytest.raises(InputError, match="empty question"):
+        list(rk.ask(rk.ingest(str(doc), token_budget=64).cache, ["  "]))
+    out = tmp_path / "x.kv"
+    rk.ingest(str(doc), output=out, token_budget=64)
+    with pytest.raises(OutputError, match="--force"):
+        rk.ingest(str(doc), output=out)
+    bad = tmp_path / "bad.kv"
+    bad.write_bytes(b"not a cache at all")
+    with pytest.raises(CacheFormatError):
+        rk.open(bad)

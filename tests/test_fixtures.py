@@ -1,0 +1,42 @@
+"""Files written by earlier rocketkv versions still load and answer as they did.
+
+tests/data/ holds `.kv` files of format v1 and v2 written by rocketkv 0.1.0 before the package was
+reorganised (scripts/make_cache_fixtures.py, tiny random models from fixed seeds) and the token ids
+each answered then (`fixtures.json`). The current code must read them and give the same tokens.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_engine
+
+from rocketkv_cli.core.cache import CompressedKVCache, SegmentedKVCache
+from rocketkv_cli.engine.answer import answer, decode_config_for
+from rocketkv_cli.store.format import load_cache
+
+DATA = Path(__file__).resolve().parent / "data"
+RECORD = json.loads((DATA / "fixtures.json").read_text())
+sys.path.insert(0, str(DATA.parents[1] / "scripts"))
+from make_cache_fixtures import MAX_NEW_TOKENS, QUESTIONS  # noqa: E402
+
+
+@pytest.mark.parametrize("name", sorted(RECORD))
+def test__old_file_loads_and_answers_as_recorded(name):
+    entry = RECORD[name]
+    engine = make_engine(entry["arch"], torch.float32)
+    cache = load_cache(DATA / name)
+    engine.check(cache.segments[0] if isinstance(cache, SegmentedKVCache) else cache, name)
+    parts = cache.segments if isinstance(cache, SegmentedKVCache) else (cache,)
+    assert (name.startswith("v2")) == isinstance(cache, SegmentedKVCache)
+    got = [[list(a.token_ids) for a in answer(engine, p, QUESTIONS, MAX_NEW_TOKENS, decode_config_for(p))]
+           for p in parts]  # fmt: skip
+    expected = entry["answers"] if isinstance(cache, SegmentedKVCache) else [entry["answers"]]
+    assert got == expected
+
+
+def test__fixtures_cover_both_formats_and_a_sliding_window_model():
+    kinds = {(RECORD[n]["arch"], type(load_cache(DATA / n))) for n in RECORD}
+    assert ("llama", SegmentedKVCache) in kinds and ("gemma3_text", CompressedKVCache) in kinds

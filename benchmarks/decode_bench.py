@@ -7,10 +7,10 @@ long-context caches are filled with random keys/values directly in rocketkv's ow
 
 - full attention: every layer holds n tokens; a decode step is SDPA over all of them;
 - rocketkv: every layer holds the stage-1 `prompt_budget` tokens of `derive_budgets(n, 128, t, 128)`
-  (SPEC §3.1) and decodes with HSA (`ops.hsa_decode`: Triton page scoring + sparse attention).
+  (docs/algorithm.md §1) and decodes with HSA (`ops.hsa_decode`: Triton page scoring + sparse attention).
 
 Printed: median ms per decode step of the whole model, its speedup, the ideal speedup
-(weights + full KV bytes) / (weights + bytes HSA reads) of SPEC §7, the attention-only time per layer
+(weights + full KV bytes) / (weights + bytes HSA reads) of docs/performance.md, the attention-only time per layer
 (HSA step vs SDPA over n), and the achieved memory bandwidth of `sparse_attention_triton` as a
 fraction of the device's peak. `--smoke` runs the same code on a tiny model on CPU (kernels under
 `TRITON_INTERPRET=1`) to prove the script works where no GPU is.

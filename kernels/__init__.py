@@ -1,4 +1,4 @@
-"""Triton kernels for rocketkv's hot paths (SPEC §5), installed as `rocketkv_cli.kernels`.
+"""Triton kernels for rocketkv's hot paths (docs/algorithm.md §6), installed as `rocketkv_cli.kernels`.
 
 One op family per file, each a private `@triton.jit` kernel (or two) plus a host launcher
 `<op>_triton(...)` with the same signature, layout and return as its torch reference:

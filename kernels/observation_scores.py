@@ -1,4 +1,4 @@
-"""Stage-1 observation-window scoring and max-pooling (SPEC §3.2 steps 2–4; SnapKV §3, RocketKV §3.2).
+"""Stage-1 observation-window scoring and max-pooling (docs/algorithm.md §2 steps 2–4; SnapKV §3, RocketKV §3.2).
 
 score[k] = Σ_{g, w} softmax_k(q_{g,w}·K·scaling, causal)[k] for the G·W window queries of one KV
 head, in float32. Two passes over the keys, never holding `[H, W, S]` in global memory:
@@ -129,7 +129,7 @@ def observation_scores_triton(
 ) -> torch.Tensor:
     """Attention mass each key receives from the observation-window queries, per KV head (Triton).
 
-    Same contract as `rocketkv_cli.prefill.observation_scores` (SPEC §3.2 steps 2–3): softmax of
+    Same contract as `rocketkv_cli.prefill.observation_scores` (docs/algorithm.md §2 steps 2–3): softmax of
     q·Kᵀ·scaling (optionally soft-capped) with the causal mask from positions, in float32, summed
     over the W window queries and the G query heads of each KV head.
 
@@ -195,7 +195,7 @@ def observation_scores_triton(
 def pool_scores_triton(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
     """Max-pool scores along the sequence, stride 1, same length (Triton; SnapKV clustering).
 
-    Same contract as `rocketkv_cli.prefill.pool_scores` (SPEC §3.2 step 4).
+    Same contract as `rocketkv_cli.prefill.pool_scores` (docs/algorithm.md §2 step 4).
 
     Args:
         scores: `[B, Hkv, S]` float32. kernel_size: odd, in tokens (1 = no pooling).

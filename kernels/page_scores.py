@@ -1,4 +1,4 @@
-"""Stage-2 approximate page scoring from page min/max on the chosen dims (SPEC §3.3 steps 1–3).
+"""Stage-2 approximate page scoring from page min/max on the chosen dims (docs/algorithm.md §3 steps 1–3).
 
 RocketKV §3.5 (after SparQ and Quest): for the G query heads of one KV head, score each page by
 Σ_i q_g[i]·bound[page, i] over the `n_score_dims` chosen dims i, where bound is the page max when
@@ -89,7 +89,7 @@ def page_scores_triton(
 ) -> torch.Tensor:
     """Approximate attention mass of each page, averaged over the GQA group, in float32 (Triton).
 
-    Same contract as `rocketkv_cli.decode.page_scores` (SPEC §3.3 steps 1–3, RocketKV §3.5).
+    Same contract as `rocketkv_cli.decode.page_scores` (docs/algorithm.md §3 steps 1–3, RocketKV §3.5).
 
     Args:
         query: `[B, H, 1, D]` decode query. page_min/page_max: `[B, Hkv, P, D]` (last dim

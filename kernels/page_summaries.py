@@ -1,4 +1,4 @@
-"""Page min/max summaries of the keys: the build at ingest and the update on append (SPEC §3.3).
+"""Page min/max summaries of the keys: the build at ingest and the update on append (docs/algorithm.md §3).
 
 One program per KV head and block of pages walks the `page_size` tokens of its pages and keeps an
 element-wise min and max (exact: the result equals the torch reference bit for bit). The update
@@ -65,7 +65,7 @@ def _launch(keys, page_min, page_max, first_page: int, n_pages: int, page_size: 
 def page_summaries_triton(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Element-wise min and max of the keys of each page (Triton; the build at ingest).
 
-    Same contract as `rocketkv_cli.decode.page_summaries` (SPEC §3.3, RocketKV §3.5).
+    Same contract as `rocketkv_cli.decode.page_summaries` (docs/algorithm.md §3, RocketKV §3.5).
 
     Args:
         keys: `[B, Hkv, S, D]`, last dim contiguous. page_size: tokens per page; the last page may

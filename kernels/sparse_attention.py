@@ -1,4 +1,4 @@
-"""Sparse decode attention over selected tokens (SPEC §3.3 step 5; RocketKV §3.5 exact attention).
+"""Sparse decode attention over selected tokens (docs/algorithm.md §3 step 5; RocketKV §3.5 exact attention).
 
 Flash-decoding over a gathered selection: each program owns one KV head (all G query heads of its
 GQA group share every key/value row it reads) and one split of the selection; it gathers key and
@@ -119,7 +119,7 @@ def sparse_attention_triton(
 ) -> torch.Tensor:
     """Exact softmax attention of each query head over its KV head's selected tokens (Triton).
 
-    Same contract as `rocketkv_cli.decode.sparse_attention` (SPEC §3.3 step 5): softmax over the
+    Same contract as `rocketkv_cli.decode.sparse_attention` (docs/algorithm.md §3 step 5): softmax over the
     selected keys of q·k·scaling (optionally soft-capped), in float32, times the selected values.
 
     Args:

@@ -168,7 +168,7 @@ def page(reports: dict[str, dict], quick: bool) -> str:
         "is in `docs/bench/accuracy-<preset>.json`) on "
         f"{dt.date.today().isoformat()}: rocketkv {v['rocketkv']}, torch {v['torch']}, transformers "
         f"{v['transformers']}, {v['threads']} threads, {v['cpu']}.", "",
-        "Tasks are RULER-style and generated locally (SPEC §6): `niah_noise` (one needle in a noise haystack), "
+        "Tasks are RULER-style and generated locally (docs/accuracy.md): `niah_noise` (one needle in a noise haystack), "
         "`niah_text` (one needle in King James Bible text), `multikey` (a needle among 3 distractor needles), "
         "`multivalue` (4 values for one key), `multiquery` (4 needles, 4 separate questions against one saved "
         "cache), `vt` (variable tracking over 4 hops), `fwe` (three most frequent coded words). Needles sit "
@@ -178,7 +178,7 @@ def page(reports: dict[str, dict], quick: bool) -> str:
         "Methods, each answered from its saved `.kv` file (ingest → file → ask): `full` (nothing pruned, exact "
         "attention); `rocketkv` (SnapKV++ then HSA); `snapkv` (the same stage-1 cache, exact attention: stage 1 "
         "only); `hsa` (nothing pruned, HSA at the budget: stage 2 only); `sink_recent` (first 4 tokens + the most "
-        "recent, as many as rocketkv keeps, exact attention). t is the token budget (SPEC §3.1).", "",
+        "recent, as many as rocketkv keeps, exact attention). t is the token budget (docs/algorithm.md §1).", "",
     ]  # fmt: skip
     for model, report in reports.items():
         n = report["config"]["context_tokens"][0]

@@ -82,19 +82,19 @@ def kv_fraction(windows: list, n: int, kept_full: int) -> float:
 
 
 def why_file(report: dict, row: dict) -> str:
-    """Explain a file-size miss from the budget arithmetic (SPEC §3.1) and the layer kinds."""
+    """Explain a file-size miss from the budget arithmetic (docs/algorithm.md §1) and the layer kinds."""
     from rocketkv_cli.core.config import derive_budgets
 
     n, windows, d = row["context_tokens"], report["layer_windows"], report["head_dim"]
     budget = report["config"]["token_budget"]
     kept = row["budgets"]["prompt_budget"]
     parts = [f"why: at t={budget} stage 1 keeps prompt_budget={kept} of {n} tokens ({kept / n:.0%}) per full-attention "
-             "layer (SPEC §3.1: capacity = S / c^r keeps more than t)"]  # fmt: skip
+             "layer (docs/algorithm.md §1: capacity = S / c^r keeps more than t)"]  # fmt: skip
     sliding = [w for w in windows if w]
     if sliding:
         share = sum(min(n, w) for w in sliding) / sum(min(n, w) if w else n for w in windows)
         parts.append(f"{len(sliding)} of {len(windows)} layers are sliding-window layers that keep their "
-                     f"{max(sliding)}-token window whole (SPEC §3.2.6): {share:.0%} of the full KV by themselves")  # fmt: skip
+                     f"{max(sliding)}-token window whole (docs/algorithm.md §2 step 6): {share:.0%} of the full KV by themselves")  # fmt: skip
     for t in (256, 128, 64):
         frac = kv_fraction(windows, n, derive_budgets(n, 128, t, d).prompt_budget)
         if frac <= 0.25:
@@ -165,7 +165,7 @@ def main() -> int:
         "plain transformers over document + question in one call (what a user would do otherwise);",
         "*decode* = median of 24 steps after 4 warm-up steps, rocketkv HSA from the file vs plain",
         "transformers with its full `DynamicCache`; *ideal* = (weights + full KV bytes) / (weights + bytes",
-        "HSA reads per step), SPEC §7; *peak RSS* = peak resident memory of a child process running",
+        "HSA reads per step), docs/performance.md; *peak RSS* = peak resident memory of a child process running",
         "`rocketkv ask` from the file vs one running plain transformers over the whole document.",
         "",
     ]

@@ -313,7 +313,7 @@ def _full_cache_check(ws: Workspace) -> None:
     from rocketkv_cli.store.format import load_cache
 
     stored = load_cache(ws.root / "big-budget.kv")
-    assert all(layer[0].shape[2] == stored.n_context_tokens for layer in stored.layers), "pruned despite big budget"
+    assert all(layer.n_kept_tokens == stored.n_context_tokens for layer in stored.layers), "pruned despite big budget"
     (ws.root / "big-budget.kv").rename(ws.root / "big-budget-keep.kv")
 
 

@@ -31,6 +31,7 @@ def test__bench__tiny_model_json_schema(rocketkv_bin, tiny_model_dir, tmp_path):
     for row in rows:
         assert set(row) == ROW_KEYS
         assert row["file_bytes"] > 0 and row["peak_rss_ask_bytes"] > 0 and row["decode_step_hsa_s"] > 0
-        assert abs(row["decode_speedup"] - row["decode_step_full_s"] / row["decode_step_hsa_s"]) < 1e-9
+        assert row["file_bytes"] < row["full_kv_bytes"], "at budget 64 the pruned file must be smaller than the full KV"
+        assert row["hsa_kv_bytes_per_step"] < row["full_kv_bytes"] and row["ideal_decode_speedup"] > 1
     stdout_rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert [x["context_tokens"] for x in stdout_rows] == [300, 600]

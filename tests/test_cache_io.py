@@ -1,4 +1,4 @@
-"""The .kv file: round trip, atomic writes, and refusal of damaged or foreign files (SPEC §4)."""
+"""The .kv file: round trip, atomic writes, and refusal of damaged or foreign files (docs/file-format.md)."""
 
 import dataclasses
 import json

@@ -1,4 +1,4 @@
-"""The installed `rocketkv` CLI, run in subprocesses against a saved tiny model (SPEC §1 contract)."""
+"""The installed `rocketkv` CLI, run in subprocesses against a saved tiny model (README: Command line contract)."""
 
 import json
 import os

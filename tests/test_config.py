@@ -1,4 +1,4 @@
-"""Budget decomposition (SPEC §3.1) and config validation."""
+"""Budget decomposition (docs/algorithm.md §1) and config validation."""
 
 import math
 
@@ -17,7 +17,7 @@ from rocketkv_cli.core.config import (
 @pytest.mark.parametrize(
     "seq, budget, expected",
     [
-        # SPEC §3.1 examples (d=128, max_new=128): S=32K, t=256 and S=16K, t=1024
+        # docs/algorithm.md §1 examples (d=128, max_new=128): S=32K, t=256 and S=16K, t=1024
         (32 * 1024, 256, (1490, 128, 3, 60)),
         (16 * 1024, 1024, (4709, 512, 3, 81)),
     ],

@@ -1,4 +1,4 @@
-"""Stage 2 (HSA) against a slow loop reference on random data with odd shapes (SPEC §3.3)."""
+"""Stage 2 (HSA) against a slow loop reference on random data with odd shapes (docs/algorithm.md §3)."""
 
 import math
 
@@ -10,7 +10,7 @@ from rocketkv_cli.core.stage2 import hsa_decode, page_summaries
 
 
 def loop_hsa(q, k, v, topk, page, r, scaling):
-    """Direct transcription of SPEC §3.3 with Python loops over heads, pages and tokens (float64)."""
+    """Direct transcription of docs/algorithm.md §3 with Python loops over heads, pages and tokens (float64)."""
     b, h, _, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     g = h // hkv

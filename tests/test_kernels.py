@@ -1,4 +1,4 @@
-"""Triton kernels against their torch references (SPEC §5), and the dispatch rule of `ops`.
+"""Triton kernels against their torch references (docs/algorithm.md §6), and the dispatch rule of `ops`.
 
 On a machine without CUDA the kernels run under `TRITON_INTERPRET=1` (set in conftest before
 triton is imported) on small odd shapes; `gpu`-marked cases use larger shapes and run on CUDA only.

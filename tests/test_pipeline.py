@@ -1,4 +1,4 @@
-"""SPEC §3.5 invariants on tiny random-init models of every supported architecture."""
+"""docs/algorithm.md §5 invariants on tiny random-init models of every supported architecture."""
 
 import dataclasses
 

@@ -1,4 +1,4 @@
-"""Stage 1 (SnapKV++) against brute-force loop references (SPEC §3.2)."""
+"""Stage 1 (SnapKV++) against brute-force loop references (docs/algorithm.md §2)."""
 
 import pytest
 import torch

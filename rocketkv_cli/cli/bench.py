@@ -109,7 +109,7 @@ def bench(
                   "dtype": str(engine.loaded.dtype).removeprefix("torch."), "config": cfg.to_dict(),
                   "source": str(src), "head_dim": engine.shape.head_dim, "n_kv_heads": engine.shape.n_kv_heads,
                   "layer_windows": [spec.sliding_window for spec in engine.shape.layers], "rows": rows}  # fmt: skip
-        tmp = json_path.with_name(f".{json_path.name}.tmp")
-        tmp.write_text(json.dumps(report, indent=2))
-        os.replace(tmp, json_path)  # an old report is replaced whole or not at all
+        partial = json_path.with_name(f".{json_path.name}.tmp")
+        partial.write_text(json.dumps(report, indent=2))
+        os.replace(partial, json_path)  # an old report is replaced whole or not at all
         log(f"wrote {json_path}")

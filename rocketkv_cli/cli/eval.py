@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.table import Table
 
 from ..engine.documents import read_document
 from ..errors import InputError, OutputError
@@ -38,8 +39,7 @@ def _names(text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(p.strip() for p in text.split(",") if p.strip())
 
 
-def _table(report: dict, n: int, what: str) -> "Table":  # noqa: F821
-    from rich.table import Table
+def _table(report: dict, n: int, what: str) -> Table:
 
     rows = [r for r in report["summary"] if r["context_tokens"] == n]
     columns = sorted({(r["label"], r["budget"]) for r in rows}, key=lambda c: (c[1] or 0, c[0] != "full", c[0]))
@@ -62,7 +62,7 @@ def _table(report: dict, n: int, what: str) -> "Table":  # noqa: F821
 
 def eval_command(
     context_tokens: Annotated[str, typer.Option(help="Comma-separated document lengths in tokens.")] = "4096",
-    budgets: Annotated[str, typer.Option(help="Comma-separated token budgets t (SPEC §3.1).")] = "128,256,512,1024",
+    budgets: Annotated[str, typer.Option(help="Comma-separated token budgets t (tokens).")] = "128,256,512,1024",
     methods: Annotated[
         str,
         typer.Option(
@@ -98,7 +98,7 @@ def eval_command(
     dtype: DtypeOpt = None,
     quiet: QuietOpt = False,
 ) -> None:
-    """Score full attention, rocketkv and baselines on generated long-context tasks (SPEC §6)."""
+    """Score full attention, rocketkv and baselines on generated long-context tasks (docs/accuracy.md)."""
     import tempfile
 
     from ..engine.api import DEFAULT_MODEL

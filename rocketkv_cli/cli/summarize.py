@@ -60,6 +60,7 @@ def summarize_command(
         rk, stored = open_cache(cache, model, device, dtype, trust_remote_code)
         source = str(cache)
     else:
+        assert document is not None  # checked above: exactly one of DOC and --cache
         stream = open_stream(document, encoding)
         rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code)
         stored = ingest(rk, stream, cfg, segment_tokens=segment_tokens).cache

@@ -1,4 +1,4 @@
-"""Frozen, validated configuration and the RocketKV budget decomposition (SPEC §3.1, paper §3.6).
+"""Frozen, validated configuration and the RocketKV budget decomposition (paper §3.6; docs/algorithm.md §1).
 
 All budgets are in tokens, per KV head, per layer. Nothing here reads the environment or the CLI.
 """
@@ -27,7 +27,7 @@ def _positive(name: str, value: int | None, allow_none: bool = True) -> None:
 class PrefillConfig:
     """Stage-1 (SnapKV++) settings, fixed at ingest time.
 
-    token_budget: t, the decode-time budget in tokens from which the rest is derived (SPEC §3.1).
+    token_budget: t, the decode-time budget in tokens from which the rest is derived (docs/algorithm.md §1).
     max_new_tokens: answer length the budget plans for (S = n + max_new_tokens).
     window_size: W, observation-window queries used to score (and always kept).
     pool_kernel_size: odd max-pool kernel in tokens, or 0 for the `auto` rule by length.
@@ -35,7 +35,7 @@ class PrefillConfig:
         question-like probe text from `prompts/`, scored then dropped).
     prompt_budget, topk, page_size, n_score_dims: overrides of the derived values (None = derive).
     chunk_tokens: prefill chunk length in tokens (bounds activation memory).
-    selection: "snapkv" (SnapKV++, SPEC §3.2) or "sink_recent" (a baseline for `rocketkv eval`:
+    selection: "snapkv" (SnapKV++, docs/algorithm.md §2) or "sink_recent" (a baseline for `rocketkv eval`:
         the first `n_sink_tokens` tokens plus the most recent ones, same kept count, no scoring).
     n_sink_tokens: attention-sink tokens kept at the start by "sink_recent".
     """
@@ -87,7 +87,7 @@ class PrefillConfig:
 
 @dataclass(frozen=True)
 class Budgets:
-    """Derived per-layer, per-KV-head budgets in tokens (SPEC §3.1)."""
+    """Derived per-layer, per-KV-head budgets in tokens (docs/algorithm.md §1)."""
 
     prompt_budget: int  # tokens stage 1 keeps (observation window included)
     capacity_budget: int  # prompt_budget + max_new_tokens
@@ -104,7 +104,7 @@ class Budgets:
 
 
 def derive_budgets(n_context_tokens: int, max_new_tokens: int, token_budget: int, head_dim: int) -> Budgets:
-    """Split a token budget t into stage-1 and stage-2 budgets (paper §3.6, SPEC §3.1).
+    """Split a token budget t into stage-1 and stage-2 budgets (paper §3.6; docs/algorithm.md §1).
 
     With S = n + max_new_tokens: c = max(1, S/t); r = min(0.2 + 0.06·log2(c), 0.8);
     capacity = floor(S / c^r); prompt_budget = capacity − max_new_tokens; topk = t/2;

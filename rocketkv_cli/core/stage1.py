@@ -1,4 +1,4 @@
-"""Stage 1 — SnapKV++ scoring, pooling and selection (SPEC §3.2). Pure torch, no transformers.
+"""Stage 1 — SnapKV++ scoring, pooling and selection (docs/algorithm.md §2). Pure torch, no transformers.
 
 Scores are computed in float32. Each KV head keeps its own token set, the same count per head;
 the last `window_size` tokens are always kept; kept tokens stay in original order.

@@ -1,4 +1,4 @@
-"""Stage 2 — hybrid sparse attention (HSA) for one decode step (SPEC §3.3). Pure torch reference.
+"""Stage 2 — hybrid sparse attention (HSA) for one decode step (docs/algorithm.md §3). Pure torch reference.
 
 Keys are grouped in consecutive pages of `page_size` tokens with an element-wise min and max per
 page. Per step and KV head: choose the `n_score_dims` largest dims of Σ_g|q_g|, score pages with

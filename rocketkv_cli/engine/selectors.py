@@ -96,7 +96,7 @@ class SinkRecentSelector:
         return sink_recent_select(layer.n_context_tokens, prompt_budget, self.n_sink_tokens, n_kv, layer.keys.device)
 
 
-def selector_for(cfg: PrefillConfig) -> SnapKVSelector | SinkRecentSelector:
+def selector_for(cfg: PrefillConfig) -> Selector:
     """The selector a configuration names (`cfg.selection`)."""
     if cfg.selection == "sink_recent":
         return SinkRecentSelector(cfg.n_sink_tokens)

@@ -1,4 +1,4 @@
-"""`rocketkv bench`: speed, memory and file size of rocketkv vs full attention, side by side (SPEC §7).
+"""`rocketkv bench`: speed, memory and file size of rocketkv vs full attention, side by side (docs/performance.md).
 
 Everything is measured in one process on the same machine and reported as ratios, except peak
 memory, which is the peak resident set of two child processes (`ask` from the file vs plain
@@ -167,7 +167,7 @@ def bench_one(
     measure_memory: bool = True,
     log: Log = lambda _m: None,
 ) -> dict:
-    """All measurements of SPEC §7 for one context length. Times in seconds, sizes in bytes."""
+    """All measurements of docs/performance.md for one context length. Times in seconds, sizes in bytes."""
     document = build_document(engine, source_text, n_tokens)
     elem = torch.tensor([], dtype=engine.loaded.dtype).element_size()
     path = workdir / f"bench-{n_tokens}.kv"

@@ -1,4 +1,4 @@
-"""`rocketkv eval`: full attention vs rocketkv vs baselines on RULER-style tasks (SPEC §6).
+"""`rocketkv eval`: full attention vs rocketkv vs baselines on RULER-style tasks (docs/accuracy.md).
 
 Every method answers through the saved-file path the CLI uses: its cache is written with
 `store.format.save_cache`, read back with `load_cache`, checked with `Engine.check` and answered
@@ -7,7 +7,7 @@ sample (`Engine.prefill`) and compressed for every method's stage-1 settings (`E
 through the same selectors and kernel dispatch as `ingest`). No printing here: progress goes
 through a callback.
 
-Methods (budgets in tokens, SPEC §3.1):
+Methods (budgets in tokens, docs/algorithm.md §1):
 - full: nothing pruned, exact attention.
 - rocketkv: SnapKV++ at the budget's prompt_budget, then HSA at its topk (both stages).
 - snapkv: the same stage-1 cache, exact attention over it (stage 1 only).
@@ -120,7 +120,7 @@ def plan(cfg: EvalConfig) -> tuple[dict[str, PrefillConfig], list[Run]]:
     """The distinct stage-1 caches a sample needs (key → PrefillConfig) and the runs over them."""
     caches: dict[str, PrefillConfig] = {}
     runs: list[Run] = []
-    base = dict(max_new_tokens=cfg.plan_new_tokens, window_size=cfg.window_size, chunk_tokens=cfg.chunk_tokens)
+    base: dict = dict(max_new_tokens=cfg.plan_new_tokens, window_size=cfg.window_size, chunk_tokens=cfg.chunk_tokens)
     if {"full", "hsa"} & set(cfg.methods):
         caches["full"] = PrefillConfig(token_budget=FULL_TOKEN_BUDGET, **base)
     if "full" in cfg.methods:
@@ -151,7 +151,7 @@ def plan(cfg: EvalConfig) -> tuple[dict[str, PrefillConfig], list[Run]]:
 
 
 def stage2_only_budgets(n_context_tokens: int, max_new_tokens: int, token_budget: int, head_dim: int) -> dict:
-    """HSA settings for a budget over the unpruned cache ("stage 2 only"): SPEC §3.1 with the whole
+    """HSA settings for a budget over the unpruned cache ("stage 2 only"): docs/algorithm.md §1 with the whole
     compression given to stage 2 (capacity = S): topk = t/2, c2 = S/t, page_size = ceil(√c2)
     (1 if above c2, at most topk), n_score_dims = floor(d·page_size/c2) in [1, d]. In tokens."""
     seq = n_context_tokens + max_new_tokens
@@ -314,7 +314,7 @@ def _run_sample(engine, cfg, sample: Sample, n: int, caches: dict, runs: list, w
 def _answer_run(engine: Engine, stored: CompressedKVCache, run: Run, sample: Sample, n: int, cfg: EvalConfig) -> list:
     """Answer the sample's questions with one run; one record per question."""
     n_ctx = stored.n_context_tokens
-    if run.method == "hsa":
+    if run.method == "hsa" and run.budget is not None:
         decode = decode_config_for(stored, True, **stage2_only_budgets(n_ctx, cfg.plan_new_tokens, run.budget,
                                                                          engine.shape.head_dim))  # fmt: skip
     else:

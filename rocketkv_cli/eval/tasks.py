@@ -1,4 +1,4 @@
-"""RULER-style synthetic long-context tasks for `rocketkv eval` (SPEC §6), generated locally.
+"""RULER-style synthetic long-context tasks for `rocketkv eval` (docs/accuracy.md), generated locally.
 
 Every generator is deterministic in (task, sample index, seed, length, tokenizer) and returns a
 `Sample`: the document text, one or more questions with their expected values, and where each
@@ -205,6 +205,7 @@ def generate(
         sentences = text_sentences(haystack_text, rng)
     else:
         sentences = noise_sentences(rng)
+    questions: tuple[Question, ...]
     if task in ("niah_noise", "niah_text", "multikey"):
         n_needles = 4 if task == "multikey" else 1
         pairs = [(_key(rng, keys), _number(rng, values)) for _ in range(n_needles)]

@@ -12,6 +12,7 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +53,7 @@ class ModelShape:
         return [i for i, spec in enumerate(self.layers) if spec.sliding_window is None]
 
 
-def model_shape(model: torch.nn.Module) -> ModelShape:
+def model_shape(model: Any) -> ModelShape:
     """Read layer kinds, scaling and head geometry from a loaded causal LM.
 
     Raises:
@@ -108,6 +109,8 @@ class RocketLayer(CacheLayerMixin):
     """
 
     is_croppable = True
+    keys: torch.Tensor  # never None here: buffers are made in __init__
+    values: torch.Tensor
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, extra_tokens: int):
         super().__init__()
@@ -158,7 +161,7 @@ class RocketLayer(CacheLayerMixin):
         """Page min/max `[B, Hkv, P, D]` of the current keys (views of buffers updated in place).
 
         Built once over the context, then only the pages touched by tokens appended since the last
-        call are recomputed (`ops.update_page_summaries`, SPEC §3.3).
+        call are recomputed (`ops.update_page_summaries`, docs/algorithm.md §3).
         """
         n_pages = -(-self.length // page_size)
         if self._pages is None or self._pages[0] != page_size or self._pages[1].shape[2] < n_pages:
@@ -199,8 +202,10 @@ class RocketLayer(CacheLayerMixin):
 class RocketCache(Cache):
     """A transformers `Cache` of `RocketLayer`s; `query_positions` `[T]` is set before each forward."""
 
+    layers: list[RocketLayer]  # type: ignore[assignment]  # only RocketLayers, never other kinds
+
     def __init__(self, layers: list[RocketLayer]):
-        super().__init__(layers=layers)
+        super().__init__(layers=list(layers))
         self.query_positions: torch.Tensor | None = None
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -214,7 +219,7 @@ class RocketCache(Cache):
             layer.crop_to_context()
 
 
-def empty_cache(model: torch.nn.Module, shape: ModelShape, n_tokens: int) -> RocketCache:
+def empty_cache(model: Any, shape: ModelShape, n_tokens: int) -> RocketCache:
     """A cache with no context, room for `n_tokens` per layer, on the model's device and dtype."""
     p = next(model.parameters())
     layers = []
@@ -255,8 +260,10 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         )
     layer = session.cache.layers[module.layer_idx]
     q_pos = session.cache.query_positions
+    if q_pos is None:
+        raise RuntimeError("rocketkv attention called without query positions (use forward_tokens)")
     if session.capture_from is not None and spec.sliding_window is None:
-        keep = q_pos >= session.capture_from
+        keep = torch.ge(q_pos, session.capture_from)
         if bool(keep.any()):
             session.captured.setdefault(module.layer_idx, []).append(query[:, :, keep].detach().float())
     keys, values, k_pos = layer.view()
@@ -285,7 +292,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
 
 @contextlib.contextmanager
 def rocketkv_attention(
-    model: torch.nn.Module,
+    model: Any,
     cache: RocketCache,
     shape: ModelShape,
     decode: DecodeConfig | None = None,
@@ -310,9 +317,7 @@ def rocketkv_attention(
 
 
 @torch.inference_mode()
-def forward_tokens(
-    model: torch.nn.Module, cache: RocketCache, input_ids: torch.Tensor, positions: torch.Tensor
-) -> torch.Tensor:
+def forward_tokens(model: Any, cache: RocketCache, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Run `input_ids` `[1, T]` at RoPE positions `positions` `[T]` int64 over `cache`.
 
     Must run inside `rocketkv_attention`. Only the last position's logits are computed.
@@ -344,7 +349,7 @@ class PlainDecoder:
     step. Both return the next greedy token id.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: Any):
         from transformers import DynamicCache
 
         self.model = model

@@ -20,6 +20,7 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,8 +46,8 @@ class LoadedModel:
     """A model ready for rocketkv. `model_id` is the preset name or the resolved path/hub id."""
 
     model_id: str
-    model: torch.nn.Module
-    tokenizer: object
+    model: Any  # a transformers PreTrainedModel
+    tokenizer: Any  # a transformers tokenizer
     device: torch.device
     dtype: torch.dtype
     weights_digest: str | None = None  # sha256 of the weight files (None: in-memory model)
@@ -136,7 +137,7 @@ def _converted_dir(gguf: Path, progress: Progress, key: str | None = None) -> Pa
         raise ModelLoadError(
             f"cannot load GGUF {gguf}: {exc}".splitlines()[0], "check the file, or use another --model"
         ) from exc
-    model.hf_quantizer = None  # the de-quantized model refuses save_pretrained while it keeps these
+    model.hf_quantizer = None  # type: ignore[assignment]  # the de-quantized model refuses save_pretrained while it keeps these
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     with tempfile.TemporaryDirectory(dir=_mkdir(target.parent)) as tmp:
@@ -222,7 +223,7 @@ def load_model(
             f"cannot load model {model!r}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
             "rocketkv never downloads models: use a preset, a local directory, a .gguf, or a hub id already cached",
         ) from exc
-    lm.to(dev).eval()
+    lm.to(dev).eval()  # type: ignore[arg-type]
     lm.requires_grad_(False)
     files = sorted(Path(where).glob("*.safetensors")) if Path(where).is_dir() else []
     digest = weights_file_digest(files) if files else None
@@ -273,7 +274,7 @@ def _config_model_type(where: str) -> str | None:
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "dtype", "torch_dtype", "quantization_config", "architectures"}
 
 
-def model_digest(model: torch.nn.Module, weights_digest: str | None = None) -> str:
+def model_digest(model: Any, weights_digest: str | None = None) -> str:
     """sha256 over the config and the weights, independent of the dtype the model was loaded in.
 
     weights_digest: digest of the weight files (`weights_file_digest`), which covers every byte.
@@ -306,7 +307,7 @@ def chat_template_digest(tokenizer) -> str:
     return hashlib.sha256(template.encode()).hexdigest() if template else "none"
 
 
-def stop_token_ids(model: torch.nn.Module, tokenizer) -> set[int]:
+def stop_token_ids(model: Any, tokenizer) -> set[int]:
     """Union of the generation config's and the tokenizer's EOS ids (a model may stop on either)."""
     ids: set[int] = set()
     gen = getattr(model, "generation_config", None)

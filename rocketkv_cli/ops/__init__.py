@@ -1,4 +1,4 @@
-"""Kernel dispatch: one rule for every hot-path op (SPEC §5).
+"""Kernel dispatch: one rule for every hot-path op (docs/algorithm.md §6).
 
 Each op has a torch reference (the specification, in `stage2.py` / `stage1.py`) and a Triton
 launcher of the same signature in `rocketkv_cli.kernels.<file>`. The rule, evaluated per call from
@@ -153,7 +153,7 @@ def pool_scores(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
 
 
 def snapkv_select(scores: torch.Tensor, prompt_budget: int, window_size: int, kernel_size: int) -> torch.Tensor:
-    """`stage1.snapkv_select` with the dispatched pooling (SPEC §3.2 steps 4–5).
+    """`stage1.snapkv_select` with the dispatched pooling (docs/algorithm.md §2 steps 4–5).
 
     Args: scores `[B, Hkv, S]` float32; budgets in tokens. Returns: `[B, Hkv, min(S, prompt_budget)]` int64.
     """

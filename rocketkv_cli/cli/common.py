@@ -202,7 +202,7 @@ def storage(kv_dtype: str):
     from ..core.quant import KVStorage
 
     try:
-        return KVStorage(kv_dtype=kv_dtype)
+        return KVStorage.parse(kv_dtype)
     except ValueError as exc:
         raise InputError(f"invalid option: --kv-dtype: {exc}") from None
 

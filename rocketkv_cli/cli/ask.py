@@ -23,6 +23,7 @@ from .common import (
     SegmentOpt,
     SegmentsOpt,
     SegmentTokensOpt,
+    Timings,
     TopkOpt,
     TrustOpt,
     WeightsOpt,
@@ -67,21 +68,33 @@ def read_questions(positional: list[str], questions_file: Optional[str], doc_is_
 
 
 def open_cache(cache: Path, model: Optional[str], device: str, dtype: Optional[str], trust_remote_code: bool,
-               weights: Optional[str] = None):  # fmt: skip
+               weights: Optional[str] = None, timings: Timings | None = None):  # fmt: skip
     """Validate the file, load the model it was built with (or `model`), check they match."""
     from ..engine.api import read_cache
 
-    stored = read_cache(cache)
+    timings = timings or Timings()
+    with timings.span("cache read + verify"):
+        stored = read_cache(cache)
     ident = stored.info.identity
-    rk = load_engine(model or ident.model_id, device, dtype or stored.info.dtype, trust_remote_code,
-                     weights or stored.info.weights)  # fmt: skip
-    rk.check(stored, str(cache))
+    with timings.span("model load"):
+        rk = load_engine(model or ident.model_id, device, dtype or stored.info.dtype, trust_remote_code,
+                         weights or stored.info.weights)  # fmt: skip
+    with timings.span("model identity check"):
+        rk.check(stored, str(cache))
     return rk, stored
 
 
-def print_answers(answers, n_questions: int, source: str, json_out: bool) -> None:
+def print_answers(answers, n_questions: int, source: str, json_out: bool, timings: Timings | None = None) -> None:
     """Each answer on stdout as it is made (`--json`: one object per line), a timing line on stderr."""
     for i, ans in enumerate(answers):
+        if timings is not None:
+            per = (
+                f" ({1e3 * ans.decode_s / max(1, ans.n_answer_tokens - 1):.0f} ms/token)"
+                if ans.n_answer_tokens > 1
+                else ""
+            )
+            timings.add(f"question {i + 1} prefill", ans.prefill_s)
+            timings.add(f"decode {ans.n_answer_tokens} tokens{per}", ans.decode_s)
         if json_out:
             typer.echo(json.dumps(ans.to_dict(cache=source), ensure_ascii=False))
         else:
@@ -118,15 +131,17 @@ def ask_command(
     trust_remote_code: TrustOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show a timing breakdown on stderr.")] = False,
 ) -> None:
     """Answer questions from a saved cache (or from DOC, ingested in memory first)."""
     from ..engine.api import DEFAULT_MODEL
 
+    timings = Timings()
     setup(quiet)
     args = list(args or [])
     if cache is not None:
         questions = read_questions(args, questions_file, False)
-        rk, stored = open_cache(cache, model, device, dtype, trust_remote_code, weights)
+        rk, stored = open_cache(cache, model, device, dtype, trust_remote_code, weights, timings)
         source = str(cache)
     else:
         if not args:
@@ -143,4 +158,6 @@ def ask_command(
     answers = rk.ask(stored, questions, max_new_tokens=max_new_tokens, dense=dense, hsa=hsa, topk=topk,
                      page_size=page_size, n_score_dims=n_score_dims, segments=segments, segment=segment,
                      log=log)  # fmt: skip
-    print_answers(answers, len(questions), source, json_out)
+    print_answers(answers, len(questions), source, json_out, timings)
+    if verbose:
+        log(timings.summary())

@@ -72,7 +72,7 @@ class Engine:
         return ModelIdentity(
             model_id=self.loaded.model_id,
             model_digest=model_digest(self.model, self.loaded.weights_digest),
-            tokenizer_digest=tokenizer_digest(self.tokenizer),
+            tokenizer_digest=tokenizer_digest(self.tokenizer, list(self.loaded.tokenizer_files)),
             chat_template_digest=chat_template_digest(self.tokenizer),
             prompt_template_id=self.prompt.template_id,
             n_layers=len(self.shape.layers),

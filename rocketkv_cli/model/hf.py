@@ -274,14 +274,21 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
             query, keys, values, pmin, pmax, dec.topk, dec.page_size, dec.n_score_dims, spec.scaling, spec.softcap
         )
     elif query.shape[2] == 1 and spec.sliding_window is None and spec.softcap is None:
-        # one new token: every cached key is in its past, so no mask (lets SDPA use its fused decode kernels)
-        gqa = query.shape[1] != keys.shape[1]
-        out = F.scaled_dot_product_attention(query, keys, values, scale=spec.scaling, enable_gqa=gqa)
+        out = exact_decode_attention(query, keys, values, spec.scaling)
     else:
         if layer.n_context == 0:  # ingest: positions are shared by all heads
             k_pos = k_pos[:, :1]
         out = exact_attention(query, keys, values, k_pos, q_pos, spec.scaling, spec.sliding_window, spec.softcap)
     return out.transpose(1, 2).contiguous(), None
+
+
+def exact_decode_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Exact attention of one new token `[B, H, 1, D]` over every cached key `[B, Hkv, S, D]`: all
+    are in its past, so no mask (lets SDPA use its fused decode kernels). Returns `[B, H, 1, D]`."""
+    gqa = query.shape[1] != keys.shape[1]
+    return F.scaled_dot_product_attention(query, keys, values, scale=scaling, enable_gqa=gqa)
 
 
 @contextlib.contextmanager

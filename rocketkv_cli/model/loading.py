@@ -113,6 +113,14 @@ def _preset_gguf(name: str, progress: Progress) -> Path:
     return target
 
 
+def gguf_path(model_id: str, progress: Progress = lambda _msg: None) -> Path | None:
+    """The GGUF file a model came from (a preset's, or a `.gguf` path), or None (a directory)."""
+    if model_id in PRESETS:
+        return _preset_gguf(model_id, progress)
+    path = Path(model_id)
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
 def _mkdir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     return path

@@ -180,9 +180,11 @@ class DecodeConfig:
 
     sparse: False = exact attention over the whole stored cache (the "stage 1 only" method).
     topk, page_size, n_score_dims: tokens attended per step, tokens per page, score dims.
-    min_hsa_tokens: a layer holding at most max(topk, this) tokens is attended exactly — below the
-        measured size where HSA's page scoring and gather cost more than reading every token
-        (0: HSA wherever the layer holds more than topk).
+    min_hsa_tokens: a layer whose stored context holds at most max(topk, this) tokens is attended
+        exactly — below the measured size where HSA's page scoring and gather cost more than
+        reading every token (0: HSA wherever the context holds more than topk).
+    n_sink_tokens: the first tokens of the context, attended at every step (attention sinks).
+    The question and the tokens decoded so far are always attended exactly (docs/algorithm.md §3).
     """
 
     topk: int
@@ -190,15 +192,18 @@ class DecodeConfig:
     n_score_dims: int
     sparse: bool = True
     min_hsa_tokens: int = 0
+    n_sink_tokens: int = 4
 
     def __post_init__(self) -> None:
         for name in ("topk", "page_size", "n_score_dims"):
             _positive(name, getattr(self, name), allow_none=False)
-        if isinstance(self.min_hsa_tokens, bool) or not isinstance(self.min_hsa_tokens, int) or self.min_hsa_tokens < 0:
-            raise ValueError(f"min_hsa_tokens must be a non-negative integer, got {self.min_hsa_tokens!r}")
+        for name in ("min_hsa_tokens", "n_sink_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
 
-    def uses_hsa(self, n_tokens: int) -> bool:
-        """Whether a layer holding `n_tokens` is attended with HSA (else exactly)."""
-        return self.sparse and n_tokens > max(self.topk, self.min_hsa_tokens)
+    def uses_hsa(self, n_context_tokens: int) -> bool:
+        """Whether a layer whose stored context holds `n_context_tokens` is attended with HSA."""
+        return self.sparse and n_context_tokens > max(self.topk, self.min_hsa_tokens)
         if self.page_size > self.topk:
             raise ValueError(f"page_size must not exceed topk ({self.topk}), got {self.page_size}")

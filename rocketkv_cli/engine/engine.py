@@ -325,6 +325,20 @@ class Decoder:
         self.position += 1
         return logits
 
+    def score(self, ids: list[int], answer: list[int]) -> torch.Tensor:
+        """Teacher forcing: the logits `[len(answer), V]` float32 that predict each token of
+        `answer` after the question `ids` and the answer's earlier tokens, in one forward. The
+        question attends exactly (as its prefill does) and every answer position with stage 2
+        exactly as the decode step at that position would, so the logits equal step-by-step decode
+        (`tests/test_decode.py`). Leaves the tokens in the tail; `reset()` drops them."""
+        tokens = ids + answer[:-1]
+        positions = torch.arange(self.position, self.position + len(tokens), device=self._position.device)
+        with rocketkv_attention(self.engine.model, self.cache, self.engine.shape, decode=self.decode,
+                                hsa_from=self.position + len(ids)):  # fmt: skip
+            logits = forward_tokens(self.engine.model, self.cache, self.engine.ids(tokens), positions, len(answer))
+        self.position += len(tokens)
+        return logits.view(len(answer), -1)
+
     def reset(self) -> None:
         """Back to the stored context (the tail's tokens are forgotten)."""
         self.cache.crop_to_context()

@@ -179,3 +179,29 @@ def hsa_decode(
     """
     return stage2.hsa_decode(query, keys, values, page_min, page_max, topk, page_size, n_score_dims, scaling,
                              softcap, score_pages=page_scores, attend=sparse_attention)  # fmt: skip
+
+
+def hsa_context_decode(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    page_min: torch.Tensor,
+    page_max: torch.Tensor,
+    n_context: int,
+    topk: int,
+    page_size: int,
+    n_score_dims: int,
+    n_sink_tokens: int,
+    scaling: float,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One HSA decode step over a stored context followed by a question's tail (docs/algorithm.md §3):
+    `stage2.context_selection` with the dispatched page scoring, then the dispatched sparse attention.
+
+    Args: query `[B, H, 1, D]`; keys/values `[B, Hkv, S, D]` (context then tail); page_min/page_max
+    `[B, Hkv, P, D]` over the context only. Returns (output `[B, H, 1, D]`, indices `[B, Hkv, N_sel]`).
+    """
+    s = keys.shape[2]
+    indices = stage2.context_selection(query, page_min, page_max, n_context, s, topk, page_size, n_score_dims,
+                                       n_sink_tokens, score_pages=page_scores)  # fmt: skip
+    return sparse_attention(query, keys, values, indices, scaling, softcap), indices

@@ -152,12 +152,14 @@ def pool_scores(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
     return implementation("pool_scores", scores)(scores, kernel_size)
 
 
-def snapkv_select(scores: torch.Tensor, prompt_budget: int, window_size: int, kernel_size: int) -> torch.Tensor:
+def snapkv_select(
+    scores: torch.Tensor, prompt_budget: int, window_size: int, kernel_size: int, n_first: int = 0
+) -> torch.Tensor:
     """`stage1.snapkv_select` with the dispatched pooling (docs/algorithm.md §2 steps 4–5).
 
     Args: scores `[B, Hkv, S]` float32; budgets in tokens. Returns: `[B, Hkv, min(S, prompt_budget)]` int64.
     """
-    return stage1.snapkv_select(scores, prompt_budget, window_size, kernel_size, pool=pool_scores)
+    return stage1.snapkv_select(scores, prompt_budget, window_size, kernel_size, pool=pool_scores, n_first=n_first)
 
 
 def hsa_decode(

@@ -259,7 +259,10 @@ def metadata_info(meta: dict[str, str], path: str, rebuild: str) -> CacheInfo:
             "upgrade rocketkv, or " + rebuild,
         )
     try:
-        config = PrefillConfig(**json.loads(meta["config"]))
+        raw_config = json.loads(meta["config"])
+        if isinstance(raw_config, dict):
+            raw_config.setdefault("n_first_tokens", 0)  # written before stage 1 kept the first tokens
+        config = PrefillConfig(**raw_config)
         budgets, kernel = parse_budgets(json.loads(meta["budgets"]))
         windows = json.loads(meta["layer_windows"])
         if not isinstance(windows, list) or len(windows) != n_layers:

@@ -126,8 +126,10 @@ def snapkv_select(
     pool = pool or pool_scores
     s = scores.shape[-1]
     window = min(window_size, prompt_budget, s)
-    prefix = pool(scores[..., : s - window], kernel_size) if s > window else scores[..., :0]
-    pooled = torch.cat([prefix, scores[..., s - window :]], dim=-1)  # [B, Hkv, S]
+    first = max(0, min(n_first, prompt_budget - window, s - window))  # kept whatever their score:
+    middle = scores[..., first : s - window]  # like the window, they stay out of the pooling
+    pooled_middle = pool(middle, kernel_size) if middle.shape[-1] else middle
+    pooled = torch.cat([scores[..., :first], pooled_middle, scores[..., s - window :]], dim=-1)  # [B, Hkv, S]
     return select_kept_tokens(pooled, prompt_budget, window_size, n_first)
 
 

@@ -115,9 +115,10 @@ def rocketkv_answer_s(
 
 
 def attention_crossover(engine: Engine, sizes: tuple[int, ...], token_budget: int = 512, steps: int = 12) -> list[dict]:
-    """One full-attention layer's decode attention, HSA vs exact (SDPA), at `sizes` kept tokens,
-    on the engine's device and dtype with its head geometry (random keys; budgets as ingest would
-    derive them for such a length). Seconds are medians over `steps`."""
+    """One full-attention layer's decode attention, HSA (as `ask` runs it: the stored context's
+    pages scored, the selection, sinks and a 32-token question tail attended) vs exact (SDPA), at
+    `sizes` stored tokens, on the engine's device and dtype with its head geometry (random keys;
+    budgets as ingest would derive them for such a length). Seconds are medians over `steps`."""
     from ..core.config import derive_budgets
     from ..model.hf import exact_decode_attention
 
@@ -127,12 +128,12 @@ def attention_crossover(engine: Engine, sizes: tuple[int, ...], token_budget: in
     for s in sizes:
         b = derive_budgets(s, 128, token_budget, shape.head_dim)
         q = torch.randn(1, shape.n_heads, 1, shape.head_dim, generator=g).to(dev, dtype)
-        k = torch.randn(1, shape.n_kv_heads, s, shape.head_dim, generator=g).to(dev, dtype)
-        v = torch.randn(1, shape.n_kv_heads, s, shape.head_dim, generator=g).to(dev, dtype)
-        pmin, pmax = ops.page_summaries(k, b.page_size)
+        k = torch.randn(1, shape.n_kv_heads, s + 32, shape.head_dim, generator=g).to(dev, dtype)
+        v = torch.randn(1, shape.n_kv_heads, s + 32, shape.head_dim, generator=g).to(dev, dtype)
+        pmin, pmax = ops.page_summaries(k[:, :, :s], b.page_size)
         scaling = shape.head_dim**-0.5
-        hsa = _median_step_s(lambda: ops.hsa_decode(q, k, v, pmin, pmax, b.topk, b.page_size, b.n_score_dims,
-                                                    scaling), steps, 3)  # fmt: skip
+        hsa = _median_step_s(lambda: ops.hsa_context_decode(q, k, v, pmin, pmax, s, b.topk, b.page_size,
+                                                            b.n_score_dims, 4, scaling), steps, 3)  # fmt: skip
         exact = _median_step_s(lambda: exact_decode_attention(q, k, v, scaling), steps, 3)
         rows.append({"kept_tokens": s, "topk": b.topk, "page_size": b.page_size, "n_score_dims": b.n_score_dims,
                      "hsa_s": hsa, "exact_s": exact, "hsa_speedup": exact / hsa})  # fmt: skip

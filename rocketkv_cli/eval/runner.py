@@ -19,6 +19,7 @@ Methods (budgets in tokens, docs/algorithm.md §1):
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import time
@@ -31,6 +32,7 @@ import torch
 
 from ..core.cache import CompressedKVCache
 from ..core.config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_WINDOW_SIZE, PrefillConfig
+from ..core.quant import DEFAULT_KV_DTYPE, KVStorage
 from ..engine.answer import decode_config_for, prepare_questions
 from ..engine.answer import generate as generate_answer
 from ..engine.documents import Document, tokenize
@@ -59,6 +61,7 @@ class EvalConfig:
         for every (observation, pool kernel) pair; snapkv (stage 1 only) uses the first pair.
     plan_new_tokens: the answer length budgets plan for (ingest's --max-new-tokens).
     max_new_tokens: answer cap; None = each task's own (eval_tasks.ANSWER_TOKENS).
+    kv_dtype: storage of every method's keys/values (default: what `ingest` stores).
     """
 
     context_tokens: tuple[int, ...] = (4096,)
@@ -75,6 +78,7 @@ class EvalConfig:
     plan_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     max_new_tokens: int | None = None
     chunk_tokens: int = 1024
+    kv_dtype: str = DEFAULT_KV_DTYPE
 
     def __post_init__(self) -> None:
         for name, allowed in (("methods", METHODS), ("tasks", TASKS), ("observations", OBSERVATIONS)):
@@ -195,6 +199,7 @@ def compress_variants(
     document: Document,
     cfgs: list[PrefillConfig],
     progress: Callable[[int, int], None] = lambda done, total: None,
+    storage: KVStorage = KVStorage(),
 ) -> list[CompressedKVCache]:
     """`Engine.ingest` for several stage-1 configs from one exact prefill of the document.
 
@@ -215,7 +220,7 @@ def compress_variants(
     window = max(c.window_size for c in cfgs)
     probe = any(c.observation == "probe" for c in cfgs)
     prefill = engine.prefill(doc_ids, window, probe, cfgs[0].chunk_tokens, progress)
-    return [engine.compress(prefill, c, document.sha256, document.source) for c in cfgs]
+    return [engine.compress(prefill, c, document.sha256, document.source, storage=storage) for c in cfgs]
 
 
 def run_eval(
@@ -292,7 +297,9 @@ def _run_sample(engine, cfg, sample: Sample, n: int, caches: dict, runs: list, w
     doc = Document(sample.document, hashlib.sha256(sample.document.encode()).hexdigest(),
                    f"eval-{sample.task}-{sample.index}")  # fmt: skip
     t0 = time.perf_counter()
-    stored = dict(zip(caches, compress_variants(engine, doc, list(caches.values()))))
+    stored = dict(
+        zip(caches, compress_variants(engine, doc, list(caches.values()), storage=KVStorage.parse(cfg.kv_dtype)))
+    )
     prefill_s, io_s, records = time.perf_counter() - t0, 0.0, []
     reference: dict = {}  # question index → full attention's answer, filled by the `full` run (first)
     for key in caches:
@@ -342,9 +349,10 @@ def _answer_run(engine: Engine, stored: CompressedKVCache, run: Run, sample: Sam
         ref = reference.get(qi)
         ans = None
         if ref is not None and run.method != "full":
+            t0 = time.perf_counter()
             forced, same = _teacher_forced(engine, decoder, ids, ref)
-            if same:
-                ans = ref["answer"]
+            if same:  # its greedy answer is the reference's; the time is its teacher-forced scoring
+                ans = dataclasses.replace(ref["answer"], prefill_s=time.perf_counter() - t0, decode_s=0.0)
         if ans is None:
             ans = generate_answer(engine, decoder, text, ids, max_new, engine.prompt.stop_strings)
             decoder.reset()
@@ -433,6 +441,7 @@ def summarize(records: list[dict]) -> list[dict]:
     rows = []
     for (n, task, label, budget), rs in groups.items():
         first = rs[0]
-        rows.append({"context_tokens": n, "task": task, "label": label, "method": first["method"], "budget": budget,
-                     "observation": first["observation"], "pool_kernel": first["pool_kernel"], **_stats(rs)})  # fmt: skip
+        rows.append({"context_tokens": n, "task": task, "label": label, "method": first["method"],
+                     "budget": budget, "observation": first["observation"], "pool_kernel": first["pool_kernel"],
+                     **_stats(rs)})  # fmt: skip
     return rows

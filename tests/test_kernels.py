@@ -228,19 +228,20 @@ def test__ops_hsa_decode__triton_equals_torch(monkeypatch, g, s, d, topk, page, 
         assert_close("hsa_decode", ref_out, out, *OUT_TOL[dtype])
 
 
-def test__rocket_layer_pages__triton_update_after_crop_and_new_tail(triton_backend):
-    """Page buffers updated on append stay exact after a question's tail is cropped and replaced."""
+def test__rocket_layer_context_pages__triton_equal_reference_whatever_the_tail(triton_backend):
+    """The stored context's page summaries (Triton) equal the reference, and questions' tails
+    appended, grown past the reserved room and cropped never change them."""
     from rocketkv_cli.model.hf import RocketLayer
 
     k = _randn(1, 2, 23, 60, seed=16)
     pos = torch.arange(23, device=DEVICE).view(1, 1, 23).expand(1, 2, 23).clone()
     layer = RocketLayer(k, k.clone(), pos, extra_tokens=3)
+    ref = decode.page_summaries(k, 4)
     for question in range(2):
         for step in range(5):  # grows past the reserved room
             new = _randn(1, 2, 1, 60, seed=100 * question + step)
             layer.append(new, new, torch.tensor([23 + step], device=DEVICE))
-            ref = decode.page_summaries(layer.view()[0], 4)
-            got = layer.pages(4)
+            got = layer.context_pages(4)
             assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (question, step)
         layer.crop_to_context()
 

@@ -14,6 +14,7 @@ import typer
 
 from .. import __version__
 from .ask import ask_command
+from .batch import batch_command
 from .bench import bench
 from .common import command, err
 from .eval import eval_command
@@ -51,6 +52,7 @@ app.command(name="summarize")(command(summarize_command))
 app.command(name="inspect")(command(inspect_command))
 app.command(name="bench")(command(bench))
 app.command(name="eval")(command(eval_command))
+app.command(name="batch")(command(batch_command))
 
 
 def run() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,8 @@ class RowActor:
 
 def _connect(address: str, workers: int | None):
     """Import Ray and join (`auto`, an address) or start (`local`) a cluster. Raises InputError."""
+    if address == "local":  # a private one-machine cluster: keep it on the loopback address
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     try:
         import ray
         import ray.data  # noqa: F401  (Ray Data is the `data` extra of ray)

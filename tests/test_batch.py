@@ -97,7 +97,11 @@ def test__batch__answers_like_ask_json_and_equal_documents_share_one_cache(job, 
     assert answers[("a", 0)]["cache"] == answers[(3, 0)]["cache"] != answers[("b", 0)]["cache"]
     assert {Path(r["cache"]) for r in answers.values()} == set(kv_files)
     (summary,) = [r for r in rows if "summary" in r]
-    assert summary["id"] == "b" and set(summary) == SUMMARY_KEYS | {"id"} and summary["source"] == answers[("b", 0)]["cache"]
+    assert (
+        summary["id"] == "b"
+        and set(summary) == SUMMARY_KEYS | {"id"}
+        and summary["source"] == answers[("b", 0)]["cache"]
+    )
     # each answer is what `rocketkv ask --cache FILE --json` gives from the same file
     for key in (("a", 1), ("c", 0)):
         row = answers[key]
@@ -247,8 +251,11 @@ def test__results_file__torn_and_zeroed_lines_are_repaired(tmp_path):
     results.close()
     assert done == {("q", '"a"', 0), ("q", '"elsewhere"', 0)}
     assert results.dropped == {"error": 1, "torn": 2, "stale": 1}
-    assert [json.loads(x) for x in path.read_text().splitlines()] == [good, other, {**stale, "question":
-                                                                                     "new question?", "answer": "w"}]
+    assert [json.loads(x) for x in path.read_text().splitlines()] == [
+        good,
+        other,
+        {**stale, "question": "new question?", "answer": "w"},
+    ]
 
 
 @pytest.mark.parametrize(
@@ -283,7 +290,10 @@ def test__manifest__paths_relative_to_it_and_duplicate_ids(tmp_path):
 
 def test__batch_usage_errors(rocketkv_bin, env, tmp_path):
     r = run(rocketkv_bin, env, "batch", tmp_path / "none.jsonl")
-    assert r.returncode == 1 and r.stderr.strip() == f"Error: manifest not found: {tmp_path / 'none.jsonl'} — check the path"
+    assert (
+        r.returncode == 1
+        and r.stderr.strip() == f"Error: manifest not found: {tmp_path / 'none.jsonl'} — check the path"
+    )
     assert run(rocketkv_bin, env, "batch", tmp_path / "none.jsonl", "--workers", "0").returncode == 2
 
 

@@ -300,7 +300,8 @@ def test__batch_usage_errors(rocketkv_bin, env, tmp_path):
 def test__batch_in_a_terminal__draws_the_bar_with_rates(many, rocketkv_bin, env, tiny_model_dir, tmp_path):
     _, manifest, _ = many
     argv = [rocketkv_bin, "batch", str(manifest), "-o", str(tmp_path / "tty.jsonl"), "--cache-dir",
-            str(tmp_path / "cache"), "--model", str(tiny_model_dir), "--budget", "64", "--max-new-tokens", "24"]  # fmt: skip
+            str(tmp_path / "cache"), "--model", str(tiny_model_dir), "--budget", "64",
+            "--max-new-tokens", "24"]  # fmt: skip
     code, shown = run_in_terminal(argv, env)
     plain = strip_ansi(shown)
     assert code == 0 and "Traceback" not in plain and "Error:" not in plain, plain[-3000:]

@@ -5,7 +5,7 @@
     python scripts/ray_example.py --docs FOLDER --question "Who signs it?" --out answers/ \
         [--model smollm2-135m] [--address auto] [--actors 2] [--actor-cpus 1] [--cache-dir kv/]
 
-Reads every file of FOLDER (`ray.data.read_binary_files`), and in `--actors` actors (keep
+Reads every file of FOLDER (or the one file named; `ray.data.read_binary_files`), and in `--actors` actors (keep
 actors × `--actor-cpus` below the cluster's CPUs: the file reads need one too), each of
 which loaded the model once: ingests each document once into `--cache-dir` (a shared path on a
 real cluster; a file already there is reused), asks every `--question`, and writes one row per
@@ -65,7 +65,7 @@ class Answerer:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--docs", required=True, help="folder of text documents")
+    parser.add_argument("--docs", required=True, help="a folder of text documents, or one file")
     parser.add_argument("--question", action="append", required=True, help="a question (repeat for more)")
     parser.add_argument("--out", required=True, help="output folder for Ray's JSON files")
     parser.add_argument("--model", default="smollm2-135m")

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import run_in_terminal, strip_ansi, text_of_bytes
 
+from rocketkv_cli.cli.batch import with_bare_ray
 from rocketkv_cli.engine.manifest import BadRow, Results, Row, parse_row, read_manifest
 
 ASK_KEYS = {"question", "answer", "cache", "n_question_tokens", "n_answer_tokens", "stop_reason", "prefill_s",
@@ -288,7 +289,18 @@ def test__manifest__paths_relative_to_it_and_duplicate_ids(tmp_path):
     assert isinstance(second, BadRow) and second.line == 3 and "duplicate id 1 (first on line 1)" in second.error
 
 
+def test__bare_ray_option_means_auto():
+    assert with_bare_ray(["batch", "m.jsonl", "--ray"]) == ["batch", "m.jsonl", "--ray", "auto"]
+    assert with_bare_ray(["batch", "m.jsonl", "--ray", "-q"]) == ["batch", "m.jsonl", "--ray", "auto", "-q"]
+    assert with_bare_ray(["batch", "m.jsonl", "--ray", "local"]) == ["batch", "m.jsonl", "--ray", "local"]
+    assert with_bare_ray(["ask", "--ray"]) == ["ask", "--ray"]
+
+
 def test__batch_usage_errors(rocketkv_bin, env, tmp_path):
+    manifest = write_manifest(tmp_path / "m.jsonl", [{"id": 1, "text": "t", "questions": ["Q?"]}])
+    r = run(rocketkv_bin, env, "batch", manifest, "-o", manifest)
+    assert r.returncode == 1 and r.stderr.strip().startswith(f"Error: -o {manifest} is the manifest itself"), r.stderr
+    assert manifest.read_text() == '{"id": 1, "text": "t", "questions": ["Q?"]}\n'
     r = run(rocketkv_bin, env, "batch", tmp_path / "none.jsonl")
     assert (
         r.returncode == 1

@@ -14,7 +14,7 @@ import typer
 
 from .. import __version__
 from .ask import ask_command
-from .batch import batch_command
+from .batch import batch_command, with_bare_ray
 from .bench import bench
 from .common import command, err
 from .eval import eval_command
@@ -59,7 +59,7 @@ def run() -> None:
     """Console-script entry point. Ctrl-C inside a command exits 130 (see `common.command`);
     this guard only covers the moments before Typer takes over (imports)."""
     try:
-        app()
+        app(args=with_bare_ray(sys.argv[1:]))
     except KeyboardInterrupt:
         err.print("[bold red]Error:[/bold red] interrupted")
         sys.exit(130)

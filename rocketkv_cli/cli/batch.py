@@ -46,6 +46,18 @@ def batch_bar() -> Progress:
     )  # fmt: skip
 
 
+def with_bare_ray(argv: list[str]) -> list[str]:
+    """`rocketkv batch … --ray` with no value (last, or before another option) means `--ray auto`
+    (Typer options cannot take an optional value)."""
+    if not argv or argv[0] != "batch" or "--" in argv:
+        return argv
+    out = list(argv)
+    for i in range(len(out) - 1, 0, -1):
+        if out[i] == "--ray" and (i == len(out) - 1 or out[i + 1].startswith("-")):
+            out.insert(i + 1, "auto")
+    return out
+
+
 def _stem(manifest: Path) -> str:
     return manifest.name.removesuffix(".jsonl")
 
@@ -73,11 +85,10 @@ def batch_command(
         Optional[str],
         typer.Option(
             "--ray",
-            flag_value="auto",
             metavar="[ADDRESS|auto|local]",
-            help="Run on Ray: a cluster address, auto (a running cluster) or local (start one).",
+            help="Run on Ray: a cluster address, auto (a running cluster; also a bare --ray) or local (start one).",
         ),
-    ] = None,  # fmt: skip
+    ] = None,
     threads: Annotated[Optional[int], typer.Option(min=1, help="Torch threads per worker.")] = None,
     budget: BudgetOpt = 512,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Answer length limit (the budget plans for it).")] = 128,

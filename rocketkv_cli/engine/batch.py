@@ -294,6 +294,8 @@ def run_batch(
     if workers is not None and workers < 1:
         raise InputError(f"--workers must be at least 1, got {workers}")
     rows = read_manifest(manifest)
+    if output is not None and output.exists() and os.path.samefile(output, manifest):
+        raise OutputError(f"-o {output} is the manifest itself", "choose another results file")
     cache_dir = cache_dir.resolve()
     results = Results(output)
     try:

@@ -18,10 +18,13 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InputError
+from ..errors import InputError, ModelLoadError, RocketKVError
 
 if TYPE_CHECKING:
     from .batch import BatchSettings, Log, Task, Tracker
+
+
+FATAL = "__rocketkv_fatal__"  # an actor's line saying its model did not load
 
 
 class RowActor:
@@ -36,11 +39,17 @@ class RowActor:
 
         configure(quiet=True, progress_bars=False)
         self.settings, self.cache_dir = settings, Path(cache_dir)
-        self.rk = load_worker(settings, workers=1)
+        self.rk, self.fatal = None, ""
+        try:
+            self.rk = load_worker(settings, workers=1)
+        except RocketKVError as exc:  # no row can run: say so (Ray would restart a failing actor forever)
+            self.fatal = str(exc)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
         from .batch import Task, run_task
 
+        if self.rk is None:
+            return {"index": [int(i) for i in batch["index"]][:1], "line": [json.dumps({FATAL: self.fatal})]}
         indices, lines = [], []
         for index, task_json in zip(batch["index"], batch["task"]):
             for line in run_task(self.rk, Task.from_json(str(task_json)), self.cache_dir, self.settings):
@@ -96,7 +105,10 @@ def run_on_ray(address: str, tasks: list[Task], cache_dir: Path, settings: Batch
         log(f"running {len(tasks)} rows on Ray with {workers} actors ({threads} CPU each)")
         for batch in out.iter_batches(batch_size=None, batch_format="numpy"):
             for index, line in zip(batch["index"], batch["line"]):
-                tracker.write(int(index), json.loads(str(line)))
+                row = json.loads(str(line))
+                if FATAL in row:
+                    raise ModelLoadError(str(row[FATAL]))
+                tracker.write(int(index), row)
     finally:
         if started:
             ray.shutdown()

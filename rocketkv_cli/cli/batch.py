@@ -11,9 +11,11 @@ from rich.text import Text
 
 from ..errors import InputError
 from .common import (
+    DEFAULT_KV_DTYPE,
     BudgetOpt,
     DeviceOpt,
     DtypeOpt,
+    KvDtypeOpt,
     ModelOpt,
     QuietOpt,
     SegmentTokensOpt,
@@ -24,6 +26,7 @@ from .common import (
     log,
     prefill_config,
     setup,
+    storage,
 )  # fmt: skip
 
 
@@ -94,6 +97,7 @@ def batch_command(
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Answer length limit (the budget plans for it).")] = 128,
     summary_tokens: Annotated[int, typer.Option(min=1, help="Summary length limit in tokens.")] = 256,
     segment_tokens: SegmentTokensOpt = None,
+    kv_dtype: KvDtypeOpt = DEFAULT_KV_DTYPE,
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = None,
@@ -115,7 +119,8 @@ def batch_command(
     cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens, pool_kernel_size="63")
     try:
         settings = BatchSettings(model=model or DEFAULT_MODEL, device=device, dtype=dtype or "auto", config=cfg,
-                                 summary_tokens=summary_tokens, segment_tokens=segment_tokens, threads=threads,
+                                 storage=storage(kv_dtype), summary_tokens=summary_tokens,
+                                 segment_tokens=segment_tokens, threads=threads,
                                  trust_remote_code=trust_remote_code)  # fmt: skip
     except ValueError as exc:
         raise InputError(f"invalid option: {exc}") from None

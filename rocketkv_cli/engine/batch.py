@@ -24,6 +24,7 @@ from typing import Any
 
 from ..core.cache import SegmentedKVCache
 from ..core.config import PrefillConfig
+from ..core.quant import KVStorage
 from ..errors import CacheFormatError, InputError, OutputError, RocketKVError
 from .api import AnyCache, RocketKV, open_document
 from .manifest import BadRow, Results, Row, error_row, question_key, read_manifest, summary_key
@@ -36,6 +37,7 @@ class BatchSettings:
     """How every row is run: the model, the ingest settings and the answer lengths.
 
     config: stage-1 settings of every ingest (its `max_new_tokens` is also the answer cap).
+    storage: how the `.kv` files store keys and values (`--kv-dtype`).
     summary_tokens: summary length cap in tokens. segment_tokens: tokens per segment for
     documents longer than the context (None: all that fit). threads: torch threads per worker
     (None: the machine's cores divided among the local workers; 1 per Ray actor).
@@ -45,6 +47,7 @@ class BatchSettings:
     device: str = "auto"
     dtype: str = "auto"
     config: PrefillConfig = field(default_factory=PrefillConfig)
+    storage: KVStorage = field(default_factory=KVStorage)
     summary_tokens: int = 256
     segment_tokens: int | None = None
     dense: bool = False
@@ -141,7 +144,8 @@ def cache_key(rk: RocketKV, doc_sha256: str, settings: BatchSettings) -> str:
     record = {"document_sha256": doc_sha256, "model_digest": ident.model_digest,
               "tokenizer_digest": ident.tokenizer_digest, "chat_template_digest": ident.chat_template_digest,
               "prompt_template_id": ident.prompt_template_id, "dtype": rk.engine.dtype_name,
-              "config": settings.config.to_dict(), "segment_tokens": settings.segment_tokens}  # fmt: skip
+              "config": settings.config.to_dict(), "storage": asdict(settings.storage),
+              "segment_tokens": settings.segment_tokens}  # fmt: skip
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
@@ -170,7 +174,8 @@ def _reusable(rk: RocketKV, path: Path, doc_sha256: str, settings: BatchSettings
         log(f"rebuilding {path}: {exc.message}")
         return None
     info = (cache.segments[0] if isinstance(cache, SegmentedKVCache) else cache).info
-    if info.document_sha256 != doc_sha256 or info.config != settings.config or info.dtype != rk.engine.dtype_name:
+    if (info.document_sha256 != doc_sha256 or info.config != settings.config or info.storage != settings.storage
+            or info.dtype != rk.engine.dtype_name):  # fmt: skip
         log(f"rebuilding {path}: built from another document or with other settings")
         return None
     return cache
@@ -188,7 +193,7 @@ def build(rk: RocketKV, row: Row, cache_dir: Path, settings: BatchSettings, log:
         if cache is not None:
             return cache, path
         source = {"text": row.text} if row.text is not None else {"document": open_document(str(row.document))}
-        done = rk.ingest(**source, output=path, force=True, config=settings.config,
+        done = rk.ingest(**source, output=path, force=True, config=settings.config, storage=settings.storage,
                          segment_tokens=settings.segment_tokens)  # fmt: skip
         return done.cache, path
 

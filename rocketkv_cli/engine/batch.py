@@ -24,7 +24,7 @@ from typing import Any
 
 from ..core.cache import SegmentedKVCache
 from ..core.config import PrefillConfig
-from ..core.quant import KVStorage
+from ..core.quant import KVStorage, resolved
 from ..errors import CacheFormatError, InputError, OutputError, RocketKVError
 from .api import AnyCache, RocketKV, open_document
 from .manifest import BadRow, Results, Row, error_row, question_key, read_manifest, summary_key
@@ -144,7 +144,7 @@ def cache_key(rk: RocketKV, doc_sha256: str, settings: BatchSettings) -> str:
     record = {"document_sha256": doc_sha256, "model_digest": ident.model_digest,
               "tokenizer_digest": ident.tokenizer_digest, "chat_template_digest": ident.chat_template_digest,
               "prompt_template_id": ident.prompt_template_id, "dtype": rk.engine.dtype_name,
-              "config": settings.config.to_dict(), "storage": asdict(settings.storage),
+              "config": settings.config.to_dict(), "storage": asdict(resolved(settings.storage, rk.engine.dtype_name)),
               "segment_tokens": settings.segment_tokens}  # fmt: skip
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
@@ -174,7 +174,8 @@ def _reusable(rk: RocketKV, path: Path, doc_sha256: str, settings: BatchSettings
         log(f"rebuilding {path}: {exc.message}")
         return None
     info = (cache.segments[0] if isinstance(cache, SegmentedKVCache) else cache).info
-    if (info.document_sha256 != doc_sha256 or info.config != settings.config or info.storage != settings.storage
+    storage = resolved(settings.storage, rk.engine.dtype_name)  # as files record it: `auto` resolved
+    if (info.document_sha256 != doc_sha256 or info.config != settings.config or info.storage != storage
             or info.dtype != rk.engine.dtype_name):  # fmt: skip
         log(f"rebuilding {path}: built from another document or with other settings")
         return None

@@ -26,14 +26,14 @@ from pathlib import Path
 
 from ..core.cache import AnyCache, CompressedKVCache, SegmentedKVCache
 from ..core.config import DEFAULT_MAX_NEW_TOKENS, PrefillConfig
-from ..core.quant import KVStorage
+from ..core.quant import DEFAULT_KV_DTYPE, KVStorage
 from ..errors import InputError, OutputError
 from ..model.loading import DEFAULT_MODEL, configure_transformers, load_model
 from ..store.atomic import check_target
 from ..store.checkpoints import Checkpoints
 from ..store.describe import describe
 from ..store.format import load_cache, save_cache, verify_file
-from .answer import Answer, answer, decode_config_for
+from .answer import Answer, answer, decode_config_for, hsa_min_tokens
 from .documents import TextPieces, TextStream
 from .engine import Engine, TokenProgress
 from .segments import PartialSummary, SegmentDone, answer_segmented, ingest_stream, summarize
@@ -120,11 +120,14 @@ class RocketKV:
         dtype: str = "auto",
         trust_remote_code: bool = False,
         log: Log = lambda message: None,
+        weights: str = "float",
     ) -> RocketKV:
         """Load a model offline: a preset (`gemma-3-270m`, `smollm2-135m`), a Hugging Face model
         directory, a `.gguf` file or a hub id already in the local cache. device: cpu, cuda[:N]
-        or auto; dtype: auto, float32, bfloat16 or float16. Raises ModelLoadError."""
-        loaded = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=log)
+        or auto; dtype: auto, float32, bfloat16 or float16; weights: float or int8 (weight-only
+        int8 linears for CPU decode, `model/weights.py`). Raises ModelLoadError."""
+        loaded = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=log,
+                            weights=weights)  # fmt: skip
         return cls(Engine(loaded))
 
     @property
@@ -139,7 +142,7 @@ class RocketKV:
         output: str | Path | None = None,
         force: bool = False,
         config: PrefillConfig | None = None,
-        storage: KVStorage | str = "auto",
+        storage: KVStorage | str = DEFAULT_KV_DTYPE,
         segment_tokens: int | None = None,
         progress: TokenProgress = lambda done, total: None,
         on_segment: Callable[[SegmentDone], None] = lambda event: None,
@@ -149,8 +152,9 @@ class RocketKV:
 
         document: a path (`-` = stdin) or an open `TextStream`; or `text=` for an in-memory text.
         config: stage-1 settings, or their fields as keywords (`token_budget=512`, …).
-        storage: how keys/values are stored — a `KVStorage`, or a kv dtype name (`auto` = the
-        model's dtype, `float32`, `bfloat16`, `float16`, `int8`, `int4`; docs/file-format.md).
+        storage: how keys/values are stored — a `KVStorage`, or its name (`auto` = the model's
+        dtype, `float32`, `bfloat16`, `float16`, `int8` (the default), `int4`, `+hadamard`;
+        docs/storage.md).
         A document longer than the model's context is ingested in segments, each checkpointed
         beside `output` (in a temporary folder without one) so a rerun resumes an interrupted
         ingest. Writes are atomic; an existing `output` is replaced only with `force`.
@@ -158,7 +162,7 @@ class RocketKV:
             InputError, OutputError, BudgetError, ValueError (invalid config fields).
         """
         cfg = config or PrefillConfig(**config_fields)
-        kv = storage if isinstance(storage, KVStorage) else KVStorage(kv_dtype=storage)
+        kv = storage if isinstance(storage, KVStorage) else KVStorage.parse(storage)
         if (document is None) == (text is None):
             raise InputError("give a document path or text=, not both")
         stream: TextStream | TextPieces
@@ -199,6 +203,7 @@ class RocketKV:
         *,
         max_new_tokens: int | None = None,
         dense: bool = False,
+        hsa: bool = False,
         topk: int | None = None,
         page_size: int | None = None,
         n_score_dims: int | None = None,
@@ -209,7 +214,8 @@ class RocketKV:
         """Answer each question independently from `cache` (greedy); yields `Answer`s in order.
 
         max_new_tokens: answer cap (default: what the cache planned for). dense: exact attention
-        over the stored cache instead of stage-2 HSA. topk/page_size/n_score_dims: stage-2
+        over the stored cache instead of stage-2 HSA; hsa: HSA even where this device's measured
+        crossover says exact attention is faster (`HSA_MIN_TOKENS`). topk/page_size/n_score_dims: stage-2
         overrides. segments/segment: for a segmented cache, answer from the `segments` best
         matching segments, or from segment `segment`. Every question is checked before any is
         answered.
@@ -219,7 +225,10 @@ class RocketKV:
         """
         qs = [questions] if isinstance(questions, str) else list(questions)
         max_new = max_new_tokens or cache.info.config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
-        overrides = {"topk": topk, "page_size": page_size, "n_score_dims": n_score_dims}
+        if dense and hsa:
+            raise InputError("--dense and --hsa contradict each other", "give one of them")
+        crossover = 0 if hsa else hsa_min_tokens(self.engine.loaded.device.type)
+        overrides = {"topk": topk, "page_size": page_size, "n_score_dims": n_score_dims, "min_hsa_tokens": crossover}
         try:
             if isinstance(cache, SegmentedKVCache):
                 return answer_segmented(self.engine, cache, qs, max_new, not dense, overrides, segments, segment, log)

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..core.cache import SegmentedKVCache
 from ..core.config import PrefillConfig
-from ..core.quant import KVStorage, resolved
+from ..core.quant import DEFAULT_KV_DTYPE, KVStorage, resolved
 from ..errors import CacheFormatError, InputError, OutputError, RocketKVError
 from .api import AnyCache, RocketKV, open_document
 from .manifest import BadRow, Results, Row, error_row, question_key, read_manifest, summary_key
@@ -47,7 +47,7 @@ class BatchSettings:
     device: str = "auto"
     dtype: str = "auto"
     config: PrefillConfig = field(default_factory=PrefillConfig)
-    storage: KVStorage = field(default_factory=KVStorage)
+    storage: KVStorage = field(default_factory=lambda: KVStorage.parse(DEFAULT_KV_DTYPE))
     summary_tokens: int = 256
     segment_tokens: int | None = None
     dense: bool = False

@@ -23,7 +23,8 @@ MAY_IMPORT = {
     "kernels": set(),
 }
 # third-party packages only one sub-package may import
-OWNED = {"transformers": "model", "safetensors": "store", "triton": "kernels", "typer": "cli", "rich": "cli"}
+OWNED = {"transformers": "model", "safetensors": "store", "triton": "kernels", "typer": "cli", "rich": "cli",
+         "ray": "engine"}  # fmt: skip
 NO_TORCH = {"cli"}  # the CLI parses and prints: no tensor math
 
 

@@ -14,6 +14,7 @@ import typer
 
 from .. import __version__
 from .ask import ask_command
+from .batch import batch_command, with_bare_ray
 from .bench import bench
 from .common import command, err
 from .eval import eval_command
@@ -51,13 +52,14 @@ app.command(name="summarize")(command(summarize_command))
 app.command(name="inspect")(command(inspect_command))
 app.command(name="bench")(command(bench))
 app.command(name="eval")(command(eval_command))
+app.command(name="batch")(command(batch_command))
 
 
 def run() -> None:
     """Console-script entry point. Ctrl-C inside a command exits 130 (see `common.command`);
     this guard only covers the moments before Typer takes over (imports)."""
     try:
-        app()
+        app(args=with_bare_ray(sys.argv[1:]))
     except KeyboardInterrupt:
         err.print("[bold red]Error:[/bold red] interrupted")
         sys.exit(130)

@@ -78,6 +78,23 @@ def configure(quiet: bool, progress_bars: bool) -> None:
     configure_transformers(quiet, progress_bars)
 
 
+def check_questions(questions: Iterable[str]) -> list[str]:
+    """The questions as `rocketkv ask` accepts them: each a non-empty, UTF-8-encodable string.
+
+    Raises InputError with the CLI's one-line messages (empty question, not UTF-8, none given)."""
+    qs = list(questions)
+    if any(not isinstance(q, str) or not q.strip() for q in qs):
+        raise InputError("empty question", "give each question some text")
+    for q in qs:
+        try:
+            q.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InputError("a question is not valid UTF-8 text", "check the question's encoding") from None
+    if not qs:
+        raise InputError("no question given", "pass questions as arguments or with --questions-file")
+    return qs
+
+
 def read_cache(path: str | Path) -> AnyCache:
     """Load and validate a `.kv` file without a model (memory-mapped). Raises CacheFormatError."""
     return load_cache(path)
@@ -253,6 +270,7 @@ __all__ = [
     "Ingested",
     "RocketKV",
     "SegmentedKVCache",
+    "check_questions",
     "open_document",
     "read_cache",
 ]

@@ -1,0 +1,142 @@
+"""`rocketkv batch`: many documents and questions from a JSON-lines manifest (docs/batch.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
+from rich.text import Text
+
+from ..errors import InputError
+from .common import (
+    DEFAULT_KV_DTYPE,
+    BudgetOpt,
+    DeviceOpt,
+    DtypeOpt,
+    KvDtypeOpt,
+    ModelOpt,
+    QuietOpt,
+    SegmentTokensOpt,
+    TrustOpt,
+    _state,
+    err,
+    fail,
+    log,
+    prefill_config,
+    setup,
+    storage,
+)  # fmt: skip
+
+
+class _Rates(ProgressColumn):
+    """documents/s (Rich's windowed speed) and questions/s (answers so far over elapsed time)."""
+
+    def render(self, task) -> Text:
+        elapsed = task.elapsed or 0.0
+        answers = task.fields.get("answers", 0)
+        docs = f"{task.speed:.2f} documents/s" if task.speed else "– documents/s"
+        qs = f"{answers / elapsed:.2f} questions/s" if elapsed > 0 and answers else "– questions/s"
+        return Text(f"{docs}  {qs}")
+
+
+def batch_bar() -> Progress:
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("documents"), _Rates(),
+        TextColumn("ETA"), TimeRemainingColumn(), console=err, disable=_state["quiet"] or not err.is_terminal,
+        transient=True,
+    )  # fmt: skip
+
+
+def with_bare_ray(argv: list[str]) -> list[str]:
+    """`rocketkv batch … --ray` with no value (last, or before another option) means `--ray auto`
+    (Typer options cannot take an optional value)."""
+    if not argv or argv[0] != "batch" or "--" in argv:
+        return argv
+    out = list(argv)
+    for i in range(len(out) - 1, 0, -1):
+        if out[i] == "--ray" and (i == len(out) - 1 or out[i + 1].startswith("-")):
+            out.insert(i + 1, "auto")
+    return out
+
+
+def _stem(manifest: Path) -> str:
+    return manifest.name.removesuffix(".jsonl")
+
+
+def default_output(manifest: Path) -> Path:
+    """MANIFEST.jsonl → MANIFEST.results.jsonl beside it."""
+    return manifest.with_name(_stem(manifest) + ".results.jsonl")
+
+
+def batch_command(
+    manifest: Annotated[
+        Path, typer.Argument(help='JSON lines: {"id", "document" | "text", "questions", "summary"} per document.')
+    ],  # fmt: skip
+    output: Annotated[
+        Optional[str],
+        typer.Option("--output", "-o", help="Results (JSON lines; - = stdout). Default: MANIFEST.results.jsonl."),
+    ] = None,
+    cache_dir: Annotated[
+        Optional[Path], typer.Option(help="Build cache of .kv files (default: MANIFEST.kv-cache/ beside it).")
+    ] = None,
+    workers: Annotated[
+        Optional[int], typer.Option(min=1, help="Model copies: local processes (default 1), or Ray actors.")
+    ] = None,
+    ray: Annotated[
+        Optional[str],
+        typer.Option(
+            "--ray",
+            metavar="[ADDRESS|auto|local]",
+            help="Run on Ray: a cluster address, auto (a running cluster; also a bare --ray) or local (start one).",
+        ),
+    ] = None,
+    threads: Annotated[Optional[int], typer.Option(min=1, help="Torch threads per worker.")] = None,
+    budget: BudgetOpt = 512,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Answer length limit (the budget plans for it).")] = 128,
+    summary_tokens: Annotated[int, typer.Option(min=1, help="Summary length limit in tokens.")] = 256,
+    segment_tokens: SegmentTokensOpt = None,
+    kv_dtype: KvDtypeOpt = DEFAULT_KV_DTYPE,
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = None,
+    trust_remote_code: TrustOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Answer the questions (and summaries) of many documents, loading the model once per worker.
+
+    Each document is ingested once into the cache folder (reused while the document, model and
+    settings match); results are written one JSON line per answer as they finish. Rerun the same
+    command after an interruption: answered rows are skipped, failed rows are retried.
+    """
+    from ..engine.api import DEFAULT_MODEL
+    from ..engine.batch import BatchSettings, run_batch
+
+    setup(quiet)
+    out = None if output == "-" else Path(output) if output is not None else default_output(manifest)
+    folder = cache_dir if cache_dir is not None else manifest.with_name(_stem(manifest) + ".kv-cache")
+    cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens, pool_kernel_size="63")
+    try:
+        settings = BatchSettings(model=model or DEFAULT_MODEL, device=device, dtype=dtype or "auto", config=cfg,
+                                 storage=storage(kv_dtype), summary_tokens=summary_tokens,
+                                 segment_tokens=segment_tokens, threads=threads,
+                                 trust_remote_code=trust_remote_code)  # fmt: skip
+    except ValueError as exc:
+        raise InputError(f"invalid option: {exc}") from None
+    with batch_bar() as bar:
+        task = bar.add_task("batch", total=None, answers=0)
+
+        def on_progress(state) -> None:
+            bar.update(task, total=state.documents_total, completed=state.documents_done, answers=state.answers_done)
+
+        report = run_batch(manifest, out, folder, settings, workers=workers, ray_address=ray,
+                           on_progress=on_progress, log=log)  # fmt: skip
+    where = "stdout" if out is None else str(out)
+    log(f"{report.n_rows} rows: {report.n_skipped} already answered, {report.n_written} lines written to {where}, "
+        f"{report.n_errors} failed")  # fmt: skip
+    if out is not None:
+        typer.echo(str(out))
+    if report.n_errors:
+        raise fail(f"{report.n_errors} rows failed (their error lines are in {where}) — fix them and rerun the same "
+                   "command; answered rows are kept")  # fmt: skip

@@ -1,0 +1,347 @@
+"""`rocketkv batch`: many documents and questions with one model load per worker (docs/batch.md).
+
+Per manifest row: the document is ingested once into the build cache `DIR/<key>.kv`, the key
+being a sha256 of the document's bytes, the model's identity and the ingest settings (a file that
+exists and matches is reused), then its questions are answered from it and its summary made. Each
+result is a JSON line in a `manifest.Results` file, written as it finishes; a failing row becomes
+one error line with the one-line message `rocketkv ingest` / `ask` would print. Rows run in this
+process (`workers=1`), in `workers` local processes (`batch_pool`), or on a Ray cluster
+(`batch_ray`). Nothing here parses arguments or prints; progress and logs go through callbacks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..core.cache import SegmentedKVCache
+from ..core.config import PrefillConfig
+from ..core.quant import DEFAULT_KV_DTYPE, KVStorage, resolved
+from ..errors import CacheFormatError, InputError, OutputError, RocketKVError
+from .api import AnyCache, RocketKV, open_document
+from .manifest import BadRow, Results, Row, error_row, question_key, read_manifest, summary_key
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """How every row is run: the model, the ingest settings and the answer lengths.
+
+    config: stage-1 settings of every ingest (its `max_new_tokens` is also the answer cap).
+    storage: how the `.kv` files store keys and values (`--kv-dtype`).
+    summary_tokens: summary length cap in tokens. segment_tokens: tokens per segment for
+    documents longer than the context (None: all that fit). threads: torch threads per worker
+    (None: the machine's cores divided among the local workers; 1 per Ray actor).
+    """
+
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    config: PrefillConfig = field(default_factory=PrefillConfig)
+    storage: KVStorage = field(default_factory=lambda: KVStorage.parse(DEFAULT_KV_DTYPE))
+    summary_tokens: int = 256
+    segment_tokens: int | None = None
+    dense: bool = False
+    threads: int | None = None
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("summary_tokens", "segment_tokens", "threads"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Task:
+    """What is left of one row: the indices of its unanswered questions and whether its
+    summary is still to make."""
+
+    row: Row
+    questions: tuple[int, ...]
+    summary: bool
+
+    @property
+    def n_results(self) -> int:
+        return len(self.questions) + int(self.summary)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Task:
+        d = json.loads(text)
+        row = Row(**{**d["row"], "questions": tuple(d["row"]["questions"])})
+        return cls(row=row, questions=tuple(d["questions"]), summary=d["summary"])
+
+
+@dataclass
+class BatchProgress:
+    """Counts for a progress bar: documents (rows with work left) and answers (questions and
+    summaries), done and in total; error rows written."""
+
+    documents_total: int = 0
+    documents_done: int = 0
+    answers_total: int = 0
+    answers_done: int = 0
+    errors: int = 0
+
+
+@dataclass(frozen=True)
+class BatchReport:
+    """How a run ended: manifest rows, rows already done by an earlier run (skipped), lines
+    written, error rows written (this run), and what a rerun found and dropped from the file."""
+
+    n_rows: int
+    n_skipped: int
+    n_written: int
+    n_errors: int
+    dropped: dict[str, int]
+
+
+def load_worker(settings: BatchSettings, workers: int = 1) -> RocketKV:
+    """The model of one of `workers` workers, with torch threads set: `settings.threads`, else
+    the cores divided among the workers (unless OMP_NUM_THREADS says otherwise)."""
+    import torch
+
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    elif workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    return RocketKV.load(settings.model, device=settings.device, dtype=settings.dtype,
+                         trust_remote_code=settings.trust_remote_code)  # fmt: skip
+
+
+def document_sha256(row: Row) -> str:
+    """sha256 of the row's document bytes (inline text: its UTF-8 bytes), as the `.kv` records it.
+    Raises InputError with `rocketkv ingest`'s message for a file it cannot read."""
+    if row.text is not None:
+        return hashlib.sha256(row.text.encode("utf-8")).hexdigest()
+    assert row.document is not None  # a Row has exactly one of document and text
+    try:
+        digest = hashlib.sha256()
+        with open(row.document, "rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+        return digest.hexdigest()
+    except OSError as exc:
+        open_document(row.document)  # raises the message ingest gives for this path
+        raise InputError(f"cannot read {row.document}: {exc.strerror}") from None
+
+
+def cache_key(rk: RocketKV, doc_sha256: str, settings: BatchSettings) -> str:
+    """The build-cache key: sha256 of the document, the model identity and the ingest settings."""
+    ident = rk.engine.identity
+    record = {"document_sha256": doc_sha256, "model_digest": ident.model_digest,
+              "tokenizer_digest": ident.tokenizer_digest, "chat_template_digest": ident.chat_template_digest,
+              "prompt_template_id": ident.prompt_template_id, "dtype": rk.engine.dtype_name,
+              "config": settings.config.to_dict(), "storage": asdict(resolved(settings.storage, rk.engine.dtype_name)),
+              "segment_tokens": settings.segment_tokens}  # fmt: skip
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+@contextlib.contextmanager
+def _locked(cache_dir: Path, key: str) -> Iterator[None]:
+    """An exclusive lock per key, so two workers never ingest the same document at once (on
+    shared storage without working locks, both would write the same file atomically)."""
+    locks = cache_dir / ".locks"
+    locks.mkdir(exist_ok=True)
+    with open(locks / f"{key}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _reusable(rk: RocketKV, path: Path, doc_sha256: str, settings: BatchSettings, log: Log) -> AnyCache | None:
+    """The cache at `path` if it is whole and was built from this document, for this model, with
+    these settings; None (and a log line saying why) when it must be rebuilt."""
+    if not path.exists():
+        return None
+    try:
+        cache = rk.open(path)
+    except CacheFormatError as exc:
+        log(f"rebuilding {path}: {exc.message}")
+        return None
+    info = (cache.segments[0] if isinstance(cache, SegmentedKVCache) else cache).info
+    storage = resolved(settings.storage, rk.engine.dtype_name)  # as files record it: `auto` resolved
+    if (info.document_sha256 != doc_sha256 or info.config != settings.config or info.storage != storage
+            or info.dtype != rk.engine.dtype_name):  # fmt: skip
+        log(f"rebuilding {path}: built from another document or with other settings")
+        return None
+    return cache
+
+
+def build(rk: RocketKV, row: Row, cache_dir: Path, settings: BatchSettings, log: Log) -> tuple[AnyCache, Path]:
+    """The row's cache from the build cache, ingested (atomically, under a lock) if not there.
+
+    Returns (cache, path of its `.kv` file). Raises the errors of `RocketKV.ingest`."""
+    doc_sha = document_sha256(row)
+    key = cache_key(rk, doc_sha, settings)
+    path = cache_dir / f"{key}.kv"
+    with _locked(cache_dir, key):
+        cache = _reusable(rk, path, doc_sha, settings, log)
+        if cache is not None:
+            return cache, path
+        source = {"text": row.text} if row.text is not None else {"document": open_document(str(row.document))}
+        done = rk.ingest(**source, output=path, force=True, config=settings.config, storage=settings.storage,
+                         segment_tokens=settings.segment_tokens)  # fmt: skip
+        return done.cache, path
+
+
+def run_task(rk: RocketKV, task: Task, cache_dir: Path, settings: BatchSettings, log: Log = lambda m: None):
+    """The result lines of one task, each yielded as soon as it is made: `{"id",
+    "question_index", <the ask --json record>}` per question, `{"id", <the summarize --json
+    record>}` for the summary, or one error line (and nothing after it) when the row fails."""
+    row = task.row
+    try:
+        cache, path = build(rk, row, cache_dir, settings, log)
+        asked = [row.questions[i] for i in task.questions]
+        if asked:
+            answers = rk.ask(cache, asked, max_new_tokens=settings.config.max_new_tokens, dense=settings.dense)
+            for index, ans in zip(task.questions, answers):
+                yield {"id": row.id, "question_index": index, **ans.to_dict(cache=str(path))}
+        if task.summary:
+            yield _summary(rk, row, cache, path, settings)
+    except RocketKVError as exc:
+        yield error_row(row.id, row.line, str(exc))
+    except MemoryError:
+        yield error_row(row.id, row.line, "out of memory — try a smaller --budget or a shorter document")
+    except Exception as exc:  # unexpected: one error line, the batch goes on
+        if os.environ.get("ROCKETKV_DEBUG") == "1":
+            raise
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        yield error_row(row.id, row.line, f"unexpected {type(exc).__name__}: {first} — rerun with ROCKETKV_DEBUG=1 "
+                        "for a traceback")  # fmt: skip
+
+
+def _summary(rk: RocketKV, row: Row, cache: AnyCache, path: Path, settings: BatchSettings) -> dict:
+    """The summarize --json record of the row's document, with its id."""
+    cfg = PrefillConfig(token_budget=settings.config.token_budget, max_new_tokens=settings.summary_tokens)
+    partials: list[dict] = []
+    t0 = time.perf_counter()
+    final = rk.summarize(cache, max_new_tokens=settings.summary_tokens, dense=settings.dense, config=cfg,
+                         on_partial=lambda e: partials.append({"level": e.level, "segment": e.index,
+                                                               "summary": e.text}))  # fmt: skip
+    record: dict[str, Any] = {"id": row.id, "summary": final.text, "source": str(path),
+                              "n_answer_tokens": final.n_answer_tokens, "stop_reason": final.stop_reason,
+                              "summarize_s": round(time.perf_counter() - t0, 3)}  # fmt: skip
+    if partials:
+        record["partial_summaries"] = partials
+    return record
+
+
+def plan(rows: list[Row | BadRow], done: set[tuple[str, str, int]]) -> list[Task]:
+    """The tasks left: for each row, what the results file does not hold yet."""
+    tasks = []
+    for row in rows:
+        if isinstance(row, BadRow):
+            continue
+        questions = tuple(i for i in range(len(row.questions)) if question_key(row.id, i) not in done)
+        summary = row.summary and summary_key(row.id) not in done
+        if questions or summary:
+            tasks.append(Task(row, questions, summary))
+    return tasks
+
+
+class Tracker:
+    """Writes result lines and counts them (a task is done after its last line or an error)."""
+
+    def __init__(self, results: Results, tasks: list[Task], on_progress: Callable[[BatchProgress], None]):
+        self.results, self.on_progress = results, on_progress
+        self.left = {i: t.n_results for i, t in enumerate(tasks)}
+        self.state = BatchProgress(len(tasks), 0, sum(t.n_results for t in tasks))
+        self.written = 0
+
+    def write(self, task_index: int | None, line: dict) -> None:
+        self.results.write(line)
+        self.written += 1
+        if "error" in line:
+            self.state.errors += 1
+        else:
+            self.state.answers_done += 1
+        if task_index is not None and task_index in self.left:
+            self.left[task_index] -= 1
+            if self.left[task_index] <= 0 or "error" in line:
+                del self.left[task_index]
+                self.state.documents_done += 1
+        self.on_progress(self.state)
+
+
+def run_batch(
+    manifest: Path,
+    output: Path | None,
+    cache_dir: Path,
+    settings: BatchSettings,
+    workers: int | None = None,
+    ray_address: str | None = None,
+    on_progress: Callable[[BatchProgress], None] = lambda state: None,
+    log: Log = lambda message: None,
+) -> BatchReport:
+    """Run every row of `manifest` not yet answered in `output` (None: stdout, no resume).
+
+    workers: model copies: local processes (None: 1), or Ray actors with `ray_address` (an
+    address, `auto` for a running cluster, or `local` to start one for this run; None: the
+    cluster's CPUs divided by `settings.threads`).
+    Raises:
+        InputError: an unreadable manifest, Ray missing or unreachable. OutputError: the results
+        file or cache folder cannot be written. ModelLoadError: the model does not load.
+    """
+    if workers is not None and workers < 1:
+        raise InputError(f"--workers must be at least 1, got {workers}")
+    rows = read_manifest(manifest)
+    if output is not None and output.exists() and os.path.samefile(output, manifest):
+        raise OutputError(f"-o {output} is the manifest itself", "choose another results file")
+    cache_dir = cache_dir.resolve()
+    results = Results(output)
+    try:
+        done = results.open(rows)
+        if sum(results.dropped.values()):
+            log(f"repaired {output}: dropped " + ", ".join(f"{n} {k} lines" for k, n in results.dropped.items() if n))
+        tasks = plan(rows, done)
+        tracker = Tracker(results, tasks, on_progress)
+        for row in rows:
+            if isinstance(row, BadRow):
+                tracker.write(None, error_row(row.id, row.line, row.error))
+        skipped = sum(isinstance(r, Row) for r in rows) - len(tasks)
+        if skipped:
+            log(f"skipping {skipped} rows already answered in {output}")
+        if tasks:
+            _make_dir(cache_dir)
+            if ray_address is not None:
+                from .batch_ray import run_on_ray
+
+                run_on_ray(ray_address, tasks, cache_dir, settings, workers, tracker, log)
+            elif (workers or 1) == 1:
+                rk = load_worker(settings)
+                for i, task in enumerate(tasks):
+                    for line in run_task(rk, task, cache_dir, settings, log):
+                        tracker.write(i, line)
+            else:
+                from .batch_pool import run_in_pool
+
+                run_in_pool(tasks, cache_dir, settings, workers or 1, tracker, log)
+        on_progress(tracker.state)
+    finally:
+        results.close()
+    return BatchReport(n_rows=len(rows), n_skipped=skipped, n_written=tracker.written,
+                       n_errors=tracker.state.errors, dropped=dict(results.dropped))  # fmt: skip
+
+
+def _make_dir(cache_dir: Path) -> None:
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create the cache folder {cache_dir}: {exc.strerror}", "pass --cache-dir") from None
+    if not os.access(cache_dir, os.W_OK):
+        raise OutputError(f"cannot write to the cache folder {cache_dir}", "pass a writable --cache-dir")

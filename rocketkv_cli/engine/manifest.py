@@ -1,0 +1,283 @@
+"""Batch manifests and result files for `rocketkv batch` (docs/batch.md). No torch here.
+
+A manifest is JSON lines, one document per line: `{"id": ..., "document": PATH | "text": ...,
+"questions": [...], "summary": true}`. A results file is JSON lines too, one per answer (keyed by
+`id` and `question_index`), per summary (keyed by `id`) or per failed row (`error`). It is always
+valid JSON lines: each line is written whole with one `write` and fsynced, and a rerun first
+repairs what a crash can leave (a torn last line, a line of zeros after a power loss), so that
+it can skip what is answered and redo the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import InputError, OutputError
+from .api import check_questions
+
+ROW_FIELDS = ("id", "document", "text", "questions", "summary")
+RowId = str | int
+
+
+@dataclass(frozen=True)
+class Row:
+    """One manifest line: an `id`, a document (`document`: an absolute path, or inline `text`),
+    its questions and whether a summary is wanted. `line` is the 1-based manifest line."""
+
+    line: int
+    id: RowId
+    document: str | None
+    text: str | None
+    questions: tuple[str, ...]
+    summary: bool
+
+    def __post_init__(self) -> None:
+        if (self.document is None) == (self.text is None):
+            raise ValueError(f"a row needs exactly one of document and text, got {self.document!r}, {self.text!r}")
+        if not self.questions and not self.summary:
+            raise ValueError(f"row {self.id!r} asks for nothing")
+
+
+@dataclass(frozen=True)
+class BadRow:
+    """A manifest line that cannot be run, with the one-line message of its error row."""
+
+    line: int
+    id: RowId | None
+    error: str
+
+
+def question_key(row_id: RowId, index: int) -> tuple[str, str, int]:
+    return ("q", json.dumps(row_id), index)
+
+
+def summary_key(row_id: RowId) -> tuple[str, str, int]:
+    return ("s", json.dumps(row_id), -1)
+
+
+def error_row(row_id: RowId | None, line: int, message: str) -> dict:
+    """The results line of a failed row: its id, its manifest line, and the error's one line."""
+    return {"id": row_id, "line": line, "error": message.replace("\r", "\\r").replace("\n", "\\n")}
+
+
+def read_manifest(path: Path) -> list[Row | BadRow]:
+    """Every non-blank line of the manifest at `path`, as a `Row` or a `BadRow`.
+
+    Relative document paths are relative to the manifest's folder (made absolute here, so that
+    workers on other machines read the same file from shared storage). An `id` seen on an
+    earlier line makes a `BadRow`. Raises InputError: the manifest itself cannot be read.
+    """
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise InputError(f"manifest not found: {path}", "check the path") from None
+    except IsADirectoryError:
+        raise InputError(f"{path} is a directory, not a manifest", "give a .jsonl file") from None
+    except OSError as exc:
+        raise InputError(f"cannot read manifest {path}: {exc.strerror}") from None
+    base = path.resolve().parent
+    rows: list[Row | BadRow] = []
+    first_line: dict[str, int] = {}
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        row = parse_row(raw, number, base)
+        if isinstance(row, Row):
+            key = json.dumps(row.id)
+            if key in first_line:
+                row = BadRow(number, row.id, f"line {number}: duplicate id {key} (first on line {first_line[key]})"
+                             " — give each row its own id")  # fmt: skip
+            else:
+                first_line[key] = number
+        rows.append(row)
+    return rows
+
+
+def parse_row(raw: bytes, number: int, base: Path) -> Row | BadRow:
+    """One manifest line as a `Row`, or a `BadRow` saying what is wrong with it."""
+    where = f"line {number}"
+    try:
+        obj = json.loads(raw.decode("utf-8-sig" if number == 1 else "utf-8"))
+    except UnicodeDecodeError:
+        return BadRow(number, None, f"{where} is not UTF-8 text — save the manifest as UTF-8")
+    except json.JSONDecodeError as exc:
+        return BadRow(number, None, f"{where} is not valid JSON ({exc.msg} at column {exc.colno})"
+                      " — write one JSON object per line")  # fmt: skip
+    if not isinstance(obj, dict):
+        return BadRow(number, None, f"{where} is not a JSON object — write one object per line")
+    row_id = obj.get("id")
+    if isinstance(row_id, bool) or not isinstance(row_id, (str, int)) or row_id == "":
+        return BadRow(number, None, f'{where}: no id — give each row an "id" (a string or an integer)')
+    try:
+        return Row(number, row_id, *_fields(obj, where, base))
+    except InputError as exc:
+        return BadRow(number, row_id, str(exc))
+
+
+def _fields(obj: dict[str, Any], where: str, base: Path) -> tuple[str | None, str | None, tuple[str, ...], bool]:
+    unknown = sorted(set(obj) - set(ROW_FIELDS))
+    if unknown:
+        raise InputError(f"{where}: unknown field {unknown[0]!r}", "the fields are " + ", ".join(ROW_FIELDS))
+    document, text = obj.get("document"), obj.get("text")
+    if (document is None) == (text is None):
+        raise InputError(f'{where}: give "document" (a path) or "text", {"not both" if document else "none given"}')
+    if document is not None and (not isinstance(document, str) or not document):
+        raise InputError(f'{where}: "document" must be a file path (a non-empty string)')
+    if text is not None and not isinstance(text, str):
+        raise InputError(f'{where}: "text" must be a string')
+    if text is not None:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InputError(f'{where}: "text" is not valid UTF-8 text', "check the text's encoding") from None
+    questions = obj.get("questions", [])
+    if not isinstance(questions, list):
+        raise InputError(f'{where}: "questions" must be a list of strings')
+    summary = obj.get("summary", False)
+    if not isinstance(summary, bool):
+        raise InputError(f'{where}: "summary" must be true or false')
+    if not questions and not summary:
+        raise InputError(f"{where}: nothing to do", 'add "questions": [...] or "summary": true')
+    if questions:
+        check_questions(questions)  # the messages `rocketkv ask` gives
+    path = None if document is None else str(base / os.path.expanduser(document))
+    return path, text, tuple(questions), summary
+
+
+class Results:
+    """The results file: what an earlier run finished, and appending rows as they finish.
+
+    `path` None writes to stdout (nothing to resume). `open(rows)` reads an existing file,
+    keeps every answered or summarized line (also those of ids not in this manifest) and drops
+    error lines (their rows are redone), torn or unparsable lines, and answers whose question
+    no longer matches the manifest; if it dropped anything the file is rewritten atomically.
+    Returns the keys already done. Raises OutputError: the file cannot be read or written.
+    """
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self._fd: int | None = None
+        self.dropped = {"error": 0, "torn": 0, "stale": 0}
+
+    def open(self, rows: Iterable[Row | BadRow]) -> set[tuple[str, str, int]]:
+        if self.path is None:
+            return set()
+        questions = {json.dumps(r.id): r.questions for r in rows if isinstance(r, Row)}
+        done: set[tuple[str, str, int]] = set()
+        kept: list[bytes] = []
+        data = self._read()
+        lines = data.split(b"\n")
+        if lines and lines[-1] == b"":
+            lines.pop()
+        elif lines:
+            self.dropped["torn"] += 1  # no newline at the end: a line cut by a crash
+            lines.pop()
+        for raw in lines:
+            key, kind = self._classify(raw, questions)
+            if kind != "keep":
+                self.dropped[kind] += 1
+                continue
+            if key is not None:
+                if key in done:
+                    self.dropped["stale"] += 1
+                    continue
+                done.add(key)
+            kept.append(raw)
+        if sum(self.dropped.values()):
+            self._rewrite(kept)
+        self._fd = self._open_append()
+        return done
+
+    @staticmethod
+    def _classify(raw: bytes, questions: dict[str, tuple[str, ...]]) -> tuple[tuple[str, str, int] | None, str]:
+        try:
+            obj = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            return None, "torn"
+        if not isinstance(obj, dict) or "id" not in obj:
+            return None, "torn"
+        if "error" in obj:
+            return None, "error"
+        rid = json.dumps(obj["id"])
+        index = obj.get("question_index")
+        if isinstance(index, int) and not isinstance(index, bool) and isinstance(obj.get("question"), str):
+            asked = questions.get(rid)
+            if asked is not None and (index >= len(asked) or asked[index] != obj["question"]):
+                return None, "stale"
+            return ("q", rid, index), "keep"
+        if isinstance(obj.get("summary"), str):
+            return ("s", rid, -1), "keep"
+        return None, "keep"  # someone else's line: not ours to drop
+
+    def _read(self) -> bytes:
+        assert self.path is not None
+        try:
+            return self.path.read_bytes()
+        except FileNotFoundError:
+            return b""
+        except IsADirectoryError:
+            raise OutputError(f"results path {self.path} is a directory", "give a file name with -o") from None
+        except OSError as exc:
+            raise OutputError(f"cannot read results file {self.path}: {exc.strerror}") from None
+
+    def _rewrite(self, kept: list[bytes]) -> None:
+        assert self.path is not None
+        folder = self.path.parent
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(b"".join(line + b"\n" for line in kept))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        _fsync_dir(folder)
+
+    def _open_append(self) -> int:
+        assert self.path is not None
+        if not self.path.parent.is_dir():
+            raise OutputError(f"output directory {self.path.parent} does not exist",
+                              f"create it first: mkdir -p {self.path.parent}")  # fmt: skip
+        try:
+            return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        except OSError as exc:
+            raise OutputError(f"cannot write results file {self.path}: {exc.strerror}") from None
+
+    def write(self, row: dict) -> None:
+        """Append one row as one JSON line: a single write, then fsync (stdout: print and flush)."""
+        line = json.dumps(row, ensure_ascii=False) + "\n"
+        if self._fd is None:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            return
+        data = line.encode("utf-8", "surrogateescape")
+        while data:
+            data = data[os.write(self._fd, data) :]
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,321 @@
+"""`rocketkv batch` (docs/batch.md), run as the installed CLI on a tiny model: answers equal to
+`ask --json`, a build cache shared by equal documents and reused on reruns, bad rows as error
+lines with the single-document commands' messages, kill -9 / Ctrl-C then a rerun with no lost
+or duplicated row, worker processes, and the progress bar in a pseudo-terminal."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import run_in_terminal, strip_ansi, text_of_bytes
+
+from rocketkv_cli.cli.batch import with_bare_ray
+from rocketkv_cli.engine.manifest import BadRow, Results, Row, parse_row, read_manifest
+
+ASK_KEYS = {"question", "answer", "cache", "n_question_tokens", "n_answer_tokens", "stop_reason", "prefill_s",
+            "decode_s"}  # fmt: skip
+SUMMARY_KEYS = {"summary", "source", "n_answer_tokens", "stop_reason", "summarize_s"}
+TIMES = ("prefill_s", "decode_s", "summarize_s")
+OPTS = ["--budget", "64", "--max-new-tokens", "6", "--summary-tokens", "4"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    home = tmp_path_factory.mktemp("rkv-home")
+    return {**os.environ, "ROCKETKV_HOME": str(home), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def run(rocketkv_bin, env, *args, cwd=None):
+    return subprocess.run([rocketkv_bin, *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd,
+                          timeout=300)  # fmt: skip
+
+
+def lines_of(path: Path) -> list[dict]:
+    """Every line of a results file, each of which must parse as one JSON object."""
+    data = path.read_bytes()
+    assert data.endswith(b"\n"), data[-200:]
+    return [json.loads(line) for line in data.decode().splitlines()]
+
+
+def without_times(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k not in TIMES}
+
+
+def error_message(result) -> str:
+    """The one `Error:` line a failing single-document command printed, without the prefix."""
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    (line,) = [x for x in result.stderr.splitlines() if x.startswith("Error: ")]
+    return line.removeprefix("Error: ")
+
+
+def write_manifest(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory, rocketkv_bin, env, tiny_model_dir):
+    """A manifest of two equal documents (a file and inline text), two distinct ones (one with a
+    summary), and four bad rows; its first run."""
+    root = tmp_path_factory.mktemp("batch")
+    shared = text_of_bytes(900, seed=1) + "\nThe code is 11.\n"
+    (root / "a.txt").write_text(shared)
+    (root / "b.txt").write_text(text_of_bytes(900, seed=2) + "\nThe code is 22.\n")
+    (root / "bin.txt").write_bytes(b"text\x00more")
+    manifest = write_manifest(root / "jobs.jsonl", [
+        {"id": "a", "document": "a.txt", "questions": ["What is the code?", "Which word is first?"]},
+        {"id": "b", "document": str(root / "b.txt"), "questions": ["What is the code?"], "summary": True},
+        {"id": 3, "text": shared, "questions": ["What is the code?"]},
+        {"id": "c", "text": text_of_bytes(700, seed=3), "questions": ["Where is the river?"]},
+        {"id": "missing", "document": str(root / "nope.txt"), "questions": ["What?"]},
+        {"id": "binary", "document": str(root / "bin.txt"), "questions": ["What?"]},
+        {"id": "empty-q", "document": "a.txt", "questions": ["What?", " "]},
+        '{"id": "broken", "questions": [',
+    ])  # fmt: skip
+    cmd = ["batch", manifest, "--cache-dir", root / "cache", "--model", tiny_model_dir, *OPTS]
+    first = run(rocketkv_bin, env, *cmd)
+    return root, manifest, cmd, first
+
+
+def test__batch__answers_like_ask_json_and_equal_documents_share_one_cache(job, rocketkv_bin, env):
+    root, manifest, _, first = job
+    assert first.returncode == 1 and "Traceback" not in first.stderr, first.stderr
+    assert first.stderr.count("Error:") == 1 and "4 rows failed" in first.stderr
+    results = root / "jobs.results.jsonl"
+    assert first.stdout.strip() == str(results)
+    rows = lines_of(results)
+    answers = {(r["id"], r["question_index"]): r for r in rows if "question_index" in r}
+    assert set(answers) == {("a", 0), ("a", 1), ("b", 0), (3, 0), ("c", 0)}
+    assert all(set(r) == ASK_KEYS | {"id", "question_index"} for r in answers.values())
+    kv_files = sorted((root / "cache").glob("*.kv"))
+    assert len(kv_files) == 3  # a.txt and the equal inline text share one file
+    assert answers[("a", 0)]["cache"] == answers[(3, 0)]["cache"] != answers[("b", 0)]["cache"]
+    assert {Path(r["cache"]) for r in answers.values()} == set(kv_files)
+    (summary,) = [r for r in rows if "summary" in r]
+    assert (
+        summary["id"] == "b"
+        and set(summary) == SUMMARY_KEYS | {"id"}
+        and summary["source"] == answers[("b", 0)]["cache"]
+    )
+    # each answer is what `rocketkv ask --cache FILE --json` gives from the same file
+    for key in (("a", 1), ("c", 0)):
+        row = answers[key]
+        r = run(rocketkv_bin, env, "ask", "--cache", row["cache"], row["question"], "--json", "--max-new-tokens", "6")
+        assert r.returncode == 0, r.stderr
+        assert without_times(json.loads(r.stdout)) == without_times({k: row[k] for k in ASK_KEYS})
+
+
+def test__bad_rows__one_error_line_each_with_the_single_document_message(job, rocketkv_bin, env, tmp_path):
+    root, _, _, first = job
+    errors = {r["line"]: r for r in lines_of(root / "jobs.results.jsonl") if "error" in r}
+    assert set(errors) == {5, 6, 7, 8}
+    assert [errors[n]["id"] for n in (5, 6, 7, 8)] == ["missing", "binary", "empty-q", None]
+    assert errors[5]["error"] == error_message(run(rocketkv_bin, env, "ingest", root / "nope.txt"))
+    assert errors[6]["error"] == error_message(run(rocketkv_bin, env, "ingest", root / "bin.txt"))
+    kv = next((root / "cache").glob("*.kv"))
+    assert errors[7]["error"] == error_message(run(rocketkv_bin, env, "ask", "--cache", kv, "What?", " "))
+    assert errors[8]["error"].startswith("line 8 is not valid JSON")
+
+
+def test__rerun__skips_answered_rows_retries_bad_ones_and_reuses_the_cache(job, rocketkv_bin, env):
+    root, manifest, cmd, _ = job
+    results = root / "jobs.results.jsonl"
+    before = lines_of(results)
+    stamps = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (root / "cache").glob("*.kv")}
+    again = run(rocketkv_bin, env, *cmd)
+    assert again.returncode == 1 and "skipping 4 rows already answered" in again.stderr, again.stderr
+    after = lines_of(results)
+    assert [r for r in after if "error" not in r] == [r for r in before if "error" not in r]
+    assert sorted(r["line"] for r in after if "error" in r) == [5, 6, 7, 8]  # redone once, not duplicated
+    assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in stamps} == stamps
+    # a new question for a, and c's cache file damaged: a is answered from its cache as it is,
+    # c's file is rebuilt; nothing answered before is asked again
+    rows = [json.loads(x) for x in manifest.read_text().splitlines()[:4]]
+    rows[0]["questions"].append("Which word is last?")
+    rows[3]["questions"].append("Which word is first?")
+    write_manifest(manifest, rows)
+    c_kv = Path(next(r["cache"] for r in after if r["id"] == "c"))
+    c_kv.write_bytes(c_kv.read_bytes()[:-100])
+    third = run(rocketkv_bin, env, *cmd)
+    assert third.returncode == 0, third.stderr
+    assert f"rebuilding {c_kv}" in third.stderr
+    final = lines_of(results)
+    keys = [(r["id"], r["question_index"]) for r in final if "question_index" in r]
+    assert len(keys) == len(set(keys)) and not [r for r in final if "error" in r]
+    assert set(keys) == {("a", 0), ("a", 1), ("a", 2), ("b", 0), (3, 0), ("c", 0), ("c", 1)}
+    assert [r for r in final if r.get("question_index") not in (None,) and (r["id"], r["question_index"]) not in
+            (("a", 2), ("c", 1))] == [r for r in after if "question_index" in r]  # fmt: skip
+    a_kv = Path(next(r["cache"] for r in final if r["id"] == "a"))
+    assert (a_kv.stat().st_ino, a_kv.stat().st_mtime_ns) == stamps[a_kv]
+    assert run(rocketkv_bin, env, "inspect", c_kv).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def many(tmp_path_factory, rocketkv_bin, env, tiny_model_dir):
+    """24 documents × 3 questions, and their results from one uninterrupted run on 2 workers."""
+    root = tmp_path_factory.mktemp("many")
+    manifest = write_manifest(root / "many.jsonl", [
+        {"id": f"doc-{i}", "text": text_of_bytes(1200, seed=10 + i % 20), "questions": ["What?", "Who?", "Where?"]}
+        for i in range(24)
+    ])  # fmt: skip
+    ref = root / "reference.jsonl"
+    r = run(rocketkv_bin, env, "batch", manifest, "-o", ref, "--cache-dir", root / "ref-cache", "--workers", "2",
+            "--model", tiny_model_dir, "--budget", "64", "--max-new-tokens", "24")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return root, manifest, ref
+
+
+def answers_by_key(path: Path) -> dict:
+    """Results keyed by (id, question_index), without timings and with the cache file's name
+    only; fails on a duplicated key."""
+    out: dict = {}
+    for row in lines_of(path):
+        key = (row["id"], row["question_index"])
+        assert key not in out, f"duplicated {key}"
+        out[key] = without_times({**row, "cache": Path(row["cache"]).name})
+    return out
+
+
+def start(rocketkv_bin, env, args) -> subprocess.Popen:
+    return subprocess.Popen([rocketkv_bin, *map(str, args)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+
+
+def group_gone(pgid: int, within_s: float = 10) -> bool:
+    """No process is left in the process group (the batch and its workers)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def wait_for_lines(path: Path, n: int, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if path.exists() and path.read_bytes().count(b"\n") >= n:
+            return
+        time.sleep(0.02)
+    pytest.fail(f"the batch ended or stalled before {n} lines: {proc.poll()} {path.exists()}")
+
+
+@pytest.mark.parametrize("how, workers", [("kill -9", "1"), ("Ctrl-C", "2")])
+def test__interrupted_then_rerun__no_lost_or_duplicated_row(many, how, workers, rocketkv_bin, env, tiny_model_dir):
+    root, manifest, ref = many
+    out = root / f"{workers}.jsonl"
+    args = ["batch", manifest, "-o", out, "--cache-dir", root / f"cache-{workers}", "--workers", workers,
+            "--model", tiny_model_dir, "--budget", "64", "--max-new-tokens", "24"]  # fmt: skip
+    proc = start(rocketkv_bin, env, args)
+    wait_for_lines(out, 7, proc)
+    if how == "kill -9":
+        proc.kill()
+        proc.wait(timeout=30)
+    else:
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 130 and "Error: interrupted" in stderr and "Traceback" not in stderr, stderr
+        assert group_gone(proc.pid), "worker processes left behind"
+    partial = answers_by_key(out)  # every line whole, none twice
+    assert 7 <= len(partial) < 72
+    rerun = run(rocketkv_bin, env, *args)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "already answered" in rerun.stderr
+    final = answers_by_key(out)
+    assert final == answers_by_key(ref)  # all 72, each once, answered as in the uninterrupted run
+    assert all(final[k] == v for k, v in partial.items())
+
+
+def test__results_file__torn_and_zeroed_lines_are_repaired(tmp_path):
+    """What a crash (a cut write, a power loss's zero-filled block) leaves is dropped on reopen;
+    whole lines, including other manifests' ids, are kept; the file is valid JSON lines again."""
+    path = tmp_path / "r.jsonl"
+    good = {"id": "a", "question_index": 0, "question": "Q?", "answer": "x"}
+    other = {"id": "elsewhere", "question_index": 0, "question": "Z?", "answer": "y"}
+    stale = {"id": "a", "question_index": 1, "question": "old question?", "answer": "z"}
+    path.write_bytes(b"".join([json.dumps(good).encode() + b"\n", b"\x00" * 64 + b"\n", json.dumps(other).encode()
+                               + b"\n", json.dumps(stale).encode() + b"\n", b'{"id": "a", "error": "x"}\n',
+                               b'{"id": "a", "question_index": 2, "quest']))  # fmt: skip
+    row = Row(1, "a", None, "text", ("Q?", "new question?", "R?"), False)
+    results = Results(path)
+    done = results.open([row])
+    results.write({"id": "a", "question_index": 1, "question": "new question?", "answer": "w"})
+    results.close()
+    assert done == {("q", '"a"', 0), ("q", '"elsewhere"', 0)}
+    assert results.dropped == {"error": 1, "torn": 2, "stale": 1}
+    assert [json.loads(x) for x in path.read_text().splitlines()] == [
+        good,
+        other,
+        {**stale, "question": "new question?", "answer": "w"},
+    ]
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("[1, 2]", "line 1 is not a JSON object"),
+        ('{"document": "a.txt", "questions": ["Q?"]}', "line 1: no id"),
+        ('{"id": true, "text": "t", "questions": ["Q?"]}', "line 1: no id"),
+        ('{"id": "x", "questions": ["Q?"]}', 'line 1: give "document" (a path) or "text", none given'),
+        ('{"id": "x", "text": "t", "document": "a", "questions": ["Q?"]}', "not both"),
+        ('{"id": "x", "text": "t", "question": ["Q?"]}', "line 1: unknown field 'question'"),
+        ('{"id": "x", "text": "t", "questions": "Q?"}', 'line 1: "questions" must be a list of strings'),
+        ('{"id": "x", "text": "t", "questions": [3]}', "empty question — give each question some text"),
+        ('{"id": "x", "text": "t"}', "line 1: nothing to do"),
+        ('{"id": "x", "text": "t", "summary": "yes"}', 'line 1: "summary" must be true or false'),
+        ('{"id": "x", "text": "\\ud800", "questions": ["Q?"]}', 'line 1: "text" is not valid UTF-8 text'),
+    ],
+)
+def test__manifest_rows__each_mistake_named(line, message, tmp_path):
+    row = parse_row(line.encode(), 1, tmp_path)
+    assert isinstance(row, BadRow) and message in row.error, row
+
+
+def test__manifest__paths_relative_to_it_and_duplicate_ids(tmp_path):
+    (tmp_path / "sub").mkdir()
+    manifest = write_manifest(tmp_path / "sub" / "m.jsonl", [{"id": 1, "document": "d.txt", "summary": True}, "",
+                                                             {"id": 1, "text": "t", "questions": ["Q?"]}])  # fmt: skip
+    first, second = read_manifest(manifest)
+    assert isinstance(first, Row) and first.document == str(tmp_path / "sub" / "d.txt")
+    assert isinstance(second, BadRow) and second.line == 3 and "duplicate id 1 (first on line 1)" in second.error
+
+
+def test__bare_ray_option_means_auto():
+    assert with_bare_ray(["batch", "m.jsonl", "--ray"]) == ["batch", "m.jsonl", "--ray", "auto"]
+    assert with_bare_ray(["batch", "m.jsonl", "--ray", "-q"]) == ["batch", "m.jsonl", "--ray", "auto", "-q"]
+    assert with_bare_ray(["batch", "m.jsonl", "--ray", "local"]) == ["batch", "m.jsonl", "--ray", "local"]
+    assert with_bare_ray(["ask", "--ray"]) == ["ask", "--ray"]
+
+
+def test__batch_usage_errors(rocketkv_bin, env, tmp_path):
+    manifest = write_manifest(tmp_path / "m.jsonl", [{"id": 1, "text": "t", "questions": ["Q?"]}])
+    r = run(rocketkv_bin, env, "batch", manifest, "-o", manifest)
+    assert r.returncode == 1 and r.stderr.strip().startswith(f"Error: -o {manifest} is the manifest itself"), r.stderr
+    assert manifest.read_text() == '{"id": 1, "text": "t", "questions": ["Q?"]}\n'
+    r = run(rocketkv_bin, env, "batch", tmp_path / "none.jsonl")
+    assert (
+        r.returncode == 1
+        and r.stderr.strip() == f"Error: manifest not found: {tmp_path / 'none.jsonl'} — check the path"
+    )
+    assert run(rocketkv_bin, env, "batch", tmp_path / "none.jsonl", "--workers", "0").returncode == 2
+
+
+def test__batch_in_a_terminal__draws_the_bar_with_rates(many, rocketkv_bin, env, tiny_model_dir, tmp_path):
+    _, manifest, _ = many
+    argv = [rocketkv_bin, "batch", str(manifest), "-o", str(tmp_path / "tty.jsonl"), "--cache-dir",
+            str(tmp_path / "cache"), "--model", str(tiny_model_dir), "--budget", "64",
+            "--max-new-tokens", "24"]  # fmt: skip
+    code, shown = run_in_terminal(argv, env)
+    plain = strip_ansi(shown)
+    assert code == 0 and "Traceback" not in plain and "Error:" not in plain, plain[-3000:]
+    assert "━" in plain and "documents/s" in plain and "questions/s" in plain and "ETA" in plain, plain[-2000:]
+    assert len(answers_by_key(tmp_path / "tty.jsonl")) == 72

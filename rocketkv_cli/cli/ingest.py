@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -13,6 +12,7 @@ from .common import (
     DeviceOpt,
     DtypeOpt,
     EncodingOpt,
+    ErrorsOpt,
     JsonOpt,
     ModelOpt,
     PageSizeOpt,
@@ -26,14 +26,15 @@ from .common import (
     log,
     open_stream,
     prefill_config,
+    report_abandoned,
     setup,
 )  # fmt: skip
 
 
 def ingest_command(
     document: Annotated[str, typer.Argument(help="Text file to read, or - for stdin.")],
-    output: Annotated[
-        Optional[Path], typer.Option("--output", "-o", help="Cache file to write (default: DOC with .kv).")
+    output: Annotated[  # text, not a Path: a trailing / (a directory) must not be lost
+        Optional[str], typer.Option("--output", "-o", help="Cache file to write (default: DOC.kv, e.g. a.txt.kv).")
     ] = None,
     budget: BudgetOpt = 512,
     max_new_tokens: Annotated[int, typer.Option(help="Answer length the budget plans for, in tokens.")] = 128,
@@ -50,7 +51,7 @@ def ingest_command(
     segment_tokens: SegmentTokensOpt = None,
     force: Annotated[bool, typer.Option("--force", "-f", help="Replace an existing output file.")] = False,
     encoding: EncodingOpt = "utf-8",
-    errors: Annotated[str, typer.Option(help="Decoding errors: strict, replace or ignore.")] = "strict",
+    errors: ErrorsOpt = "strict",
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = None,
@@ -72,20 +73,21 @@ def ingest_command(
         n_score_dims=n_score_dims, chunk_tokens=chunk_tokens,
     )  # fmt: skip
     stream = open_stream(document, encoding, errors)  # bad documents fail before anything else is touched
-    output = output if output is not None else default_output(document)
-    check_output(output, force, document)  # fail now, not after a long prefill
+    # the output is checked (name, directory, permission to write) before the model loads, not after a long prefill
+    target = check_output(output if output is not None else default_output(document), force, document)
+    report_abandoned(target.parent, skip=target)
     rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code)
-    count, folder = pending_checkpoints(output)
+    count, folder = pending_checkpoints(target)
     if count:
         log(f"resuming: found {count} checkpointed segments in {folder} (reused if they match)")
-    done = ingest(rk, stream, cfg, output, force, segment_tokens)
-    size = output.stat().st_size
-    log(f"wrote {output} ({size / 1e6:.1f} MB)")
+    done = ingest(rk, stream, cfg, target, force, segment_tokens)
+    size = target.stat().st_size
+    log(f"wrote {target} ({size / 1e6:.1f} MB)")
     if json_out:
         cache = done.cache
-        row = {"cache": str(output), "n_context_tokens": cache.n_context_tokens, "n_segments": cache.n_segments,
+        row = {"cache": str(target), "n_context_tokens": cache.n_context_tokens, "n_segments": cache.n_segments,
                "file_bytes": size, "ingest_s": round(done.seconds, 3),
                "budgets": cache.info.budgets_record()}  # fmt: skip
         typer.echo(json.dumps(row))
     else:
-        typer.echo(str(output))
+        typer.echo(str(target))

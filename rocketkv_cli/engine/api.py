@@ -18,7 +18,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import tempfile
+import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -26,11 +26,12 @@ from pathlib import Path
 
 from ..core.cache import AnyCache, CompressedKVCache, SegmentedKVCache
 from ..core.config import DEFAULT_MAX_NEW_TOKENS, PrefillConfig
-from ..errors import InputError, OutputError
+from ..errors import CacheFormatError, InputError, OutputError
 from ..model.loading import DEFAULT_MODEL, configure_transformers, load_model
-from ..store.checkpoints import Checkpoints
-from ..store.describe import describe
+from ..store.checkpoints import AbandonedCheckpoints, Checkpoints, abandoned_checkpoints
+from ..store.describe import describe as store_describe
 from ..store.format import check_target, load_cache, save_cache, save_segmented
+from ..store.tempfiles import make_scratch_dir, probe_writable, remove_stale_temp_files
 from .answer import Answer, answer, decode_config_for
 from .documents import TextPieces, TextStream
 from .engine import Engine, TokenProgress
@@ -57,18 +58,67 @@ def open_document(path: str, encoding: str = "utf-8", errors: str = "strict") ->
 
 
 def default_output(document: str) -> Path:
-    """Where `ingest DOC` writes without `-o`: DOC with the suffix `.kv`. Raises OutputError for stdin."""
+    """Where `ingest DOC` writes without `-o`: DOC's whole name plus `.kv` (`a.txt` → `a.txt.kv`,
+    so `a.txt` and `a.md` never replace each other's cache). Raises OutputError for stdin and for
+    a document that is not a regular file (a pipe such as `<(cat doc)`, a device): it has no
+    name worth keeping, and its directory is not one to write in."""
     if document == "-":
         raise OutputError("reading from stdin needs an output file", "pass -o FILE.kv")
-    return Path(document).with_suffix(".kv")
+    path = Path(document)
+    if not path.is_file():
+        raise OutputError(f"{document} is not a regular file (a pipe or a device), so it gives no output name",
+                          "pass -o FILE.kv")  # fmt: skip
+    return path.with_name(path.name + ".kv")
 
 
-def check_output(output: Path, force: bool, document: str | None = None) -> None:
-    """Refuse an output rocketkv must not write, before any work (see `store.format.check_target`),
-    or one that is the document itself. Raises OutputError."""
-    check_target(output, force)
-    if document not in (None, "-") and output.exists() and os.path.samefile(document, output):
-        raise OutputError(f"-o {output} is the document itself", "choose another output file")
+def check_output(output: str | Path, force: bool, document: str | None = None) -> Path:
+    """Refuse an output rocketkv must not or cannot write, before any work: what
+    `store.format.check_target` refuses, a name ending in `/` (a directory), the document
+    itself, or a directory this process cannot create files in (checked by creating one).
+    Stale temporary files of killed runs in that directory are removed on the way. Returns the
+    output as a Path. Raises OutputError."""
+    text = str(output)
+    target = Path(output)
+    if isinstance(output, str) and text.endswith(("/", os.sep)) and not target.is_dir():
+        raise OutputError(f"-o {text} names a directory (it ends with /), and there is none",
+                          f"create it (mkdir -p {text}) and give a file name in it, e.g. -o {text}DOC.kv")  # fmt: skip
+    parent = check_target(target, force)
+    if document not in (None, "-") and target.exists() and os.path.samefile(document, target):
+        raise OutputError(f"-o {target} is the document itself", "choose another output file")
+    remove_stale_temp_files(parent)
+    try:
+        probe_writable(parent)
+    except OSError as exc:
+        raise OutputError(f"cannot write in {parent}: {exc.strerror}", "choose a writable directory with -o") from None
+    return target
+
+
+def check_cache_file(path: str | Path) -> None:
+    """Refuse, with the reason, a cache path that is not a readable regular file (missing, a
+    directory, a FIFO or device, no permission) before anything reads it. Raises CacheFormatError."""
+    p = Path(path)
+    build = f"build one with: rocketkv ingest DOC -o {path}"
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise CacheFormatError(f"cache file not found: {path}", build) from None
+    except PermissionError:
+        raise CacheFormatError(f"no permission to reach cache {path}", "check its directories' permissions") from None
+    except OSError as exc:
+        raise CacheFormatError(f"cannot read cache {path}: {exc.strerror}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise CacheFormatError(f"{path} is a directory, not a cache file",
+                               "give a .kv file written by: rocketkv ingest DOC -o FILE.kv")  # fmt: skip
+    if not stat.S_ISREG(st.st_mode):
+        raise CacheFormatError(f"{path} is not a regular file (a FIFO, socket or device); a cache must be a file",
+                               f"copy it to a file first, e.g. cat {path} > copy.kv")  # fmt: skip
+    try:
+        with open(p, "rb"):
+            pass
+    except PermissionError:
+        raise CacheFormatError(f"no permission to read cache {path}", "check the file's permissions") from None
+    except OSError as exc:
+        raise CacheFormatError(f"cannot read cache {path}: {exc.strerror}") from None
 
 
 def configure(quiet: bool, progress_bars: bool) -> None:
@@ -77,14 +127,27 @@ def configure(quiet: bool, progress_bars: bool) -> None:
 
 
 def read_cache(path: str | Path) -> AnyCache:
-    """Load and validate a `.kv` file without a model (memory-mapped). Raises CacheFormatError."""
+    """Load and validate a `.kv` file without a model. Raises CacheFormatError."""
+    check_cache_file(path)
     return load_cache(path)
+
+
+def describe(path: str | Path) -> dict:
+    """What a `.kv` file holds (for `inspect`), validated; no model is loaded. Raises CacheFormatError."""
+    check_cache_file(path)
+    return store_describe(path)
 
 
 def pending_checkpoints(output: Path) -> tuple[int, Path]:
     """(count, folder) of checkpointed segments an earlier, interrupted ingest into `output` left."""
     checkpoints = Checkpoints(output)
     return checkpoints.count(), checkpoints.dir
+
+
+def abandoned_ingests(directory: str | Path) -> list[AbandonedCheckpoints]:
+    """Checkpoint folders in `directory` of ingests that are not running (killed, crashed,
+    interrupted and never rerun): each names its target, segment count, bytes and age."""
+    return abandoned_checkpoints(Path(directory) if str(directory) else Path("."))
 
 
 class RocketKV:
@@ -145,9 +208,10 @@ class RocketKV:
             stream = document
         else:
             stream = open_document(str(document))
-        target = Path(output) if output is not None else None
-        if target is not None:
-            check_output(target, force, None if isinstance(document, TextStream) or document is None else str(document))
+        target = None
+        if output is not None:
+            doc_path = None if isinstance(document, TextStream) or document is None else str(document)
+            target = check_output(output, force, doc_path)
         checkpoints = Checkpoints(target) if target is not None else _scratch_checkpoints()
         t0 = time.perf_counter()
         cache = ingest_stream(self.engine, stream, cfg, segment_tokens, checkpoints, on_segment, progress)
@@ -162,7 +226,7 @@ class RocketKV:
 
     def open(self, path: str | Path) -> AnyCache:
         """Load a `.kv` file and check it was built for this model. Raises CacheFormatError."""
-        cache = load_cache(path)
+        cache = read_cache(path)
         self.check(cache, str(path))
         return cache
 
@@ -227,9 +291,9 @@ class RocketKV:
 def _scratch_checkpoints() -> Checkpoints:
     """Checkpoints in a temporary folder (removed at exit), so that a long document ingested in
     memory keeps its finished segments on disk, memory-mapped, not in RAM."""
-    folder = tempfile.mkdtemp(prefix="rocketkv-")
+    folder = make_scratch_dir()  # named for this process: a later run removes it if this one is killed
     atexit.register(shutil.rmtree, folder, True)
-    return Checkpoints(Path(folder) / "memory.kv")
+    return Checkpoints(folder / "memory.kv")
 
 
 __all__ = [

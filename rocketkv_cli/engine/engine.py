@@ -185,7 +185,10 @@ class Engine:
         keep their window (RocketKV §3.2; docs/algorithm.md).
 
         Raises:
-            BudgetError: the prompt budget falls below the observation window.
+            BudgetError: the prompt budget falls below the observation window. `PrefillConfig`
+                refuses a SnapKV++ token budget below the window before any model loads, and
+                `derive_budgets` keeps at least min(n, t) tokens, so this guards only explicit or
+                baseline configurations.
         """
         n = prefill.n_context_tokens
         budgets = resolve_budgets(cfg, n, self.shape.head_dim)

@@ -17,7 +17,6 @@ import math
 import mmap
 import os
 import struct
-import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +29,7 @@ from .. import __version__
 from ..core.cache import CacheInfo, CompressedKVCache, LayerKV, ModelIdentity, SegmentedKVCache, SegmentInfo
 from ..core.config import Budgets, PrefillConfig
 from ..errors import CacheFormatError, OutputError
+from .tempfiles import make_temp_file, remove_stale_temp_files
 
 FORMAT_NAME = "rocketkv.kv_cache"
 FORMAT_VERSION = 2  # v1: one segment (`layers.*` tensors); v2: `segments.{j}.layers.*`
@@ -224,10 +224,14 @@ def save_segmented(cache: SegmentedKVCache, path: str | Path, force: bool = Fals
 
 
 def _atomic_write(target: Path, force: bool, write) -> Path:
-    """Write through `write(file)` into a temporary file beside `target`, fsync, then rename."""
+    """Write through `write(file)` into a temporary file beside `target`, fsync, then rename.
+
+    The temporary file is named for this process (`tempfiles.make_temp_file`); stale ones left
+    in the directory by killed runs are removed first (`tempfiles.remove_stale_temp_files`)."""
     parent = check_target(target, force)
+    remove_stale_temp_files(parent)
     try:
-        fd, tmp = tempfile.mkstemp(dir=parent, prefix=".rocketkv-", suffix=".tmp")
+        fd, tmp = make_temp_file(parent)
     except OSError as exc:
         raise OutputError(f"cannot write in {parent}: {exc.strerror}", "choose a writable directory with -o") from exc
     try:

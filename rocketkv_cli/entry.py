@@ -13,8 +13,8 @@ from __future__ import annotations
 import signal
 import sys
 
-EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
-MESSAGES = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
+EXIT_CODES: dict[int, int] = {signal.SIGINT: 130, signal.SIGTERM: 143}
+MESSAGES: dict[int, str] = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
 _received: list[int] = []  # signal numbers received by this process, in order
 _reported: list[int] = []  # signals whose one-line message was printed (here or by `cli.common`)
 

@@ -30,6 +30,7 @@ def main() -> int:
         for case in CASES:
             out = run_case(ws, case)
             ok = out.code == case.code and (not case.message or case.message in out.error_line)
+            ok = ok and case.log_has in out.stderr and not (case.before_model and "rocketkv: loaded" in out.stderr)
             if case.check is not None:
                 try:
                     case.check(ws)

@@ -29,5 +29,9 @@ def test__case__clear_error_and_nothing_harmed(ws, case):
         assert case.message in out.error_line, out.error_line
     if case.code == 1:
         assert out.stdout == "", "a failure printed results"
+    if case.before_model:
+        assert "rocketkv: loaded" not in out.stderr, f"refused only after the model loaded:\n{out.stderr[-2000:]}"
+    if case.log_has:
+        assert case.log_has in out.stderr, out.stderr[-3000:]
     if case.check is not None:
         case.check(ws)

@@ -136,17 +136,19 @@ TrustOpt = Annotated[bool, typer.Option(help="Allow model code from the model di
 
 
 def setup(quiet: bool) -> None:
-    """Per-command start: quiet or not, and transformers offline and silent."""
-    from ..engine.api import configure
-
+    """Per-command start: quiet or not. Nothing heavy is imported here, so that the checks that
+    follow (options, documents, paths) answer in a fraction of a second."""
     _state["quiet"] = quiet
+
+
+def load_engine(model: Optional[str], device: str, dtype: str, trust_remote_code: bool):
+    """`RocketKV.load` (None: the default model) with transformers offline and silent, a spinner
+    on a terminal and a timing line on stderr."""
+    from ..engine.api import DEFAULT_MODEL, RocketKV, configure
+
+    quiet = _state["quiet"]
     configure(quiet, progress_bars=err.is_terminal and not quiet)
-
-
-def load_engine(model: str, device: str, dtype: str, trust_remote_code: bool):
-    """`RocketKV.load` with a spinner on a terminal and a timing line on stderr."""
-    from ..engine.api import RocketKV
-
+    model = model or DEFAULT_MODEL
     t0 = time.perf_counter()
     with (
         err.status(f"loading {model}", spinner="dots")
@@ -197,7 +199,7 @@ def steps_bar() -> Progress:
 
 def open_stream(doc_path: str, encoding: str, errors: str = "strict"):
     """The document as a validated stream (fails before any model loads)."""
-    from ..engine.api import open_document
+    from ..engine.preflight import open_document
 
     return open_document(doc_path, encoding, errors)
 
@@ -230,7 +232,7 @@ def report_abandoned(directory: Path, skip: Optional[Path] = None) -> None:
     """One line on stderr per checkpoint folder in `directory` left by an ingest that is not
     running (killed, crashed, interrupted), with how to resume it or remove it (`skip`: the
     target whose own checkpoints the current ingest resumes from)."""
-    from ..engine.api import abandoned_ingests
+    from ..engine.preflight import abandoned_ingests
 
     for found in abandoned_ingests(directory):
         if skip is not None and found.target == skip:

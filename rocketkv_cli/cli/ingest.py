@@ -64,7 +64,7 @@ def ingest_command(
     A document longer than the model's context is ingested in segments, each checkpointed beside
     the output: an interrupted ingest continues where it stopped when the same command is rerun.
     """
-    from ..engine.api import DEFAULT_MODEL, check_output, default_output, pending_checkpoints
+    from ..engine.preflight import check_output, default_output  # no torch: these answer at once
 
     setup(quiet)
     cfg = prefill_config(
@@ -76,7 +76,9 @@ def ingest_command(
     # the output is checked (name, directory, permission to write) before the model loads, not after a long prefill
     target = check_output(output if output is not None else default_output(document), force, document)
     report_abandoned(target.parent, skip=target)
-    rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code)
+    rk = load_engine(model, device, dtype or "auto", trust_remote_code)
+    from ..engine.api import pending_checkpoints
+
     count, folder = pending_checkpoints(target)
     if count:
         log(f"resuming: found {count} checkpointed segments in {folder} (reused if they match)")

@@ -16,9 +16,7 @@ The CLI is a thin layer over this class (it parses, prints and maps errors). Eve
 from __future__ import annotations
 
 import atexit
-import os
 import shutil
-import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -26,15 +24,16 @@ from pathlib import Path
 
 from ..core.cache import AnyCache, CompressedKVCache, SegmentedKVCache
 from ..core.config import DEFAULT_MAX_NEW_TOKENS, PrefillConfig
-from ..errors import CacheFormatError, InputError, OutputError
+from ..errors import InputError
 from ..model.loading import DEFAULT_MODEL, configure_transformers, load_model
-from ..store.checkpoints import AbandonedCheckpoints, Checkpoints, abandoned_checkpoints
+from ..store.checkpoints import Checkpoints
 from ..store.describe import describe as store_describe
-from ..store.format import check_target, load_cache, save_cache, save_segmented
-from ..store.tempfiles import make_scratch_dir, probe_writable, remove_stale_temp_files
+from ..store.format import load_cache, save_cache, save_segmented
+from ..store.paths import make_scratch_dir
 from .answer import Answer, answer, decode_config_for
 from .documents import TextPieces, TextStream
 from .engine import Engine, TokenProgress
+from .preflight import abandoned_ingests, check_cache_file, check_output, default_output, open_document
 from .segments import PartialSummary, SegmentDone, answer_segmented, ingest_stream, summarize
 
 Log = Callable[[str], None]
@@ -47,78 +46,6 @@ class Ingested:
     cache: AnyCache
     path: Path | None
     seconds: float
-
-
-def open_document(path: str, encoding: str = "utf-8", errors: str = "strict") -> TextStream:
-    """A document as a stream (`-` = stdin), with a regular file decoded once up front so a bad
-    document fails before any model loads. Raises InputError (missing, binary, bad encoding, empty)."""
-    stream = TextStream(path, encoding=encoding, errors=errors)
-    stream.validate()
-    return stream
-
-
-def default_output(document: str) -> Path:
-    """Where `ingest DOC` writes without `-o`: DOC's whole name plus `.kv` (`a.txt` → `a.txt.kv`,
-    so `a.txt` and `a.md` never replace each other's cache). Raises OutputError for stdin and for
-    a document that is not a regular file (a pipe such as `<(cat doc)`, a device): it has no
-    name worth keeping, and its directory is not one to write in."""
-    if document == "-":
-        raise OutputError("reading from stdin needs an output file", "pass -o FILE.kv")
-    path = Path(document)
-    if not path.is_file():
-        raise OutputError(f"{document} is not a regular file (a pipe or a device), so it gives no output name",
-                          "pass -o FILE.kv")  # fmt: skip
-    return path.with_name(path.name + ".kv")
-
-
-def check_output(output: str | Path, force: bool, document: str | None = None) -> Path:
-    """Refuse an output rocketkv must not or cannot write, before any work: what
-    `store.format.check_target` refuses, a name ending in `/` (a directory), the document
-    itself, or a directory this process cannot create files in (checked by creating one).
-    Stale temporary files of killed runs in that directory are removed on the way. Returns the
-    output as a Path. Raises OutputError."""
-    text = str(output)
-    target = Path(output)
-    if isinstance(output, str) and text.endswith(("/", os.sep)) and not target.is_dir():
-        raise OutputError(f"-o {text} names a directory (it ends with /), and there is none",
-                          f"create it (mkdir -p {text}) and give a file name in it, e.g. -o {text}DOC.kv")  # fmt: skip
-    parent = check_target(target, force)
-    if document not in (None, "-") and target.exists() and os.path.samefile(document, target):
-        raise OutputError(f"-o {target} is the document itself", "choose another output file")
-    remove_stale_temp_files(parent)
-    try:
-        probe_writable(parent)
-    except OSError as exc:
-        raise OutputError(f"cannot write in {parent}: {exc.strerror}", "choose a writable directory with -o") from None
-    return target
-
-
-def check_cache_file(path: str | Path) -> None:
-    """Refuse, with the reason, a cache path that is not a readable regular file (missing, a
-    directory, a FIFO or device, no permission) before anything reads it. Raises CacheFormatError."""
-    p = Path(path)
-    build = f"build one with: rocketkv ingest DOC -o {path}"
-    try:
-        st = p.stat()
-    except FileNotFoundError:
-        raise CacheFormatError(f"cache file not found: {path}", build) from None
-    except PermissionError:
-        raise CacheFormatError(f"no permission to reach cache {path}", "check its directories' permissions") from None
-    except OSError as exc:
-        raise CacheFormatError(f"cannot read cache {path}: {exc.strerror}") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise CacheFormatError(f"{path} is a directory, not a cache file",
-                               "give a .kv file written by: rocketkv ingest DOC -o FILE.kv")  # fmt: skip
-    if not stat.S_ISREG(st.st_mode):
-        raise CacheFormatError(f"{path} is not a regular file (a FIFO, socket or device); a cache must be a file",
-                               f"copy it to a file first, e.g. cat {path} > copy.kv")  # fmt: skip
-    try:
-        with open(p, "rb"):
-            pass
-    except PermissionError:
-        raise CacheFormatError(f"no permission to read cache {path}", "check the file's permissions") from None
-    except OSError as exc:
-        raise CacheFormatError(f"cannot read cache {path}: {exc.strerror}") from None
 
 
 def configure(quiet: bool, progress_bars: bool) -> None:
@@ -142,12 +69,6 @@ def pending_checkpoints(output: Path) -> tuple[int, Path]:
     """(count, folder) of checkpointed segments an earlier, interrupted ingest into `output` left."""
     checkpoints = Checkpoints(output)
     return checkpoints.count(), checkpoints.dir
-
-
-def abandoned_ingests(directory: str | Path) -> list[AbandonedCheckpoints]:
-    """Checkpoint folders in `directory` of ingests that are not running (killed, crashed,
-    interrupted and never rerun): each names its target, segment count, bytes and age."""
-    return abandoned_checkpoints(Path(directory) if str(directory) else Path("."))
 
 
 class RocketKV:
@@ -299,6 +220,10 @@ def _scratch_checkpoints() -> Checkpoints:
 __all__ = [
     "DEFAULT_MODEL",
     "Answer",
+    "abandoned_ingests",
+    "check_cache_file",
+    "check_output",
+    "default_output",
     "describe",
     "CompressedKVCache",
     "Ingested",

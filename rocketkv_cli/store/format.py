@@ -29,7 +29,7 @@ from .. import __version__
 from ..core.cache import CacheInfo, CompressedKVCache, LayerKV, ModelIdentity, SegmentedKVCache, SegmentInfo
 from ..core.config import Budgets, PrefillConfig
 from ..errors import CacheFormatError, OutputError
-from .tempfiles import make_temp_file, remove_stale_temp_files
+from .paths import check_target, make_temp_file, remove_stale_temp_files
 
 FORMAT_NAME = "rocketkv.kv_cache"
 FORMAT_VERSION = 2  # v1: one segment (`layers.*` tensors); v2: `segments.{j}.layers.*`
@@ -115,24 +115,6 @@ def metadata_digest(meta: dict[str, str]) -> str:
     """sha256 of every metadata entry but `metadata_sha256` itself (sorted JSON)."""
     body = {k: v for k, v in meta.items() if k != "metadata_sha256"}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
-def check_target(target: Path, force: bool) -> Path:
-    """Refuse an output path rocketkv must not write (also called before a long ingest starts).
-
-    Returns the target's directory. Raises OutputError: a directory, an existing file without
-    `force`, a special file (device, FIFO, socket), or a missing directory.
-    """
-    if target.is_dir() and not target.is_symlink():
-        raise OutputError(f"output path {target} is a directory", "give a file name with -o")
-    if (target.exists() or target.is_symlink()) and not force:
-        raise OutputError(f"{target} already exists", "pass --force to replace it")
-    if target.exists() and not target.is_symlink() and not target.is_file():
-        raise OutputError(f"{target} is not a regular file; rocketkv will not replace it", "choose another -o")
-    parent = target.parent if str(target.parent) else Path(".")
-    if not parent.is_dir():
-        raise OutputError(f"output directory {parent} does not exist", f"create it first: mkdir -p {parent}")
-    return parent
 
 
 def _now() -> str:
@@ -226,8 +208,8 @@ def save_segmented(cache: SegmentedKVCache, path: str | Path, force: bool = Fals
 def _atomic_write(target: Path, force: bool, write) -> Path:
     """Write through `write(file)` into a temporary file beside `target`, fsync, then rename.
 
-    The temporary file is named for this process (`tempfiles.make_temp_file`); stale ones left
-    in the directory by killed runs are removed first (`tempfiles.remove_stale_temp_files`)."""
+    The temporary file is named for this process (`paths.make_temp_file`); stale ones left in
+    the directory by killed runs are removed first (`paths.remove_stale_temp_files`)."""
     parent = check_target(target, force)
     remove_stale_temp_files(parent)
     try:

@@ -1,5 +1,7 @@
-"""rocketkv's own temporary files and folders: names that say who made them, and the clean-up of
-those whose maker is gone.
+"""rocketkv's files on disk besides their format: output checks, temporary files and folders whose
+names say who made them, the clean-up of those whose maker is gone, and checkpoint folders.
+Standard library only (no torch), so that the command line can check paths before anything heavy
+is imported.
 
 A write goes to `.rocketkv-<pid>-<host>-<random>.tmp` beside its target and is renamed into place
 (`format._atomic_write`); a process killed with SIGKILL (or a machine that lost power) cannot
@@ -21,7 +23,10 @@ import socket
 import stat
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+from ..errors import OutputError
 
 TEMP_PREFIX = ".rocketkv-"
 TEMP_SUFFIX = ".tmp"
@@ -30,6 +35,24 @@ REUSED_PID_AFTER_S = 7 * 24 * 3600.0  # a live pid this old is another process t
 # .rocketkv-<pid>-<host>-<random>.tmp (this version); .rocketkv-<random>.tmp (0.1.0: age only)
 _TEMP_NAME = re.compile(r"^\.rocketkv-(?:(\d+)-([0-9a-f]{8})-)?[A-Za-z0-9_]+\.tmp$")
 _DIR_NAME = re.compile(r"^rocketkv-(\d+)-([0-9a-f]{8})-[A-Za-z0-9_]+$")
+
+
+def check_target(target: Path, force: bool) -> Path:
+    """Refuse an output path rocketkv must not write (also called before a long ingest starts).
+
+    Returns the target's directory. Raises OutputError: a directory, an existing file without
+    `force`, a special file (device, FIFO, socket), or a missing directory.
+    """
+    if target.is_dir() and not target.is_symlink():
+        raise OutputError(f"output path {target} is a directory", "give a file name with -o")
+    if (target.exists() or target.is_symlink()) and not force:
+        raise OutputError(f"{target} already exists", "pass --force to replace it")
+    if target.exists() and not target.is_symlink() and not target.is_file():
+        raise OutputError(f"{target} is not a regular file; rocketkv will not replace it", "choose another -o")
+    parent = target.parent if str(target.parent) else Path(".")
+    if not parent.is_dir():
+        raise OutputError(f"output directory {parent} does not exist", f"create it first: mkdir -p {parent}")
+    return parent
 
 
 def host_tag() -> str:
@@ -57,7 +80,10 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _stale(pid: str | None, host: str | None, mtime: float, now: float) -> bool:
+def _stale(owner: tuple[str | None, ...], mtime: float, now: float) -> bool:
+    """Whether a temporary file or folder whose name says `owner` = (pid, host tag), both None
+    for a 0.1.0 name, and last modified at `mtime` is left from a run that is gone."""
+    pid, host = owner
     age = now - mtime
     if pid is None or host != host_tag():
         return age > STALE_AFTER_S  # no pid, or another host's: only age can tell
@@ -81,7 +107,7 @@ def stale_temp_files(directory: Path) -> list[Path]:
             st = entry.stat(follow_symlinks=False)
         except OSError:
             continue
-        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and _stale(*match.groups(), st.st_mtime, now):
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and _stale(match.groups(), st.st_mtime, now):
             found.append(Path(entry.path))
     return found
 
@@ -129,6 +155,70 @@ def make_scratch_dir() -> Path:
             st = entry.stat(follow_symlinks=False)
         except OSError:
             continue
-        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and _stale(*match.groups(), st.st_mtime, now):
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and _stale(match.groups(), st.st_mtime, now):
             shutil.rmtree(entry.path, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix="rocketkv-" + owner_prefix(), dir=base))
+
+
+# ---- checkpoint folders (`checkpoints.Checkpoints` writes them) --------------------------------
+
+CHECKPOINT_SUFFIX = ".segments"
+OWNER_FILE = "owner"
+
+
+def checkpoint_folder(target: Path) -> Path:
+    """The hidden folder beside `target` holding the checkpointed segments of an ingest into it."""
+    return target.parent / f".{target.name}{CHECKPOINT_SUFFIX}"
+
+
+def claim_folder(folder: Path) -> None:
+    """Record this process as the one writing into `folder` (see `abandoned_checkpoints`)."""
+    (folder / OWNER_FILE).write_text(f"{os.getpid()} {host_tag()}\n")
+
+
+@dataclass(frozen=True)
+class AbandonedCheckpoints:
+    """A checkpoint folder whose ingest is not running: `n_segments` finished segments (`n_bytes`
+    on disk, last written at `modified`, seconds since the epoch) of an ingest into `target`."""
+
+    folder: Path
+    target: Path
+    n_segments: int
+    n_bytes: int
+    modified: float
+
+
+def abandoned_checkpoints(directory: Path) -> list[AbandonedCheckpoints]:
+    """Checkpoint folders in `directory` that no running ingest owns (their owner's pid is gone
+    from this host, or they name none), in name order. A rerun of the same ingest resumes from
+    them; nothing else uses them."""
+    found = []
+    try:
+        names = sorted(e.name for e in os.scandir(directory) if e.name.startswith("."))
+    except OSError:
+        return []
+    for name in names:
+        folder = directory / name
+        if not name.endswith(CHECKPOINT_SUFFIX) or len(name) <= 1 + len(CHECKPOINT_SUFFIX):
+            continue
+        if folder.is_symlink() or not folder.is_dir() or _owner_running(folder / OWNER_FILE):
+            continue
+        try:
+            files = [p.stat() for p in folder.iterdir() if p.is_file()]
+            segments = len(list(folder.glob("*.kv")))
+            modified = max([st.st_mtime for st in files] + [folder.stat().st_mtime])
+        except OSError:
+            continue
+        target = directory / name[1 : -len(CHECKPOINT_SUFFIX)]
+        found.append(AbandonedCheckpoints(folder, target, segments, sum(st.st_size for st in files), modified))
+    return found
+
+
+def _owner_running(owner: Path) -> bool:
+    """Whether the process named in a folder's owner file is running (on this host; a folder
+    owned on another host counts as running: it cannot be checked from here)."""
+    try:
+        pid, host = owner.read_text().split()
+        return host != host_tag() or pid_alive(int(pid))
+    except (OSError, ValueError):
+        return False

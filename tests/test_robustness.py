@@ -1,12 +1,22 @@
-"""Loader fuzzing, concurrent readers, a writer replacing a file under readers, determinism, no pickle."""
+"""Loader fuzzing, concurrent readers, a writer replacing a file under readers, determinism, no pickle.
+
+Scale (issue 17): the structured loader fuzz runs FUZZ_MUTATIONS mutations in the default run and
+FUZZ_NIGHTLY_MUTATIONS under the `nightly` marker (`ROCKETKV_NIGHTLY=1 pytest -m nightly`);
+8 reader processes × 50 answers run while a writer replaces the file they read.
+"""
 
 import ast
 import dataclasses
 import inspect
 import json
 import os
+import random
+import struct
 import subprocess
+import sys
 import threading
+import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -18,7 +28,7 @@ from hypothesis import strategies as st
 from rocketkv_cli.core.config import PrefillConfig
 from rocketkv_cli.engine.documents import Document
 from rocketkv_cli.errors import CacheFormatError
-from rocketkv_cli.store.format import load_cache, read_metadata, save_cache
+from rocketkv_cli.store.format import load_cache, metadata_digest, read_metadata, save_cache
 
 PACKAGE = Path(inspect.getfile(load_cache)).parent
 
@@ -164,3 +174,229 @@ def test__trust_remote_code_off_by_default():
 
     for fn in (load_model, RocketKV.load, ingest_command, ask_command, summarize_command):
         assert inspect.signature(fn).parameters["trust_remote_code"].default is False, fn
+
+
+# ---- structured loader fuzz: header, lengths, tensor table, metadata, payload ------------------
+
+FUZZ_MUTATIONS = 300
+FUZZ_NIGHTLY_MUTATIONS = 10_000
+DTYPES = ("F32", "F16", "BF16", "I64", "I32", "F64", "U8", "Q4")
+GEOMETRY = ("n_context_tokens", "n_kv_heads", "head_dim", "n_layers", "dtype", "format_version")
+
+
+def _split(data: bytes) -> tuple[int, dict, bytes]:
+    (n,) = struct.unpack("<Q", data[:8])
+    return n, json.loads(data[8 : 8 + n]), data[8 + n :]
+
+
+def _join(header: dict, payload: bytes) -> bytes:
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + payload
+
+
+def _edit_header(header: dict, rng: random.Random) -> str:
+    """One structural edit of a parsed header, in place; returns what it did."""
+    meta = header["__metadata__"]
+    names = sorted(k for k in header if k != "__metadata__")
+    name = rng.choice(names)
+    entry = header[name]
+    edit = rng.choice(("shape_dim", "shape_swap", "shape_rank", "dtype", "offset", "offsets_swap", "rename",
+                       "drop", "duplicate", "metadata", "metadata_redigested"))  # fmt: skip
+    if edit == "shape_dim" and entry["shape"]:
+        i = rng.randrange(len(entry["shape"]))
+        entry["shape"][i] = max(0, entry["shape"][i] + rng.choice((-1, 1, entry["shape"][i], -entry["shape"][i])))
+    elif edit == "shape_swap" and len(entry["shape"]) > 1:
+        i, j = rng.sample(range(len(entry["shape"])), 2)
+        entry["shape"][i], entry["shape"][j] = entry["shape"][j], entry["shape"][i]
+    elif edit == "shape_rank":
+        entry["shape"] = entry["shape"][:-1] if entry["shape"] and rng.random() < 0.5 else entry["shape"] + [1]
+    elif edit == "dtype":
+        entry["dtype"] = rng.choice([d for d in DTYPES if d != entry["dtype"]])
+    elif edit == "offset":
+        which = rng.randrange(2)
+        entry["data_offsets"][which] = max(0, entry["data_offsets"][which] + rng.choice((-8, -4, -2, -1, 1, 2, 4, 8)))
+    elif edit == "offsets_swap" and len(names) > 1:
+        other = header[rng.choice([x for x in names if x != name])]
+        entry["data_offsets"], other["data_offsets"] = other["data_offsets"], entry["data_offsets"]
+    elif edit == "rename":
+        header[name + rng.choice(("x", ".0", "_"))] = header.pop(name)
+    elif edit == "drop":
+        del header[name]
+    elif edit == "duplicate":
+        header["layers.999.keys"] = dict(entry)
+    elif edit == "metadata":  # damage without a new digest: a flipped character, a cut value
+        key = rng.choice(sorted(meta))
+        meta[key] = meta[key][:-1] if meta[key] and rng.random() < 0.5 else meta[key] + rng.choice("0a }")
+    else:  # a deliberate, re-digested edit of a value the loader must check against the tensors
+        key = rng.choice(GEOMETRY)
+        value = meta[key]
+        meta[key] = ("float16" if value != "float16" else "float32") if key == "dtype" else str(int(value) + 1)
+        meta["metadata_sha256"] = metadata_digest(meta)
+    return f"header_{edit}"
+
+
+def mutate(data: bytes, rng: random.Random) -> tuple[str, bytes]:
+    """One random mutation of a valid `.kv` file's bytes: (kind, mutated bytes)."""
+    n, header, payload = _split(data)
+    kind = rng.choice(("length_field", "header_byte", "header_digit", "header_edit", "payload_byte",
+                       "payload_block", "truncate", "append", "insert"))  # fmt: skip
+    buf = bytearray(data)
+    if kind == "length_field":
+        value = rng.choice((n - 8, n - 1, n + 1, n + 8, 0, 1, 7, len(data), len(data) - 8, 1 << 63,
+                            rng.getrandbits(64), (100 << 20) + 1))  # fmt: skip
+        buf[:8] = struct.pack("<Q", value % (1 << 64))
+    elif kind == "header_byte":
+        buf[rng.randrange(8, 8 + n)] ^= rng.randrange(1, 256)
+    elif kind == "header_digit":  # a number of the header (shape, offset, metadata) becomes another
+        digits = [i for i in range(8, 8 + n) if 48 <= buf[i] <= 57]
+        at = rng.choice(digits)
+        buf[at] = rng.choice([d for d in range(48, 58) if d != buf[at]])
+    elif kind == "header_edit":
+        kind = _edit_header(header, rng)
+        buf = bytearray(_join(header, payload))
+    elif kind == "payload_byte":
+        buf[rng.randrange(8 + n, len(buf))] ^= 1 << rng.randrange(8)
+    elif kind == "payload_block":  # `dd … conv=notrunc` over part of the file
+        start = rng.randrange(8 + n, len(buf))
+        size = min(rng.choice((1, 8, 64, 512, 4096)), len(buf) - start)
+        buf[start : start + size] = bytes(size) if rng.random() < 0.5 else rng.randbytes(size)
+    elif kind == "truncate":
+        buf = buf[: rng.choice((rng.randrange(0, 8 + n), rng.randrange(8 + n, len(buf)), len(buf) - rng.randint(1, 16)))]
+    elif kind == "append":
+        buf += rng.randbytes(rng.randint(1, 64))
+    else:
+        at = rng.randrange(0, len(buf))
+        buf[at:at] = rng.randbytes(rng.randint(1, 16))
+    return kind, bytes(buf)
+
+
+def identical(a, b) -> bool:
+    """Same cache: equal metadata (creation time included) and bit-identical tensors and token ids."""
+    parts_a = a.segments if hasattr(a, "segments") else (a,)
+    parts_b = b.segments if hasattr(b, "segments") else (b,)
+    if a.info != b.info or len(parts_a) != len(parts_b):
+        return False
+    for x, y in zip(parts_a, parts_b):
+        ids_same = (x.token_ids is None) == (y.token_ids is None) and (
+            x.token_ids is None or torch.equal(x.token_ids, y.token_ids)
+        )
+        if x.info != y.info or not ids_same or not all(same_layer(lx, ly) for lx, ly in zip(x.layers, y.layers)):
+            return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def fuzz_files(tmp_path_factory):
+    """A v1 cache (one segment, with token ids) and a v2 cache (3 segments), as bytes."""
+    from rocketkv_cli.engine.documents import TextPieces
+    from rocketkv_cli.engine.segments import ingest_stream
+    from rocketkv_cli.store.checkpoints import Checkpoints
+    from rocketkv_cli.store.format import save_segmented
+
+    folder = tmp_path_factory.mktemp("fuzz-files")
+    engine = make_engine("llama", torch.float32)
+    cfg = PrefillConfig(token_budget=16, max_new_tokens=4, window_size=4, chunk_tokens=64)
+    one = small_cache()
+    one.token_ids = torch.arange(one.n_context_tokens, dtype=torch.int32) % 200
+    v1 = save_cache(one, folder / "v1.kv")
+    text = "".join(text_of_bytes(60, i) + "\n" for i in range(6))
+    book = ingest_stream(engine, TextPieces(text, "book.txt"), cfg, 200, Checkpoints(folder / "book.kv"))
+    assert len(book.segments) >= 3, len(book.segments)
+    v2 = save_segmented(book, folder / "v2.kv")
+    return [(p.name, p.read_bytes(), load_cache(p)) for p in (v1, v2)]
+
+
+def run_fuzz(files, n_mutations: int, folder: Path, seed: int) -> Counter:
+    rng = random.Random(seed)
+    path = folder / "mutated.kv"
+    outcomes: Counter = Counter()
+    for i in range(n_mutations):
+        name, data, reference = files[i % len(files)]
+        kind, mutated = mutate(data, rng)
+        path.write_bytes(mutated)
+        try:
+            loaded = load_cache(path)
+        except CacheFormatError:
+            outcomes[kind, "refused"] += 1
+            continue
+        except Exception as exc:  # anything else is a bug: a traceback, or worse
+            pytest.fail(f"mutation {i} ({kind} of {name}, seed {seed}) raised {exc!r}")
+        assert identical(loaded, reference), f"mutation {i} ({kind} of {name}, seed {seed}) loaded another cache"
+        outcomes[kind, "identical"] += 1
+        del loaded
+    return outcomes
+
+
+def _check_coverage(outcomes: Counter, n_mutations: int) -> None:
+    kinds = {kind for kind, _ in outcomes}
+    assert sum(outcomes.values()) == n_mutations
+    for family in ("length_field", "header_byte", "header_digit", "payload_byte", "payload_block", "truncate",
+                   "append", "insert"):  # fmt: skip
+        assert family in kinds, f"no {family} mutation ran: {sorted(kinds)}"
+    assert sum(1 for k in kinds if k.startswith("header_") and k not in ("header_byte", "header_digit")) >= 5, kinds
+
+
+def test__loader_fuzz__every_mutation_refused_or_loads_identically(fuzz_files, tmp_path):
+    outcomes = run_fuzz(fuzz_files, FUZZ_MUTATIONS, tmp_path, seed=17)
+    _check_coverage(outcomes, FUZZ_MUTATIONS)
+    assert sum(v for (kind, what), v in outcomes.items() if what == "refused") > FUZZ_MUTATIONS // 2
+
+
+@pytest.mark.nightly
+def test__loader_fuzz_nightly__ten_thousand_mutations(fuzz_files, tmp_path):
+    seed = int(os.environ.get("ROCKETKV_FUZZ_SEED", "2025"))
+    outcomes = run_fuzz(fuzz_files, FUZZ_NIGHTLY_MUTATIONS, tmp_path, seed=seed)
+    _check_coverage(outcomes, FUZZ_NIGHTLY_MUTATIONS)
+    print({f"{k}:{w}": v for (k, w), v in sorted(outcomes.items())})
+
+
+# ---- 8 long-lived reader processes × 50 answers while a writer replaces the file ---------------
+
+READER = """
+import json, sys
+from rocketkv_cli import RocketKV
+model, path, runs, question = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+rk = RocketKV.load(model)
+print(json.dumps({"ready": True}), flush=True)
+for _ in range(runs):
+    cache = rk.open(path)  # re-opened each time: the writer may have replaced the file meanwhile
+    answer = next(iter(rk.ask(cache, [question], max_new_tokens=8)))
+    print(json.dumps({"document_sha256": cache.info.document_sha256, "token_ids": list(answer.token_ids),
+                      "text": answer.text}), flush=True)
+"""
+N_READERS, N_RUNS = 8, 50
+
+
+def test__eight_readers_fifty_runs_while_a_writer_replaces_the_file__identical_answers(tiny_model_dir, tmp_path):
+    from rocketkv_cli import RocketKV
+
+    rk = RocketKV.load(str(tiny_model_dir))
+    docs = [text_of_bytes(500, seed) + f" The code is {4242 + seed}." for seed in (0, 1)]
+    built = [rk.ingest(text=d, output=tmp_path / f"ref{i}.kv", token_budget=64, max_new_tokens=8).cache
+             for i, d in enumerate(docs)]  # fmt: skip
+    question = "What is the code?"
+    expected = {c.info.document_sha256: list(next(iter(rk.ask(c, [question], max_new_tokens=8))).token_ids)
+                for c in built}  # fmt: skip
+    assert len(expected) == 2 and len({tuple(v) for v in expected.values()}) == 2, "the two files must differ"
+    shared = save_cache(built[0], tmp_path / "shared.kv")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    readers = [subprocess.Popen([sys.executable, "-c", READER, str(tiny_model_dir), str(shared), str(N_RUNS), question],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+               for _ in range(N_READERS)]  # fmt: skip
+    replaced = 0
+    while any(r.poll() is None for r in readers):  # the writer: atomic replacements, alternating files
+        save_cache(built[replaced % 2], shared, force=True)
+        replaced += 1
+        time.sleep(0.02)
+    seen: Counter = Counter()
+    for r in readers:
+        out, errs = r.communicate()
+        assert r.returncode == 0, errs[-3000:]
+        rows = [json.loads(line) for line in out.splitlines()][1:]
+        assert len(rows) == N_RUNS, (len(rows), errs[-2000:])
+        for row in rows:
+            assert row["token_ids"] == expected[row["document_sha256"]], row
+            seen[row["document_sha256"]] += 1
+    assert sum(seen.values()) == N_READERS * N_RUNS and replaced > 10, (seen, replaced)
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".rocketkv-*"))

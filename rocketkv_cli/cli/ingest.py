@@ -8,12 +8,14 @@ from typing import Annotated, Optional
 import typer
 
 from .common import (
+    DEFAULT_KV_DTYPE,
     BudgetOpt,
     DeviceOpt,
     DtypeOpt,
     EncodingOpt,
     ErrorsOpt,
     JsonOpt,
+    KvDtypeOpt,
     ModelOpt,
     PageSizeOpt,
     QuietOpt,
@@ -48,6 +50,7 @@ def ingest_command(
     page_size: PageSizeOpt = None,
     n_score_dims: ScoreDimsOpt = None,
     chunk_tokens: Annotated[int, typer.Option(help="Prefill chunk length in tokens.")] = 1024,
+    kv_dtype: KvDtypeOpt = DEFAULT_KV_DTYPE,
     segment_tokens: SegmentTokensOpt = None,
     force: Annotated[bool, typer.Option("--force", "-f", help="Replace an existing output file.")] = False,
     encoding: EncodingOpt = "utf-8",
@@ -82,7 +85,7 @@ def ingest_command(
     count, folder = pending_checkpoints(target)
     if count:
         log(f"resuming: found {count} checkpointed segments in {folder} (reused if they match)")
-    done = ingest(rk, stream, cfg, target, force, segment_tokens)
+    done = ingest(rk, stream, cfg, target, force, segment_tokens, kv_dtype)
     size = target.stat().st_size
     log(f"wrote {target} ({size / 1e6:.1f} MB)")
     if json_out:

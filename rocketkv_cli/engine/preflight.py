@@ -12,13 +12,8 @@ import stat
 from pathlib import Path
 
 from ..errors import CacheFormatError, OutputError
-from ..store.paths import (
-    AbandonedCheckpoints,
-    abandoned_checkpoints,
-    check_target,
-    probe_writable,
-    remove_stale_temp_files,
-)
+from ..store.atomic import check_target, probe_writable, remove_stale_temp_files
+from ..store.folders import AbandonedCheckpoints, abandoned_checkpoints
 from .documents import TextStream
 
 

@@ -1,8 +1,8 @@
 """Checkpoints of a segmented ingest: each finished segment as a v1 `.kv` file in a hidden folder
 beside the target, so that an interrupted ingest resumes where it stopped.
 
-The folder also names the process writing into it (`paths.claim_folder`: pid and host), so that a
-folder whose ingest is gone for good can be told from one in use (`paths.abandoned_checkpoints`).
+The folder also names the process writing into it (`folders.claim_folder`: pid and host), so that a
+folder whose ingest is gone for good can be told from one in use (`folders.abandoned_checkpoints`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 from ..core.cache import CacheInfo, CompressedKVCache
 from ..errors import CacheFormatError, OutputError
-from .format import load_cache, save_cache
-from .paths import AbandonedCheckpoints, abandoned_checkpoints, checkpoint_folder, claim_folder
+from .folders import AbandonedCheckpoints, abandoned_checkpoints, checkpoint_folder, claim_folder
+from .format import load_cache, save_cache, verify_file
 
 __all__ = ["AbandonedCheckpoints", "Checkpoints", "abandoned_checkpoints", "same_build"]
 
@@ -39,7 +39,7 @@ class Checkpoints:
         if not path.is_file():
             return None
         try:
-            part = load_cache(path)
+            part = verify_file(path)  # every byte checked now: a damaged checkpoint is redone, not used
         except CacheFormatError:  # e.g. the machine died mid-write of an older rocketkv: redo it
             return None
         if not isinstance(part, CompressedKVCache) or part.token_ids is None:
@@ -59,7 +59,7 @@ class Checkpoints:
             claim_folder(self.dir)
             self._claimed = True
         save_cache(part, self._path(index), force=True)
-        loaded = load_cache(self._path(index))
+        loaded = load_cache(self._path(index), lazy=True)
         if not isinstance(loaded, CompressedKVCache):
             raise CacheFormatError(f"checkpoint {self._path(index)} did not read back as one segment")
         return loaded
@@ -75,4 +75,3 @@ def same_build(a: CacheInfo, b: CacheInfo) -> bool:
     """Whether two segment caches were built from the same tokens, model and settings."""
     return (a.identity == b.identity and a.dtype == b.dtype and a.config == b.config and a.segment == b.segment
             and a.document_sha256 == b.document_sha256)  # fmt: skip
-

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from conftest import text_of_bytes  # noqa: E402
-from reliability_cases import CASES, make_workspace, run_case  # noqa: E402
+from reliability_cases import CASES, make_workspace, problems, run_case  # noqa: E402
 from test_reliability import save_tiny_llama  # noqa: E402
 
 
@@ -29,14 +29,10 @@ def main() -> int:
         ws = make_workspace(Path(tmp) / "ws", save_tiny_llama, text_of_bytes(600) + "\nThe code is 4242.\n")
         for case in CASES:
             out = run_case(ws, case)
-            ok = out.code == case.code and (not case.message or case.message in out.error_line)
-            ok = ok and case.log_has in out.stderr and not (case.before_model and "rocketkv: loaded" in out.stderr)
-            if case.check is not None:
-                try:
-                    case.check(ws)
-                except AssertionError as exc:
-                    ok = False
-                    out.error_line += f" [check failed: {exc}]"
+            found = problems(ws, case, out)
+            ok = not found
+            if found:
+                out.error_line += f" [{'; '.join(found)}]"
             failures += not ok
             shown = out.error_line or (out.stderr.strip().splitlines() or [""])[-1]
             shown = shown.replace(str(ws.root) + "/", "").replace("|", "\\|")

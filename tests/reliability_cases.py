@@ -90,6 +90,9 @@ class Case:
     log_has: str = ""  # substring stderr must contain (a hint or report line)
     close_stdout: bool = False  # run with descriptor 1 closed (`>&-`)
     shell: Callable[[Workspace], str] | None = None  # a bash command line instead of `args` (`<(…)`)
+    during: Callable[[Workspace], None] | None = None  # done to the files once the model is loaded
+    or_error: str = ""  # with code 0: exit 1 with this message is right too (a change caught in time)
+    same_answer_as: Callable[[Workspace], list] | None = None  # args of a command whose answer must be equal
 
 
 @dataclass
@@ -133,7 +136,7 @@ def run_case(ws: Workspace, case: Case) -> Outcome:
         if case.close_stdout:
             os.close(1)
 
-    if case.send_signal is None:
+    if case.send_signal is None and case.during is None:
         r = subprocess.run(argv, stdout=None if case.close_stdout else subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True, env=ws.env, input=case.stdin, preexec_fn=limits, timeout=300)  # fmt: skip
         out, errs, code = r.stdout or "", r.stderr, r.returncode
@@ -155,8 +158,11 @@ def run_case(ws: Workspace, case: Case) -> Outcome:
             lines.append(line)
             if not line or "loaded" in line:
                 break
-        time.sleep(0.5)
-        proc.send_signal(case.send_signal)
+        if case.during is not None:
+            case.during(ws)
+        else:
+            time.sleep(0.5)
+            proc.send_signal(case.send_signal)
         out, rest = proc.communicate(timeout=120)
         errs, code = "".join(lines) + rest, proc.returncode
     errors = [line for line in errs.splitlines() if line.startswith("Error:")]
@@ -178,6 +184,41 @@ def run_case(ws: Workspace, case: Case) -> Outcome:
     if case.close_stdout:
         shown += " >&-"
     return Outcome(command=shown, code=code, error_line=errors[0] if errors else "", stdout=out, stderr=errs)
+
+
+def problems(ws: Workspace, case: Case, out: Outcome) -> list[str]:
+    """What is wrong with a case's outcome (empty: as expected). The test asserts this is empty;
+    the report prints it. `case.check` runs last (it may change the workspace)."""
+    code, message = case.code, case.message
+    if case.or_error and out.code == 1:  # a change caught in time: the other right outcome
+        code, message = 1, case.or_error
+    found = []
+    if out.code != code:
+        found.append(f"exit {out.code}, expected {code}")
+    if "Traceback" in out.stderr:
+        found.append("a traceback")
+    if code in (1, 130, 143):
+        errors = [line for line in out.stderr.splitlines() if line.startswith("Error:")]
+        if len(errors) != 1:
+            found.append(f"{len(errors)} Error: lines")
+        if message not in out.error_line:
+            found.append(f"message lacks {message!r}")
+    if code == 1 and out.stdout:
+        found.append("a failure printed results")
+    if case.before_model and "rocketkv: loaded" in out.stderr:
+        found.append("refused only after the model loaded")
+    if case.log_has and case.log_has not in out.stderr:
+        found.append(f"stderr lacks {case.log_has!r}")
+    if out.code == 0 and case.same_answer_as is not None:
+        reference = run_case(ws, Case("reference", "", case.same_answer_as, 0, ""))
+        if out.stdout != reference.stdout:
+            found.append(f"answered {out.stdout!r}, the intact file answers {reference.stdout!r}")
+    if case.check is not None:
+        try:
+            case.check(ws)
+        except AssertionError as exc:
+            found.append(f"check failed: {exc}")
+    return found
 
 
 # ---- helpers that build damaged caches -------------------------------------------------------
@@ -474,6 +515,44 @@ def cache_directory(ws: Workspace) -> Path:
     return path
 
 
+def overwrite_in_place(name: str) -> Callable[[Workspace], None]:
+    """`dd if=/dev/zero of=FILE seek=… conv=notrunc`: a quarter of the file zeroed in place, from
+    its middle (as `cp` or `rsync --inplace` onto an existing cache would change it)."""
+
+    def act(ws: Workspace) -> None:
+        path = ws.root / name
+        size = path.stat().st_size
+        with open(path, "r+b") as f:
+            f.seek(size // 2)
+            f.write(bytes(size // 4))
+            f.flush()
+            os.fsync(f.fileno())
+
+    return act
+
+
+def truncate_in_place(name: str) -> Callable[[Workspace], None]:
+    def act(ws: Workspace) -> None:
+        os.truncate(ws.root / name, 9184)  # the size the issue's reproduction used
+
+    return act
+
+
+def _fresh(ws: Workspace, name: str) -> Path:
+    return ws.copy_kv(name)
+
+
+def _segmented_copy(ws: Workspace, name: str) -> Path:
+    """A copy of a cache of doc.txt ingested in segments (read lazily, segment by segment)."""
+    source = ws.root / "segmented-source.kv"
+    if not source.exists():
+        subprocess.run([ROCKETKV, "ingest", ws.doc, "-o", source, "--segment-tokens", "200", "--model", ws.model, "-q"],
+                       env=ws.env, check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+    path = ws.root / name
+    shutil.copyfile(source, path)
+    return path
+
+
 M = lambda ws: ["--model", ws.model]  # noqa: E731
 Q = lambda text: shlex.quote(str(text))  # noqa: E731
 
@@ -551,6 +630,11 @@ CASES: list[Case] = [
     Case("question longer than the context", "questions", lambda ws: ["ask", "--cache", ws.kv, "why " * 1000], 1, "only"),
     Case("ask DOC on Latin-1 text", "input", lambda ws: ["ask", ws.file("latin1q.txt", "Café crème. ".encode("latin-1") * 9), QUESTION, *M(ws)], 1, "--errors replace", before_model=True),
     Case("ask DOC --errors replace (the hint above)", "input", lambda ws: ["ask", ws.file("latin1r.txt", "Café crème. ".encode("latin-1") * 9), QUESTION, "--errors", "replace", "--max-new-tokens", "3", *M(ws)], 0, "", notes="the option the hint names exists"),
+    # a cache changed while `ask` runs (issue 17 item 1): the answer comes from the bytes verified
+    Case("cache overwritten in place while ask runs", "cache", lambda ws: ["ask", "--cache", _fresh(ws, "inplace.kv"), QUESTION, "--max-new-tokens", "6"], 0, "", during=overwrite_in_place("inplace.kv"), or_error="digest mismatch", same_answer_as=lambda ws: ["ask", "--cache", ws.kv, QUESTION, "--max-new-tokens", "6"], notes="the answer of the intact file, or a one-line error"),
+    Case("cache truncated while ask runs", "cache", lambda ws: ["ask", "--cache", _fresh(ws, "shrunk.kv"), QUESTION, "--max-new-tokens", "6"], 0, "", during=truncate_in_place("shrunk.kv"), or_error="truncated", same_answer_as=lambda ws: ["ask", "--cache", ws.kv, QUESTION, "--max-new-tokens", "6"], notes="never SIGBUS"),
+    Case("segmented cache overwritten in place while ask runs", "cache", lambda ws: ["ask", "--cache", _segmented_copy(ws, "seg-inplace.kv"), QUESTION, "--max-new-tokens", "6"], 0, "", during=overwrite_in_place("seg-inplace.kv"), or_error="digest mismatch", same_answer_as=lambda ws: ["ask", "--cache", ws.root / "segmented-source.kv", QUESTION, "--max-new-tokens", "6"], notes="segments are read when used: the change is caught then"),
+    Case("segmented cache truncated while ask runs", "cache", lambda ws: ["ask", "--cache", _segmented_copy(ws, "seg-shrunk.kv"), QUESTION, "--max-new-tokens", "6"], 0, "", during=truncate_in_place("seg-shrunk.kv"), or_error="truncated", same_answer_as=lambda ws: ["ask", "--cache", ws.root / "segmented-source.kv", QUESTION, "--max-new-tokens", "6"], notes="never SIGBUS"),
     # interruption
     Case("SIGINT during start-up", "interrupt", lambda ws: ["ingest", ws.doc, "-o", ws.root / "early.kv", *M(ws)], 130, "interrupted", send_signal=signal.SIGINT, signal_after_s=0.05, check=_no_file("early.kv"), notes="while the command line is imported"),
     Case("SIGTERM during start-up", "interrupt", lambda ws: ["ingest", ws.doc, "-o", ws.root / "early.kv", *M(ws)], 143, "terminated", send_signal=signal.SIGTERM, signal_after_s=0.05, check=_no_file("early.kv"), notes="while the command line is imported"),

@@ -120,25 +120,6 @@ def _env(tmp_path):
     return {**os.environ, "ROCKETKV_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
 
 
-def test__four_concurrent_ask_processes__same_answers_as_one(rocketkv_bin, tiny_model_dir, tmp_path):
-    env = _env(tmp_path)
-    doc = tmp_path / "doc.txt"
-    doc.write_text(text_of_bytes(500) + " The code is 4242.")
-    kv = tmp_path / "doc.kv"
-    subprocess.run([rocketkv_bin, "ingest", doc, "-o", kv, "--model", tiny_model_dir, "--budget", "64", "-q"],
-                   check=True, env=env, capture_output=True)  # fmt: skip
-    cmd = [rocketkv_bin, "ask", "--cache", str(kv), "What is the code?", "Which word?", "--json", "-q",
-           "--max-new-tokens", "8"]  # fmt: skip
-    single = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
-    procs = [
-        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(4)
-    ]
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
-    answers = lambda text: [json.loads(x)["answer"] for x in text.splitlines()]  # noqa: E731
-    assert all(answers(o[0]) == answers(single) for o in outs)
-
-
 def test__same_document_and_settings__identical_cache_but_creation_time(rocketkv_bin, tiny_model_dir, tmp_path):
     env = _env(tmp_path)
     doc = tmp_path / "doc.txt"
@@ -418,3 +399,48 @@ def test__eight_readers_fifty_runs_while_a_writer_replaces_the_file__identical_a
             seen[row["document_sha256"]] += 1
     assert sum(seen.values()) == N_READERS * N_RUNS and replaced > 10, (seen, replaced)
     assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".rocketkv-*"))
+
+
+# ---- start-up: light imports, and interrupts that resurface as other errors ------------------
+
+
+def test__preflight_and_command_line_import_no_torch():
+    """What runs before the model loads imports no torch (errors come in a fraction of a second)."""
+    modules = ("rocketkv_cli.entry", "rocketkv_cli.cli", "rocketkv_cli.engine.preflight", "rocketkv_cli.store.atomic",
+               "rocketkv_cli.store.folders", "rocketkv_cli.core.config", "rocketkv_cli.engine.documents")  # fmt: skip
+    heavy = "('torch', 'transformers')"
+    code = f"import sys; import {', '.join(modules)}; print(sorted(m for m in {heavy} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
+CONVERTED_INTERRUPT = """
+import os, signal, sys, time
+import typer
+from rocketkv_cli.entry import main
+from rocketkv_cli.cli.common import command
+signum = getattr(signal, sys.argv.pop(1))
+
+def body():
+    try:
+        os.kill(os.getpid(), signum)  # rocketkv's handler raises here, as it would inside an import
+        time.sleep(5)
+    except BaseException:  # a library that catches everything and reports an import error instead
+        raise ModuleNotFoundError("Could not import module 'AttentionInterface'")
+
+app = typer.Typer()
+app.command()(command(body))
+import rocketkv_cli.cli
+rocketkv_cli.cli.app = app  # the entry point runs this app instead of rocketkv's commands
+main()
+"""
+
+
+@pytest.mark.parametrize("name, code, message", [("SIGINT", 130, "interrupted"), ("SIGTERM", 143, "terminated")])
+def test__interrupt_that_a_library_turns_into_an_import_error__still_exits_as_the_interrupt(name, code, message):
+    from reliability_cases import default_sigint
+
+    r = subprocess.run([sys.executable, "-c", CONVERTED_INTERRUPT, name], capture_output=True, text=True,
+                       preexec_fn=default_sigint, timeout=120)  # fmt: skip
+    assert r.returncode == code, r.stderr
+    assert r.stderr.strip().splitlines() == [f"Error: {message}"], r.stderr

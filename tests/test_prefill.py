@@ -116,3 +116,23 @@ def test__snapkv_select__window_scores_do_not_spill_into_prefix():
         inside = [float(prefix_pooled[0, h, i]) for i in got if i < s - window]
         outside = [float(prefix_pooled[0, h, i]) for i in range(s - window) if i not in got]
         assert min(inside) >= max(outside)  # a top-k of the prefix-pooled scores (ties at the cut excused)
+
+
+@pytest.mark.parametrize("first", [0, 5, 40])
+def test__select_kept_tokens__first_tokens_always_kept(first):
+    torch.manual_seed(3)
+    pooled = torch.rand(1, 3, 200)
+    pooled[..., :first] = -1.0  # scored lowest: kept anyway
+    kept = select_kept_tokens(pooled, 60, 8, first)
+    assert kept.shape == (1, 3, 60)
+    for h in range(3):
+        ids = kept[0, h].tolist()
+        assert ids == sorted(set(ids)) and ids[:first] == list(range(first)) and ids[-8:] == list(range(192, 200))
+        rest = [i for i in ids if first <= i < 192]
+        best = torch.topk(pooled[0, h, first:192], 60 - 8 - first).indices + first
+        assert set(rest) == set(best.tolist())
+
+
+def test__select_kept_tokens__first_tokens_shrink_to_the_budget():
+    kept = select_kept_tokens(torch.rand(1, 1, 100), 20, 8, n_first=64)  # room for 12 first tokens only
+    assert kept[0, 0].tolist() == list(range(12)) + list(range(92, 100))

@@ -24,8 +24,10 @@ from .common import (
     SegmentOpt,
     SegmentsOpt,
     SegmentTokensOpt,
+    Timings,
     TopkOpt,
     TrustOpt,
+    WeightsOpt,
     ingest,
     load_engine,
     log,
@@ -66,20 +68,34 @@ def read_questions(positional: list[str], questions_file: Optional[str], doc_is_
     return questions
 
 
-def open_cache(cache: Path, model: Optional[str], device: str, dtype: Optional[str], trust_remote_code: bool):
+def open_cache(cache: Path, model: Optional[str], device: str, dtype: Optional[str], trust_remote_code: bool,
+               weights: Optional[str] = None, timings: Timings | None = None):  # fmt: skip
     """Validate the file, load the model it was built with (or `model`), check they match."""
     from ..engine.api import read_cache
 
-    stored = read_cache(cache)
+    timings = timings or Timings()
+    with timings.span("cache read + verify"):
+        stored = read_cache(cache)
     ident = stored.info.identity
-    rk = load_engine(model or ident.model_id, device, dtype or stored.info.dtype, trust_remote_code)
-    rk.check(stored, str(cache))
+    with timings.span("model load"):
+        rk = load_engine(model or ident.model_id, device, dtype or stored.info.dtype, trust_remote_code,
+                         weights or stored.info.weights)  # fmt: skip
+    with timings.span("model identity check"):
+        rk.check(stored, str(cache))
     return rk, stored
 
 
-def print_answers(answers, n_questions: int, source: str, json_out: bool) -> None:
+def print_answers(answers, n_questions: int, source: str, json_out: bool, timings: Timings | None = None) -> None:
     """Each answer on stdout as it is made (`--json`: one object per line), a timing line on stderr."""
     for i, ans in enumerate(answers):
+        if timings is not None:
+            per = (
+                f" ({1e3 * ans.decode_s / max(1, ans.n_answer_tokens - 1):.0f} ms/token)"
+                if ans.n_answer_tokens > 1
+                else ""
+            )
+            timings.add(f"question {i + 1} prefill", ans.prefill_s)
+            timings.add(f"decode {ans.n_answer_tokens} tokens{per}", ans.decode_s)
         if json_out:
             typer.echo(json.dumps(ans.to_dict(cache=source), ensure_ascii=False))
         else:
@@ -101,6 +117,7 @@ def ask_command(
         int, typer.Option("--budget", "-b", help="Token budget when DOC is ingested in memory (a cache keeps its own).")
     ] = 512,
     dense: DenseOpt = False,
+    hsa: Annotated[bool, typer.Option("--hsa", help="Stage-2 HSA even where exact attention is faster here.")] = False,
     topk: TopkOpt = None,
     page_size: PageSizeOpt = None,
     n_score_dims: ScoreDimsOpt = None,
@@ -112,18 +129,21 @@ def ask_command(
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = None,
+    weights: WeightsOpt = None,
     trust_remote_code: TrustOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show a timing breakdown on stderr.")] = False,
 ) -> None:
     """Answer questions from a saved cache (or from DOC, ingested in memory first)."""
     from ..engine.api import DEFAULT_MODEL
 
+    timings = Timings()
     setup(quiet)
     args = list(args or [])
     if cache is not None:
         questions = read_questions(args, questions_file, False)
-        rk, stored = open_cache(cache, model, device, dtype, trust_remote_code)
+        rk, stored = open_cache(cache, model, device, dtype, trust_remote_code, weights, timings)
         source = str(cache)
     else:
         if not args:
@@ -134,9 +154,12 @@ def ask_command(
         questions = read_questions(rest, questions_file, doc == "-")
         cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens or 128, pool_kernel_size="63")
         stream = open_stream(doc, encoding, errors)
-        rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code)
+        rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code, weights)
         stored = ingest(rk, stream, cfg, segment_tokens=segment_tokens).cache
         source = doc
-    answers = rk.ask(stored, questions, max_new_tokens=max_new_tokens, dense=dense, topk=topk, page_size=page_size,
-                     n_score_dims=n_score_dims, segments=segments, segment=segment, log=log)  # fmt: skip
-    print_answers(answers, len(questions), source, json_out)
+    answers = rk.ask(stored, questions, max_new_tokens=max_new_tokens, dense=dense, hsa=hsa, topk=topk,
+                     page_size=page_size, n_score_dims=n_score_dims, segments=segments, segment=segment,
+                     log=log)  # fmt: skip
+    print_answers(answers, len(questions), source, json_out, timings)
+    if verbose:
+        log(timings.summary())

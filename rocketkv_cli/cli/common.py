@@ -135,13 +135,47 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON object per line 
 TrustOpt = Annotated[bool, typer.Option(help="Allow model code from the model directory (off by default).")]
 
 
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux `/proc`), or None where that is unknown."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Timings:
+    """Named wall-clock spans of one command, for `--verbose` (seconds)."""
+
+    def __init__(self) -> None:
+        age = process_age_s()
+        self.spans: list[tuple[str, float]] = [("start-up (interpreter, imports)", age)] if age is not None else []
+
+    @contextlib.contextmanager
+    def span(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.spans.append((name, time.perf_counter() - t0))
+
+    def add(self, name: str, seconds: float) -> None:
+        self.spans.append((name, seconds))
+
+    def summary(self) -> str:
+        total = process_age_s()
+        parts = ", ".join(f"{name} {s:.2f}s" for name, s in self.spans)
+        return f"timing: {parts}" + (f"; wall {total:.2f}s" if total is not None else "")
+
+
 def setup(quiet: bool) -> None:
     """Per-command start: quiet or not. Nothing heavy is imported here, so that the checks that
     follow (options, documents, paths) answer in a fraction of a second."""
     _state["quiet"] = quiet
 
 
-def load_engine(model: Optional[str], device: str, dtype: str, trust_remote_code: bool):
+def load_engine(model: Optional[str], device: str, dtype: str, trust_remote_code: bool, weights: str | None = None):
     """`RocketKV.load` (None: the default model) with transformers offline and silent, a spinner
     on a terminal and a timing line on stderr."""
     from ..engine.api import DEFAULT_MODEL, RocketKV, configure
@@ -155,10 +189,12 @@ def load_engine(model: Optional[str], device: str, dtype: str, trust_remote_code
         if err.is_terminal and not _state["quiet"]
         else contextlib.nullcontext()
     ):
-        rk = RocketKV.load(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, log=log)
+        rk = RocketKV.load(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, log=log,
+                           weights=weights or DEFAULT_WEIGHTS)  # fmt: skip
     loaded = rk.engine.loaded
     dtype_name = str(loaded.dtype).removeprefix("torch.")
-    log(f"loaded {loaded.model_id} on {loaded.device} ({dtype_name}) in {time.perf_counter() - t0:.1f}s")
+    what = dtype_name + (f", {loaded.weights} weights" if loaded.weights != "float" else "")
+    log(f"loaded {loaded.model_id} on {loaded.device} ({what}) in {time.perf_counter() - t0:.1f}s")
     return rk
 
 
@@ -255,7 +291,7 @@ def storage(kv_dtype: str):
     from ..core.quant import KVStorage
 
     try:
-        return KVStorage(kv_dtype=kv_dtype)
+        return KVStorage.parse(kv_dtype)
     except ValueError as exc:
         raise InputError(f"invalid option: --kv-dtype: {exc}") from None
 
@@ -288,6 +324,10 @@ def prefill_config(**kw):
         raise InputError(f"invalid option: {exc}") from None
 
 
+DEFAULT_WEIGHTS = "float"  # chosen by measurement: docs/performance.md
+WeightsOpt = Annotated[
+    Optional[str], typer.Option(help="Weights for decode: float, or int8 (CPU; ask: default = the cache's).")
+]
 DEFAULT_KV_DTYPE = "auto"  # chosen by measurement: docs/file-format.md, "Storage types"
 KvDtypeOpt = Annotated[
     str, typer.Option(help="Stored keys/values: auto (model dtype), float32, bfloat16, float16, int8, int4.")

@@ -23,6 +23,7 @@ from .common import (
     SegmentTokensOpt,
     TopkOpt,
     TrustOpt,
+    WeightsOpt,
     ingest,
     load_engine,
     log,
@@ -58,6 +59,7 @@ def ingest_command(
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = None,
+    weights: WeightsOpt = None,
     trust_remote_code: TrustOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -79,7 +81,7 @@ def ingest_command(
     # the output is checked (name, directory, permission to write) before the model loads, not after a long prefill
     target = check_output(output if output is not None else default_output(document), force, document)
     report_abandoned(target.parent, skip=target)
-    rk = load_engine(model, device, dtype or "auto", trust_remote_code)
+    rk = load_engine(model, device, dtype or "auto", trust_remote_code, weights)
     from ..engine.api import pending_checkpoints
 
     count, folder = pending_checkpoints(target)

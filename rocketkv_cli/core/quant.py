@@ -70,6 +70,17 @@ class KVStorage:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @staticmethod
+    def parse(name: str) -> KVStorage:
+        """A storage from its name: a kv dtype, optionally `+hadamard` (`int4+hadamard`).
+        Raises ValueError naming the value."""
+        dtype, _, rotation = name.partition("+")
+        return KVStorage(dtype, rotation=rotation or "none")
+
+    @property
+    def name(self) -> str:
+        return self.kv_dtype + ("" if self.rotation == "none" else f"+{self.rotation}")
+
 
 def hadamard(dim: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An orthonormal `[dim, dim]` rotation: Sylvester's Hadamard matrix / √block, block-diagonal

@@ -31,7 +31,7 @@ from ..store.checkpoints import Checkpoints
 from ..store.describe import describe as store_describe
 from ..store.folders import make_scratch_dir
 from ..store.format import load_cache, save_cache, verify_file
-from .answer import Answer, answer, decode_config_for
+from .answer import Answer, answer, decode_config_for, hsa_min_tokens
 from .documents import TextPieces, TextStream
 from .engine import Engine, TokenProgress
 from .preflight import abandoned_ingests, check_cache_file, check_output, default_output, open_document
@@ -86,11 +86,14 @@ class RocketKV:
         dtype: str = "auto",
         trust_remote_code: bool = False,
         log: Log = lambda message: None,
+        weights: str = "float",
     ) -> RocketKV:
         """Load a model offline: a preset (`gemma-3-270m`, `smollm2-135m`), a Hugging Face model
         directory, a `.gguf` file or a hub id already in the local cache. device: cpu, cuda[:N]
-        or auto; dtype: auto, float32, bfloat16 or float16. Raises ModelLoadError."""
-        loaded = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=log)
+        or auto; dtype: auto, float32, bfloat16 or float16; weights: float or int8 (weight-only
+        int8 linears for CPU decode, `model/weights.py`). Raises ModelLoadError."""
+        loaded = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=log,
+                            weights=weights)  # fmt: skip
         return cls(Engine(loaded))
 
     @property
@@ -166,6 +169,7 @@ class RocketKV:
         *,
         max_new_tokens: int | None = None,
         dense: bool = False,
+        hsa: bool = False,
         topk: int | None = None,
         page_size: int | None = None,
         n_score_dims: int | None = None,
@@ -176,7 +180,8 @@ class RocketKV:
         """Answer each question independently from `cache` (greedy); yields `Answer`s in order.
 
         max_new_tokens: answer cap (default: what the cache planned for). dense: exact attention
-        over the stored cache instead of stage-2 HSA. topk/page_size/n_score_dims: stage-2
+        over the stored cache instead of stage-2 HSA; hsa: HSA even where this device's measured
+        crossover says exact attention is faster (`HSA_MIN_TOKENS`). topk/page_size/n_score_dims: stage-2
         overrides. segments/segment: for a segmented cache, answer from the `segments` best
         matching segments, or from segment `segment`. Every question is checked before any is
         answered.
@@ -186,7 +191,10 @@ class RocketKV:
         """
         qs = [questions] if isinstance(questions, str) else list(questions)
         max_new = max_new_tokens or cache.info.config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
-        overrides = {"topk": topk, "page_size": page_size, "n_score_dims": n_score_dims}
+        if dense and hsa:
+            raise InputError("--dense and --hsa contradict each other", "give one of them")
+        crossover = 0 if hsa else hsa_min_tokens(self.engine.loaded.device.type)
+        overrides = {"topk": topk, "page_size": page_size, "n_score_dims": n_score_dims, "min_hsa_tokens": crossover}
         try:
             if isinstance(cache, SegmentedKVCache):
                 return answer_segmented(self.engine, cache, qs, max_new, not dense, overrides, segments, segment, log)

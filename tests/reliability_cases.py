@@ -216,7 +216,7 @@ def problems(ws: Workspace, case: Case, out: Outcome) -> list[str]:
     if case.check is not None:
         try:
             case.check(ws)
-        except AssertionError as exc:
+        except Exception as exc:  # an AssertionError, or the check could not even read what it checks
             found.append(f"check failed: {exc}")
     return found
 

@@ -216,9 +216,9 @@ class DecodeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.page_size > self.topk:
+            raise ValueError(f"page_size must not exceed topk ({self.topk}), got {self.page_size}")
 
     def uses_hsa(self, n_context_tokens: int) -> bool:
         """Whether a layer whose stored context holds `n_context_tokens` is attended with HSA."""
         return self.sparse and n_context_tokens > max(self.topk, self.min_hsa_tokens)
-        if self.page_size > self.topk:
-            raise ValueError(f"page_size must not exceed topk ({self.topk}), got {self.page_size}")

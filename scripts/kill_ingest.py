@@ -6,15 +6,16 @@ Usage: python scripts/kill_ingest.py [--runs 50] [--seed 17] [--json docs/bench/
 With the installed `rocketkv` and a tiny random-init Llama (the one `tests/` builds), a cache
 `out.kv` of a short document is replaced with `--force` by a cache of a longer document ingested
 in segments (so there are checkpoints and a final write to interrupt). Each run is killed with
-SIGKILL: anywhere in the run (a uniform time over a measured uncut run), while a checkpoint is
-being written, or while the final file is being written (the moment a temporary file appears).
+SIGKILL: anywhere in the run (a uniform time over a measured uncut run), anywhere after the model
+load, while a random checkpoint is being written, or while the final file is being written (the
+moment a temporary file appears).
 After each kill: `out.kv` must be the old file byte for byte, or — when the kill came after the
 rename — a complete cache of the new document. Then the same command is rerun to completion (it
 resumes from the checkpoints); afterwards there must be no `.rocketkv-*.tmp` anywhere and no
 checkpoint folder. `out.kv` is then put back to the old file for the next run.
 
 Writes the runs as JSON (`--json`); `scripts/reliability_report.py` renders them into
-docs/reliability.md. Exit status 1 when any run broke a rule. Takes about 6–10 minutes on 2 cores.
+docs/reliability.md. Exit status 1 when any run broke a rule. Takes about 10–15 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 ROCKETKV = str(Path(sys.executable).parent / "rocketkv")
 SEGMENT_TOKENS = 400
-MODES = ("anywhere", "checkpoint write", "final write")
+MODES = ("anywhere", "prefill", "checkpoint write", "final write")
 
 
 def junk(folder: Path) -> list[str]:
@@ -53,12 +54,15 @@ class Run:
     def __init__(self, argv: list[str], env: dict):
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[str] = []
+        self.loaded_at: float | None = None  # monotonic time of the "loaded" line
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
     def _read(self) -> None:
         assert self.proc.stderr is not None
         for line in self.proc.stderr:
+            if self.loaded_at is None and "loaded" in line:
+                self.loaded_at = time.monotonic()
             self.lines.append(line.rstrip("\n"))
 
     def kill(self) -> bool:
@@ -160,17 +164,28 @@ def main() -> int:
         uncut_s = time.monotonic() - t0
         n_segments = json.loads(first.stdout)["n_segments"]
         restore(out, old)
-        print(f"uncut run: {uncut_s:.1f}s, {n_segments} segments; {args.runs} kills", file=sys.stderr)
+        calibration = Run(argv, env)  # how long the work after the model load takes
+        calibration.wait()
+        assert calibration.loaded_at is not None, calibration.lines
+        work_s = time.monotonic() - calibration.loaded_at
+        restore(out, old)
+        print(f"uncut run: {uncut_s:.1f}s ({work_s:.1f}s after the model load), {n_segments} segments; "
+              f"{args.runs} kills", file=sys.stderr)  # fmt: skip
         rows = []
         for i in range(args.runs):
             mode = MODES[0] if i % 2 == 0 else rng.choice(MODES[1:])
             run, started = Run(argv, env), time.monotonic()
-            if mode == "anywhere":
+            hit = True
+            if mode == "anywhere":  # a uniform time over a whole run
                 time.sleep(rng.uniform(0, uncut_s))
-                hit = True
-            else:
+            elif mode == "prefill":  # a uniform time over the work after the model load
+                while run.loaded_at is None and run.proc.poll() is None:
+                    time.sleep(0.001)
+                time.sleep(rng.uniform(0, work_s))
+            else:  # the moment a temporary file appears: checkpoint k (random) or the final file
+                k = rng.randrange(n_segments) if mode == "checkpoint write" else n_segments
                 folder = work / f".{out.name}.segments" if mode == "checkpoint write" else work
-                hit = wait_for_temp(folder, run, started + 300, n_segments if mode == "final write" else None)
+                hit = wait_for_temp(folder, run, started + 300, k)
                 time.sleep(rng.uniform(0, 0.002))
             killed = run.kill()
             kill_s = time.monotonic() - started
@@ -188,13 +203,15 @@ def main() -> int:
                          "kill_s": round(kill_s, 3), "phase": where, "target_after_kill": after_kill,
                          "junk_after_kill": left, "rerun_exit": rerun.returncode, "rerun_resumed_segments": resumed,
                          "target_after_rerun": after_rerun, "junk_after_rerun": left_after, "ok": ok})  # fmt: skip
-            print(f"{'ok  ' if ok else 'FAIL'} run {i}: {mode}, killed at {kill_s:.2f}s ({where}); "
+            aim = "" if hit else " (the run ended first)"
+            print(f"{'ok  ' if ok else 'FAIL'} run {i}: {mode}{aim}, killed at {kill_s:.2f}s ({where}); "
                   f"target {after_kill}, left {len(left)}; rerun resumed {resumed}, left {len(left_after)}",
                   file=sys.stderr)  # fmt: skip
             restore(out, old)
     command = f"rocketkv ingest new.txt -o out.kv --force --segment-tokens {SEGMENT_TOKENS} --model model --json"
     failures = sum(not r["ok"] for r in rows)
-    record = {"runs": rows, "n_segments": n_segments, "uncut_s": round(uncut_s, 2), "seed": args.seed,
+    record = {"runs": rows, "n_segments": n_segments, "uncut_s": round(uncut_s, 2), "work_s": round(work_s, 2),
+              "seed": args.seed,
               "segment_tokens": SEGMENT_TOKENS, "failures": failures, "command": command}  # fmt: skip
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(record, indent=1) + "\n")
@@ -207,6 +224,7 @@ def markdown(record: dict) -> list[str]:
     rows = record["runs"]
     count = lambda key: Counter(r[key] if not isinstance(r[key], list) else bool(r[key]) for r in rows)  # noqa: E731
     phases = Counter(r["phase"].split(" of segment")[0] for r in rows)
+    missed = sum(1 for r in rows if not r["hit_window"])
     left = sum(1 for r in rows if r["junk_after_kill"])
     tmp_left = sum(1 for r in rows if any(x.endswith(".tmp") for x in r["junk_after_kill"]))
     lines = [
@@ -214,14 +232,16 @@ def markdown(record: dict) -> list[str]:
         "",
         f"`python scripts/kill_ingest.py` ran `{record['command']}` {len(rows)} times (seed {record['seed']}), each "
         f"killed with SIGKILL, over an old `out.kv` of another document. The document makes {record['n_segments']} "
-        f"segments (an uncut run took {record['uncut_s']} s). Kill points: half at a uniform time over the run, the "
-        "rest the moment a temporary file appeared while a checkpoint or the final file was written. After each "
-        "kill the same command was rerun to completion.",
+        f"segments (an uncut run took {record['uncut_s']} s, {record.get('work_s', '?')} s of it after the model "
+        "load). Kill points: half at a uniform time over the whole run; the rest at a uniform time after the model "
+        "load (`prefill`), or the moment a temporary file appeared while a random checkpoint or the final file was "
+        "written. After each kill the same command was rerun to completion.",
         "",
         "| | runs |",
         "| --- | --- |",
         *(f"| killed: {mode} | {n} |" for mode, n in sorted(count("mode").items())),
         *(f"| where the kill landed: {where} | {n} |" for where, n in sorted(phases.items())),
+        f"| aimed at a write, but the run ended first | {missed} |",
         *(f"| `out.kv` right after the kill: {st} | {n} |" for st, n in sorted(count("target_after_kill").items())),
         f"| junk right after the kill (temp files or checkpoints) | {left} (with a temp file: {tmp_left}) |",
         f"| rerun resumed from checkpoints | {sum(1 for r in rows if r['rerun_resumed_segments'])} |",

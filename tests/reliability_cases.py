@@ -475,7 +475,8 @@ def _ab_cache(ws: Workspace) -> Path:
     folder = killed_segmented_ingest(ws)
     target = folder / "other.kv"
     if not target.exists():
-        subprocess.run([ROCKETKV, "ingest", ws.doc, "-o", target, "--model", ws.model, "-q"], env=ws.env, check=True)
+        subprocess.run([ROCKETKV, "ingest", ws.doc, "-o", target, "--model", ws.model, "-q"], env=ws.env, check=True,
+                       stdout=subprocess.DEVNULL)  # fmt: skip
     return target
 
 
@@ -498,7 +499,8 @@ def _default_names(ws: Workspace) -> None:
 
 def _notes_txt(ws: Workspace) -> Path:
     doc = ws.file("notes.txt", b"Notes in text. The code is 11.\n" * 8)
-    subprocess.run([ROCKETKV, "ingest", doc, "--model", ws.model, "-q", "--force"], env=ws.env, check=True)
+    subprocess.run([ROCKETKV, "ingest", doc, "--model", ws.model, "-q", "--force"], env=ws.env, check=True,
+                   stdout=subprocess.DEVNULL)  # fmt: skip
     return ws.file("notes.md", b"# Notes in Markdown\n\nThe code is 22.\n" * 8)
 
 

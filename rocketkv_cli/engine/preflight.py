@@ -41,7 +41,7 @@ def default_output(document: str) -> Path:
 
 def check_output(output: str | Path, force: bool, document: str | None = None) -> Path:
     """Refuse an output rocketkv must not or cannot write, before any work: what
-    `store.format.check_target` refuses, a name ending in `/` (a directory), the document
+    `store.atomic.check_target` refuses, a name ending in `/` (a directory), the document
     itself, or a directory this process cannot create files in (checked by creating one).
     Stale temporary files of killed runs in that directory are removed on the way. Returns the
     output as a Path. Raises OutputError."""

@@ -132,7 +132,7 @@ def restore(out: Path, old: bytes) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--runs", type=int, default=50, help="runs killed (runs that end first do not count)")
     parser.add_argument("--seed", type=int, default=17)
     parser.add_argument("--json", type=Path, default=ROOT / "docs" / "bench" / "kill_ingest.json")
     args = parser.parse_args()
@@ -171,17 +171,19 @@ def main() -> int:
         restore(out, old)
         print(f"uncut run: {uncut_s:.1f}s ({work_s:.1f}s after the model load), {n_segments} segments; "
               f"{args.runs} kills", file=sys.stderr)  # fmt: skip
-        rows = []
-        for i in range(args.runs):
+        rows: list[dict] = []
+        for i in range(2 * args.runs):  # until `runs` runs were killed (one can finish before its kill point)
+            if sum(1 for r in rows if r["killed"]) == args.runs:
+                break
             mode = MODES[0] if i % 2 == 0 else rng.choice(MODES[1:])
             run, started = Run(argv, env), time.monotonic()
             hit = True
             if mode == "anywhere":  # a uniform time over a whole run
-                time.sleep(rng.uniform(0, uncut_s))
+                time.sleep(rng.uniform(0, 0.95 * uncut_s))
             elif mode == "prefill":  # a uniform time over the work after the model load
                 while run.loaded_at is None and run.proc.poll() is None:
                     time.sleep(0.001)
-                time.sleep(rng.uniform(0, work_s))
+                time.sleep(rng.uniform(0, 0.9 * work_s))
             else:  # the moment a temporary file appears: checkpoint k (random) or the final file
                 k = rng.randrange(n_segments) if mode == "checkpoint write" else n_segments
                 folder = work / f".{out.name}.segments" if mode == "checkpoint write" else work
@@ -230,8 +232,9 @@ def markdown(record: dict) -> list[str]:
     lines = [
         "## kill -9 during an ingest",
         "",
-        f"`python scripts/kill_ingest.py` ran `{record['command']}` {len(rows)} times (seed {record['seed']}), each "
-        f"killed with SIGKILL, over an old `out.kv` of another document. The document makes {record['n_segments']} "
+        f"`python scripts/kill_ingest.py` ran `{record['command']}` {len(rows)} times (seed {record['seed']}) and "
+        f"killed {sum(1 for r in rows if r['killed'])} of them with SIGKILL (the others ended before their kill "
+        "point), each over an old `out.kv` of another document. The document makes {record['n_segments']} "
         f"segments (an uncut run took {record['uncut_s']} s, {record.get('work_s', '?')} s of it after the model "
         "load). Kill points: half at a uniform time over the whole run; the rest at a uniform time after the model "
         "load (`prefill`), or the moment a temporary file appeared while a random checkpoint or the final file was "

@@ -1,5 +1,5 @@
 """`python -m rocketkv_cli`: the same as the `rocketkv` command."""
 
-from .cli import run
+from .entry import main
 
-run()
+main()

@@ -8,6 +8,7 @@ The same cases are asserted by tests/test_reliability.py; this script records wh
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -16,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from conftest import text_of_bytes  # noqa: E402
-from reliability_cases import CASES, make_workspace, run_case  # noqa: E402
+from reliability_cases import CASES, make_workspace, problems, run_case  # noqa: E402
 from test_reliability import save_tiny_llama  # noqa: E402
 
 
@@ -29,13 +30,10 @@ def main() -> int:
         ws = make_workspace(Path(tmp) / "ws", save_tiny_llama, text_of_bytes(600) + "\nThe code is 4242.\n")
         for case in CASES:
             out = run_case(ws, case)
-            ok = out.code == case.code and (not case.message or case.message in out.error_line)
-            if case.check is not None:
-                try:
-                    case.check(ws)
-                except AssertionError as exc:
-                    ok = False
-                    out.error_line += f" [check failed: {exc}]"
+            found = problems(ws, case, out)
+            ok = not found
+            if found:
+                out.error_line += f" [{'; '.join(found)}]"
             failures += not ok
             shown = out.error_line or (out.stderr.strip().splitlines() or [""])[-1]
             shown = shown.replace(str(ws.root) + "/", "").replace("|", "\\|")
@@ -52,7 +50,11 @@ def main() -> int:
         "Unreadable-file and read-only-directory cases run without root's permission override",
         "(`setpriv --bounding-set -dac_override,-dac_read_search`) when run as root. The half-way write",
         "failure is a real one: `RLIMIT_FSIZE` of 10 kB on the process. Signals are sent once the",
-        "model is loaded and work has begun.",
+        "model is loaded and work has begun, or (start-up cases) a fixed time after the start plus twice the",
+        "time Python takes to start here. Cases marked as refused before the model loads also check that",
+        'no "loaded" line was logged. "While ask runs" cases change the file once the model is loaded',
+        "(a quarter zeroed in place, as `dd conv=notrunc` would, or truncated to 9,184 bytes): the answer",
+        "must be the intact file's, or a one-line error.",
         "",
         "Exit codes: 0 ok, 1 known failure, 2 usage error, 130 SIGINT, 143 SIGTERM.",
         "",
@@ -61,6 +63,14 @@ def main() -> int:
         *rows,
         "",
     ]
+    kill = ROOT / "docs" / "bench" / "kill_ingest.json"
+    if kill.is_file():  # written by scripts/kill_ingest.py (about 10 minutes, so not rerun here)
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from kill_ingest import markdown
+
+        text += markdown(json.loads(kill.read_text()))
+    else:
+        text += ["## kill -9 during an ingest", "", "Not measured yet: run `python scripts/kill_ingest.py`.", ""]
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text("\n".join(text))
     print(f"wrote {args.output}: {len(rows)} cases, {failures} unexpected", file=sys.stderr)

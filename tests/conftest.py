@@ -183,3 +183,13 @@ def strip_ansi(text: str) -> str:
 def same_layer(a, b) -> bool:
     """Two `LayerKV`s hold bit-identical keys, values and positions."""
     return all(torch.equal(getattr(a, k), getattr(b, k)) for k in ("keys", "values", "positions"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """`nightly` tests (scale runs) are opt-in: skipped unless ROCKETKV_NIGHTLY=1."""
+    if os.environ.get("ROCKETKV_NIGHTLY") == "1":
+        return
+    skip = pytest.mark.skip(reason="nightly scale run: set ROCKETKV_NIGHTLY=1 (ROCKETKV_NIGHTLY=1 pytest -m nightly)")
+    for item in items:
+        if "nightly" in item.keywords:
+            item.add_marker(skip)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shlex
 import shutil
 import signal
 import struct
@@ -81,9 +82,17 @@ class Case:
     stdin: str | None = None
     drop_dac: bool = False  # run without root's permission override (unreadable / read-only cases)
     file_size_limit: int | None = None  # RLIMIT_FSIZE in bytes: writes fail half-way
-    send_signal: int | None = None  # sent once the model is loaded
+    send_signal: int | None = None  # sent once the model is loaded (or after `signal_after_s`)
+    signal_after_s: float | None = None  # send the signal this long after the start (start-up, imports)
     check: Callable[[Workspace], None] | None = None
     notes: str = ""
+    before_model: bool = False  # the failure must come before the model loads (no "loaded" line)
+    log_has: str = ""  # substring stderr must contain (a hint or report line)
+    close_stdout: bool = False  # run with descriptor 1 closed (`>&-`)
+    shell: Callable[[Workspace], str] | None = None  # a bash command line instead of `args` (`<(…)`)
+    during: Callable[[Workspace], None] | None = None  # done to the files once the model is loaded
+    or_error: str = ""  # with code 0: exit 1 with this message is right too (a change caught in time)
+    same_answer_as: Callable[[Workspace], list] | None = None  # args of a command whose answer must be equal
 
 
 @dataclass
@@ -97,7 +106,7 @@ class Outcome:
 
 
 def _cmd(ws: Workspace, case: Case) -> list[str]:
-    argv = [ROCKETKV, *map(str, case.args(ws))]
+    argv = ["bash", "-c", case.shell(ws)] if case.shell else [ROCKETKV, *map(str, case.args(ws))]
     if case.drop_dac and os.geteuid() == 0:
         argv = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--", *argv]
     return argv
@@ -109,6 +118,14 @@ def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def startup_seconds() -> float:
+    """How long this machine takes, right now, to start Python and import rocketkv's entry module
+    (a signal sent earlier reaches the interpreter's own start-up, which no program can handle)."""
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import rocketkv_cli"], check=True)
+    return time.monotonic() - t0
+
+
 def run_case(ws: Workspace, case: Case) -> Outcome:
     """Run one case's command in a subprocess and collect what it printed."""
     argv = _cmd(ws, case)
@@ -116,11 +133,21 @@ def run_case(ws: Workspace, case: Case) -> Outcome:
     def limits():
         if case.file_size_limit is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (case.file_size_limit, case.file_size_limit))
+        if case.close_stdout:
+            os.close(1)
 
-    if case.send_signal is None:
-        r = subprocess.run(argv, capture_output=True, text=True, env=ws.env, input=case.stdin, preexec_fn=limits,
-                           timeout=300)  # fmt: skip
-        out, errs, code = r.stdout, r.stderr, r.returncode
+    if case.send_signal is None and case.during is None:
+        r = subprocess.run(argv, stdout=None if case.close_stdout else subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, env=ws.env, input=case.stdin, preexec_fn=limits, timeout=300)  # fmt: skip
+        out, errs, code = r.stdout or "", r.stderr, r.returncode
+    elif case.signal_after_s is not None:  # during start-up: the delay counts from after Python's own start
+        delay = case.signal_after_s + 2 * startup_seconds()
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ws.env,
+                                stdin=subprocess.DEVNULL, preexec_fn=default_sigint)  # fmt: skip
+        time.sleep(delay)
+        proc.send_signal(case.send_signal)
+        out, errs = proc.communicate(timeout=120)
+        code = proc.returncode
     else:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ws.env,
                                 stdin=subprocess.DEVNULL, preexec_fn=default_sigint)  # fmt: skip
@@ -131,8 +158,11 @@ def run_case(ws: Workspace, case: Case) -> Outcome:
             lines.append(line)
             if not line or "loaded" in line:
                 break
-        time.sleep(0.5)
-        proc.send_signal(case.send_signal)
+        if case.during is not None:
+            case.during(ws)
+        else:
+            time.sleep(0.5)
+            proc.send_signal(case.send_signal)
         out, rest = proc.communicate(timeout=120)
         errs, code = "".join(lines) + rest, proc.returncode
     errors = [line for line in errs.splitlines() if line.startswith("Error:")]
@@ -146,10 +176,49 @@ def run_case(ws: Workspace, case: Case) -> Outcome:
         return json.dumps(a, ensure_ascii=False) if (" " in a or not a) else a
 
     shown = " ".join(show(a) for a in argv if a not in ("setpriv",))
+    if case.shell:
+        shown = argv[-1]
     shown = shown.replace(str(ws.root) + "/", "").replace(ROCKETKV, "rocketkv")
     if case.drop_dac and os.geteuid() == 0:
         shown = shown.replace("--bounding-set -dac_override,-dac_read_search -- ", "")
+    if case.close_stdout:
+        shown += " >&-"
     return Outcome(command=shown, code=code, error_line=errors[0] if errors else "", stdout=out, stderr=errs)
+
+
+def problems(ws: Workspace, case: Case, out: Outcome) -> list[str]:
+    """What is wrong with a case's outcome (empty: as expected). The test asserts this is empty;
+    the report prints it. `case.check` runs last (it may change the workspace)."""
+    code, message = case.code, case.message
+    if case.or_error and out.code == 1:  # a change caught in time: the other right outcome
+        code, message = 1, case.or_error
+    found = []
+    if out.code != code:
+        found.append(f"exit {out.code}, expected {code}")
+    if "Traceback" in out.stderr:
+        found.append("a traceback")
+    if code in (1, 130, 143):
+        errors = [line for line in out.stderr.splitlines() if line.startswith("Error:")]
+        if len(errors) != 1:
+            found.append(f"{len(errors)} Error: lines")
+        if message not in out.error_line:
+            found.append(f"message lacks {message!r}")
+    if code == 1 and out.stdout:
+        found.append("a failure printed results")
+    if case.before_model and "rocketkv: loaded" in out.stderr:
+        found.append("refused only after the model loaded")
+    if case.log_has and case.log_has not in out.stderr:
+        found.append(f"stderr lacks {case.log_has!r}")
+    if out.code == 0 and case.same_answer_as is not None:
+        reference = run_case(ws, Case("reference", "", case.same_answer_as, 0, ""))
+        if out.stdout != reference.stdout:
+            found.append(f"answered {out.stdout!r}, the intact file answers {reference.stdout!r}")
+    if case.check is not None:
+        try:
+            case.check(ws)
+        except Exception as exc:  # an AssertionError, or the check could not even read what it checks
+            found.append(f"check failed: {exc}")
+    return found
 
 
 # ---- helpers that build damaged caches -------------------------------------------------------
@@ -333,7 +402,161 @@ def _no_partial_then(name: str) -> Callable[[Workspace], None]:
     return check
 
 
+# ---- issue 17: start-up, junk left by kill -9, pre-flight checks, default names ----------------
+
+
+def _short_kept_whole(ws: Workspace) -> None:
+    from rocketkv_cli.store.format import load_cache
+
+    stored = load_cache(ws.root / "short.kv")
+    kept = {layer.n_kept_tokens for layer in stored.layers}
+    assert kept == {stored.n_context_tokens}, f"kept {kept} of {stored.n_context_tokens} tokens"
+
+
+def _kept_at_least_budget(ws: Workspace) -> None:
+    from rocketkv_cli.store.format import load_cache
+
+    stored = load_cache(ws.root / "over.kv")
+    kept = {layer.n_kept_tokens for layer in stored.layers}
+    assert stored.n_context_tokens > 64 and kept == {64}, f"kept {kept} of {stored.n_context_tokens} tokens"
+
+
+def killed_mid_write(ws: Workspace) -> Path:
+    """A real SIGKILL during the final write: a process writes a cache into `junk/` and kills
+    itself (signal 9) half-way through writing the temporary file. Returns the output for the
+    next ingest into that directory. Also planted: a 0.1.0-style temp file (no pid in its name)
+    untouched for two days, and files that must survive (a young 0.1.0-style temp file, which
+    could belong to a running 0.1.0 ingest, and a user's own `.rocketkv-notes.txt`)."""
+    junk = ws.root / "junk"
+    junk.mkdir(exist_ok=True)
+    code = ("import os, sys; from pathlib import Path; from rocketkv_cli.store.atomic import atomic_write; "
+            "atomic_write(Path(sys.argv[1]), True, lambda out: (out.write(b'x' * 4096), out.flush(), "
+            "os.kill(os.getpid(), 9)))")  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code, str(junk / "killed.kv")], env=ws.env)
+    assert r.returncode == -9, r
+    assert [p for p in junk.glob(".rocketkv-*.tmp")], "the killed write left no temp file to clean"
+    old = junk / ".rocketkv-k3j4h5g6.tmp"
+    old.write_bytes(b"left by a killed 0.1.0 ingest")
+    os.utime(old, (time.time() - 2 * 86400, time.time() - 2 * 86400))
+    (junk / ".rocketkv-young123.tmp").write_bytes(b"maybe a running 0.1.0 ingest's")
+    (junk / ".rocketkv-notes.txt").write_bytes(b"not rocketkv's")
+    return junk / "clean.kv"
+
+
+def _junk_cleaned(ws: Workspace) -> None:
+    junk = ws.root / "junk"
+    names = sorted(p.name for p in junk.iterdir())
+    shutil.rmtree(junk)  # whatever the outcome: the other cases' checks want a workspace without *.tmp
+    assert names == [".rocketkv-notes.txt", ".rocketkv-young123.tmp", "clean.kv"], names
+
+
+def killed_segmented_ingest(ws: Workspace) -> Path:
+    """An ingest in segments killed with SIGKILL after its first checkpoint (`ab/`): it leaves
+    `.ab.kv.segments/` behind. Returns the directory."""
+    folder = ws.root / "ab"
+    folder.mkdir(exist_ok=True)
+    if (folder / ".ab.kv.segments").exists():
+        return folder
+    doc = ws.file("ab.txt", ("word " * 12 + "\n").encode() * 40)
+    proc = subprocess.Popen([ROCKETKV, "ingest", doc, "-o", folder / "ab.kv", "--segment-tokens", "200", "--model",
+                             ws.model], stderr=subprocess.PIPE, text=True, env=ws.env)  # fmt: skip
+    for line in proc.stderr:
+        if "segment 1:" in line:
+            proc.kill()
+            break
+    proc.wait(timeout=120)
+    assert (folder / ".ab.kv.segments").is_dir(), "the killed ingest left no checkpoints"
+    for stray in folder.rglob("*.tmp"):  # temp files are the subject of another case
+        stray.unlink()
+    return folder
+
+
+def _ab_cache(ws: Workspace) -> Path:
+    folder = killed_segmented_ingest(ws)
+    target = folder / "other.kv"
+    if not target.exists():
+        subprocess.run([ROCKETKV, "ingest", ws.doc, "-o", target, "--model", ws.model, "-q"], env=ws.env, check=True,
+                       stdout=subprocess.DEVNULL)  # fmt: skip
+    return target
+
+
+def _no_file(name: str) -> Callable[[Workspace], None]:
+    def check(ws: Workspace) -> None:
+        assert not (ws.root / name).exists(), f"{name} was written"
+        no_temp_files(ws)
+
+    return check
+
+
+def _default_names(ws: Workspace) -> None:
+    from rocketkv_cli.store.format import read_metadata
+
+    txt, md = ws.root / "notes.txt.kv", ws.root / "notes.md.kv"
+    assert txt.is_file() and md.is_file(), sorted(p.name for p in ws.root.glob("notes*"))
+    assert read_metadata(txt)["document_source"].endswith("notes.txt"), "notes.md replaced the cache of notes.txt"
+    assert read_metadata(md)["document_source"].endswith("notes.md")
+
+
+def _notes_txt(ws: Workspace) -> Path:
+    doc = ws.file("notes.txt", b"Notes in text. The code is 11.\n" * 8)
+    subprocess.run([ROCKETKV, "ingest", doc, "--model", ws.model, "-q", "--force"], env=ws.env, check=True,
+                   stdout=subprocess.DEVNULL)  # fmt: skip
+    return ws.file("notes.md", b"# Notes in Markdown\n\nThe code is 22.\n" * 8)
+
+
+def unreadable_cache(ws: Workspace) -> Path:
+    path = ws.root / "locked.kv"
+    if not path.exists():
+        ws.copy_kv("locked.kv").chmod(0)
+    return path
+
+
+def cache_directory(ws: Workspace) -> Path:
+    path = ws.root / "dir.kv"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def overwrite_in_place(name: str) -> Callable[[Workspace], None]:
+    """`dd if=/dev/zero of=FILE seek=… conv=notrunc`: a quarter of the file zeroed in place, from
+    its middle (as `cp` or `rsync --inplace` onto an existing cache would change it)."""
+
+    def act(ws: Workspace) -> None:
+        path = ws.root / name
+        size = path.stat().st_size
+        with open(path, "r+b") as f:
+            f.seek(size // 2)
+            f.write(bytes(size // 4))
+            f.flush()
+            os.fsync(f.fileno())
+
+    return act
+
+
+def truncate_in_place(name: str) -> Callable[[Workspace], None]:
+    def act(ws: Workspace) -> None:
+        os.truncate(ws.root / name, 9184)  # the size the issue's reproduction used
+
+    return act
+
+
+def _fresh(ws: Workspace, name: str) -> Path:
+    return ws.copy_kv(name)
+
+
+def _segmented_copy(ws: Workspace, name: str) -> Path:
+    """A copy of a cache of doc.txt ingested in segments (read lazily, segment by segment)."""
+    source = ws.root / "segmented-source.kv"
+    if not source.exists():
+        subprocess.run([ROCKETKV, "ingest", ws.doc, "-o", source, "--segment-tokens", "200", "--model", ws.model, "-q"],
+                       env=ws.env, check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+    path = ws.root / name
+    shutil.copyfile(source, path)
+    return path
+
+
 M = lambda ws: ["--model", ws.model]  # noqa: E731
+Q = lambda text: shlex.quote(str(text))  # noqa: E731
 
 CASES: list[Case] = [
     # input documents
@@ -361,14 +584,22 @@ CASES: list[Case] = [
     Case("ask --page-size larger than topk", "options", lambda ws: ["ask", "--cache", ws.kv, QUESTION, "--page-size", "100000000"], 1, "page_size"),
     Case("ask --topk 0", "options", lambda ws: ["ask", "--cache", ws.kv, QUESTION, "--topk", "0"], 1, "topk"),
     Case("unknown --errors handler", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "e.kv", "--errors", "shrug", *M(ws)], 1, "--errors"),
-    Case("prompt budget below the window", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "w.kv", "--budget", "2", "--max-new-tokens", "600", *M(ws)], 1, "below the observation window"),
+    Case("prompt budget below the window", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "w.kv", "--budget", "2", "--max-new-tokens", "600", *M(ws)], 1, "below the observation window", before_model=True, notes="refused before the model loads"),
+    Case("short document at a small budget", "options", lambda ws: ["ingest", ws.file("short.txt", b"The cat is Tom.\n"), "-o", ws.root / "short.kv", "--budget", "64", *M(ws)], 0, "", check=_short_kept_whole, notes="a document that fits the budget is kept whole"),
+    Case("document a little longer than the budget", "options", lambda ws: ["ingest", ws.file("over.txt", b"The cat sat on the mat all day. Its name is Tom; the dog is Rex.\n"), "-o", ws.root / "over.kv", "--budget", "64", *M(ws)], 0, "", check=_kept_at_least_budget, notes="keeps the 64 tokens the budget allows, never fewer"),
     Case("unknown model name", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "m.kv", "--model", "no-such-model"], 1, "unknown model"),
     Case("model directory without weights", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "m.kv", "--model", no_weights(ws)], 1, "no *.safetensors"),
     Case("unsupported architecture", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "m.kv", "--model", unsupported(ws)], 1, "unsupported architecture"),
     Case("--device cuda without a GPU", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "c.kv", "--device", "cuda", *M(ws)], 1, "no CUDA GPU"),
     # outputs
     Case("-o into a missing directory", "outputs", lambda ws: ["ingest", ws.doc, "-o", ws.root / "no" / "x.kv", *M(ws)], 1, "does not exist"),
-    Case("-o into a read-only directory", "outputs", lambda ws: ["ingest", ws.doc, "-o", read_only_dir(ws), *M(ws)], 1, "cannot write", drop_dac=True, check=_no_partial_then("ro/out.kv")),
+    Case("-o into a read-only directory", "outputs", lambda ws: ["ingest", ws.doc, "-o", read_only_dir(ws), *M(ws)], 1, "cannot write", drop_dac=True, check=_no_partial_then("ro/out.kv"), before_model=True),
+    Case("-o newdir/ (a directory that does not exist)", "outputs", lambda ws: ["ingest", ws.doc, "-o", f"{ws.root / 'newdir'}/", *M(ws)], 1, "names a directory", check=_no_file("newdir"), before_model=True),
+    Case("process substitution without -o", "outputs", lambda ws: [], 1, "pass -o", shell=lambda ws: f"{Q(ROCKETKV)} ingest <(cat {Q(ws.doc)}) --model {Q(ws.model)}", before_model=True, notes="a pipe has no name to derive the output from"),
+    Case("default output name keeps the document's suffix", "outputs", lambda ws: ["ingest", _notes_txt(ws), "--force", *M(ws)], 0, "", check=_default_names, notes="notes.txt → notes.txt.kv, notes.md → notes.md.kv: neither replaces the other"),
+    Case("ingest --json with stdout closed", "outputs", lambda ws: ["ingest", ws.doc, "-o", ws.root / "closed.kv", "--json", *M(ws)], 1, "stdout is closed", close_stdout=True, before_model=True, check=_no_file("closed.kv")),
+    Case("stale temp file of a write killed by SIGKILL", "outputs", lambda ws: ["ingest", ws.doc, "-o", killed_mid_write(ws), *M(ws)], 0, "", check=_junk_cleaned, notes="the next ingest into the directory removes it (its pid is dead); a 0.1.0 temp file goes once 24 h old"),
+    Case("checkpoints of an ingest killed by SIGKILL (ingest)", "outputs", lambda ws: ["ingest", ws.doc, "-o", killed_segmented_ingest(ws) / "next.kv", *M(ws)], 0, "", log_has="rm -r", notes="reported with how to resume or remove them"),
     Case("target exists (no --force)", "outputs", lambda ws: ["ingest", ws.doc, "-o", existing_target(ws), *M(ws)], 1, "already exists", check=_untouched("existing.kv", b"old contents")),
     Case("target is a symlink (no --force)", "outputs", lambda ws: ["ingest", ws.doc, "-o", symlink_target(ws), *M(ws)], 1, "already exists", check=_symlink_check),
     Case("target is a symlink (--force)", "outputs", lambda ws: ["ingest", ws.doc, "-o", symlink_target(ws), "--force", *M(ws)], 0, "", check=_symlink_check, notes="the link is replaced by the new file; its target is untouched"),
@@ -390,10 +621,26 @@ CASES: list[Case] = [
     Case("safetensors that is not a cache", "cache", lambda ws: ["ask", "--cache", foreign_safetensors(ws), QUESTION], 1, "not a rocketkv cache"),
     Case("header claiming enormous tensors", "cache", lambda ws: ["ask", "--cache", enormous(ws), QUESTION], 1, "truncated or damaged"),
     Case("inspect a damaged cache", "cache", lambda ws: ["inspect", flipped(ws)], 1, "digest mismatch"),
+    Case("a FIFO as --cache", "cache", lambda ws: ["ask", "--cache", fifo(ws), QUESTION], 1, "not a regular file", before_model=True),
+    Case("a directory as --cache", "cache", lambda ws: ["ask", "--cache", cache_directory(ws), QUESTION], 1, "is a directory", before_model=True),
+    Case("unreadable cache (mode 000)", "cache", lambda ws: ["ask", "--cache", unreadable_cache(ws), QUESTION], 1, "no permission to read", drop_dac=True, before_model=True),
+    Case("inspect an unreadable cache", "cache", lambda ws: ["inspect", unreadable_cache(ws)], 1, "no permission to read", drop_dac=True),
+    Case("inspect with stdout closed", "cache", lambda ws: ["inspect", ws.kv], 1, "stdout is closed", close_stdout=True),
+    Case("checkpoints of an ingest killed by SIGKILL (inspect)", "cache", lambda ws: ["inspect", _ab_cache(ws)], 0, "", log_has="rm -r", notes="reported with how to resume or remove them"),
     # questions
     Case("empty question", "questions", lambda ws: ["ask", "--cache", ws.kv, ""], 1, "empty question"),
     Case("question longer than the context", "questions", lambda ws: ["ask", "--cache", ws.kv, "why " * 1000], 1, "only"),
+    Case("ask DOC on Latin-1 text", "input", lambda ws: ["ask", ws.file("latin1q.txt", "Café crème. ".encode("latin-1") * 9), QUESTION, *M(ws)], 1, "--errors replace", before_model=True),
+    Case("ask DOC --errors replace (the hint above)", "input", lambda ws: ["ask", ws.file("latin1r.txt", "Café crème. ".encode("latin-1") * 9), QUESTION, "--errors", "replace", "--max-new-tokens", "3", *M(ws)], 0, "", notes="the option the hint names exists"),
+    # a cache changed while `ask` runs (issue 17 item 1): the answer comes from the bytes verified
+    Case("cache overwritten in place while ask runs", "cache", lambda ws: ["ask", "--cache", _fresh(ws, "inplace.kv"), QUESTION, "--max-new-tokens", "6"], 0, "", during=overwrite_in_place("inplace.kv"), or_error="digest mismatch", same_answer_as=lambda ws: ["ask", "--cache", ws.kv, QUESTION, "--max-new-tokens", "6"], notes="the answer of the intact file, or a one-line error"),
+    Case("cache truncated while ask runs", "cache", lambda ws: ["ask", "--cache", _fresh(ws, "shrunk.kv"), QUESTION, "--max-new-tokens", "6"], 0, "", during=truncate_in_place("shrunk.kv"), or_error="truncated", same_answer_as=lambda ws: ["ask", "--cache", ws.kv, QUESTION, "--max-new-tokens", "6"], notes="never SIGBUS"),
+    Case("segmented cache overwritten in place while ask runs", "cache", lambda ws: ["ask", "--cache", _segmented_copy(ws, "seg-inplace.kv"), QUESTION, "--max-new-tokens", "6"], 0, "", during=overwrite_in_place("seg-inplace.kv"), or_error="digest mismatch", same_answer_as=lambda ws: ["ask", "--cache", ws.root / "segmented-source.kv", QUESTION, "--max-new-tokens", "6"], notes="segments are read when used: the change is caught then"),
+    Case("segmented cache truncated while ask runs", "cache", lambda ws: ["ask", "--cache", _segmented_copy(ws, "seg-shrunk.kv"), QUESTION, "--max-new-tokens", "6"], 0, "", during=truncate_in_place("seg-shrunk.kv"), or_error="truncated", same_answer_as=lambda ws: ["ask", "--cache", ws.root / "segmented-source.kv", QUESTION, "--max-new-tokens", "6"], notes="never SIGBUS"),
     # interruption
+    Case("SIGINT during start-up", "interrupt", lambda ws: ["ingest", ws.doc, "-o", ws.root / "early.kv", *M(ws)], 130, "interrupted", send_signal=signal.SIGINT, signal_after_s=0.05, check=_no_file("early.kv"), notes="while the command line is imported"),
+    Case("SIGTERM during start-up", "interrupt", lambda ws: ["ingest", ws.doc, "-o", ws.root / "early.kv", *M(ws)], 143, "terminated", send_signal=signal.SIGTERM, signal_after_s=0.05, check=_no_file("early.kv"), notes="while the command line is imported"),
+    Case("SIGINT while the model libraries import", "interrupt", lambda ws: ["ingest", ws.doc, "-o", ws.root / "early.kv", *M(ws)], 130, "interrupted", send_signal=signal.SIGINT, signal_after_s=0.8, check=_no_file("early.kv"), notes="torch and transformers"),
     Case("SIGINT during ingest", "interrupt", lambda ws: ["ingest", ws.file("long.txt", b"word " * 700), "-o", ws.root / "sigint.kv", "--chunk-tokens", "4", *M(ws)], 130, "interrupted", send_signal=signal.SIGINT, check=_no_partial_then("sigint.kv")),
     Case("SIGTERM during ingest", "interrupt", lambda ws: ["ingest", ws.file("long.txt", b"word " * 700), "-o", ws.root / "sigterm.kv", "--chunk-tokens", "4", *M(ws)], 143, "terminated", send_signal=signal.SIGTERM, check=_no_partial_then("sigterm.kv")),
     Case("SIGINT during ask", "interrupt", lambda ws: ["ask", "--cache", ws.kv, "--questions-file", ws.file("qs.txt", b"Which word?\n" * 300), "--max-new-tokens", "6"], 130, "interrupted", send_signal=signal.SIGINT),

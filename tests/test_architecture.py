@@ -19,7 +19,7 @@ MAY_IMPORT = {
     "store": {"core"},
     "engine": {"core", "ops", "model", "store"},
     "eval": {"core", "ops", "model", "store", "engine"},
-    "cli": {"engine", "eval", "core"},
+    "cli": {"engine", "eval", "core", "entry"},  # entry: the signal state of the console script
     "kernels": set(),
 }
 # third-party packages only one sub-package may import

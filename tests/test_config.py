@@ -79,3 +79,9 @@ def test__budgets_and_decode_config__validate():
         DecodeConfig(topk=0, page_size=1, n_score_dims=1)
     with pytest.raises(ValueError, match="page_size"):
         Budgets(prompt_budget=1, capacity_budget=2, topk=1, page_size=0, n_score_dims=1)
+
+
+def test__decode_config__page_size_over_topk_refused():
+    """A page larger than what one step attends (it once allocated for the page, 13 GB for 1e8)."""
+    with pytest.raises(ValueError, match="page_size"):
+        DecodeConfig(topk=4, page_size=8, n_score_dims=1)

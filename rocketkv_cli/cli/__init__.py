@@ -7,16 +7,16 @@ hints. Exit codes: 0 ok, 1 known failure (one line), 2 usage error, 130 interrup
 
 from __future__ import annotations
 
-import sys
 from typing import Annotated
 
 import typer
 
 from .. import __version__
 from .ask import ask_command
-from .batch import batch_command, with_bare_ray
+from .batch import batch_command
+from .batch import with_bare_ray as with_bare_ray  # used by the console script (entry.main)
 from .bench import bench
-from .common import command, err
+from .common import command
 from .eval import eval_command
 from .ingest import ingest_command
 from .inspect import inspect_command
@@ -56,10 +56,8 @@ app.command(name="batch")(command(batch_command))
 
 
 def run() -> None:
-    """Console-script entry point. Ctrl-C inside a command exits 130 (see `common.command`);
-    this guard only covers the moments before Typer takes over (imports)."""
-    try:
-        app(args=with_bare_ray(sys.argv[1:]))
-    except KeyboardInterrupt:
-        err.print("[bold red]Error:[/bold red] interrupted")
-        sys.exit(130)
+    """The command line with rocketkv's signal handling (the console script itself is
+    `rocketkv_cli.entry:main`, which installs that handling before this module is imported)."""
+    from ..entry import main as entry_main
+
+    entry_main()

@@ -15,6 +15,7 @@ from .common import (
     DeviceOpt,
     DtypeOpt,
     EncodingOpt,
+    ErrorsOpt,
     JsonOpt,
     ModelOpt,
     PageSizeOpt,
@@ -124,6 +125,7 @@ def ask_command(
     segment: SegmentOpt = None,
     segment_tokens: SegmentTokensOpt = None,
     encoding: EncodingOpt = "utf-8",
+    errors: ErrorsOpt = "strict",
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = None,
@@ -151,7 +153,7 @@ def ask_command(
         doc, rest = args[0], args[1:]
         questions = read_questions(rest, questions_file, doc == "-")
         cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens or 128, pool_kernel_size="63")
-        stream = open_stream(doc, encoding)
+        stream = open_stream(doc, encoding, errors)
         rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code, weights)
         stored = ingest(rk, stream, cfg, segment_tokens=segment_tokens).cache
         source = doc

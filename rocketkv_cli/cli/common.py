@@ -7,8 +7,10 @@ One module per command beside this one; each parses, calls the Python API
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import os
+import shlex
 import signal
 import sys
 import time
@@ -29,18 +31,11 @@ from rich.progress import (
 )
 from rich.text import Text
 
+from ..entry import EXIT_CODES, MESSAGES, Terminated, install, mark_reported, received
 from ..errors import InputError, RocketKVError
 
 err = Console(stderr=True, highlight=False)
 _state = {"quiet": False}
-
-
-class _Terminated(BaseException):
-    """Raised by the SIGTERM handler so that cleanup (`finally`) runs before exit 143."""
-
-
-def _on_sigterm(signum, frame):  # pragma: no cover - exercised through subprocess tests
-    raise _Terminated()
 
 
 def log(message: str) -> None:
@@ -62,20 +57,51 @@ def _stdout_closed() -> typer.Exit:
     return typer.Exit(141)
 
 
+def _signal_exit(signum: int) -> typer.Exit:
+    """The one line for an interrupt (printed once), and its exit code (130, 143)."""
+    mark_reported(signum)
+    return fail(MESSAGES[signum], EXIT_CODES[signum])
+
+
+def stdout_usable() -> bool:
+    """Whether stdout is open for writing (`>&-` closes it; `1<file` opens it read-only), so a
+    command can refuse to start rather than lose its results silently."""
+    if sys.stdout is None:  # Python found descriptor 1 closed at start-up
+        return False
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, OSError):  # an in-process stream (a test runner's capture)
+        return not getattr(sys.stdout, "closed", False)
+    try:
+        mode = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+    except OSError:  # closed after start-up
+        return False
+    return mode in (os.O_WRONLY, os.O_RDWR)
+
+
 def command(fn):
-    """Wrap a command body: known errors → one line + exit 1; Ctrl-C → 130; SIGTERM → 143."""
+    """Wrap a command body: known errors → one line + exit 1; Ctrl-C → 130; SIGTERM → 143.
+
+    Signals are handled by `rocketkv_cli.entry` (installed before the heavy imports); an
+    unexpected error after a signal was received is reported as that signal (an interrupted
+    import can resurface as an ImportError much later)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        signal.signal(signal.SIGTERM, _on_sigterm)
+        install()
         try:
+            if not stdout_usable():
+                raise InputError(
+                    "stdout is closed, so the results would be lost",
+                    "redirect it to a file or to /dev/null instead of closing it (>&-)",
+                )
             return fn(*args, **kwargs)
         except RocketKVError as exc:
             raise fail(str(exc)) from None
         except KeyboardInterrupt:
-            raise fail("interrupted", 130) from None
-        except _Terminated:
-            raise fail("terminated", 143) from None
+            raise _signal_exit(signal.SIGINT) from None
+        except Terminated:
+            raise _signal_exit(signal.SIGTERM) from None
         except (typer.Exit, typer.Abort, SystemExit):
             raise
         except BrokenPipeError:
@@ -83,6 +109,9 @@ def command(fn):
         except MemoryError:
             raise fail("out of memory — try a smaller --chunk-tokens or --budget, or a shorter document") from None
         except Exception as exc:  # unexpected: still one line unless debugging
+            signum = received()
+            if signum is not None:  # the interrupt surfaced as another error on its way up
+                raise _signal_exit(signum) from None
             if os.environ.get("ROCKETKV_DEBUG") == "1":
                 raise
             first = str(exc).splitlines()[0] if str(exc) else ""
@@ -141,17 +170,19 @@ class Timings:
 
 
 def setup(quiet: bool) -> None:
-    """Per-command start: quiet or not, and transformers offline and silent."""
-    from ..engine.api import configure
-
+    """Per-command start: quiet or not. Nothing heavy is imported here, so that the checks that
+    follow (options, documents, paths) answer in a fraction of a second."""
     _state["quiet"] = quiet
+
+
+def load_engine(model: Optional[str], device: str, dtype: str, trust_remote_code: bool, weights: str | None = None):
+    """`RocketKV.load` (None: the default model) with transformers offline and silent, a spinner
+    on a terminal and a timing line on stderr."""
+    from ..engine.api import DEFAULT_MODEL, RocketKV, configure
+
+    quiet = _state["quiet"]
     configure(quiet, progress_bars=err.is_terminal and not quiet)
-
-
-def load_engine(model: str, device: str, dtype: str, trust_remote_code: bool, weights: str | None = None):
-    """`RocketKV.load` with a spinner on a terminal and a timing line on stderr."""
-    from ..engine.api import RocketKV
-
+    model = model or DEFAULT_MODEL
     t0 = time.perf_counter()
     with (
         err.status(f"loading {model}", spinner="dots")
@@ -204,7 +235,7 @@ def steps_bar() -> Progress:
 
 def open_stream(doc_path: str, encoding: str, errors: str = "strict"):
     """The document as a validated stream (fails before any model loads)."""
-    from ..engine.api import open_document
+    from ..engine.preflight import open_document
 
     return open_document(doc_path, encoding, errors)
 
@@ -231,6 +262,28 @@ def ingest(rk, document, cfg, output=None, force=False, segment_tokens=None, kv_
     log(f"prefilled {stored.n_context_tokens} tokens{where} in {done.seconds:.1f}s; "
         f"keeping up to {stored.max_kept_tokens} per KV head per layer{' per segment' if where else ''}")  # fmt: skip
     return done
+
+
+def report_abandoned(directory: Path, skip: Optional[Path] = None) -> None:
+    """One line on stderr per checkpoint folder in `directory` left by an ingest that is not
+    running (killed, crashed, interrupted), with how to resume it or remove it (`skip`: the
+    target whose own checkpoints the current ingest resumes from)."""
+    from ..engine.preflight import abandoned_ingests
+
+    for found in abandoned_ingests(directory):
+        if skip is not None and found.target == skip:
+            continue
+        age = _age(time.time() - found.modified)
+        log(f"{found.folder} holds {found.n_segments} checkpointed segments ({found.n_bytes / 1e6:.1f} MB, "
+            f"last written {age} ago) of an unfinished ingest into {found.target} — rerun that ingest to resume "
+            f"it, or remove them: rm -r {shlex.quote(str(found.folder))}")  # fmt: skip
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{max(seconds, 0):.0f} s"
 
 
 def storage(kv_dtype: str):
@@ -285,7 +338,10 @@ TopkOpt = Annotated[Optional[int], typer.Option(help="Override: tokens attended 
 PageSizeOpt = Annotated[Optional[int], typer.Option(help="Override: tokens per key min/max page.")]
 ScoreDimsOpt = Annotated[Optional[int], typer.Option(help="Override: head dims used for page scores.")]
 EncodingOpt = Annotated[str, typer.Option(help="Text encoding of the document.")]
-CacheOpt = Annotated[Optional[Path], typer.Option("--cache", "-c", help="A .kv file from `rocketkv ingest`.")]
+CacheOpt = Annotated[  # readable=False: an unreadable file gets rocketkv's one-line error, not a usage box
+    Optional[Path], typer.Option("--cache", "-c", readable=False, help="A .kv file from `rocketkv ingest`.")
+]
+ErrorsOpt = Annotated[str, typer.Option(help="Decoding errors in the document: strict, replace or ignore.")]
 SegmentTokensOpt = Annotated[
     Optional[int],
     typer.Option(min=64, help="Tokens per segment for documents longer than the context (default: all that fit)."),

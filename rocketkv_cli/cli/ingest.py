@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -14,6 +13,7 @@ from .common import (
     DeviceOpt,
     DtypeOpt,
     EncodingOpt,
+    ErrorsOpt,
     JsonOpt,
     KvDtypeOpt,
     ModelOpt,
@@ -29,14 +29,15 @@ from .common import (
     log,
     open_stream,
     prefill_config,
+    report_abandoned,
     setup,
 )  # fmt: skip
 
 
 def ingest_command(
     document: Annotated[str, typer.Argument(help="Text file to read, or - for stdin.")],
-    output: Annotated[
-        Optional[Path], typer.Option("--output", "-o", help="Cache file to write (default: DOC with .kv).")
+    output: Annotated[  # text, not a Path: a trailing / (a directory) must not be lost
+        Optional[str], typer.Option("--output", "-o", help="Cache file to write (default: DOC.kv, e.g. a.txt.kv).")
     ] = None,
     budget: BudgetOpt = 512,
     max_new_tokens: Annotated[int, typer.Option(help="Answer length the budget plans for, in tokens.")] = 128,
@@ -54,7 +55,7 @@ def ingest_command(
     segment_tokens: SegmentTokensOpt = None,
     force: Annotated[bool, typer.Option("--force", "-f", help="Replace an existing output file.")] = False,
     encoding: EncodingOpt = "utf-8",
-    errors: Annotated[str, typer.Option(help="Decoding errors: strict, replace or ignore.")] = "strict",
+    errors: ErrorsOpt = "strict",
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = None,
@@ -68,7 +69,7 @@ def ingest_command(
     A document longer than the model's context is ingested in segments, each checkpointed beside
     the output: an interrupted ingest continues where it stopped when the same command is rerun.
     """
-    from ..engine.api import DEFAULT_MODEL, check_output, default_output, pending_checkpoints
+    from ..engine.preflight import check_output, default_output  # no torch: these answer at once
 
     setup(quiet)
     cfg = prefill_config(
@@ -77,20 +78,23 @@ def ingest_command(
         n_score_dims=n_score_dims, chunk_tokens=chunk_tokens,
     )  # fmt: skip
     stream = open_stream(document, encoding, errors)  # bad documents fail before anything else is touched
-    output = output if output is not None else default_output(document)
-    check_output(output, force, document)  # fail now, not after a long prefill
-    rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code, weights)
-    count, folder = pending_checkpoints(output)
+    # the output is checked (name, directory, permission to write) before the model loads, not after a long prefill
+    target = check_output(output if output is not None else default_output(document), force, document)
+    report_abandoned(target.parent, skip=target)
+    rk = load_engine(model, device, dtype or "auto", trust_remote_code, weights)
+    from ..engine.api import pending_checkpoints
+
+    count, folder = pending_checkpoints(target)
     if count:
         log(f"resuming: found {count} checkpointed segments in {folder} (reused if they match)")
-    done = ingest(rk, stream, cfg, output, force, segment_tokens, kv_dtype)
-    size = output.stat().st_size
-    log(f"wrote {output} ({size / 1e6:.1f} MB)")
+    done = ingest(rk, stream, cfg, target, force, segment_tokens, kv_dtype)
+    size = target.stat().st_size
+    log(f"wrote {target} ({size / 1e6:.1f} MB)")
     if json_out:
         cache = done.cache
-        row = {"cache": str(output), "n_context_tokens": cache.n_context_tokens, "n_segments": cache.n_segments,
+        row = {"cache": str(target), "n_context_tokens": cache.n_context_tokens, "n_segments": cache.n_segments,
                "file_bytes": size, "ingest_s": round(done.seconds, 3),
                "budgets": cache.info.budgets_record()}  # fmt: skip
         typer.echo(json.dumps(row))
     else:
-        typer.echo(str(output))
+        typer.echo(str(target))

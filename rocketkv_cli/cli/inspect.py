@@ -8,16 +8,20 @@ from typing import Annotated
 
 import typer
 
-from .common import JsonOpt
+from .common import JsonOpt, report_abandoned
 
 
 def inspect_command(
-    cache: Annotated[Path, typer.Argument(help="A .kv file.")],
+    cache: Annotated[Path, typer.Argument(help="A .kv file.", readable=False)],  # unreadable: rocketkv's error
     json_out: JsonOpt = False,
 ) -> None:
-    """Show what a .kv cache holds (validates the file; does not load the model)."""
+    """Show what a .kv cache holds (validates the file; does not load the model).
+
+    Checkpoint folders of unfinished ingests beside it are reported on stderr, with how to
+    resume or remove them."""
     from ..engine.api import describe
 
+    report_abandoned(cache.parent)
     info = describe(cache)
     if json_out:
         typer.echo(json.dumps(info))

@@ -16,6 +16,7 @@ from .common import (
     DeviceOpt,
     DtypeOpt,
     EncodingOpt,
+    ErrorsOpt,
     JsonOpt,
     ModelOpt,
     QuietOpt,
@@ -39,6 +40,7 @@ def summarize_command(
     dense: DenseOpt = False,
     segment_tokens: SegmentTokensOpt = None,
     encoding: EncodingOpt = "utf-8",
+    errors: ErrorsOpt = "strict",
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = None,
@@ -63,7 +65,7 @@ def summarize_command(
         source = str(cache)
     else:
         assert document is not None  # checked above: exactly one of DOC and --cache
-        stream = open_stream(document, encoding)
+        stream = open_stream(document, encoding, errors)
         rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code, weights)
         stored = ingest(rk, stream, cfg, segment_tokens=segment_tokens).cache
         source = document

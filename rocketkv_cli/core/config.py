@@ -80,6 +80,11 @@ class PrefillConfig:
             raise ValueError(
                 f"prompt_budget must be at least window_size ({self.window_size}), got {self.prompt_budget}"
             )
+        if self.prompt_budget is None and self.selection == "snapkv" and self.token_budget < self.window_size:
+            raise ValueError(
+                f"token_budget {self.token_budget} is below the observation window (window_size {self.window_size}), "
+                "which stage 1 always keeps: raise the token budget, or lower window_size"
+            )
 
     def to_dict(self) -> dict:
         """All fields, except the selection fields while at their defaults: a default cache's
@@ -113,9 +118,14 @@ def derive_budgets(n_context_tokens: int, max_new_tokens: int, token_budget: int
     """Split a token budget t into stage-1 and stage-2 budgets (paper §3.6; docs/algorithm.md §1).
 
     With S = n + max_new_tokens: c = max(1, S/t); r = min(0.2 + 0.06·log2(c), 0.8);
-    capacity = floor(S / c^r); prompt_budget = capacity − max_new_tokens; topk = t/2;
-    c2 = max(1, capacity/t); page_size = ceil(sqrt(c2)) (1 if that exceeds c2);
-    n_score_dims = floor(head_dim · page_size / c2) clamped to [1, head_dim].
+    prompt_budget = max(floor(S / c^r) − max_new_tokens, min(n, t)); capacity = prompt_budget +
+    max_new_tokens; topk = t/2; c2 = max(1, capacity/t); page_size = ceil(sqrt(c2)) (1 if that
+    exceeds c2); n_score_dims = floor(head_dim · page_size / c2) clamped to [1, head_dim].
+
+    The floor min(n, t): a document that fits the token budget is kept whole, and a longer one
+    keeps at least t tokens. Without it a short answer plan would squeeze stage 1 to a handful of
+    tokens (S / c^r − max_new_tokens is small when n is a little over t), and a document would be
+    pruned harder than a longer one at the same budget.
 
     Args:
         n_context_tokens: n, document tokens.
@@ -123,7 +133,7 @@ def derive_budgets(n_context_tokens: int, max_new_tokens: int, token_budget: int
         token_budget: t, in tokens per KV head per layer.
         head_dim: d.
     Returns:
-        `Budgets`; prompt_budget is at least 1 (the caller keeps everything when n ≤ prompt_budget).
+        `Budgets`; the caller keeps everything when n ≤ prompt_budget.
     Raises:
         ValueError: a non-positive argument, naming it.
     """
@@ -137,8 +147,8 @@ def derive_budgets(n_context_tokens: int, max_new_tokens: int, token_budget: int
     seq = n_context_tokens + max_new_tokens
     c = max(1.0, seq / token_budget)
     r = min(0.2 + 0.06 * math.log2(c), 0.8)
-    capacity = math.floor(seq / c**r)
-    prompt_budget = max(1, capacity - max_new_tokens)
+    prompt_budget = max(math.floor(seq / c**r) - max_new_tokens, min(n_context_tokens, token_budget))
+    capacity = prompt_budget + max_new_tokens
     topk = max(1, token_budget // 2)
     c2 = max(1.0, capacity / token_budget)
     page_size = math.ceil(math.sqrt(c2))
@@ -148,7 +158,7 @@ def derive_budgets(n_context_tokens: int, max_new_tokens: int, token_budget: int
     n_score_dims = min(head_dim, max(1, math.floor(head_dim * page_size / c2)))
     return Budgets(
         prompt_budget=prompt_budget,
-        capacity_budget=prompt_budget + max_new_tokens,
+        capacity_budget=capacity,
         topk=topk,
         page_size=page_size,
         n_score_dims=n_score_dims,

@@ -16,9 +16,7 @@ The CLI is a thin layer over this class (it parses, prints and maps errors). Eve
 from __future__ import annotations
 
 import atexit
-import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -27,15 +25,16 @@ from pathlib import Path
 from ..core.cache import AnyCache, CompressedKVCache, SegmentedKVCache
 from ..core.config import DEFAULT_MAX_NEW_TOKENS, PrefillConfig
 from ..core.quant import DEFAULT_KV_DTYPE, KVStorage
-from ..errors import InputError, OutputError
+from ..errors import InputError
 from ..model.loading import DEFAULT_MODEL, configure_transformers, load_model
-from ..store.atomic import check_target
 from ..store.checkpoints import Checkpoints
-from ..store.describe import describe
+from ..store.describe import describe as store_describe
+from ..store.folders import make_scratch_dir
 from ..store.format import load_cache, save_cache, verify_file
 from .answer import Answer, answer, decode_config_for, hsa_min_tokens
 from .documents import TextPieces, TextStream
 from .engine import Engine, TokenProgress
+from .preflight import abandoned_ingests, check_cache_file, check_output, default_output, open_document
 from .segments import PartialSummary, SegmentDone, answer_segmented, ingest_stream, summarize
 
 Log = Callable[[str], None]
@@ -48,29 +47,6 @@ class Ingested:
     cache: AnyCache
     path: Path | None
     seconds: float
-
-
-def open_document(path: str, encoding: str = "utf-8", errors: str = "strict") -> TextStream:
-    """A document as a stream (`-` = stdin), with a regular file decoded once up front so a bad
-    document fails before any model loads. Raises InputError (missing, binary, bad encoding, empty)."""
-    stream = TextStream(path, encoding=encoding, errors=errors)
-    stream.validate()
-    return stream
-
-
-def default_output(document: str) -> Path:
-    """Where `ingest DOC` writes without `-o`: DOC with the suffix `.kv`. Raises OutputError for stdin."""
-    if document == "-":
-        raise OutputError("reading from stdin needs an output file", "pass -o FILE.kv")
-    return Path(document).with_suffix(".kv")
-
-
-def check_output(output: Path, force: bool, document: str | None = None) -> None:
-    """Refuse an output rocketkv must not write, before any work (see `store.format.check_target`),
-    or one that is the document itself. Raises OutputError."""
-    check_target(output, force)
-    if document not in (None, "-") and output.exists() and os.path.samefile(document, output):
-        raise OutputError(f"-o {output} is the document itself", "choose another output file")
 
 
 def configure(quiet: bool, progress_bars: bool) -> None:
@@ -96,8 +72,15 @@ def check_questions(questions: Iterable[str]) -> list[str]:
 
 
 def read_cache(path: str | Path) -> AnyCache:
-    """Load and validate a `.kv` file without a model (memory-mapped). Raises CacheFormatError."""
+    """Load and validate a `.kv` file without a model. Raises CacheFormatError."""
+    check_cache_file(path)
     return load_cache(path)
+
+
+def describe(path: str | Path) -> dict:
+    """What a `.kv` file holds (for `inspect`), validated; no model is loaded. Raises CacheFormatError."""
+    check_cache_file(path)
+    return store_describe(path)
 
 
 def pending_checkpoints(output: Path) -> tuple[int, Path]:
@@ -172,9 +155,10 @@ class RocketKV:
             stream = document
         else:
             stream = open_document(str(document))
-        target = Path(output) if output is not None else None
-        if target is not None:
-            check_output(target, force, None if isinstance(document, TextStream) or document is None else str(document))
+        target = None
+        if output is not None:
+            doc_path = None if isinstance(document, TextStream) or document is None else str(document)
+            target = check_output(output, force, doc_path)
         checkpoints = Checkpoints(target) if target is not None else _scratch_checkpoints()
         t0 = time.perf_counter()
         cache = ingest_stream(self.engine, stream, cfg, segment_tokens, checkpoints, on_segment, progress, kv)
@@ -187,7 +171,7 @@ class RocketKV:
 
     def open(self, path: str | Path) -> AnyCache:
         """Load a `.kv` file and check it was built for this model. Raises CacheFormatError."""
-        cache = load_cache(path)
+        cache = read_cache(path)
         self.check(cache, str(path))
         return cache
 
@@ -257,14 +241,18 @@ class RocketKV:
 def _scratch_checkpoints() -> Checkpoints:
     """Checkpoints in a temporary folder (removed at exit), so that a long document ingested in
     memory keeps its finished segments on disk, memory-mapped, not in RAM."""
-    folder = tempfile.mkdtemp(prefix="rocketkv-")
+    folder = make_scratch_dir()  # named for this process: a later run removes it if this one is killed
     atexit.register(shutil.rmtree, folder, True)
-    return Checkpoints(Path(folder) / "memory.kv")
+    return Checkpoints(folder / "memory.kv")
 
 
 __all__ = [
     "DEFAULT_MODEL",
     "Answer",
+    "abandoned_ingests",
+    "check_cache_file",
+    "check_output",
+    "default_output",
     "describe",
     "CompressedKVCache",
     "Ingested",

@@ -197,7 +197,10 @@ class Engine:
         with the cache.
 
         Raises:
-            BudgetError: the prompt budget falls below the observation window.
+            BudgetError: the prompt budget falls below the observation window. `PrefillConfig`
+                refuses a SnapKV++ token budget below the window before any model loads, and
+                `derive_budgets` keeps at least min(n, t) tokens, so this guards only explicit or
+                baseline configurations.
             ValueError: a storage the model's head dim does not allow (int4 with an odd one).
         """
         n = prefill.n_context_tokens

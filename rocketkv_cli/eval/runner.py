@@ -102,6 +102,7 @@ class EvalConfig:
             raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
         if self.seed < 0 or self.n_sink_tokens < 0:
             raise ValueError(f"seed and n_sink_tokens must be non-negative, got {self.seed}, {self.n_sink_tokens}")
+        plan(self)  # every stage-1 configuration must be valid before any model loads (ValueError naming it)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -1,17 +1,39 @@
 """Atomic, no-clobber writes of rocketkv's files: a temporary file in the target's directory,
 fsynced and renamed into place (the directory fsynced too), so an interrupted write leaves the old
 file or none; an existing target is replaced only with `force`; a symlink at the target is
-replaced, never written through."""
+replaced, never written through. Standard library only (no torch): the command line checks
+output paths with these functions before anything heavy is imported.
+
+The temporary file is `.rocketkv-<pid>-<host>-<random>.tmp`. A process killed with SIGKILL (or a
+machine that lost power) cannot remove it, so a later write into the same directory removes such
+files when they are stale (`remove_stale_temp_files`): the pid they name is no longer running on
+this host (or, as pids are reused, the file is untouched for REUSED_PID_AFTER_S), or — made on
+another host sharing the directory, or by rocketkv 0.1.0 whose names carry no pid — untouched for
+STALE_AFTER_S. Only files of that exact pattern owned by the current user are touched.
+"""
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import os
+import re
+import socket
+import stat
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
 from ..errors import OutputError
+
+TEMP_PREFIX = ".rocketkv-"
+TEMP_SUFFIX = ".tmp"
+STALE_AFTER_S = 24 * 3600.0  # untouched this long, a file whose maker cannot be checked is abandoned
+REUSED_PID_AFTER_S = 7 * 24 * 3600.0  # a live pid this old is another process that reused it
+# .rocketkv-<pid>-<host>-<random>.tmp (this version); .rocketkv-<random>.tmp (0.1.0: age only)
+_TEMP_NAME = re.compile(r"^\.rocketkv-(?:(\d+)-([0-9a-f]{8})-)?[A-Za-z0-9_]+\.tmp$")
 
 
 def check_target(target: Path, force: bool) -> Path:
@@ -33,10 +55,14 @@ def check_target(target: Path, force: bool) -> Path:
 
 
 def atomic_write(target: Path, force: bool, write: Callable[[BinaryIO], object]) -> Path:
-    """Write through `write(file)` into a temporary file beside `target`, fsync, then rename."""
+    """Write through `write(file)` into a temporary file beside `target`, fsync, then rename.
+
+    The temporary file is named for this process (`make_temp_file`); stale ones left in the
+    directory by killed runs are removed first (`remove_stale_temp_files`)."""
     parent = check_target(target, force)
+    remove_stale_temp_files(parent)
     try:
-        fd, tmp = tempfile.mkstemp(dir=parent, prefix=".rocketkv-", suffix=".tmp")
+        fd, tmp = make_temp_file(parent)
     except OSError as exc:
         raise OutputError(f"cannot write in {parent}: {exc.strerror}", "choose a writable directory with -o") from exc
     try:
@@ -73,3 +99,86 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def host_tag() -> str:
+    """8 hex digits naming this host (a pid means something only on the host that issued it)."""
+    return hashlib.sha256(socket.gethostname().encode("utf-8", "replace")).hexdigest()[:8]
+
+
+def owner_prefix() -> str:
+    """`<pid>-<host>-`: the part of a temporary name that identifies its maker."""
+    return f"{os.getpid()}-{host_tag()}-"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (a process of another user counts as alive)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError as exc:
+        return exc.errno != errno.ESRCH
+    return True
+
+
+def is_stale(owner: tuple[str | None, ...], mtime: float, now: float) -> bool:
+    """Whether a temporary file or folder whose name says `owner` = (pid, host tag), both None
+    for a 0.1.0 name, and last modified at `mtime` is left from a run that is gone."""
+    pid, host = owner
+    age = now - mtime
+    if pid is None or host != host_tag():
+        return age > STALE_AFTER_S  # no pid, or another host's: only age can tell
+    if int(pid) == os.getpid():
+        return False
+    return not pid_alive(int(pid)) or age > REUSED_PID_AFTER_S
+
+
+def stale_temp_files(directory: Path) -> list[Path]:
+    """rocketkv temp files in `directory` whose maker is gone (see the module docstring)."""
+    now, found = time.time(), []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return []
+    for entry in entries:
+        match = _TEMP_NAME.match(entry.name)
+        if match is None:
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and is_stale(match.groups(), st.st_mtime, now):
+            found.append(Path(entry.path))
+    return found
+
+
+def remove_stale_temp_files(directory: Path) -> list[Path]:
+    """Remove `stale_temp_files(directory)`; returns those removed (best effort: a file that
+    cannot be removed is left, and so is anything that is not rocketkv's)."""
+    removed = []
+    for path in stale_temp_files(directory):
+        try:
+            path.unlink()
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+def make_temp_file(directory: Path) -> tuple[int, str]:
+    """A new, empty temp file in `directory` named for this process: (fd, path). Raises OSError."""
+    return tempfile.mkstemp(dir=directory, prefix=TEMP_PREFIX + owner_prefix(), suffix=TEMP_SUFFIX)
+
+
+def probe_writable(directory: Path) -> None:
+    """Create and remove one temp file in `directory`: the check a write will pass, made before
+    any long work. Raises OSError (EACCES for a read-only directory, ENOENT, EROFS …)."""
+    fd, path = make_temp_file(directory)
+    os.close(fd)
+    os.unlink(path)

@@ -1,5 +1,9 @@
-"""Checkpoints of a segmented ingest: each finished segment as a one-segment `.kv` file in a hidden
-folder beside the target, so that an interrupted ingest resumes where it stopped."""
+"""Checkpoints of a segmented ingest: each finished segment as a one-segment `.kv` file in a hidden folder
+beside the target, so that an interrupted ingest resumes where it stopped.
+
+The folder also names the process writing into it (`folders.claim_folder`: pid and host), so that a
+folder whose ingest is gone for good can be told from one in use (`folders.abandoned_checkpoints`).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,10 @@ from pathlib import Path
 
 from ..core.cache import CacheInfo, CompressedKVCache
 from ..errors import CacheFormatError, OutputError
+from .folders import AbandonedCheckpoints, abandoned_checkpoints, checkpoint_folder, claim_folder
 from .format import load_cache, save_cache, verify_file
+
+__all__ = ["AbandonedCheckpoints", "Checkpoints", "abandoned_checkpoints", "same_build"]
 
 
 class Checkpoints:
@@ -20,7 +27,8 @@ class Checkpoints:
     """
 
     def __init__(self, target: Path):
-        self.dir = target.parent / f".{target.name}.segments"
+        self.dir = checkpoint_folder(target)
+        self._claimed = False
 
     def _path(self, index: int) -> Path:
         return self.dir / f"{index:06d}.kv"
@@ -47,6 +55,9 @@ class Checkpoints:
         except OSError as exc:
             raise OutputError(f"cannot create the checkpoint folder {self.dir}: {exc.strerror}",
                               "choose a writable output directory, or remove what is in the way") from exc  # fmt: skip
+        if not self._claimed:  # this process now owns the folder (see `abandoned_checkpoints`)
+            claim_folder(self.dir)
+            self._claimed = True
         save_cache(part, self._path(index), force=True)
         loaded = load_cache(self._path(index), lazy=True)
         if not isinstance(loaded, CompressedKVCache):

@@ -1,0 +1,95 @@
+"""Checks made before anything heavy is imported or loaded: documents, output paths, cache paths,
+and what killed ingests left behind. No torch here (the command line calls these first, so a bad
+path or document is refused in a fraction of a second, before the model loads).
+
+The Python API (`api.py`) re-exports every function of this module.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from ..errors import CacheFormatError, OutputError
+from ..store.atomic import check_target, probe_writable, remove_stale_temp_files
+from ..store.folders import AbandonedCheckpoints, abandoned_checkpoints
+from .documents import TextStream
+
+
+def open_document(path: str, encoding: str = "utf-8", errors: str = "strict") -> TextStream:
+    """A document as a stream (`-` = stdin), with a regular file decoded once up front so a bad
+    document fails before any model loads. Raises InputError (missing, binary, bad encoding, empty)."""
+    stream = TextStream(path, encoding=encoding, errors=errors)
+    stream.validate()
+    return stream
+
+
+def default_output(document: str) -> Path:
+    """Where `ingest DOC` writes without `-o`: DOC's whole name plus `.kv` (`a.txt` → `a.txt.kv`,
+    so `a.txt` and `a.md` never replace each other's cache). Raises OutputError for stdin and for
+    a document that is not a regular file (a pipe such as `<(cat doc)`, a device): it has no
+    name worth keeping, and its directory is not one to write in."""
+    if document == "-":
+        raise OutputError("reading from stdin needs an output file", "pass -o FILE.kv")
+    path = Path(document)
+    if not path.is_file():
+        raise OutputError(f"{document} is not a regular file (a pipe or a device), so it gives no output name",
+                          "pass -o FILE.kv")  # fmt: skip
+    return path.with_name(path.name + ".kv")
+
+
+def check_output(output: str | Path, force: bool, document: str | None = None) -> Path:
+    """Refuse an output rocketkv must not or cannot write, before any work: what
+    `store.atomic.check_target` refuses, a name ending in `/` (a directory), the document
+    itself, or a directory this process cannot create files in (checked by creating one).
+    Stale temporary files of killed runs in that directory are removed on the way. Returns the
+    output as a Path. Raises OutputError."""
+    text = str(output)
+    target = Path(output)
+    if isinstance(output, str) and text.endswith(("/", os.sep)) and not target.is_dir():
+        raise OutputError(f"-o {text} names a directory (it ends with /), and there is none",
+                          f"create it (mkdir -p {text}) and give a file name in it, e.g. -o {text}DOC.kv")  # fmt: skip
+    parent = check_target(target, force)
+    if document not in (None, "-") and target.exists() and os.path.samefile(document, target):
+        raise OutputError(f"-o {target} is the document itself", "choose another output file")
+    remove_stale_temp_files(parent)
+    try:
+        probe_writable(parent)
+    except OSError as exc:
+        raise OutputError(f"cannot write in {parent}: {exc.strerror}", "choose a writable directory with -o") from None
+    return target
+
+
+def check_cache_file(path: str | Path) -> None:
+    """Refuse, with the reason, a cache path that is not a readable regular file (missing, a
+    directory, a FIFO or device, no permission) before anything reads it. Raises CacheFormatError."""
+    p = Path(path)
+    build = f"build one with: rocketkv ingest DOC -o {path}"
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise CacheFormatError(f"cache file not found: {path}", build) from None
+    except PermissionError:
+        raise CacheFormatError(f"no permission to reach cache {path}", "check its directories' permissions") from None
+    except OSError as exc:
+        raise CacheFormatError(f"cannot read cache {path}: {exc.strerror}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise CacheFormatError(f"{path} is a directory, not a cache file",
+                               "give a .kv file written by: rocketkv ingest DOC -o FILE.kv")  # fmt: skip
+    if not stat.S_ISREG(st.st_mode):
+        raise CacheFormatError(f"{path} is not a regular file (a FIFO, socket or device); a cache must be a file",
+                               f"copy it to a file first, e.g. cat {path} > copy.kv")  # fmt: skip
+    try:
+        with open(p, "rb"):
+            pass
+    except PermissionError:
+        raise CacheFormatError(f"no permission to read cache {path}", "check the file's permissions") from None
+    except OSError as exc:
+        raise CacheFormatError(f"cannot read cache {path}: {exc.strerror}") from None
+
+
+def abandoned_ingests(directory: str | Path) -> list[AbandonedCheckpoints]:
+    """Checkpoint folders in `directory` of ingests that are not running (killed, crashed,
+    interrupted and never rerun): each names its target, segment count, bytes and age."""
+    return abandoned_checkpoints(Path(directory) if str(directory) else Path("."))

@@ -16,11 +16,12 @@ The CLI is a thin layer over this class (it parses, prints and maps errors). Eve
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,10 +32,10 @@ from ..model.loading import DEFAULT_MODEL, configure_transformers, load_model
 from ..store.checkpoints import Checkpoints
 from ..store.describe import describe
 from ..store.format import check_target, load_cache, save_cache, save_segmented
-from .answer import Answer, answer, decode_config_for
+from .answer import Answer, Answerer, Sampling, TextCallback, answer, decode_config_for
 from .documents import TextPieces, TextStream
 from .engine import Engine, TokenProgress
-from .segments import PartialSummary, SegmentDone, answer_segmented, ingest_stream, summarize
+from .segments import PartialSummary, SegmentDone, answer_segmented, ingest_stream, merge_segments, route, summarize
 
 Log = Callable[[str], None]
 
@@ -183,31 +184,89 @@ class RocketKV:
         n_score_dims: int | None = None,
         segments: int = 1,
         segment: int | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        on_text: TextCallback | None = None,
         log: Log = lambda message: None,
     ) -> Iterator[Answer]:
-        """Answer each question independently from `cache` (greedy); yields `Answer`s in order.
+        """Answer each question independently from `cache`; yields `Answer`s in order (lazily:
+        a question is answered when its `Answer` is asked for).
 
         max_new_tokens: answer cap (default: what the cache planned for). dense: exact attention
         over the stored cache instead of stage-2 HSA. topk/page_size/n_score_dims: stage-2
         overrides. segments/segment: for a segmented cache, answer from the `segments` best
-        matching segments, or from segment `segment`. Every question is checked before any is
-        answered.
+        matching segments, or from segment `segment`. temperature/top_p/seed: sampling
+        (`Sampling`; temperature 0 = greedy, the default). on_text(piece): called with the text
+        of the answer being decoded as it becomes final (the pieces of one answer joined equal
+        its `text`). Every question is checked before any is answered.
         Raises:
-            InputError: an empty question, a bad override or segment. BudgetError: a question
-            that does not fit the context.
+            InputError: an empty question, a bad override, sampling option or segment.
+            BudgetError: a question that does not fit the context.
         """
         qs = [questions] if isinstance(questions, str) else list(questions)
-        max_new = max_new_tokens or cache.info.config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+        max_new = self._max_new(cache, max_new_tokens)
         overrides = {"topk": topk, "page_size": page_size, "n_score_dims": n_score_dims}
         try:
+            sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
             if isinstance(cache, SegmentedKVCache):
-                return answer_segmented(self.engine, cache, qs, max_new, not dense, overrides, segments, segment, log)
+                return answer_segmented(self.engine, cache, qs, max_new, not dense, overrides, segments, segment, log,
+                                        sampling, on_text)  # fmt: skip
             if segment not in (None, 0):
                 raise InputError(f"--segment {segment}: this cache has one segment (0)")
             decode = decode_config_for(cache, sparse=not dense, **overrides)
         except ValueError as exc:
             raise InputError(f"invalid option: {exc}") from None
-        return answer(self.engine, cache, qs, max_new, decode)
+        return answer(self.engine, cache, qs, max_new, decode, sampling=sampling, on_text=on_text)
+
+    def session(
+        self,
+        cache: AnyCache,
+        *,
+        max_new_tokens: int | None = None,
+        dense: bool = False,
+        topk: int | None = None,
+        page_size: int | None = None,
+        n_score_dims: int | None = None,
+        segments: int = 1,
+        segment: int | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        log: Log = lambda message: None,
+    ) -> Session:
+        """A `Session` answering questions one at a time from `cache` (what `rocketkv chat` runs):
+        the decode buffers are made once, not per question. Options as `ask`.
+        Raises:
+            InputError: a bad override, sampling option or segment.
+        """
+        max_new = self._max_new(cache, max_new_tokens)
+        overrides = {"topk": topk, "page_size": page_size, "n_score_dims": n_score_dims}
+        try:
+            sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
+            first = cache.segments[0] if isinstance(cache, SegmentedKVCache) else cache
+            decode_config_for(first, sparse=not dense, **overrides)  # validates the overrides now
+        except ValueError as exc:
+            raise InputError(f"invalid option: {exc}") from None
+        if not isinstance(cache, SegmentedKVCache) and segment not in (None, 0):
+            raise InputError(f"--segment {segment}: this cache has one segment (0)")
+        if isinstance(cache, SegmentedKVCache) and segment is not None and not 0 <= segment < cache.n_segments:
+            raise InputError(f"--segment {segment} out of range; this cache has segments 0-{cache.n_segments - 1}")
+        return Session(self.engine, cache, max_new, not dense, overrides, sampling, segments, segment, log)
+
+    def stream(self, cache: AnyCache, question: str, **options) -> AnswerStream:
+        """The answer to one question as an iterator of text pieces (options as `ask`); the
+        `Answer` is in the stream's `answer` once it is exhausted:
+
+            stream = rk.stream(cache, "Who wrote it?")
+            for piece in stream:
+                print(piece, end="", flush=True)
+            print(stream.answer.stop_reason)
+        """
+        return self.session(cache, **options).stream(question)
+
+    def _max_new(self, cache: AnyCache, max_new_tokens: int | None) -> int:
+        return max_new_tokens or cache.info.config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
 
     def summarize(
         self,
@@ -224,6 +283,68 @@ class RocketKV:
         return summarize(self.engine, cache, cfg, max_new_tokens, not dense, on_partial)
 
 
+class AnswerStream:
+    """One answer's text as it is decoded: iterate for the pieces (joined, they equal the
+    answer's text); `answer` is the `Answer` once the iteration has ended (None before)."""
+
+    def __init__(self, steps: Generator[str, None, Answer]):
+        self._steps = steps
+        self.answer: Answer | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        self.answer = yield from self._steps
+
+
+class Session:
+    """Questions answered one at a time from one cache, with the model and the decode buffers
+    kept between them (build with `RocketKV.session`). A segmented cache routes each question
+    (`segments.route`) and keeps the buffers of the segments last used."""
+
+    def __init__(self, engine: Engine, cache: AnyCache, max_new_tokens: int, sparse: bool,
+                 overrides: dict[str, int | None], sampling: Sampling, n_segments: int, segment: int | None,
+                 log: Log) -> None:  # fmt: skip
+        self.engine, self.cache, self.max_new_tokens, self.sparse = engine, cache, max_new_tokens, sparse
+        self.overrides, self.sampling, self.n_segments, self.segment, self.log = (
+            overrides, sampling, n_segments, segment, log)  # fmt: skip
+        self._answerer: tuple[tuple[int, ...] | None, Answerer] | None = None
+
+    def _for(self, question: str) -> tuple[tuple[int, ...] | None, Answerer]:
+        chosen: tuple[int, ...] | None = None
+        part = self.cache
+        if isinstance(self.cache, SegmentedKVCache):
+            picked = [self.segment] if self.segment is not None else route(self.engine, self.cache, question,
+                                                                           self.n_segments)  # fmt: skip
+            chosen = tuple(picked)
+            part = merge_segments(self.cache, picked)
+            self.log(f"answering from segment{'s' * (len(chosen) > 1)} {', '.join(map(str, chosen))}")
+        if self._answerer is None or self._answerer[0] != chosen:
+            assert isinstance(part, CompressedKVCache)  # a segmented cache was merged above
+            decode = decode_config_for(part, self.sparse, **self.overrides)
+            self._answerer = (chosen, Answerer(self.engine, part, self.max_new_tokens, decode, sampling=self.sampling))
+        return self._answerer
+
+    def stream(self, question: str) -> AnswerStream:
+        """The answer to `question` as an `AnswerStream`. Raises InputError, BudgetError (checked
+        when the iteration starts)."""
+
+        def steps() -> Generator[str, None, Answer]:
+            chosen, answerer = self._for(question)
+            ans = yield from answerer.stream(question)
+            return ans if chosen is None else dataclasses.replace(ans, segments=chosen)
+
+        return AnswerStream(steps())
+
+    def ask(self, question: str, on_text: TextCallback | None = None) -> Answer:
+        """The answer to `question`; `on_text(piece)` gets its text as it becomes final.
+        Raises InputError (an empty question), BudgetError (one that does not fit)."""
+        stream = self.stream(question)
+        for piece in stream:
+            if on_text is not None:
+                on_text(piece)
+        assert stream.answer is not None  # set when the iteration ends
+        return stream.answer
+
+
 def _scratch_checkpoints() -> Checkpoints:
     """Checkpoints in a temporary folder (removed at exit), so that a long document ingested in
     memory keeps its finished segments on disk, memory-mapped, not in RAM."""
@@ -235,6 +356,9 @@ def _scratch_checkpoints() -> Checkpoints:
 __all__ = [
     "DEFAULT_MODEL",
     "Answer",
+    "AnswerStream",
+    "Sampling",
+    "Session",
     "describe",
     "CompressedKVCache",
     "Ingested",

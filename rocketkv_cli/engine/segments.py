@@ -27,7 +27,7 @@ from ..errors import BudgetError, CacheFormatError, InputError
 from ..model.hf import empty_cache, forward_tokens, rocketkv_attention
 from ..model.templates import read_prompt
 from ..store.checkpoints import Checkpoints
-from .answer import Answer, answer, decode_config_for
+from .answer import GREEDY, Answer, Sampling, TextCallback, answer, decode_config_for
 from .documents import Document, TextPieces, TextStream, segment_texts, tokenize
 from .engine import Engine, TokenProgress
 from .selectors import pool_kernel_of
@@ -290,6 +290,8 @@ def answer_segmented(
     n_segments: int = 1,
     segment: int | None = None,
     log: Callable[[str], None] = lambda message: None,
+    sampling: Sampling = GREEDY,
+    on_text: TextCallback | None = None,
 ) -> Iterator[Answer]:
     """Answer each question from the segments it is routed to (`route`), or from `segment`.
 
@@ -311,7 +313,7 @@ def answer_segmented(
     def answers() -> Iterator[Answer]:
         for i, ((question, chosen, part), decode) in enumerate(zip(jobs, decodes)):
             log(f"question {i + 1}: answering from segment{'s' * (len(chosen) > 1)} {', '.join(map(str, chosen))}")
-            ans = next(answer(engine, part, [question], max_new_tokens, decode))
+            ans = next(answer(engine, part, [question], max_new_tokens, decode, sampling=sampling, on_text=on_text))
             yield dataclasses.replace(ans, segments=tuple(chosen))
 
     return answers()

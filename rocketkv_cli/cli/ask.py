@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -10,6 +9,19 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import InputError
+from .answers import (
+    AnswerPrinter,
+    FormatOpt,
+    SeedOpt,
+    StreamOpt,
+    TemperatureOpt,
+    TopPOpt,
+    answer_log,
+    check_question_text,
+    resolve_format,
+    sampling_note,
+    usage_error,
+)
 from .common import (
     CacheOpt,
     DeviceOpt,
@@ -35,12 +47,12 @@ from .common import (
 
 DenseOpt = Annotated[bool, typer.Option("--dense", help="Exact attention over the stored cache (no stage-2 sparsity).")]
 MaxNewOpt = Annotated[
-    Optional[int], typer.Option(min=1, help="Answer length limit in tokens (default: the cache's plan).")
+    Optional[int], typer.Option(min=1, metavar="N", help="Answer length limit in tokens (default: the cache's plan).")
 ]
 
 
 def read_questions(positional: list[str], questions_file: Optional[str], doc_is_stdin: bool) -> list[str]:
-    """Questions from arguments and a file (`-` = stdin), one per line. Raises InputError."""
+    """Questions from arguments and a file (`-` = stdin), one per line; may be empty. Raises InputError."""
     questions = list(positional)
     if questions_file is not None:
         if questions_file == "-":
@@ -56,12 +68,7 @@ def read_questions(positional: list[str], questions_file: Optional[str], doc_is_
     if any(not q.strip() for q in questions):
         raise InputError("empty question", "give each question some text")
     for q in questions:
-        try:
-            q.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InputError("a question is not valid UTF-8 text", "check the question's encoding") from None
-    if not questions:
-        raise InputError("no question given", "pass questions as arguments or with --questions-file")
+        check_question_text(q)
     return questions
 
 
@@ -76,30 +83,45 @@ def open_cache(cache: Path, model: Optional[str], device: str, dtype: Optional[s
     return rk, stored
 
 
-def print_answers(answers, n_questions: int, source: str, json_out: bool) -> None:
-    """Each answer on stdout as it is made (`--json`: one object per line), a timing line on stderr."""
-    for i, ans in enumerate(answers):
-        if json_out:
-            typer.echo(json.dumps(ans.to_dict(cache=source), ensure_ascii=False))
-        else:
-            if n_questions > 1 and i:
-                typer.echo("")
-            typer.echo(ans.text)
-        sys.stdout.flush()
-        log(f"answered in {ans.prefill_s + ans.decode_s:.2f}s ({ans.n_answer_tokens} tokens, stop: {ans.stop_reason})")
+def print_answers(answers, questions: list[str], source: str, printer: AnswerPrinter) -> None:
+    """Each answer on stdout as it is made (streamed when the printer streams), a line on stderr.
+
+    `answers` is lazy: question i is answered when its `Answer` is taken, so its header is
+    printed first and its pieces arrive through the printer (see `RocketKV.ask(on_text=...)`)."""
+    it = iter(answers)
+    for question in questions:
+        printer.start(question)
+        ans = next(it)
+        printer.finish(ans.text, ans.to_dict(cache=source))
+        log(answer_log(ans))
 
 
 def ask_command(
-    args: Annotated[Optional[list[str]], typer.Argument(help="QUESTION... with --cache; else DOC QUESTION...")] = None,
+    args: Annotated[
+        Optional[list[str]],
+        typer.Argument(
+            metavar="[DOC] QUESTION...",
+            show_default=False,
+            help="The questions (with --cache), or a document then the questions.",
+        ),
+    ] = None,
     cache: CacheOpt = None,
     questions_file: Annotated[
-        Optional[str], typer.Option(help="File with one question per line, or - for stdin.")
+        Optional[str], typer.Option(metavar="FILE", help="File with one question per line, or - for stdin.")
     ] = None,
     max_new_tokens: MaxNewOpt = None,
     budget: Annotated[
-        int, typer.Option("--budget", "-b", help="Token budget when DOC is ingested in memory (a cache keeps its own).")
+        int,
+        typer.Option(
+            "--budget", "-b", metavar="T", help="Token budget when DOC is ingested in memory (a cache keeps its own)."
+        ),
     ] = 512,
     dense: DenseOpt = False,
+    fmt: FormatOpt = "auto",
+    stream: StreamOpt = None,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    seed: SeedOpt = None,
     topk: TopkOpt = None,
     page_size: PageSizeOpt = None,
     n_score_dims: ScoreDimsOpt = None,
@@ -114,27 +136,36 @@ def ask_command(
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Answer questions from a saved cache (or from DOC, ingested in memory first)."""
+    """Answer questions from a saved cache (or from DOC, ingested in memory first).
+
+    Each question is answered on its own. On a terminal the answers are printed as they are
+    decoded; several questions are shown as Q:/A: records (see --format).
+    """
     from ..engine.api import DEFAULT_MODEL
 
     setup(quiet)
     args = list(args or [])
-    if cache is not None:
-        questions = read_questions(args, questions_file, False)
+    if cache is None and not args:
+        raise usage_error("QUESTION...", "missing: give --cache FILE.kv QUESTION..., or DOC QUESTION...")
+    doc, rest = (None, args) if cache is not None else (args[0], args[1:])
+    questions = read_questions(rest, questions_file, doc == "-")
+    if not questions:
+        raise usage_error("QUESTION...", "missing: pass questions as arguments or with --questions-file")
+    fmt, stream = resolve_format(fmt, json_out, stream, len(questions))
+    if note := sampling_note(temperature, seed):
+        log(note)
+    if doc is None:
+        assert cache is not None  # one of the two, checked above
         rk, stored = open_cache(cache, model, device, dtype, trust_remote_code)
         source = str(cache)
     else:
-        if not args:
-            raise InputError(
-                "no document or cache given", "use: rocketkv ask --cache FILE.kv QUESTION, or ask DOC QUESTION"
-            )
-        doc, rest = args[0], args[1:]
-        questions = read_questions(rest, questions_file, doc == "-")
         cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens or 128, pool_kernel_size="63")
-        stream = open_stream(doc, encoding)
+        document = open_stream(doc, encoding)
         rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code)
-        stored = ingest(rk, stream, cfg, segment_tokens=segment_tokens).cache
+        stored = ingest(rk, document, cfg, segment_tokens=segment_tokens).cache
         source = doc
+    printer = AnswerPrinter(fmt, stream)
     answers = rk.ask(stored, questions, max_new_tokens=max_new_tokens, dense=dense, topk=topk, page_size=page_size,
-                     n_score_dims=n_score_dims, segments=segments, segment=segment, log=log)  # fmt: skip
-    print_answers(answers, len(questions), source, json_out)
+                     n_score_dims=n_score_dims, segments=segments, segment=segment, temperature=temperature,
+                     top_p=top_p, seed=seed, on_text=printer.piece, log=log)  # fmt: skip
+    print_answers(answers, questions, source, printer)

@@ -76,7 +76,7 @@ def command(fn):
             raise fail("interrupted", 130) from None
         except _Terminated:
             raise fail("terminated", 143) from None
-        except (typer.Exit, typer.Abort, SystemExit):
+        except (typer.Exit, typer.Abort, typer.BadParameter, SystemExit):  # BadParameter: a usage error, exit 2
             raise
         except BrokenPipeError:
             raise _stdout_closed() from None
@@ -95,11 +95,17 @@ def command(fn):
 
 ModelOpt = Annotated[
     Optional[str],
-    typer.Option("--model", "-m", help="Preset (gemma-3-270m, smollm2-135m), model dir, .gguf file, or cached hub id."),
+    typer.Option(
+        "--model",
+        "-m",
+        metavar="MODEL",
+        help="Preset (gemma-3-270m, smollm2-135m), model dir, .gguf file, or cached hub id.",
+    ),  # fmt: skip
 ]
-DeviceOpt = Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")]
+DeviceOpt = Annotated[str, typer.Option(metavar="DEVICE", help="cpu, cuda, cuda:N or auto.")]
 DtypeOpt = Annotated[
-    Optional[str], typer.Option(help="auto, float32, bfloat16 or float16 (ask: default = the cache's).")
+    Optional[str],
+    typer.Option(metavar="DTYPE", help="auto, float32, bfloat16 or float16 (ask: default = the cache's)."),
 ]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or logs on stderr.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON object per line on stdout.")]
@@ -230,7 +236,9 @@ TopkOpt = Annotated[Optional[int], typer.Option(help="Override: tokens attended 
 PageSizeOpt = Annotated[Optional[int], typer.Option(help="Override: tokens per key min/max page.")]
 ScoreDimsOpt = Annotated[Optional[int], typer.Option(help="Override: head dims used for page scores.")]
 EncodingOpt = Annotated[str, typer.Option(help="Text encoding of the document.")]
-CacheOpt = Annotated[Optional[Path], typer.Option("--cache", "-c", help="A .kv file from `rocketkv ingest`.")]
+CacheOpt = Annotated[
+    Optional[Path], typer.Option("--cache", "-c", metavar="FILE.kv", help="A .kv file from `rocketkv ingest`.")
+]
 SegmentTokensOpt = Annotated[
     Optional[int],
     typer.Option(min=64, help="Tokens per segment for documents longer than the context (default: all that fit)."),

@@ -46,6 +46,27 @@ class PromptFormat:
         return self.before_question + question + self.after_question
 
 
+def follow_up(tokenizer, prompt: PromptFormat, template: str) -> str:
+    """The text that follows a stored document to make the request `template` asks.
+
+    template: a prompt with `{document}` and no `{question}` (for a model with a chat template,
+    the user message; the assistant's turn follows). Its text before `{document}` must frame the
+    document exactly as `prompt` does, so that a cache built with `prompt` can serve it.
+    Raises:
+        ValueError: a template whose text before `{document}` differs from `prompt`'s.
+    """
+    body = template.replace("{document}", _DOC)
+    if prompt.template_id.startswith("chat"):
+        messages = [{"role": "user", "content": body}]
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        rendered = body
+    before, sep, after = rendered.partition(_DOC)
+    if not sep or before != prompt.before_document:
+        raise ValueError("the template frames the document differently from the stored cache's prompt")
+    return after
+
+
 def prompt_format(tokenizer) -> PromptFormat:
     """The prompt format for `tokenizer`: chat template if it has one, else `prompts/plain.txt`."""
     has_chat = bool(getattr(tokenizer, "chat_template", None))

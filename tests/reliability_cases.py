@@ -197,7 +197,7 @@ def edited(ws: Workspace, name: str, **meta) -> Path:
 def enormous(ws: Workspace) -> Path:
     path = ws.copy_kv("enormous.kv")
     n, header, data = _header(path)
-    header["layers.0.keys"]["shape"] = [1 << 20, 1 << 20, 1 << 12]
+    header["segments.0.layers.0.keys"]["shape"] = [1 << 20, 1 << 20, 1 << 12]
     return _write_header(path, header, data[8 + n :])
 
 
@@ -381,15 +381,15 @@ CASES: list[Case] = [
     Case("truncated to 1%", "cache", lambda ws: ["ask", "--cache", truncated(ws, 0.01), QUESTION], 1, "rocketkv ingest"),
     Case("truncated to 50%", "cache", lambda ws: ["ask", "--cache", truncated(ws, 0.5), QUESTION], 1, "truncated or damaged"),
     Case("truncated by one byte", "cache", lambda ws: ["ask", "--cache", truncated(ws, 0.99999), QUESTION], 1, "truncated or damaged"),
-    Case("one payload byte flipped", "cache", lambda ws: ["ask", "--cache", flipped(ws), QUESTION], 1, "payload digest"),
+    Case("one payload byte flipped", "cache", lambda ws: ["ask", "--cache", flipped(ws), QUESTION], 1, "digest mismatch"),
     Case("metadata edited to claim other shapes", "cache", lambda ws: ["ask", "--cache", edited(ws, "shapes.kv", head_dim="8"), QUESTION], 1, "disagree with the metadata"),
-    Case("n_context_tokens raised (metadata re-digested)", "cache", lambda ws: ["ask", "--cache", edited(ws, "ctx.kv", n_context_tokens="5000"), QUESTION], 1, "disagree with the metadata"),
+    Case("n_context_tokens raised (metadata re-digested)", "cache", lambda ws: ["ask", "--cache", edited(ws, "ctx.kv", n_context_tokens="5000"), QUESTION], 1, "malformed metadata"),
     Case("config with max_new_tokens 0 (re-digested)", "cache", lambda ws: ["ask", "--cache", edited(ws, "cfg.kv", config='{"max_new_tokens": 0}'), QUESTION], 1, "malformed metadata"),
     Case("newer format version", "cache", lambda ws: ["ask", "--cache", edited(ws, "newer.kv", format_version="99"), QUESTION], 1, "newer than this rocketkv"),
     Case("random bytes named .kv", "cache", lambda ws: ["ask", "--cache", ws.file("random.kv", os.urandom(5000)), QUESTION], 1, "not a rocketkv cache"),
     Case("safetensors that is not a cache", "cache", lambda ws: ["ask", "--cache", foreign_safetensors(ws), QUESTION], 1, "not a rocketkv cache"),
     Case("header claiming enormous tensors", "cache", lambda ws: ["ask", "--cache", enormous(ws), QUESTION], 1, "truncated or damaged"),
-    Case("inspect a damaged cache", "cache", lambda ws: ["inspect", flipped(ws)], 1, "payload digest"),
+    Case("inspect a damaged cache", "cache", lambda ws: ["inspect", flipped(ws)], 1, "digest mismatch"),
     # questions
     Case("empty question", "questions", lambda ws: ["ask", "--cache", ws.kv, ""], 1, "empty question"),
     Case("question longer than the context", "questions", lambda ws: ["ask", "--cache", ws.kv, "why " * 1000], 1, "only"),

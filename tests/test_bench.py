@@ -35,3 +35,23 @@ def test__bench__tiny_model_json_schema(rocketkv_bin, tiny_model_dir, tmp_path):
         assert row["hsa_kv_bytes_per_step"] < row["full_kv_bytes"] and row["ideal_decode_speedup"] > 1
     stdout_rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert [x["context_tokens"] for x in stdout_rows] == [300, 600]
+
+
+def test__bench_kv_dtypes__storage_rows_side_by_side(rocketkv_bin, tiny_model_dir, tmp_path):
+    source = tmp_path / "source.txt"
+    source.write_text(text_of_bytes(3000))
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "ROCKETKV_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([rocketkv_bin, "bench", "--model", str(tiny_model_dir), "--context-tokens", "400",
+                        "--budget", "64", "--steps", "2", "--no-memory", "--source", str(source),
+                        "--kv-dtypes", "int8,int4+hadamard", "--json", str(out)],
+                       capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    storage = json.loads(out.read_text())["rows"][0]["storage"]
+    assert [s["kv_dtype"] for s in storage] == ["float32", "int8", "int4+hadamard"]
+    sizes = [s["file_bytes"] for s in storage]
+    assert sizes[0] > sizes[1] > sizes[2], sizes  # smaller storage, smaller file
+    assert storage[0]["top1_agreement"] == 1.0 and all(0 <= s["top1_agreement"] <= 1 for s in storage)
+    bad = subprocess.run([rocketkv_bin, "bench", "--model", str(tiny_model_dir), "--kv-dtypes", "int3",
+                          "--source", str(source)], capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert bad.returncode == 1 and "kv_dtype" in bad.stderr and "Traceback" not in bad.stderr

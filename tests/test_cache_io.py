@@ -34,9 +34,9 @@ def test__round_trip__bit_exact_and_metadata_kept(stored, kv_file):
         for kind in ("keys", "values", "positions"):
             x, y = getattr(a, kind), getattr(b, kind)
             assert torch.equal(x, y) and x.dtype == y.dtype, kind
-    assert loaded.info.format_version == 1 and loaded.info.created_at
+    assert loaded.info.format_version == FORMAT_VERSION and loaded.info.created_at
     kept = ("identity", "dtype", "n_context_tokens", "document_sha256", "document_source", "config", "budgets",
-            "pool_kernel_size", "segment")  # fmt: skip
+            "pool_kernel_size", "segment", "storage")  # fmt: skip
     for field in kept:
         assert getattr(loaded.info, field) == getattr(stored.info, field), field
 
@@ -130,7 +130,7 @@ def test__load__header_claiming_enormous_tensor_refused_before_allocation(kv_fil
     data = kv_file.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + n])
-    header["layers.0.keys"]["shape"] = [1 << 20, 1 << 20, 1 << 10]
+    header["segments.0.layers.0.keys"]["shape"] = [1 << 20, 1 << 20, 1 << 10]
     raw = json.dumps(header).encode()
     kv_file.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
     with pytest.raises(CacheFormatError):

@@ -34,7 +34,8 @@ from rocketkv_cli.engine.segments import (
 )
 from rocketkv_cli.errors import CacheFormatError
 from rocketkv_cli.store.checkpoints import Checkpoints
-from rocketkv_cli.store.format import load_cache, read_metadata, save_segmented
+from rocketkv_cli.store.format import load_cache, read_metadata
+from rocketkv_cli.store.format import save_cache as save_segmented
 
 CFG = PrefillConfig(token_budget=64, max_new_tokens=8, window_size=8, pool_kernel_size=7, chunk_tokens=64)
 
@@ -130,7 +131,7 @@ def test__segmented_file_round_trips_and_is_plain_safetensors(engine, tmp_path):
     path = save_segmented(stored, tmp_path / "book.kv")
     loaded = load_cache(path)
     assert isinstance(loaded, SegmentedKVCache) and len(loaded.segments) == len(stored.segments)
-    assert loaded.info.format_version == 2
+    assert loaded.info.format_version == 3
     for a, b in zip(stored.segments, loaded.segments):
         assert a.n_context_tokens == b.n_context_tokens
         assert a.info.segment == b.info.segment
@@ -141,7 +142,7 @@ def test__segmented_file_round_trips_and_is_plain_safetensors(engine, tmp_path):
     raw = bytearray(path.read_bytes())
     raw[-5] ^= 0xFF
     (tmp_path / "bad.kv").write_bytes(bytes(raw))
-    with pytest.raises(CacheFormatError, match="payload digest"):
+    with pytest.raises(CacheFormatError, match="digest mismatch"):
         load_cache(tmp_path / "bad.kv")
 
 

@@ -24,6 +24,7 @@ from .common import (
     prefill_config,
     setup,
     steps_bar,
+    storage,
 )
 
 
@@ -37,6 +38,10 @@ def bench(
         ),
     ] = None,
     steps: Annotated[int, typer.Option(min=1, help="Decode steps timed (median), after 4 warm-up steps.")] = 24,
+    kv_dtypes: Annotated[
+        str,
+        typer.Option(help="Also compare these storage types (comma-separated, e.g. int8,int4,int4+hadamard)."),
+    ] = "",
     memory: Annotated[
         bool, typer.Option(help="Measure peak memory of ask vs full attention in child processes.")
     ] = True,
@@ -55,7 +60,8 @@ def bench(
 
     from ..engine.api import DEFAULT_MODEL
     from ..engine.documents import read_document
-    from ..eval.bench import bench_one, machine_info
+    from ..eval.bench import QUESTION, bench_one, build_document, machine_info
+    from ..eval.storage import Probe, storage_rows
 
     setup(quiet)
     try:
@@ -69,6 +75,9 @@ def bench(
         raise InputError("no source text found", "pass --source FILE (e.g. ../shared/data/kjv.txt)")
     text = read_document(str(src)).text
     cfg = prefill_config(token_budget=budget, pool_kernel_size="63")
+    storages = [x.strip() for x in kv_dtypes.split(",") if x.strip()]
+    for name in storages:
+        storage(name)  # an unknown name fails before the model loads
     rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", False)
     engine = rk.engine
     room = rk.engine.context_limit(128)  # the answer plan and a question
@@ -86,6 +95,9 @@ def bench(
 
         for n in lengths:
             row = bench_one(engine, text, n, cfg, Path(tmp), steps=steps, measure_memory=memory, log=on_phase)
+            if storages:
+                row["storage"] = storage_rows(engine, build_document(engine, text, n), cfg, storages,
+                                              [Probe(QUESTION)], Path(tmp), log=log)  # fmt: skip
             rows.append(row)
             typer.echo(json.dumps({"model": engine.loaded.model_id, **row}))
     table = Table(
@@ -104,6 +116,8 @@ def bench(
         )  # fmt: skip
     if not quiet:
         Console(stderr=True, width=max(err.width, 170), highlight=False).print(table)
+        if storages:
+            Console(stderr=True, width=max(err.width, 120), highlight=False).print(_storage_table(rows))
     if json_path is not None:
         report = {"machine": machine_info(), "model": engine.loaded.model_id, "device": str(engine.loaded.device),
                   "dtype": str(engine.loaded.dtype).removeprefix("torch."), "config": cfg.to_dict(),
@@ -113,3 +127,17 @@ def bench(
         partial.write_text(json.dumps(report, indent=2))
         os.replace(partial, json_path)  # an old report is replaced whole or not at all
         log(f"wrote {json_path}")
+
+
+def _storage_table(rows: list[dict]):
+    from rich.table import Table
+
+    table = Table(title="storage types: file size and fidelity vs the float32 cache of the same budget")
+    for col in ("context", "storage", "bytes/token", "file/bf16 full KV", "top-1 vs float32", "greedy vs float32"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        for s in r.get("storage", []):
+            table.add_row(str(r["context_tokens"]), s["kv_dtype"], f"{s['bytes_per_token']:,.0f}",
+                          f"1/{1 / s['file_vs_bf16_full_kv']:.1f}", f"{s['top1_agreement']:.3f}",
+                          f"{s['greedy_agreement']:.3f}")  # fmt: skip
+    return table

@@ -179,7 +179,7 @@ def open_stream(doc_path: str, encoding: str, errors: str = "strict"):
     return open_document(doc_path, encoding, errors)
 
 
-def ingest(rk, document, cfg, output=None, force=False, segment_tokens=None):
+def ingest(rk, document, cfg, output=None, force=False, segment_tokens=None, kv_dtype=None):
     """`RocketKV.ingest` with a progress bar (tokens, tokens/s, ETA) and a line per segment.
 
     Returns the `Ingested` result."""
@@ -193,7 +193,7 @@ def ingest(rk, document, cfg, output=None, force=False, segment_tokens=None):
     with progress_bar() as bar:
         task = bar.add_task("prefill", total=None)
         done = rk.ingest(document, output=output, force=force, config=cfg, segment_tokens=segment_tokens,
-                         on_segment=on_segment,
+                         storage=storage(kv_dtype or DEFAULT_KV_DTYPE), on_segment=on_segment,
                          progress=lambda n, total: bar.update(task, completed=n, total=total))  # fmt: skip
     stored = done.cache
     n_parts = stored.n_segments
@@ -201,6 +201,16 @@ def ingest(rk, document, cfg, output=None, force=False, segment_tokens=None):
     log(f"prefilled {stored.n_context_tokens} tokens{where} in {done.seconds:.1f}s; "
         f"keeping up to {stored.max_kept_tokens} per KV head per layer{' per segment' if where else ''}")  # fmt: skip
     return done
+
+
+def storage(kv_dtype: str):
+    """The storage named by `--kv-dtype`. Raises InputError for an unknown name."""
+    from ..core.quant import KVStorage
+
+    try:
+        return KVStorage.parse(kv_dtype)
+    except ValueError as exc:
+        raise InputError(f"invalid option: --kv-dtype: {exc}") from None
 
 
 def default_kjv() -> Optional[Path]:
@@ -231,6 +241,10 @@ def prefill_config(**kw):
         raise InputError(f"invalid option: {exc}") from None
 
 
+DEFAULT_KV_DTYPE = "auto"  # chosen by measurement: docs/file-format.md, "Storage types"
+KvDtypeOpt = Annotated[
+    str, typer.Option(help="Stored keys/values: auto (model dtype), float32, bfloat16, float16, int8, int4.")
+]
 BudgetOpt = Annotated[int, typer.Option("--budget", "-b", help="Token budget t per KV head per layer (tokens).")]
 TopkOpt = Annotated[Optional[int], typer.Option(help="Override: tokens attended exactly per decode step.")]
 PageSizeOpt = Annotated[Optional[int], typer.Option(help="Override: tokens per key min/max page.")]

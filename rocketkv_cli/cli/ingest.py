@@ -9,11 +9,13 @@ from typing import Annotated, Optional
 import typer
 
 from .common import (
+    DEFAULT_KV_DTYPE,
     BudgetOpt,
     DeviceOpt,
     DtypeOpt,
     EncodingOpt,
     JsonOpt,
+    KvDtypeOpt,
     ModelOpt,
     PageSizeOpt,
     QuietOpt,
@@ -47,6 +49,7 @@ def ingest_command(
     page_size: PageSizeOpt = None,
     n_score_dims: ScoreDimsOpt = None,
     chunk_tokens: Annotated[int, typer.Option(help="Prefill chunk length in tokens.")] = 1024,
+    kv_dtype: KvDtypeOpt = DEFAULT_KV_DTYPE,
     segment_tokens: SegmentTokensOpt = None,
     force: Annotated[bool, typer.Option("--force", "-f", help="Replace an existing output file.")] = False,
     encoding: EncodingOpt = "utf-8",
@@ -78,7 +81,7 @@ def ingest_command(
     count, folder = pending_checkpoints(output)
     if count:
         log(f"resuming: found {count} checkpointed segments in {folder} (reused if they match)")
-    done = ingest(rk, stream, cfg, output, force, segment_tokens)
+    done = ingest(rk, stream, cfg, output, force, segment_tokens, kv_dtype)
     size = output.stat().st_size
     log(f"wrote {output} ({size / 1e6:.1f} MB)")
     if json_out:

@@ -38,6 +38,7 @@ def _lines(info: dict) -> list[tuple[str, str]]:
         ("format", f"{info['format']} v{info['format_version']} (rocketkv {info['rocketkv_version']})"),
         ("model", f"{info['model_id']} (digest {info['model_digest'][:12]})"),
         ("dtype", info["dtype"]),
+        ("storage", f"{info['kv_dtype']} keys/values, {info['kv_bytes_per_token']:,.0f} bytes per document token"),
         ("document", f"{info.get('document_source', '?')} (sha256 {info['document_sha256'][:12]})"),
         ("context tokens", str(n_ctx)),
     ]

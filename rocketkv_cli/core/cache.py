@@ -8,11 +8,13 @@ these into bytes and strings and back. Pure torch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from .config import Budgets, PrefillConfig
+from .quant import FLOAT_DTYPES, KVStorage, decode_layer, encode_layer
 
 
 @dataclass(frozen=True)
@@ -20,7 +22,8 @@ class LayerKV:
     """One layer's kept tokens: keys/values `[1, Hkv, S, D]`, positions `[1, Hkv, S]` int64.
 
     S = tokens this layer kept (each KV head its own tokens, the same count); positions are the
-    tokens' original RoPE positions, ascending per head.
+    tokens' original RoPE positions, ascending per head. stored: for integer storage, the encoded
+    tensors (`core.quant.encode_layer`) that keys/values were dequantized from; None otherwise.
     Raises:
         ValueError: shapes that disagree.
     """
@@ -28,6 +31,7 @@ class LayerKV:
     keys: torch.Tensor
     values: torch.Tensor
     positions: torch.Tensor
+    stored: dict[str, torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         k, v, p = self.keys, self.values, self.positions
@@ -41,8 +45,27 @@ class LayerKV:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of keys + values (positions not counted: the KV cache proper)."""
+        """Bytes of keys + values as stored (positions not counted: the KV cache proper)."""
+        if self.stored is not None:
+            return sum(t.numel() * t.element_size() for t in self.stored.values())
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    def to_storage(self, storage: KVStorage) -> LayerKV:
+        """This layer as `storage` holds it: cast for a float dtype; for an integer one, encoded
+        (`stored`) with keys/values replaced by their float32 dequantization. Positions unchanged."""
+        if storage.kv_dtype == "auto":
+            return self
+        if not storage.is_integer:
+            dtype = FLOAT_DTYPES[storage.kv_dtype]
+            return LayerKV(self.keys.to(dtype), self.values.to(dtype), self.positions)
+        parts = encode_layer(self.keys[0], self.values[0], storage)
+        return LayerKV.from_stored(parts, self.positions, storage, self.keys.shape[-1])
+
+    @staticmethod
+    def from_stored(parts: dict[str, torch.Tensor], positions: torch.Tensor, storage: KVStorage, head_dim: int):
+        """A layer from integer-stored tensors and positions `[1, Hkv, S]` (keys/values dequantized)."""
+        keys, values = decode_layer(parts, storage, head_dim)
+        return LayerKV(keys.unsqueeze(0), values.unsqueeze(0), positions, stored=parts)
 
 
 _IDENTITY_LABELS = {
@@ -102,6 +125,7 @@ class CacheInfo:
     n_context_tokens: n, framed document tokens (the next RoPE position). budgets: stage 1 and 2
     budgets in tokens (paper §3.6). pool_kernel_size: the kernel stage 1 used (the `auto` rule
     resolved). document_sha256/source: the document's bytes digest and where it came from.
+    storage: how keys/values are stored (`auto` = as the model computed them).
     format_version, rocketkv_version, created_at: set when read from (or written to) a file.
     """
 
@@ -114,6 +138,7 @@ class CacheInfo:
     budgets: Budgets
     pool_kernel_size: int
     segment: SegmentInfo | None = None
+    storage: KVStorage = KVStorage()
     created_at: str | None = None
     format_version: int | None = None
     rocketkv_version: str | None = None
@@ -126,23 +151,59 @@ class CacheInfo:
         return dict(sorted((self.budgets.to_dict() | {"pool_kernel_size": self.pool_kernel_size}).items()))
 
 
-@dataclass
 class CompressedKVCache:
     """A document's pruned KV cache: one `LayerKV` per decoder layer, and its `CacheInfo`.
 
-    token_ids: `[n_context_tokens]` int32, the framed document's token ids, or None (kept for
-    segments of long documents, where questions are routed by their text). mapping: the file
-    mapping the tensors are views of, when loaded (kept alive with them).
+    token_ids: `[n]` int32, the framed document's token ids (n = n_context_tokens), or None.
+    token_offsets: `[n]` int64, each token's first character in the source document (-1 for the
+    prompt framing); token_lines: `[n]` int32, its 1-based line there (0 for the framing); None
+    when unknown (files written before they were stored). `layers` may be read lazily from a file
+    (`loader`, called once on first use; `release()` forgets them again).
     """
 
-    info: CacheInfo
-    layers: tuple[LayerKV, ...]
-    token_ids: torch.Tensor | None = None
-    mapping: object | None = field(default=None, repr=False, compare=False)
+    def __init__(
+        self,
+        info: CacheInfo,
+        layers: tuple[LayerKV, ...] | None = None,
+        token_ids: torch.Tensor | None = None,
+        token_offsets: torch.Tensor | None = None,
+        token_lines: torch.Tensor | None = None,
+        loader: Callable[[], tuple[LayerKV, ...]] | None = None,
+    ):
+        if (layers is None) == (loader is None):
+            raise ValueError("give the layers or a loader, not both")
+        self.info = info
+        self._layers = layers
+        self._loader = loader
+        self.token_ids = token_ids
+        self.token_offsets = token_offsets
+        self.token_lines = token_lines
+        if layers is not None:
+            self._check(layers)
 
-    def __post_init__(self) -> None:
-        if len(self.layers) != self.info.identity.n_layers:
-            raise ValueError(f"{len(self.layers)} layers for a model of {self.info.identity.n_layers}")
+    def _check(self, layers: tuple[LayerKV, ...]) -> None:
+        if len(layers) != self.info.identity.n_layers:
+            raise ValueError(f"{len(layers)} layers for a model of {self.info.identity.n_layers}")
+
+    @property
+    def layers(self) -> tuple[LayerKV, ...]:
+        if self._layers is None:
+            assert self._loader is not None
+            layers = self._loader()
+            self._check(layers)
+            self._layers = layers
+        return self._layers
+
+    def release(self) -> None:
+        """Forget layers read lazily (they are read again on next use); no-op for in-memory ones."""
+        if self._loader is not None:
+            self._layers = None
+
+    def with_info(self, info: CacheInfo) -> CompressedKVCache:
+        return CompressedKVCache(info, self.layers, self.token_ids, self.token_offsets, self.token_lines)
+
+    def with_layers(self, layers: tuple[LayerKV, ...]) -> CompressedKVCache:
+        return CompressedKVCache(self.info, layers, self.token_ids, self.token_offsets, self.token_lines)
 
     @property
     def n_context_tokens(self) -> int:

@@ -27,11 +27,13 @@ from pathlib import Path
 
 from ..core.cache import AnyCache, CompressedKVCache, SegmentedKVCache
 from ..core.config import DEFAULT_MAX_NEW_TOKENS, PrefillConfig
+from ..core.quant import KVStorage
 from ..errors import InputError, OutputError
 from ..model.loading import DEFAULT_MODEL, configure_transformers, load_model, preset_of_file, rocketkv_home
+from ..store.atomic import check_target
 from ..store.checkpoints import Checkpoints
 from ..store.describe import describe
-from ..store.format import check_target, load_cache, save_cache, save_segmented
+from ..store.format import load_cache, save_cache, verify_file
 from .answer import Answer, Answerer, Sampling, TextCallback, answer, decode_config_for
 from .documents import TextPieces, TextStream
 from .engine import Engine, TokenProgress
@@ -187,6 +189,7 @@ class RocketKV:
         output: str | Path | None = None,
         force: bool = False,
         config: PrefillConfig | None = None,
+        storage: KVStorage | str = "auto",
         segment_tokens: int | None = None,
         progress: TokenProgress = lambda done, total: None,
         on_segment: Callable[[SegmentDone], None] = lambda event: None,
@@ -196,6 +199,8 @@ class RocketKV:
 
         document: a path (`-` = stdin) or an open `TextStream`; or `text=` for an in-memory text.
         config: stage-1 settings, or their fields as keywords (`token_budget=512`, …).
+        storage: how keys/values are stored — a `KVStorage`, or a kv dtype name (`auto` = the
+        model's dtype, `float32`, `bfloat16`, `float16`, `int8`, `int4`; docs/file-format.md).
         A document longer than the model's context is ingested in segments, each checkpointed
         beside `output` (in a temporary folder without one) so a rerun resumes an interrupted
         ingest. Writes are atomic; an existing `output` is replaced only with `force`.
@@ -203,6 +208,7 @@ class RocketKV:
             InputError, OutputError, BudgetError, ValueError (invalid config fields).
         """
         cfg = config or PrefillConfig(**config_fields)
+        kv = storage if isinstance(storage, KVStorage) else KVStorage(kv_dtype=storage)
         if (document is None) == (text is None):
             raise InputError("give a document path or text=, not both")
         stream: TextStream | TextPieces
@@ -217,13 +223,11 @@ class RocketKV:
             check_output(target, force, None if isinstance(document, TextStream) or document is None else str(document))
         checkpoints = Checkpoints(target) if target is not None else _scratch_checkpoints()
         t0 = time.perf_counter()
-        cache = ingest_stream(self.engine, stream, cfg, segment_tokens, checkpoints, on_segment, progress)
+        cache = ingest_stream(self.engine, stream, cfg, segment_tokens, checkpoints, on_segment, progress, kv)
         if target is not None:
+            save_cache(cache, target, force=force)
             if isinstance(cache, SegmentedKVCache):
-                save_segmented(cache, target, force=force)
-                load_cache(target)  # the checkpoints go only once the file reads back whole
-            else:
-                save_cache(cache, target, force=force)
+                cache = verify_file(target)  # the checkpoints go only once the file reads back whole
             checkpoints.remove()
         return Ingested(cache=cache, path=target, seconds=time.perf_counter() - t0)
 

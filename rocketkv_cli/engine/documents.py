@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import codecs
 import hashlib
 import os
@@ -221,3 +222,43 @@ class TextPieces:
         if not self.text.strip():
             what = "whitespace only" if self.text else "empty"
             raise InputError(f"document {self.source} is {what}", "give a document with text")
+
+
+@dataclass(frozen=True)
+class DocumentTokens:
+    """A framed document's token ids and, per token, where it starts in the source document.
+
+    ids: token ids (framing included). offsets: each token's first character in the source
+    document (-1 for framing and special tokens). lines: its 1-based line there (0 for those).
+    offsets/lines are None when the tokenizer cannot report character offsets (a slow tokenizer).
+    """
+
+    ids: list[int]
+    offsets: list[int] | None
+    lines: list[int] | None
+
+
+def tokenize_document(tokenizer, framing: str, text: str, add_special_tokens: bool, char_start: int = 0,
+                      line_start: int = 1) -> DocumentTokens:  # fmt: skip
+    """Token ids of `framing + text` with each token's character offset and line in the source.
+
+    char_start/line_start: where `text` begins in the source document (a segment of a book), in
+    characters (0-based) and lines (1-based). Offsets come from the tokenizer's offset mapping.
+    """
+    framed = framing + text
+    try:
+        enc = tokenizer(framed, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+    except (NotImplementedError, TypeError, ValueError):
+        return DocumentTokens(list(tokenizer(framed, add_special_tokens=add_special_tokens)["input_ids"]), None, None)
+    ids = list(enc["input_ids"])
+    newlines = [i for i, ch in enumerate(text) if ch == "\n"]
+    offsets, lines = [], []
+    for start, end in enc["offset_mapping"]:
+        at = start - len(framing)
+        if end <= start or at < 0:  # framing, BOS and other special tokens
+            offsets.append(-1)
+            lines.append(0)
+            continue
+        offsets.append(char_start + at)
+        lines.append(line_start + bisect.bisect_left(newlines, at))
+    return DocumentTokens(ids, offsets, lines)

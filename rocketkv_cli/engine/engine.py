@@ -22,6 +22,7 @@ import torch
 
 from ..core.cache import CacheInfo, CompressedKVCache, LayerKV, ModelIdentity, SegmentInfo
 from ..core.config import DecodeConfig, PrefillConfig, resolve_budgets
+from ..core.quant import KVStorage, resolved
 from ..core.stage1 import gather_tokens
 from ..errors import BudgetError, CacheFormatError
 from ..model.hf import (
@@ -35,7 +36,7 @@ from ..model.hf import (
 )
 from ..model.loading import LoadedModel, chat_template_digest, model_digest, stop_token_ids, tokenizer_digest
 from ..model.templates import PromptFormat, prompt_format, read_prompt
-from .documents import Document, tokenize
+from .documents import Document, DocumentTokens, tokenize, tokenize_document
 from .selectors import LayerPrefill, pool_kernel_of, selector_for
 
 QUESTION_RESERVE_TOKENS = 256  # room kept for a question when checking a document against the context
@@ -91,6 +92,12 @@ class Engine:
     def document_ids(self, document: Document) -> list[int]:
         """Token ids of the framed document (template text before the document + the document)."""
         return tokenize(self.tokenizer, self.prompt.document_text(document.text), self.prompt.add_special_tokens)
+
+    def document_tokens(self, document: Document, char_start: int = 0, line_start: int = 1) -> DocumentTokens:
+        """`document_ids` with each token's character offset and line in the source document
+        (`char_start`/`line_start`: where this text begins there, for a segment of a book)."""
+        return tokenize_document(self.tokenizer, self.prompt.before_document, document.text,
+                                 self.prompt.add_special_tokens, char_start, line_start)  # fmt: skip
 
     def question_ids(self, question: str) -> list[int]:
         """Token ids of the framed question (the rest of the template, the question, the answer cue)."""
@@ -179,13 +186,19 @@ class Engine:
         document_sha256: str,
         document_source: str,
         segment: SegmentInfo | None = None,
+        storage: KVStorage = KVStorage(),
+        tokens: DocumentTokens | None = None,
     ) -> CompressedKVCache:
         """Stage 1 over one prefill: each full-attention layer keeps `prompt_budget` tokens per KV
         head (all when the document is shorter) chosen by `cfg`'s selector; sliding-window layers
-        keep their window (RocketKV §3.2; docs/algorithm.md).
+        keep their window (RocketKV §3.2; docs/algorithm.md). The kept keys/values are then held as
+        `storage` stores them (`auto`: as computed), so a cache in memory answers exactly as the
+        same cache read back from its file. `tokens`: the document's token ids and offsets, kept
+        with the cache.
 
         Raises:
             BudgetError: the prompt budget falls below the observation window.
+            ValueError: a storage the model's head dim does not allow (int4 with an odd one).
         """
         n = prefill.n_context_tokens
         budgets = resolve_budgets(cfg, n, self.shape.head_dim)
@@ -196,39 +209,51 @@ class Engine:
                 "raise --budget or lower --max-new-tokens",
             )
         selector = selector_for(cfg)
+        storage = resolved(storage, self.dtype_name)
         layers = []
         for i, layer in enumerate(prefill.layers):
             if isinstance(layer, LayerKV):
-                layers.append(layer)
+                layers.append(layer.to_storage(storage))
                 continue
             tensors = (layer.keys[:, :, :n], layer.values[:, :, :n], layer.positions[:, :, :n])
             if n <= budgets.prompt_budget:
-                layers.append(LayerKV(*(t.contiguous() for t in tensors)))
+                k, v, p = (t.contiguous() for t in tensors)
+                layers.append(LayerKV(k, v, p).to_storage(storage))
                 continue
             kept = selector.select(layer, budgets.prompt_budget)  # [1, Hkv, prompt_budget]
-            layers.append(LayerKV(*(gather_tokens(t, kept) for t in tensors)))
+            k, v, p = (gather_tokens(t, kept) for t in tensors)
+            layers.append(LayerKV(k, v, p).to_storage(storage))
         info = CacheInfo(
             identity=self.identity, dtype=self.dtype_name, n_context_tokens=n, document_sha256=document_sha256,
             document_source=document_source, config=cfg, budgets=budgets, pool_kernel_size=pool_kernel_of(cfg, n),
-            segment=segment,
+            segment=segment, storage=storage,
         )  # fmt: skip
-        return CompressedKVCache(info=info, layers=tuple(layers))
+        if tokens is None:
+            return CompressedKVCache(info, tuple(layers))
+        ids = torch.tensor(tokens.ids, dtype=torch.int32)
+        offsets, lines = _tensor_or_none(tokens.offsets, torch.int64), _tensor_or_none(tokens.lines, torch.int32)
+        return CompressedKVCache(info, tuple(layers), ids, offsets, lines)
 
-    def ingest_ids(
+    def ingest_tokens(
         self,
-        doc_ids: list[int],
+        tokens: DocumentTokens,
         cfg: PrefillConfig,
         document_sha256: str,
         document_source: str,
         segment: SegmentInfo | None = None,
         progress: TokenProgress = lambda done, total: None,
+        storage: KVStorage = KVStorage(),
     ) -> CompressedKVCache:
         """`prefill` then `compress` for one configuration. Raises BudgetError as `compress`."""
-        prefill = self.prefill(doc_ids, cfg.window_size, cfg.observation == "probe", cfg.chunk_tokens, progress)
-        return self.compress(prefill, cfg, document_sha256, document_source, segment)
+        prefill = self.prefill(tokens.ids, cfg.window_size, cfg.observation == "probe", cfg.chunk_tokens, progress)
+        return self.compress(prefill, cfg, document_sha256, document_source, segment, storage, tokens)
 
     def ingest(
-        self, document: Document, cfg: PrefillConfig, progress: TokenProgress = lambda done, total: None
+        self,
+        document: Document,
+        cfg: PrefillConfig,
+        progress: TokenProgress = lambda done, total: None,
+        storage: KVStorage = KVStorage(),
     ) -> CompressedKVCache:
         """Prefill and prune a document that fits the context (RocketKV §3.2).
 
@@ -236,21 +261,26 @@ class Engine:
             BudgetError: the document (plus room for a question and the answer) exceeds the
                 context, or the prompt budget falls below the observation window.
         """
-        doc_ids = self.document_ids(document)
+        tokens = self.document_tokens(document)
         limit = self.context_limit(cfg.max_new_tokens)
-        if len(doc_ids) > limit:
+        if len(tokens.ids) > limit:
             raise BudgetError(
-                f"document is {len(doc_ids)} tokens; this model's context fits {limit} "
+                f"document is {len(tokens.ids)} tokens; this model's context fits {limit} "
                 "(after room for a question and answer)",
                 "ingest it in segments: rocketkv ingest DOC (documents longer than the context are segmented)",
             )
-        return self.ingest_ids(doc_ids, cfg, document.sha256, document.source, progress=progress)
+        return self.ingest_tokens(tokens, cfg, document.sha256, document.source, progress=progress, storage=storage)
+
+
+def _tensor_or_none(values: list[int] | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if values is None else torch.tensor(values, dtype=dtype)
 
 
 def _last_tokens(kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], n_tokens: int) -> LayerKV:
     """A copy of the last `n_tokens` of a layer's keys, values `[1, Hkv, S, D]` and positions."""
     keep = min(n_tokens, kv[0].shape[2])
-    return LayerKV(*(t[:, :, -keep:].clone() for t in kv))
+    k, v, p = (t[:, :, -keep:].clone() for t in kv)
+    return LayerKV(k, v, p)
 
 
 class Decoder:

@@ -23,6 +23,7 @@ import torch
 
 from ..core.cache import CacheInfo, CompressedKVCache, LayerKV, SegmentedKVCache, SegmentInfo
 from ..core.config import PrefillConfig, resolve_budgets
+from ..core.quant import KVStorage, resolved
 from ..errors import BudgetError, CacheFormatError, InputError
 from ..model.hf import empty_cache, forward_tokens, rocketkv_attention
 from ..model.templates import read_prompt
@@ -79,8 +80,9 @@ def ingest_stream(
     checkpoints: Checkpoints | None = None,
     on_segment: Callable[[SegmentDone], None] = lambda event: None,
     progress: TokenProgress = lambda done, total: None,
+    storage: KVStorage = KVStorage(),
 ) -> CompressedKVCache | SegmentedKVCache:
-    """Prefill and prune a document of any length, read as a stream.
+    """Prefill and prune a document of any length, read as a stream; keys/values held as `storage`.
 
     A document that fits one segment gives a `CompressedKVCache` exactly as `Engine.ingest` would.
     A longer one is cut into segments of ≤ `segment_tokens` framed tokens (see `segment_limit`),
@@ -97,11 +99,14 @@ def ingest_stream(
     first, second = next(texts, ""), next(texts, None)
     if second is None:
         stream.check_not_empty()
-        return engine.ingest(Document(first, stream.sha256, stream.source), cfg, progress)
+        return engine.ingest(Document(first, stream.sha256, stream.source), cfg, progress, storage)
     parts: list[CompressedKVCache] = []
-    start = tokens_done = bytes_done = 0
+    start = tokens_done = bytes_done = chars_done = lines_done = 0
     for index, text in enumerate(chain([first, second], texts)):
-        ids = engine.document_ids(Document(text, "", ""))
+        tokens = engine.document_tokens(Document(text, "", ""), chars_done, lines_done + 1)
+        ids = tokens.ids
+        chars_done += len(text)
+        lines_done += text.count("\n")
         bytes_done += len(text.encode("utf-8", "surrogatepass"))
         size = stream.total_bytes or 0
 
@@ -113,11 +118,10 @@ def ingest_stream(
             raise BudgetError(f"segment {index} tokenized to {len(ids)} tokens, over {seg}", "lower --segment-tokens")
         ids_sha = hashlib.sha256(torch.tensor(ids, dtype=torch.int64).numpy().tobytes()).hexdigest()
         where = SegmentInfo(index=index, start_token=start, ids_sha256=ids_sha)
-        part = _checkpointed(engine, checkpoints, index, ids, cfg, ids_sha, stream.source, where)
+        part = _checkpointed(engine, checkpoints, index, ids, cfg, ids_sha, stream.source, where, storage)
         resumed = part is not None
         if part is None:
-            part = engine.ingest_ids(ids, cfg, ids_sha, stream.source, where, seg_progress)
-            part.token_ids = torch.tensor(ids, dtype=torch.int32)
+            part = engine.ingest_tokens(tokens, cfg, ids_sha, stream.source, where, seg_progress, storage)
             if checkpoints:
                 part = checkpoints.save(index, part)
         parts.append(part)
@@ -131,14 +135,16 @@ def ingest_stream(
 
 
 def _checkpointed(engine: Engine, checkpoints: Checkpoints | None, index: int, ids: list[int], cfg: PrefillConfig,
-                  ids_sha: str, source: str, where: SegmentInfo) -> CompressedKVCache | None:  # fmt: skip
+                  ids_sha: str, source: str, where: SegmentInfo,
+                  storage: KVStorage) -> CompressedKVCache | None:  # fmt: skip
     """Segment `index` from the checkpoints when one was built exactly so; else None."""
     if checkpoints is None:
         return None
     n = len(ids)
     expected = CacheInfo(identity=engine.identity, dtype=engine.dtype_name, n_context_tokens=n, document_sha256=ids_sha,
                          document_source=source, config=cfg, budgets=resolve_budgets(cfg, n, engine.shape.head_dim),
-                         pool_kernel_size=pool_kernel_of(cfg, n), segment=where)  # fmt: skip
+                         pool_kernel_size=pool_kernel_of(cfg, n), segment=where,
+                         storage=resolved(storage, engine.dtype_name))  # fmt: skip
     return checkpoints.load(index, expected)
 
 
@@ -273,7 +279,11 @@ def merge_segments(stored: SegmentedKVCache, indices: list[int]) -> CompressedKV
     if len(parts) == 1:
         return parts[0]
     layers = tuple(
-        LayerKV(*(torch.cat(kinds, dim=2) for kinds in zip(*((x.keys, x.values, x.positions) for x in layer))))
+        LayerKV(
+            torch.cat([x.keys for x in layer], 2),
+            torch.cat([x.values for x in layer], 2),
+            torch.cat([x.positions for x in layer], 2),
+        )
         for layer in zip(*(p.layers for p in parts))
     )  # each [1, Hkv, Σ S_j, D] / [1, Hkv, Σ S_j]
     info = parts[0].info.with_(n_context_tokens=max(p.n_context_tokens for p in parts), segment=None)

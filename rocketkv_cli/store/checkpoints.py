@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..core.cache import CacheInfo, CompressedKVCache
 from ..errors import CacheFormatError, OutputError
-from .format import load_cache, save_cache
+from .format import load_cache, save_cache, verify_file
 
 
 class Checkpoints:
@@ -31,7 +31,7 @@ class Checkpoints:
         if not path.is_file():
             return None
         try:
-            part = load_cache(path)
+            part = verify_file(path)  # every byte checked now: a damaged checkpoint is redone, not used
         except CacheFormatError:  # e.g. the machine died mid-write of an older rocketkv: redo it
             return None
         if not isinstance(part, CompressedKVCache) or part.token_ids is None:
@@ -48,7 +48,7 @@ class Checkpoints:
             raise OutputError(f"cannot create the checkpoint folder {self.dir}: {exc.strerror}",
                               "choose a writable output directory, or remove what is in the way") from exc  # fmt: skip
         save_cache(part, self._path(index), force=True)
-        loaded = load_cache(self._path(index))
+        loaded = load_cache(self._path(index), lazy=True)
         if not isinstance(loaded, CompressedKVCache):
             raise CacheFormatError(f"checkpoint {self._path(index)} did not read back as one segment")
         return loaded

@@ -1,0 +1,224 @@
+"""How a compressed cache's keys and values are stored: a float dtype, or group-wise integers.
+
+Integer storage is asymmetric round-to-nearest with one (minimum, scale) pair per group, the
+KIVI layout (Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache",
+arXiv 2402.02750, §3): keys are grouped per channel along the tokens (their outliers sit in fixed
+channels), values per token along the channels. Optionally the keys are first rotated by an
+orthonormal Hadamard matrix along the head dimension (spreading outlier channels, as in QuaRot,
+arXiv 2404.00456 §4), which is undone after dequantization. Scales and minimums are float16 when
+they fit, else float32. Dequantization happens in float32 and is deterministic, so a cache
+quantized in memory and the same cache read back from a file hold bit-identical values.
+Pure torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4", "float64")  # float64: tests' tiny models
+FLOAT_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+ROTATIONS = ("none", "hadamard")
+_F16_MAX = 65504.0
+
+
+@dataclass(frozen=True)
+class KVStorage:
+    """Storage of keys and values in a `.kv` file (and in memory, so both answer alike).
+
+    kv_dtype: auto (the model's dtype: nothing changes), float32, bfloat16, float16 (cast), or
+        int8 / int4 (group-wise integers).
+    key_group_tokens: tokens per key group (one min/scale per channel and group).
+    value_group_dims: channels per value group (one min/scale per token and group).
+    rotation: "hadamard" rotates keys along the head dimension before quantizing; "none".
+    Raises:
+        ValueError: an unknown dtype or rotation, or a non-positive group size.
+    """
+
+    kv_dtype: str = "auto"
+    key_group_tokens: int = 64
+    value_group_dims: int = 64
+    rotation: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"rotation must be one of {', '.join(ROTATIONS)}, got {self.rotation!r}")
+        for name in ("key_group_tokens", "value_group_dims"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.rotation != "none" and not self.is_integer:
+            raise ValueError(f"rotation {self.rotation!r} only applies to integer kv_dtype, got {self.kv_dtype}")
+
+    @property
+    def is_integer(self) -> bool:
+        return self.kv_dtype in ("int8", "int4")
+
+    @property
+    def bits(self) -> int:
+        return {"int8": 8, "int4": 4}.get(self.kv_dtype, 0)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def parse(name: str) -> KVStorage:
+        """A storage from its name: a kv dtype, optionally `+hadamard` (`int4+hadamard`).
+        Raises ValueError naming the value."""
+        dtype, _, rotation = name.partition("+")
+        return KVStorage(dtype, rotation=rotation or "none")
+
+    @property
+    def name(self) -> str:
+        return self.kv_dtype + ("" if self.rotation == "none" else f"+{self.rotation}")
+
+
+def hadamard(dim: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An orthonormal `[dim, dim]` rotation: Sylvester's Hadamard matrix / √block, block-diagonal
+    with the largest power-of-two block dividing dim (the whole matrix when dim is a power of two).
+    Built in float64; exact in float32 too when the block is a power of four (16, 64, 256)."""
+    block = dim & -dim  # largest power of two dividing dim
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < block:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    h = h / math.sqrt(block)
+    return torch.block_diag(*([h] * (dim // block))).to(device, dtype)
+
+
+def _scale_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float16 when every value fits its range with margin, else float32."""
+    biggest = max(float(t.abs().max()) if t.numel() else 0.0 for t in tensors)
+    return torch.float16 if biggest < _F16_MAX / 2 else torch.float32
+
+
+def _quantize_groups(x: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
+    """Asymmetric quantization of `x` `[..., G, E]`: one (min, scale) per row of E elements.
+
+    Returns {"q": uint8 `[..., G, E]` (codes), "min": `[..., G]`, "scale": `[..., G]`}.
+    """
+    levels = (1 << bits) - 1
+    lo, hi = x.amin(dim=-1), x.amax(dim=-1)
+    dtype = _scale_dtype(lo, hi, hi - lo)
+    lo = lo.to(dtype)
+    scale = ((hi - lo.float()) / levels).to(dtype)
+    step = scale.float().unsqueeze(-1)
+    codes = torch.where(step > 0, torch.round((x - lo.float().unsqueeze(-1)) / step.clamp_min(1e-30)), 0.0)
+    return {"q": codes.clamp_(0, levels).to(torch.uint8), "min": lo, "scale": scale}
+
+
+def _dequantize_groups(q: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float().unsqueeze(-1) + lo.float().unsqueeze(-1)
+
+
+def _pack4(q: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit codes per byte along the last dim (even length): `[..., D]` → `[..., D/2]`."""
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous()
+
+
+def _unpack4(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+
+
+def encode_keys(keys: torch.Tensor, storage: KVStorage) -> dict[str, torch.Tensor]:
+    """The stored form of keys `[Hkv, S, D]` (rotated if asked, then per channel in token groups).
+
+    Returns {"q": uint8 `[Hkv, S, D]` (int4: `[Hkv, S, D/2]`), "min"/"scale": `[Hkv, ⌈S/Gt⌉, D]`}.
+    """
+    x = keys.float()
+    if storage.rotation == "hadamard":
+        x = x @ hadamard(x.shape[-1], x.device)
+    hkv, s, d = x.shape
+    g = storage.key_group_tokens
+    n_groups = -(-s // g)
+    pad = n_groups * g - s
+    if pad:  # repeat the last token: a group's min and max do not change
+        x = torch.cat([x, x[:, -1:].expand(hkv, pad, d)], dim=1)
+    grouped = x.view(hkv, n_groups, g, d).transpose(2, 3)  # [Hkv, G, D, Gt]
+    parts = _quantize_groups(grouped, storage.bits)
+    q = parts["q"].transpose(2, 3).reshape(hkv, n_groups * g, d)[:, :s]  # [Hkv, S, D]
+    out = {"q": q.contiguous(), "min": parts["min"].contiguous(), "scale": parts["scale"].contiguous()}
+    if storage.bits == 4:
+        out["q"] = _pack4(out["q"])
+    return out
+
+
+def decode_keys(parts: dict[str, torch.Tensor], storage: KVStorage, head_dim: int) -> torch.Tensor:
+    """Float32 keys `[Hkv, S, D]` from `encode_keys`'s parts (rotation undone)."""
+    q = _unpack4(parts["q"]) if storage.bits == 4 else parts["q"]
+    hkv, s, d = q.shape
+    g = storage.key_group_tokens
+    idx = torch.arange(s, device=q.device) // g  # each token's group
+    lo, scale = parts["min"][:, idx], parts["scale"][:, idx]  # [Hkv, S, D]
+    x = q.float() * scale.float() + lo.float()
+    if storage.rotation == "hadamard":
+        x = x @ hadamard(head_dim, x.device).T
+    return x
+
+
+def encode_values(values: torch.Tensor, storage: KVStorage) -> dict[str, torch.Tensor]:
+    """The stored form of values `[Hkv, S, D]`: per token, in channel groups of `value_group_dims`.
+
+    Returns {"q": uint8 `[Hkv, S, D]` (int4: `[Hkv, S, D/2]`), "min"/"scale": `[Hkv, S, ⌈D/Gd⌉]`}.
+    """
+    x = values.float()
+    hkv, s, d = x.shape
+    g = min(storage.value_group_dims, d)
+    n_groups = -(-d // g)
+    pad = n_groups * g - d
+    if pad:
+        x = torch.cat([x, x[..., -1:].expand(hkv, s, pad)], dim=2)
+    parts = _quantize_groups(x.view(hkv, s, n_groups, g), storage.bits)
+    q = parts["q"].reshape(hkv, s, n_groups * g)[..., :d].contiguous()
+    out = {"q": q, "min": parts["min"].contiguous(), "scale": parts["scale"].contiguous()}
+    if storage.bits == 4:
+        out["q"] = _pack4(q)
+    return out
+
+
+def decode_values(parts: dict[str, torch.Tensor], storage: KVStorage) -> torch.Tensor:
+    """Float32 values `[Hkv, S, D]` from `encode_values`'s parts."""
+    q = _unpack4(parts["q"]) if storage.bits == 4 else parts["q"]
+    hkv, s, d = q.shape
+    g = min(storage.value_group_dims, d)
+    idx = torch.arange(d, device=q.device) // g
+    return q.float() * parts["scale"][..., idx].float() + parts["min"][..., idx].float()
+
+
+def resolved(storage: KVStorage, model_dtype: str) -> KVStorage:
+    """`storage` with `auto` replaced by the model's dtype name."""
+    if storage.kv_dtype != "auto":
+        return storage
+    return KVStorage(model_dtype, storage.key_group_tokens, storage.value_group_dims, storage.rotation)
+
+
+def encode_layer(keys: torch.Tensor, values: torch.Tensor, storage: KVStorage) -> dict[str, torch.Tensor]:
+    """The stored tensors of one layer's keys/values `[Hkv, S, D]` under an integer `storage`:
+    `keys.q`, `keys.min`, `keys.scale`, `values.q`, `values.min`, `values.scale`.
+    Raises ValueError: int4 with an odd head dim."""
+    if storage.bits == 4 and keys.shape[-1] % 2:
+        raise ValueError(f"int4 storage needs an even head_dim, got {keys.shape[-1]}")
+    parts = {f"keys.{k}": v for k, v in encode_keys(keys, storage).items()}
+    parts.update({f"values.{k}": v for k, v in encode_values(values, storage).items()})
+    return parts
+
+
+def decode_layer(
+    parts: dict[str, torch.Tensor], storage: KVStorage, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 (keys, values) `[Hkv, S, D]` from `encode_layer`'s tensors."""
+    keys = decode_keys({k: parts[f"keys.{k}"] for k in ("q", "min", "scale")}, storage, head_dim)
+    values = decode_values({k: parts[f"values.{k}"] for k in ("q", "min", "scale")}, storage)
+    return keys, values
+
+
+def stored_bytes(parts: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in parts.values())

@@ -61,7 +61,9 @@ class Command(TyperCommand):
 
     def format_options(self, ctx, formatter) -> None:
         params = self.get_params(ctx)
-        arguments = [(self._usage_name(p), p.help or "") for p in params if p.param_type_name == "argument"]
+        arguments = [
+            (self._usage_name(p), getattr(p, "help", None) or "") for p in params if p.param_type_name == "argument"
+        ]
         options = [rec for p in params if p.param_type_name == "option" and (rec := p.get_help_record(ctx))]
         for title, rows in (("Arguments", arguments), ("Options", options)):
             if rows:

@@ -37,6 +37,7 @@ from .common import (
     SegmentTokensOpt,
     TopkOpt,
     TrustOpt,
+    WeightsOpt,
     ingest,
     load_engine,
     log,
@@ -46,6 +47,7 @@ from .common import (
 )  # fmt: skip
 
 DenseOpt = Annotated[bool, typer.Option("--dense", help="Exact attention over the stored cache (no stage-2 sparsity).")]
+HsaOpt = Annotated[bool, typer.Option("--hsa", help="Stage-2 HSA even where exact attention is faster here.")]
 MaxNewOpt = Annotated[
     Optional[int], typer.Option(min=1, metavar="N", help="Answer length limit in tokens (default: the cache's plan).")
 ]
@@ -72,13 +74,15 @@ def read_questions(positional: list[str], questions_file: Optional[str], doc_is_
     return questions
 
 
-def open_cache(cache: Path, model: Optional[str], device: str, dtype: Optional[str], trust_remote_code: bool):
+def open_cache(cache: Path, model: Optional[str], device: str, dtype: Optional[str], trust_remote_code: bool,
+               weights: Optional[str] = None):  # fmt: skip
     """Validate the file, load the model it was built with (or `model`), check they match."""
     from ..engine.api import read_cache
 
     stored = read_cache(cache)
     ident = stored.info.identity
-    rk = load_engine(model or ident.model_id, device, dtype or stored.info.dtype, trust_remote_code)
+    rk = load_engine(model or ident.model_id, device, dtype or stored.info.dtype, trust_remote_code,
+                     weights or stored.info.weights)  # fmt: skip
     rk.check(stored, str(cache))
     return rk, stored
 
@@ -122,6 +126,7 @@ def ask_command(
     temperature: TemperatureOpt = 0.0,
     top_p: TopPOpt = 1.0,
     seed: SeedOpt = None,
+    hsa: HsaOpt = False,
     topk: TopkOpt = None,
     page_size: PageSizeOpt = None,
     n_score_dims: ScoreDimsOpt = None,
@@ -132,6 +137,7 @@ def ask_command(
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = None,
+    weights: WeightsOpt = None,
     trust_remote_code: TrustOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -156,16 +162,16 @@ def ask_command(
         log(note)
     if doc is None:
         assert cache is not None  # one of the two, checked above
-        rk, stored = open_cache(cache, model, device, dtype, trust_remote_code)
+        rk, stored = open_cache(cache, model, device, dtype, trust_remote_code, weights)
         source = str(cache)
     else:
         cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens or 128, pool_kernel_size="63")
         document = open_stream(doc, encoding)
-        rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code)
+        rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code, weights)
         stored = ingest(rk, document, cfg, segment_tokens=segment_tokens).cache
         source = doc
     printer = AnswerPrinter(fmt, stream)
-    answers = rk.ask(stored, questions, max_new_tokens=max_new_tokens, dense=dense, topk=topk, page_size=page_size,
-                     n_score_dims=n_score_dims, segments=segments, segment=segment, temperature=temperature,
-                     top_p=top_p, seed=seed, on_text=printer.piece, log=log)  # fmt: skip
+    answers = rk.ask(stored, questions, max_new_tokens=max_new_tokens, dense=dense, hsa=hsa, topk=topk,
+                     page_size=page_size, n_score_dims=n_score_dims, segments=segments, segment=segment,
+                     temperature=temperature, top_p=top_p, seed=seed, on_text=printer.piece, log=log)  # fmt: skip
     print_answers(answers, questions, source, printer)

@@ -17,6 +17,7 @@ from .common import (
     DtypeOpt,
     ModelOpt,
     QuietOpt,
+    WeightsOpt,
     default_kjv,
     err,
     load_engine,
@@ -51,6 +52,7 @@ def bench(
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = None,
+    weights: WeightsOpt = None,
     quiet: QuietOpt = False,
 ) -> None:
     """Measure ingest, file size, time to first token, decode latency and memory vs full attention."""
@@ -78,7 +80,7 @@ def bench(
     storages = [x.strip() for x in kv_dtypes.split(",") if x.strip()]
     for name in storages:
         storage(name)  # an unknown name fails before the model loads
-    rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", False)
+    rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", False, weights)
     engine = rk.engine
     room = rk.engine.context_limit(128)  # the answer plan and a question
     if max(lengths) > room:

@@ -26,7 +26,7 @@ from .answers import (
     check_question_text,
     sampling_note,
 )
-from .ask import DenseOpt, MaxNewOpt, open_cache
+from .ask import DenseOpt, HsaOpt, MaxNewOpt, open_cache
 from .common import (
     BudgetOpt,
     CacheOpt,
@@ -40,6 +40,7 @@ from .common import (
     SegmentsOpt,
     SegmentTokensOpt,
     TrustOpt,
+    WeightsOpt,
     err,
     fail,
     ingest,
@@ -108,6 +109,7 @@ def chat_command(
     max_new_tokens: MaxNewOpt = None,
     budget: BudgetOpt = 512,
     dense: DenseOpt = False,
+    hsa: HsaOpt = False,
     temperature: TemperatureOpt = 0.0,
     top_p: TopPOpt = 1.0,
     seed: SeedOpt = None,
@@ -119,6 +121,7 @@ def chat_command(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = None,
     trust_remote_code: TrustOpt = False,
+    weights: WeightsOpt = None,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -137,17 +140,17 @@ def chat_command(
     if note := sampling_note(temperature, seed):
         log(note)
     if cache is not None:
-        rk, stored = open_cache(cache, model, device, dtype, trust_remote_code)
+        rk, stored = open_cache(cache, model, device, dtype, trust_remote_code, weights)
         source = str(cache)
     else:
         assert document is not None  # one of the two, checked above
         cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens or 128, pool_kernel_size="63")
         stream = open_stream(document, encoding)
-        rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code)
+        rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code, weights)
         stored = ingest(rk, stream, cfg, segment_tokens=segment_tokens).cache
         source = document
-    session = rk.session(stored, max_new_tokens=max_new_tokens, dense=dense, temperature=temperature, top_p=top_p,
-                         seed=seed, segments=segments, segment=segment, log=log)  # fmt: skip
+    session = rk.session(stored, max_new_tokens=max_new_tokens, dense=dense, hsa=hsa, temperature=temperature,
+                         top_p=top_p, seed=seed, segments=segments, segment=segment, log=log)  # fmt: skip
     prompt = Prompt(home() / "chat_history")
     interactive = prompt.interactive
     fmt = "json" if json_out else ("text" if interactive else "qa")

@@ -120,7 +120,7 @@ def setup(quiet: bool) -> None:
     configure(quiet, progress_bars=err.is_terminal and not quiet)
 
 
-def load_engine(model: str, device: str, dtype: str, trust_remote_code: bool):
+def load_engine(model: str, device: str, dtype: str, trust_remote_code: bool, weights: str | None = None):
     """`RocketKV.load` with a spinner on a terminal and a timing line on stderr."""
     from ..engine.api import RocketKV
 
@@ -130,10 +130,12 @@ def load_engine(model: str, device: str, dtype: str, trust_remote_code: bool):
         if err.is_terminal and not _state["quiet"]
         else contextlib.nullcontext()
     ):
-        rk = RocketKV.load(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, log=log)
+        rk = RocketKV.load(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, log=log,
+                           weights=weights or DEFAULT_WEIGHTS)  # fmt: skip
     loaded = rk.engine.loaded
     dtype_name = str(loaded.dtype).removeprefix("torch.")
-    log(f"loaded {loaded.model_id} on {loaded.device} ({dtype_name}) in {time.perf_counter() - t0:.1f}s")
+    what = dtype_name + (f", {loaded.weights} weights" if loaded.weights != "float" else "")
+    log(f"loaded {loaded.model_id} on {loaded.device} ({what}) in {time.perf_counter() - t0:.1f}s")
     return rk
 
 
@@ -241,6 +243,10 @@ def prefill_config(**kw):
         raise InputError(f"invalid option: {exc}") from None
 
 
+DEFAULT_WEIGHTS = "float"  # chosen by measurement: docs/performance.md
+WeightsOpt = Annotated[
+    Optional[str], typer.Option(help="Weights for decode: float, or int8 (CPU; ask: default = the cache's).")
+]
 DEFAULT_KV_DTYPE = "auto"  # chosen by measurement: docs/file-format.md, "Storage types"
 KvDtypeOpt = Annotated[
     str, typer.Option(help="Stored keys/values: auto (model dtype), float32, bfloat16, float16, int8, int4.")

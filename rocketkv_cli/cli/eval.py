@@ -16,7 +16,19 @@ from rich.table import Table
 
 from ..engine.documents import read_document
 from ..errors import InputError, OutputError
-from .common import DeviceOpt, DtypeOpt, ModelOpt, QuietOpt, default_kjv, err, load_engine, log, setup, steps_bar
+from .common import (
+    DeviceOpt,
+    DtypeOpt,
+    ModelOpt,
+    QuietOpt,
+    WeightsOpt,
+    default_kjv,
+    err,
+    load_engine,
+    log,
+    setup,
+    steps_bar,
+)
 
 
 def _ints(name: str, text: str, allow_auto: bool = False) -> tuple[int, ...]:
@@ -96,6 +108,7 @@ def eval_command(
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = None,
+    weights: WeightsOpt = None,
     quiet: QuietOpt = False,
 ) -> None:
     """Score full attention, rocketkv and baselines on generated long-context tasks (docs/accuracy.md)."""
@@ -131,7 +144,7 @@ def eval_command(
                 raise InputError("niah_text needs real text and none was found", "pass --haystack FILE")
             log("skipping niah_text: no real text found (pass --haystack FILE, e.g. ../shared/data/kjv.txt)")
             cfg = dataclasses.replace(cfg, tasks=kept)
-    engine = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", False).engine
+    engine = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", False, weights).engine
     with steps_bar() as bar, tempfile.TemporaryDirectory(prefix="rocketkv-eval-") as tmp:
         task = bar.add_task("eval", total=None)
 

@@ -23,6 +23,7 @@ from .common import (
     SegmentTokensOpt,
     TopkOpt,
     TrustOpt,
+    WeightsOpt,
     ingest,
     load_engine,
     log,
@@ -57,6 +58,7 @@ def ingest_command(
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = None,
+    weights: WeightsOpt = None,
     trust_remote_code: TrustOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -77,7 +79,7 @@ def ingest_command(
     stream = open_stream(document, encoding, errors)  # bad documents fail before anything else is touched
     output = output if output is not None else default_output(document)
     check_output(output, force, document)  # fail now, not after a long prefill
-    rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code)
+    rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code, weights)
     count, folder = pending_checkpoints(output)
     if count:
         log(f"resuming: found {count} checkpointed segments in {folder} (reused if they match)")

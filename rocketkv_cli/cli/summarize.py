@@ -21,6 +21,7 @@ from .common import (
     QuietOpt,
     SegmentTokensOpt,
     TrustOpt,
+    WeightsOpt,
     ingest,
     load_engine,
     log,
@@ -41,6 +42,7 @@ def summarize_command(
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = None,
+    weights: WeightsOpt = None,
     trust_remote_code: TrustOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -57,12 +59,12 @@ def summarize_command(
         raise InputError("give either DOC or --cache FILE.kv", "e.g. rocketkv summarize book.txt")
     cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens, pool_kernel_size="63")
     if cache is not None:
-        rk, stored = open_cache(cache, model, device, dtype, trust_remote_code)
+        rk, stored = open_cache(cache, model, device, dtype, trust_remote_code, weights)
         source = str(cache)
     else:
         assert document is not None  # checked above: exactly one of DOC and --cache
         stream = open_stream(document, encoding)
-        rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code)
+        rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code, weights)
         stored = ingest(rk, stream, cfg, segment_tokens=segment_tokens).cache
         source = document
     partials = []

@@ -125,7 +125,8 @@ class CacheInfo:
     n_context_tokens: n, framed document tokens (the next RoPE position). budgets: stage 1 and 2
     budgets in tokens (paper §3.6). pool_kernel_size: the kernel stage 1 used (the `auto` rule
     resolved). document_sha256/source: the document's bytes digest and where it came from.
-    storage: how keys/values are stored (`auto` = as the model computed them).
+    storage: how keys/values are stored (`auto` = as the model computed them). weights: the weight
+    format of the model that computed them ("float", "int8").
     format_version, rocketkv_version, created_at: set when read from (or written to) a file.
     """
 
@@ -139,6 +140,7 @@ class CacheInfo:
     pool_kernel_size: int
     segment: SegmentInfo | None = None
     storage: KVStorage = KVStorage()
+    weights: str = "float"
     created_at: str | None = None
     format_version: int | None = None
     rocketkv_version: str | None = None

@@ -14,6 +14,7 @@ DEFAULT_TOKEN_BUDGET = 512
 DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_WINDOW_SIZE = 32
 DEFAULT_POOL_KERNEL_SIZE = 63
+WEIGHT_FORMATS = ("float", "int8")  # decode weight formats (model/weights.py)
 
 
 def _positive(name: str, value: int | None, allow_none: bool = True) -> None:
@@ -179,15 +180,25 @@ class DecodeConfig:
 
     sparse: False = exact attention over the whole stored cache (the "stage 1 only" method).
     topk, page_size, n_score_dims: tokens attended per step, tokens per page, score dims.
+    min_hsa_tokens: a layer holding at most max(topk, this) tokens is attended exactly — below the
+        measured size where HSA's page scoring and gather cost more than reading every token
+        (0: HSA wherever the layer holds more than topk).
     """
 
     topk: int
     page_size: int
     n_score_dims: int
     sparse: bool = True
+    min_hsa_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("topk", "page_size", "n_score_dims"):
             _positive(name, getattr(self, name), allow_none=False)
+        if isinstance(self.min_hsa_tokens, bool) or not isinstance(self.min_hsa_tokens, int) or self.min_hsa_tokens < 0:
+            raise ValueError(f"min_hsa_tokens must be a non-negative integer, got {self.min_hsa_tokens!r}")
+
+    def uses_hsa(self, n_tokens: int) -> bool:
+        """Whether a layer holding `n_tokens` is attended with HSA (else exactly)."""
+        return self.sparse and n_tokens > max(self.topk, self.min_hsa_tokens)
         if self.page_size > self.topk:
             raise ValueError(f"page_size must not exceed topk ({self.topk}), got {self.page_size}")

@@ -99,6 +99,17 @@ class Answer:
         return row
 
 
+# Below this many tokens in a layer, exact attention is faster than HSA on this device (page scoring,
+# top-k and gather cost more than reading every key): measured by `rocketkv bench`
+# (docs/performance.md, "Where stage 2 pays"). `ask --hsa` uses HSA anyway.
+HSA_MIN_TOKENS = {"cpu": 0, "cuda": 0}
+
+
+def hsa_min_tokens(device_type: str) -> int:
+    """The measured HSA crossover for a device type (tokens per layer and KV head)."""
+    return HSA_MIN_TOKENS.get(device_type, 0)
+
+
 def decode_config_for(cache: CompressedKVCache, sparse: bool = True, **overrides: int | None) -> DecodeConfig:
     """Stage-2 settings from the cache's budgets, with explicit overrides (None = keep).
 

@@ -34,7 +34,7 @@ from ..store.atomic import check_target
 from ..store.checkpoints import Checkpoints
 from ..store.describe import describe
 from ..store.format import load_cache, save_cache, verify_file
-from .answer import Answer, Answerer, Sampling, TextCallback, answer, decode_config_for
+from .answer import Answer, Answerer, Sampling, TextCallback, answer, decode_config_for, hsa_min_tokens
 from .documents import TextPieces, TextStream
 from .engine import Engine, TokenProgress
 from .segments import PartialSummary, SegmentDone, answer_segmented, ingest_stream, merge_segments, route, summarize
@@ -170,11 +170,14 @@ class RocketKV:
         dtype: str = "auto",
         trust_remote_code: bool = False,
         log: Log = lambda message: None,
+        weights: str = "float",
     ) -> RocketKV:
         """Load a model offline: a preset (`gemma-3-270m`, `smollm2-135m`), a Hugging Face model
         directory, a `.gguf` file or a hub id already in the local cache. device: cpu, cuda[:N]
-        or auto; dtype: auto, float32, bfloat16 or float16. Raises ModelLoadError."""
-        loaded = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=log)
+        or auto; dtype: auto, float32, bfloat16 or float16; weights: float or int8 (weight-only
+        int8 linears for CPU decode, `model/weights.py`). Raises ModelLoadError."""
+        loaded = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=log,
+                            weights=weights)  # fmt: skip
         return cls(Engine(loaded))
 
     @property
@@ -249,6 +252,7 @@ class RocketKV:
         *,
         max_new_tokens: int | None = None,
         dense: bool = False,
+        hsa: bool = False,
         topk: int | None = None,
         page_size: int | None = None,
         n_score_dims: int | None = None,
@@ -264,7 +268,8 @@ class RocketKV:
         a question is answered when its `Answer` is asked for).
 
         max_new_tokens: answer cap (default: what the cache planned for). dense: exact attention
-        over the stored cache instead of stage-2 HSA. topk/page_size/n_score_dims: stage-2
+        over the stored cache instead of stage-2 HSA; hsa: HSA even where this device's measured
+        crossover says exact attention is faster (`HSA_MIN_TOKENS`). topk/page_size/n_score_dims: stage-2
         overrides. segments/segment: for a segmented cache, answer from the `segments` best
         matching segments, or from segment `segment`. temperature/top_p/seed: sampling
         (`Sampling`; temperature 0 = greedy, the default). on_text(piece): called with the text
@@ -276,7 +281,7 @@ class RocketKV:
         """
         qs = [questions] if isinstance(questions, str) else list(questions)
         max_new = self._max_new(cache, max_new_tokens)
-        overrides = {"topk": topk, "page_size": page_size, "n_score_dims": n_score_dims}
+        overrides = self._overrides(dense, hsa, topk, page_size, n_score_dims)
         try:
             sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
             if isinstance(cache, SegmentedKVCache):
@@ -295,6 +300,7 @@ class RocketKV:
         *,
         max_new_tokens: int | None = None,
         dense: bool = False,
+        hsa: bool = False,
         topk: int | None = None,
         page_size: int | None = None,
         n_score_dims: int | None = None,
@@ -311,7 +317,7 @@ class RocketKV:
             InputError: a bad override, sampling option or segment.
         """
         max_new = self._max_new(cache, max_new_tokens)
-        overrides = {"topk": topk, "page_size": page_size, "n_score_dims": n_score_dims}
+        overrides = self._overrides(dense, hsa, topk, page_size, n_score_dims)
         try:
             sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
             first = cache.segments[0] if isinstance(cache, SegmentedKVCache) else cache
@@ -334,6 +340,14 @@ class RocketKV:
             print(stream.answer.stop_reason)
         """
         return self.session(cache, **options).stream(question)
+
+    def _overrides(self, dense: bool, hsa: bool, topk: int | None, page_size: int | None,
+                   n_score_dims: int | None) -> dict[str, int | None]:  # fmt: skip
+        """Stage-2 overrides, with the device's HSA crossover unless `hsa`. Raises InputError."""
+        if dense and hsa:
+            raise InputError("--dense and --hsa contradict each other", "give one of them")
+        crossover = 0 if hsa else hsa_min_tokens(self.engine.loaded.device.type)
+        return {"topk": topk, "page_size": page_size, "n_score_dims": n_score_dims, "min_hsa_tokens": crossover}
 
     def _max_new(self, cache: AnyCache, max_new_tokens: int | None) -> int:
         return max_new_tokens or cache.info.config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS

@@ -226,7 +226,7 @@ class Engine:
         info = CacheInfo(
             identity=self.identity, dtype=self.dtype_name, n_context_tokens=n, document_sha256=document_sha256,
             document_source=document_source, config=cfg, budgets=budgets, pool_kernel_size=pool_kernel_of(cfg, n),
-            segment=segment, storage=storage,
+            segment=segment, storage=storage, weights=self.loaded.weights,
         )  # fmt: skip
         if tokens is None:
             return CompressedKVCache(info, tuple(layers))

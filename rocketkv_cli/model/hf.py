@@ -268,13 +268,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
             session.captured.setdefault(module.layer_idx, []).append(query[:, :, keep].detach().float())
     keys, values, k_pos = layer.view()
     dec = session.decode
-    if (
-        query.shape[2] == 1
-        and dec is not None
-        and dec.sparse
-        and spec.sliding_window is None
-        and layer.length > dec.topk
-    ):
+    if query.shape[2] == 1 and dec is not None and spec.sliding_window is None and dec.uses_hsa(layer.length):
         pmin, pmax = layer.pages(dec.page_size)
         out, _ = ops.hsa_decode(
             query, keys, values, pmin, pmax, dec.topk, dec.page_size, dec.n_score_dims, spec.scaling, spec.softcap

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import ModelLoadError
+from .weights import quantize_weights
 
 DEFAULT_MODEL = "gemma-3-270m"
 PRESETS = ("gemma-3-270m", "smollm2-135m")
@@ -51,6 +52,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     weights_digest: str | None = None  # sha256 of the weight files (None: in-memory model)
+    weights: str = "float"  # the decode weight format (`model.weights.WEIGHT_FORMATS`)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -200,12 +202,14 @@ def load_model(
     dtype: str = "auto",
     trust_remote_code: bool = False,
     progress: Progress = lambda _msg: None,
+    weights: str = "float",
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer, offline.
 
     Args:
         model: preset name, directory, `.gguf` path, or a hub id already in the local HF cache.
         device: cpu, cuda[:N] or auto. dtype: auto, float32, bfloat16 or float16.
+        weights: "float" (as loaded) or "int8" (weight-only int8 linears, CPU; `model.weights`).
         progress: called with one-line status messages (for stderr).
     Raises:
         ModelLoadError: not found, no weights, unsupported, or no CUDA.
@@ -238,7 +242,19 @@ def load_model(
     lm.requires_grad_(False)
     files = sorted(Path(where).glob("*.safetensors")) if Path(where).is_dir() else []
     digest = weights_file_digest(files) if files else None
-    return LoadedModel(model_id=model_id, model=lm, tokenizer=tok, device=dev, dtype=torch_dtype, weights_digest=digest)
+    try:
+        quantize_weights(lm, weights)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc), "use --weights float") from exc
+    return LoadedModel(
+        model_id=model_id,
+        model=lm,
+        tokenizer=tok,
+        device=dev,
+        dtype=torch_dtype,
+        weights_digest=digest,
+        weights=weights,
+    )
 
 
 def weights_file_digest(files: list[Path]) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..core.cache import AnyCache, CacheInfo, CompressedKVCache, ModelIdentity, SegmentedKVCache, SegmentInfo
-from ..core.config import Budgets, PrefillConfig
+from ..core.config import WEIGHT_FORMATS, Budgets, PrefillConfig
 from ..core.quant import KVStorage
 from ..errors import CacheFormatError
 
@@ -59,7 +59,7 @@ def info_metadata(info: CacheInfo) -> dict[str, str]:
         "n_context_tokens": str(info.n_context_tokens), "document_sha256": info.document_sha256,
         "document_source": info.document_source, "config": json.dumps(info.config.to_dict(), sort_keys=True),
         "budgets": json.dumps(info.budgets_record(), sort_keys=True),
-        "kv_storage": json.dumps(info.storage.to_dict(), sort_keys=True),
+        "kv_storage": json.dumps(info.storage.to_dict(), sort_keys=True), "weights": info.weights,
     }  # fmt: skip
     if info.segment is not None:
         meta.update(segment_index=str(info.segment.index), segment_start_token=str(info.segment.start_token),
@@ -273,6 +273,9 @@ def metadata_info(meta: dict[str, str], path: str, rebuild: str) -> CacheInfo:
         storage = KVStorage(**json.loads(meta["kv_storage"])) if version >= 3 else KVStorage(meta["dtype"])
         if version >= 3 and storage.kv_dtype == "auto":
             raise ValueError("kv_storage")
+        weights = meta.get("weights", "float") if version >= 3 else "float"
+        if weights not in WEIGHT_FORMATS:
+            raise ValueError("weights")
     except (TypeError, ValueError, KeyError, RecursionError) as exc:  # JSONDecodeError is a ValueError
         raise CacheFormatError(f"{path}: malformed metadata (config, budgets, storage or layer windows)",
                                rebuild) from exc  # fmt: skip
@@ -284,7 +287,8 @@ def metadata_info(meta: dict[str, str], path: str, rebuild: str) -> CacheInfo:
     return CacheInfo(
         identity=identity, dtype=meta["dtype"], n_context_tokens=n_ctx, document_sha256=meta["document_sha256"],
         document_source=meta.get("document_source", ""), config=config, budgets=budgets, pool_kernel_size=kernel,
-        segment=segment, storage=storage, created_at=meta["created_at"], format_version=version,
+        segment=segment, storage=storage, weights=weights,
+        created_at=meta["created_at"], format_version=version,
         rocketkv_version=meta["rocketkv_version"],
     )  # fmt: skip
 

@@ -9,6 +9,7 @@ questions (the interactive `chat`); `stream_answer` yields the answer's text as 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import secrets
 import time
@@ -20,6 +21,8 @@ import torch
 from ..core.cache import CompressedKVCache
 from ..core.config import DecodeConfig
 from ..errors import BudgetError, InputError
+from ..model.hf import attention_mass
+from .cite import Citation, check_citable, cite
 from .engine import QUESTION_RESERVE_TOKENS, Decoder, Engine
 from .stopping import AnswerTokens
 
@@ -71,7 +74,8 @@ class Answer:
 
     stop_reason: "eos", "stop_string", "repetition" (output that started looping is cut) or
     "length". segments: for a segmented cache, the segments it was answered from. sampling: the
-    sampling settings with the seed used (None = greedy).
+    sampling settings with the seed used (None = greedy). citations: the passages of the source
+    the answer drew on most, best first (`cite.py`; None unless asked for).
     """
 
     question: str
@@ -84,6 +88,7 @@ class Answer:
     decode_s: float
     segments: tuple[int, ...] | None = None
     sampling: Sampling | None = None
+    citations: tuple[Citation, ...] | None = None
 
     def to_dict(self, cache: str) -> dict:
         """The `ask --json` record (stable keys; `segments` only for segmented caches, `sampling`
@@ -96,6 +101,8 @@ class Answer:
             row["segments"] = list(self.segments)
         if self.sampling is not None:
             row["sampling"] = self.sampling.to_dict()
+        if self.citations is not None:
+            row["citations"] = [c.to_dict() for c in self.citations]
         return row
 
 
@@ -149,6 +156,9 @@ class Answerer:
     made once; a longer question grows the tail). Each answer starts from the stored context.
 
     decode: stage-2 settings (None = exact attention). stop_strings: None = the framing's.
+    cite: passages to cite per answer (0 = none; see `cite.py`).
+    Raises:
+        InputError: `cite` for a cache without token offsets.
     """
 
     def __init__(
@@ -160,7 +170,11 @@ class Answerer:
         stop_strings: tuple[str, ...] | None = None,
         sampling: Sampling = GREEDY,
         question_tokens: int = QUESTION_RESERVE_TOKENS,
+        cite: int = 0,
     ):
+        if cite:
+            check_citable(cache)
+        self.cite = cite
         self.engine, self.cache, self.max_new_tokens = engine, cache, max_new_tokens
         self.stops = engine.prompt.stop_strings if stop_strings is None else stop_strings
         self.sampling = sampling
@@ -177,9 +191,13 @@ class Answerer:
         abandons the answer; the decoder is back at the stored context either way.
         """
         ids = self.prepare(question) if ids is None else ids
+        steps = stream_answer(self.engine, self.decoder, question, ids, self.max_new_tokens, self.stops, self.sampling)
         try:
-            return (yield from stream_answer(self.engine, self.decoder, question, ids, self.max_new_tokens,
-                                             self.stops, self.sampling))  # fmt: skip
+            if not self.cite:
+                return (yield from steps)
+            with attention_mass(self.cache.n_context_tokens, self.engine.loaded.device) as mass:
+                ans = yield from steps
+            return dataclasses.replace(ans, citations=cite(self.engine.tokenizer, self.cache, mass.mass, self.cite))
         finally:
             self.decoder.reset()
 
@@ -197,18 +215,20 @@ def answer(
     stop_strings: tuple[str, ...] | None = None,
     sampling: Sampling = GREEDY,
     on_text: TextCallback | None = None,
+    cite: int = 0,
 ) -> Iterator[Answer]:
     """Answer each question from `cache`, independently, in order.
 
     decode: stage-2 settings (None = exact attention). stop_strings: None = the prompt's.
     on_text: called with the pieces of the answer being decoded (see `Answerer.stream`).
+    cite: passages to cite per answer (`Answer.citations`).
     All questions are checked before any is answered; the model's buffers are sized once.
     Raises:
         InputError: an empty question. BudgetError: a question that does not fit the context.
     """
     prepared = prepare_questions(engine, cache, questions, max_new_tokens)
     longest = max((len(ids) for _, ids in prepared), default=0)
-    answerer = Answerer(engine, cache, max_new_tokens, decode, stop_strings, sampling, longest)
+    answerer = Answerer(engine, cache, max_new_tokens, decode, stop_strings, sampling, longest, cite)
     for question, ids in prepared:
         yield answerer.ask(question, ids, on_text)
 

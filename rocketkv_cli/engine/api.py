@@ -35,6 +35,7 @@ from ..store.checkpoints import Checkpoints
 from ..store.describe import describe
 from ..store.format import load_cache, save_cache, verify_file
 from .answer import Answer, Answerer, Sampling, TextCallback, answer, decode_config_for, hsa_min_tokens
+from .cite import Citation, check_citable
 from .documents import TextPieces, TextStream
 from .engine import Engine, TokenProgress
 from .segments import PartialSummary, SegmentDone, answer_segmented, ingest_stream, merge_segments, route, summarize
@@ -262,6 +263,7 @@ class RocketKV:
         top_p: float = 1.0,
         seed: int | None = None,
         on_text: TextCallback | None = None,
+        cite: int = 0,
         log: Log = lambda message: None,
     ) -> Iterator[Answer]:
         """Answer each question independently from `cache`; yields `Answer`s in order (lazily:
@@ -274,25 +276,28 @@ class RocketKV:
         matching segments, or from segment `segment`. temperature/top_p/seed: sampling
         (`Sampling`; temperature 0 = greedy, the default). on_text(piece): called with the text
         of the answer being decoded as it becomes final (the pieces of one answer joined equal
-        its `text`). Every question is checked before any is answered.
+        its `text`). cite: the number of source passages to cite per answer
+        (`Answer.citations`, `engine/cite.py`). Every question is checked before any is answered.
         Raises:
-            InputError: an empty question, a bad override, sampling option or segment.
-            BudgetError: a question that does not fit the context.
+            InputError: an empty question, a bad override, sampling option or segment; `cite`
+            for a cache without token offsets, or with segments > 1. BudgetError: a question that
+            does not fit the context.
         """
         qs = [questions] if isinstance(questions, str) else list(questions)
         max_new = self._max_new(cache, max_new_tokens)
         overrides = self._overrides(dense, hsa, topk, page_size, n_score_dims)
+        self._check_cite(cache, cite, segments)
         try:
             sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
             if isinstance(cache, SegmentedKVCache):
                 return answer_segmented(self.engine, cache, qs, max_new, not dense, overrides, segments, segment, log,
-                                        sampling, on_text)  # fmt: skip
+                                        sampling, on_text, cite)  # fmt: skip
             if segment not in (None, 0):
                 raise InputError(f"--segment {segment}: this cache has one segment (0)")
             decode = decode_config_for(cache, sparse=not dense, **overrides)
         except ValueError as exc:
             raise InputError(f"invalid option: {exc}") from None
-        return answer(self.engine, cache, qs, max_new, decode, sampling=sampling, on_text=on_text)
+        return answer(self.engine, cache, qs, max_new, decode, sampling=sampling, on_text=on_text, cite=cite)
 
     def session(
         self,
@@ -309,6 +314,7 @@ class RocketKV:
         temperature: float = 0.0,
         top_p: float = 1.0,
         seed: int | None = None,
+        cite: int = 0,
         log: Log = lambda message: None,
     ) -> Session:
         """A `Session` answering questions one at a time from `cache` (what `rocketkv chat` runs):
@@ -318,6 +324,7 @@ class RocketKV:
         """
         max_new = self._max_new(cache, max_new_tokens)
         overrides = self._overrides(dense, hsa, topk, page_size, n_score_dims)
+        self._check_cite(cache, cite, segments)
         try:
             sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
             first = cache.segments[0] if isinstance(cache, SegmentedKVCache) else cache
@@ -328,7 +335,7 @@ class RocketKV:
             raise InputError(f"--segment {segment}: this cache has one segment (0)")
         if isinstance(cache, SegmentedKVCache) and segment is not None and not 0 <= segment < cache.n_segments:
             raise InputError(f"--segment {segment} out of range; this cache has segments 0-{cache.n_segments - 1}")
-        return Session(self.engine, cache, max_new, not dense, overrides, sampling, segments, segment, log)
+        return Session(self.engine, cache, max_new, not dense, overrides, sampling, segments, segment, log, cite)
 
     def stream(self, cache: AnyCache, question: str, **options) -> AnswerStream:
         """The answer to one question as an iterator of text pieces (options as `ask`); the
@@ -340,6 +347,17 @@ class RocketKV:
             print(stream.answer.stop_reason)
         """
         return self.session(cache, **options).stream(question)
+
+    @staticmethod
+    def _check_cite(cache: AnyCache, cite: int, segments: int) -> None:
+        if isinstance(cite, bool) or not isinstance(cite, int) or cite < 0:
+            raise InputError(f"--cite must be a count of passages ≥ 0, got {cite!r}")
+        if not cite:
+            return
+        if isinstance(cache, SegmentedKVCache) and segments > 1:
+            raise InputError("--cite needs one segment per answer", "drop --segments, or give --segment J")
+        for part in cache.segments if isinstance(cache, SegmentedKVCache) else (cache,):
+            check_citable(part, str(cache.info.document_source or "the cache"))
 
     def _overrides(self, dense: bool, hsa: bool, topk: int | None, page_size: int | None,
                    n_score_dims: int | None) -> dict[str, int | None]:  # fmt: skip
@@ -360,11 +378,13 @@ class RocketKV:
         dense: bool = False,
         config: PrefillConfig | None = None,
         on_partial: Callable[[PartialSummary], None] = lambda event: None,
+        on_text: TextCallback | None = None,
     ) -> Answer:
         """A summary of the cache's document; hierarchical for a segmented cache (each segment,
-        then the summaries, ingested in memory with `config`). Raises BudgetError."""
+        then the summaries, ingested in memory with `config`). on_text(piece): the final
+        summary's text as it is decoded (as in `ask`). Raises BudgetError."""
         cfg = config or PrefillConfig(max_new_tokens=max_new_tokens)
-        return summarize(self.engine, cache, cfg, max_new_tokens, not dense, on_partial)
+        return summarize(self.engine, cache, cfg, max_new_tokens, not dense, on_partial, on_text=on_text)
 
 
 class AnswerStream:
@@ -386,10 +406,11 @@ class Session:
 
     def __init__(self, engine: Engine, cache: AnyCache, max_new_tokens: int, sparse: bool,
                  overrides: dict[str, int | None], sampling: Sampling, n_segments: int, segment: int | None,
-                 log: Log) -> None:  # fmt: skip
+                 log: Log, cite: int = 0) -> None:  # fmt: skip
         self.engine, self.cache, self.max_new_tokens, self.sparse = engine, cache, max_new_tokens, sparse
         self.overrides, self.sampling, self.n_segments, self.segment, self.log = (
             overrides, sampling, n_segments, segment, log)  # fmt: skip
+        self.cite = cite
         self._answerer: tuple[tuple[int, ...] | None, Answerer] | None = None
 
     def _for(self, question: str) -> tuple[tuple[int, ...] | None, Answerer]:
@@ -404,7 +425,8 @@ class Session:
         if self._answerer is None or self._answerer[0] != chosen:
             assert isinstance(part, CompressedKVCache)  # a segmented cache was merged above
             decode = decode_config_for(part, self.sparse, **self.overrides)
-            self._answerer = (chosen, Answerer(self.engine, part, self.max_new_tokens, decode, sampling=self.sampling))
+            answerer = Answerer(self.engine, part, self.max_new_tokens, decode, sampling=self.sampling, cite=self.cite)
+            self._answerer = (chosen, answerer)
         return self._answerer
 
     def stream(self, question: str) -> AnswerStream:
@@ -441,6 +463,7 @@ __all__ = [
     "DEFAULT_MODEL",
     "Answer",
     "AnswerStream",
+    "Citation",
     "Sampling",
     "Session",
     "StoredModel",

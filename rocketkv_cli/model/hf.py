@@ -242,6 +242,47 @@ class _Session:
 _SESSION: contextvars.ContextVar[_Session | None] = contextvars.ContextVar("rocketkv_session", default=None)
 
 
+class AttentionMass:
+    """Attention weights that the last query of each forward call gives the stored context,
+    summed over the full-attention layers and their query heads, by RoPE position (each KV head
+    keeps its own tokens): `mass` `[n_positions]` float32. `n_rows` counts the softmax rows summed
+    (one per layer, query head and call), so `mass / n_rows` is the mean weight per row. The
+    weights are exact softmax(q·Kᵀ·scaling) over every cached key, whatever stage 2 attended.
+    Used by `ask --cite` (engine/cite.py)."""
+
+    def __init__(self, n_positions: int, device: torch.device):
+        self.mass = torch.zeros(n_positions, dtype=torch.float32, device=device)
+        self.n_rows = 0
+
+    def add(self, query: torch.Tensor, layer: RocketLayer, spec: LayerSpec) -> None:
+        """Add the weights of `query[:, :, -1]` (`[1, H, T, D]`) over `layer`'s keys."""
+        keys, _, positions = layer.view()  # [1, Hkv, L, D], [1, Hkv, L]
+        hkv, n_ctx = keys.shape[1], layer.n_context
+        q = query[0, :, -1].float()  # [H, D]
+        group = q.shape[0] // hkv
+        logits = torch.einsum("kgd,ksd->kgs", q.view(hkv, group, -1), keys[0].float()) * spec.scaling  # [Hkv, G, L]
+        if spec.softcap is not None:
+            logits = torch.tanh(logits / spec.softcap) * spec.softcap
+        weights = torch.softmax(logits, dim=-1)[..., :n_ctx].sum(dim=1)  # [Hkv, n_ctx]: on the stored context
+        self.mass.scatter_add_(0, positions[0, :, :n_ctx].reshape(-1).long(), weights.reshape(-1))
+        self.n_rows += q.shape[0]
+
+
+_MASS: contextvars.ContextVar[AttentionMass | None] = contextvars.ContextVar("rocketkv_mass", default=None)
+
+
+@contextlib.contextmanager
+def attention_mass(n_positions: int, device: torch.device) -> Iterator[AttentionMass]:
+    """Inside the block, every forward call through rocketkv's attention adds its last query's
+    weights over the stored context to the yielded `AttentionMass`."""
+    mass = AttentionMass(n_positions, device)
+    token = _MASS.set(mass)
+    try:
+        yield mass
+    finally:
+        _MASS.reset(token)
+
+
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """rocketkv's attention function (registered with `AttentionInterface`).
 
@@ -266,6 +307,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         keep = torch.ge(q_pos, session.capture_from)
         if bool(keep.any()):
             session.captured.setdefault(module.layer_idx, []).append(query[:, :, keep].detach().float())
+    if (mass := _MASS.get()) is not None and spec.sliding_window is None and layer.n_context:
+        mass.add(query, layer, spec)
     keys, values, k_pos = layer.view()
     dec = session.decode
     if query.shape[2] == 1 and dec is not None and spec.sliding_window is None and dec.uses_hsa(layer.length):

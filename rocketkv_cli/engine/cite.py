@@ -1,0 +1,118 @@
+"""Citations: the passages of the source document an answer drew on most (`ask --cite`).
+
+While an answer is decoded, every full-attention layer adds the attention weights that the query
+producing each answer token gives the stored tokens (`model.hf.AttentionMass`: exact softmax
+weights over every cached key, summed over layers and query heads, by RoPE position). The cache
+keeps each stored token's id, first character and line in the source document
+(`CompressedKVCache.token_ids`, `token_offsets`, `token_lines`; framing tokens have offset -1).
+
+Passages (`cite`): the document token with the most mass (words and numbers only: line breaks
+and punctuation collect attention wherever they are, as attention sinks) picks its line of the
+source; the line, cut to `window_chars` characters around that token when it is longer, is a
+passage; its tokens are then out of the running and the next token picks the next passage.
+Each passage's weight is the share of the answer's attention on the document that falls on it.
+How often the cited passage holds a planted fact is measured by scripts/citation_report.py
+(docs/citations.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..core.cache import CompressedKVCache
+from ..errors import InputError
+
+DEFAULT_WINDOW_CHARS = 240
+
+
+@dataclass(frozen=True)
+class Citation:
+    """One cited passage: characters [start, end) of the source document, on lines
+    first_line … last_line (1-based); weight: its share (0–1) of the answer's attention on the
+    document; text: the passage (decoded from the stored token ids)."""
+
+    start: int
+    end: int
+    first_line: int
+    last_line: int
+    weight: float
+    text: str
+
+    def to_dict(self) -> dict:
+        return {"start": self.start, "end": self.end, "line": self.first_line, "end_line": self.last_line,
+                "weight": round(self.weight, 4), "text": self.text}  # fmt: skip
+
+
+def check_citable(cache: CompressedKVCache, source: str = "the cache") -> None:
+    """Raises InputError when `cache` has no token offsets to cite from (a file written before
+    rocketkv stored them)."""
+    if cache.token_ids is None or cache.token_offsets is None or cache.token_lines is None:
+        raise InputError(
+            f"{source} has no token offsets to cite from (written by an older rocketkv)",
+            f"rebuild it: rocketkv ingest {cache.info.document_source or 'DOC'} -o {source} --force",
+        )
+
+
+def _content_tokens(tokenizer, ids: list[int]) -> dict[int, bool]:
+    """For each distinct id: does its text hold a letter or a digit?"""
+    unique = sorted(set(ids))
+    texts = tokenizer.batch_decode([[i] for i in unique], skip_special_tokens=True)
+    return {i: any(ch.isalnum() for ch in text) for i, text in zip(unique, texts)}
+
+
+def cite(
+    tokenizer,
+    cache: CompressedKVCache,
+    mass: torch.Tensor,
+    n_passages: int,
+    window_chars: int = DEFAULT_WINDOW_CHARS,
+    rank: str = "peak",
+) -> tuple[Citation, ...]:
+    """The `n_passages` passages of the source with the most attention mass, by weight.
+
+    mass: `[n_context_tokens]` float32 attention by position (`AttentionMass.mass`). rank:
+    "peak" (a passage is picked by its best token, as described above) or "sum" (by the total
+    mass of its line's word tokens; compared in docs/citations.md).
+    Raises:
+        InputError: a cache without token offsets (`check_citable`).
+    """
+    check_citable(cache)
+    assert cache.token_ids is not None and cache.token_offsets is not None and cache.token_lines is not None
+    ids = cache.token_ids.tolist()
+    offsets = cache.token_offsets.tolist()
+    lines = cache.token_lines.tolist()
+    weights = mass.detach().float().cpu()[: len(ids)]
+    doc = [i for i, off in enumerate(offsets) if off >= 0]
+    if not doc:
+        return ()
+    total = float(weights[doc].sum()) or 1.0
+    content = _content_tokens(tokenizer, [ids[i] for i in doc])
+    by_line: dict[int, list[int]] = {}
+    for i in doc:
+        by_line.setdefault(lines[i], []).append(i)
+    candidates = [i for i in doc if content[ids[i]]]
+    if rank == "sum":
+        line_score = {ln: float(weights[[i for i in toks if content[ids[i]]] or toks].sum())
+                      for ln, toks in by_line.items()}  # fmt: skip
+        candidates.sort(key=lambda i: (-line_score[lines[i]], -float(weights[i])))
+    else:
+        candidates.sort(key=lambda i: -float(weights[i]))
+    used: set[int] = set()
+    out: list[Citation] = []
+    for best in candidates:
+        if len(out) == n_passages:
+            break
+        if best in used:
+            continue
+        span = [i for i in by_line[lines[best]] if abs(offsets[i] - offsets[best]) <= window_chars // 2]
+        span = [i for i in span if i not in used]
+        used.update(by_line[lines[best]] if rank == "sum" else span)
+        first, last = span[0], span[-1]
+        text = " ".join(tokenizer.decode(ids[first : last + 1], skip_special_tokens=True).split())
+        after = next((offsets[j] for j in range(last + 1, len(ids)) if offsets[j] >= 0), None)
+        end = after if after is not None else offsets[last] + len(tokenizer.decode([ids[last]]))
+        out.append(Citation(start=offsets[first], end=end, first_line=lines[first], last_line=lines[last],
+                            weight=float(weights[span].sum()) / total, text=text))  # fmt: skip
+    return tuple(sorted(out, key=lambda c: -c.weight))

@@ -38,6 +38,10 @@ TemperatureOpt = Annotated[
 TopPOpt = Annotated[
     float, typer.Option("--top-p", min=0.0, max=1.0, metavar="P", help="Nucleus sampling: keep tokens up to mass P.")
 ]
+CiteOpt = Annotated[
+    bool, typer.Option("--cite", help="After each answer, the source passages it drew on most (lines, characters).")
+]
+PassagesOpt = Annotated[int, typer.Option("--passages", min=1, metavar="N", help="Passages shown by --cite.")]
 SeedOpt = Annotated[
     Optional[int],
     typer.Option("--seed", min=0, metavar="N", help="Seed of the sampler (default: random, shown on stderr)."),
@@ -49,7 +53,7 @@ def usage_error(param: str, message: str) -> typer.BadParameter:
     return typer.BadParameter(message, param_hint=param)
 
 
-def resolve_format(fmt: str, json_out: bool, stream: bool | None, n_questions: int | None):
+def resolve_format(fmt: str, json_out: bool, stream: bool | None, n_questions: int | None, cite: bool = False):
     """(format, stream) from the options; `n_questions` None = not known in advance (chat).
 
     Usage errors (exit 2): an unknown format, `--json` with another format, `--stream` with
@@ -64,6 +68,8 @@ def resolve_format(fmt: str, json_out: bool, stream: bool | None, n_questions: i
         fmt = "text" if n_questions == 1 else "qa"
     if fmt == "text" and (n_questions or 2) > 1:
         raise usage_error("--format", "text cannot show which answer is which: use qa, lines or json")
+    if fmt == "lines" and cite:
+        raise usage_error("--cite", "lines has one line per answer: use --format text, qa or json for citations")
     if fmt == "json" and stream:
         raise usage_error("--stream", "json prints one complete object per answer, never streamed")
     if stream is None:
@@ -103,19 +109,33 @@ class AnswerPrinter:
             return
         self._write(self._qa(text) if self.fmt == "qa" else escape_line(text) if self.fmt == "lines" else text)
 
-    def finish(self, text: str, record: dict) -> None:
+    def finish(self, text: str, record: dict, citations=None) -> None:
+        """End the answer; `citations` (`Citation`s, or None) are listed under it ("Sources:")."""
         if self.fmt == "json":
             self._write(json.dumps(record, ensure_ascii=False) + "\n")
-        elif self.stream:
+            return
+        if self.stream:
             self._write("\n")
         else:
             self._write((self._qa(text) if self.fmt == "qa" else escape_line(text) if self.fmt == "lines" else text)
                         + "\n")  # fmt: skip
+        if citations is not None:
+            indent = INDENT if self.fmt == "qa" else ""
+            rows = [f"{indent}  [{i}] {where(c)} ({100 * c.weight:.0f}%): {c.text}\n"
+                    for i, c in enumerate(citations, 1)]  # fmt: skip
+            self._write(f"{indent}Sources:\n" + "".join(rows) if rows else f"{indent}Sources: none\n")
 
     def interrupted(self) -> None:
         """The answer being printed was cancelled: end its line."""
         if self.stream and self.fmt != "json":
             self._write("\n")
+
+
+def where(citation) -> str:
+    """ "line 5, characters 539-719" (or "lines 5-6, …") of a `Citation`."""
+    lines = (f"line {citation.first_line}" if citation.first_line == citation.last_line
+             else f"lines {citation.first_line}-{citation.last_line}")  # fmt: skip
+    return f"{lines}, characters {citation.start}-{citation.end}"
 
 
 def sampling_note(temperature: float, seed: int | None) -> str | None:

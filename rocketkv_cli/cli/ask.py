@@ -11,7 +11,9 @@ import typer
 from ..errors import InputError
 from .answers import (
     AnswerPrinter,
+    CiteOpt,
     FormatOpt,
+    PassagesOpt,
     SeedOpt,
     StreamOpt,
     TemperatureOpt,
@@ -96,7 +98,7 @@ def print_answers(answers, questions: list[str], source: str, printer: AnswerPri
     for question in questions:
         printer.start(question)
         ans = next(it)
-        printer.finish(ans.text, ans.to_dict(cache=source))
+        printer.finish(ans.text, ans.to_dict(cache=source), ans.citations)
         log(answer_log(ans))
 
 
@@ -126,6 +128,8 @@ def ask_command(
     temperature: TemperatureOpt = 0.0,
     top_p: TopPOpt = 1.0,
     seed: SeedOpt = None,
+    cite: CiteOpt = False,
+    passages: PassagesOpt = 3,
     hsa: HsaOpt = False,
     topk: TopkOpt = None,
     page_size: PageSizeOpt = None,
@@ -157,7 +161,7 @@ def ask_command(
     questions = read_questions(rest, questions_file, doc == "-")
     if not questions:
         raise usage_error("QUESTION...", "missing: pass questions as arguments or with --questions-file")
-    fmt, stream = resolve_format(fmt, json_out, stream, len(questions))
+    fmt, stream = resolve_format(fmt, json_out, stream, len(questions), cite)
     if note := sampling_note(temperature, seed):
         log(note)
     if doc is None:
@@ -173,5 +177,6 @@ def ask_command(
     printer = AnswerPrinter(fmt, stream)
     answers = rk.ask(stored, questions, max_new_tokens=max_new_tokens, dense=dense, hsa=hsa, topk=topk,
                      page_size=page_size, n_score_dims=n_score_dims, segments=segments, segment=segment,
-                     temperature=temperature, top_p=top_p, seed=seed, on_text=printer.piece, log=log)  # fmt: skip
+                     temperature=temperature, top_p=top_p, seed=seed, on_text=printer.piece,
+                     cite=passages if cite else 0, log=log)  # fmt: skip
     print_answers(answers, questions, source, printer)

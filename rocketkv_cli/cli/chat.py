@@ -19,6 +19,8 @@ import typer
 from ..errors import InputError, RocketKVError
 from .answers import (
     AnswerPrinter,
+    CiteOpt,
+    PassagesOpt,
     SeedOpt,
     TemperatureOpt,
     TopPOpt,
@@ -113,6 +115,8 @@ def chat_command(
     temperature: TemperatureOpt = 0.0,
     top_p: TopPOpt = 1.0,
     seed: SeedOpt = None,
+    cite: CiteOpt = False,
+    passages: PassagesOpt = 3,
     segments: SegmentsOpt = 1,
     segment: SegmentOpt = None,
     segment_tokens: SegmentTokensOpt = None,
@@ -150,7 +154,8 @@ def chat_command(
         stored = ingest(rk, stream, cfg, segment_tokens=segment_tokens).cache
         source = document
     session = rk.session(stored, max_new_tokens=max_new_tokens, dense=dense, hsa=hsa, temperature=temperature,
-                         top_p=top_p, seed=seed, segments=segments, segment=segment, log=log)  # fmt: skip
+                         top_p=top_p, seed=seed, segments=segments, segment=segment,
+                         cite=passages if cite else 0, log=log)  # fmt: skip
     prompt = Prompt(home() / "chat_history")
     interactive = prompt.interactive
     fmt = "json" if json_out else ("text" if interactive else "qa")
@@ -180,7 +185,7 @@ def chat_command(
             for piece in stream:
                 printer.piece(piece)
             assert stream.answer is not None  # set when the iteration ends
-            printer.finish(stream.answer.text, stream.answer.to_dict(cache=source))
+            printer.finish(stream.answer.text, stream.answer.to_dict(cache=source), stream.answer.citations)
             log(answer_log(stream.answer))
         except KeyboardInterrupt:
             printer.interrupted()

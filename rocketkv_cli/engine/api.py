@@ -357,7 +357,7 @@ class RocketKV:
         if isinstance(cache, SegmentedKVCache) and segments > 1:
             raise InputError("--cite needs one segment per answer", "drop --segments, or give --segment J")
         for part in cache.segments if isinstance(cache, SegmentedKVCache) else (cache,):
-            check_citable(part, str(cache.info.document_source or "the cache"))
+            check_citable(part)
 
     def _overrides(self, dense: bool, hsa: bool, topk: int | None, page_size: int | None,
                    n_score_dims: int | None) -> dict[str, int | None]:  # fmt: skip

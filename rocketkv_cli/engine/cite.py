@@ -45,21 +45,32 @@ class Citation:
                 "weight": round(self.weight, 4), "text": self.text}  # fmt: skip
 
 
-def check_citable(cache: CompressedKVCache, source: str = "the cache") -> None:
+def check_citable(cache: CompressedKVCache) -> None:
     """Raises InputError when `cache` has no token offsets to cite from (a file written before
     rocketkv stored them)."""
     if cache.token_ids is None or cache.token_offsets is None or cache.token_lines is None:
         raise InputError(
-            f"{source} has no token offsets to cite from (written by an older rocketkv)",
-            f"rebuild it: rocketkv ingest {cache.info.document_source or 'DOC'} -o {source} --force",
+            "this cache has no token offsets to cite from (written by an older rocketkv)",
+            f"rebuild it: rocketkv ingest {cache.info.document_source or 'DOC'} -o FILE.kv --force",
         )
 
 
-def _content_tokens(tokenizer, ids: list[int]) -> dict[int, bool]:
-    """For each distinct id: does its text hold a letter or a digit?"""
+def _token_texts(tokenizer, ids: list[int]) -> dict[int, str]:
+    """The text of each distinct id on its own."""
     unique = sorted(set(ids))
-    texts = tokenizer.batch_decode([[i] for i in unique], skip_special_tokens=True)
-    return {i: any(ch.isalnum() for ch in text) for i, text in zip(unique, texts)}
+    return dict(zip(unique, tokenizer.batch_decode([[i] for i in unique], skip_special_tokens=True)))
+
+
+def _whole_words(span: list[int], ids: list[int], texts: dict[int, str]) -> list[int]:
+    """`span` (consecutive positions of one line) without the pieces of words cut at its ends."""
+
+    def starts_word(k: int) -> bool:
+        i = span[k]
+        return i == 0 or texts[ids[i]][:1].isspace() or texts[ids[i - 1]][-1:].isspace()
+
+    first = next((k for k in range(len(span)) if starts_word(k)), 0)
+    last = next((k - 1 for k in range(len(span) - 1, first, -1) if starts_word(k)), len(span) - 1)
+    return span[first : last + 1] or span
 
 
 def cite(
@@ -88,7 +99,8 @@ def cite(
     if not doc:
         return ()
     total = float(weights[doc].sum()) or 1.0
-    content = _content_tokens(tokenizer, [ids[i] for i in doc])
+    texts = _token_texts(tokenizer, [ids[i] for i in doc])
+    content = {i: any(ch.isalnum() for ch in text) for i, text in texts.items()}
     by_line: dict[int, list[int]] = {}
     for i in doc:
         by_line.setdefault(lines[i], []).append(i)
@@ -106,8 +118,10 @@ def cite(
             break
         if best in used:
             continue
-        span = [i for i in by_line[lines[best]] if abs(offsets[i] - offsets[best]) <= window_chars // 2]
-        span = [i for i in span if i not in used]
+        line = by_line[lines[best]]
+        span = [i for i in line if abs(offsets[i] - offsets[best]) <= window_chars // 2 and i not in used]
+        if len(span) < len(line):  # a window inside a longer line: whole words only
+            span = _whole_words(span, ids, texts)
         used.update(by_line[lines[best]] if rank == "sum" else span)
         first, last = span[0], span[-1]
         text = " ".join(tokenizer.decode(ids[first : last + 1], skip_special_tokens=True).split())

@@ -99,7 +99,7 @@ def cite(
     if not doc:
         return ()
     total = float(weights[doc].sum()) or 1.0
-    texts = _token_texts(tokenizer, [ids[i] for i in doc])
+    texts = _token_texts(tokenizer, ids)
     content = {i: any(ch.isalnum() for ch in text) for i, text in texts.items()}
     by_line: dict[int, list[int]] = {}
     for i in doc:

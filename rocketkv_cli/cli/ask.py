@@ -77,11 +77,13 @@ def read_questions(positional: list[str], questions_file: Optional[str], doc_is_
 
 
 def open_cache(cache: Path, model: Optional[str], device: str, dtype: Optional[str], trust_remote_code: bool,
-               weights: Optional[str] = None):  # fmt: skip
-    """Validate the file, load the model it was built with (or `model`), check they match."""
-    from ..engine.api import read_cache
+               weights: Optional[str] = None, cite: int = 0, segments: int = 1):  # fmt: skip
+    """Validate the file (and that it can give `cite` citations), load the model it was built
+    with (or `model`), check they match."""
+    from ..engine.api import check_cite, read_cache
 
     stored = read_cache(cache)
+    check_cite(stored, cite, segments)
     ident = stored.info.identity
     rk = load_engine(model or ident.model_id, device, dtype or stored.info.dtype, trust_remote_code,
                      weights or stored.info.weights)  # fmt: skip
@@ -151,10 +153,7 @@ def ask_command(
     Each question is answered on its own. On a terminal the answers are printed as they are
     decoded; several questions are shown as Q:/A: records (see --format).
     """
-    from ..engine.api import DEFAULT_MODEL
-
-    setup(quiet)
-    args = list(args or [])
+    args = list(args or [])  # usage errors first: before the engine (torch) is imported
     if cache is None and not args:
         raise usage_error("QUESTION...", "missing: give --cache FILE.kv QUESTION..., or DOC QUESTION...")
     doc, rest = (None, args) if cache is not None else (args[0], args[1:])
@@ -162,11 +161,15 @@ def ask_command(
     if not questions:
         raise usage_error("QUESTION...", "missing: pass questions as arguments or with --questions-file")
     fmt, stream = resolve_format(fmt, json_out, stream, len(questions), cite)
+    from ..engine.api import DEFAULT_MODEL
+
+    setup(quiet)
     if note := sampling_note(temperature, seed):
         log(note)
     if doc is None:
         assert cache is not None  # one of the two, checked above
-        rk, stored = open_cache(cache, model, device, dtype, trust_remote_code, weights)
+        rk, stored = open_cache(cache, model, device, dtype, trust_remote_code, weights, cite=passages if cite else 0,
+                                segments=segments)  # fmt: skip
         source = str(cache)
     else:
         cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens or 128, pool_kernel_size="63")

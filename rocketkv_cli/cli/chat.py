@@ -144,7 +144,8 @@ def chat_command(
     if note := sampling_note(temperature, seed):
         log(note)
     if cache is not None:
-        rk, stored = open_cache(cache, model, device, dtype, trust_remote_code, weights)
+        rk, stored = open_cache(cache, model, device, dtype, trust_remote_code, weights, cite=passages if cite else 0,
+                                segments=segments)  # fmt: skip
         source = str(cache)
     else:
         assert document is not None  # one of the two, checked above

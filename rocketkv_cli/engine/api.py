@@ -85,6 +85,23 @@ def read_cache(path: str | Path) -> AnyCache:
     return load_cache(path)
 
 
+def check_cite(cache: AnyCache, cite: int, segments: int = 1) -> None:
+    """Refuse `cite` passages that `cache` cannot give (before any model loads).
+
+    Raises:
+        InputError: a negative count; a cache without token offsets (older files); a segmented
+        cache answered from several segments at once.
+    """
+    if isinstance(cite, bool) or not isinstance(cite, int) or cite < 0:
+        raise InputError(f"--cite must be a count of passages ≥ 0, got {cite!r}")
+    if not cite:
+        return
+    if isinstance(cache, SegmentedKVCache) and segments > 1:
+        raise InputError("--cite needs one segment per answer", "drop --segments, or give --segment J")
+    for part in cache.segments if isinstance(cache, SegmentedKVCache) else (cache,):
+        check_citable(part)
+
+
 def pending_checkpoints(output: Path) -> tuple[int, Path]:
     """(count, folder) of checkpointed segments an earlier, interrupted ingest into `output` left."""
     checkpoints = Checkpoints(output)
@@ -286,7 +303,7 @@ class RocketKV:
         qs = [questions] if isinstance(questions, str) else list(questions)
         max_new = self._max_new(cache, max_new_tokens)
         overrides = self._overrides(dense, hsa, topk, page_size, n_score_dims)
-        self._check_cite(cache, cite, segments)
+        check_cite(cache, cite, segments)
         try:
             sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
             if isinstance(cache, SegmentedKVCache):
@@ -324,7 +341,7 @@ class RocketKV:
         """
         max_new = self._max_new(cache, max_new_tokens)
         overrides = self._overrides(dense, hsa, topk, page_size, n_score_dims)
-        self._check_cite(cache, cite, segments)
+        check_cite(cache, cite, segments)
         try:
             sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
             first = cache.segments[0] if isinstance(cache, SegmentedKVCache) else cache
@@ -347,17 +364,6 @@ class RocketKV:
             print(stream.answer.stop_reason)
         """
         return self.session(cache, **options).stream(question)
-
-    @staticmethod
-    def _check_cite(cache: AnyCache, cite: int, segments: int) -> None:
-        if isinstance(cite, bool) or not isinstance(cite, int) or cite < 0:
-            raise InputError(f"--cite must be a count of passages ≥ 0, got {cite!r}")
-        if not cite:
-            return
-        if isinstance(cache, SegmentedKVCache) and segments > 1:
-            raise InputError("--cite needs one segment per answer", "drop --segments, or give --segment J")
-        for part in cache.segments if isinstance(cache, SegmentedKVCache) else (cache,):
-            check_citable(part)
 
     def _overrides(self, dense: bool, hsa: bool, topk: int | None, page_size: int | None,
                    n_score_dims: int | None) -> dict[str, int | None]:  # fmt: skip
@@ -464,6 +470,7 @@ __all__ = [
     "Answer",
     "AnswerStream",
     "Citation",
+    "check_cite",
     "Sampling",
     "Session",
     "StoredModel",

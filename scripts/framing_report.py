@@ -66,37 +66,62 @@ class Framing:
 
 SUMMARY_FRAMINGS = {
     "plain": [
-        Framing("question (0.1.0)", PLAIN_PREFIX + "\n\nAnswer the question using only the document above. Give a short "
-                f"answer.\nQuestion: {QUESTION_OF_SUMMARY}\nAnswer:", ("\n\n\n",)),  # fmt: skip
+        Framing(
+            "question (0.1.0)",
+            PLAIN_PREFIX + "\n\nAnswer the question using only the document above. Give a short "
+            f"answer.\nQuestion: {QUESTION_OF_SUMMARY}\nAnswer:",
+            ("\n\n\n",),
+        ),  # fmt: skip
         Framing("tldr", PLAIN_PREFIX + "\n\nTL;DR:", ("\n\n",)),
         Framing("summary:", PLAIN_PREFIX + "\n\nSummary:", ("\n\n",)),
-        Framing("three sentences", PLAIN_PREFIX + "\n\nA summary of the document above, in three sentences:\n",
-                ("\n\n",)),  # fmt: skip
+        Framing(
+            "three sentences", PLAIN_PREFIX + "\n\nA summary of the document above, in three sentences:\n", ("\n\n",)
+        ),  # fmt: skip
         Framing("lead", PLAIN_PREFIX + "\n\nSummary:", ("\n\n",), lead=" This document"),
-        Framing("one-shot", PLAIN_PREFIX + "\n\nExample. Text: a recipe that lists flour, water, salt and yeast and "
-                "says to bake the dough for forty minutes.\nSummary: A bread recipe: mix flour, water, salt and yeast, "
-                "then bake for forty minutes.\n\nText: the document above.\nSummary:", ("\n\n", "\nText:")),  # fmt: skip
+        Framing(
+            "one-shot",
+            PLAIN_PREFIX + "\n\nExample. Text: a recipe that lists flour, water, salt and yeast and "
+            "says to bake the dough for forty minutes.\nSummary: A bread recipe: mix flour, water, salt and yeast, "
+            "then bake for forty minutes.\n\nText: the document above.\nSummary:",
+            ("\n\n", "\nText:"),
+        ),  # fmt: skip
     ],
     "chat": [
-        Framing("question (0.1.0)", CHAT_PREFIX + "Answer the question using only the document above. Give a short "
-                f"answer.\nQuestion: {QUESTION_OF_SUMMARY}", ()),  # fmt: skip
+        Framing(
+            "question (0.1.0)",
+            CHAT_PREFIX + "Answer the question using only the document above. Give a short "
+            f"answer.\nQuestion: {QUESTION_OF_SUMMARY}",
+            (),
+        ),  # fmt: skip
         Framing("summarize", CHAT_PREFIX + QUESTION_OF_SUMMARY, ()),
-        Framing("three sentences", CHAT_PREFIX + "Write a summary of the document above in three sentences: what "
-                "it is, and its main points. Use only facts from the document.", ()),  # fmt: skip
+        Framing(
+            "three sentences",
+            CHAT_PREFIX + "Write a summary of the document above in three sentences: what "
+            "it is, and its main points. Use only facts from the document.",
+            (),
+        ),  # fmt: skip
         Framing("tldr", CHAT_PREFIX + "TL;DR of the document above:", ()),
         Framing("lead", CHAT_PREFIX + QUESTION_OF_SUMMARY, (), lead="This document"),
     ],
 }
 QUESTION_FRAMINGS = {
     "plain": [
-        Framing("shipped", PLAIN_PREFIX + "\n\nAnswer the question using only the document above. Give a short "
-                "answer.\nQuestion: {question}\nAnswer:", ("\n\n", "\nQuestion:")),  # fmt: skip
+        Framing(
+            "shipped",
+            PLAIN_PREFIX + "\n\nAnswer the question using only the document above. Give a short "
+            "answer.\nQuestion: {question}\nAnswer:",
+            ("\n\n", "\nQuestion:"),
+        ),  # fmt: skip
         Framing("question/answer", PLAIN_PREFIX + "\n\nQuestion: {question}\nAnswer:", ("\n\n", "\nQuestion:")),
         Framing("q/a", PLAIN_PREFIX + "\n\nQ: {question}\nA:", ("\n\n", "\nQ:")),
     ],
     "chat": [
-        Framing("shipped", CHAT_PREFIX + "Answer the question using only the document above. Give a short answer.\n"
-                "Question: {question}", ()),  # fmt: skip
+        Framing(
+            "shipped",
+            CHAT_PREFIX + "Answer the question using only the document above. Give a short answer.\n"
+            "Question: {question}",
+            (),
+        ),  # fmt: skip
         Framing("plain question", CHAT_PREFIX + "{question}", ()),
         Framing("one sentence", CHAT_PREFIX + "Answer in one sentence, using only the document above: {question}", ()),
     ],
@@ -184,7 +209,9 @@ def ask_framed(rk, cache, framing: Framing, question: str = "", max_new_tokens: 
     engine = rk.engine
     after = follow_up(engine.tokenizer, engine.prompt, framing.template.replace("{question}", question))
     ids = tokenize(engine.tokenizer, after + framing.lead, False)
-    answerer = Answerer(engine, cache, max_new_tokens, decode_config_for(cache), framing.stops, question_tokens=len(ids))
+    answerer = Answerer(
+        engine, cache, max_new_tokens, decode_config_for(cache), framing.stops, question_tokens=len(ids)
+    )
     ans = answerer.ask(question or framing.name, ids)
     text = f"{framing.lead.strip()} {ans.text}".strip() if framing.lead else ans.text
     return text, ans

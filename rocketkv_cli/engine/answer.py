@@ -21,8 +21,8 @@ import torch
 from ..core.cache import CompressedKVCache
 from ..core.config import DecodeConfig
 from ..errors import BudgetError, InputError
-from ..model.hf import attention_mass
-from .cite import Citation, check_citable, cite
+from ..model.hf import AttentionMass, attention_mass
+from .cite import Citation, baseline_mass, check_citable, cite, token_scores
 from .engine import QUESTION_RESERVE_TOKENS, Decoder, Engine
 from .stopping import AnswerTokens
 
@@ -175,6 +175,7 @@ class Answerer:
         if cite:
             check_citable(cache)
         self.cite = cite
+        self._baseline: AttentionMass | None = None
         self.engine, self.cache, self.max_new_tokens = engine, cache, max_new_tokens
         self.stops = engine.prompt.stop_strings if stop_strings is None else stop_strings
         self.sampling = sampling
@@ -197,7 +198,10 @@ class Answerer:
                 return (yield from steps)
             with attention_mass(self.cache.n_context_tokens, self.engine.loaded.device) as mass:
                 ans = yield from steps
-            return dataclasses.replace(ans, citations=cite(self.engine.tokenizer, self.cache, mass.mass, self.cite))
+            if self._baseline is None:  # once per cache: what a generic question attends to
+                self._baseline = baseline_mass(self.engine, self.decoder, self.cache)
+            scores, share = token_scores(mass, self._baseline)
+            return dataclasses.replace(ans, citations=cite(self.engine.tokenizer, self.cache, scores, share, self.cite))
         finally:
             self.decoder.reset()
 

@@ -2,17 +2,21 @@
 
 While an answer is decoded, every full-attention layer adds the attention weights that the query
 producing each answer token gives the stored tokens (`model.hf.AttentionMass`: exact softmax
-weights over every cached key, summed over layers and query heads, by RoPE position). The cache
-keeps each stored token's id, first character and line in the source document
-(`CompressedKVCache.token_ids`, `token_offsets`, `token_lines`; framing tokens have offset -1).
+weights over every cached key, summed over query heads, by RoPE position). The cache keeps each
+stored token's id, first character and line in the source document (`CompressedKVCache.token_ids`,
+`token_offsets`, `token_lines`; framing tokens have offset -1).
 
-Passages (`cite`): the document token with the most mass (words and numbers only: line breaks
+Scores (`token_scores`): per layer, the answer's weights are normalised to sum to 1 and divided
+by those a generic question gives (`baseline_mass`: every query of `prompts/probe.txt`, prefilled
+after the document), then averaged over layers: attention *this* answer pays a token beyond what
+any question pays it. Without the baseline, SmolLM2's citations were the same few passages
+whatever the question (docs/citations.md compares the two).
+Passages (`cite`): the document token with the best score (words and numbers only: line breaks
 and punctuation collect attention wherever they are, as attention sinks) picks its line of the
 source; the line, cut to `window_chars` characters around that token when it is longer, is a
 passage; its tokens are then out of the running and the next token picks the next passage.
 Each passage's weight is the share of the answer's attention on the document that falls on it.
-How often the cited passage holds a planted fact is measured by scripts/citation_report.py
-(docs/citations.md).
+How often the cited passage holds a planted fact is measured by scripts/citation_report.py.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import torch
 
 from ..core.cache import CompressedKVCache
 from ..errors import InputError
+from ..model.hf import AttentionMass, attention_mass
+from ..model.templates import read_prompt
 
 DEFAULT_WINDOW_CHARS = 240
 
@@ -55,6 +61,40 @@ def check_citable(cache: CompressedKVCache) -> None:
         )
 
 
+def baseline_mass(engine, decoder, cache: CompressedKVCache) -> AttentionMass:
+    """The attention a generic question (`prompts/probe.txt`) gives the stored context: every
+    query of its prefill over `decoder` (then reset to the stored context)."""
+    decoder.reset()
+    with attention_mass(cache.n_context_tokens, engine.loaded.device, queries="all") as base:
+        try:
+            with decoder.attention():
+                decoder.prefill(engine.question_ids(read_prompt("probe.txt")))
+        finally:
+            decoder.reset()
+    return base
+
+
+def _normalised(mass: AttentionMass, layers: list[int]) -> torch.Tensor:
+    m = torch.stack([mass.layers[i].float().cpu() for i in layers])  # [L_full, n]
+    return m / m.sum(dim=1, keepdim=True).clamp(min=1e-30)
+
+
+def token_scores(answer: AttentionMass, baseline: AttentionMass | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores, share) `[n]` each: the ranking score of every stored position (see the module
+    docstring; without a baseline, the mean normalised weight) and the answer's mean normalised
+    weight (for the passages' shares)."""
+    layers = sorted(answer.layers)
+    if not layers:  # no full-attention layer saw the context
+        zero = torch.zeros(answer.n_positions)
+        return zero, zero
+    p = _normalised(answer, layers)
+    share = p.mean(dim=0)
+    if baseline is None or sorted(baseline.layers) != layers:
+        return share, share
+    eps = 0.5 / answer.n_positions  # half a uniform weight: rarely attended tokens do not explode
+    return (p / (_normalised(baseline, layers) + eps)).mean(dim=0), share
+
+
 def _token_texts(tokenizer, ids: list[int]) -> dict[int, str]:
     """The text of each distinct id on its own."""
     unique = sorted(set(ids))
@@ -76,16 +116,17 @@ def _whole_words(span: list[int], ids: list[int], texts: dict[int, str]) -> list
 def cite(
     tokenizer,
     cache: CompressedKVCache,
-    mass: torch.Tensor,
+    scores: torch.Tensor,
+    share: torch.Tensor,
     n_passages: int,
     window_chars: int = DEFAULT_WINDOW_CHARS,
     rank: str = "peak",
 ) -> tuple[Citation, ...]:
-    """The `n_passages` passages of the source with the most attention mass, by weight.
+    """The `n_passages` best passages of the source, best first.
 
-    mass: `[n_context_tokens]` float32 attention by position (`AttentionMass.mass`). rank:
-    "peak" (a passage is picked by its best token, as described above) or "sum" (by the total
-    mass of its line's word tokens; compared in docs/citations.md).
+    scores, share: `[n_context_tokens]` by position (`token_scores`). rank: "peak" (a passage is
+    picked by its best token, as described above) or "sum" (by the total score of its line's
+    word tokens; compared in docs/citations.md).
     Raises:
         InputError: a cache without token offsets (`check_citable`).
     """
@@ -94,11 +135,12 @@ def cite(
     ids = cache.token_ids.tolist()
     offsets = cache.token_offsets.tolist()
     lines = cache.token_lines.tolist()
-    weights = mass.detach().float().cpu()[: len(ids)]
+    weights = scores.detach().float().cpu()[: len(ids)]
+    shares = share.detach().float().cpu()[: len(ids)]
     doc = [i for i, off in enumerate(offsets) if off >= 0]
     if not doc:
         return ()
-    total = float(weights[doc].sum()) or 1.0
+    total = float(shares[doc].sum()) or 1.0
     texts = _token_texts(tokenizer, ids)
     content = {i: any(ch.isalnum() for ch in text) for i, text in texts.items()}
     by_line: dict[int, list[int]] = {}
@@ -128,5 +170,5 @@ def cite(
         after = next((offsets[j] for j in range(last + 1, len(ids)) if offsets[j] >= 0), None)
         end = after if after is not None else offsets[last] + len(tokenizer.decode([ids[last]]))
         out.append(Citation(start=offsets[first], end=end, first_line=lines[first], last_line=lines[last],
-                            weight=float(weights[span].sum()) / total, text=text))  # fmt: skip
-    return tuple(sorted(out, key=lambda c: -c.weight))
+                            weight=float(shares[span].sum()) / total, text=text))  # fmt: skip
+    return tuple(out)

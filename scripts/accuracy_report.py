@@ -1,17 +1,17 @@
 #!/usr/bin/env python
 """Regenerate docs/accuracy.md: run `rocketkv eval` on both presets and choose ingest's defaults.
 
-Usage: python scripts/accuracy_report.py [--quick] [--from-json] [--out-dir DIR]
-Runs the installed CLI (one process per preset; SmolLM2 at ~4K tokens, Gemma at ~8K, 20 samples
-per task, budgets 128–1024, every method, and the stage-1 ablation: observation window tail /
-probe / wide × pool kernel 63 / auto), keeps the JSON as docs/bench/accuracy-<preset>.json, and
-writes the tables plus the defaults the numbers support. `--quick` is a smoke run of the whole
-chain (SmolLM2 only, 1K tokens, one sample, one budget) written under build/accuracy-quick/: it
-is not evidence (about 5 minutes on an idle 2-core CPU). The full run takes about 10 hours on an
-idle 2-core CPU (about 5 per preset: 7,400 answers of ~2 s each, plus one prefill and 29 pruned
-caches written and read back per sample); `--samples N` shortens it proportionally. Run it on an
-otherwise idle machine: with another process on the same 2 cores, torch's two threads spin against
-it and decode runs 10-30× slower (seen here); OMP_NUM_THREADS=1 limits that damage.
+Usage: python scripts/accuracy_report.py [--quick] [--from-json] [--out-dir DIR] [--samples N]
+Runs the installed CLI once per preset and task (SmolLM2 at ~4K tokens, Gemma at ~8K, 20 samples
+per task, budgets 128–1024, methods full / rocketkv with each observation window / snapkv / hsa /
+sink_recent) and keeps each run's JSON (`docs/bench/accuracy-<preset>-<task>.json`): an
+interrupted report resumes at the first missing one when rerun, so it can run in the background.
+Every method scores full attention's answer teacher-forced (top-1 agreement, KL, log-prob) and
+generates only where it disagrees, so a preset takes about an hour on an idle 2-core CPU. Rates
+carry Wilson intervals, means bootstrap intervals (95%). `--quick` is a smoke run of the whole
+chain (SmolLM2 only, 1K tokens, one sample, one budget) under build/accuracy-quick/: not evidence.
+Run it on an otherwise idle machine, or with OMP_NUM_THREADS=1: torch's two threads spin against
+any other process on the same 2 cores and decode runs 10-30x slower (seen here).
 """
 
 from __future__ import annotations
@@ -27,21 +27,48 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ROCKETKV = str(Path(sys.executable).parent / "rocketkv")
 FULL = {"smollm2-135m": 4096, "gemma-3-270m": 8192}  # preset: context tokens
-COMMON = ["--budgets", "128,256,512,1024", "--methods", "all", "--tasks", "all",
-          "--observations", "tail,probe,wide", "--pool-kernels", "63,auto", "--seed", "0"]  # fmt: skip
+COMMON = ["--budgets", "128,256,512,1024", "--methods", "all", "--observations", "tail,probe,wide",
+          "--pool-kernels", "63", "--seed", "0"]  # fmt: skip
 QUICK = {"smollm2-135m": 1024}
-QUICK_COMMON = ["--budgets", "256", "--methods", "all", "--tasks", "all",
-                "--observations", "tail,probe,wide", "--pool-kernels", "63,auto", "--seed", "0"]  # fmt: skip
+QUICK_COMMON = ["--budgets", "256", "--methods", "all", "--observations", "tail,probe,wide", "--pool-kernels", "63",
+                "--seed", "0"]  # fmt: skip
+TASKS = ("niah_noise", "niah_text", "multikey", "multivalue", "multiquery", "vt", "fwe")
 DEFAULT_VARIANT = ("tail", "63")  # ingest's defaults before this report: --observation tail --pool-kernel-size 63
 MARGIN = 0.02  # a variant must beat the current default by 2 points of mean score to replace it
 NEAR_FULL = 0.05  # a budget is "close to full attention" within 5 points of its mean score
 
 
-def run(model: str, n: int, common: list[str], out: Path) -> dict:
-    cmd = [ROCKETKV, "eval", "--model", model, "--context-tokens", str(n), *common, "--json", str(out)]
-    print("$", " ".join(["rocketkv", *cmd[1:]]), file=sys.stderr)
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    return json.loads(out.read_text())
+def run(model: str, n: int, common: list[str], json_dir: Path, tasks: tuple[str, ...], resume: bool) -> dict:
+    """One `rocketkv eval` per task (a finished task's JSON is reused when `resume`), merged."""
+    parts = []
+    for task in tasks:
+        out = json_dir / f"accuracy-{model}-{task}.json"
+        if not (resume and out.exists()):
+            cmd = [ROCKETKV, "eval", "--model", model, "--context-tokens", str(n), "--tasks", task, *common,
+                   "--json", str(out)]  # fmt: skip
+            print("$", " ".join(["rocketkv", *cmd[1:]]), file=sys.stderr)
+            subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        parts.append(json.loads(out.read_text()))
+    return merge(parts)
+
+
+def merge(parts: list[dict]) -> dict:
+    """One report from per-task reports: records concatenated, the summary recomputed, times added."""
+    from rocketkv_cli.eval.runner import summarize
+
+    report = dict(parts[0])
+    report["records"] = [r for p in parts for r in p["records"]]
+    report["samples"] = [s for p in parts for s in p["samples"]]
+    report["config"] = {**parts[0]["config"], "tasks": [t for p in parts for t in p["config"]["tasks"]]}
+    report["elapsed_s"] = sum(p["elapsed_s"] for p in parts)
+    report["summary"] = summarize(report["records"])
+    return report
+
+
+def ci(row: dict, key: str) -> str:
+    """`value [low–high]` in percent, for a summary row's mean and its interval."""
+    lo, hi = row.get(f"{key}_ci") or (None, None)
+    return f"{pct(row[key])} [{pct(lo)}–{pct(hi)}]" if lo is not None else pct(row[key])
 
 
 def pct(x: float | None) -> str:
@@ -67,7 +94,7 @@ def main_table(report: dict, what: str) -> list[str]:
     head = ["task"] + [label.split("[")[0] if t is None else f"{label.split('[')[0]} t={t}" for label, t in cols]
     lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * len(cols)]
     for task in [*cfg["tasks"], "mean"]:
-        vals = [pct(cells[(task, *c)][what]) if (task, *c) in cells else "-" for c in cols]
+        vals = [ci(cells[(task, *c)], what) if (task, *c) in cells else "-" for c in cols]
         name = f"**{task}**" if task == "mean" else task
         lines.append(f"| {name} | " + " | ".join(vals) + " |")
     return lines
@@ -84,8 +111,8 @@ def ablation(reports: dict[str, dict]) -> tuple[list[str], dict]:
     overall: dict[tuple, list[tuple[float, float]]] = defaultdict(list)
     for model, report in reports.items():
         cells, budgets = rows_of(report), report["config"]["budgets"]
-        lines += [f"**{model}**, {report['config']['context_tokens'][0]} tokens — mean score % (agreement % with "
-                  "full attention) over tasks", "",
+        lines += [f"**{model}**, {report['config']['context_tokens'][0]} tokens — mean score % (teacher-forced "
+                  "top-1 agreement % with full attention) over tasks", "",
                   "| observation | pool kernel | " + " | ".join(f"t={t}" for t in budgets) + " | mean |",
                   "| --- | --- |" + " ---: |" * (len(budgets) + 1)]  # fmt: skip
         for obs, kernel in variants(report):
@@ -93,10 +120,10 @@ def ablation(reports: dict[str, dict]) -> tuple[list[str], dict]:
             got = [cells.get(("mean", label, t)) for t in budgets]
             got = [g for g in got if g is not None]
             for g in got:
-                overall[(obs, kernel)].append((g["score"], g["agreement"] or 0.0))
+                overall[(obs, kernel)].append((g["score"], g["top1_agreement"] or 0.0))
             mean_s = sum(g["score"] for g in got) / len(got)
-            mean_a = sum(g["agreement"] or 0.0 for g in got) / len(got)
-            vals = [f"{pct(g['score'])} ({pct(g['agreement'])})" for g in got]
+            mean_a = sum(g["top1_agreement"] or 0.0 for g in got) / len(got)
+            vals = [f"{pct(g['score'])} ({pct(g['top1_agreement'])})" for g in got]
             lines.append(f"| {obs} | {kernel} | " + " | ".join(vals) + f" | {pct(mean_s)} ({pct(mean_a)}) |")
         lines.append("")
     means = {v: (sum(s for s, _ in xs) / len(xs), sum(a for _, a in xs) / len(xs)) for v, xs in overall.items()}
@@ -173,8 +200,11 @@ def page(reports: dict[str, dict], quick: bool) -> str:
         "`multivalue` (4 values for one key), `multiquery` (4 needles, 4 separate questions against one saved "
         "cache), `vt` (variable tracking over 4 hops), `fwe` (three most frequent coded words). Needles sit "
         "between 10% and 90% of the document. **Score** = share of expected values found in the answer "
-        "(case-insensitive substring, RULER's string_match_all); **agreement** = common prefix of the greedy "
-        "answer with full attention's, over the longer answer.", "",
+        "(case-insensitive substring, RULER's string_match_all); **top-1 agreement** = full attention's greedy "
+        "answer fed token by token to the method's own cache (stage 2 applied at each step as decode applies it): "
+        "the share of tokens where the method's next-token choice is the same; **KL** = KL(full ‖ method) of "
+        "the next-token distributions along that answer. A method generates its own answer (for the score) only "
+        "where it disagrees somewhere.", "",
         "Methods, each answered from its saved `.kv` file (ingest → file → ask): `full` (nothing pruned, exact "
         "attention); `rocketkv` (SnapKV++ then HSA); `snapkv` (the same stage-1 cache, exact attention: stage 1 "
         "only); `hsa` (nothing pruned, HSA at the budget: stage 2 only); `sink_recent` (first 4 tokens + the most "
@@ -185,9 +215,12 @@ def page(reports: dict[str, dict], quick: bool) -> str:
         k = report["config"]["samples"]
         minutes = report["elapsed_s"] / 60
         lines += [f"## {model}, {n} tokens, {k} samples per task ({minutes:.0f} min)", "",
-                  "Score % (stage-1 settings of `rocketkv`: observation tail, pool kernel 63):", "",
-                  *main_table(report, "score"), "", "Agreement % with full attention:", "",
-                  *main_table(report, "agreement"), ""]  # fmt: skip
+                  "Score % [95% bootstrap interval] (`rocketkv`: observation tail, pool kernel 63):", "",
+                  *main_table(report, "score"), "",
+                  "Teacher-forced top-1 agreement % with full attention's answer [95% interval]:", "",
+                  *main_table(report, "top1_agreement"), "",
+                  "KL(full ‖ method) per answer token, nats [95% interval] (×100 in the cells):", "",
+                  *main_table(report, "kl"), ""]  # fmt: skip
     abl, means = ablation(reports)
     lines += ["## Ablation: ingest-time observation window and pooling kernel", "",
               "`tail` = the document's last 32 queries; `probe` = those plus the generic probe text "
@@ -211,9 +244,9 @@ def main() -> int:
     samples = args.samples or (1 if args.quick else 20)
     reports = {}
     for model, n in (QUICK if args.quick else FULL).items():
-        out = json_dir / f"accuracy-{model}.json"
-        reports[model] = json.loads(out.read_text()) if args.from_json else run(
-            model, n, [*(QUICK_COMMON if args.quick else COMMON), "--samples", str(samples)], out)  # fmt: skip
+        common = [*(QUICK_COMMON if args.quick else COMMON), "--samples", str(samples)]
+        reports[model] = run(model, n, common, json_dir, TASKS, resume=not args.quick or args.from_json)
+        (json_dir / f"accuracy-{model}.json").write_text(json.dumps(reports[model], indent=1))
     (out_dir / "accuracy.md").write_text(page(reports, args.quick))
     print(out_dir / "accuracy.md")
     return 0

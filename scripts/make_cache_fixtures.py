@@ -3,7 +3,9 @@
 The files are built from tiny random-init models (tests/conftest.py, fixed seeds, float32) and
 kept in the repository, so that every later rocketkv must still read what an earlier one wrote:
 tests/test_fixtures.py loads each file with the current code, answers the recorded questions and
-compares the token ids with `tests/data/fixtures.json`. Run it only to add a format version (the
+compares the token ids with `tests/data/fixtures.json`. Answers use exact attention over the stored
+cache, so they test the stored keys, values and positions, not stage-2 choices a later version may
+improve. Run it only to add a format version (the
 files of older versions must stay as they were written):
 
     python scripts/make_cache_fixtures.py [--out tests/data]
@@ -36,7 +38,7 @@ def main() -> int:
     from conftest import make_engine
 
     from rocketkv_cli.core.config import PrefillConfig
-    from rocketkv_cli.engine.answer import answer, decode_config_for
+    from rocketkv_cli.engine.answer import answer
     from rocketkv_cli.engine.documents import Document, TextPieces
     from rocketkv_cli.engine.segments import ingest_stream
     from rocketkv_cli.store.format import load_cache, save_cache, save_segmented
@@ -52,7 +54,7 @@ def main() -> int:
         save_cache(stored, args.out / name, force=True)
         loaded = load_cache(args.out / name)
         record[name] = {"arch": arch, "answers": [
-            list(a.token_ids) for a in answer(engine, loaded, QUESTIONS, MAX_NEW_TOKENS, decode_config_for(loaded))
+            list(a.token_ids) for a in answer(engine, loaded, QUESTIONS, MAX_NEW_TOKENS, None)
         ]}  # fmt: skip
     engine = make_engine("llama", torch.float32)
     text = "".join(document_text(30 + 7 * i, i) for i in range(3))
@@ -61,7 +63,7 @@ def main() -> int:
     save_segmented(stored, args.out / name, force=True)
     loaded = load_cache(args.out / name)
     record[name] = {"arch": "llama", "answers": [
-        [list(a.token_ids) for a in answer(engine, part, QUESTIONS, MAX_NEW_TOKENS, decode_config_for(part))]
+        [list(a.token_ids) for a in answer(engine, part, QUESTIONS, MAX_NEW_TOKENS, None)]
         for part in loaded.segments
     ]}  # fmt: skip
     (args.out / "fixtures.json").write_text(json.dumps(record, indent=1) + "\n")

@@ -9,7 +9,8 @@ from conftest import text_of_bytes
 ROW_KEYS = {
     "context_tokens", "ingest_s", "prefill_tokens_per_s", "file_bytes", "full_kv_bytes", "file_vs_full_kv",
     "ttft_from_file_s", "ttft_full_reprefill_s", "ttft_speedup", "decode_step_hsa_s", "decode_step_full_s",
-    "decode_speedup", "weights_bytes", "hsa_kv_bytes_per_step", "ideal_decode_speedup",
+    "decode_speedup", "decode_step_exact_pruned_s", "hsa_vs_exact_pruned", "decode_speedup_exact_pruned",
+    "weights_bytes", "hsa_kv_bytes_per_step", "ideal_decode_speedup",
     "decode_speedup_fraction_of_ideal", "budgets", "peak_rss_ask_bytes", "peak_rss_full_bytes", "peak_rss_ratio",
 }  # fmt: skip
 
@@ -20,7 +21,8 @@ def test__bench__tiny_model_json_schema(rocketkv_bin, tiny_model_dir, tmp_path):
     out = tmp_path / "bench.json"
     env = {**os.environ, "ROCKETKV_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
     r = subprocess.run([rocketkv_bin, "bench", "--model", str(tiny_model_dir), "--context-tokens", "300,600",
-                        "--budget", "64", "--steps", "3", "--source", str(source), "--json", str(out)],
+                        "--budget", "64", "--steps", "3", "--source", str(source), "--json", str(out),
+                        "--crossover", "256,512", "--no-fresh-ask"],
                        capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -33,6 +35,8 @@ def test__bench__tiny_model_json_schema(rocketkv_bin, tiny_model_dir, tmp_path):
         assert row["file_bytes"] > 0 and row["peak_rss_ask_bytes"] > 0 and row["decode_step_hsa_s"] > 0
         assert row["file_bytes"] < row["full_kv_bytes"], "at budget 64 the pruned file must be smaller than the full KV"
         assert row["hsa_kv_bytes_per_step"] < row["full_kv_bytes"] and row["ideal_decode_speedup"] > 1
+    assert [c["kept_tokens"] for c in report["attention_crossover"]] == [256, 512]
+    assert all(c["hsa_s"] > 0 and c["exact_s"] > 0 for c in report["attention_crossover"])
     stdout_rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert [x["context_tokens"] for x in stdout_rows] == [300, 600]
 
@@ -44,10 +48,12 @@ def test__bench_kv_dtypes__storage_rows_side_by_side(rocketkv_bin, tiny_model_di
     env = {**os.environ, "ROCKETKV_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
     r = subprocess.run([rocketkv_bin, "bench", "--model", str(tiny_model_dir), "--context-tokens", "400",
                         "--budget", "64", "--steps", "2", "--no-memory", "--source", str(source),
-                        "--kv-dtypes", "int8,int4+hadamard", "--json", str(out)],
+                        "--kv-dtypes", "int8,int4+hadamard", "--json", str(out), "--crossover", ""],
                        capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
-    storage = json.loads(out.read_text())["rows"][0]["storage"]
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["fresh_ask_wall_s"] > 0  # a whole `rocketkv ask` process, timed from outside
+    storage = row["storage"]
     assert [s["kv_dtype"] for s in storage] == ["float32", "int8", "int4+hadamard"]
     sizes = [s["file_bytes"] for s in storage]
     assert sizes[0] > sizes[1] > sizes[2], sizes  # smaller storage, smaller file

@@ -96,18 +96,72 @@ def test__page_summaries__min_max_of_each_page(s, page):
         assert torch.equal(pmin[:, :, p], chunk.amin(2)) and torch.equal(pmax[:, :, p], chunk.amax(2))
 
 
-def test__rocket_layer_pages__incremental_equals_recomputed():
+def test__context_pages__summarise_the_stored_context_only_and_are_built_once():
     from rocketkv_cli.model.hf import RocketLayer
 
     k = torch.randn(1, 2, 23, 8)
     layer = RocketLayer(k, k.clone(), torch.arange(23).view(1, 1, 23).expand(1, 2, 23).clone(), extra_tokens=4)
-    layer.pages(4)  # caches the context pages
-    for step in range(6):  # appending grows past the reserved room too
-        new = torch.randn(1, 2, 1, 8)
-        layer.append(new, new, torch.tensor([100 + step]))
-        keys, _, _ = layer.view()
-        ref = page_summaries(keys, 4)
-        got = layer.pages(4)
-        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
-    layer.crop_to_context()
-    assert layer.view()[0].shape[2] == 23 and torch.equal(layer.view()[0], k)
+    pmin, pmax = layer.context_pages(4)
+    ref_min, ref_max = page_summaries(k, 4)
+    assert torch.equal(pmin, ref_min) and torch.equal(pmax, ref_max)
+    layer.append(torch.full((1, 2, 3, 8), 99.0), torch.zeros(1, 2, 3, 8), torch.arange(23, 26))
+    again = layer.context_pages(4)
+    assert again[0] is pmin and float(again[1].max()) < 99.0  # the tail never enters the summaries
+
+
+@pytest.mark.parametrize("n_context, tail, sinks", [(97, 5, 4), (200, 0, 4), (60, 3, 0), (40, 2, 4)])
+def test__context_selection__sinks_and_tail_always_no_duplicates(n_context, tail, sinks):
+    from rocketkv_cli.core.stage2 import context_selection
+
+    torch.manual_seed(n_context)
+    q = torch.randn(1, 6, 1, 16)
+    keys = torch.randn(1, 2, n_context + tail, 16)
+    pmin, pmax = page_summaries(keys[:, :, :n_context], 3)
+    idx = context_selection(q, pmin, pmax, n_context, n_context + tail, 24, 3, 8, sinks)  # [1, 2, N]
+    for h in range(2):
+        real = [int(i) for i in idx[0, h] if i < n_context + tail]
+        assert len(real) == len(set(real)), "a token attended twice"
+        assert set(range(n_context, n_context + tail)) <= set(real), "the tail is always attended"
+        assert set(range(min(sinks, n_context))) <= set(real), "the sinks are always attended"
+        ctx = [i for i in real if i < n_context]
+        assert len(ctx) <= 24 + 3 * -(-sinks // 3) or n_context <= 24 + 3 * -(-sinks // 3)
+
+
+def test__context_selection__is_hsa_over_the_context_plus_the_tail():
+    """With no sinks and no tail, the context selection is `select_pages` of the page scores."""
+    from rocketkv_cli.core.stage2 import context_selection, page_scores, page_token_counts, select_pages
+
+    torch.manual_seed(1)
+    q, keys = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 90, 16)
+    pmin, pmax = page_summaries(keys, 3)
+    ours = context_selection(q, pmin, pmax, 90, 90, 30, 3, 9, 0)
+    ref = select_pages(page_scores(q, pmin, pmax, page_token_counts(90, 3), 9), 30, 3)
+    assert [set(ours[0, h].tolist()) for h in range(2)] == [set(ref[0, h].tolist()) for h in range(2)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test__teacher_forced_logits__equal_step_by_step_decode(arch):
+    from conftest import make_engine, text_of_bytes
+
+    from rocketkv_cli.core.config import PrefillConfig
+    from rocketkv_cli.engine.answer import decode_config_for
+    from rocketkv_cli.engine.documents import Document
+    from rocketkv_cli.engine.engine import Decoder
+
+    engine = make_engine(arch)  # float64: the two paths' only difference is batched vs single matmuls
+    cfg = PrefillConfig(token_budget=32, max_new_tokens=8, window_size=8, pool_kernel_size=5)
+    stored = engine.ingest(Document(text_of_bytes(500, seed=3), "0" * 64, "d.txt"), cfg)
+    dec = decode_config_for(stored)
+    assert any(dec.uses_hsa(layer.n_kept_tokens) for layer in stored.layers), "HSA must really select"
+    ids = engine.question_ids("Which word comes first?")
+    answer = [7, 101, 55, 200, 33, 9]
+    decoder = Decoder(engine, stored, 300, dec)
+    with decoder.attention():
+        steps = [decoder.prefill(ids)[0]]
+        for token in answer[:-1]:
+            steps.append(decoder.decode_one_token(token)[0])
+    decoder.reset()
+    forced = decoder.score(ids, answer)
+    stepwise = torch.stack(steps)
+    err = (forced - stepwise).abs()
+    assert float(err.max()) < 1e-9, f"max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"

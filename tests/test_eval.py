@@ -19,6 +19,7 @@ from rocketkv_cli.eval.runner import (
     compress_variants,
     match_fraction,
     plan,
+    run_eval,
     stage2_only_budgets,
     token_agreement,
 )
@@ -233,10 +234,11 @@ RECORD_KEYS = {
     "context_tokens", "n_context_tokens", "task", "sample", "seed", "question_index", "question", "expected",
     "needle_depths", "method", "label", "budget", "observation", "pool_kernel", "kept_tokens", "sparse", "topk",
     "page_size", "n_score_dims", "answer", "token_ids", "n_answer_tokens", "stop_reason", "score", "correct",
-    "agreement", "prefill_s", "decode_s",
+    "agreement", "prefill_s", "decode_s", "top1_agreement", "kl", "ref_logprob", "generated",
 }  # fmt: skip
 SUMMARY_KEYS = {"context_tokens", "task", "label", "method", "budget", "observation", "pool_kernel", "score",
-                "agreement", "n"}  # fmt: skip
+                "score_ci", "correct_rate", "correct_ci", "agreement", "top1_agreement", "top1_agreement_ci", "kl",
+                "kl_ci", "ref_logprob", "generated", "n"}  # fmt: skip
 
 
 def test__cli_eval__tiny_model_end_to_end_json_schema(rocketkv_bin, tiny_model_dir, tmp_path):
@@ -269,6 +271,13 @@ def test__cli_eval__tiny_model_end_to_end_json_schema(rocketkv_bin, tiny_model_d
     assert all(0 <= rec["score"] <= 1 and 0 <= rec["agreement"] <= 1 for rec in records)
     assert all(rec["kept_tokens"] < rec["n_context_tokens"] for rec in records if rec["method"] not in ("full", "hsa"))
     assert all(rec["sparse"] == (rec["method"] in ("rocketkv", "hsa")) for rec in records)
+    for rec in records:  # teacher-forced scores of the full-attention answer under every other method
+        if rec["method"] == "full":
+            assert rec["top1_agreement"] is None and rec["generated"]
+        else:
+            assert 0 <= rec["top1_agreement"] <= 1 and rec["kl"] >= -1e-6
+            if not rec["generated"]:  # agreed everywhere: its greedy answer is full attention's
+                assert rec["agreement"] == 1.0 and rec["top1_agreement"] == 1.0
     summary = report["summary"]
     assert all(set(row) == SUMMARY_KEYS for row in summary)
     assert {row["task"] for row in summary} == {"niah_text", "multiquery", "fwe", "mean"}
@@ -288,3 +297,25 @@ def test__cli_eval__bad_options_are_one_line_errors(rocketkv_bin, tmp_path):
         errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
         assert len(errors) == 1 and message in errors[0], r.stderr
         assert r.stdout == ""
+
+
+def test__wilson_and_bootstrap_intervals():
+    from rocketkv_cli.eval.stats import bootstrap_mean, wilson
+
+    lo, hi = wilson(18, 20)  # 90% with n=20: Wilson gives about [0.70, 0.97]
+    assert 0.69 < lo < 0.71 and 0.96 < hi < 0.98
+    assert wilson(0, 0) == (0.0, 1.0) and wilson(20, 20)[1] == 1.0
+    lo, hi = bootstrap_mean([0.0] * 10 + [1.0] * 10)
+    assert lo < 0.5 < hi and 0.25 < lo and hi < 0.75
+    assert bootstrap_mean([0.3]) == (0.3, 0.3)
+
+
+def test__teacher_forced_scores__a_method_equal_to_full_attention_agrees_everywhere(tmp_path):
+    """`snapkv` with a budget above the document keeps everything and attends exactly: its
+    teacher-forced top-1 agreement is 1, KL 0, and its answer is the reference's without generating."""
+    engine = make_engine("llama")
+    cfg = EvalConfig(context_tokens=(300,), budgets=(100_000,), methods=("full", "snapkv"), tasks=("niah_noise",),
+                     samples=1, max_new_tokens=6)  # fmt: skip
+    report = run_eval(engine, cfg, tmp_path)
+    snap = [r for r in report["records"] if r["method"] == "snapkv"]
+    assert snap and all(r["top1_agreement"] == 1.0 and abs(r["kl"]) < 1e-9 and not r["generated"] for r in snap)

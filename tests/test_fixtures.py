@@ -2,7 +2,8 @@
 
 tests/data/ holds `.kv` files of format v1 and v2 written by rocketkv 0.1.0 before the package was
 reorganised (scripts/make_cache_fixtures.py, tiny random models from fixed seeds) and the token ids
-each answered then (`fixtures.json`). The current code must read them and give the same tokens.
+each answered then with exact attention (`fixtures.json`). The current code must read them and
+give the same tokens.
 """
 
 import json
@@ -14,7 +15,7 @@ import torch
 from conftest import make_engine
 
 from rocketkv_cli.core.cache import CompressedKVCache, SegmentedKVCache
-from rocketkv_cli.engine.answer import answer, decode_config_for
+from rocketkv_cli.engine.answer import answer
 from rocketkv_cli.store.format import load_cache
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -31,8 +32,7 @@ def test__old_file_loads_and_answers_as_recorded(name):
     engine.check(cache.segments[0] if isinstance(cache, SegmentedKVCache) else cache, name)
     parts = cache.segments if isinstance(cache, SegmentedKVCache) else (cache,)
     assert (name.startswith("v2")) == isinstance(cache, SegmentedKVCache)
-    got = [[list(a.token_ids) for a in answer(engine, p, QUESTIONS, MAX_NEW_TOKENS, decode_config_for(p))]
-           for p in parts]  # fmt: skip
+    got = [[list(a.token_ids) for a in answer(engine, p, QUESTIONS, MAX_NEW_TOKENS, None)] for p in parts]
     expected = entry["answers"] if isinstance(cache, SegmentedKVCache) else [entry["answers"]]
     assert got == expected
 

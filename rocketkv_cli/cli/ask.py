@@ -37,6 +37,7 @@ from .common import (
     SegmentOpt,
     SegmentsOpt,
     SegmentTokensOpt,
+    Timings,
     TopkOpt,
     TrustOpt,
     WeightsOpt,
@@ -77,29 +78,39 @@ def read_questions(positional: list[str], questions_file: Optional[str], doc_is_
 
 
 def open_cache(cache: Path, model: Optional[str], device: str, dtype: Optional[str], trust_remote_code: bool,
-               weights: Optional[str] = None, cite: int = 0, segments: int = 1):  # fmt: skip
+               weights: Optional[str] = None, timings: Timings | None = None, cite: int = 0,
+               segments: int = 1):  # fmt: skip
     """Validate the file (and that it can give `cite` citations), load the model it was built
     with (or `model`), check they match."""
     from ..engine.api import check_cite, read_cache
 
-    stored = read_cache(cache)
+    timings = timings or Timings()
+    with timings.span("cache read + verify"):
+        stored = read_cache(cache)
     check_cite(stored, cite, segments)
     ident = stored.info.identity
-    rk = load_engine(model or ident.model_id, device, dtype or stored.info.dtype, trust_remote_code,
-                     weights or stored.info.weights)  # fmt: skip
-    rk.check(stored, str(cache))
+    with timings.span("model load"):
+        rk = load_engine(model or ident.model_id, device, dtype or stored.info.dtype, trust_remote_code,
+                         weights or stored.info.weights)  # fmt: skip
+    with timings.span("model identity check"):
+        rk.check(stored, str(cache))
     return rk, stored
 
 
-def print_answers(answers, questions: list[str], source: str, printer: AnswerPrinter) -> None:
+def print_answers(answers, questions: list[str], source: str, printer: AnswerPrinter,
+                  timings: Timings | None = None) -> None:  # fmt: skip
     """Each answer on stdout as it is made (streamed when the printer streams), a line on stderr.
 
     `answers` is lazy: question i is answered when its `Answer` is taken, so its header is
     printed first and its pieces arrive through the printer (see `RocketKV.ask(on_text=...)`)."""
     it = iter(answers)
-    for question in questions:
+    for i, question in enumerate(questions):
         printer.start(question)
         ans = next(it)
+        if timings is not None:
+            per = f" ({1e3 * ans.decode_s / (ans.n_answer_tokens - 1):.0f} ms/token)" if ans.n_answer_tokens > 1 else ""
+            timings.add(f"question {i + 1} prefill", ans.prefill_s)
+            timings.add(f"decode {ans.n_answer_tokens} tokens{per}", ans.decode_s)
         printer.finish(ans.text, ans.to_dict(cache=source), ans.citations)
         log(answer_log(ans))
 
@@ -147,6 +158,7 @@ def ask_command(
     trust_remote_code: TrustOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show a timing breakdown on stderr.")] = False,
 ) -> None:
     """Answer questions from a saved cache (or from DOC, ingested in memory first).
 
@@ -163,13 +175,14 @@ def ask_command(
     fmt, stream = resolve_format(fmt, json_out, stream, len(questions), cite)
     from ..engine.api import DEFAULT_MODEL
 
+    timings = Timings()
     setup(quiet)
     if note := sampling_note(temperature, seed):
         log(note)
     if doc is None:
         assert cache is not None  # one of the two, checked above
-        rk, stored = open_cache(cache, model, device, dtype, trust_remote_code, weights, cite=passages if cite else 0,
-                                segments=segments)  # fmt: skip
+        rk, stored = open_cache(cache, model, device, dtype, trust_remote_code, weights, timings,
+                                cite=passages if cite else 0, segments=segments)  # fmt: skip
         source = str(cache)
     else:
         cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens or 128, pool_kernel_size="63")
@@ -182,4 +195,6 @@ def ask_command(
                      page_size=page_size, n_score_dims=n_score_dims, segments=segments, segment=segment,
                      temperature=temperature, top_p=top_p, seed=seed, on_text=printer.piece,
                      cite=passages if cite else 0, log=log)  # fmt: skip
-    print_answers(answers, questions, source, printer)
+    print_answers(answers, questions, source, printer, timings)
+    if verbose:
+        log(timings.summary())

@@ -12,9 +12,11 @@ from rich.console import Console
 
 from ..errors import InputError
 from .common import (
+    DEFAULT_KV_DTYPE,
     BudgetOpt,
     DeviceOpt,
     DtypeOpt,
+    KvDtypeOpt,
     ModelOpt,
     QuietOpt,
     WeightsOpt,
@@ -46,6 +48,17 @@ def bench(
     memory: Annotated[
         bool, typer.Option(help="Measure peak memory of ask vs full attention in child processes.")
     ] = True,
+    fresh_ask: Annotated[
+        bool, typer.Option(help="Time a fresh `rocketkv ask` process (load + question + 32 tokens).")
+    ] = True,
+    crossover: Annotated[
+        str, typer.Option(help="Kept-token sizes at which to time one layer's HSA vs exact attention ('' = skip).")
+    ] = "1024,2048,4096,8192,16384,32768",
+    llama_cpp: Annotated[
+        Optional[str],
+        typer.Option(help="A Python with llama-cpp-python: run llama.cpp's state-file path side by side."),
+    ] = None,
+    kv_dtype: KvDtypeOpt = DEFAULT_KV_DTYPE,
     json_path: Annotated[
         Optional[Path], typer.Option("--json", help="Write all results, configuration and versions here.")
     ] = None,
@@ -62,7 +75,15 @@ def bench(
 
     from ..engine.api import DEFAULT_MODEL
     from ..engine.documents import read_document
-    from ..eval.bench import QUESTION, bench_one, build_document, machine_info
+    from ..eval.bench import (
+        QUESTION,
+        attention_crossover,
+        bench_one,
+        build_document,
+        crossover_tokens,
+        llama_cpp_row,
+        machine_info,
+    )  # fmt: skip
     from ..eval.storage import Probe, storage_rows
 
     setup(quiet)
@@ -78,7 +99,7 @@ def bench(
     text = read_document(str(src)).text
     cfg = prefill_config(token_budget=budget, pool_kernel_size="63")
     storages = [x.strip() for x in kv_dtypes.split(",") if x.strip()]
-    for name in storages:
+    for name in [*storages, kv_dtype]:
         storage(name)  # an unknown name fails before the model loads
     rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", False, weights)
     engine = rk.engine
@@ -86,9 +107,10 @@ def bench(
     if max(lengths) > room:
         raise InputError(f"--context-tokens {max(lengths)} exceeds what {rk.model_id} fits ({room})")
     rows = []
-    phases = 4 if memory else 3  # bench_one's logged phases per length
+    sizes = _ints("crossover", crossover)
+    phases = 3 + memory + fresh_ask + bool(llama_cpp)  # bench_one's logged phases per length
     with tempfile.TemporaryDirectory(prefix="rocketkv-bench-") as tmp, steps_bar() as bar:
-        task = bar.add_task("bench", total=len(lengths) * phases)
+        task = bar.add_task("bench", total=len(lengths) * phases + bool(sizes))
 
         def on_phase(message: str) -> None:
             log(message)
@@ -96,35 +118,50 @@ def bench(
             bar.advance(task)
 
         for n in lengths:
-            row = bench_one(engine, text, n, cfg, Path(tmp), steps=steps, measure_memory=memory, log=on_phase)
+            row = bench_one(engine, text, n, cfg, Path(tmp), steps=steps, measure_memory=memory, log=on_phase,
+                            fresh_ask=fresh_ask, storage=storage(kv_dtype))  # fmt: skip
+            if llama_cpp:
+                on_phase(f"{n} tokens: llama.cpp's state-file path ({llama_cpp})")
+                row.update(llama_cpp_row(engine, build_document(engine, text, n), QUESTION, llama_cpp, Path(tmp)))
             if storages:
                 row["storage"] = storage_rows(engine, build_document(engine, text, n), cfg, storages,
                                               [Probe(QUESTION)], Path(tmp), log=log)  # fmt: skip
             rows.append(row)
             typer.echo(json.dumps({"model": engine.loaded.model_id, **row}))
+        cross = []
+        if sizes:
+            on_phase(f"one layer's HSA vs exact attention at {', '.join(map(str, sizes))} kept tokens")
+            cross = attention_crossover(engine, tuple(sizes), budget)
     table = Table(
         title=f"rocketkv bench: {engine.loaded.model_id}, budget {budget}, {machine_info()['threads']} threads"
     )
-    for col in ("context", "ingest s", "tok/s", "file/full KV", "TTFT file s", "TTFT full s", "TTFT ×",
-                "decode ms HSA", "decode ms full", "decode ×", "of ideal", "peak RSS ask/full"):  # fmt: skip
+    for col in ("context", "ingest s", "file/full KV", "TTFT file s", "TTFT full s", "decode ms HSA",
+                "decode ms exact", "decode ms full", "HSA ×exact", "HSA ×full", "of ideal", "fresh ask s",
+                "llama.cpp ms", "peak RSS ask/full"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in rows:
+        ms = lambda k: f"{r[k] * 1e3:.1f}" if k in r else "-"  # noqa: E731
         table.add_row(
-            str(r["context_tokens"]), f"{r['ingest_s']:.1f}", f"{r['prefill_tokens_per_s']:.0f}",
-            f"{r['file_vs_full_kv']:.2f}", f"{r['ttft_from_file_s']:.2f}", f"{r['ttft_full_reprefill_s']:.1f}",
-            f"{r['ttft_speedup']:.1f}", f"{r['decode_step_hsa_s'] * 1e3:.1f}", f"{r['decode_step_full_s'] * 1e3:.1f}",
+            str(r["context_tokens"]), f"{r['ingest_s']:.1f}", f"{r['file_vs_full_kv']:.3f}",
+            f"{r['ttft_from_file_s']:.2f}", f"{r['ttft_full_reprefill_s']:.1f}", ms("decode_step_hsa_s"),
+            ms("decode_step_exact_pruned_s"), ms("decode_step_full_s"), f"{r['hsa_vs_exact_pruned']:.2f}",
             f"{r['decode_speedup']:.2f}", f"{r['decode_speedup_fraction_of_ideal']:.0%}",
+            f"{r['fresh_ask_wall_s']:.2f}" if "fresh_ask_wall_s" in r else "-", ms("llama_cpp_decode_step_s"),
             f"{r['peak_rss_ratio']:.2f}" if "peak_rss_ratio" in r else "-",
         )  # fmt: skip
     if not quiet:
         Console(stderr=True, width=max(err.width, 170), highlight=False).print(table)
         if storages:
             Console(stderr=True, width=max(err.width, 120), highlight=False).print(_storage_table(rows))
+        if cross:
+            Console(stderr=True, width=max(err.width, 100), highlight=False).print(_crossover_table(cross))
     if json_path is not None:
         report = {"machine": machine_info(), "model": engine.loaded.model_id, "device": str(engine.loaded.device),
                   "dtype": str(engine.loaded.dtype).removeprefix("torch."), "config": cfg.to_dict(),
                   "source": str(src), "head_dim": engine.shape.head_dim, "n_kv_heads": engine.shape.n_kv_heads,
-                  "layer_windows": [spec.sliding_window for spec in engine.shape.layers], "rows": rows}  # fmt: skip
+                  "layer_windows": [spec.sliding_window for spec in engine.shape.layers], "rows": rows,
+                  "attention_crossover": cross, "hsa_crossover_tokens": crossover_tokens(cross) if cross else None,
+                  "weights": engine.loaded.weights, "kv_dtype": kv_dtype}  # fmt: skip
         partial = json_path.with_name(f".{json_path.name}.tmp")
         partial.write_text(json.dumps(report, indent=2))
         os.replace(partial, json_path)  # an old report is replaced whole or not at all
@@ -143,3 +180,22 @@ def _storage_table(rows: list[dict]):
                           f"1/{1 / s['file_vs_bf16_full_kv']:.1f}", f"{s['top1_agreement']:.3f}",
                           f"{s['greedy_agreement']:.3f}")  # fmt: skip
     return table
+
+
+def _crossover_table(rows: list[dict]):
+    from rich.table import Table
+
+    table = Table(title="one full-attention layer's decode attention: HSA vs exact (SDPA)")
+    for col in ("kept tokens", "topk", "page", "dims", "HSA ms", "exact ms", "HSA speed-up"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r["kept_tokens"]), str(r["topk"]), str(r["page_size"]), str(r["n_score_dims"]),
+                      f"{r['hsa_s'] * 1e3:.3f}", f"{r['exact_s'] * 1e3:.3f}", f"{r['hsa_speedup']:.2f}")  # fmt: skip
+    return table
+
+
+def _ints(name: str, text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InputError(f"--{name} must be comma-separated integers, got {text!r}") from None

@@ -112,6 +112,40 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON object per line 
 TrustOpt = Annotated[bool, typer.Option(help="Allow model code from the model directory (off by default).")]
 
 
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux `/proc`), or None where that is unknown."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Timings:
+    """Named wall-clock spans of one command, for `--verbose` (seconds)."""
+
+    def __init__(self) -> None:
+        age = process_age_s()
+        self.spans: list[tuple[str, float]] = [("start-up (interpreter, imports)", age)] if age is not None else []
+
+    @contextlib.contextmanager
+    def span(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.spans.append((name, time.perf_counter() - t0))
+
+    def add(self, name: str, seconds: float) -> None:
+        self.spans.append((name, seconds))
+
+    def summary(self) -> str:
+        total = process_age_s()
+        parts = ", ".join(f"{name} {s:.2f}s" for name, s in self.spans)
+        return f"timing: {parts}" + (f"; wall {total:.2f}s" if total is not None else "")
+
+
 def setup(quiet: bool) -> None:
     """Per-command start: quiet or not, and transformers offline and silent."""
     from ..engine.api import configure
@@ -247,7 +281,8 @@ DEFAULT_WEIGHTS = "float"  # chosen by measurement: docs/performance.md
 WeightsOpt = Annotated[
     Optional[str], typer.Option(help="Weights for decode: float, or int8 (CPU; ask: default = the cache's).")
 ]
-DEFAULT_KV_DTYPE = "auto"  # chosen by measurement: docs/file-format.md, "Storage types"
+from ..core.quant import DEFAULT_KV_DTYPE  # noqa: E402  (chosen by measurement: docs/storage.md)
+
 KvDtypeOpt = Annotated[
     str, typer.Option(help="Stored keys/values: auto (model dtype), float32, bfloat16, float16, int8, int4.")
 ]

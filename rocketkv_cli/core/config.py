@@ -14,6 +14,7 @@ DEFAULT_TOKEN_BUDGET = 512
 DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_WINDOW_SIZE = 32
 DEFAULT_POOL_KERNEL_SIZE = 63
+DEFAULT_FIRST_TOKENS = 64  # docs/algorithm.md §2 step 5
 WEIGHT_FORMATS = ("float", "int8")  # decode weight formats (model/weights.py)
 
 
@@ -39,6 +40,8 @@ class PrefillConfig:
     selection: "snapkv" (SnapKV++, docs/algorithm.md §2) or "sink_recent" (a baseline for `rocketkv eval`:
         the first `n_sink_tokens` tokens plus the most recent ones, same kept count, no scoring).
     n_sink_tokens: attention-sink tokens kept at the start by "sink_recent".
+    n_first_tokens: leading framed tokens SnapKV++ always keeps (attention sinks, the framing, the
+        document's first tokens: titles, instructions); 0 in files written before it existed.
     """
 
     token_budget: int = DEFAULT_TOKEN_BUDGET
@@ -53,13 +56,15 @@ class PrefillConfig:
     chunk_tokens: int = 1024
     selection: str = "snapkv"
     n_sink_tokens: int = 4
+    n_first_tokens: int = DEFAULT_FIRST_TOKENS
 
     def __post_init__(self) -> None:
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
-        sinks = self.n_sink_tokens
-        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
-            raise ValueError(f"n_sink_tokens must be a non-negative integer, got {sinks!r}")
+        for name in ("n_sink_tokens", "n_first_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         for name in ("token_budget", "max_new_tokens", "window_size", "chunk_tokens"):
             _positive(name, getattr(self, name), allow_none=False)
         for name in ("prompt_budget", "topk", "page_size", "n_score_dims"):
@@ -180,9 +185,11 @@ class DecodeConfig:
 
     sparse: False = exact attention over the whole stored cache (the "stage 1 only" method).
     topk, page_size, n_score_dims: tokens attended per step, tokens per page, score dims.
-    min_hsa_tokens: a layer holding at most max(topk, this) tokens is attended exactly — below the
-        measured size where HSA's page scoring and gather cost more than reading every token
-        (0: HSA wherever the layer holds more than topk).
+    min_hsa_tokens: a layer whose stored context holds at most max(topk, this) tokens is attended
+        exactly — below the measured size where HSA's page scoring and gather cost more than
+        reading every token (0: HSA wherever the context holds more than topk).
+    n_sink_tokens: the first tokens of the context, attended at every step (attention sinks).
+    The question and the tokens decoded so far are always attended exactly (docs/algorithm.md §3).
     """
 
     topk: int
@@ -190,15 +197,18 @@ class DecodeConfig:
     n_score_dims: int
     sparse: bool = True
     min_hsa_tokens: int = 0
+    n_sink_tokens: int = 4
 
     def __post_init__(self) -> None:
         for name in ("topk", "page_size", "n_score_dims"):
             _positive(name, getattr(self, name), allow_none=False)
-        if isinstance(self.min_hsa_tokens, bool) or not isinstance(self.min_hsa_tokens, int) or self.min_hsa_tokens < 0:
-            raise ValueError(f"min_hsa_tokens must be a non-negative integer, got {self.min_hsa_tokens!r}")
-
-    def uses_hsa(self, n_tokens: int) -> bool:
-        """Whether a layer holding `n_tokens` is attended with HSA (else exactly)."""
-        return self.sparse and n_tokens > max(self.topk, self.min_hsa_tokens)
+        for name in ("min_hsa_tokens", "n_sink_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         if self.page_size > self.topk:
             raise ValueError(f"page_size must not exceed topk ({self.topk}), got {self.page_size}")
+
+    def uses_hsa(self, n_context_tokens: int) -> bool:
+        """Whether a layer whose stored context holds `n_context_tokens` is attended with HSA."""
+        return self.sparse and n_context_tokens > max(self.topk, self.min_hsa_tokens)

@@ -77,13 +77,15 @@ def pool_scores(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
     return pooled
 
 
-def select_kept_tokens(pooled: torch.Tensor, prompt_budget: int, window_size: int) -> torch.Tensor:
-    """Indices stage 1 keeps: top (prompt_budget − W) by pooled score, plus the last W tokens.
+def select_kept_tokens(pooled: torch.Tensor, prompt_budget: int, window_size: int, n_first: int = 0) -> torch.Tensor:
+    """Indices stage 1 keeps: the first `n_first` tokens, the top (prompt_budget − first − W) of the
+    rest by pooled score, and the last W tokens.
 
     Args:
         pooled: `[B, Hkv, S]` pooled scores.
         prompt_budget: tokens kept per KV head (window included). If S ≤ prompt_budget all are kept.
-        window_size: W, always kept.
+        window_size: W, always kept. n_first: leading tokens always kept (attention sinks, the
+            framing and the document's first tokens); fewer when the budget leaves no room.
     Returns:
         `[B, Hkv, min(S, prompt_budget)]` int64, ascending (original order), per KV head.
     """
@@ -91,10 +93,12 @@ def select_kept_tokens(pooled: torch.Tensor, prompt_budget: int, window_size: in
     if s <= prompt_budget:
         return torch.arange(s, device=pooled.device).expand(b, hkv, s).contiguous()
     window = min(window_size, prompt_budget)
-    n_top = prompt_budget - window
-    top = torch.topk(pooled[..., : s - window], n_top, dim=-1).indices  # [B, Hkv, n_top]
+    first = max(0, min(n_first, prompt_budget - window, s - window))
+    n_top = prompt_budget - window - first
+    top = torch.topk(pooled[..., first : s - window], n_top, dim=-1).indices + first  # [B, Hkv, n_top]
+    head = torch.arange(first, device=pooled.device).expand(b, hkv, first)
     tail = torch.arange(s - window, s, device=pooled.device).expand(b, hkv, window)
-    kept = torch.cat([top, tail], dim=-1).sort(dim=-1).values
+    kept = torch.cat([head, top, tail], dim=-1).sort(dim=-1).values
     assert kept.shape == (b, hkv, prompt_budget)
     return kept
 
@@ -105,8 +109,10 @@ def snapkv_select(
     window_size: int,
     kernel_size: int,
     pool: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+    n_first: int = 0,
 ) -> torch.Tensor:
-    """SnapKV++ selection from raw observation scores: pool the prefix only, then select.
+    """SnapKV++ selection from raw observation scores: pool the prefix only, then select
+    (`select_kept_tokens`, with the first `n_first` tokens always kept).
 
     The window's own keys are always kept, so their (large) scores are excluded from pooling:
     pooled over the whole sequence they would spill into the `kernel_size // 2` prefix tokens just
@@ -120,9 +126,11 @@ def snapkv_select(
     pool = pool or pool_scores
     s = scores.shape[-1]
     window = min(window_size, prompt_budget, s)
-    prefix = pool(scores[..., : s - window], kernel_size) if s > window else scores[..., :0]
-    pooled = torch.cat([prefix, scores[..., s - window :]], dim=-1)  # [B, Hkv, S]
-    return select_kept_tokens(pooled, prompt_budget, window_size)
+    first = max(0, min(n_first, prompt_budget - window, s - window))  # kept whatever their score:
+    middle = scores[..., first : s - window]  # like the window, they stay out of the pooling
+    pooled_middle = pool(middle, kernel_size) if middle.shape[-1] else middle
+    pooled = torch.cat([scores[..., :first], pooled_middle, scores[..., s - window :]], dim=-1)  # [B, Hkv, S]
+    return select_kept_tokens(pooled, prompt_budget, window_size, n_first)
 
 
 def sink_recent_select(

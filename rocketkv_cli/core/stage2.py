@@ -197,3 +197,45 @@ def hsa_decode(
         scores = score_pages(query, page_min, page_max, counts, n_score_dims)  # [B, Hkv, P]
         indices = select_pages(scores, topk, page_size)  # [B, Hkv, N_sel]
     return attend(query, keys, values, indices, scaling, softcap), indices
+
+
+def context_selection(
+    query: torch.Tensor,
+    page_min: torch.Tensor,
+    page_max: torch.Tensor,
+    n_context: int,
+    n_tokens: int,
+    topk: int,
+    page_size: int,
+    n_score_dims: int,
+    n_sink_tokens: int,
+    score_pages: Callable[..., torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The tokens one HSA decode step attends when a question's tail follows the stored context.
+
+    HSA chooses among the stored context only (tokens [0, n_context), summarised by `page_min`/
+    `page_max` `[B, Hkv, P, D]`, P = ceil(n_context / page_size)): the best pages up to `topk`
+    tokens by the sign-trick scores (docs/algorithm.md §3). Always attended exactly, besides: the
+    pages holding the first `n_sink_tokens` tokens (attention sinks) and the whole tail [n_context,
+    n_tokens) — the question and the tokens decoded so far. No token appears twice.
+
+    Args:
+        query: `[B, H, 1, D]`. n_tokens: keys in the layer (context + tail).
+    Returns:
+        `[B, Hkv, N_sel]` int64 indices; entries ≥ n_tokens are padding (ignored by attention).
+    """
+    b, hkv = page_min.shape[:2]
+    dev = page_min.device
+    n_pages = page_min.shape[2]
+    n_sink_pages = min(n_pages, -(-n_sink_tokens // page_size)) if n_sink_tokens else 0
+    tail = torch.arange(n_context, n_tokens, device=dev).expand(b, hkv, n_tokens - n_context)
+    if n_context <= topk + n_sink_pages * page_size:
+        ctx = torch.arange(n_context, device=dev).expand(b, hkv, n_context)
+        return torch.cat([ctx, tail], dim=-1)
+    counts = page_token_counts(n_context, page_size, dev)
+    scores = (score_pages or page_scores)(query, page_min, page_max, counts, n_score_dims)  # [B, Hkv, P]
+    scores[..., :n_sink_pages] = -1.0  # chosen below whatever their score: not twice
+    chosen = select_pages(scores, topk, page_size)  # [B, Hkv, N] (may reach past the context)
+    chosen = torch.where(chosen < n_context, chosen, torch.full_like(chosen, n_tokens))  # pad, not the tail
+    sinks = torch.arange(min(n_sink_pages * page_size, n_context), device=dev).expand(b, hkv, -1)
+    return torch.cat([sinks, chosen, tail], dim=-1)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..core.cache import AnyCache, CompressedKVCache, SegmentedKVCache
 from ..core.config import DEFAULT_MAX_NEW_TOKENS, PrefillConfig
-from ..core.quant import KVStorage
+from ..core.quant import DEFAULT_KV_DTYPE, KVStorage
 from ..errors import InputError, OutputError
 from ..model.loading import DEFAULT_MODEL, configure_transformers, load_model, preset_of_file, rocketkv_home
 from ..store.atomic import check_target
@@ -210,7 +210,7 @@ class RocketKV:
         output: str | Path | None = None,
         force: bool = False,
         config: PrefillConfig | None = None,
-        storage: KVStorage | str = "auto",
+        storage: KVStorage | str = DEFAULT_KV_DTYPE,
         segment_tokens: int | None = None,
         progress: TokenProgress = lambda done, total: None,
         on_segment: Callable[[SegmentDone], None] = lambda event: None,
@@ -220,8 +220,9 @@ class RocketKV:
 
         document: a path (`-` = stdin) or an open `TextStream`; or `text=` for an in-memory text.
         config: stage-1 settings, or their fields as keywords (`token_budget=512`, …).
-        storage: how keys/values are stored — a `KVStorage`, or a kv dtype name (`auto` = the
-        model's dtype, `float32`, `bfloat16`, `float16`, `int8`, `int4`; docs/file-format.md).
+        storage: how keys/values are stored — a `KVStorage`, or its name (`auto` = the model's
+        dtype, `float32`, `bfloat16`, `float16`, `int8` (the default), `int4`, `+hadamard`;
+        docs/storage.md).
         A document longer than the model's context is ingested in segments, each checkpointed
         beside `output` (in a temporary folder without one) so a rerun resumes an interrupted
         ingest. Writes are atomic; an existing `output` is replaced only with `force`.
@@ -229,7 +230,7 @@ class RocketKV:
             InputError, OutputError, BudgetError, ValueError (invalid config fields).
         """
         cfg = config or PrefillConfig(**config_fields)
-        kv = storage if isinstance(storage, KVStorage) else KVStorage(kv_dtype=storage)
+        kv = storage if isinstance(storage, KVStorage) else KVStorage.parse(storage)
         if (document is None) == (text is None):
             raise InputError("give a document path or text=, not both")
         stream: TextStream | TextPieces

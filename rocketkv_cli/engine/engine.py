@@ -72,7 +72,7 @@ class Engine:
         return ModelIdentity(
             model_id=self.loaded.model_id,
             model_digest=model_digest(self.model, self.loaded.weights_digest),
-            tokenizer_digest=tokenizer_digest(self.tokenizer),
+            tokenizer_digest=tokenizer_digest(self.tokenizer, list(self.loaded.tokenizer_files)),
             chat_template_digest=chat_template_digest(self.tokenizer),
             prompt_template_id=self.prompt.template_id,
             n_layers=len(self.shape.layers),
@@ -324,6 +324,20 @@ class Decoder:
         logits = forward_tokens(self.engine.model, self.cache, self._token, self._position)
         self.position += 1
         return logits
+
+    def score(self, ids: list[int], answer: list[int]) -> torch.Tensor:
+        """Teacher forcing: the logits `[len(answer), V]` float32 that predict each token of
+        `answer` after the question `ids` and the answer's earlier tokens, in one forward. The
+        question attends exactly (as its prefill does) and every answer position with stage 2
+        exactly as the decode step at that position would, so the logits equal step-by-step decode
+        (`tests/test_decode.py`). Leaves the tokens in the tail; `reset()` drops them."""
+        tokens = ids + answer[:-1]
+        positions = torch.arange(self.position, self.position + len(tokens), device=self._position.device)
+        with rocketkv_attention(self.engine.model, self.cache, self.engine.shape, decode=self.decode,
+                                hsa_from=self.position + len(ids)):  # fmt: skip
+            logits = forward_tokens(self.engine.model, self.cache, self.engine.ids(tokens), positions, len(answer))
+        self.position += len(tokens)
+        return logits.view(len(answer), -1)
 
     def reset(self) -> None:
         """Back to the stored context (the tail's tokens are forgotten)."""

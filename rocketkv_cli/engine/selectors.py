@@ -71,18 +71,21 @@ class Selector(Protocol):
 @dataclass(frozen=True)
 class SnapKVSelector:
     """SnapKV++ (RocketKV §3.2): observation scores, max-pooled (kernel in tokens, odd; 0 = the
-    `auto` rule by length), top (prompt_budget − W) plus the last W tokens."""
+    `auto` rule by length), top (prompt_budget − first − W) plus the last W tokens, plus the first
+    `n_first_tokens` tokens (sinks, framing, the document's opening: titles and instructions)."""
 
     window_size: int
     pool_kernel_size: int
     observation: str = "tail"
+    n_first_tokens: int = 0
 
     def kernel(self, n_context_tokens: int) -> int:
         return self.pool_kernel_size or auto_pool_kernel_size(n_context_tokens)
 
     def select(self, layer: LayerPrefill, prompt_budget: int) -> torch.Tensor:
         scores = layer.observation_scores(self.observation, self.window_size)  # [1, Hkv, n]
-        return ops.snapkv_select(scores, prompt_budget, self.window_size, self.kernel(layer.n_context_tokens))
+        kernel = self.kernel(layer.n_context_tokens)
+        return ops.snapkv_select(scores, prompt_budget, self.window_size, kernel, self.n_first_tokens)
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ def selector_for(cfg: PrefillConfig) -> Selector:
     """The selector a configuration names (`cfg.selection`)."""
     if cfg.selection == "sink_recent":
         return SinkRecentSelector(cfg.n_sink_tokens)
-    return SnapKVSelector(cfg.window_size, cfg.pool_kernel_size, cfg.observation)
+    return SnapKVSelector(cfg.window_size, cfg.pool_kernel_size, cfg.observation, cfg.n_first_tokens)
 
 
 def pool_kernel_of(cfg: PrefillConfig, n_context_tokens: int) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import json
 import platform
 import runpy
 import statistics
@@ -20,8 +21,10 @@ from pathlib import Path
 
 import torch
 
+from .. import ops
 from ..core.cache import CompressedKVCache, full_kv_bytes
 from ..core.config import PrefillConfig
+from ..core.quant import KVStorage
 from ..engine.answer import decode_config_for
 from ..engine.documents import Document, tokenize
 from ..engine.engine import Decoder, Engine
@@ -58,7 +61,7 @@ def hsa_bytes_per_step(engine: Engine, stored: CompressedKVCache, elem: int) -> 
     return total
 
 
-def _median_step_s(step: Callable[[], None], steps: int, warmup: int) -> float:
+def _median_step_s(step: Callable[[], object], steps: int, warmup: int) -> float:
     times = []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
@@ -85,8 +88,12 @@ def full_attention_decode_s(engine: Engine, ids: list[int], steps: int, warmup: 
     return ttft, _median_step_s(step, steps, warmup)
 
 
-def rocketkv_answer_s(engine: Engine, path: Path, question: str, steps: int, warmup: int) -> tuple[float, float]:
-    """From the saved file: load, prefill the question, first token (TTFT); then HSA decode steps.
+def rocketkv_answer_s(
+    engine: Engine, path: Path, question: str, steps: int, warmup: int, sparse: bool = True
+) -> tuple[float, float]:
+    """From the saved file: load, prefill the question, first token (TTFT); then decode steps with
+    HSA at every full-attention layer (`sparse`, whatever the crossover) or exact attention over
+    the same pruned cache.
 
     Returns (seconds to first token including the file load, median seconds per decode step).
     """
@@ -95,7 +102,7 @@ def rocketkv_answer_s(engine: Engine, path: Path, question: str, steps: int, war
     if not isinstance(stored, CompressedKVCache):
         raise ValueError(f"{path}: bench documents fit one segment")
     ids = engine.question_ids(question)
-    decoder = Decoder(engine, stored, len(ids) + warmup + steps + 8, decode_config_for(stored))
+    decoder = Decoder(engine, stored, len(ids) + warmup + steps + 8, decode_config_for(stored, sparse))
     with decoder.attention():
         token = int(decoder.prefill(ids).argmax())
         ttft = time.perf_counter() - t0
@@ -105,6 +112,78 @@ def rocketkv_answer_s(engine: Engine, path: Path, question: str, steps: int, war
             token = int(decoder.decode_one_token(token).argmax())
 
         return ttft, _median_step_s(step, steps, warmup)
+
+
+def attention_crossover(engine: Engine, sizes: tuple[int, ...], token_budget: int = 512, steps: int = 12) -> list[dict]:
+    """One full-attention layer's decode attention, HSA (as `ask` runs it: the stored context's
+    pages scored, the selection, sinks and a 32-token question tail attended) vs exact (SDPA), at
+    `sizes` stored tokens, on the engine's device and dtype with its head geometry (random keys;
+    budgets as ingest would derive them for such a length). Seconds are medians over `steps`."""
+    from ..core.config import derive_budgets
+    from ..model.hf import exact_decode_attention
+
+    shape, dev, dtype = engine.shape, engine.loaded.device, engine.loaded.dtype
+    g = torch.Generator(device="cpu").manual_seed(0)
+    rows = []
+    for s in sizes:
+        b = derive_budgets(s, 128, token_budget, shape.head_dim)
+        q = torch.randn(1, shape.n_heads, 1, shape.head_dim, generator=g).to(dev, dtype)
+        k = torch.randn(1, shape.n_kv_heads, s + 32, shape.head_dim, generator=g).to(dev, dtype)
+        v = torch.randn(1, shape.n_kv_heads, s + 32, shape.head_dim, generator=g).to(dev, dtype)
+        pmin, pmax = ops.page_summaries(k[:, :, :s], b.page_size)
+        scaling = shape.head_dim**-0.5
+        hsa = _median_step_s(lambda: ops.hsa_context_decode(q, k, v, pmin, pmax, s, b.topk, b.page_size,
+                                                            b.n_score_dims, 4, scaling), steps, 3)  # fmt: skip
+        exact = _median_step_s(lambda: exact_decode_attention(q, k, v, scaling), steps, 3)
+        rows.append({"kept_tokens": s, "topk": b.topk, "page_size": b.page_size, "n_score_dims": b.n_score_dims,
+                     "hsa_s": hsa, "exact_s": exact, "hsa_speedup": exact / hsa})  # fmt: skip
+    return rows
+
+
+def crossover_tokens(rows: list[dict], margin: float = 1.1) -> int | None:
+    """The smallest measured size from which HSA beats exact attention by `margin` at every larger
+    size measured; None when it never does."""
+    for i, row in enumerate(rows):
+        if all(r["hsa_speedup"] >= margin for r in rows[i:]):
+            return row["kept_tokens"]
+    return None
+
+
+def fresh_ask_s(path: Path, model_id: str, question: str, device: str, dtype: str, runs: int = 2) -> float:
+    """Median wall seconds of a new `rocketkv ask` process answering `question` (32 tokens) from
+    `path`: interpreter start, imports, model and cache load, question prefill and decode."""
+    cmd = [sys.executable, "-m", "rocketkv_cli.cli", "ask", "--cache", str(path), question, "--max-new-tokens", "32",
+           "-q", "--model", model_id, "--device", device, "--dtype", dtype]  # fmt: skip
+    times = []
+    for _ in range(runs + 1):  # the first run warms the page cache and the digest cache
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"rocketkv ask failed (exit {done.returncode}): {done.stderr[-500:]}")
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def llama_cpp_row(engine: Engine, document: Document, question: str, python: str, workdir: Path,
+                  n_new: int = 24) -> dict:  # fmt: skip
+    """llama.cpp's state-file path on the same framed document and question, side by side, in a
+    child `python` that has llama-cpp-python (`llamacpp_child.py`), with this process's threads.
+    Returns its measurements, or {"llama_cpp_error": why} when it cannot run."""
+    from ..model.loading import gguf_path
+
+    gguf = gguf_path(engine.loaded.model_id)
+    if gguf is None:
+        return {"llama_cpp_error": f"{engine.loaded.model_id} has no GGUF file for llama.cpp"}
+    doc, q = workdir / "llama-doc.txt", workdir / "llama-question.txt"
+    doc.write_text(engine.prompt.document_text(document.text), encoding="utf-8")
+    q.write_text(engine.prompt.question_text(question), encoding="utf-8")
+    child = Path(__file__).with_name("llamacpp_child.py")
+    cmd = [python, str(child), str(gguf), str(doc), str(q), str(workdir), str(torch.get_num_threads()), str(n_new)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"llama_cpp_error": f"exit {done.returncode}: {last[:300]}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def peak_rss_bytes(argv: list[str], workdir: Path) -> tuple[int, int]:
@@ -166,6 +245,8 @@ def bench_one(
     warmup: int = 4,
     measure_memory: bool = True,
     log: Log = lambda _m: None,
+    fresh_ask: bool = False,
+    storage: KVStorage = KVStorage(),
 ) -> dict:
     """All measurements of docs/performance.md for one context length. Times in seconds, sizes in bytes."""
     document = build_document(engine, source_text, n_tokens)
@@ -173,12 +254,13 @@ def bench_one(
     path = workdir / f"bench-{n_tokens}.kv"
     log(f"{n_tokens} tokens: ingest")
     t0 = time.perf_counter()
-    stored = engine.ingest(document, cfg)
+    stored = engine.ingest(document, cfg, storage=storage)
     save_cache(stored, path, force=True)
     ingest_s = time.perf_counter() - t0
     n = stored.n_context_tokens
-    log(f"{n_tokens} tokens: answer from the file (HSA)")
+    log(f"{n_tokens} tokens: answer from the file (HSA, then exact attention over the same pruned cache)")
     rk_ttft, rk_step = rocketkv_answer_s(engine, path, QUESTION, steps, warmup)
+    _, exact_step = rocketkv_answer_s(engine, path, QUESTION, steps, warmup, sparse=False)
     log(f"{n_tokens} tokens: full attention (plain transformers)")
     ids = engine.document_ids(document) + engine.question_ids(QUESTION)
     full_ttft, full_step = full_attention_decode_s(engine, ids, steps, warmup)
@@ -192,7 +274,9 @@ def bench_one(
         "context_tokens": n, "ingest_s": ingest_s, "prefill_tokens_per_s": n / ingest_s,
         "file_bytes": path.stat().st_size, "full_kv_bytes": full_kv, "file_vs_full_kv": path.stat().st_size / full_kv,
         "ttft_from_file_s": rk_ttft, "ttft_full_reprefill_s": full_ttft, "ttft_speedup": full_ttft / rk_ttft,
-        "decode_step_hsa_s": rk_step, "decode_step_full_s": full_step, "decode_speedup": full_step / rk_step,
+        "decode_step_hsa_s": rk_step, "decode_step_exact_pruned_s": exact_step,
+        "hsa_vs_exact_pruned": exact_step / rk_step, "decode_step_full_s": full_step,
+        "decode_speedup": full_step / rk_step, "decode_speedup_exact_pruned": full_step / exact_step,
         "weights_bytes": weights, "hsa_kv_bytes_per_step": hsa_kv, "ideal_decode_speedup": ideal,
         "decode_speedup_fraction_of_ideal": (full_step / rk_step) / ideal,
         "budgets": stored.info.budgets_record(),
@@ -200,6 +284,10 @@ def bench_one(
     if measure_memory:
         log(f"{n_tokens} tokens: peak memory of ask vs full attention (child processes)")
         row.update(_memory(engine, path, document, workdir))
+    if fresh_ask:
+        log(f"{n_tokens} tokens: a fresh `rocketkv ask` process (load + question + 32 tokens)")
+        row["fresh_ask_wall_s"] = fresh_ask_s(path, engine.loaded.model_id, QUESTION, engine.loaded.device.type,
+                                              engine.dtype_name)  # fmt: skip
     return row
 
 

@@ -19,6 +19,7 @@ Methods (budgets in tokens, docs/algorithm.md §1):
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import time
@@ -27,11 +28,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 from ..core.cache import CompressedKVCache
 from ..core.config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_WINDOW_SIZE, PrefillConfig
-from ..engine.answer import answer, decode_config_for
+from ..core.quant import DEFAULT_KV_DTYPE, KVStorage
+from ..engine.answer import decode_config_for, prepare_questions
+from ..engine.answer import generate as generate_answer
 from ..engine.documents import Document, tokenize
-from ..engine.engine import QUESTION_RESERVE_TOKENS, Engine
+from ..engine.engine import QUESTION_RESERVE_TOKENS, Decoder, Engine
 from ..errors import BudgetError
 from ..store.format import load_cache, save_cache
 from .tasks import NEEDS_HAYSTACK_TEXT, TASKS, Sample, generate
@@ -56,6 +61,7 @@ class EvalConfig:
         for every (observation, pool kernel) pair; snapkv (stage 1 only) uses the first pair.
     plan_new_tokens: the answer length budgets plan for (ingest's --max-new-tokens).
     max_new_tokens: answer cap; None = each task's own (eval_tasks.ANSWER_TOKENS).
+    kv_dtype: storage of every method's keys/values (default: what `ingest` stores).
     """
 
     context_tokens: tuple[int, ...] = (4096,)
@@ -72,6 +78,7 @@ class EvalConfig:
     plan_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     max_new_tokens: int | None = None
     chunk_tokens: int = 1024
+    kv_dtype: str = DEFAULT_KV_DTYPE
 
     def __post_init__(self) -> None:
         for name, allowed in (("methods", METHODS), ("tasks", TASKS), ("observations", OBSERVATIONS)):
@@ -192,6 +199,7 @@ def compress_variants(
     document: Document,
     cfgs: list[PrefillConfig],
     progress: Callable[[int, int], None] = lambda done, total: None,
+    storage: KVStorage = KVStorage(),
 ) -> list[CompressedKVCache]:
     """`Engine.ingest` for several stage-1 configs from one exact prefill of the document.
 
@@ -212,7 +220,7 @@ def compress_variants(
     window = max(c.window_size for c in cfgs)
     probe = any(c.observation == "probe" for c in cfgs)
     prefill = engine.prefill(doc_ids, window, probe, cfgs[0].chunk_tokens, progress)
-    return [engine.compress(prefill, c, document.sha256, document.source) for c in cfgs]
+    return [engine.compress(prefill, c, document.sha256, document.source, storage=storage) for c in cfgs]
 
 
 def run_eval(
@@ -289,8 +297,11 @@ def _run_sample(engine, cfg, sample: Sample, n: int, caches: dict, runs: list, w
     doc = Document(sample.document, hashlib.sha256(sample.document.encode()).hexdigest(),
                    f"eval-{sample.task}-{sample.index}")  # fmt: skip
     t0 = time.perf_counter()
-    stored = dict(zip(caches, compress_variants(engine, doc, list(caches.values()))))
+    stored = dict(
+        zip(caches, compress_variants(engine, doc, list(caches.values()), storage=KVStorage.parse(cfg.kv_dtype)))
+    )
     prefill_s, io_s, records = time.perf_counter() - t0, 0.0, []
+    reference: dict = {}  # question index → full attention's answer, filled by the `full` run (first)
     for key in caches:
         step(f"cache {key}")
     for key, cache in stored.items():
@@ -303,7 +314,7 @@ def _run_sample(engine, cfg, sample: Sample, n: int, caches: dict, runs: list, w
         io_s += time.perf_counter() - t_io
         for run in (r for r in runs if r.cache_key == key):
             step(run.label + (f" t={run.budget}" if run.budget else ""))
-            records += _answer_run(engine, loaded, run, sample, n, cfg)
+            records += _answer_run(engine, loaded, run, sample, n, cfg, reference)
     _agree(records)
     timing = {"context_tokens": n, "n_context_tokens": next(iter(stored.values())).n_context_tokens,
               "task": sample.task, "sample": sample.index, "n_caches": len(caches), "prefill_s": round(prefill_s, 3),
@@ -311,8 +322,16 @@ def _run_sample(engine, cfg, sample: Sample, n: int, caches: dict, runs: list, w
     return records, timing
 
 
-def _answer_run(engine: Engine, stored: CompressedKVCache, run: Run, sample: Sample, n: int, cfg: EvalConfig) -> list:
-    """Answer the sample's questions with one run; one record per question."""
+def _answer_run(engine: Engine, stored: CompressedKVCache, run: Run, sample: Sample, n: int, cfg: EvalConfig,
+                reference: dict) -> list:  # fmt: skip
+    """Answer the sample's questions with one run; one record per question.
+
+    `reference` (question index → the full-attention answer and its teacher-forced log-probs) is
+    filled by the `full` run, which runs first. Every other run scores that answer teacher-forced
+    in one forward over its own cache (`Decoder.score`: stage 2 exactly as decode applies it):
+    top-1 agreement per answer token, KL(full ‖ run) per position, the answer's log-probability.
+    When it agrees at every token (and on stopping), its greedy answer is the reference's; only
+    otherwise is it generated, for the substring score."""
     n_ctx = stored.n_context_tokens
     if run.method == "hsa" and run.budget is not None:
         decode = decode_config_for(stored, True, **stage2_only_budgets(n_ctx, cfg.plan_new_tokens, run.budget,
@@ -321,10 +340,24 @@ def _answer_run(engine: Engine, stored: CompressedKVCache, run: Run, sample: Sam
         decode = decode_config_for(stored, sparse=run.method == "rocketkv")
     max_new = cfg.max_new_tokens or sample.max_new_tokens
     kept = max(layer.n_kept_tokens for layer, s in zip(stored.layers, engine.shape.layers) if s.sliding_window is None)
+    prepared = prepare_questions(engine, stored, [q.text for q in sample.questions], max_new)
+    decoder = Decoder(engine, stored, max(QUESTION_RESERVE_TOKENS, max(len(i) for _, i in prepared)) + max_new + 2,
+                      decode)  # fmt: skip
     out = []
-    for qi, (question, ans) in enumerate(
-        zip(sample.questions, answer(engine, stored, [q.text for q in sample.questions], max_new, decode))
-    ):
+    for qi, (question, (text, ids)) in enumerate(zip(sample.questions, prepared)):
+        forced: dict = {"top1_agreement": None, "kl": None, "ref_logprob": None, "generated": True}
+        ref = reference.get(qi)
+        ans = None
+        if ref is not None and run.method != "full":
+            t0 = time.perf_counter()
+            forced, same = _teacher_forced(engine, decoder, ids, ref)
+            if same:  # its greedy answer is the reference's; the time is its teacher-forced scoring
+                ans = dataclasses.replace(ref["answer"], prefill_s=time.perf_counter() - t0, decode_s=0.0)
+        if ans is None:
+            ans = generate_answer(engine, decoder, text, ids, max_new, engine.prompt.stop_strings)
+            decoder.reset()
+            if run.method == "full":
+                reference[qi] = {"answer": ans, "logp": _logp(decoder, ids, list(ans.token_ids))}
         score = match_fraction(ans.text, question.expected)
         out.append({
             "context_tokens": n, "n_context_tokens": n_ctx, "task": sample.task, "sample": sample.index,
@@ -335,10 +368,38 @@ def _answer_run(engine: Engine, stored: CompressedKVCache, run: Run, sample: Sam
             "kept_tokens": kept, "sparse": decode.sparse, "topk": decode.topk, "page_size": decode.page_size,
             "n_score_dims": decode.n_score_dims, "answer": ans.text, "token_ids": list(ans.token_ids),
             "n_answer_tokens": ans.n_answer_tokens, "stop_reason": ans.stop_reason, "score": score,
-            "correct": score == 1.0, "agreement": None, "prefill_s": round(ans.prefill_s, 4),
+            "correct": score == 1.0, "agreement": None, **forced, "prefill_s": round(ans.prefill_s, 4),
             "decode_s": round(ans.decode_s, 4),
         })  # fmt: skip
     return out
+
+
+def _logp(decoder: Decoder, ids: list[int], tokens: list[int]) -> torch.Tensor:
+    """Teacher-forced log-probabilities `[len(tokens) + 1, V]` float32 of `tokens` after `ids`
+    (the last row: the position after the answer, where it stopped)."""
+    logits = decoder.score(ids, tokens + [0])  # the appended token only makes room for the last row
+    decoder.reset()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _teacher_forced(engine: Engine, decoder: Decoder, ids: list[int], ref: dict) -> tuple[dict, bool]:
+    """Scores of the reference answer under this run's cache, and whether its greedy output is the
+    reference answer itself (every token, and the stop, the same)."""
+    tokens = list(ref["answer"].token_ids)
+    logp = _logp(decoder, ids, tokens)  # [m + 1, V]
+    ref_logp = ref["logp"]
+    m = len(tokens)
+    greedy = logp.argmax(dim=-1).tolist()
+    same_tokens = [greedy[j] == tokens[j] for j in range(m)]
+    kl = (ref_logp.exp() * (ref_logp - logp)).sum(dim=-1)  # [m + 1]
+    stop_ok = ref["answer"].stop_reason != "eos" or greedy[m] in engine.stop_ids
+    forced = {
+        "top1_agreement": sum(same_tokens) / m if m else 1.0,
+        "kl": float(kl[: m + 1].mean()),
+        "ref_logprob": float(sum(logp[j, tokens[j]] for j in range(m))) if m else 0.0,
+        "generated": not (all(same_tokens) and stop_ok),
+    }
+    return forced, not forced["generated"]
 
 
 def _agree(sample_records: list[dict]) -> None:
@@ -350,27 +411,37 @@ def _agree(sample_records: list[dict]) -> None:
         r["agreement"] = token_agreement(reference[r["question_index"]], r["token_ids"])
 
 
+def _stats(rs: list[dict]) -> dict:
+    """Means with 95% intervals of one group of records (fractions in [0, 1]; KL in nats)."""
+    from .stats import bootstrap_mean, wilson
+
+    scores = [r["score"] for r in rs]
+    correct = sum(bool(r["correct"]) for r in rs)
+    out = {"score": sum(scores) / len(scores), "score_ci": bootstrap_mean(scores),
+           "correct_rate": correct / len(rs), "correct_ci": wilson(correct, len(rs)), "n": len(rs)}  # fmt: skip
+    for key in ("agreement", "top1_agreement", "kl", "ref_logprob"):
+        vals = [r[key] for r in rs if r.get(key) is not None]
+        out[key] = sum(vals) / len(vals) if vals else None
+        if key in ("top1_agreement", "kl"):
+            out[f"{key}_ci"] = bootstrap_mean(vals) if vals else None
+    out["generated"] = sum(bool(r.get("generated", True)) for r in rs) / len(rs)
+    return out
+
+
 def summarize(records: list[dict]) -> list[dict]:
-    """Mean score and agreement per (context, task, method label, budget), plus a "mean" task row
-    per (context, method label, budget) that averages the task means (each task weighs the same).
-    Scores and agreements are fractions in [0, 1]; agreement is None without a full-attention run."""
+    """Per (context, task, method label, budget): mean score (share of expected values found) with
+    a bootstrap interval, the rate of fully correct answers with a Wilson interval, greedy and
+    teacher-forced top-1 agreement with full attention, KL(full ‖ method) per answer token, the
+    reference answer's log-probability; plus a "mean" task row per (context, label, budget) over
+    all its records. Intervals are 95%."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
         groups[(r["context_tokens"], r["task"], r["label"], r["budget"])].append(r)
+        groups[(r["context_tokens"], "mean", r["label"], r["budget"])].append(r)
     rows = []
     for (n, task, label, budget), rs in groups.items():
-        agree = [r["agreement"] for r in rs if r["agreement"] is not None]
-        rows.append({"context_tokens": n, "task": task, "label": label, "method": rs[0]["method"], "budget": budget,
-                     "observation": rs[0]["observation"], "pool_kernel": rs[0]["pool_kernel"],
-                     "score": sum(r["score"] for r in rs) / len(rs),
-                     "agreement": sum(agree) / len(agree) if agree else None, "n": len(rs)})  # fmt: skip
-    means: dict[tuple, list[dict]] = defaultdict(list)
-    for row in rows:
-        means[(row["context_tokens"], row["label"], row["budget"])].append(row)
-    for (n, label, budget), rs in means.items():
-        agree = [r["agreement"] for r in rs if r["agreement"] is not None]
-        rows.append({**{k: rs[0][k] for k in ("method", "observation", "pool_kernel")}, "context_tokens": n,
-                     "task": "mean", "label": label, "budget": budget, "score": sum(r["score"] for r in rs) / len(rs),
-                     "agreement": sum(agree) / len(agree) if agree else None,
-                     "n": sum(r["n"] for r in rs)})  # fmt: skip
+        first = rs[0]
+        rows.append({"context_tokens": n, "task": task, "label": label, "method": first["method"],
+                     "budget": budget, "observation": first["observation"], "pool_kernel": first["pool_kernel"],
+                     **_stats(rs)})  # fmt: skip
     return rows

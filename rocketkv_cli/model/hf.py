@@ -126,8 +126,7 @@ class RocketLayer(CacheLayerMixin):
         self.length = s
         self.n_context = s
         self.is_initialized = True
-        self._pages: tuple[int, torch.Tensor, torch.Tensor] | None = None  # page_size, min/max buffers
-        self._pages_valid = 0  # tokens the page buffers summarize
+        self._context_pages: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         pass  # buffers are allocated in __init__
@@ -143,7 +142,6 @@ class RocketLayer(CacheLayerMixin):
             )
             self.positions = torch.cat([self.positions, self.positions.new_empty(*self.positions.shape[:2], grow)], 2)
         end = self.length + t
-        self._pages_valid = min(self._pages_valid, self.length)  # pages from here on are stale
         self.keys[:, :, self.length : end] = key_states
         self.values[:, :, self.length : end] = value_states
         self.positions[:, :, self.length : end] = positions.view(1, 1, t)
@@ -157,22 +155,13 @@ class RocketLayer(CacheLayerMixin):
         n = self.length
         return self.keys[:, :, :n], self.values[:, :, :n], self.positions[:, :, :n]
 
-    def pages(self, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Page min/max `[B, Hkv, P, D]` of the current keys (views of buffers updated in place).
-
-        Built once over the context, then only the pages touched by tokens appended since the last
-        call are recomputed (`ops.update_page_summaries`, docs/algorithm.md §3).
-        """
-        n_pages = -(-self.length // page_size)
-        if self._pages is None or self._pages[0] != page_size or self._pages[1].shape[2] < n_pages:
-            b, hkv, cap, d = self.keys.shape
-            buf = self.keys.new_empty(2, b, hkv, -(-cap // page_size), d)
-            self._pages, self._pages_valid = (page_size, buf[0], buf[1]), 0
-        _, pmin, pmax = self._pages
-        if self._pages_valid != self.length:
-            ops.update_page_summaries(pmin, pmax, self.keys[:, :, : self.length], self._pages_valid, page_size)
-            self._pages_valid = self.length
-        return pmin[:, :, :n_pages], pmax[:, :, :n_pages]
+    def context_pages(self, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Page min/max `[B, Hkv, P, D]` of the stored context's keys (P = ceil(n_context /
+        page_size)), built once: the context never changes while questions come and go."""
+        if self._context_pages is None or self._context_pages[0] != page_size:
+            pmin, pmax = ops.page_summaries(self.keys[:, :, : self.n_context], page_size)
+            self._context_pages = (page_size, pmin, pmax)
+        return self._context_pages[1], self._context_pages[2]
 
     def keep_last(self, n_tokens: int) -> None:
         """Keep only the last `n_tokens` (sliding-window layers during chunked prefill)."""
@@ -183,7 +172,7 @@ class RocketLayer(CacheLayerMixin):
             buf[:, :, :n_tokens] = buf[:, :, start : self.length].clone()
         self.length = n_tokens
         self.n_context = min(self.n_context, n_tokens)
-        self._pages_valid = 0
+        self._context_pages = None
 
     def crop_to_context(self) -> None:
         """Drop the tail: the cache is back to the stored context."""
@@ -237,6 +226,7 @@ class _Session:
     decode: DecodeConfig | None
     capture_from: int | None = None  # capture queries at RoPE positions ≥ this
     captured: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    hsa_from: int | None = None  # teacher forcing: queries at positions ≥ this attend as decode steps do
 
 
 _SESSION: contextvars.ContextVar[_Session | None] = contextvars.ContextVar("rocketkv_session", default=None)
@@ -316,20 +306,53 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         mass.add(module.layer_idx, query, layer, spec)
     keys, values, k_pos = layer.view()
     dec = session.decode
-    if query.shape[2] == 1 and dec is not None and spec.sliding_window is None and dec.uses_hsa(layer.length):
-        pmin, pmax = layer.pages(dec.page_size)
-        out, _ = ops.hsa_decode(
-            query, keys, values, pmin, pmax, dec.topk, dec.page_size, dec.n_score_dims, spec.scaling, spec.softcap
-        )
+    hsa = dec if dec is not None and spec.sliding_window is None and dec.uses_hsa(layer.n_context) else None
+    if hsa is not None and query.shape[2] == 1:
+        out = _hsa_step(query, keys, values, layer, hsa, spec)
+    elif hsa is not None and session.hsa_from is not None and bool((q_pos >= session.hsa_from).any()):
+        out = _teacher_forced(query, keys, values, k_pos, q_pos, layer, hsa, spec, session.hsa_from)
     elif query.shape[2] == 1 and spec.sliding_window is None and spec.softcap is None:
-        # one new token: every cached key is in its past, so no mask (lets SDPA use its fused decode kernels)
-        gqa = query.shape[1] != keys.shape[1]
-        out = F.scaled_dot_product_attention(query, keys, values, scale=spec.scaling, enable_gqa=gqa)
+        out = exact_decode_attention(query, keys, values, spec.scaling)
     else:
         if layer.n_context == 0:  # ingest: positions are shared by all heads
             k_pos = k_pos[:, :1]
         out = exact_attention(query, keys, values, k_pos, q_pos, spec.scaling, spec.sliding_window, spec.softcap)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _hsa_step(query, keys, values, layer: RocketLayer, dec: DecodeConfig, spec: LayerSpec) -> torch.Tensor:
+    """One decode step: HSA over the stored context, the sinks and the tail attended exactly."""
+    pmin, pmax = layer.context_pages(dec.page_size)
+    out, _ = ops.hsa_context_decode(query, keys, values, pmin, pmax, layer.n_context, dec.topk, dec.page_size,
+                                    dec.n_score_dims, dec.n_sink_tokens, spec.scaling, spec.softcap)  # fmt: skip
+    return out
+
+
+def _teacher_forced(query, keys, values, k_pos, q_pos, layer, dec, spec, hsa_from: int) -> torch.Tensor:
+    """A forward over several tokens where those at positions ≥ `hsa_from` attend exactly as the
+    decode step at their position would (each seeing the tail up to itself): teacher forcing that
+    equals step-by-step decode. The others (the question) attend exactly, as in prefill."""
+    t = query.shape[2]
+    outs = []
+    first = int((q_pos < hsa_from).sum())
+    if first:
+        exact = exact_attention(query[:, :, :first], keys, values, k_pos, q_pos[:first], spec.scaling,
+                                spec.sliding_window, spec.softcap)  # fmt: skip
+        outs.append(exact)
+    n_before = layer.length - t  # keys before this forward's tokens
+    for i in range(first, t):
+        visible = n_before + i + 1
+        outs.append(_hsa_step(query[:, :, i : i + 1], keys[:, :, :visible], values[:, :, :visible], layer, dec, spec))
+    return torch.cat(outs, dim=2)
+
+
+def exact_decode_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """Exact attention of one new token `[B, H, 1, D]` over every cached key `[B, Hkv, S, D]`: all
+    are in its past, so no mask (lets SDPA use its fused decode kernels). Returns `[B, H, 1, D]`."""
+    gqa = query.shape[1] != keys.shape[1]
+    return F.scaled_dot_product_attention(query, keys, values, scale=scaling, enable_gqa=gqa)
 
 
 @contextlib.contextmanager
@@ -339,6 +362,7 @@ def rocketkv_attention(
     shape: ModelShape,
     decode: DecodeConfig | None = None,
     capture_from: int | None = None,
+    hsa_from: int | None = None,
 ) -> Iterator[_Session]:
     """Run `model` with rocketkv's attention over `cache` inside the block; restore it afterwards.
 
@@ -349,7 +373,7 @@ def rocketkv_attention(
     AttentionInterface.register(ATTN_NAME, _attention)
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_NAME)
-    session = _Session(cache=cache, shape=shape, decode=decode, capture_from=capture_from)
+    session = _Session(cache=cache, shape=shape, decode=decode, capture_from=capture_from, hsa_from=hsa_from)
     token = _SESSION.set(session)
     try:
         yield session
@@ -359,12 +383,14 @@ def rocketkv_attention(
 
 
 @torch.inference_mode()
-def forward_tokens(model: Any, cache: RocketCache, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def forward_tokens(
+    model: Any, cache: RocketCache, input_ids: torch.Tensor, positions: torch.Tensor, n_logits: int = 1
+) -> torch.Tensor:
     """Run `input_ids` `[1, T]` at RoPE positions `positions` `[T]` int64 over `cache`.
 
-    Must run inside `rocketkv_attention`. Only the last position's logits are computed.
+    Must run inside `rocketkv_attention`. Only the last `n_logits` positions' logits are computed.
     Returns:
-        `[1, V]` float32 logits of the last position.
+        `[1, V]` float32 logits of the last position (`[n_logits, V]` when n_logits > 1).
     Raises:
         ModelLoadError: a transformers version that ignored rocketkv's cache.
     """
@@ -373,7 +399,8 @@ def forward_tokens(model: Any, cache: RocketCache, input_ids: torch.Tensor, posi
                          f"{tuple(positions.shape)}")  # fmt: skip
     cache.query_positions = positions
     before = cache.layers[0].length
-    out = model(input_ids=input_ids, position_ids=positions.unsqueeze(0), cache=cache, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=input_ids, position_ids=positions.unsqueeze(0), cache=cache, use_cache=True,
+                logits_to_keep=n_logits)  # fmt: skip
     if cache.layers[0].length == before:  # an older transformers ignores `cache=` and would answer wrongly
         import transformers
 
@@ -381,7 +408,7 @@ def forward_tokens(model: Any, cache: RocketCache, input_ids: torch.Tensor, posi
             f"transformers {transformers.__version__} did not use rocketkv's cache",
             "install a supported version: pip install 'transformers>=5.24,<5.30'",
         )
-    return out.logits[:, -1].float()
+    return out.logits[:, -1].float() if n_logits == 1 else out.logits[0].float()
 
 
 class PlainDecoder:

@@ -8,6 +8,7 @@ de-quantized by transformers once and saved as a plain safetensors copy under th
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -53,6 +54,7 @@ class LoadedModel:
     dtype: torch.dtype
     weights_digest: str | None = None  # sha256 of the weight files (None: in-memory model)
     weights: str = "float"  # the decode weight format (`model.weights.WEIGHT_FORMATS`)
+    tokenizer_files: tuple[Path, ...] = ()  # what the tokenizer was loaded from (digest caching)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -120,6 +122,14 @@ def preset_of_file(name: str) -> str | None:
         if name == f"{stem}.gguf" or name.startswith(f"{stem}-"):
             return preset
     return None
+
+
+def gguf_path(model_id: str, progress: Progress = lambda _msg: None) -> Path | None:
+    """The GGUF file a model came from (a preset's, or a `.gguf` path), or None (a directory)."""
+    if model_id in PRESETS:
+        return _preset_gguf(model_id, progress)
+    path = Path(model_id)
+    return path if path.suffix == ".gguf" and path.is_file() else None
 
 
 def _mkdir(path: Path) -> Path:
@@ -257,35 +267,68 @@ def load_model(
     )
 
 
-def weights_file_digest(files: list[Path]) -> str:
-    """sha256 over the bytes of every weight file, in name order; each file's digest is cached
-    under the rocketkv home by (path, size, mtime), so it is read in full once per file version."""
-    cache_path = rocketkv_home() / "digests.json"
-    try:
-        known = json.loads(cache_path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    h, changed = hashlib.sha256(), False
-    for f in files:
-        st = f.stat()
-        key = f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-        if key not in known:
-            fh = hashlib.sha256()
-            with open(f, "rb") as src:
-                while block := src.read(1 << 24):
-                    fh.update(block)
-            known[key], changed = fh.hexdigest(), True
-        h.update(f"{f.name}:{known[key]}".encode())
-    if changed:
+class DigestCache:
+    """sha256 digests of files, remembered under the rocketkv home by (path, size, mtime), so a
+    file is read (or a tokenizer serialised) once per version of it, not at every start-up."""
+
+    def __init__(self) -> None:
+        self.path = rocketkv_home() / "digests.json"
         try:
-            cache_path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=cache_path.parent, prefix=".digests-", suffix=".tmp")
+            self.known = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self.known = {}
+        self.changed = False
+
+    @staticmethod
+    def key(kind: str, files: list[Path]) -> str:
+        parts = [f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]
+        return f"{kind}:" + "|".join(parts) if kind else parts[0]
+
+    def get(self, key: str, compute: Callable[[], str]) -> str:
+        if key not in self.known:
+            self.known[key], self.changed = compute(), True
+        return self.known[key]
+
+    def save(self) -> None:
+        if not self.changed:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".digests-", suffix=".tmp")
             with os.fdopen(fd, "w") as out:
-                json.dump(known, out)
-            os.replace(tmp, cache_path)
+                json.dump(self.known, out)
+            os.replace(tmp, self.path)
         except OSError:
             pass  # a read-only home only costs a re-hash next time
+
+
+def _file_sha256(path: Path) -> str:
+    fh = hashlib.sha256()
+    with open(path, "rb") as src:
+        while block := src.read(1 << 24):
+            fh.update(block)
+    return fh.hexdigest()
+
+
+def weights_file_digest(files: list[Path]) -> str:
+    """sha256 over the bytes of every weight file, in name order; each file's digest is cached
+    (`DigestCache`), so it is read in full once per file version."""
+    cache, h = DigestCache(), hashlib.sha256()
+    for f in files:
+        digest = cache.get(cache.key("", [f]), functools.partial(_file_sha256, f))
+        h.update(f"{f.name}:{digest}".encode())
+    cache.save()
     return h.hexdigest()
+
+
+def tokenizer_files(where: str) -> list[Path]:
+    """The files a tokenizer in model directory `where` is loaded from (empty: not a directory)."""
+    path = Path(where)
+    if not path.is_dir():
+        return []
+    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+             "merges.txt", "added_tokens.json")  # fmt: skip
+    return [path / n for n in names if (path / n).is_file()]
 
 
 def _config_model_type(where: str) -> str | None:
@@ -321,11 +364,23 @@ def model_digest(model: Any, weights_digest: str | None = None) -> str:
     return h.hexdigest()
 
 
-def tokenizer_digest(tokenizer) -> str:
-    """sha256 of the tokenizer's full serialisation (vocab, merges, normalisation, special tokens)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
-    return hashlib.sha256(text.encode()).hexdigest()
+def tokenizer_digest(tokenizer, files: list[Path] | None = None) -> str:
+    """sha256 of the tokenizer's full serialisation (vocab, merges, normalisation, special tokens).
+
+    files: the files it was loaded from; when given, the digest is remembered per version of them
+    (`DigestCache`): Gemma's 262K-entry tokenizer takes a second to serialise at every start-up."""
+
+    def compute() -> str:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    if not files:
+        return compute()
+    cache = DigestCache()
+    digest = cache.get(DigestCache.key("tokenizer", files), compute)
+    cache.save()
+    return digest
 
 
 def chat_template_digest(tokenizer) -> str:

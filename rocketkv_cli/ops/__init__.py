@@ -152,12 +152,14 @@ def pool_scores(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
     return implementation("pool_scores", scores)(scores, kernel_size)
 
 
-def snapkv_select(scores: torch.Tensor, prompt_budget: int, window_size: int, kernel_size: int) -> torch.Tensor:
+def snapkv_select(
+    scores: torch.Tensor, prompt_budget: int, window_size: int, kernel_size: int, n_first: int = 0
+) -> torch.Tensor:
     """`stage1.snapkv_select` with the dispatched pooling (docs/algorithm.md §2 steps 4–5).
 
     Args: scores `[B, Hkv, S]` float32; budgets in tokens. Returns: `[B, Hkv, min(S, prompt_budget)]` int64.
     """
-    return stage1.snapkv_select(scores, prompt_budget, window_size, kernel_size, pool=pool_scores)
+    return stage1.snapkv_select(scores, prompt_budget, window_size, kernel_size, pool=pool_scores, n_first=n_first)
 
 
 def hsa_decode(
@@ -179,3 +181,29 @@ def hsa_decode(
     """
     return stage2.hsa_decode(query, keys, values, page_min, page_max, topk, page_size, n_score_dims, scaling,
                              softcap, score_pages=page_scores, attend=sparse_attention)  # fmt: skip
+
+
+def hsa_context_decode(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    page_min: torch.Tensor,
+    page_max: torch.Tensor,
+    n_context: int,
+    topk: int,
+    page_size: int,
+    n_score_dims: int,
+    n_sink_tokens: int,
+    scaling: float,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One HSA decode step over a stored context followed by a question's tail (docs/algorithm.md §3):
+    `stage2.context_selection` with the dispatched page scoring, then the dispatched sparse attention.
+
+    Args: query `[B, H, 1, D]`; keys/values `[B, Hkv, S, D]` (context then tail); page_min/page_max
+    `[B, Hkv, P, D]` over the context only. Returns (output `[B, H, 1, D]`, indices `[B, Hkv, N_sel]`).
+    """
+    s = keys.shape[2]
+    indices = stage2.context_selection(query, page_min, page_max, n_context, s, topk, page_size, n_score_dims,
+                                       n_sink_tokens, score_pages=page_scores)  # fmt: skip
+    return sparse_attention(query, keys, values, indices, scaling, softcap), indices

@@ -1,5 +1,5 @@
-"""Checkpoints of a segmented ingest: each finished segment as a v1 `.kv` file in a hidden folder
-beside the target, so that an interrupted ingest resumes where it stopped."""
+"""Checkpoints of a segmented ingest: each finished segment as a one-segment `.kv` file in a hidden
+folder beside the target, so that an interrupted ingest resumes where it stopped."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class Checkpoints:
         return part if same_build(part.info, expected) else None
 
     def save(self, index: int, part: CompressedKVCache) -> CompressedKVCache:
-        """Write `part` and return it memory-mapped from disk (its tensors leave RAM).
+        """Write `part` and return it read back lazily from disk (its tensors leave RAM).
 
         Raises OutputError: the folder cannot be created or written."""
         try:
@@ -63,4 +63,5 @@ class Checkpoints:
 def same_build(a: CacheInfo, b: CacheInfo) -> bool:
     """Whether two segment caches were built from the same tokens, model and settings."""
     return (a.identity == b.identity and a.dtype == b.dtype and a.config == b.config and a.segment == b.segment
-            and a.document_sha256 == b.document_sha256)  # fmt: skip
+            and a.document_sha256 == b.document_sha256 and a.storage == b.storage
+            and a.weights == b.weights)  # fmt: skip

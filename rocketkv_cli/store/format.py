@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import io
 import json
 import math
 import os
+import re
 import struct
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,8 @@ REQUIRED_METADATA = (
     "payload_sha256", "metadata_sha256",
 )  # fmt: skip
 BUDGET_FIELDS = ("prompt_budget", "capacity_budget", "topk", "page_size", "n_score_dims")
+MAX_TOKENS = 1 << 31  # bounds read from a file before anything is allocated from them
+MAX_KV_HEADS, MAX_HEAD_DIM = 1024, 1024
 
 
 def now() -> str:
@@ -95,38 +99,53 @@ def rebuild_hint(meta: dict, path: Path) -> str:
 
 
 class CacheFile:
-    """An open `.kv` file: its descriptor (so a file replaced meanwhile is still this one), size,
-    parsed header, and private reads of byte ranges (`read`)."""
+    """A `.kv` file being read: its size and identity (device, inode) at opening, and private reads
+    of byte ranges (`read`). The file is closed between reads; a lazy read reopens it and refuses
+    a file replaced meanwhile, so holding many lazily read caches costs no file descriptors."""
 
     def __init__(self, path: Path, shown: str):
         self.path, self.shown = path, shown
+        self.file: io.RawIOBase | None = None
         try:
-            self.fd = os.open(path, os.O_RDONLY)
+            self.file = open(path, "rb", buffering=0)  # noqa: SIM115  (closed by `close`)
         except OSError as exc:
             raise CacheFormatError(f"cannot read cache {shown}: {exc.strerror}") from exc
-        self.size = os.fstat(self.fd).st_size
+        st = os.fstat(self.file.fileno())
+        self.size, self.identity = st.st_size, (st.st_dev, st.st_ino)
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        if self.file is not None:
+            self.file.close()
+            self.file = None
 
-    def __del__(self) -> None:
-        self.close()
+    def _reopen(self, rebuild: str) -> io.RawIOBase:
+        if self.file is None:
+            try:
+                self.file = open(self.path, "rb", buffering=0)  # noqa: SIM115
+            except OSError as exc:
+                raise CacheFormatError(f"cannot read cache {self.shown}: {exc.strerror}", rebuild) from exc
+            st = os.fstat(self.file.fileno())
+            if (st.st_dev, st.st_ino) != self.identity:
+                self.close()
+                raise CacheFormatError(f"{self.shown} was replaced while in use", "run the command again")
+        return self.file
 
     def read(self, start: int, stop: int, rebuild: str) -> bytearray:
         """Bytes [start, stop) of the file into private memory. Raises CacheFormatError when the
-        file is now shorter (truncated under us) or unreadable."""
+        file is now shorter (truncated under us), unreadable, or replaced since it was opened."""
+        f = self._reopen(rebuild)
         buf = bytearray(stop - start)
         view, done = memoryview(buf), 0
-        while done < len(buf):
-            try:
-                n = os.preadv(self.fd, [view[done:]], start + done)
-            except OSError as exc:
-                raise CacheFormatError(f"cannot read cache {self.shown}: {exc.strerror}", rebuild) from exc
-            if n == 0:
-                raise CacheFormatError(f"{self.shown} is truncated or damaged (it shrank while being read)", rebuild)
-            done += n
+        try:
+            f.seek(start)
+            while done < len(buf):
+                n = f.readinto(view[done:])
+                if not n:
+                    raise CacheFormatError(f"{self.shown} is truncated or damaged (it shrank while being read)",
+                                           rebuild)  # fmt: skip
+                done += n
+        except OSError as exc:
+            raise CacheFormatError(f"cannot read cache {self.shown}: {exc.strerror}", rebuild) from exc
         return buf
 
 
@@ -176,7 +195,7 @@ def described_bytes(entry: Any) -> int | None:
     shape, offsets = entry.get("shape"), entry.get("data_offsets")
     if not isinstance(shape, list) or not isinstance(offsets, list) or len(offsets) != 2:
         return None
-    if not all(is_count(x) for x in (*shape, *offsets)):
+    if not all(is_count(x) for x in (*shape, *offsets)) or any(d >= MAX_TOKENS for d in shape) or len(shape) > 4:
         return None
     return DTYPE_BYTES[entry["dtype"]] * math.prod(shape)
 
@@ -228,6 +247,7 @@ def _load(p: Path, shown: str, lazy: bool = True) -> tuple[AnyCache, dict[str, s
         cache = read_v3(f, header, info, rebuild)
         if not lazy and isinstance(cache, CompressedKVCache):
             cache.layers  # noqa: B018  (read and check the KV now)
+        f.close()  # a lazy read reopens it
         return cache, meta
     from .legacy import read_legacy
 
@@ -238,7 +258,7 @@ def _load(p: Path, shown: str, lazy: bool = True) -> tuple[AnyCache, dict[str, s
 
 def _int(meta: dict[str, str], key: str) -> int:
     value = meta[key]
-    if not value.isdigit():
+    if not re.fullmatch(r"[0-9]{1,12}", value):
         raise ValueError(f"{key}={value!r}")
     return int(value)
 
@@ -253,13 +273,18 @@ def metadata_info(meta: dict[str, str], path: str, rebuild: str) -> CacheInfo:
         raise CacheFormatError(f"{path}: malformed metadata ({exc})", rebuild) from exc
     if version < 1 or min(n_kv, head_dim, n_ctx) < 1 or not 0 < n_layers <= 4096:
         raise CacheFormatError(f"{path}: malformed metadata (version or sizes)", rebuild)
+    if n_ctx >= MAX_TOKENS or n_kv > MAX_KV_HEADS or head_dim > MAX_HEAD_DIM:
+        raise CacheFormatError(f"{path}: malformed metadata (sizes beyond any model rocketkv runs)", rebuild)
     if version > FORMAT_VERSION:
         raise CacheFormatError(
             f"{path} has format version {version}, newer than this rocketkv reads ({FORMAT_VERSION})",
             "upgrade rocketkv, or " + rebuild,
         )
     try:
-        config = PrefillConfig(**json.loads(meta["config"]))
+        raw_config = json.loads(meta["config"])
+        if isinstance(raw_config, dict):
+            raw_config.setdefault("n_first_tokens", 0)  # written before stage 1 kept the first tokens
+        config = PrefillConfig(**raw_config)
         budgets, kernel = parse_budgets(json.loads(meta["budgets"]))
         windows = json.loads(meta["layer_windows"])
         if not isinstance(windows, list) or len(windows) != n_layers:
@@ -354,9 +379,6 @@ def verify_file(path: str | Path) -> AnyCache:
     back whole. Returns the cache (its segments read again lazily on use). Raises CacheFormatError."""
     cache = load_cache(path, lazy=True)
     for seg in all_segments(cache):
-        read_stored = getattr(seg, "stored_loader", None)
-        if read_stored is not None:
-            read_stored()
-        else:
-            seg.layers  # noqa: B018  (v1/v2 caches are read whole at load)
+        seg.layers  # noqa: B018  (reads, checks the digest and every tensor against the metadata)
+        seg.release()
     return cache

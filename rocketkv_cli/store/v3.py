@@ -167,7 +167,7 @@ def write_v3(cache: AnyCache, target: Path, force: bool) -> Path:
                 if _specs(tensors) != specs:
                     raise ValueError(f"segment {j} changed while being written")
                 for name in _ordered(specs):
-                    data = tensors[name].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+                    data = memoryview(tensors[name].detach().cpu().contiguous().view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]
                     h.update(data)
                     f.write(data)
                 pad = header[f"segments.{j}.{part}_pad"]["shape"][0]

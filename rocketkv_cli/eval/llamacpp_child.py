@@ -1,0 +1,72 @@
+"""llama.cpp's own prompt-cache path on one document, for `rocketkv bench --llama-cpp` (a child process).
+
+Runs with only llama-cpp-python and the standard library (no torch, no rocketkv), so it works in
+whatever interpreter has llama-cpp-python installed (it builds from source: an optional bench
+extra, never a runtime dependency). Steps, as a llama.cpp user would do them: evaluate the framed
+document once and save llama.cpp's state file (`llama_state_save_file`: its full KV cache); then,
+as a later question would, load that file into a fresh context, evaluate the framed question
+(time to first token, state load included) and decode greedily (median seconds per token).
+Prints one JSON object on stdout.
+
+    python llamacpp_child.py MODEL.gguf DOC.txt QUESTION.txt WORKDIR N_THREADS N_NEW_TOKENS
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def main(argv: list[str]) -> int:
+    gguf, doc_path, question_path, workdir, n_threads, n_new = argv
+    import numpy as np
+    from llama_cpp import Llama, llama_cpp
+
+    document = open(doc_path, encoding="utf-8").read()
+    question = open(question_path, encoding="utf-8").read()
+    kw = dict(model_path=gguf, n_threads=int(n_threads), n_threads_batch=int(n_threads), n_batch=512, verbose=False)
+    probe = Llama(n_ctx=512, vocab_only=True, **kw)
+    doc_tokens = probe.tokenize(document.encode("utf-8"), add_bos=True, special=True)
+    q_tokens = probe.tokenize(question.encode("utf-8"), add_bos=False, special=True)
+    n_ctx = len(doc_tokens) + len(q_tokens) + int(n_new) + 16
+    del probe
+    llm = Llama(n_ctx=n_ctx, **kw)
+    t0 = time.perf_counter()
+    llm.eval(doc_tokens)
+    prefill_s = time.perf_counter() - t0
+    state = os.path.join(workdir, "llama-state.bin")
+    arr = (llama_cpp.llama_token * len(doc_tokens))(*doc_tokens)
+    if not llama_cpp.llama_state_save_file(llm._ctx.ctx, state.encode(), arr, len(doc_tokens)):
+        raise RuntimeError("llama_state_save_file failed")
+    del llm
+    fresh = Llama(n_ctx=n_ctx, **kw)  # a later question: a new context, the state from the file
+    t0 = time.perf_counter()
+    out = (llama_cpp.llama_token * n_ctx)()
+    count = ctypes.c_size_t(0)
+    if not llama_cpp.llama_state_load_file(fresh._ctx.ctx, state.encode(), out, n_ctx, ctypes.byref(count)):
+        raise RuntimeError("llama_state_load_file failed")
+    fresh.n_tokens = count.value
+    fresh.input_ids[: count.value] = list(out)[: count.value]
+    load_s = time.perf_counter() - t0
+    fresh.eval(q_tokens)
+    token = int(np.argmax(fresh.scores[fresh.n_tokens - 1]))
+    ttft = time.perf_counter() - t0
+    steps = []
+    for _ in range(int(n_new)):
+        t1 = time.perf_counter()
+        fresh.eval([token])
+        token = int(np.argmax(fresh.scores[fresh.n_tokens - 1]))
+        steps.append(time.perf_counter() - t1)
+    print(json.dumps({"llama_cpp_n_context_tokens": len(doc_tokens), "llama_cpp_prefill_s": prefill_s,
+                      "llama_cpp_state_file_bytes": os.path.getsize(state), "llama_cpp_state_load_s": load_s,
+                      "llama_cpp_ttft_s": ttft, "llama_cpp_decode_step_s": statistics.median(steps[2:] or steps),
+                      "llama_cpp_threads": int(n_threads)}))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -289,12 +289,36 @@ def report(rows: list[dict], docs: dict[str, str]) -> str:
             lines.append(f"| {name} | {sum(r['correct'] for r in rs)}/{len(rs)} | {sum(r['echo'] for r in rs)} | "
                          f"{sum(r['loop'] for r in rs)} | {sum(r['empty'] for r in rs)} |")  # fmt: skip
         lines.append("")
+    lines += default_preset(rows, best)
     lines += ["## The summaries of the GPL", ""]
     for model in models:
         for r in rows:
             if r["model"] == model and r["task"] == "summary" and r["document"] == "gpl-3":
                 lines.append(f"- {model}, {r['framing']} (score {r['score']:.2f}): {json.dumps(r['text'][:400])}")
     return "\n".join(lines) + "\n"
+
+
+def default_preset(rows: list[dict], best: dict[str, str], current: str = "gemma-3-270m") -> list[str]:
+    """The rule for the default preset: another preset replaces the current default only if it
+    is better both at summaries (mean score of each preset's best framing) and at questions
+    (planted facts answered with the shipped framing)."""
+    summary = {m: mean(r["score"] for r in rows if r["model"] == m and r["task"] == "summary"
+                       and r["framing"] == f) for m, f in best.items()}  # fmt: skip
+    novel = {m: mean(r["novel"] for r in rows if r["model"] == m and r["task"] == "summary"
+                     and r["framing"] == f) for m, f in best.items()}  # fmt: skip
+    qa = {m: sum(r["correct"] for r in rows if r["model"] == m and r["task"] == "question" and r["framing"] == "shipped")
+          for m in best}  # fmt: skip
+    n_q = {m: sum(1 for r in rows if r["model"] == m and r["task"] == "question" and r["framing"] == "shipped")
+           for m in best}  # fmt: skip
+    better = [m for m in best if m != current and summary[m] > summary.get(current, -9) and qa[m] > qa.get(current, 0)]
+    choice = better[0] if better else current
+    out = ["## Default preset for `ask` and `summarize`", "",
+           "Rule: another preset replaces the default only if it is better at both summaries (mean score of its "
+           "best framing) and questions (planted facts answered, shipped framing, budget 512).", ""]  # fmt: skip
+    out += [f"- {m}: summary score {summary[m]:.2f} (novel words {novel[m]:.2f}) with '{best[m]}'; "
+            f"planted facts answered {qa[m]}/{n_q[m]}" for m in best]  # fmt: skip
+    out += ["", f"Default: **{choice}**" + (" (unchanged)." if choice == current else "."), ""]
+    return out
 
 
 def main() -> None:

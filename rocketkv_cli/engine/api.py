@@ -16,12 +16,11 @@ The CLI is a thin layer over this class (it parses, prints and maps errors). Eve
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,16 +28,18 @@ from ..core.cache import AnyCache, CompressedKVCache, SegmentedKVCache
 from ..core.config import DEFAULT_MAX_NEW_TOKENS, PrefillConfig
 from ..core.quant import DEFAULT_KV_DTYPE, KVStorage
 from ..errors import InputError, OutputError
-from ..model.loading import DEFAULT_MODEL, configure_transformers, load_model, preset_of_file, rocketkv_home
+from ..model.loading import DEFAULT_MODEL, configure_transformers, load_model
 from ..store.atomic import check_target
 from ..store.checkpoints import Checkpoints
 from ..store.describe import describe
 from ..store.format import load_cache, save_cache, verify_file
-from .answer import Answer, Answerer, Sampling, TextCallback, answer, decode_config_for, hsa_min_tokens
+from .answer import Answer, Sampling, TextCallback, answer, decode_config_for, hsa_min_tokens
 from .cite import Citation, check_citable
 from .documents import TextPieces, TextStream
 from .engine import Engine, TokenProgress
-from .segments import PartialSummary, SegmentDone, answer_segmented, ingest_stream, merge_segments, route, summarize
+from .home import StoredModel, home, remove_models, stored_models
+from .segments import PartialSummary, SegmentDone, answer_segmented, ingest_stream, summarize
+from .session import AnswerStream, Session
 
 Log = Callable[[str], None]
 
@@ -106,72 +107,6 @@ def pending_checkpoints(output: Path) -> tuple[int, Path]:
     """(count, folder) of checkpointed segments an earlier, interrupted ingest into `output` left."""
     checkpoints = Checkpoints(output)
     return checkpoints.count(), checkpoints.dir
-
-
-@dataclass(frozen=True)
-class StoredModel:
-    """A model file rocketkv keeps under `$ROCKETKV_HOME` (default `~/.cache/rocketkv`).
-
-    kind: "converted" (the safetensors copy loaded on every run, in `models/`) or "download"
-    (the GGUF it was converted from, in `downloads/`: remade from the Gemma package, or fetched
-    again from PyPI for SmolLM2). preset: the preset it belongs to, or None (a user's `.gguf`).
-    """
-
-    name: str
-    kind: str
-    preset: str | None
-    path: Path
-    n_bytes: int
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "preset": self.preset, "path": str(self.path),
-                "bytes": self.n_bytes}  # fmt: skip
-
-
-def home() -> Path:
-    """rocketkv's folder for converted models, downloads and history: `$ROCKETKV_HOME` or `~/.cache/rocketkv`."""
-    return rocketkv_home()
-
-
-def stored_models() -> list[StoredModel]:
-    """Every converted model and downloaded GGUF under `home()`, converted ones first, by name."""
-    found = []
-    for kind, folder in (("converted", "models"), ("download", "downloads")):
-        base = home() / folder
-        entries = sorted(base.iterdir()) if base.is_dir() else []
-        for path in entries:
-            if path.name.startswith("."):  # a conversion or removal in progress
-                continue
-            files = [f for f in path.rglob("*") if f.is_file()] if path.is_dir() else [path]
-            size = sum(f.stat().st_size for f in files)
-            found.append(StoredModel(path.name, kind, preset_of_file(path.name), path, size))
-    return found
-
-
-def remove_models(names: Iterable[str]) -> list[StoredModel]:
-    """Remove stored models: each name is a preset (its converted copy and its GGUF), an entry's
-    name (`stored_models`), or "all". Everything is checked before anything is removed; each entry
-    is renamed away first, so a run that loads it meanwhile converts it again rather than reading
-    half a folder. Returns what was removed.
-    Raises:
-        InputError: a name that matches nothing.
-    """
-    stored = stored_models()
-    chosen: dict[Path, StoredModel] = {}
-    for name in names:
-        hits = [m for m in stored if name in ("all", m.name, m.preset)]
-        if not hits:
-            known = ", ".join(sorted({m.preset for m in stored if m.preset} | {m.name for m in stored})) or "none"
-            raise InputError(f"no stored model named {name!r}", f"stored: {known} (see: rocketkv models)")
-        chosen.update((m.path, m) for m in hits)
-    for entry in chosen.values():
-        doomed = entry.path.with_name(f".removing-{entry.name}-{os.getpid()}")
-        os.replace(entry.path, doomed)
-        if doomed.is_dir():
-            shutil.rmtree(doomed)
-        else:
-            doomed.unlink()
-    return list(chosen.values())
 
 
 class RocketKV:
@@ -392,70 +327,6 @@ class RocketKV:
         summary's text as it is decoded (as in `ask`). Raises BudgetError."""
         cfg = config or PrefillConfig(max_new_tokens=max_new_tokens)
         return summarize(self.engine, cache, cfg, max_new_tokens, not dense, on_partial, on_text=on_text)
-
-
-class AnswerStream:
-    """One answer's text as it is decoded: iterate for the pieces (joined, they equal the
-    answer's text); `answer` is the `Answer` once the iteration has ended (None before)."""
-
-    def __init__(self, steps: Generator[str, None, Answer]):
-        self._steps = steps
-        self.answer: Answer | None = None
-
-    def __iter__(self) -> Iterator[str]:
-        self.answer = yield from self._steps
-
-
-class Session:
-    """Questions answered one at a time from one cache, with the model and the decode buffers
-    kept between them (build with `RocketKV.session`). A segmented cache routes each question
-    (`segments.route`) and keeps the buffers of the segments last used."""
-
-    def __init__(self, engine: Engine, cache: AnyCache, max_new_tokens: int, sparse: bool,
-                 overrides: dict[str, int | None], sampling: Sampling, n_segments: int, segment: int | None,
-                 log: Log, cite: int = 0) -> None:  # fmt: skip
-        self.engine, self.cache, self.max_new_tokens, self.sparse = engine, cache, max_new_tokens, sparse
-        self.overrides, self.sampling, self.n_segments, self.segment, self.log = (
-            overrides, sampling, n_segments, segment, log)  # fmt: skip
-        self.cite = cite
-        self._answerer: tuple[tuple[int, ...] | None, Answerer] | None = None
-
-    def _for(self, question: str) -> tuple[tuple[int, ...] | None, Answerer]:
-        chosen: tuple[int, ...] | None = None
-        part = self.cache
-        if isinstance(self.cache, SegmentedKVCache):
-            picked = [self.segment] if self.segment is not None else route(self.engine, self.cache, question,
-                                                                           self.n_segments)  # fmt: skip
-            chosen = tuple(picked)
-            part = merge_segments(self.cache, picked)
-            self.log(f"answering from segment{'s' * (len(chosen) > 1)} {', '.join(map(str, chosen))}")
-        if self._answerer is None or self._answerer[0] != chosen:
-            assert isinstance(part, CompressedKVCache)  # a segmented cache was merged above
-            decode = decode_config_for(part, self.sparse, **self.overrides)
-            answerer = Answerer(self.engine, part, self.max_new_tokens, decode, sampling=self.sampling, cite=self.cite)
-            self._answerer = (chosen, answerer)
-        return self._answerer
-
-    def stream(self, question: str) -> AnswerStream:
-        """The answer to `question` as an `AnswerStream`. Raises InputError, BudgetError (checked
-        when the iteration starts)."""
-
-        def steps() -> Generator[str, None, Answer]:
-            chosen, answerer = self._for(question)
-            ans = yield from answerer.stream(question)
-            return ans if chosen is None else dataclasses.replace(ans, segments=chosen)
-
-        return AnswerStream(steps())
-
-    def ask(self, question: str, on_text: TextCallback | None = None) -> Answer:
-        """The answer to `question`; `on_text(piece)` gets its text as it becomes final.
-        Raises InputError (an empty question), BudgetError (one that does not fit)."""
-        stream = self.stream(question)
-        for piece in stream:
-            if on_text is not None:
-                on_text(piece)
-        assert stream.answer is not None  # set when the iteration ends
-        return stream.answer
 
 
 def _scratch_checkpoints() -> Checkpoints:

@@ -45,7 +45,8 @@ from .format import (
 ENTRY_FIELDS = ("n_context_tokens", "start_token", "budgets", "ids_sha256", "kv", "kv_sha256", "tokens",
                 "tokens_sha256")  # fmt: skip
 INT_PARTS = ("keys.q", "keys.min", "keys.scale", "values.q", "values.min", "values.scale")
-TOKEN_FIELDS = {"token_ids": torch.int32, "token_offsets": torch.int64, "token_lines": torch.int32}
+TOKEN_FIELDS = {"token_ids": torch.int32, "token_offsets": torch.int32, "token_lines": torch.int32}
+OFFSET_DTYPES = (torch.int32, torch.int64)  # offsets: int32 unless a document passes 2^31 characters
 _PLACEHOLDER = "0" * 64  # digests are written after the payload, in place (same length)
 
 
@@ -85,6 +86,8 @@ def _token_tensors(seg: CompressedKVCache) -> dict[str, torch.Tensor]:
     for name, dtype in TOKEN_FIELDS.items():
         t = getattr(seg, name)
         if t is not None:
+            if name == "token_offsets" and t.numel() and int(t.max()) >= 1 << 31:
+                dtype = torch.int64
             out[name] = t.to(dtype).contiguous()
     return out
 
@@ -281,7 +284,10 @@ def _segment(f: CacheFile, base: int, names: dict[str, dict], entry: dict, info:
     ok = token_ids_ok(tokens.get("token_ids"), info, required="token_ids" in required)
     for name, dtype in TOKEN_FIELDS.items():
         t = tokens.get(name)
-        ok = ok and (t is None or (t.dtype == dtype and t.shape == (n,)))
+        allowed = OFFSET_DTYPES if name == "token_offsets" else (dtype,)
+        ok = ok and (t is None or (t.dtype in allowed and t.shape == (n,)))
+    if tokens.get("token_offsets") is not None:
+        tokens["token_offsets"] = tokens["token_offsets"].to(torch.int64)
     if not ok:
         raise CacheFormatError(f"{shown}: {where}token tensors disagree with the metadata", rebuild)
 

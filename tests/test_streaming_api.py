@@ -57,3 +57,16 @@ def test__bad_sampling_options__input_errors(rk, cache, options, says):
         list(rk.ask(cache, QS[:1], **options))
     with pytest.raises(InputError, match=says):
         rk.session(cache, **options)
+
+
+def test__session_over_a_segmented_cache__routes_and_cites_like_ask(rk):
+    long = rk.ingest(text=text_of_bytes(3000).replace(" ", "\n", 80), token_budget=64, max_new_tokens=8,
+                     segment_tokens=800).cache  # fmt: skip
+    expected = [a.to_dict(cache="x") for a in rk.ask(long, QS, max_new_tokens=8, cite=2)]
+    session = rk.session(long, max_new_tokens=8, cite=2)
+    got = [session.ask(q).to_dict(cache="x") for q in QS]
+    drop = lambda row: {k: v for k, v in row.items() if k not in ("prefill_s", "decode_s")}
+    assert [drop(r) for r in got] == [drop(r) for r in expected]
+    assert all(len(r["segments"]) == 1 and len(r["citations"]) == 2 for r in got)
+    with pytest.raises(InputError, match="one segment"):
+        rk.session(long, cite=2, segments=2)

@@ -52,14 +52,20 @@ def main(argv: list[str]) -> int:
     fresh.n_tokens = count.value
     fresh.input_ids[: count.value] = list(out)[: count.value]
     load_s = time.perf_counter() - t0
+    n_vocab = fresh.n_vocab()
+
+    def greedy() -> int:  # the last evaluated position's logits, read from the context itself
+        ptr = llama_cpp.llama_get_logits_ith(fresh._ctx.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(n_vocab,))))
+
     fresh.eval(q_tokens)
-    token = int(np.argmax(fresh.scores[fresh.n_tokens - 1]))
+    token = greedy()
     ttft = time.perf_counter() - t0
     steps = []
     for _ in range(int(n_new)):
         t1 = time.perf_counter()
         fresh.eval([token])
-        token = int(np.argmax(fresh.scores[fresh.n_tokens - 1]))
+        token = greedy()
         steps.append(time.perf_counter() - t1)
     print(json.dumps({"llama_cpp_n_context_tokens": len(doc_tokens), "llama_cpp_prefill_s": prefill_s,
                       "llama_cpp_state_file_bytes": os.path.getsize(state), "llama_cpp_state_load_s": load_s,

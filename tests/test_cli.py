@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -133,3 +134,169 @@ def test__closed_stdout__quiet_exit_141(rocketkv_bin, env, kv):
     stderr = proc.stderr.read().decode()
     assert proc.wait(timeout=300) == 141, stderr
     assert "Traceback" not in stderr and "Exception ignored" not in stderr
+
+
+# -- issue 16: output formats, streaming, sampling, chat, citations, models, help --------------------------------
+
+
+def ask_json(rocketkv_bin, env, kv, *args):
+    r = run(rocketkv_bin, env, "ask", "--cache", kv, *args, "--json")
+    assert r.returncode == 0, r.stderr
+    return [json.loads(line) for line in r.stdout.splitlines()]
+
+
+def parse_qa(text: str) -> list[tuple[str, str]]:
+    """Q:/A: records: a line starting "Q: " starts one; continuation lines are indented by 3."""
+    records, field = [], None
+    for line in text.split("\n"):
+        if line.startswith("Q: "):
+            records.append(["", ""])
+            field, records[-1][0] = 0, line[3:]
+        elif line.startswith("A: ") and records:
+            field, records[-1][1] = 1, line[3:]
+        elif line.startswith("   ") and field is not None:
+            records[-1][field] += "\n" + line[3:]
+        else:
+            assert line == "", f"a line that belongs to no record: {line!r}"
+            field = None
+    return [(q, a) for q, a in records]
+
+
+QS = ["What is the code?", "Which word\ncomes first?", "Where is the river?"]
+
+
+def test__several_questions__qa_and_lines_formats_say_which_answer_is_which(rocketkv_bin, env, kv):
+    """Plain output of several answers is never ambiguous (issue 16): parsed back, the Q:/A:
+    records and the one-answer-per-line format give exactly the --json answers, in order, even
+    for a question with a line break and answers with any bytes."""
+    rows = ask_json(rocketkv_bin, env, kv, *QS)
+    qa = run(rocketkv_bin, env, "ask", "--cache", kv, *QS)  # a pipe, several questions: qa by default
+    assert qa.returncode == 0, qa.stderr
+    assert parse_qa(qa.stdout) == [(row["question"], row["answer"]) for row in rows]
+    lines = run(rocketkv_bin, env, "ask", "--cache", kv, *QS, "--format", "lines")
+    unescape = lambda s: re.sub(r"\\(.)", lambda m: {"n": "\n", "r": "\r", "\\": "\\"}[m.group(1)], s)
+    assert [unescape(line) for line in lines.stdout.split("\n")[:-1]] == [row["answer"] for row in rows]
+    one = run(rocketkv_bin, env, "ask", "--cache", kv, QS[0], "--stream")  # one question: the answer as it is
+    assert one.stdout == rows[0]["answer"] + "\n"
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        ([], "QUESTION..."),
+        (["--cache", "KV"], "QUESTION..."),
+        (["--cache", "KV", "a?", "b?", "--format", "text"], "--format"),
+        (["--cache", "KV", "a?", "--stream", "--json"], "--stream"),
+        (["--cache", "KV", "a?", "--cite", "--format", "lines"], "--cite"),
+        (["--cache", "KV", "a?", "--format", "yaml"], "--format"),
+    ],
+    ids=["nothing", "cache-no-question", "text-several", "stream-json", "cite-lines", "unknown-format"],
+)
+def test__ask_usage_errors__exit_2_before_the_model_loads(rocketkv_bin, env, kv, args, says):
+    r = run(rocketkv_bin, env, "ask", *[str(kv) if a == "KV" else a for a in args])
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "Usage: rocketkv ask [OPTIONS] [DOC] QUESTION..." in r.stderr and says in r.stderr.splitlines()[-1]
+    assert r.stdout == "" and "loaded" not in r.stderr and "Traceback" not in r.stderr
+
+
+def test__sampling__seeded_runs_repeat_greedy_stays_exact(rocketkv_bin, env, kv):
+    greedy = [row["answer"] for row in ask_json(rocketkv_bin, env, kv, *QS[:2], "--max-new-tokens", "12")]
+    a = ask_json(rocketkv_bin, env, kv, *QS[:2], "--max-new-tokens", "12", "-t", "1.5", "--seed", "7")
+    b = ask_json(rocketkv_bin, env, kv, QS[1], "--max-new-tokens", "12", "-t", "1.5", "--seed", "7")
+    c = ask_json(rocketkv_bin, env, kv, *QS[:2], "--max-new-tokens", "12", "-t", "1.5", "--seed", "8")
+    nucleus = ask_json(rocketkv_bin, env, kv, *QS[:2], "--max-new-tokens", "12", "-t", "1.5", "--top-p", "1e-9")
+    assert a[1]["answer"] == b[0]["answer"]  # the seed restarts per question: order does not matter
+    assert [r["answer"] for r in a] != [r["answer"] for r in c]  # another seed, other answers
+    assert [r["answer"] for r in a] != greedy and [r["answer"] for r in nucleus] == greedy  # top-p→0 is greedy
+    assert a[0]["sampling"] == {"temperature": 1.5, "top_p": 1.0, "seed": 7} and "sampling" not in json.dumps(greedy)
+    assert isinstance(nucleus[0]["sampling"]["seed"], int)  # no --seed: a random one, reported
+
+
+def test__chat_from_a_pipe__loads_once_answers_each_line_as_ask_does(rocketkv_bin, env, kv):
+    expected = ask_json(rocketkv_bin, env, kv, QS[0], QS[2])
+    long_question = "word " * 5000  # more than the model's context: an error for this line only
+    r = run(rocketkv_bin, env, "chat", "--cache", kv, "--json", stdin=f"{QS[0]}\n\n{long_question}\n{QS[2]}\n")
+    assert r.returncode == 1, r.stderr  # one question failed
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    drop = lambda row: {k: v for k, v in row.items() if k not in ("prefill_s", "decode_s")}
+    assert [drop(row) for row in rows] == [drop(row) for row in expected]
+    assert r.stderr.count("rocketkv: loaded") == 1
+    assert [line for line in r.stderr.splitlines() if line.startswith("Error:")] == [
+        line for line in r.stderr.splitlines() if "question is" in line and "tokens" in line
+    ]
+
+
+def test__cite__passages_map_to_the_document_characters_and_lines(rocketkv_bin, env, kv, doc):
+    """Each citation's characters [start, end) of the source, whitespace normalised, are its
+    text, and its line is the line of `start` in the source (checked on the document itself)."""
+    (row,) = ask_json(rocketkv_bin, env, kv, "What is the secret code?", "--cite", "--passages", "2")
+    text = doc.read_text()
+    assert len(row["citations"]) == 2
+    for c in row["citations"]:
+        assert " ".join(text[c["start"] : c["end"]].split()) == c["text"] != ""
+        assert c["line"] == text[: c["start"]].count("\n") + 1 and c["end_line"] >= c["line"]
+        assert 0 < c["weight"] <= 1
+    shown = run(rocketkv_bin, env, "ask", "--cache", kv, "What is the secret code?", "--cite", "--passages", "2")
+    sources = shown.stdout.split("Sources:\n")[1].splitlines()
+    assert [s.split(" (")[0] for s in sources] == [
+        f"  [{i}] line {c['line']}, characters {c['start']}-{c['end']}" for i, c in enumerate(row["citations"], 1)
+    ]
+
+
+def test__cite__refused_for_a_file_without_token_offsets(rocketkv_bin, env):
+    from pathlib import Path
+
+    old = Path(__file__).parent / "data" / "v1-llama.kv"  # written by rocketkv 0.1.0, before token offsets
+    r = run(rocketkv_bin, env, "ask", "--cache", old, "q?", "--cite")  # refused before any model loads
+    assert "token offsets" in assert_one_line_error(r) and "loaded" not in r.stderr
+
+
+def test__models__lists_and_removes_what_is_stored(rocketkv_bin, env, tmp_path):
+    home = tmp_path / "home"
+    (home / "models" / "gemma-3-270m-q4_k_m-0123").mkdir(parents=True)
+    (home / "models" / "gemma-3-270m-q4_k_m-0123" / "model.safetensors").write_bytes(b"x" * 3000)
+    (home / "downloads").mkdir()
+    (home / "downloads" / "gemma-3-270m-q4_k_m.gguf").write_bytes(b"y" * 1000)
+    (home / "downloads" / "mine.gguf").write_bytes(b"z" * 10)
+    env = {**env, "ROCKETKV_HOME": str(home)}
+    r = run(rocketkv_bin, env, "models", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [(x["name"], x["kind"], x["preset"], x["bytes"]) for x in rows] == [
+        ("gemma-3-270m-q4_k_m-0123", "converted", "gemma-3-270m", 3000),
+        ("gemma-3-270m-q4_k_m.gguf", "download", "gemma-3-270m", 1000),
+        ("mine.gguf", "download", None, 10),
+    ]
+    assert "unknown" in assert_one_line_error(run(rocketkv_bin, env, "models", "--remove", "unknown"))
+    r = run(rocketkv_bin, env, "models", "--remove", "gemma-3-270m")
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in home.rglob("*") if p.is_file()) == ["mine.gguf"]
+    assert "4.0 KB" in r.stderr  # freed
+
+
+COMMAND_NAMES = ["ingest", "ask", "chat", "summarize", "inspect", "models", "bench", "eval"]
+
+
+@pytest.mark.parametrize("command", [None, *COMMAND_NAMES])
+def test__help_reads_well_at_80_columns(rocketkv_bin, env, command):
+    """No line over 80 columns, no cut option name, no type placeholder (`<bool>`, `<int>`),
+    arguments named in the usage line, nothing outside the repository cited."""
+    r = run(rocketkv_bin, {**env, "COLUMNS": "80"}, *([command] if command else []), "--help")
+    assert r.returncode == 0, r.stderr
+    assert all(len(line) <= 80 for line in r.stdout.splitlines()), max(r.stdout.splitlines(), key=len)
+    assert "…" not in r.stdout and not re.search(r"<[a-z][a-z \[\]]*>", r.stdout), r.stdout
+    assert "[args]" not in r.stdout and "SPEC" not in r.stdout and "issue" not in r.stdout.lower()
+    usage = r.stdout.splitlines()[0]
+    expected = {"ask": "[DOC] QUESTION...", "chat": "[DOC]", "summarize": "[DOC]", "ingest": "DOCUMENT",
+                "inspect": "CACHE", None: "COMMAND"}  # fmt: skip
+    assert usage.startswith(f"Usage: rocketkv {command + ' ' if command else ''}[OPTIONS]")
+    assert expected.get(command, "") in usage
+
+
+def test__shell_completion__script_and_answers(rocketkv_bin, env):
+    r = run(rocketkv_bin, env, "--show-completion", "bash")
+    assert r.returncode == 0 and "_ROCKETKV_COMPLETE" in r.stdout, r.stderr
+    done = subprocess.run([rocketkv_bin], capture_output=True, text=True, timeout=60,
+                          env={**env, "_ROCKETKV_COMPLETE": "complete_bash", "COMP_WORDS": "rocketkv ask --str",
+                               "COMP_CWORD": "2"})  # fmt: skip
+    assert done.stdout.split() == ["--stream"]

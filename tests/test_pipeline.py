@@ -157,14 +157,3 @@ def _mask_hook(mask):
         return args, kwargs
 
     return hook
-
-
-@pytest.mark.parametrize(
-    "tokens, dropped",
-    [([1, 2, 3] * 20, 24), (list(range(30)) + [7] * 48, 24), (list(range(60)), 0), ([5, 6] * 11, 0)],
-    ids=["period3", "period1", "no-loop", "too-short"],
-)
-def test__repeated_tail__finds_greedy_loops(tokens, dropped):
-    from rocketkv_cli.engine.answer import repeated_tail
-
-    assert repeated_tail(tokens) == dropped

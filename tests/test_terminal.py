@@ -90,3 +90,117 @@ def test__bench_in_a_terminal(rocketkv_bin, env, doc, tiny_model_dir):
     code, shown = run_in_terminal([rocketkv_bin, "bench", "--model", str(tiny_model_dir), "--context-tokens", "300",
                                    "--source", str(doc), "--steps", "2", "--no-memory"], env)  # fmt: skip
     check_terminal_run(code, shown)
+
+
+# -- issue 16: new commands and modes in a terminal ----------------------------------------------------------------
+
+
+class Terminal:
+    """A command on a pseudo-terminal that is its controlling terminal, as in a user's shell:
+    keys typed are `send`, Ctrl-C (\\x03) reaches it as SIGINT, and `expect` waits for text."""
+
+    def __init__(self, argv: list[str], env: dict, columns: int = 100):
+        import fcntl
+        import pty
+        import struct
+        import subprocess
+        import termios
+
+        self.master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+        env = {**env, "TERM": "xterm-256color", "COLUMNS": str(columns)}
+        env.pop("NO_COLOR", None)
+
+        def controlling_terminal():  # runs in the child after setsid()
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+        self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True,
+                                     start_new_session=True, preexec_fn=controlling_terminal)  # fmt: skip
+        os.close(slave)
+        self.shown = b""
+
+    def send(self, keys: str) -> None:
+        os.write(self.master, keys.encode())
+
+    def _read(self, timeout: float) -> bool:
+        import select
+
+        ready, _, _ = select.select([self.master], [], [], timeout)
+        if not ready:
+            return True
+        try:
+            data = os.read(self.master, 65536)
+        except OSError:  # EIO: the child side closed
+            return False
+        self.shown += data
+        return bool(data)
+
+    def expect(self, text: str, after: int = 0, timeout: float = 300) -> int:
+        """Wait until `text` is shown past byte `after`; returns where it ends."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while (at := strip_ansi(self.shown.decode("utf-8", "replace")).find(text, after)) < 0:
+            if time.monotonic() > deadline or not self._read(0.2) and self.proc.poll() is not None:
+                raise AssertionError(f"{text!r} not shown; the terminal showed: {self.plain()[-3000:]!r}")
+        return at + len(text)
+
+    def plain(self) -> str:
+        return strip_ansi(self.shown.decode("utf-8", "replace"))
+
+    def wait(self, timeout: float = 120) -> int:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            self._read(0.2)
+        while self._read(0.1) and self.proc.poll() is not None and len(self.shown) < 10**7:
+            pass
+        os.close(self.master)
+        return self.proc.wait(timeout=10)
+
+
+def test__chat_in_a_terminal__history_ctrl_c_cancels_the_answer_ctrl_d_quits(rocketkv_bin, env, kv, tmp_path):
+    """`rocketkv chat`: the model and cache load once; Ctrl-C during an answer cancels that
+    answer only; Up + Enter asks the last question again (readline history), and with the same
+    seed it is answered the same way again (the cancelled answer left no trace); Ctrl-D quits, 0."""
+    home = tmp_path / "home"
+    question = "Tell me everything, at length."
+    term = Terminal([rocketkv_bin, "chat", "--cache", str(kv), "--max-new-tokens", "1000", "--temperature", "1.5",
+                     "--seed", "3"], {**env, "ROCKETKV_HOME": str(home)})  # fmt: skip
+    at = term.expect("> ")
+    answers = []
+    for keys in (question + "\r", "\x1b[A\r"):  # the question, then Up + Enter: the same from the history
+        term.send(keys)
+        start = term.expect(question + "\r\n", at)
+        while len(term.plain()) < start + 40:  # the answer is being printed (1000 sampled tokens take minutes)
+            assert term._read(1.0) or term.proc.poll() is None, term.plain()[-2000:]
+        term.send("\x03")
+        at = term.expect("rocketkv: answer cancelled", start)
+        answers.append(term.plain()[start:at].split("^C")[0].split("\r\n")[0])
+        at = term.expect("> ", at)
+    term.send("\x04")  # Ctrl-D
+    code = term.wait()
+    shown = term.plain()
+    assert code == 0, shown[-2000:]
+    shorter, longer = sorted(answers, key=len)
+    assert len(shorter) >= 20 and longer.startswith(shorter), answers
+    assert shown.count("rocketkv: loaded") == 1 and shown.count("rocketkv: answer cancelled") == 2
+    assert "Traceback" not in shown and "Error:" not in shown
+    assert question in (home / "chat_history").read_text()
+
+
+def test__ask_several_questions_in_a_terminal__streamed_qa_records(rocketkv_bin, env, kv):
+    code, shown = run_in_terminal([rocketkv_bin, "ask", "--cache", str(kv), "What is the code?", "Which word?",
+                                   "--cite", "--passages", "1"], env)  # fmt: skip
+    lines = check_terminal_run(code, shown, want_bar=False)
+    starts = [line.split(":")[0] for line in lines if line.startswith(("Q:", "A:", "   Sources"))]
+    assert starts == ["Q", "A", "   Sources", "Q", "A", "   Sources"], lines
+
+
+def test__models_in_a_terminal(rocketkv_bin, env, tmp_path):
+    (tmp_path / "models" / "x-1").mkdir(parents=True)
+    (tmp_path / "models" / "x-1" / "w").write_bytes(b"w" * 5)
+    code, shown = run_in_terminal([rocketkv_bin, "models"], {**env, "ROCKETKV_HOME": str(tmp_path)})
+    plain = strip_ansi(shown)
+    assert code == 0 and "x-1" in plain and "5 B" in plain, plain

@@ -7,28 +7,69 @@ hints. Exit codes: 0 ok, 1 known failure (one line), 2 usage error, 130 interrup
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
+from typer.core import TyperCommand
 
 from .. import __version__
 from .ask import ask_command
 from .batch import batch_command
 from .batch import with_bare_ray as with_bare_ray  # used by the console script (entry.main)
 from .bench import bench
+from .chat import chat_command
 from .common import command
 from .eval import eval_command
 from .ingest import ingest_command
 from .inspect import inspect_command
+from .models import models_command
 from .summarize import summarize_command
 
 app = typer.Typer(
     name="rocketkv",
     help="Ask questions of very long documents with a local LLM and a compressed (RocketKV) KV cache.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion (bash, zsh, fish, powershell)
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # click's plain help: wraps at 80 columns, cuts no option name
 )
+_PLACEHOLDERS = {int: "N", float: "X", Path: "PATH", str: "TEXT"}
+
+
+class Command(TyperCommand):
+    """Help that reads well at 80 columns: usage lines name the arguments (`QUESTION...`, `DOC`,
+    `[DOCUMENT]`), every option that takes a value shows a placeholder (`N`, `X`, `PATH`,
+    `TEXT` unless it names its own), and arguments are listed without Python types."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            if param.param_type_name == "option" and not getattr(param, "is_flag", False) and param.metavar is None:
+                annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+                param.metavar = _PLACEHOLDERS.get(annotation, "VALUE")  # type: ignore[arg-type]
+
+    @staticmethod
+    def _usage_name(param) -> str:
+        name = param.metavar or param.name.upper()
+        if param.nargs != 1 and not name.endswith("..."):
+            name += "..."
+        return name if param.required or name.startswith("[") else f"[{name}]"
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        return pieces + [self._usage_name(p) for p in self.get_params(ctx) if p.param_type_name == "argument"]
+
+    def format_options(self, ctx, formatter) -> None:
+        params = self.get_params(ctx)
+        arguments = [
+            (self._usage_name(p), getattr(p, "help", None) or "") for p in params if p.param_type_name == "argument"
+        ]
+        options = [rec for p in params if p.param_type_name == "option" and (rec := p.get_help_record(ctx))]
+        for title, rows in (("Arguments", arguments), ("Options", options)):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
 
 
 def _print_version(value: bool) -> None:
@@ -46,13 +87,19 @@ def main(
     """Ask questions of very long documents with a local LLM and a compressed (RocketKV) KV cache."""
 
 
-app.command(name="ingest")(command(ingest_command))
-app.command(name="ask")(command(ask_command))
-app.command(name="summarize")(command(summarize_command))
-app.command(name="inspect")(command(inspect_command))
-app.command(name="bench")(command(bench))
-app.command(name="eval")(command(eval_command))
-app.command(name="batch")(command(batch_command))
+COMMANDS = [
+    ("ingest", ingest_command, "Prefill a document once, prune its KV cache, save a .kv file."),
+    ("ask", ask_command, "Answer questions from a .kv cache (or from a document)."),
+    ("chat", chat_command, "Ask questions one after another; model and cache load once."),
+    ("summarize", summarize_command, "Summarize a document or a .kv cache's document."),
+    ("inspect", inspect_command, "Validate a .kv file and show what it holds."),
+    ("models", models_command, "List or remove converted models (disk used)."),
+    ("bench", bench, "Measure speed, file size and memory vs full attention."),
+    ("eval", eval_command, "Score accuracy on generated long-context tasks."),
+    ("batch", batch_command, "Answer a manifest of documents and questions (JSONL in, JSONL out)."),
+]
+for _name, _fn, _short in COMMANDS:
+    app.command(name=_name, short_help=_short, cls=Command)(command(_fn))
 
 
 def run() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -10,6 +9,21 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import InputError
+from .answers import (
+    AnswerPrinter,
+    CiteOpt,
+    FormatOpt,
+    PassagesOpt,
+    SeedOpt,
+    StreamOpt,
+    TemperatureOpt,
+    TopPOpt,
+    answer_log,
+    check_question_text,
+    resolve_format,
+    sampling_note,
+    usage_error,
+)
 from .common import (
     CacheOpt,
     DeviceOpt,
@@ -37,13 +51,14 @@ from .common import (
 )  # fmt: skip
 
 DenseOpt = Annotated[bool, typer.Option("--dense", help="Exact attention over the stored cache (no stage-2 sparsity).")]
+HsaOpt = Annotated[bool, typer.Option("--hsa", help="Stage-2 HSA even where exact attention is faster here.")]
 MaxNewOpt = Annotated[
-    Optional[int], typer.Option(min=1, help="Answer length limit in tokens (default: the cache's plan).")
+    Optional[int], typer.Option(min=1, metavar="N", help="Answer length limit in tokens (default: the cache's plan).")
 ]
 
 
 def read_questions(positional: list[str], questions_file: Optional[str], doc_is_stdin: bool) -> list[str]:
-    """Questions from arguments and a file (`-` = stdin), one per line. Raises InputError."""
+    """Questions from arguments and a file (`-` = stdin), one per line; may be empty. Raises InputError."""
     questions = list(positional)
     if questions_file is not None:
         if questions_file == "-":
@@ -59,23 +74,21 @@ def read_questions(positional: list[str], questions_file: Optional[str], doc_is_
     if any(not q.strip() for q in questions):
         raise InputError("empty question", "give each question some text")
     for q in questions:
-        try:
-            q.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InputError("a question is not valid UTF-8 text", "check the question's encoding") from None
-    if not questions:
-        raise InputError("no question given", "pass questions as arguments or with --questions-file")
+        check_question_text(q)
     return questions
 
 
 def open_cache(cache: Path, model: Optional[str], device: str, dtype: Optional[str], trust_remote_code: bool,
-               weights: Optional[str] = None, timings: Timings | None = None):  # fmt: skip
-    """Validate the file, load the model it was built with (or `model`), check they match."""
-    from ..engine.api import read_cache
+               weights: Optional[str] = None, timings: Timings | None = None, cite: int = 0,
+               segments: int = 1):  # fmt: skip
+    """Validate the file (and that it can give `cite` citations), load the model it was built
+    with (or `model`), check they match."""
+    from ..engine.api import check_cite, read_cache
 
     timings = timings or Timings()
     with timings.span("cache read + verify"):
         stored = read_cache(cache)
+    check_cite(stored, cite, segments)
     ident = stored.info.identity
     with timings.span("model load"):
         rk = load_engine(model or ident.model_id, device, dtype or stored.info.dtype, trust_remote_code,
@@ -85,39 +98,53 @@ def open_cache(cache: Path, model: Optional[str], device: str, dtype: Optional[s
     return rk, stored
 
 
-def print_answers(answers, n_questions: int, source: str, json_out: bool, timings: Timings | None = None) -> None:
-    """Each answer on stdout as it is made (`--json`: one object per line), a timing line on stderr."""
-    for i, ans in enumerate(answers):
+def print_answers(answers, questions: list[str], source: str, printer: AnswerPrinter,
+                  timings: Timings | None = None) -> None:  # fmt: skip
+    """Each answer on stdout as it is made (streamed when the printer streams), a line on stderr.
+
+    `answers` is lazy: question i is answered when its `Answer` is taken, so its header is
+    printed first and its pieces arrive through the printer (see `RocketKV.ask(on_text=...)`)."""
+    it = iter(answers)
+    for i, question in enumerate(questions):
+        printer.start(question)
+        ans = next(it)
         if timings is not None:
-            per = (
-                f" ({1e3 * ans.decode_s / max(1, ans.n_answer_tokens - 1):.0f} ms/token)"
-                if ans.n_answer_tokens > 1
-                else ""
-            )
+            per = f" ({1e3 * ans.decode_s / (ans.n_answer_tokens - 1):.0f} ms/token)" if ans.n_answer_tokens > 1 else ""
             timings.add(f"question {i + 1} prefill", ans.prefill_s)
             timings.add(f"decode {ans.n_answer_tokens} tokens{per}", ans.decode_s)
-        if json_out:
-            typer.echo(json.dumps(ans.to_dict(cache=source), ensure_ascii=False))
-        else:
-            if n_questions > 1 and i:
-                typer.echo("")
-            typer.echo(ans.text)
-        sys.stdout.flush()
-        log(f"answered in {ans.prefill_s + ans.decode_s:.2f}s ({ans.n_answer_tokens} tokens, stop: {ans.stop_reason})")
+        printer.finish(ans.text, ans.to_dict(cache=source), ans.citations)
+        log(answer_log(ans))
 
 
 def ask_command(
-    args: Annotated[Optional[list[str]], typer.Argument(help="QUESTION... with --cache; else DOC QUESTION...")] = None,
+    args: Annotated[
+        Optional[list[str]],
+        typer.Argument(
+            metavar="[DOC] QUESTION...",
+            show_default=False,
+            help="The questions (with --cache), or a document then the questions.",
+        ),
+    ] = None,
     cache: CacheOpt = None,
     questions_file: Annotated[
-        Optional[str], typer.Option(help="File with one question per line, or - for stdin.")
+        Optional[str], typer.Option(metavar="FILE", help="File with one question per line, or - for stdin.")
     ] = None,
     max_new_tokens: MaxNewOpt = None,
     budget: Annotated[
-        int, typer.Option("--budget", "-b", help="Token budget when DOC is ingested in memory (a cache keeps its own).")
+        int,
+        typer.Option(
+            "--budget", "-b", metavar="T", help="Token budget when DOC is ingested in memory (a cache keeps its own)."
+        ),
     ] = 512,
     dense: DenseOpt = False,
-    hsa: Annotated[bool, typer.Option("--hsa", help="Stage-2 HSA even where exact attention is faster here.")] = False,
+    fmt: FormatOpt = "auto",
+    stream: StreamOpt = None,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    seed: SeedOpt = None,
+    cite: CiteOpt = False,
+    passages: PassagesOpt = 3,
+    hsa: HsaOpt = False,
     topk: TopkOpt = None,
     page_size: PageSizeOpt = None,
     n_score_dims: ScoreDimsOpt = None,
@@ -135,31 +162,41 @@ def ask_command(
     quiet: QuietOpt = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show a timing breakdown on stderr.")] = False,
 ) -> None:
-    """Answer questions from a saved cache (or from DOC, ingested in memory first)."""
+    """Answer questions from a saved cache (or from DOC, ingested in memory first).
+
+    Each question is answered on its own. On a terminal the answers are printed as they are
+    decoded; several questions are shown as Q:/A: records (see --format).
+    """
+    args = list(args or [])  # usage errors first: before the engine (torch) is imported
+    if cache is None and not args:
+        raise usage_error("QUESTION...", "missing: give --cache FILE.kv QUESTION..., or DOC QUESTION...")
+    doc, rest = (None, args) if cache is not None else (args[0], args[1:])
+    questions = read_questions(rest, questions_file, doc == "-")
+    if not questions:
+        raise usage_error("QUESTION...", "missing: pass questions as arguments or with --questions-file")
+    fmt, stream = resolve_format(fmt, json_out, stream, len(questions), cite)
     from ..engine.api import DEFAULT_MODEL
 
     timings = Timings()
     setup(quiet)
-    args = list(args or [])
-    if cache is not None:
-        questions = read_questions(args, questions_file, False)
-        rk, stored = open_cache(cache, model, device, dtype, trust_remote_code, weights, timings)
+    if note := sampling_note(temperature, seed):
+        log(note)
+    if doc is None:
+        assert cache is not None  # one of the two, checked above
+        rk, stored = open_cache(cache, model, device, dtype, trust_remote_code, weights, timings,
+                                cite=passages if cite else 0, segments=segments)  # fmt: skip
         source = str(cache)
     else:
-        if not args:
-            raise InputError(
-                "no document or cache given", "use: rocketkv ask --cache FILE.kv QUESTION, or ask DOC QUESTION"
-            )
-        doc, rest = args[0], args[1:]
-        questions = read_questions(rest, questions_file, doc == "-")
         cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens or 128, pool_kernel_size="63")
-        stream = open_stream(doc, encoding, errors)
+        document = open_stream(doc, encoding, errors)
         rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code, weights)
-        stored = ingest(rk, stream, cfg, segment_tokens=segment_tokens).cache
+        stored = ingest(rk, document, cfg, segment_tokens=segment_tokens).cache
         source = doc
+    printer = AnswerPrinter(fmt, stream)
     answers = rk.ask(stored, questions, max_new_tokens=max_new_tokens, dense=dense, hsa=hsa, topk=topk,
                      page_size=page_size, n_score_dims=n_score_dims, segments=segments, segment=segment,
-                     log=log)  # fmt: skip
-    print_answers(answers, len(questions), source, json_out, timings)
+                     temperature=temperature, top_p=top_p, seed=seed, on_text=printer.piece,
+                     cite=passages if cite else 0, log=log)  # fmt: skip
+    print_answers(answers, questions, source, printer, timings)
     if verbose:
         log(timings.summary())

@@ -102,7 +102,7 @@ def command(fn):
             raise _signal_exit(signal.SIGINT) from None
         except Terminated:
             raise _signal_exit(signal.SIGTERM) from None
-        except (typer.Exit, typer.Abort, SystemExit):
+        except (typer.Exit, typer.Abort, typer.BadParameter, SystemExit):  # BadParameter: a usage error, exit 2
             raise
         except BrokenPipeError:
             raise _stdout_closed() from None
@@ -124,11 +124,17 @@ def command(fn):
 
 ModelOpt = Annotated[
     Optional[str],
-    typer.Option("--model", "-m", help="Preset (gemma-3-270m, smollm2-135m), model dir, .gguf file, or cached hub id."),
+    typer.Option(
+        "--model",
+        "-m",
+        metavar="MODEL",
+        help="Preset (gemma-3-270m, smollm2-135m), model dir, .gguf file, or cached hub id.",
+    ),  # fmt: skip
 ]
-DeviceOpt = Annotated[str, typer.Option(help="cpu, cuda, cuda:N or auto.")]
+DeviceOpt = Annotated[str, typer.Option(metavar="DEVICE", help="cpu, cuda, cuda:N or auto.")]
 DtypeOpt = Annotated[
-    Optional[str], typer.Option(help="auto, float32, bfloat16 or float16 (ask: default = the cache's).")
+    Optional[str],
+    typer.Option(metavar="DTYPE", help="auto, float32, bfloat16 or float16 (ask: default = the cache's)."),
 ]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or logs on stderr.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON object per line on stdout.")]
@@ -339,7 +345,8 @@ PageSizeOpt = Annotated[Optional[int], typer.Option(help="Override: tokens per k
 ScoreDimsOpt = Annotated[Optional[int], typer.Option(help="Override: head dims used for page scores.")]
 EncodingOpt = Annotated[str, typer.Option(help="Text encoding of the document.")]
 CacheOpt = Annotated[  # readable=False: an unreadable file gets rocketkv's one-line error, not a usage box
-    Optional[Path], typer.Option("--cache", "-c", readable=False, help="A .kv file from `rocketkv ingest`.")
+    Optional[Path],
+    typer.Option("--cache", "-c", readable=False, metavar="FILE.kv", help="A .kv file from `rocketkv ingest`."),
 ]
 ErrorsOpt = Annotated[str, typer.Option(help="Decoding errors in the document: strict, replace or ignore.")]
 SegmentTokensOpt = Annotated[

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Annotated, Optional
 
 import typer
 
 from ..errors import InputError
+from .answers import AnswerPrinter, StreamOpt, resolve_format
 from .ask import DenseOpt, open_cache
 from .common import (
     BudgetOpt,
@@ -33,11 +33,14 @@ from .common import (
 
 
 def summarize_command(
-    document: Annotated[Optional[str], typer.Argument(help="Text file, or - for stdin (or use --cache).")] = None,
+    document: Annotated[
+        Optional[str], typer.Argument(metavar="[DOC]", help="Text file, or - for stdin (or use --cache).")
+    ] = None,
     cache: CacheOpt = None,
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Summary length limit in tokens.")] = 256,
+    max_new_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Summary length limit in tokens.")] = 256,
     budget: BudgetOpt = 512,
     dense: DenseOpt = False,
+    stream: StreamOpt = None,
     segment_tokens: SegmentTokensOpt = None,
     encoding: EncodingOpt = "utf-8",
     errors: ErrorsOpt = "strict",
@@ -59,6 +62,7 @@ def summarize_command(
     setup(quiet)
     if (document is None) == (cache is None):
         raise InputError("give either DOC or --cache FILE.kv", "e.g. rocketkv summarize book.txt")
+    fmt, stream = resolve_format("auto", json_out, stream, 1)
     cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens, pool_kernel_size="63")
     if cache is not None:
         rk, stored = open_cache(cache, model, device, dtype, trust_remote_code, weights)
@@ -75,15 +79,14 @@ def summarize_command(
         partials.append({"level": event.level, "segment": event.index, "summary": event.text})
         log(f"summary of part {event.index + 1}/{event.total} (level {event.level}): {event.text}")
 
+    printer = AnswerPrinter(fmt, stream)
     t0 = time.perf_counter()
-    final = rk.summarize(stored, max_new_tokens=max_new_tokens, dense=dense, config=cfg, on_partial=on_partial)
+    final = rk.summarize(stored, max_new_tokens=max_new_tokens, dense=dense, config=cfg, on_partial=on_partial,
+                         on_text=printer.piece)  # fmt: skip
     elapsed = time.perf_counter() - t0
-    if json_out:
-        row = {"summary": final.text, "source": source, "n_answer_tokens": final.n_answer_tokens,
-               "stop_reason": final.stop_reason, "summarize_s": round(elapsed, 3)}  # fmt: skip
-        if partials:
-            row["partial_summaries"] = partials
-        typer.echo(json.dumps(row, ensure_ascii=False))
-    else:
-        typer.echo(final.text)
+    row = {"summary": final.text, "source": source, "n_answer_tokens": final.n_answer_tokens,
+           "stop_reason": final.stop_reason, "summarize_s": round(elapsed, 3)}  # fmt: skip
+    if partials:
+        row["partial_summaries"] = partials
+    printer.finish(final.text, row)
     log(f"summarized in {elapsed:.1f}s ({final.n_answer_tokens} tokens, stop: {final.stop_reason})")

@@ -1,28 +1,81 @@
-"""Answering questions from a compressed cache: the greedy loop over a `Decoder`, and `Answer`.
+"""Answering questions from a compressed cache: the decode loop over a `Decoder`, and `Answer`.
 
-Per question (RocketKV §3.4; docs/algorithm.md): prefill its framed tokens exactly over the
-stored cache at positions n, n+1, …, decode one token at a time with HSA, stop at an EOS id, a
-stop string or a greedy loop, then drop the question's tail. Questions are independent.
+Per question (RocketKV §3.4; docs/algorithm.md §4): prefill its framed tokens exactly over the
+stored cache at positions n, n+1, …, decode one token at a time with HSA (greedy, or sampled
+with `Sampling`), stop at an EOS id, a stop string or a loop (`stopping.py`), then drop the
+question's tail. Questions are independent. `Answerer` keeps one `Decoder` for any number of
+questions (the interactive `chat`); `stream_answer` yields the answer's text as it becomes final.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import secrets
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
+
+import torch
 
 from ..core.cache import CompressedKVCache
 from ..core.config import DecodeConfig
 from ..errors import BudgetError, InputError
+from ..model.hf import AttentionMass, attention_mass
+from .cite import Citation, baseline_mass, check_citable, cite, token_scores
 from .engine import QUESTION_RESERVE_TOKENS, Decoder, Engine
+from .stopping import AnswerTokens
+
+__all__ = ["Answer", "Answerer", "Sampling", "answer", "decode_config_for", "generate"]
+
+TextCallback = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How each answer token is chosen. temperature 0 (the default) is greedy decoding: exact and
+    deterministic. temperature > 0 samples from softmax(logits / temperature), restricted to the
+    smallest set of most likely tokens whose probability reaches `top_p` (nucleus sampling).
+    seed: the sampler's seed, reset for every question (an answer depends only on the cache, the
+    question and the seed, never on the order of questions); None = a fresh random seed per
+    answer, reported in `Answer.sampling`.
+    Raises:
+        ValueError: temperature < 0 or not finite, top_p outside (0, 1], a negative seed.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        t, p = self.temperature, self.top_p
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number ≥ 0, got {t!r}")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        s = self.seed
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {s!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def to_dict(self) -> dict:
+        return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+
+
+GREEDY = Sampling()
 
 
 @dataclass(frozen=True)
 class Answer:
     """One answer. Times in seconds; token counts in tokens.
 
-    stop_reason: "eos", "stop_string", "repetition" (greedy output that started looping is cut)
-    or "length". segments: for a segmented cache, the segments it was answered from.
+    stop_reason: "eos", "stop_string", "repetition" (output that started looping is cut) or
+    "length". segments: for a segmented cache, the segments it was answered from. sampling: the
+    sampling settings with the seed used (None = greedy). citations: the passages of the source
+    the answer drew on most, best first (`cite.py`; None unless asked for).
     """
 
     question: str
@@ -34,31 +87,23 @@ class Answer:
     prefill_s: float
     decode_s: float
     segments: tuple[int, ...] | None = None
+    sampling: Sampling | None = None
+    citations: tuple[Citation, ...] | None = None
 
     def to_dict(self, cache: str) -> dict:
-        """The `ask --json` record (stable keys; `segments` only for segmented caches)."""
+        """The `ask --json` record (stable keys; `segments` only for segmented caches, `sampling`
+        only when sampled)."""
         row = {"question": self.question, "answer": self.text, "cache": cache,
                "n_question_tokens": self.n_question_tokens, "n_answer_tokens": self.n_answer_tokens,
                "stop_reason": self.stop_reason, "prefill_s": round(self.prefill_s, 4),
                "decode_s": round(self.decode_s, 4)}  # fmt: skip
         if self.segments is not None:
             row["segments"] = list(self.segments)
+        if self.sampling is not None:
+            row["sampling"] = self.sampling.to_dict()
+        if self.citations is not None:
+            row["citations"] = [c.to_dict() for c in self.citations]
         return row
-
-
-def repeated_tail(tokens: list[int], min_tokens: int = 24, max_period: int = 64) -> int:
-    """Length of a loop at the end of greedy output, or 0.
-
-    A loop is a period p ≤ max_period whose last span repeats the span before it, with the
-    repeated span at least `min_tokens` long (so "very very" is not one). Returns the number of
-    trailing tokens to drop (one copy of the repeated span).
-    """
-    n = len(tokens)
-    for p in range(1, min(max_period, n // 2) + 1):
-        span = p * max(1, -(-min_tokens // p))  # whole periods, ≥ min_tokens
-        if 2 * span <= n and tokens[n - span :] == tokens[n - 2 * span : n - span]:
-            return span
-    return 0
 
 
 # Below this many tokens in a layer, exact attention is faster than HSA on this device (page scoring,
@@ -106,6 +151,65 @@ def prepare_questions(
     return prepared
 
 
+class Answerer:
+    """Answers questions one at a time from one cache with one `Decoder` (its static buffers are
+    made once; a longer question grows the tail). Each answer starts from the stored context.
+
+    decode: stage-2 settings (None = exact attention). stop_strings: None = the framing's.
+    cite: passages to cite per answer (0 = none; see `cite.py`).
+    Raises:
+        InputError: `cite` for a cache without token offsets.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        cache: CompressedKVCache,
+        max_new_tokens: int,
+        decode: DecodeConfig | None,
+        stop_strings: tuple[str, ...] | None = None,
+        sampling: Sampling = GREEDY,
+        question_tokens: int = QUESTION_RESERVE_TOKENS,
+        cite: int = 0,
+    ):
+        if cite:
+            check_citable(cache)
+        self.cite = cite
+        self._baseline: AttentionMass | None = None
+        self.engine, self.cache, self.max_new_tokens = engine, cache, max_new_tokens
+        self.stops = engine.prompt.stop_strings if stop_strings is None else stop_strings
+        self.sampling = sampling
+        self.decoder = Decoder(engine, cache, max(QUESTION_RESERVE_TOKENS, question_tokens) + max_new_tokens, decode)
+
+    def prepare(self, question: str) -> list[int]:
+        """The framed ids of `question`. Raises InputError, BudgetError (see `prepare_questions`)."""
+        return prepare_questions(self.engine, self.cache, [question], self.max_new_tokens)[0][1]
+
+    def stream(self, question: str, ids: list[int] | None = None) -> Generator[str, None, Answer]:
+        """Yield the answer's text in pieces as they become final; return the `Answer`.
+
+        The pieces joined equal `Answer.text`. Closing the generator early (or an interrupt)
+        abandons the answer; the decoder is back at the stored context either way.
+        """
+        ids = self.prepare(question) if ids is None else ids
+        steps = stream_answer(self.engine, self.decoder, question, ids, self.max_new_tokens, self.stops, self.sampling)
+        try:
+            if not self.cite:
+                return (yield from steps)
+            with attention_mass(self.cache.n_context_tokens, self.engine.loaded.device) as mass:
+                ans = yield from steps
+            if self._baseline is None:  # once per cache: what a generic question attends to
+                self._baseline = baseline_mass(self.engine, self.decoder, self.cache)
+            scores, share = token_scores(mass, self._baseline)
+            return dataclasses.replace(ans, citations=cite(self.engine.tokenizer, self.cache, scores, share, self.cite))
+        finally:
+            self.decoder.reset()
+
+    def ask(self, question: str, ids: list[int] | None = None, on_text: TextCallback | None = None) -> Answer:
+        """The answer to `question`; `on_text(piece)` is called with each final piece of its text."""
+        return _drain(self.stream(question, ids), on_text)
+
+
 def answer(
     engine: Engine,
     cache: CompressedKVCache,
@@ -113,56 +217,119 @@ def answer(
     max_new_tokens: int,
     decode: DecodeConfig | None,
     stop_strings: tuple[str, ...] | None = None,
+    sampling: Sampling = GREEDY,
+    on_text: TextCallback | None = None,
+    cite: int = 0,
 ) -> Iterator[Answer]:
-    """Answer each question from `cache`, independently (greedy).
+    """Answer each question from `cache`, independently, in order.
 
     decode: stage-2 settings (None = exact attention). stop_strings: None = the prompt's.
+    on_text: called with the pieces of the answer being decoded (see `Answerer.stream`).
+    cite: passages to cite per answer (`Answer.citations`).
     All questions are checked before any is answered; the model's buffers are sized once.
     Raises:
         InputError: an empty question. BudgetError: a question that does not fit the context.
     """
     prepared = prepare_questions(engine, cache, questions, max_new_tokens)
     longest = max((len(ids) for _, ids in prepared), default=0)
-    decoder = Decoder(engine, cache, max(QUESTION_RESERVE_TOKENS, longest) + max_new_tokens, decode)
-    stops = engine.prompt.stop_strings if stop_strings is None else stop_strings
+    answerer = Answerer(engine, cache, max_new_tokens, decode, stop_strings, sampling, longest, cite)
     for question, ids in prepared:
-        try:
-            yield generate(engine, decoder, question, ids, max_new_tokens, stops)
-        finally:
-            decoder.reset()
+        yield answerer.ask(question, ids, on_text)
 
 
 def generate(
-    engine: Engine, decoder: Decoder, question: str, ids: list[int], max_new_tokens: int, stops: tuple[str, ...]
+    engine: Engine,
+    decoder: Decoder,
+    question: str,
+    ids: list[int],
+    max_new_tokens: int,
+    stops: tuple[str, ...],
+    sampling: Sampling = GREEDY,
+    on_text: TextCallback | None = None,
 ) -> Answer:
-    """Greedy answer to one framed question `ids` from `decoder`'s current state."""
+    """The answer to one framed question `ids` from `decoder`'s current state (see `stream_answer`)."""
+    return _drain(stream_answer(engine, decoder, question, ids, max_new_tokens, stops, sampling), on_text)
+
+
+def _drain(steps: Generator[str, None, Answer], on_text: TextCallback | None) -> Answer:
+    while True:
+        try:
+            piece = next(steps)
+        except StopIteration as done:
+            return done.value
+        if on_text is not None:
+            on_text(piece)
+
+
+def stream_answer(
+    engine: Engine,
+    decoder: Decoder,
+    question: str,
+    ids: list[int],
+    max_new_tokens: int,
+    stops: tuple[str, ...],
+    sampling: Sampling = GREEDY,
+) -> Generator[str, None, Answer]:
+    """Decode one answer, yielding its text in final pieces; returns the `Answer`.
+
+    Each step: choose a token (`choose_token`; at the first step a token of blank lines is
+    skipped when the framing's stop strings start a new line: the plain framing's answer follows
+    its cue on the same line, and a line break there is the model ending the answer before
+    writing it); stop at an EOS id, a stop string (`AnswerText.stop_at`) or a loop
+    (`AnswerText.loop_cut`, which also cuts the loop's last copy) or `max_new_tokens`.
+    """
+    seed = None if sampling.greedy else (sampling.seed if sampling.seed is not None else secrets.randbits(63))
+    rng = torch.Generator().manual_seed(seed) if seed is not None else None
+    skip_blank = any(s.startswith("\n") for s in stops)
+    decode_text = lambda tokens: engine.tokenizer.decode(tokens, skip_special_tokens=True)
     t0 = time.perf_counter()
-    out: list[int] = []
+    state = AnswerTokens(decode_text, stops)
     reason = "length"
     with decoder.attention():
         logits = decoder.prefill(ids)
         t1 = time.perf_counter()
-        while len(out) < max_new_tokens:
-            token = int(logits.argmax(dim=-1))
+        while len(state.tokens) < max_new_tokens:
+            token = choose_token(logits, sampling, rng)
+            while skip_blank and not state.tokens and _blank_line(decode_text([token])):
+                logits = logits.clone()
+                logits[0, token] = float("-inf")
+                token = choose_token(logits, sampling, rng)
             if token in engine.stop_ids:
                 reason = "eos"
                 break
-            out.append(token)
-            loop = repeated_tail(out)
-            if loop:
-                del out[len(out) - loop :]
-                reason = "repetition"
+            stopped = state.add(token)
+            if stopped is not None:
+                reason = stopped
                 break
-            if stops and any(s in engine.tokenizer.decode(out, skip_special_tokens=True).lstrip() for s in stops):
-                reason = "stop_string"
-                break
-            if len(out) == max_new_tokens:
+            if piece := state.take_final():
+                yield piece
+            if len(state.tokens) == max_new_tokens:
                 break
             logits = decoder.decode_one_token(token)
-    text = engine.tokenizer.decode(out, skip_special_tokens=True).lstrip()
-    for s in stops:
-        text = text.split(s)[0]
+    state.finish()
+    if piece := state.take_final():
+        yield piece
+    out = state.tokens
     return Answer(
-        question=question, text=text.strip(), n_question_tokens=len(ids), n_answer_tokens=len(out),
+        question=question, text=state.text(), n_question_tokens=len(ids), n_answer_tokens=len(out),
         stop_reason=reason, token_ids=tuple(out), prefill_s=t1 - t0, decode_s=time.perf_counter() - t1,
+        sampling=None if seed is None else Sampling(sampling.temperature, sampling.top_p, seed),
     )  # fmt: skip
+
+
+def choose_token(logits: torch.Tensor, sampling: Sampling, rng: torch.Generator | None) -> int:
+    """The next token from logits `[1, V]`: the argmax when greedy; else a sample (on the CPU, in
+    float64, so a seed gives the same tokens on any device) from the temperature-scaled softmax
+    restricted to the top-p nucleus (the most likely tokens until their mass reaches top_p)."""
+    if sampling.greedy or rng is None:
+        return int(logits.argmax(dim=-1))
+    probs = torch.softmax(logits[0].detach().to("cpu", torch.float64) / sampling.temperature, dim=-1)  # [V]
+    if sampling.top_p < 1:
+        sorted_p, order = probs.sort(descending=True)
+        keep = (sorted_p.cumsum(0) - sorted_p) < sampling.top_p  # the mass before a token is below top_p
+        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs, 1, generator=rng))
+
+
+def _blank_line(text: str) -> bool:
+    return "\n" in text and not text.strip()

@@ -31,11 +31,14 @@ from ..store.checkpoints import Checkpoints
 from ..store.describe import describe as store_describe
 from ..store.folders import make_scratch_dir
 from ..store.format import load_cache, save_cache, verify_file
-from .answer import Answer, answer, decode_config_for, hsa_min_tokens
+from .answer import Answer, Sampling, TextCallback, answer, decode_config_for, hsa_min_tokens
+from .cite import Citation, check_citable
 from .documents import TextPieces, TextStream
 from .engine import Engine, TokenProgress
+from .home import StoredModel, home, remove_models, stored_models
 from .preflight import abandoned_ingests, check_cache_file, check_output, default_output, open_document
 from .segments import PartialSummary, SegmentDone, answer_segmented, ingest_stream, summarize
+from .session import AnswerStream, Session
 
 Log = Callable[[str], None]
 
@@ -81,6 +84,23 @@ def describe(path: str | Path) -> dict:
     """What a `.kv` file holds (for `inspect`), validated; no model is loaded. Raises CacheFormatError."""
     check_cache_file(path)
     return store_describe(path)
+
+
+def check_cite(cache: AnyCache, cite: int, segments: int = 1) -> None:
+    """Refuse `cite` passages that `cache` cannot give (before any model loads).
+
+    Raises:
+        InputError: a negative count; a cache without token offsets (older files); a segmented
+        cache answered from several segments at once.
+    """
+    if isinstance(cite, bool) or not isinstance(cite, int) or cite < 0:
+        raise InputError(f"--cite must be a count of passages ≥ 0, got {cite!r}")
+    if not cite:
+        return
+    if isinstance(cache, SegmentedKVCache) and segments > 1:
+        raise InputError("--cite needs one segment per answer", "drop --segments, or give --segment J")
+    for part in cache.segments if isinstance(cache, SegmentedKVCache) else (cache,):
+        check_citable(part)
 
 
 def pending_checkpoints(output: Path) -> tuple[int, Path]:
@@ -193,35 +213,105 @@ class RocketKV:
         n_score_dims: int | None = None,
         segments: int = 1,
         segment: int | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        on_text: TextCallback | None = None,
+        cite: int = 0,
         log: Log = lambda message: None,
     ) -> Iterator[Answer]:
-        """Answer each question independently from `cache` (greedy); yields `Answer`s in order.
+        """Answer each question independently from `cache`; yields `Answer`s in order (lazily:
+        a question is answered when its `Answer` is asked for).
 
         max_new_tokens: answer cap (default: what the cache planned for). dense: exact attention
         over the stored cache instead of stage-2 HSA; hsa: HSA even where this device's measured
         crossover says exact attention is faster (`HSA_MIN_TOKENS`). topk/page_size/n_score_dims: stage-2
         overrides. segments/segment: for a segmented cache, answer from the `segments` best
-        matching segments, or from segment `segment`. Every question is checked before any is
-        answered.
+        matching segments, or from segment `segment`. temperature/top_p/seed: sampling
+        (`Sampling`; temperature 0 = greedy, the default). on_text(piece): called with the text
+        of the answer being decoded as it becomes final (the pieces of one answer joined equal
+        its `text`). cite: the number of source passages to cite per answer
+        (`Answer.citations`, `engine/cite.py`). Every question is checked before any is answered.
         Raises:
-            InputError: an empty question, a bad override or segment. BudgetError: a question
-            that does not fit the context.
+            InputError: an empty question, a bad override, sampling option or segment; `cite`
+            for a cache without token offsets, or with segments > 1. BudgetError: a question that
+            does not fit the context.
         """
         qs = [questions] if isinstance(questions, str) else list(questions)
-        max_new = max_new_tokens or cache.info.config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
-        if dense and hsa:
-            raise InputError("--dense and --hsa contradict each other", "give one of them")
-        crossover = 0 if hsa else hsa_min_tokens(self.engine.loaded.device.type)
-        overrides = {"topk": topk, "page_size": page_size, "n_score_dims": n_score_dims, "min_hsa_tokens": crossover}
+        max_new = self._max_new(cache, max_new_tokens)
+        overrides = self._overrides(dense, hsa, topk, page_size, n_score_dims)
+        check_cite(cache, cite, segments)
         try:
+            sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
             if isinstance(cache, SegmentedKVCache):
-                return answer_segmented(self.engine, cache, qs, max_new, not dense, overrides, segments, segment, log)
+                return answer_segmented(self.engine, cache, qs, max_new, not dense, overrides, segments, segment, log,
+                                        sampling, on_text, cite)  # fmt: skip
             if segment not in (None, 0):
                 raise InputError(f"--segment {segment}: this cache has one segment (0)")
             decode = decode_config_for(cache, sparse=not dense, **overrides)
         except ValueError as exc:
             raise InputError(f"invalid option: {exc}") from None
-        return answer(self.engine, cache, qs, max_new, decode)
+        return answer(self.engine, cache, qs, max_new, decode, sampling=sampling, on_text=on_text, cite=cite)
+
+    def session(
+        self,
+        cache: AnyCache,
+        *,
+        max_new_tokens: int | None = None,
+        dense: bool = False,
+        hsa: bool = False,
+        topk: int | None = None,
+        page_size: int | None = None,
+        n_score_dims: int | None = None,
+        segments: int = 1,
+        segment: int | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        cite: int = 0,
+        log: Log = lambda message: None,
+    ) -> Session:
+        """A `Session` answering questions one at a time from `cache` (what `rocketkv chat` runs):
+        the decode buffers are made once, not per question. Options as `ask`.
+        Raises:
+            InputError: a bad override, sampling option or segment.
+        """
+        max_new = self._max_new(cache, max_new_tokens)
+        overrides = self._overrides(dense, hsa, topk, page_size, n_score_dims)
+        check_cite(cache, cite, segments)
+        try:
+            sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
+            first = cache.segments[0] if isinstance(cache, SegmentedKVCache) else cache
+            decode_config_for(first, sparse=not dense, **overrides)  # validates the overrides now
+        except ValueError as exc:
+            raise InputError(f"invalid option: {exc}") from None
+        if not isinstance(cache, SegmentedKVCache) and segment not in (None, 0):
+            raise InputError(f"--segment {segment}: this cache has one segment (0)")
+        if isinstance(cache, SegmentedKVCache) and segment is not None and not 0 <= segment < cache.n_segments:
+            raise InputError(f"--segment {segment} out of range; this cache has segments 0-{cache.n_segments - 1}")
+        return Session(self.engine, cache, max_new, not dense, overrides, sampling, segments, segment, log, cite)
+
+    def stream(self, cache: AnyCache, question: str, **options) -> AnswerStream:
+        """The answer to one question as an iterator of text pieces (options as `ask`); the
+        `Answer` is in the stream's `answer` once it is exhausted:
+
+            stream = rk.stream(cache, "Who wrote it?")
+            for piece in stream:
+                print(piece, end="", flush=True)
+            print(stream.answer.stop_reason)
+        """
+        return self.session(cache, **options).stream(question)
+
+    def _overrides(self, dense: bool, hsa: bool, topk: int | None, page_size: int | None,
+                   n_score_dims: int | None) -> dict[str, int | None]:  # fmt: skip
+        """Stage-2 overrides, with the device's HSA crossover unless `hsa`. Raises InputError."""
+        if dense and hsa:
+            raise InputError("--dense and --hsa contradict each other", "give one of them")
+        crossover = 0 if hsa else hsa_min_tokens(self.engine.loaded.device.type)
+        return {"topk": topk, "page_size": page_size, "n_score_dims": n_score_dims, "min_hsa_tokens": crossover}
+
+    def _max_new(self, cache: AnyCache, max_new_tokens: int | None) -> int:
+        return max_new_tokens or cache.info.config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
 
     def summarize(
         self,
@@ -231,11 +321,13 @@ class RocketKV:
         dense: bool = False,
         config: PrefillConfig | None = None,
         on_partial: Callable[[PartialSummary], None] = lambda event: None,
+        on_text: TextCallback | None = None,
     ) -> Answer:
         """A summary of the cache's document; hierarchical for a segmented cache (each segment,
-        then the summaries, ingested in memory with `config`). Raises BudgetError."""
+        then the summaries, ingested in memory with `config`). on_text(piece): the final
+        summary's text as it is decoded (as in `ask`). Raises BudgetError."""
         cfg = config or PrefillConfig(max_new_tokens=max_new_tokens)
-        return summarize(self.engine, cache, cfg, max_new_tokens, not dense, on_partial)
+        return summarize(self.engine, cache, cfg, max_new_tokens, not dense, on_partial, on_text=on_text)
 
 
 def _scratch_checkpoints() -> Checkpoints:
@@ -253,6 +345,15 @@ __all__ = [
     "check_cache_file",
     "check_output",
     "default_output",
+    "AnswerStream",
+    "Citation",
+    "check_cite",
+    "Sampling",
+    "Session",
+    "StoredModel",
+    "home",
+    "remove_models",
+    "stored_models",
     "describe",
     "CompressedKVCache",
     "Ingested",

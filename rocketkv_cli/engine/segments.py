@@ -28,7 +28,7 @@ from ..errors import BudgetError, CacheFormatError, InputError
 from ..model.hf import empty_cache, forward_tokens, rocketkv_attention
 from ..model.templates import read_prompt
 from ..store.checkpoints import Checkpoints
-from .answer import Answer, answer, decode_config_for
+from .answer import GREEDY, Answer, Answerer, Sampling, TextCallback, answer, decode_config_for
 from .documents import Document, TextPieces, TextStream, segment_texts, tokenize
 from .engine import Engine, TokenProgress
 from .selectors import pool_kernel_of
@@ -300,8 +300,13 @@ def answer_segmented(
     n_segments: int = 1,
     segment: int | None = None,
     log: Callable[[str], None] = lambda message: None,
+    sampling: Sampling = GREEDY,
+    on_text: TextCallback | None = None,
+    cite: int = 0,
 ) -> Iterator[Answer]:
     """Answer each question from the segments it is routed to (`route`), or from `segment`.
+
+    sampling, on_text, cite: as `answer.answer` (citations need one segment per answer).
 
     Every question is routed and checked before any is answered (`log` names the segments).
     Raises:
@@ -321,7 +326,8 @@ def answer_segmented(
     def answers() -> Iterator[Answer]:
         for i, ((question, chosen, part), decode) in enumerate(zip(jobs, decodes)):
             log(f"question {i + 1}: answering from segment{'s' * (len(chosen) > 1)} {', '.join(map(str, chosen))}")
-            ans = next(answer(engine, part, [question], max_new_tokens, decode))
+            ans = next(answer(engine, part, [question], max_new_tokens, decode, sampling=sampling, on_text=on_text,
+                              cite=cite))  # fmt: skip
             yield dataclasses.replace(ans, segments=tuple(chosen))
 
     return answers()
@@ -346,25 +352,35 @@ def summarize(
     on_partial: Callable[[PartialSummary], None] = lambda event: None,
     prompt: str | None = None,
     level: int = 0,
+    on_text: TextCallback | None = None,
 ) -> Answer:
     """Summary of a stored document; hierarchical when it is segmented.
 
-    A one-segment cache is answered the summary prompt (`prompts/summarize.txt`; stop strings
+    A one-segment cache is summarized in the framing chosen by docs/framings.md: a base model
+    (plain framing) continues the document with `prompts/summarize_plain.txt`; a chat model is
+    asked the summary prompt (`prompts/summarize.txt`, or `prompt`) as a question (stop strings
     SUMMARY_STOP_STRINGS). A segmented one: each segment is summarized (reported through
     `on_partial`), the summaries are joined in order into a new text, which is ingested in memory
     with `cfg` and summarized with `summarize_parts.txt`, recursively while it is still longer
-    than the context. Returns the final summary's `Answer`.
+    than the context. `on_text` streams the final summary (see `Answerer.stream`). Returns the
+    final summary's `Answer`.
     Raises:
         BudgetError: summaries that do not shrink (the recursion would never end).
     """
     stops = SUMMARY_STOP_STRINGS if engine.prompt.stop_strings else ()
+    after = engine.prompt.summary_after
 
-    def one(part: CompressedKVCache, text: str) -> Answer:
+    def one(part: CompressedKVCache, text: str, stream: TextCallback | None = None) -> Answer:
         decode = decode_config_for(part, sparse)
-        return next(answer(engine, part, [text], max_new_tokens, decode, stop_strings=stops))
+        if after is not None:
+            ids = tokenize(engine.tokenizer, after, False)
+            answerer = Answerer(engine, part, max_new_tokens, decode, engine.prompt.summary_stops,
+                                question_tokens=len(ids))  # fmt: skip
+            return answerer.ask(text, ids, stream)
+        return next(answer(engine, part, [text], max_new_tokens, decode, stop_strings=stops, on_text=stream))
 
     if isinstance(stored, CompressedKVCache):
-        return one(stored, prompt or read_prompt("summarize.txt"))
+        return one(stored, prompt or read_prompt("summarize.txt"), on_text)
     n = len(stored.segments)
     partials = []
     for j, part in enumerate(stored.segments):
@@ -379,4 +395,4 @@ def summarize(
             "lower --max-new-tokens",
         )
     return summarize(engine, combined, cfg, max_new_tokens, sparse, on_partial, read_prompt("summarize_parts.txt"),
-                     level + 1)  # fmt: skip
+                     level + 1, on_text)  # fmt: skip

@@ -232,6 +232,52 @@ class _Session:
 _SESSION: contextvars.ContextVar[_Session | None] = contextvars.ContextVar("rocketkv_session", default=None)
 
 
+class AttentionMass:
+    """Attention weights that queries give the stored context, summed over each full-attention
+    layer's query heads, by RoPE position (each KV head keeps its own tokens): `layers[i]`
+    `[n_positions]` float32 per layer index. queries: "last" (the last query of each forward
+    call: the one that predicts the next token) or "all" (every query of each call). The
+    weights are exact softmax(q·Kᵀ·scaling) over every cached key the query sees, whatever
+    stage 2 attended. Used by `ask --cite` (engine/cite.py)."""
+
+    def __init__(self, n_positions: int, device: torch.device, queries: str = "last"):
+        if queries not in ("last", "all"):
+            raise ValueError(f"queries must be 'last' or 'all', got {queries!r}")
+        self.n_positions, self.device, self.queries = n_positions, device, queries
+        self.layers: dict[int, torch.Tensor] = {}
+
+    def add(self, layer_idx: int, query: torch.Tensor, layer: RocketLayer, spec: LayerSpec) -> None:
+        """Add the weights of `query` (`[1, H, T, D]`, the last T tokens of `layer`) over its keys."""
+        keys, _, positions = layer.view()  # [1, Hkv, L, D], [1, Hkv, L]
+        hkv, n_ctx, length = keys.shape[1], layer.n_context, keys.shape[2]
+        q = query[0].float() if self.queries == "all" else query[0, :, -1:].float()  # [H, T', D]
+        h, t = q.shape[:2]
+        logits = torch.einsum("kgtd,ksd->kgts", q.view(hkv, h // hkv, t, -1), keys[0].float()) * spec.scaling
+        if spec.softcap is not None:
+            logits = torch.tanh(logits / spec.softcap) * spec.softcap
+        seen = length - t + torch.arange(t, device=keys.device)  # query t sees keys before index seen[t] + 1
+        future = torch.arange(length, device=keys.device)[None, :] > seen[:, None]  # [T', L]
+        weights = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)[..., :n_ctx]
+        weights = weights.sum(dim=(1, 2))  # [Hkv, n_ctx]: over query heads and queries, on the stored context
+        mass = self.layers.setdefault(layer_idx, torch.zeros(self.n_positions, device=self.device))
+        mass.scatter_add_(0, positions[0, :, :n_ctx].reshape(-1).long(), weights.reshape(-1))
+
+
+_MASS: contextvars.ContextVar[AttentionMass | None] = contextvars.ContextVar("rocketkv_mass", default=None)
+
+
+@contextlib.contextmanager
+def attention_mass(n_positions: int, device: torch.device, queries: str = "last") -> Iterator[AttentionMass]:
+    """Inside the block, every forward call through rocketkv's attention adds its queries'
+    weights over the stored context to the yielded `AttentionMass`."""
+    mass = AttentionMass(n_positions, device, queries)
+    token = _MASS.set(mass)
+    try:
+        yield mass
+    finally:
+        _MASS.reset(token)
+
+
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """rocketkv's attention function (registered with `AttentionInterface`).
 
@@ -256,6 +302,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         keep = torch.ge(q_pos, session.capture_from)
         if bool(keep.any()):
             session.captured.setdefault(module.layer_idx, []).append(query[:, :, keep].detach().float())
+    if (mass := _MASS.get()) is not None and spec.sliding_window is None and layer.n_context:
+        mass.add(module.layer_idx, query, layer, spec)
     keys, values, k_pos = layer.view()
     dec = session.decode
     hsa = dec if dec is not None and spec.sliding_window is None and dec.uses_hsa(layer.n_context) else None

@@ -113,6 +113,17 @@ def _preset_gguf(name: str, progress: Progress) -> Path:
     return target
 
 
+PRESET_FILE_STEMS = {"gemma-3-270m": "gemma-3-270m-q4_k_m", "smollm2-135m": "SmolLM2-135M-Instruct.Q4_1"}
+
+
+def preset_of_file(name: str) -> str | None:
+    """The preset whose GGUF (`downloads/`) or converted copy (`models/`) is named `name`, or None."""
+    for preset, stem in PRESET_FILE_STEMS.items():
+        if name == f"{stem}.gguf" or name.startswith(f"{stem}-"):
+            return preset
+    return None
+
+
 def gguf_path(model_id: str, progress: Progress = lambda _msg: None) -> Path | None:
     """The GGUF file a model came from (a preset's, or a `.gguf` path), or None (a directory)."""
     if model_id in PRESETS:

@@ -8,7 +8,7 @@ of the stored cache. Models with a chat template get it; others get the plain fr
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -16,6 +16,7 @@ from pathlib import Path
 _DOC = "\x00ROCKETKV_DOCUMENT\x00"
 _QUESTION = "\x00ROCKETKV_QUESTION\x00"
 PLAIN_STOP_STRINGS = ("\n\n", "\nQuestion:")
+SUMMARY_PLAIN_STOP_STRINGS = ("\n\n",)  # the continuation is one paragraph
 
 
 @cache
@@ -38,12 +39,35 @@ class PromptFormat:
     after_question: str
     add_special_tokens: bool  # plain framing: the tokenizer adds BOS; chat: the template does
     stop_strings: tuple[str, ...]
+    summary_after: str | None = None  # plain framing: what follows the document to ask for a summary
+    summary_stops: tuple[str, ...] = ()
 
     def document_text(self, document: str) -> str:
         return self.before_document + document
 
     def question_text(self, question: str) -> str:
         return self.before_question + question + self.after_question
+
+
+def follow_up(tokenizer, prompt: PromptFormat, template: str) -> str:
+    """The text that follows a stored document to make the request `template` asks.
+
+    template: a prompt with `{document}` and no `{question}` (for a model with a chat template,
+    the user message; the assistant's turn follows). Its text before `{document}` must frame the
+    document exactly as `prompt` does, so that a cache built with `prompt` can serve it.
+    Raises:
+        ValueError: a template whose text before `{document}` differs from `prompt`'s.
+    """
+    body = template.replace("{document}", _DOC)
+    if prompt.template_id.startswith("chat"):
+        messages = [{"role": "user", "content": body}]
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        rendered = body
+    before, sep, after = rendered.partition(_DOC)
+    if not sep or before != prompt.before_document:
+        raise ValueError("the template frames the document differently from the stored cache's prompt")
+    return after
 
 
 def prompt_format(tokenizer) -> PromptFormat:
@@ -59,7 +83,7 @@ def prompt_format(tokenizer) -> PromptFormat:
     before_doc, rest = rendered.split(_DOC)
     before_q, after_q = rest.split(_QUESTION)
     digest = hashlib.sha256(rendered.encode()).hexdigest()[:12]
-    return PromptFormat(
+    fmt = PromptFormat(
         template_id=f"{'chat' if has_chat else 'plain'}-{digest}",
         before_document=before_doc,
         before_question=before_q,
@@ -67,3 +91,9 @@ def prompt_format(tokenizer) -> PromptFormat:
         add_special_tokens=not has_chat,
         stop_strings=() if has_chat else PLAIN_STOP_STRINGS,
     )
+    if has_chat:  # a chat model is asked `summarize.txt` as a question (docs/framings.md)
+        return fmt
+    # a base model continues the document with `summarize_plain.txt` (docs/framings.md: it scored best of six
+    # framings; asked as a question it echoed the prompt). Not part of template_id: caches stay valid.
+    return replace(fmt, summary_after=follow_up(tokenizer, fmt, read_prompt("summarize_plain.txt")),
+                   summary_stops=SUMMARY_PLAIN_STOP_STRINGS)  # fmt: skip

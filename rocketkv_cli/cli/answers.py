@@ -1,0 +1,160 @@
+"""Printing answers on stdout (shared by `ask`, `chat` and `summarize`), and their common options.
+
+Formats (`--format`): `text` (the answer as it is), `qa` (`Q:`/`A:` records, continuation lines
+indented by three spaces, a blank line between records: a line starting with `Q: ` always starts
+a record), `lines` (one answer per line, `\\` and line breaks escaped as `\\\\` and `\\n`), `json`
+(one object per answer, never streamed). `auto`: `text` for one question, `qa` for several.
+Streaming writes each piece of an answer as it is decoded (on a terminal by default).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from ..errors import InputError
+
+FORMATS = ("auto", "text", "qa", "lines", "json")
+INDENT = "   "
+
+FormatOpt = Annotated[
+    str,
+    typer.Option("--format", metavar="FORMAT",
+                 help="auto, text, qa (Q:/A: records), lines (one answer per line) or json. auto: text for one "
+                      "question, qa for several."),
+]  # fmt: skip
+StreamOpt = Annotated[
+    Optional[bool],
+    typer.Option("--stream/--no-stream", show_default=False,
+                 help="Print answers as they are decoded (default: when stdout is a terminal; not with json)."),
+]  # fmt: skip
+TemperatureOpt = Annotated[
+    float,
+    typer.Option("--temperature", "-t", min=0.0, metavar="T", help="Sampling temperature; 0 = greedy (exact)."),
+]
+TopPOpt = Annotated[
+    float, typer.Option("--top-p", min=0.0, max=1.0, metavar="P", help="Nucleus sampling: keep tokens up to mass P.")
+]
+CiteOpt = Annotated[
+    bool, typer.Option("--cite", help="After each answer, the source passages it drew on most (lines, characters).")
+]
+PassagesOpt = Annotated[int, typer.Option("--passages", min=1, metavar="N", help="Passages shown by --cite.")]
+SeedOpt = Annotated[
+    Optional[int],
+    typer.Option("--seed", min=0, metavar="N", help="Seed of the sampler (default: random, shown on stderr)."),
+]
+
+
+def usage_error(param: str, message: str) -> typer.BadParameter:
+    """A usage error (exit 2, with the usage line) about `param`, raised from a command body."""
+    return typer.BadParameter(message, param_hint=param)
+
+
+def resolve_format(fmt: str, json_out: bool, stream: bool | None, n_questions: int | None, cite: bool = False):
+    """(format, stream) from the options; `n_questions` None = not known in advance (chat).
+
+    Usage errors (exit 2): an unknown format, `--json` with another format, `--stream` with
+    json, `--format text` with several questions (their answers could not be told apart)."""
+    if fmt not in FORMATS:
+        raise usage_error("--format", f"use one of {', '.join(FORMATS)}, not {fmt!r}")
+    if json_out:
+        if fmt not in ("auto", "json"):
+            raise usage_error("--json", f"--json is --format json, not --format {fmt}")
+        fmt = "json"
+    if fmt == "auto":
+        fmt = "text" if n_questions == 1 else "qa"
+    if fmt == "text" and (n_questions or 2) > 1:
+        raise usage_error("--format", "text cannot show which answer is which: use qa, lines or json")
+    if fmt == "lines" and cite:
+        raise usage_error("--cite", "lines has one line per answer: use --format text, qa or json for citations")
+    if fmt == "json" and stream:
+        raise usage_error("--stream", "json prints one complete object per answer, never streamed")
+    if stream is None:
+        stream = fmt != "json" and sys.stdout.isatty()
+    return fmt, stream
+
+
+def escape_line(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\r", "\\r").replace("\n", "\\n")
+
+
+class AnswerPrinter:
+    """Writes answers on stdout in one format, whole or streamed piece by piece.
+
+    Per answer: `start(question)`, then `piece(text)` for each streamed piece (ignored when not
+    streaming), then `finish(answer, record)` (`record`: the `--json` object).
+    """
+
+    def __init__(self, fmt: str, stream: bool, show_question: bool = True):
+        self.fmt, self.stream, self.show_question = fmt, stream, show_question
+        self.records = 0
+
+    def _write(self, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def _qa(self, text: str) -> str:
+        return text.replace("\n", "\n" + INDENT)
+
+    def start(self, question: str) -> None:
+        if self.fmt == "qa" and self.show_question:
+            self._write(("\n" if self.records else "") + "Q: " + self._qa(question) + "\nA: ")
+        self.records += 1
+
+    def piece(self, text: str) -> None:
+        if not self.stream or self.fmt == "json":
+            return
+        self._write(self._qa(text) if self.fmt == "qa" else escape_line(text) if self.fmt == "lines" else text)
+
+    def finish(self, text: str, record: dict, citations=None) -> None:
+        """End the answer; `citations` (`Citation`s, or None) are listed under it ("Sources:")."""
+        if self.fmt == "json":
+            self._write(json.dumps(record, ensure_ascii=False) + "\n")
+            return
+        if self.stream:
+            self._write("\n")
+        else:
+            self._write((self._qa(text) if self.fmt == "qa" else escape_line(text) if self.fmt == "lines" else text)
+                        + "\n")  # fmt: skip
+        if citations is not None:
+            indent = INDENT if self.fmt == "qa" else ""
+            rows = [f"{indent}  [{i}] {where(c)} ({100 * c.weight:.0f}%): {c.text}\n"
+                    for i, c in enumerate(citations, 1)]  # fmt: skip
+            self._write(f"{indent}Sources:\n" + "".join(rows) if rows else f"{indent}Sources: none\n")
+
+    def interrupted(self) -> None:
+        """The answer being printed was cancelled: end its line."""
+        if self.stream and self.fmt != "json":
+            self._write("\n")
+
+
+def where(citation) -> str:
+    """ "line 5, characters 539-719" (or "lines 5-6, …") of a `Citation`."""
+    lines = (f"line {citation.first_line}" if citation.first_line == citation.last_line
+             else f"lines {citation.first_line}-{citation.last_line}")  # fmt: skip
+    return f"{lines}, characters {citation.start}-{citation.end}"
+
+
+def sampling_note(temperature: float, seed: int | None) -> str | None:
+    """A warning for options that do nothing (a seed without sampling), or None."""
+    if seed is not None and temperature == 0:
+        return "--seed has no effect without --temperature above 0 (decoding is greedy)"
+    return None
+
+
+def answer_log(ans) -> str:
+    """The stderr line after an answer: time, tokens, why it stopped, the seed when sampled."""
+    seed = f", seed {ans.sampling.seed}" if ans.sampling is not None else ""
+    seconds = ans.prefill_s + ans.decode_s
+    return f"answered in {seconds:.2f}s ({ans.n_answer_tokens} tokens, stop: {ans.stop_reason}{seed})"
+
+
+def check_question_text(question: str) -> None:
+    """Raises InputError for a question that cannot be encoded as UTF-8 (lone surrogates)."""
+    try:
+        question.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InputError("a question is not valid UTF-8 text", "check the question's encoding") from None

@@ -1,0 +1,201 @@
+"""`rocketkv chat`: questions one after another from a prompt, the model and the cache loaded once.
+
+On a terminal: a `> ` prompt with line editing and history (readline; kept in
+$ROCKETKV_HOME/chat_history), answers printed as they are decoded, Ctrl-C cancels the answer
+being decoded (or the line being typed), Ctrl-D quits. From a pipe: one question per line,
+answered as each line arrives, printed as Q:/A: records (or `--json`, one object per answer);
+a question that cannot be answered is one error line on stderr, the others are still answered,
+and the exit code is 1.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..errors import InputError, RocketKVError
+from .answers import (
+    AnswerPrinter,
+    CiteOpt,
+    PassagesOpt,
+    SeedOpt,
+    TemperatureOpt,
+    TopPOpt,
+    answer_log,
+    check_question_text,
+    sampling_note,
+)
+from .ask import DenseOpt, HsaOpt, MaxNewOpt, open_cache
+from .common import (
+    BudgetOpt,
+    CacheOpt,
+    DeviceOpt,
+    DtypeOpt,
+    EncodingOpt,
+    ErrorsOpt,
+    JsonOpt,
+    ModelOpt,
+    QuietOpt,
+    SegmentOpt,
+    SegmentsOpt,
+    SegmentTokensOpt,
+    TrustOpt,
+    WeightsOpt,
+    err,
+    fail,
+    ingest,
+    load_engine,
+    log,
+    open_stream,
+    prefill_config,
+    setup,
+)  # fmt: skip
+
+PROMPT = "> "
+
+
+class Prompt:
+    """Reads questions: `input()` with readline history when stdin and stdout are terminals;
+    the prompt on stderr when only stdin is; plain lines from a pipe."""
+
+    def __init__(self, history: Path):
+        self.interactive = sys.stdin.isatty()
+        self.history = history
+        if hasattr(sys.stdin, "reconfigure"):  # undecodable bytes reach check_question_text, not a traceback
+            sys.stdin.reconfigure(errors="surrogateescape")
+        self.readline = None
+        if self.interactive and sys.stdout.isatty():
+            try:
+                import readline
+            except ImportError:  # pragma: no cover - platforms without readline
+                readline = None  # type: ignore[assignment]
+            self.readline = readline
+        if self.readline is not None:
+            try:
+                self.readline.read_history_file(str(history))
+            except OSError:
+                pass
+            self.readline.set_history_length(1000)
+
+    def read(self) -> str:
+        """The next line. Raises EOFError at the end (Ctrl-D), KeyboardInterrupt on Ctrl-C."""
+        if self.readline is not None:
+            return input(PROMPT)
+        if self.interactive:
+            sys.stderr.write(PROMPT)
+            sys.stderr.flush()
+        line = sys.stdin.readline()
+        if not line:
+            raise EOFError
+        return line
+
+    def remember(self) -> None:
+        if self.readline is not None:
+            try:
+                self.history.parent.mkdir(parents=True, exist_ok=True)
+                self.readline.write_history_file(str(self.history))
+            except OSError:
+                pass  # a read-only home only loses the history
+
+
+def chat_command(
+    document: Annotated[
+        Optional[str],
+        typer.Argument(
+            metavar="[DOC]", show_default=False, help="A text file to ingest in memory first (or use --cache)."
+        ),
+    ] = None,
+    cache: CacheOpt = None,
+    max_new_tokens: MaxNewOpt = None,
+    budget: BudgetOpt = 512,
+    dense: DenseOpt = False,
+    hsa: HsaOpt = False,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    seed: SeedOpt = None,
+    cite: CiteOpt = False,
+    passages: PassagesOpt = 3,
+    segments: SegmentsOpt = 1,
+    segment: SegmentOpt = None,
+    segment_tokens: SegmentTokensOpt = None,
+    encoding: EncodingOpt = "utf-8",
+    errors: ErrorsOpt = "strict",
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = None,
+    trust_remote_code: TrustOpt = False,
+    weights: WeightsOpt = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Ask questions one after another from a prompt; the model and cache load once.
+
+    Ctrl-C cancels the answer being printed, Ctrl-D quits. Questions can also come from a pipe,
+    one per line.
+    """
+    from ..engine.api import DEFAULT_MODEL, home
+
+    setup(quiet)
+    if (document is None) == (cache is None):
+        raise InputError("give either --cache FILE.kv or DOC", "e.g. rocketkv chat --cache book.kv")
+    if document == "-":
+        raise InputError("chat reads its questions from stdin, so DOC cannot be -", "ingest it first: rocketkv ingest")
+    if note := sampling_note(temperature, seed):
+        log(note)
+    if cache is not None:
+        rk, stored = open_cache(cache, model, device, dtype, trust_remote_code, weights, cite=passages if cite else 0,
+                                segments=segments)  # fmt: skip
+        source = str(cache)
+    else:
+        assert document is not None  # one of the two, checked above
+        cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens or 128, pool_kernel_size="63")
+        stream = open_stream(document, encoding, errors)
+        rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code, weights)
+        stored = ingest(rk, stream, cfg, segment_tokens=segment_tokens).cache
+        source = document
+    session = rk.session(stored, max_new_tokens=max_new_tokens, dense=dense, hsa=hsa, temperature=temperature,
+                         top_p=top_p, seed=seed, segments=segments, segment=segment,
+                         cite=passages if cite else 0, log=log)  # fmt: skip
+    prompt = Prompt(home() / "chat_history")
+    interactive = prompt.interactive
+    fmt = "json" if json_out else ("text" if interactive else "qa")
+    printer = AnswerPrinter(fmt, stream=not json_out and (interactive or sys.stdout.isatty()),
+                            show_question=not interactive)  # fmt: skip
+    if interactive:
+        log(f"chat with {source}: type a question and press Enter; Ctrl-C cancels an answer, Ctrl-D quits")
+    failed = False
+    while True:
+        try:
+            line = prompt.read()
+        except EOFError:
+            if interactive:
+                err.print()
+            break
+        except KeyboardInterrupt:
+            err.print()  # a new prompt on its own line, like a shell
+            continue
+        question = line.strip()
+        if not question:
+            continue
+        prompt.remember()
+        try:
+            check_question_text(question)
+            printer.start(question)
+            stream = session.stream(question)
+            for piece in stream:
+                printer.piece(piece)
+            assert stream.answer is not None  # set when the iteration ends
+            printer.finish(stream.answer.text, stream.answer.to_dict(cache=source), stream.answer.citations)
+            log(answer_log(stream.answer))
+        except KeyboardInterrupt:
+            printer.interrupted()
+            log("answer cancelled")
+        except RocketKVError as exc:  # this question only: the session goes on
+            printer.interrupted()
+            fail(str(exc))
+            failed = True
+    if failed and not interactive:
+        raise typer.Exit(1)

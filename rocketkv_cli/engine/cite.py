@@ -1,0 +1,174 @@
+"""Citations: the passages of the source document an answer drew on most (`ask --cite`).
+
+While an answer is decoded, every full-attention layer adds the attention weights that the query
+producing each answer token gives the stored tokens (`model.hf.AttentionMass`: exact softmax
+weights over every cached key, summed over query heads, by RoPE position). The cache keeps each
+stored token's id, first character and line in the source document (`CompressedKVCache.token_ids`,
+`token_offsets`, `token_lines`; framing tokens have offset -1).
+
+Scores (`token_scores`): per layer, the answer's weights are normalised to sum to 1 and divided
+by those a generic question gives (`baseline_mass`: every query of `prompts/probe.txt`, prefilled
+after the document), then averaged over layers: attention *this* answer pays a token beyond what
+any question pays it. Without the baseline, SmolLM2's citations were the same few passages
+whatever the question (docs/citations.md compares the two).
+Passages (`cite`): the document token with the best score (words and numbers only: line breaks
+and punctuation collect attention wherever they are, as attention sinks) picks its line of the
+source; the line, cut to `window_chars` characters around that token when it is longer, is a
+passage; its tokens are then out of the running and the next token picks the next passage.
+Each passage's weight is the share of the answer's attention on the document that falls on it.
+How often the cited passage holds a planted fact is measured by scripts/citation_report.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..core.cache import CompressedKVCache
+from ..errors import InputError
+from ..model.hf import AttentionMass, attention_mass
+from ..model.templates import read_prompt
+
+DEFAULT_WINDOW_CHARS = 240
+
+
+@dataclass(frozen=True)
+class Citation:
+    """One cited passage: characters [start, end) of the source document, on lines
+    first_line … last_line (1-based); weight: its share (0–1) of the answer's attention on the
+    document; text: the passage (decoded from the stored token ids)."""
+
+    start: int
+    end: int
+    first_line: int
+    last_line: int
+    weight: float
+    text: str
+
+    def to_dict(self) -> dict:
+        return {"start": self.start, "end": self.end, "line": self.first_line, "end_line": self.last_line,
+                "weight": round(self.weight, 4), "text": self.text}  # fmt: skip
+
+
+def check_citable(cache: CompressedKVCache) -> None:
+    """Raises InputError when `cache` has no token offsets to cite from (a file written before
+    rocketkv stored them)."""
+    if cache.token_ids is None or cache.token_offsets is None or cache.token_lines is None:
+        raise InputError(
+            "this cache has no token offsets to cite from (written by an older rocketkv)",
+            f"rebuild it: rocketkv ingest {cache.info.document_source or 'DOC'} -o FILE.kv --force",
+        )
+
+
+def baseline_mass(engine, decoder, cache: CompressedKVCache) -> AttentionMass:
+    """The attention a generic question (`prompts/probe.txt`) gives the stored context: every
+    query of its prefill over `decoder` (then reset to the stored context)."""
+    decoder.reset()
+    with attention_mass(cache.n_context_tokens, engine.loaded.device, queries="all") as base:
+        try:
+            with decoder.attention():
+                decoder.prefill(engine.question_ids(read_prompt("probe.txt")))
+        finally:
+            decoder.reset()
+    return base
+
+
+def _normalised(mass: AttentionMass, layers: list[int]) -> torch.Tensor:
+    m = torch.stack([mass.layers[i].float().cpu() for i in layers])  # [L_full, n]
+    return m / m.sum(dim=1, keepdim=True).clamp(min=1e-30)
+
+
+def token_scores(answer: AttentionMass, baseline: AttentionMass | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores, share) `[n]` each: the ranking score of every stored position (see the module
+    docstring; without a baseline, the mean normalised weight) and the answer's mean normalised
+    weight (for the passages' shares)."""
+    layers = sorted(answer.layers)
+    if not layers:  # no full-attention layer saw the context
+        zero = torch.zeros(answer.n_positions)
+        return zero, zero
+    p = _normalised(answer, layers)
+    share = p.mean(dim=0)
+    if baseline is None or sorted(baseline.layers) != layers:
+        return share, share
+    eps = 0.5 / answer.n_positions  # half a uniform weight: rarely attended tokens do not explode
+    return (p / (_normalised(baseline, layers) + eps)).mean(dim=0), share
+
+
+def _token_texts(tokenizer, ids: list[int]) -> dict[int, str]:
+    """The text of each distinct id on its own."""
+    unique = sorted(set(ids))
+    return dict(zip(unique, tokenizer.batch_decode([[i] for i in unique], skip_special_tokens=True)))
+
+
+def _whole_words(span: list[int], ids: list[int], texts: dict[int, str]) -> list[int]:
+    """`span` (consecutive positions of one line) without the pieces of words cut at its ends."""
+
+    def starts_word(k: int) -> bool:
+        i = span[k]
+        return i == 0 or texts[ids[i]][:1].isspace() or texts[ids[i - 1]][-1:].isspace()
+
+    first = next((k for k in range(len(span)) if starts_word(k)), 0)
+    last = next((k - 1 for k in range(len(span) - 1, first, -1) if starts_word(k)), len(span) - 1)
+    return span[first : last + 1] or span
+
+
+def cite(
+    tokenizer,
+    cache: CompressedKVCache,
+    scores: torch.Tensor,
+    share: torch.Tensor,
+    n_passages: int,
+    window_chars: int = DEFAULT_WINDOW_CHARS,
+    rank: str = "peak",
+) -> tuple[Citation, ...]:
+    """The `n_passages` best passages of the source, best first.
+
+    scores, share: `[n_context_tokens]` by position (`token_scores`). rank: "peak" (a passage is
+    picked by its best token, as described above) or "sum" (by the total score of its line's
+    word tokens; compared in docs/citations.md).
+    Raises:
+        InputError: a cache without token offsets (`check_citable`).
+    """
+    check_citable(cache)
+    assert cache.token_ids is not None and cache.token_offsets is not None and cache.token_lines is not None
+    ids = cache.token_ids.tolist()
+    offsets = cache.token_offsets.tolist()
+    lines = cache.token_lines.tolist()
+    weights = scores.detach().float().cpu()[: len(ids)]
+    shares = share.detach().float().cpu()[: len(ids)]
+    doc = [i for i, off in enumerate(offsets) if off >= 0]
+    if not doc:
+        return ()
+    total = float(shares[doc].sum()) or 1.0
+    texts = _token_texts(tokenizer, ids)
+    content = {i: any(ch.isalnum() for ch in text) for i, text in texts.items()}
+    by_line: dict[int, list[int]] = {}
+    for i in doc:
+        by_line.setdefault(lines[i], []).append(i)
+    candidates = [i for i in doc if content[ids[i]]]
+    if rank == "sum":
+        line_score = {ln: float(weights[[i for i in toks if content[ids[i]]] or toks].sum())
+                      for ln, toks in by_line.items()}  # fmt: skip
+        candidates.sort(key=lambda i: (-line_score[lines[i]], -float(weights[i])))
+    else:
+        candidates.sort(key=lambda i: -float(weights[i]))
+    used: set[int] = set()
+    out: list[Citation] = []
+    for best in candidates:
+        if len(out) == n_passages:
+            break
+        if best in used:
+            continue
+        line = by_line[lines[best]]
+        span = [i for i in line if abs(offsets[i] - offsets[best]) <= window_chars // 2 and i not in used]
+        if len(span) < len(line):  # a window inside a longer line: whole words only
+            span = _whole_words(span, ids, texts)
+        used.update(by_line[lines[best]] if rank == "sum" else span)
+        first, last = span[0], span[-1]
+        text = " ".join(tokenizer.decode(ids[first : last + 1], skip_special_tokens=True).split())
+        after = next((offsets[j] for j in range(last + 1, len(ids)) if offsets[j] >= 0), None)
+        end = after if after is not None else offsets[last] + len(tokenizer.decode([ids[last]]))
+        out.append(Citation(start=offsets[first], end=end, first_line=lines[first], last_line=lines[last],
+                            weight=float(shares[span].sum()) / total, text=text))  # fmt: skip
+    return tuple(out)

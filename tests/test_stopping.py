@@ -1,0 +1,126 @@
+"""When an answer ends, and what may be streamed before it ends (rocketkv_cli/engine/stopping.py).
+
+Expected values are worked out by hand from the rules in docs/algorithm.md §4; the streaming
+property runs the real byte-level tokenizer of the tests over random token streams."""
+
+import pytest
+from conftest import byte_tokenizer
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rocketkv_cli.engine.stopping import AnswerText, AnswerTokens, find_loop, text_units
+from rocketkv_cli.model.templates import PLAIN_STOP_STRINGS
+
+STOPS = PLAIN_STOP_STRINGS  # ("\n\n", "\nQuestion:")
+
+
+@pytest.mark.parametrize(
+    "seq, found",
+    [
+        ([1, 2, 3] * 20, (3, 57)),
+        (list(range(30)) + [7] * 48, (1, 47)),
+        (list(range(60)), None),
+        ([5, 6] * 11, None),
+        ([5, 6] * 13, (2, 24)),
+        (list(range(40)) * 2, (40, 40)),
+        (list(range(40)) * 2 + [0], (40, 41)),
+    ],
+    ids=["period3", "period1", "no-loop", "too-short", "24-repeated", "one-copy-of-40", "and-one-more"],
+)
+def test__find_loop__smallest_period_and_repeated_length(seq, found):
+    assert find_loop(seq) == found
+
+
+def test__answer_that_is_the_template__is_cut_to_nothing():
+    """issue 17 item 3: the answer was `Question: Write three … line.\\nAnswer:`."""
+    raw = "\nQuestion: Write three separate paragraphs about the harbor, each on its own line.\nAnswer:"
+    assert AnswerText(raw, STOPS).stop_at() == 0
+    assert AnswerText(raw, STOPS).text() == ""
+    assert AnswerText(" 5817.\nQuestion:", STOPS).text() == "5817."
+    assert AnswerText("\n1. The keeper.", STOPS).stop_at() is None  # a line break, then an answer
+
+
+def test__counting_loop__ends_the_answer_as_written():
+    """issue 17 item 3: "1. 2. … 34." ran to the token limit. Units "0", "." repeat with period
+    2: found once 24 whole units repeat the two before them; a progression is kept as written
+    (whole units: the last one may still grow), not shortened."""
+    counting = "  " + " ".join(f"{i}." for i in range(1, 14))
+    assert AnswerText(counting, ()).loop_cut() is None  # the last "." may be part of "...": 23 whole units repeat
+    assert AnswerText(counting + " 14", ()).loop_cut() == len(counting.lstrip())
+
+
+def test__loop_of_text__keeps_its_first_copy_to_the_end_of_the_sentence():
+    """The GPL answer that looped with its lines wrapped at different words (issue 16)."""
+    one = "It is used for the purpose of shipping and receiving goods.  It is owned by the State."  # 19 units
+    raw = f"{one}  It is\n  used for the purpose of shipping and receiving"
+    assert AnswerText(raw, ()).loop_cut() is None
+    raw += "\n  goods.  It is owned by the State.  It is used for the purpose"  # 25 whole units repeated
+    cut = AnswerText(raw, ()).loop_cut()
+    assert cut is not None and raw[:cut] == one
+    poem = "The harbor is a place of beauty. " + "It is a place of fishing, and it is a place of beauty. " * 3
+    cut = AnswerText(poem, ()).loop_cut()  # the repeats start at "is a place of beauty", mid-sentence
+    assert cut is not None and poem[:cut] == poem[: poem.index("beauty.", 40) + len("beauty.")]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "1. The keeper\n2. The harbor master\n3. The fishing boat\n4. The ferry\n5. The puffin\n6. The lighthouse\n"
+        "7. The lantern room\n8. The sea wall\n9. The spring storm\n10. The church hall\n11. The mayor",
+        "You may charge any price or no price for each copy that you convey, and you may offer support or "
+        "warranty protection for a fee. You may convey a covered work in object code form.",
+        "very " * 11,
+    ],
+    ids=["numbered-list", "prose", "short-repeat"],
+)
+def test__no_loop_in_ordinary_text(raw):
+    assert AnswerText(raw, ()).loop_cut() is None
+
+
+def test__units__numbers_alike_whitespace_ignored_long_words_in_pieces():
+    assert [u[0] for u in text_units("Item 10:\n  item 9.")] == ["item", "0", ":", "item", "0", "."]
+    assert [u[0] for u in text_units("ééééééééééééé")] == ["éééééééééééé", "é"]  # 13 letters: 12 + 1
+
+
+@pytest.mark.parametrize(
+    "raw, final",
+    [
+        ("The code is 4242.\nQues", "The code is 4242"),  # may still become "\nQuestion:"; "." is the last unit
+        ("The code is 4242 and", "The code is 4242"),  # the last unit may still grow ("and" → "andante")
+        ("The code is 4242. ", "The code is 4242"),
+        ("Quest", ""),  # an answer that starts like the template
+        ("The code is \ufffd", "The code"),  # an incomplete character
+        ("It is a boat. It is a", "It is a boat."),  # "It is" repeats the text 5 units back: held
+    ],
+)
+def test__final_prefix__holds_back_what_may_change(raw, final):
+    assert AnswerText(raw, STOPS).final_prefix() == final
+
+
+TOKENIZER = byte_tokenizer()
+PIECES = ["\n", "\n\n", "Question", ":", " ", "1", "2", "10", ".", " the", " harbor", "Answer", " code", "é", "字"]
+PIECE_IDS = [TOKENIZER(p, add_special_tokens=False)["input_ids"] for p in PIECES]
+
+
+TOKENS = st.lists(st.one_of(st.integers(0, len(PIECES) - 1), st.integers(2, 257).map(lambda t: -t)), max_size=40)
+
+
+@settings(max_examples=400, deadline=None)
+@given(TOKENS, TOKENS, st.integers(0, 12), TOKENS, st.sampled_from([STOPS, (), ("\n\n\n",)]))
+def test__streamed_pieces_join_to_the_final_answer(prefix, chunk, repeats, suffix, stops):
+    """Whatever the tokens (words, digits, line breaks, stop strings, a chunk repeated into a
+    loop, bytes of a character split across tokens), the pieces taken while decoding, joined,
+    equal the final text."""
+    decode = lambda ids: TOKENIZER.decode(ids, skip_special_tokens=True)
+    state, pieces = AnswerTokens(decode, stops), []
+    choices = prefix + chunk * repeats + suffix
+    stream = [t for c in choices for t in (PIECE_IDS[c] if c >= 0 else [-c])]
+    for token in stream:
+        reason = state.add(token)
+        pieces.append(state.take_final())
+        if reason:
+            break
+    state.finish()
+    pieces.append(state.take_final())
+    assert "".join(pieces) == state.text()
+    assert not any(s in "\n" + state.text() for s in stops)

@@ -1,0 +1,72 @@
+"""The Python API's streaming, sessions and sampling (what `ask --stream`, `chat` and
+`--temperature` run), on a tiny random model."""
+
+import pytest
+from conftest import text_of_bytes
+
+from rocketkv_cli import RocketKV
+from rocketkv_cli.errors import InputError
+
+QS = ["What is the code?", "Which word is first?", "Where is the river?"]
+
+
+@pytest.fixture(scope="module")
+def rk(tiny_model_dir):
+    return RocketKV.load(str(tiny_model_dir), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def cache(rk):
+    return rk.ingest(text=text_of_bytes(900) + "\nThe secret code is 4242.\n", token_budget=64, max_new_tokens=40).cache
+
+
+def test__stream__pieces_arrive_before_the_answer_ends_and_join_to_it(rk, cache):
+    stream = rk.stream(cache, QS[0], max_new_tokens=40, temperature=1.5, seed=1)
+    pieces = iter(stream)
+    first = next(pieces)
+    assert stream.answer is None  # still decoding
+    rest = list(pieces)
+    assert stream.answer is not None and len(rest) >= 1
+    assert "".join([first, *rest]) == stream.answer.text
+
+
+def test__ask_on_text__pieces_of_each_answer_join_to_it(rk, cache):
+    pieces: list[str] = []
+    for answer in rk.ask(cache, QS, max_new_tokens=40, temperature=1.5, seed=2, on_text=pieces.append):
+        assert "".join(pieces) == answer.text
+        pieces.clear()
+
+
+def test__session__answers_as_ask_does_even_after_an_abandoned_answer(rk, cache):
+    expected = [a.text for a in rk.ask(cache, QS, max_new_tokens=20)]
+    session = rk.session(cache, max_new_tokens=20)
+    abandoned = iter(session.stream(QS[2]))
+    next(abandoned, None)
+    abandoned.close()  # as Ctrl-C in `chat` does: the decoder goes back to the stored context
+    assert [session.ask(q).text for q in QS] == expected
+
+
+@pytest.mark.parametrize(
+    "options, says",
+    [({"temperature": -1.0}, "temperature"), ({"temperature": 1.0, "top_p": 0.0}, "top_p"), ({"seed": -3}, "seed"),
+     ({"cite": -1}, "--cite")],
+    ids=["temperature", "top_p", "seed", "cite"],
+)  # fmt: skip
+def test__bad_sampling_options__input_errors(rk, cache, options, says):
+    with pytest.raises(InputError, match=says):
+        list(rk.ask(cache, QS[:1], **options))
+    with pytest.raises(InputError, match=says):
+        rk.session(cache, **options)
+
+
+def test__session_over_a_segmented_cache__routes_and_cites_like_ask(rk):
+    long = rk.ingest(text=text_of_bytes(3000).replace(" ", "\n", 80), token_budget=64, max_new_tokens=8,
+                     segment_tokens=800).cache  # fmt: skip
+    expected = [a.to_dict(cache="x") for a in rk.ask(long, QS, max_new_tokens=8, cite=2)]
+    session = rk.session(long, max_new_tokens=8, cite=2)
+    got = [session.ask(q).to_dict(cache="x") for q in QS]
+    drop = lambda row: {k: v for k, v in row.items() if k not in ("prefill_s", "decode_s")}
+    assert [drop(r) for r in got] == [drop(r) for r in expected]
+    assert all(len(r["segments"]) == 1 and len(r["citations"]) == 2 for r in got)
+    with pytest.raises(InputError, match="one segment"):
+        rk.session(long, cite=2, segments=2)

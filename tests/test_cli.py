@@ -294,8 +294,11 @@ def test__help_reads_well_at_80_columns(rocketkv_bin, env, command):
 
 
 def test__shell_completion__script_and_answers(rocketkv_bin, env):
-    r = run(rocketkv_bin, env, "--show-completion", "bash")
-    assert r.returncode == 0 and "_ROCKETKV_COMPLETE" in r.stdout, r.stderr
+    # Typer detects the shell from the parent process: run it from bash (`; true` keeps bash from
+    # exec-ing the command, which would make pytest the parent), as a user's prompt would.
+    r = subprocess.run(["bash", "-c", '"$0" --show-completion; true', rocketkv_bin], capture_output=True, text=True,
+                       timeout=60, env=env)  # fmt: skip
+    assert r.returncode == 0 and "_ROCKETKV_COMPLETE" in r.stdout and "complete -o" in r.stdout, r.stderr
     done = subprocess.run([rocketkv_bin], capture_output=True, text=True, timeout=60,
                           env={**env, "_ROCKETKV_COMPLETE": "complete_bash", "COMP_WORDS": "rocketkv ask --str",
                                "COMP_CWORD": "2"})  # fmt: skip

@@ -32,6 +32,9 @@ def run(bin_, *args):
 
 
 def test__gemma_preset__planted_fact_survives_pruning(rocketkv_bin, needle_doc):
+    """Stage 1 at t=128 keeps a fact planted mid-document, and `ask` (as it ships on CPU: exact
+    attention over the ~480 stored tokens, below the HSA crossover) answers it. Known and left to
+    the stage-2 work: `ask --hsa` (topk 64) on this cache answers 13911."""
     kv = needle_doc.with_suffix(".kv")
     r = run(rocketkv_bin, "ingest", needle_doc, "-o", kv, "--budget", "128", "--json")
     assert r.returncode == 0, r.stderr[-2000:]

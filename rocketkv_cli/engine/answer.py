@@ -106,10 +106,12 @@ class Answer:
         return row
 
 
-# Below this many tokens in a layer, exact attention is faster than HSA on this device (page scoring,
-# top-k and gather cost more than reading every key): measured by `rocketkv bench`
-# (docs/performance.md, "Where stage 2 pays"). `ask --hsa` uses HSA anyway.
-HSA_MIN_TOKENS = {"cpu": 0, "cuda": 0}
+# Up to this many stored tokens in a layer, exact attention is faster than HSA on this device (page
+# scoring, top-k and gather cost more than reading every key): measured with `rocketkv bench
+# --crossover` at the default budget (docs/performance.md, "Where stage 2 pays"): on CPU HSA wins from
+# about 3K tokens (Gemma 3 270M) and 6K (SmolLM2); CUDA is not measured yet (0: HSA wherever the
+# context holds more than topk). `ask --hsa` uses HSA anyway; `rocketkv eval` always measures both.
+HSA_MIN_TOKENS = {"cpu": 4096, "cuda": 0}
 
 
 def hsa_min_tokens(device_type: str) -> int:

@@ -46,6 +46,12 @@ def received() -> int | None:
     return _received[0] if _received else None
 
 
+def handled() -> None:
+    """Forget the signals received so far: the command dealt with them (`chat` cancels an answer on
+    Ctrl-C and goes on), so they must not turn its later exit into an interrupt's."""
+    _received.clear()
+
+
 def mark_reported(signum: int) -> None:
     """Note that the message for `signum` was printed (so that it is printed once)."""
     _reported.append(signum)

@@ -266,7 +266,8 @@ def edited(ws: Workspace, name: str, **meta) -> Path:
 def enormous(ws: Workspace) -> Path:
     path = ws.copy_kv("enormous.kv")
     n, header, data = _header(path)
-    header["segments.0.layers.0.keys"]["shape"] = [1 << 20, 1 << 20, 1 << 12]
+    name = next(k for k in ("segments.0.layers.0.keys", "segments.0.layers.0.keys.q") if k in header)  # float or int
+    header[name]["shape"] = [1 << 20, 1 << 20, 1 << 12]
     return _write_header(path, header, data[8 + n :])
 
 

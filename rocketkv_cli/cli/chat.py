@@ -16,6 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..entry import handled
 from ..errors import InputError, RocketKVError
 from .answers import (
     AnswerPrinter,
@@ -175,6 +176,7 @@ def chat_command(
                 err.print()
             break
         except KeyboardInterrupt:
+            handled()  # this Ctrl-C only cleared the line
             err.print()  # a new prompt on its own line, like a shell
             continue
         question = line.strip()
@@ -191,6 +193,7 @@ def chat_command(
             printer.finish(stream.answer.text, stream.answer.to_dict(cache=source), stream.answer.citations)
             log(answer_log(stream.answer))
         except KeyboardInterrupt:
+            handled()  # this Ctrl-C only cancelled the answer: the session goes on
             printer.interrupted()
             log("answer cancelled")
         except RocketKVError as exc:  # this question only: the session goes on

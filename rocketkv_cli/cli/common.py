@@ -334,7 +334,7 @@ DEFAULT_WEIGHTS = "float"  # chosen by measurement: docs/performance.md
 WeightsOpt = Annotated[
     Optional[str], typer.Option(help="Weights for decode: float, or int8 (CPU; ask: default = the cache's).")
 ]
-from ..core.quant import DEFAULT_KV_DTYPE  # noqa: E402  (chosen by measurement: docs/storage.md)
+from ..core.config import DEFAULT_KV_DTYPE  # noqa: E402  (chosen by measurement: docs/storage.md)
 
 KvDtypeOpt = Annotated[
     str, typer.Option(help="Stored keys/values: auto (model dtype), float32, bfloat16, float16, int8, int4.")

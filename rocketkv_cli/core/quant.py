@@ -26,10 +26,6 @@ FLOAT_DTYPES = {
     "float64": torch.float64,
 }
 ROTATIONS = ("none", "hadamard")
-# what `ingest` stores by default: chosen by measurement (docs/storage.md): teacher-forced top-1
-# agreement with the float32 cache of 0.99-1.00 on both presets at ~8K tokens, 1/4-1/6 of the
-# bfloat16 full KV; int4 is smaller still but agrees 0.95 (below the 0.98 bar)
-DEFAULT_KV_DTYPE = "int8"
 _F16_MAX = 65504.0
 
 

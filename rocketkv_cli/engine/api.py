@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.cache import AnyCache, CompressedKVCache, SegmentedKVCache
-from ..core.config import DEFAULT_MAX_NEW_TOKENS, PrefillConfig
-from ..core.quant import DEFAULT_KV_DTYPE, KVStorage
+from ..core.config import DEFAULT_KV_DTYPE, DEFAULT_MAX_NEW_TOKENS, PrefillConfig
+from ..core.quant import KVStorage
 from ..errors import InputError
 from ..model.loading import DEFAULT_MODEL, configure_transformers, load_model
 from ..store.checkpoints import Checkpoints

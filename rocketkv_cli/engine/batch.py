@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from ..core.cache import SegmentedKVCache
-from ..core.config import PrefillConfig
-from ..core.quant import DEFAULT_KV_DTYPE, KVStorage, resolved
+from ..core.config import DEFAULT_KV_DTYPE, PrefillConfig
+from ..core.quant import KVStorage, resolved
 from ..errors import CacheFormatError, InputError, OutputError, RocketKVError
 from .api import AnyCache, RocketKV, open_document
 from .manifest import BadRow, Results, Row, error_row, question_key, read_manifest, summary_key

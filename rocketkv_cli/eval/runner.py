@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from ..core.cache import CompressedKVCache
-from ..core.config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_WINDOW_SIZE, PrefillConfig
-from ..core.quant import DEFAULT_KV_DTYPE, KVStorage
+from ..core.config import DEFAULT_KV_DTYPE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_WINDOW_SIZE, PrefillConfig
+from ..core.quant import KVStorage
 from ..engine.answer import decode_config_for, prepare_questions
 from ..engine.answer import generate as generate_answer
 from ..engine.documents import Document, tokenize

@@ -51,6 +51,25 @@ def test__integer_round_trip__within_half_a_step(kv_dtype, shape, rotation):
     assert parts["keys.q"].dtype == torch.uint8 and parts["keys.q"].shape[-1] == shape[-1] // (8 // storage.bits)
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test__constant_groups__scales_never_negative(kv_dtype):
+    """A group whose values are all equal, at a value float16 rounds up (0.3 -> 0.30005): the stored
+    minimum must not exceed the group's values, or the scale goes negative and the loader rightly
+    refuses the file (seen on SmolLM2 at t=1024: "layer tensors disagree with the metadata")."""
+    keys = torch.full((2, 70, 64), 0.3)
+    keys[:, :, 1] = torch.linspace(-1, 1, 70)  # one varying channel beside the constant ones
+    values = torch.full((2, 70, 64), -1.7)  # float16(-1.7) = -1.7002 (rounds down: the other side)
+    values[:, 3] = torch.linspace(0, 5, 64)
+    storage = KVStorage(kv_dtype, key_group_tokens=32, value_group_dims=16)
+    parts = encode_layer(keys, values, storage)
+    for name in ("keys.scale", "values.scale"):
+        assert float(parts[name].float().min()) >= 0, f"{name}: min {float(parts[name].float().min())}"
+    k, v = decode_layer(parts, storage, 64)
+    const_k, const_v = keys[:, :, 2:], values[:, 4:]
+    assert float((k[:, :, 2:] - const_k).abs().max()) < 1e-3, report("constant keys", const_k, k[:, :, 2:], 1e-3)
+    assert float((v[:, 4:] - const_v).abs().max()) < 1e-3, report("constant values", const_v, v[:, 4:], 1e-3)
+
+
 @pytest.mark.parametrize("dim", [64, 256, 96, 16])
 def test__hadamard__orthonormal_so_the_rotation_is_undone_exactly(dim):
     h = hadamard(dim, dtype=torch.float64)

@@ -108,8 +108,9 @@ def _quantize_groups(x: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
     levels = (1 << bits) - 1
     lo, hi = x.amin(dim=-1), x.amax(dim=-1)
     dtype = _scale_dtype(lo, hi, hi - lo)
-    lo = lo.to(dtype)
-    scale = ((hi - lo.float()) / levels).to(dtype)
+    stored = lo.to(dtype)  # rounded to the nearest: may land above the true minimum (then above hi)
+    lo = torch.where(stored.float() > lo, torch.nextafter(stored, torch.full_like(stored, -torch.inf)), stored)
+    scale = ((hi - lo.float()) / levels).clamp_min(0).to(dtype)  # ≥ 0: a constant group gets 0
     step = scale.float().unsqueeze(-1)
     codes = torch.where(step > 0, torch.round((x - lo.float().unsqueeze(-1)) / step.clamp_min(1e-30)), 0.0)
     return {"q": codes.clamp_(0, levels).to(torch.uint8), "min": lo, "scale": scale}

@@ -2,6 +2,7 @@
 when stderr is a terminal, which no piped test exercises (a crash hid there: issue 16 item 1)."""
 
 import os
+import signal
 
 import pytest
 from conftest import run_in_terminal, strip_ansi, text_of_bytes
@@ -111,8 +112,10 @@ class Terminal:
         env = {**env, "TERM": "xterm-256color", "COLUMNS": str(columns)}
         env.pop("NO_COLOR", None)
 
-        def controlling_terminal():  # runs in the child after setsid()
+        def controlling_terminal():  # runs in the child after setsid(), as an interactive shell starts a job:
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+            for signum in (signal.SIGINT, signal.SIGQUIT):  # default dispositions, even when this test runs
+                signal.signal(signum, signal.SIG_DFL)  # under nohup or `cmd &` (which ignore SIGINT)
 
         self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True,
                                      start_new_session=True, preexec_fn=controlling_terminal)  # fmt: skip

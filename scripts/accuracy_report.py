@@ -166,7 +166,7 @@ def choose(means: dict, reports: dict[str, dict]) -> list[str]:
                f"agreement {pct(means[best][1])}%) does not beat it by the {pct(MARGIN)}-point margin set for "
                "sampling noise")  # fmt: skip
         out.append(f"- **Keep `--observation tail --pool-kernel-size 63`** (mean score {pct(current[0])}%, agreement "
-                   f"{pct(current[1])}% over both presets, every task and budget): {why}.")  # fmt: skip
+                   f"{pct(current[1])}% over the presets, tasks and budgets measured): {why}.")  # fmt: skip
     for model, report in reports.items():
         cells, label = rows_of(report), default_label(report)
         full = cells.get(("mean", "full", None))

@@ -7,7 +7,7 @@ row and writes one pair per split; the host merges them into a log-sum-exp per r
 (`[B, Hkv, G·W]`); kernel 2 (grid: KV heads × key blocks) recomputes each logit block, turns it
 into probabilities with that log-sum-exp and sums the rows, writing `[B, Hkv, S]` scores. The
 pooling kernel runs right after: stride-1 max over `kernel_size` neighbours, same length.
-References: `rocketkv_cli.prefill.observation_scores` and `pool_scores`.
+References: `rocketkv_cli.core.stage1.observation_scores` and `pool_scores`.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def observation_scores_triton(
 ) -> torch.Tensor:
     """Attention mass each key receives from the observation-window queries, per KV head (Triton).
 
-    Same contract as `rocketkv_cli.prefill.observation_scores` (docs/algorithm.md §2 steps 2–3): softmax of
+    Same contract as `rocketkv_cli.core.stage1.observation_scores` (docs/algorithm.md §2 steps 2–3): softmax of
     q·Kᵀ·scaling (optionally soft-capped) with the causal mask from positions, in float32, summed
     over the W window queries and the G query heads of each KV head.
 
@@ -195,7 +195,7 @@ def observation_scores_triton(
 def pool_scores_triton(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
     """Max-pool scores along the sequence, stride 1, same length (Triton; SnapKV clustering).
 
-    Same contract as `rocketkv_cli.prefill.pool_scores` (docs/algorithm.md §2 step 4).
+    Same contract as `rocketkv_cli.core.stage1.pool_scores` (docs/algorithm.md §2 step 4).
 
     Args:
         scores: `[B, Hkv, S]` float32. kernel_size: odd, in tokens (1 = no pooling).

@@ -9,7 +9,7 @@ count, soft-maxed over pages per head and averaged over the group.
 Kernel 1 (grid: KV heads × page blocks) writes the logits of all G heads of a group and each
 block's max and exp-sum; kernel 2 (same grid) merges the block statistics and writes the group
 average. The chosen dims come from `torch.topk` on the host (D values per KV head, negligible).
-Reference: `rocketkv_cli.decode.page_scores`.
+Reference: `rocketkv_cli.core.stage2.page_scores`.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def page_scores_triton(
 ) -> torch.Tensor:
     """Approximate attention mass of each page, averaged over the GQA group, in float32 (Triton).
 
-    Same contract as `rocketkv_cli.decode.page_scores` (docs/algorithm.md §3 steps 1–3, RocketKV §3.5).
+    Same contract as `rocketkv_cli.core.stage2.page_scores` (docs/algorithm.md §3 steps 1–3, RocketKV §3.5).
 
     Args:
         query: `[B, H, 1, D]` decode query. page_min/page_max: `[B, Hkv, P, D]` (last dim

@@ -3,7 +3,7 @@
 One program per KV head and block of pages walks the `page_size` tokens of its pages and keeps an
 element-wise min and max (exact: the result equals the torch reference bit for bit). The update
 recomputes only the pages touched by tokens from `start` on, in place in a page buffer.
-Reference: `rocketkv_cli.decode.page_summaries` and `update_page_summaries`.
+Reference: `rocketkv_cli.core.stage2.page_summaries` and `update_page_summaries`.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _launch(keys, page_min, page_max, first_page: int, n_pages: int, page_size: 
 def page_summaries_triton(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Element-wise min and max of the keys of each page (Triton; the build at ingest).
 
-    Same contract as `rocketkv_cli.decode.page_summaries` (docs/algorithm.md §3, RocketKV §3.5).
+    Same contract as `rocketkv_cli.core.stage2.page_summaries` (docs/algorithm.md §3, RocketKV §3.5).
 
     Args:
         keys: `[B, Hkv, S, D]`, last dim contiguous. page_size: tokens per page; the last page may
@@ -91,7 +91,7 @@ def update_page_summaries_triton(
 ) -> None:
     """Recompute, in place, the pages touched by keys from token `start` on (Triton; the update on append).
 
-    Same contract as `rocketkv_cli.decode.update_page_summaries`.
+    Same contract as `rocketkv_cli.core.stage2.update_page_summaries`.
 
     Args:
         page_min/page_max: `[B, Hkv, P_cap, D]` buffers with P_cap ≥ ceil(S / page_size), last dim

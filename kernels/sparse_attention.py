@@ -3,7 +3,7 @@
 Flash-decoding over a gathered selection: each program owns one KV head (all G query heads of its
 GQA group share every key/value row it reads) and one split of the selection; it gathers key and
 value rows by index, runs an online softmax, and writes a partial output with its running max and
-sum. A second kernel merges the splits. Reference: `rocketkv_cli.decode.sparse_attention`.
+sum. A second kernel merges the splits. Reference: `rocketkv_cli.core.stage2.sparse_attention`.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def sparse_attention_triton(
 ) -> torch.Tensor:
     """Exact softmax attention of each query head over its KV head's selected tokens (Triton).
 
-    Same contract as `rocketkv_cli.decode.sparse_attention` (docs/algorithm.md §3 step 5): softmax over the
+    Same contract as `rocketkv_cli.core.stage2.sparse_attention` (docs/algorithm.md §3 step 5): softmax over the
     selected keys of q·k·scaling (optionally soft-capped), in float32, times the selected values.
 
     Args:

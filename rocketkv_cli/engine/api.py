@@ -332,7 +332,7 @@ class RocketKV:
 
 def _scratch_checkpoints() -> Checkpoints:
     """Checkpoints in a temporary folder (removed at exit), so that a long document ingested in
-    memory keeps its finished segments on disk, memory-mapped, not in RAM."""
+    memory keeps its finished segments on disk (read back one at a time), not all in RAM."""
     folder = make_scratch_dir()  # named for this process: a later run removes it if this one is killed
     atexit.register(shutil.rmtree, folder, True)
     return Checkpoints(folder / "memory.kv")

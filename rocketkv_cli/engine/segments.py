@@ -87,7 +87,7 @@ def ingest_stream(
     A document that fits one segment gives a `CompressedKVCache` exactly as `Engine.ingest` would.
     A longer one is cut into segments of ≤ `segment_tokens` framed tokens (see `segment_limit`),
     each prefilled at positions 0 … n_j−1 and pruned on its own; with `checkpoints`, each finished
-    segment is saved (and then memory-mapped) so an interrupted ingest resumes where it stopped.
+    segment is saved (and read back lazily) so an interrupted ingest resumes where it stopped.
     `progress(done, total)` reports tokens prefilled so far and the estimated total (from the
     bytes read, for a file).
     Raises:
@@ -185,7 +185,7 @@ def segment_scores(engine: Engine, stored: SegmentedKVCache, question: str) -> t
     for part in stored.segments:
         maxima = []
         for i, q in sorted(queries.items()):
-            layer = part.layers[i]  # [1, Hkv, S, D], [1, Hkv, S] (memory-mapped, on the CPU)
+            layer = part.layers[i]  # [1, Hkv, S, D], [1, Hkv, S] (read from the file when first used, on the CPU)
             k = layer.keys[0].to(q.device, torch.float32)
             pos = layer.positions.to(q.device)
             b, h, t, d = q.shape

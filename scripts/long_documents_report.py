@@ -185,11 +185,12 @@ DESIGN = """\
   own at RoPE positions 0 … n−1 and pruned with SnapKV++ exactly as a short document would be, so
   ingest time is linear in the book and the working set is one segment's.
 - **Checkpoints and resume.** Each finished segment is written (atomically) as a one-segment
-  `.kv` file in `.OUT.kv.segments/` beside the output and then memory-mapped (no copy in
-  anonymous memory; the mapped pages still count in RSS, so the peak grows by the size of the
-  pruned caches, see below). Rerunning the same command reuses every checkpoint whose model, settings
+  `.kv` file in `.OUT.kv.segments/` beside the output and read back lazily (each segment verified
+  and read into memory when the final file is written; measured before that change, with the
+  checkpoints memory-mapped, the peak RSS grew by the size of the pruned caches, see below). Rerunning the same command reuses every checkpoint whose model, settings
   and token ids (sha256) match, and prefills the rest; the folder is removed once the final file
-  is written (format v2: every segment's pruned KV, its token ids, its start offset in the book).
+  is written (format v3, docs/file-format.md: every segment's pruned KV, its token ids and offsets, its
+  start offset in the book, a digest per segment).
 - **Routing.** A question is answered from the segment whose words (decoded from its stored token
   ids) match it best by Okapi BM25, falling back to the question's queries scored against the
   stored keys when no word of the question occurs in the book. The

@@ -415,6 +415,24 @@ def test__preflight_and_command_line_import_no_torch():
     assert out.strip() == "[]", out
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["ask", "--cache", "missing.kv", "q"],
+        ["inspect", "missing.kv"],
+        ["summarize", "--cache", "missing.kv"],
+        ["chat", "--cache", "missing.kv"],
+    ],
+)
+def test__missing_cache__refused_before_torch_is_imported(argv, tmp_path):
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "rocketkv_cli", *argv], capture_output=True,
+                       text=True, cwd=tmp_path, stdin=subprocess.DEVNULL, timeout=120)  # fmt: skip
+    imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
+    assert r.returncode == 1 and len(errors) == 1 and "cache file not found" in errors[0], r.stderr[-1500:]
+    assert "torch" not in imported, "torch was imported before the cache path was checked"
+
+
 CONVERTED_INTERRUPT = """
 import os, signal, sys, time
 import typer

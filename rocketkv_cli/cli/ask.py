@@ -83,6 +83,9 @@ def open_cache(cache: Path, model: Optional[str], device: str, dtype: Optional[s
                segments: int = 1):  # fmt: skip
     """Validate the file (and that it can give `cite` citations), load the model it was built
     with (or `model`), check they match."""
+    from ..engine.preflight import check_cache_file
+
+    check_cache_file(cache)  # a missing or unreadable path fails before torch is imported
     from ..engine.api import check_cite, read_cache
 
     timings = timings or Timings()
@@ -175,8 +178,6 @@ def ask_command(
     if not questions:
         raise usage_error("QUESTION...", "missing: pass questions as arguments or with --questions-file")
     fmt, stream = resolve_format(fmt, json_out, stream, len(questions), cite)
-    from ..engine.api import DEFAULT_MODEL
-
     timings = Timings()
     setup(quiet)
     if note := sampling_note(temperature, seed):
@@ -189,7 +190,7 @@ def ask_command(
     else:
         cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens or 128, pool_kernel_size="63")
         document = open_stream(doc, encoding, errors)
-        rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code, weights)
+        rk = load_engine(model, device, dtype or "auto", trust_remote_code, weights)
         stored = ingest(rk, document, cfg, segment_tokens=segment_tokens).cache
         source = doc
     printer = AnswerPrinter(fmt, stream)

@@ -110,10 +110,11 @@ def batch_command(
     settings match); results are written one JSON line per answer as they finish. Rerun the same
     command after an interruption: answered rows are skipped, failed rows are retried.
     """
-    from ..engine.api import DEFAULT_MODEL
+    from ..engine.api import DEFAULT_MODEL, configure
     from ..engine.batch import BatchSettings, run_batch
 
     setup(quiet)
+    configure(quiet, progress_bars=err.is_terminal and not quiet)  # transformers offline and silent (one worker too)
     out = None if output == "-" else Path(output) if output is not None else default_output(manifest)
     folder = cache_dir if cache_dir is not None else manifest.with_name(_stem(manifest) + ".kv-cache")
     cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens, pool_kernel_size="63")

@@ -137,8 +137,6 @@ def chat_command(
     Ctrl-C cancels the answer being printed, Ctrl-D quits. Questions can also come from a pipe,
     one per line.
     """
-    from ..engine.api import DEFAULT_MODEL, home
-
     setup(quiet)
     if (document is None) == (cache is None):
         raise InputError("give either --cache FILE.kv or DOC", "e.g. rocketkv chat --cache book.kv")
@@ -154,9 +152,11 @@ def chat_command(
         assert document is not None  # one of the two, checked above
         cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens or 128, pool_kernel_size="63")
         stream = open_stream(document, encoding, errors)
-        rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code, weights)
+        rk = load_engine(model, device, dtype or "auto", trust_remote_code, weights)
         stored = ingest(rk, stream, cfg, segment_tokens=segment_tokens).cache
         source = document
+    from ..engine.api import home
+
     session = rk.session(stored, max_new_tokens=max_new_tokens, dense=dense, hsa=hsa, temperature=temperature,
                          top_p=top_p, seed=seed, segments=segments, segment=segment,
                          cite=passages if cite else 0, log=log)  # fmt: skip

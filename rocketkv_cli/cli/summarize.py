@@ -57,8 +57,6 @@ def summarize_command(
     A document longer than the context is summarized segment by segment (each partial summary is
     shown on stderr), then the summaries are summarized as one text.
     """
-    from ..engine.api import DEFAULT_MODEL
-
     setup(quiet)
     if (document is None) == (cache is None):
         raise InputError("give either DOC or --cache FILE.kv", "e.g. rocketkv summarize book.txt")
@@ -69,9 +67,9 @@ def summarize_command(
         source = str(cache)
     else:
         assert document is not None  # checked above: exactly one of DOC and --cache
-        stream = open_stream(document, encoding, errors)
-        rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", trust_remote_code, weights)
-        stored = ingest(rk, stream, cfg, segment_tokens=segment_tokens).cache
+        document_stream = open_stream(document, encoding, errors)
+        rk = load_engine(model, device, dtype or "auto", trust_remote_code, weights)
+        stored = ingest(rk, document_stream, cfg, segment_tokens=segment_tokens).cache
         source = document
     partials = []
 

@@ -58,9 +58,9 @@ def configure(quiet: bool, progress_bars: bool) -> None:
 
 
 def check_questions(questions: Iterable[str]) -> list[str]:
-    """The questions as `rocketkv ask` accepts them: each a non-empty, UTF-8-encodable string.
+    """The questions of a batch row: each a non-empty, UTF-8-encodable string, at least one.
 
-    Raises InputError with the CLI's one-line messages (empty question, not UTF-8, none given)."""
+    Raises InputError with one-line messages (empty question, not UTF-8, none given)."""
     qs = list(questions)
     if any(not isinstance(q, str) or not q.strip() for q in qs):
         raise InputError("empty question", "give each question some text")

@@ -89,6 +89,17 @@ def test__ingest__existing_target_refused_without_force(rocketkv_bin, env, kv, d
     assert kv.read_bytes() == before
 
 
+@pytest.mark.parametrize("command", ["ask", "ingest"])
+def test__cache_given_as_the_document__says_use_cache(rocketkv_bin, env, kv, command, tmp_path):
+    """A new user's slip: `ask X.kv QUESTION` without --cache names the fix, not an encoding."""
+    args = [kv, "Who?"] if command == "ask" else [kv, "-o", tmp_path / "again.kv"]
+    r = run(rocketkv_bin, env, command, *args)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
+    assert r.returncode == 1 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "is a rocketkv cache, not a document" in errors[0] and f"--cache {kv}" in errors[0], errors
+    assert not (tmp_path / "again.kv").exists() and "rocketkv: loaded" not in r.stderr
+
+
 def test__ingest_from_stdin_and_ask_without_cache(rocketkv_bin, env, doc, tiny_model_dir, tmp_path):
     out = tmp_path / "stdin.kv"
     r = run(rocketkv_bin, env, "ingest", "-", "-o", out, "--model", tiny_model_dir, "--json", stdin=doc.read_text())

@@ -17,6 +17,12 @@ READ_BLOCK_BYTES = 1 << 20
 MAX_PIECE_CHARS = 1 << 20  # a line longer than this is cut (at whitespace when there is some)
 
 
+def _looks_like_cache(head: bytes, path: str) -> bool:
+    """A file's first bytes are a safetensors header (8-byte length, then a JSON object) written by
+    rocketkv, or by anything when the name ends in .kv: a cache given where a document goes."""
+    return len(head) > 10 and head[8:10] == b'{"' and (b'"rocketkv.kv_cache"' in head or path.endswith(".kv"))
+
+
 @dataclass(frozen=True)
 class Document:
     """A decoded document: its text, the sha256 of its bytes, and where it came from."""
@@ -100,6 +106,9 @@ class TextStream:
         while block := self._stream.read(READ_BLOCK_BYTES):
             self._digest.update(block)
             if b"\x00" in block and self._codec.lower().startswith("utf-8"):
+                if self.bytes_read == 0 and _looks_like_cache(block, str(path)):
+                    raise InputError(f"{path} is a rocketkv cache, not a document",
+                                     f"pass it with --cache: rocketkv ask --cache {path} QUESTION")  # fmt: skip
                 at = self.bytes_read + block.index(b"\x00")
                 raise InputError(
                     f"{path} looks binary (NUL byte at offset {at})",

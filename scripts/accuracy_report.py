@@ -214,7 +214,9 @@ def page(reports: dict[str, dict], quick: bool, partial: str | None = None) -> s
         "Methods, each answered from its saved `.kv` file (ingest → file → ask): `full` (nothing pruned, exact "
         "attention); `rocketkv` (SnapKV++ then HSA); `snapkv` (the same stage-1 cache, exact attention: stage 1 "
         "only); `hsa` (nothing pruned, HSA at the budget: stage 2 only); `sink_recent` (first 4 tokens + the most "
-        "recent, as many as rocketkv keeps, exact attention). t is the token budget (docs/algorithm.md §1).", "",
+        "recent, as many as rocketkv keeps, exact attention). t is the token budget (docs/algorithm.md §1). "
+        "On CPU, `ask` runs the `snapkv` row at these sizes: layers storing up to 4096 tokens are attended "
+        "exactly there, below HSA's measured crossover (docs/performance.md, \"Where stage 2 pays\").", "",
     ]  # fmt: skip
     for model, report in reports.items():
         n = report["config"]["context_tokens"][0]

@@ -138,24 +138,31 @@ def is_stale(owner: tuple[str | None, ...], mtime: float, now: float) -> bool:
     return not pid_alive(int(pid)) or age > REUSED_PID_AFTER_S
 
 
-def stale_temp_files(directory: Path) -> list[Path]:
-    """rocketkv temp files in `directory` whose maker is gone (see the module docstring)."""
+def stale_entries(directory: Path, name: re.Pattern[str], is_kind: Callable[[int], bool]) -> list[Path]:
+    """Entries of `directory` named by `name` (groups: maker pid, host tag), of the kind `is_kind`
+    accepts (`stat.S_ISREG`, `stat.S_ISDIR`: symlinks are never followed), owned by this user,
+    whose maker is gone (`is_stale`). An unreadable directory or entry is skipped."""
     now, found = time.time(), []
     try:
         entries = list(os.scandir(directory))
     except OSError:
         return []
     for entry in entries:
-        match = _TEMP_NAME.match(entry.name)
+        match = name.match(entry.name)
         if match is None:
             continue
         try:
             st = entry.stat(follow_symlinks=False)
         except OSError:
             continue
-        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and is_stale(match.groups(), st.st_mtime, now):
+        if is_kind(st.st_mode) and st.st_uid == os.getuid() and is_stale(match.groups(), st.st_mtime, now):
             found.append(Path(entry.path))
     return found
+
+
+def stale_temp_files(directory: Path) -> list[Path]:
+    """rocketkv temp files in `directory` whose maker is gone (see the module docstring)."""
+    return stale_entries(directory, _TEMP_NAME, stat.S_ISREG)
 
 
 def remove_stale_temp_files(directory: Path) -> list[Path]:

@@ -11,11 +11,10 @@ import re
 import shutil
 import stat
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .atomic import host_tag, is_stale, owner_prefix, pid_alive
+from .atomic import host_tag, owner_prefix, pid_alive, stale_entries
 
 _DIR_NAME = re.compile(r"^rocketkv-(\d+)-([0-9a-f]{8})-[A-Za-z0-9_]+$")
 
@@ -24,21 +23,8 @@ def make_scratch_dir() -> Path:
     """A private folder under the system temp directory named for this process (for work kept
     on disk but not wanted afterwards); stale ones of earlier, killed runs are removed first."""
     base = Path(tempfile.gettempdir())
-    now = time.time()
-    try:
-        entries = list(os.scandir(base))
-    except OSError:
-        entries = []
-    for entry in entries:
-        match = _DIR_NAME.match(entry.name)
-        if match is None:
-            continue
-        try:
-            st = entry.stat(follow_symlinks=False)
-        except OSError:
-            continue
-        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and is_stale(match.groups(), st.st_mtime, now):
-            shutil.rmtree(entry.path, ignore_errors=True)
+    for stale in stale_entries(base, _DIR_NAME, stat.S_ISDIR):
+        shutil.rmtree(stale, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix="rocketkv-" + owner_prefix(), dir=base))
 
 

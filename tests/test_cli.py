@@ -314,3 +314,24 @@ def test__shell_completion__script_and_answers(rocketkv_bin, env):
                           env={**env, "_ROCKETKV_COMPLETE": "complete_bash", "COMP_WORDS": "rocketkv ask --str",
                                "COMP_CWORD": "2"})  # fmt: skip
     assert done.stdout.split() == ["--stream"]
+
+
+def test__ingest_store_budget_and_reconstruct__inspect_and_ask(rocketkv_bin, env, doc, tiny_model_dir, tmp_path):
+    """`--store-budget` keeps more tokens than the working set (inspect says each question
+    re-selects), `--observation reconstruct` builds a cache, and `ask` answers from both."""
+    out = tmp_path / "two.kv"
+    r = run(rocketkv_bin, env, "ingest", doc, "-o", out, "--model", tiny_model_dir, "--budget", "64",
+            "--max-new-tokens", "6", "--store-budget", "128", "--observation", "reconstruct")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    info = json.loads(run(rocketkv_bin, env, "inspect", out, "--json").stdout)
+    assert info["config"]["store_budget"] == 128 and info["config"]["observation"] == "reconstruct"
+    assert info["budgets"]["prompt_budget"] < max(info["kept_tokens_per_layer"]) < int(info["n_context_tokens"])
+    text = run(rocketkv_bin, env, "inspect", out).stdout
+    assert f"re-selects {info['budgets']['prompt_budget']} of the kept tokens" in text, text
+    a = run(rocketkv_bin, env, "ask", "--cache", out, "What is the secret code?", "--json")
+    assert a.returncode == 0, a.stderr
+    assert json.loads(a.stdout)["n_answer_tokens"] >= 1
+    bad = run(rocketkv_bin, env, "ingest", doc, "-o", tmp_path / "bad.kv", "--model", tiny_model_dir, "--budget",
+              "64", "--store-budget", "32")  # fmt: skip
+    assert "store_budget must be at least the token budget" in assert_one_line_error(bad)
+    assert not (tmp_path / "bad.kv").exists()

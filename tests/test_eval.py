@@ -200,6 +200,8 @@ def test__compress_variants__equal_ingest_for_each_config(arch):
         PrefillConfig(token_budget=64, max_new_tokens=8, window_size=24, pool_kernel_size=7),
         PrefillConfig(token_budget=64, max_new_tokens=8, window_size=8, selection="sink_recent"),
         PrefillConfig(token_budget=FULL_TOKEN_BUDGET, max_new_tokens=8, window_size=8),
+        PrefillConfig(token_budget=64, max_new_tokens=8, window_size=8, observation="reconstruct", pool_kernel_size=1),
+        PrefillConfig(token_budget=32, max_new_tokens=8, window_size=8, store_budget=64),
     ]
     for cfg, many in zip(cfgs, compress_variants(engine, doc, cfgs)):
         one = engine.ingest(doc, cfg)
@@ -212,7 +214,9 @@ def test__compress_variants__equal_ingest_for_each_config(arch):
 def test__plan__one_cache_per_stage1_setting_and_every_method():
     caches, runs = plan(EvalConfig(budgets=(128, 512), observations=("tail", "probe"), pool_kernels=(63, 0)))
     assert set(caches) == {"full", *(f"t{t}-{o}-{k}" for t in (128, 512) for o in ("tail", "probe")
-                                      for k in ("63", "auto")), "t128-sink", "t512-sink"}  # fmt: skip
+                                      for k in ("63", "auto")), "t128-sink", "t512-sink",
+                           *(f"t{t}-{m}" for t in (128, 512) for m in ("reconstruct", "reselect"))}  # fmt: skip
+    assert caches["t512-reselect"].store_budget == 1024 and caches["t128-reconstruct"].observation == "reconstruct"
     labels = Counter(r.label for r in runs)
     assert labels["full"] == 1 and labels["snapkv"] == labels["hsa"] == labels["sink_recent"] == 2
     assert labels["rocketkv[probe,auto]"] == 2
@@ -232,9 +236,9 @@ def test__eval_config__rejects_bad_values(kw):
 
 RECORD_KEYS = {
     "context_tokens", "n_context_tokens", "task", "sample", "seed", "question_index", "question", "expected",
-    "needle_depths", "method", "label", "budget", "observation", "pool_kernel", "kept_tokens", "sparse", "topk",
-    "page_size", "n_score_dims", "answer", "token_ids", "n_answer_tokens", "stop_reason", "score", "correct",
-    "agreement", "prefill_s", "decode_s", "top1_agreement", "kl", "ref_logprob", "generated",
+    "needle_depths", "method", "label", "budget", "observation", "pool_kernel", "kept_tokens", "stored_tokens",
+    "sparse", "topk", "page_size", "n_score_dims", "answer", "token_ids", "n_answer_tokens", "stop_reason", "score",
+    "correct", "agreement", "prefill_s", "decode_s", "top1_agreement", "kl", "ref_logprob", "generated",
 }  # fmt: skip
 SUMMARY_KEYS = {"context_tokens", "task", "label", "method", "budget", "observation", "pool_kernel", "score",
                 "score_ci", "correct_rate", "correct_ci", "agreement", "top1_agreement", "top1_agreement_ci", "kl",
@@ -263,14 +267,17 @@ def test__cli_eval__tiny_model_end_to_end_json_schema(rocketkv_bin, tiny_model_d
     assert set(report["versions"]) >= {"rocketkv", "torch", "transformers", "threads"}
     records = report["records"]
     assert all(set(rec) == RECORD_KEYS for rec in records)
-    # questions: niah_text 1 + multiquery 4 + fwe 1, per sample; runs: full, 2 rocketkv, snapkv, hsa, sink_recent
-    assert len(records) == 2 * (1 + 4 + 1) * 6
+    # questions: niah_text 1 + multiquery 4 + fwe 1, per sample; runs: full, 2 rocketkv, snapkv, hsa, sink_recent,
+    # reconstruct, reselect
+    assert len(records) == 2 * (1 + 4 + 1) * 8
     assert {rec["label"] for rec in records} == {"full", "rocketkv[tail,63]", "rocketkv[probe,63]", "snapkv", "hsa",
-                                                  "sink_recent"}  # fmt: skip
+                                                  "sink_recent", "reconstruct", "reselect"}  # fmt: skip
+    for rec in (r for r in records if r["method"] == "reselect"):  # the file holds more than each question's set
+        assert rec["kept_tokens"] < rec["stored_tokens"] < rec["n_context_tokens"], rec
     assert all(rec["agreement"] == 1.0 for rec in records if rec["method"] == "full")
     assert all(0 <= rec["score"] <= 1 and 0 <= rec["agreement"] <= 1 for rec in records)
     assert all(rec["kept_tokens"] < rec["n_context_tokens"] for rec in records if rec["method"] not in ("full", "hsa"))
-    assert all(rec["sparse"] == (rec["method"] in ("rocketkv", "hsa")) for rec in records)
+    assert all(rec["sparse"] == (rec["method"] in ("rocketkv", "hsa", "reconstruct", "reselect")) for rec in records)
     for rec in records:  # teacher-forced scores of the full-attention answer under every other method
         if rec["method"] == "full":
             assert rec["top1_agreement"] is None and rec["generated"]

@@ -44,8 +44,19 @@ def ingest_command(
     window_size: Annotated[int, typer.Option(help="Observation window W in tokens.")] = 32,
     pool_kernel_size: Annotated[str, typer.Option(help="Odd max-pool kernel in tokens, or 'auto'.")] = "63",
     observation: Annotated[
-        str, typer.Option(help="'tail' (document end) or 'probe' (+ a generic probe text).")
+        str,
+        typer.Option(
+            help="'tail' (document end), 'probe' (+ a generic probe text) or 'reconstruct' (the "
+            "model re-reading the document; ~2x the prefill time)."
+        ),  # fmt: skip
     ] = "tail",
+    store_budget: Annotated[
+        Optional[int],
+        typer.Option(
+            help="Token budget of what the file keeps (>= --budget): each question then "
+            "re-selects its --budget working set from it. Default: --budget."
+        ),  # fmt: skip
+    ] = None,
     prompt_budget: Annotated[Optional[int], typer.Option(help="Override: tokens kept per KV head per layer.")] = None,
     topk: TopkOpt = None,
     page_size: PageSizeOpt = None,
@@ -75,7 +86,7 @@ def ingest_command(
     cfg = prefill_config(
         token_budget=budget, max_new_tokens=max_new_tokens, window_size=window_size, pool_kernel_size=pool_kernel_size,
         observation=observation, prompt_budget=prompt_budget, topk=topk, page_size=page_size,
-        n_score_dims=n_score_dims, chunk_tokens=chunk_tokens,
+        n_score_dims=n_score_dims, chunk_tokens=chunk_tokens, store_budget=store_budget,
     )  # fmt: skip
     stream = open_stream(document, encoding, errors)  # bad documents fail before anything else is touched
     # the output is checked (name, directory, permission to write) before the model loads, not after a long prefill

@@ -55,6 +55,11 @@ def _lines(info: dict) -> list[tuple[str, str]]:
     lines += [
         ("kept per KV head", f"{', '.join(map(str, full_kept)) or '-'} of {n_ctx} tokens{per} in "
          f"{n_full} full-attention layers" + (sliding if n_full < len(windows) else "")),
+    ]  # fmt: skip
+    if info["config"].get("store_budget") is not None and max(full_kept, default=0) > info["budgets"]["prompt_budget"]:
+        lines.append(("per question", f"re-selects {info['budgets']['prompt_budget']} of the kept tokens per KV head "
+                                      "(store budget)"))  # fmt: skip
+    lines += [
         ("budgets", ", ".join(f"{k}={v}" for k, v in info["budgets"].items())),
         ("config", ", ".join(f"{k}={v}" for k, v in info["config"].items() if v is not None)),
         ("size", f"file {info['file_bytes'] / 1e6:.2f} MB; KV {info['kv_bytes'] / 1e6:.2f} MB = "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-OBSERVATIONS = ("tail", "probe")
+OBSERVATIONS = ("tail", "probe", "reconstruct")
 SELECTIONS = ("snapkv", "sink_recent")
 DEFAULT_TOKEN_BUDGET = 512
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -37,8 +37,15 @@ class PrefillConfig:
     max_new_tokens: answer length the budget plans for (S = n + max_new_tokens).
     window_size: W, observation-window queries used to score (and always kept).
     pool_kernel_size: odd max-pool kernel in tokens, or 0 for the `auto` rule by length.
-    observation: "tail" (the document's last W queries) or "probe" (those plus a generic
-        question-like probe text from `prompts/`, scored then dropped).
+    observation: "tail" (the document's last W queries), "probe" (those plus a generic
+        question-like probe text from `prompts/`, scored then dropped) or "reconstruct" (the
+        queries of the model re-reading the whole document after a "repeat the text" prompt,
+        teacher-forced over the full cache: context reconstruction, KVzip §3; about 2× prefill).
+    store_budget: a token budget (≥ token_budget) for what the file keeps: it stores the prompt
+        budget derived from this budget instead of from t (None = t). Each question then
+        re-selects its working set of t's prompt budget from the stored tokens, with its own
+        queries as the observation window (docs/algorithm.md §4): the file grows with the store
+        budget, decode traffic stays with the token budget.
     prompt_budget, topk, page_size, n_score_dims: overrides of the derived values (None = derive).
     chunk_tokens: prefill chunk length in tokens (bounds activation memory).
     selection: "snapkv" (SnapKV++, docs/algorithm.md §2) or "sink_recent" (a baseline for `rocketkv eval`:
@@ -61,6 +68,7 @@ class PrefillConfig:
     selection: str = "snapkv"
     n_sink_tokens: int = 4
     n_first_tokens: int = DEFAULT_FIRST_TOKENS
+    store_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.selection not in SELECTIONS:
@@ -71,8 +79,15 @@ class PrefillConfig:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         for name in ("token_budget", "max_new_tokens", "window_size", "chunk_tokens"):
             _positive(name, getattr(self, name), allow_none=False)
-        for name in ("prompt_budget", "topk", "page_size", "n_score_dims"):
+        for name in ("prompt_budget", "topk", "page_size", "n_score_dims", "store_budget"):
             _positive(name, getattr(self, name))
+        if self.store_budget is not None and self.store_budget < self.token_budget:
+            raise ValueError(f"store_budget must be at least the token budget ({self.token_budget}), "
+                             f"got {self.store_budget}")  # fmt: skip
+        if self.store_budget is not None and self.selection != "snapkv":
+            raise ValueError(
+                f"store_budget needs selection 'snapkv' (re-selection is SnapKV++), got {self.selection!r}"
+            )
         k = self.pool_kernel_size
         if isinstance(k, bool) or not isinstance(k, int) or k < 0 or (k > 0 and k % 2 == 0):
             raise ValueError(f"pool_kernel_size must be an odd positive integer or 0 (auto), got {k!r}")
@@ -97,7 +112,18 @@ class PrefillConfig:
         d = asdict(self)
         if self.selection == "snapkv" and self.n_sink_tokens == 4:
             del d["selection"], d["n_sink_tokens"]
+        if self.store_budget is None:
+            del d["store_budget"]
         return d
+
+    def stored_tokens(self, n_context_tokens: int, prompt_budget: int) -> int:
+        """Tokens per KV head per layer the file keeps for a document of `n_context_tokens`,
+        given the working set's `prompt_budget`: the prompt budget derived from `store_budget`
+        (docs/algorithm.md §1), never less than the working set."""
+        if self.store_budget is None:
+            return prompt_budget
+        stored = derive_budgets(n_context_tokens, self.max_new_tokens, self.store_budget, 1).prompt_budget
+        return max(prompt_budget, stored)
 
 
 @dataclass(frozen=True)
@@ -226,3 +252,26 @@ class DecodeConfig:
     def uses_hsa(self, n_context_tokens: int) -> bool:
         """Whether a layer whose stored context holds `n_context_tokens` is attended with HSA."""
         return self.sparse and n_context_tokens > max(self.topk, self.min_hsa_tokens)
+
+
+@dataclass(frozen=True)
+class Reselection:
+    """Per-question re-selection (two-level budgets; docs/algorithm.md §4): the file stores more
+    tokens than one question's working set, and each question chooses its `prompt_budget` tokens
+    per KV head from them by SnapKV++ with its own queries as the observation window. The stored
+    first `n_first_tokens` and last `window_size` tokens stay in every working set, as at ingest.
+    pool_kernel_size: odd, in stored tokens (1 = no pooling). All in tokens.
+    """
+
+    prompt_budget: int
+    window_size: int
+    pool_kernel_size: int
+    n_first_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_budget", "window_size", "pool_kernel_size"):
+            _positive(name, getattr(self, name), allow_none=False)
+        if self.pool_kernel_size % 2 == 0:
+            raise ValueError(f"pool_kernel_size must be odd, got {self.pool_kernel_size}")
+        if isinstance(self.n_first_tokens, bool) or not isinstance(self.n_first_tokens, int) or self.n_first_tokens < 0:
+            raise ValueError(f"n_first_tokens must be a non-negative integer, got {self.n_first_tokens!r}")

@@ -61,6 +61,69 @@ def observation_scores(
     return scores
 
 
+def question_scores(
+    question_queries: torch.Tensor, keys: torch.Tensor, scaling: float, softcap: float | None = None
+) -> torch.Tensor:
+    """Attention mass a question's queries give each stored key, summed per KV head: the
+    observation scores of per-question re-selection (docs/algorithm.md §4), where the question's
+    own queries are the observation window (SnapKV §3 with the question known).
+
+    Every stored key precedes the question, so no key is masked; the softmax runs over the stored
+    keys only (the question's own keys are always attended, and left out of the ranking).
+
+    Args:
+        question_queries: `[B, H, T, D]` after norms and RoPE. keys: `[B, Hkv, S, D]` stored keys
+            after RoPE (each KV head its own tokens). scaling, softcap: the layer's attention.
+    Returns:
+        `[B, Hkv, S]` float32.
+    """
+    t, s = question_queries.shape[2], keys.shape[2]
+    return observation_scores(question_queries, keys, torch.ones(t, dtype=torch.long, device=keys.device),
+                              torch.zeros(s, dtype=torch.long, device=keys.device), scaling, softcap)  # fmt: skip
+
+
+def reconstruction_weights(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    n_context: int,
+    scaling: float,
+    softcap: float | None = None,
+    query_chunk_tokens: int = 256,
+) -> torch.Tensor:
+    """Context-reconstruction weights (KVzip §3): per query head, the largest attention weight
+    any query gives each of the first `n_context` keys.
+
+    The T queries are those of the last T keys (a teacher-forced pass appended after the
+    context): query t sees keys 0 … L − T + t (causal). softmax(q·Kᵀ·scaling) runs in float32 over
+    every key a query sees; the maximum is over queries. Queries go in chunks, so no `[H, T, L]`
+    matrix is held.
+
+    Args:
+        queries: `[B, H, T, D]` after norms and RoPE. keys: `[B, Hkv, L, D]` after RoPE, L ≥ T and
+            L − T ≥ n_context. scaling, softcap: the layer's attention.
+    Returns:
+        `[B, H, n_context]` float32 (sum over each GQA group for a KV head's score).
+    """
+    b, h, t, d = queries.shape
+    hkv, length = keys.shape[1], keys.shape[2]
+    if keys.shape[0] != b or keys.shape[3] != d or length - t < n_context or h % hkv:
+        raise ValueError(f"queries {tuple(queries.shape)} and keys {tuple(keys.shape)} do not match n={n_context}")
+    g = h // hkv
+    k = keys.float()
+    best = torch.zeros(b, hkv, g, n_context, device=keys.device)
+    for start in range(0, t, query_chunk_tokens):
+        q = queries[:, :, start : start + query_chunk_tokens].float()  # [B, H, C, D]
+        c = q.shape[2]
+        logits = torch.einsum("bkgcd,bksd->bkgcs", q.view(b, hkv, g, c, d), k) * scaling  # [B, Hkv, G, C, L]
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        last_seen = length - t + start + torch.arange(c, device=keys.device)  # [C]
+        future = torch.arange(length, device=keys.device)[None, :] > last_seen[:, None]  # [C, L]
+        weights = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)[..., :n_context]
+        best = torch.maximum(best, weights.amax(dim=3))
+    return best.view(b, h, n_context)
+
+
 def pool_scores(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
     """Max-pool scores along the sequence, stride 1, same length (SnapKV clustering).
 

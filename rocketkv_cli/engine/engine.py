@@ -20,8 +20,9 @@ from functools import cached_property
 
 import torch
 
+from .. import ops
 from ..core.cache import CacheInfo, CompressedKVCache, LayerKV, ModelIdentity, SegmentInfo
-from ..core.config import DecodeConfig, PrefillConfig, resolve_budgets
+from ..core.config import DecodeConfig, PrefillConfig, Reselection, auto_pool_kernel_size, resolve_budgets
 from ..core.quant import KVStorage, resolved
 from ..core.stage1 import gather_tokens
 from ..errors import BudgetError, CacheFormatError
@@ -136,23 +137,28 @@ class Engine:
         probe: bool = False,
         chunk_tokens: int = 1024,
         progress: TokenProgress = lambda done, total: None,
+        reconstruct: bool = False,
     ) -> Prefill:
         """Exact prefill of framed document ids `doc_ids` at RoPE positions 0 … n−1, in chunks.
 
         window_tokens: queries of the last this many document tokens are captured per
         full-attention layer (the widest observation window any later compression needs). probe:
         also prefill the probe text (`prompts/probe.txt`) after the document; its queries are
-        captured and its keys kept apart from the document's. The caller checks `doc_ids`
-        against `context_limit`.
+        captured and its keys kept apart from the document's. reconstruct: also score the
+        document's keys by context reconstruction (`reconstruction_scores`; `progress` then counts
+        the document twice). The caller checks `doc_ids` against `context_limit`.
         """
         n, shape = len(doc_ids), self.shape
         probe_ids = self.question_ids(read_prompt("probe.txt")) if probe else []
         capture_from = max(0, n - window_tokens)
-        cache = empty_cache(self.model, shape, n + len(probe_ids))
+        extra = max(len(probe_ids), len(self.question_ids(read_prompt("reconstruct.txt"))) + chunk_tokens
+                    if reconstruct else 0)  # fmt: skip
+        cache = empty_cache(self.model, shape, n + extra)
         with rocketkv_attention(self.model, cache, shape, capture_from=capture_from) as session:
             self._prefill_chunks(cache, doc_ids, 0, chunk_tokens, progress)
             sliding = {i: _last_tokens(cache.layers[i].view(), s.sliding_window)
                        for i, s in enumerate(shape.layers) if s.sliding_window}  # fmt: skip
+            recon = self.reconstruction_scores(cache, doc_ids, chunk_tokens, progress) if reconstruct else {}
             if probe_ids:
                 self._prefill_chunks(cache, probe_ids, n, chunk_tokens, lambda d, t: None)
         layers: list[LayerPrefill | LayerKV] = []
@@ -164,8 +170,44 @@ class Engine:
             queries = torch.cat(session.captured[i], dim=2)  # [1, H, n + probe - capture_from, D]
             assert queries.shape[2] == n + len(probe_ids) - capture_from, (queries.shape, n, capture_from)
             layers.append(LayerPrefill(keys, values, positions, queries, n, len(probe_ids), capture_from, spec.scaling,
-                                       spec.softcap))  # fmt: skip
+                                       spec.softcap, recon.get(i)))  # fmt: skip
         return Prefill(n_context_tokens=n, layers=layers)
+
+    def reconstruction_scores(
+        self, cache: RocketCache, doc_ids: list[int], chunk_tokens: int, progress: TokenProgress
+    ) -> dict[int, torch.Tensor]:
+        """Context reconstruction (KVzip §3, our own implementation): how much the model needs each
+        document key to repeat the document. For each chunk of `doc_ids`, the request
+        `prompts/reconstruct.txt` (framed as a question) plus the chunk is run teacher-forced after
+        the document's cache at positions n, n+1, …; each document key's score is the largest
+        attention weight any of the chunk's queries gives it (softmax over all keys the query
+        sees), summed over the query heads of its GQA group. The appended tokens are then dropped,
+        so each chunk attends the document plus the request and itself. Costs about one more
+        prefill of the document.
+
+        Returns: {full-attention layer index: `[1, Hkv, n]` float32}, n = len(doc_ids).
+        """
+        n, shape = len(doc_ids), self.shape
+        request = self.question_ids(read_prompt("reconstruct.txt"))
+        best: dict[int, torch.Tensor] = {}  # layer → [1, H, n] running max over queries
+        for offset in range(0, n, chunk_tokens):
+            piece = request + doc_ids[offset : offset + chunk_tokens]
+            lengths = [layer.length for layer in cache.layers]
+            positions = torch.arange(n, n + len(piece), device=self.loaded.device)
+            with rocketkv_attention(self.model, cache, shape, capture_from=n + len(request)) as session:
+                forward_tokens(self.model, cache, self.ids(piece), positions)
+            for i, spec in enumerate(shape.layers):
+                if spec.sliding_window is not None:
+                    continue
+                keys, _, _ = cache.layers[i].view()  # [1, Hkv, n + len(piece), D]
+                q = torch.cat(session.captured[i], dim=2)  # [1, H, T, D], the chunk's own tokens
+                weights = ops.reconstruction_weights(q, keys, n, spec.scaling, spec.softcap)  # [1, H, n]
+                best[i] = weights if i not in best else torch.maximum(best[i], weights)
+            for layer, length in zip(cache.layers, lengths):
+                layer.length = length  # drop the request and the chunk
+            progress(min(n, offset + chunk_tokens), n)
+        group = shape.n_heads // shape.n_kv_heads
+        return {i: w.view(1, shape.n_kv_heads, group, n).sum(dim=2) for i, w in best.items()}
 
     def _prefill_chunks(
         self, cache: RocketCache, ids: list[int], start: int, chunk: int, progress: TokenProgress
@@ -190,7 +232,8 @@ class Engine:
         tokens: DocumentTokens | None = None,
     ) -> CompressedKVCache:
         """Stage 1 over one prefill: each full-attention layer keeps `prompt_budget` tokens per KV
-        head (all when the document is shorter) chosen by `cfg`'s selector; sliding-window layers
+        head (more with `cfg.store_budget`: each question then re-selects its working set, see
+        `Decoder`; all when the document is shorter) chosen by `cfg`'s selector; sliding-window layers
         keep their window (RocketKV §3.2; docs/algorithm.md). The kept keys/values are then held as
         `storage` stores them (`auto`: as computed), so a cache in memory answers exactly as the
         same cache read back from its file. `tokens`: the document's token ids and offsets, kept
@@ -212,6 +255,7 @@ class Engine:
                 "raise --budget or lower --max-new-tokens",
             )
         selector = selector_for(cfg)
+        n_stored = cfg.stored_tokens(n, budgets.prompt_budget)  # the file's tokens per KV head (≥ the working set)
         storage = resolved(storage, self.dtype_name)
         layers = []
         for i, layer in enumerate(prefill.layers):
@@ -219,11 +263,11 @@ class Engine:
                 layers.append(layer.to_storage(storage))
                 continue
             tensors = (layer.keys[:, :, :n], layer.values[:, :, :n], layer.positions[:, :, :n])
-            if n <= budgets.prompt_budget:
+            if n <= n_stored:
                 k, v, p = (t.contiguous() for t in tensors)
                 layers.append(LayerKV(k, v, p).to_storage(storage))
                 continue
-            kept = selector.select(layer, budgets.prompt_budget)  # [1, Hkv, prompt_budget]
+            kept = selector.select(layer, n_stored)  # [1, Hkv, n_stored]
             k, v, p = (gather_tokens(t, kept) for t in tensors)
             layers.append(LayerKV(k, v, p).to_storage(storage))
         info = CacheInfo(
@@ -248,7 +292,8 @@ class Engine:
         storage: KVStorage = KVStorage(),
     ) -> CompressedKVCache:
         """`prefill` then `compress` for one configuration. Raises BudgetError as `compress`."""
-        prefill = self.prefill(tokens.ids, cfg.window_size, cfg.observation == "probe", cfg.chunk_tokens, progress)
+        prefill = self.prefill(tokens.ids, cfg.window_size, cfg.observation == "probe", cfg.chunk_tokens, progress,
+                               cfg.observation == "reconstruct")  # fmt: skip
         return self.compress(prefill, cfg, document_sha256, document_source, segment, storage, tokens)
 
     def ingest(
@@ -275,6 +320,19 @@ class Engine:
         return self.ingest_tokens(tokens, cfg, document.sha256, document.source, progress=progress, storage=storage)
 
 
+def reselection_for(cache: CompressedKVCache) -> Reselection | None:
+    """The per-question re-selection a cache asks for: None unless it was stored with a store
+    budget (`ingest --store-budget`); layers holding no more than its prompt budget are left
+    whole. Pooling follows the `auto` rule on the stored count (pooling runs over stored tokens,
+    which are sparser than the document's)."""
+    cfg, prompt_budget = cache.info.config, cache.info.budgets.prompt_budget
+    if cfg.store_budget is None:
+        return None
+    kernel = auto_pool_kernel_size(max(layer.n_kept_tokens for layer in cache.layers))
+    return Reselection(prompt_budget, min(cfg.window_size, prompt_budget), kernel,
+                       min(cfg.n_first_tokens, prompt_budget - min(cfg.window_size, prompt_budget)))  # fmt: skip
+
+
 def _tensor_or_none(values: list[int] | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if values is None else torch.tensor(values, dtype=dtype)
 
@@ -296,11 +354,19 @@ class Decoder:
     context is never written, so one question cannot change another's answer.
     """
 
-    def __init__(self, engine: Engine, cache: CompressedKVCache, tail_tokens: int, decode: DecodeConfig | None):
+    def __init__(
+        self,
+        engine: Engine,
+        cache: CompressedKVCache,
+        tail_tokens: int,
+        decode: DecodeConfig | None,
+        reselect: bool = True,
+    ):
         dev, dtype = engine.loaded.device, engine.loaded.dtype
         layers = [RocketLayer(layer.keys.to(dev, dtype), layer.values.to(dev, dtype), layer.positions.to(dev),
                               tail_tokens) for layer in cache.layers]  # fmt: skip
         self.engine, self.decode = engine, decode
+        self.reselection = reselection_for(cache) if reselect else None
         self.cache = RocketCache(layers)
         self.n_context_tokens = cache.n_context_tokens
         self.position = self.n_context_tokens  # RoPE position of the next token
@@ -314,11 +380,38 @@ class Decoder:
             yield
 
     def prefill(self, ids: list[int]) -> torch.Tensor:
-        """Run `ids` at the next positions; returns the last position's logits `[1, V]` float32."""
+        """Run `ids` at the next positions; returns the last position's logits `[1, V]` float32.
+
+        The first prefill after the stored context (a question) attends the whole stored context
+        exactly; with `reselection` set, each full-attention layer then narrows its context to the
+        question's working set (`select_working_set`) for the decode steps that follow."""
         positions = torch.arange(self.position, self.position + len(ids), device=self._position.device)
-        logits = forward_tokens(self.engine.model, self.cache, self.engine.ids(ids), positions)
+        if self.reselection is None or self.cache.selected or self.position != self.n_context_tokens:
+            logits = forward_tokens(self.engine.model, self.cache, self.engine.ids(ids), positions)
+        else:
+            with rocketkv_attention(self.engine.model, self.cache, self.engine.shape, decode=self.decode,
+                                    capture_from=self.position) as session:  # fmt: skip
+                logits = forward_tokens(self.engine.model, self.cache, self.engine.ids(ids), positions)
+            self.select_working_set(session.captured, self.reselection)
         self.position += len(ids)
         return logits
+
+    def select_working_set(self, captured: dict[int, list[torch.Tensor]], plan: Reselection) -> None:
+        """Per-question re-selection (docs/algorithm.md §4): in each full-attention layer whose
+        stored context holds more than `plan.prompt_budget` tokens, score the stored keys by the
+        attention the question's queries give them (`captured[layer]`: `[1, H, T, D]` pieces),
+        max-pool, keep the top `plan.prompt_budget` per KV head (the stored first and last tokens
+        included) and narrow the layer to them (`RocketLayer.select_context`)."""
+        for i, spec in enumerate(self.engine.shape.layers):
+            layer = self.cache.layers[i]
+            if spec.sliding_window is not None or layer.n_context <= plan.prompt_budget or i not in captured:
+                continue
+            queries = torch.cat(captured[i], dim=2)  # [1, H, T, D]
+            keys = layer.keys[:, :, : layer.n_context]  # [1, Hkv, S, D]
+            scores = ops.question_scores(queries, keys, spec.scaling, spec.softcap)  # [1, Hkv, S]
+            kept = ops.snapkv_select(scores, plan.prompt_budget, plan.window_size, plan.pool_kernel_size,
+                                     plan.n_first_tokens)  # [1, Hkv, prompt_budget]  # fmt: skip
+            layer.select_context(kept)
 
     def decode_one_token(self, token: int) -> torch.Tensor:
         """Run one token at the next position; returns its logits `[1, V]` float32."""
@@ -334,6 +427,17 @@ class Decoder:
         question attends exactly (as its prefill does) and every answer position with stage 2
         exactly as the decode step at that position would, so the logits equal step-by-step decode
         (`tests/test_decode.py`). Leaves the tokens in the tail; `reset()` drops them."""
+        if self.reselection is not None:  # the question first (it chooses the working set), then the answer
+            first = self.prefill(ids)  # [1, V]
+            if len(answer) == 1:
+                return first
+            rest = answer[:-1]
+            positions = torch.arange(self.position, self.position + len(rest), device=self._position.device)
+            with rocketkv_attention(self.engine.model, self.cache, self.engine.shape, decode=self.decode,
+                                    hsa_from=self.position):  # fmt: skip
+                logits = forward_tokens(self.engine.model, self.cache, self.engine.ids(rest), positions, len(rest))
+            self.position += len(rest)
+            return torch.cat([first, logits.view(len(rest), -1)], dim=0)
         tokens = ids + answer[:-1]
         positions = torch.arange(self.position, self.position + len(tokens), device=self._position.device)
         with rocketkv_attention(self.engine.model, self.cache, self.engine.shape, decode=self.decode,

@@ -286,7 +286,10 @@ def merge_segments(stored: SegmentedKVCache, indices: list[int]) -> CompressedKV
         )
         for layer in zip(*(p.layers for p in parts))
     )  # each [1, Hkv, Σ S_j, D] / [1, Hkv, Σ S_j]
-    info = parts[0].info.with_(n_context_tokens=max(p.n_context_tokens for p in parts), segment=None)
+    first = parts[0].info
+    # a working set per chosen segment: re-selection (a store budget) keeps k segments' worth
+    budgets = dataclasses.replace(first.budgets, prompt_budget=first.budgets.prompt_budget * len(parts))
+    info = first.with_(n_context_tokens=max(p.n_context_tokens for p in parts), segment=None, budgets=budgets)
     return CompressedKVCache(info=info, layers=layers)
 
 

@@ -38,6 +38,7 @@ class LayerPrefill:
     capture_from: int
     scaling: float
     softcap: float | None
+    reconstruction: torch.Tensor | None = None  # [1, Hkv, n] context-reconstruction scores, when computed
     _scores: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def observation_scores(self, observation: str, window_size: int) -> torch.Tensor:
@@ -89,6 +90,23 @@ class SnapKVSelector:
 
 
 @dataclass(frozen=True)
+class ReconstructionSelector:
+    """Context reconstruction (KVzip §3; `Engine.reconstruction_scores`): each key scored by the
+    attention it gets while the model re-reads the document after a "repeat the text" request,
+    then SnapKV++'s pooling and selection (first tokens and the last W kept)."""
+
+    window_size: int
+    pool_kernel_size: int
+    n_first_tokens: int = 0
+
+    def select(self, layer: LayerPrefill, prompt_budget: int) -> torch.Tensor:
+        if layer.reconstruction is None:
+            raise ValueError("context reconstruction scores were not computed (Engine.prefill(reconstruct=True))")
+        kernel = self.pool_kernel_size or auto_pool_kernel_size(layer.n_context_tokens)
+        return ops.snapkv_select(layer.reconstruction, prompt_budget, self.window_size, kernel, self.n_first_tokens)
+
+
+@dataclass(frozen=True)
 class SinkRecentSelector:
     """A StreamingLLM-style baseline: the first `n_sink_tokens` plus the most recent tokens."""
 
@@ -103,6 +121,8 @@ def selector_for(cfg: PrefillConfig) -> Selector:
     """The selector a configuration names (`cfg.selection`)."""
     if cfg.selection == "sink_recent":
         return SinkRecentSelector(cfg.n_sink_tokens)
+    if cfg.observation == "reconstruct":
+        return ReconstructionSelector(cfg.window_size, cfg.pool_kernel_size, cfg.n_first_tokens)
     return SnapKVSelector(cfg.window_size, cfg.pool_kernel_size, cfg.observation, cfg.n_first_tokens)
 
 

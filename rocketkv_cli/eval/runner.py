@@ -15,6 +15,10 @@ Methods (budgets in tokens, docs/algorithm.md §1):
   (stage 2 only).
 - sink_recent: the first `n_sink_tokens` plus the most recent tokens, the same kept count as
   rocketkv's stage 1, exact attention over them (a StreamingLLM-style baseline).
+- reconstruct: stage 1 scored by context reconstruction (KVzip §3) instead of the tail window,
+  then HSA as rocketkv.
+- reselect: two-level budgets: the file keeps what SnapKV++ keeps at `store_factor`·t, each
+  question re-selects its working set of t's prompt budget with its own queries, then HSA.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from ..errors import BudgetError
 from ..store.format import load_cache, save_cache
 from .tasks import NEEDS_HAYSTACK_TEXT, TASKS, Sample, generate
 
-METHODS = ("full", "rocketkv", "snapkv", "hsa", "sink_recent")
+METHODS = ("full", "rocketkv", "snapkv", "hsa", "sink_recent", "reconstruct", "reselect")
 OBSERVATIONS = ("tail", "probe", "wide")  # stage-1 observation windows compared by the ablation
 FULL_TOKEN_BUDGET = 1 << 30  # a budget above any document: stage 1 keeps everything
 REPORT_FORMAT = "rocketkv.eval"
@@ -62,6 +66,8 @@ class EvalConfig:
     plan_new_tokens: the answer length budgets plan for (ingest's --max-new-tokens).
     max_new_tokens: answer cap; None = each task's own (eval_tasks.ANSWER_TOKENS).
     kv_dtype: storage of every method's keys/values (default: what `ingest` stores).
+    store_factor: reselect's store budget, as a multiple of t. reconstruct_pool_kernel: the
+        pooling kernel of reconstruct's selection (odd; 1 = none, as KVzip).
     """
 
     context_tokens: tuple[int, ...] = (4096,)
@@ -79,6 +85,8 @@ class EvalConfig:
     max_new_tokens: int | None = None
     chunk_tokens: int = 1024
     kv_dtype: str = DEFAULT_KV_DTYPE
+    store_factor: int = 2
+    reconstruct_pool_kernel: int = 7
 
     def __post_init__(self) -> None:
         for name, allowed in (("methods", METHODS), ("tasks", TASKS), ("observations", OBSERVATIONS)):
@@ -100,6 +108,10 @@ class EvalConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+        if self.store_factor < 2:
+            raise ValueError(f"store_factor must be at least 2, got {self.store_factor}")
+        if self.reconstruct_pool_kernel < 1 or self.reconstruct_pool_kernel % 2 == 0:
+            raise ValueError(f"reconstruct_pool_kernel must be odd and positive, got {self.reconstruct_pool_kernel}")
         if self.seed < 0 or self.n_sink_tokens < 0:
             raise ValueError(f"seed and n_sink_tokens must be non-negative, got {self.seed}, {self.n_sink_tokens}")
         plan(self)  # every stage-1 configuration must be valid before any model loads (ValueError naming it)
@@ -150,6 +162,18 @@ def plan(cfg: EvalConfig) -> tuple[dict[str, PrefillConfig], list[Run]]:
                 runs.append(Run(m, t, obs, kernel, key, label))
         if "hsa" in cfg.methods:
             runs.append(Run("hsa", t, None, None, "full", "hsa"))
+        if "reconstruct" in cfg.methods:
+            caches[f"t{t}-reconstruct"] = PrefillConfig(
+                token_budget=t, observation="reconstruct", pool_kernel_size=cfg.reconstruct_pool_kernel, **base
+            )
+            runs.append(Run("reconstruct", t, "reconstruct", cfg.reconstruct_pool_kernel, f"t{t}-reconstruct",
+                            "reconstruct"))  # fmt: skip
+        if "reselect" in cfg.methods:
+            kernel = cfg.pool_kernels[0]
+            caches[f"t{t}-reselect"] = PrefillConfig(
+                token_budget=t, store_budget=cfg.store_factor * t, observation="tail", pool_kernel_size=kernel, **base
+            )
+            runs.append(Run("reselect", t, "tail", kernel, f"t{t}-reselect", "reselect"))
         if "sink_recent" in cfg.methods:
             caches[f"t{t}-sink"] = PrefillConfig(
                 token_budget=t, selection="sink_recent", n_sink_tokens=cfg.n_sink_tokens, **base
@@ -220,7 +244,8 @@ def compress_variants(
         raise BudgetError(f"document is {n} tokens; this model's context fits {limit}", "use shorter documents")
     window = max(c.window_size for c in cfgs)
     probe = any(c.observation == "probe" for c in cfgs)
-    prefill = engine.prefill(doc_ids, window, probe, cfgs[0].chunk_tokens, progress)
+    reconstruct = any(c.observation == "reconstruct" for c in cfgs)
+    prefill = engine.prefill(doc_ids, window, probe, cfgs[0].chunk_tokens, progress, reconstruct)
     return [engine.compress(prefill, c, document.sha256, document.source, storage=storage) for c in cfgs]
 
 
@@ -338,9 +363,11 @@ def _answer_run(engine: Engine, stored: CompressedKVCache, run: Run, sample: Sam
         decode = decode_config_for(stored, True, **stage2_only_budgets(n_ctx, cfg.plan_new_tokens, run.budget,
                                                                          engine.shape.head_dim))  # fmt: skip
     else:
-        decode = decode_config_for(stored, sparse=run.method == "rocketkv")
+        decode = decode_config_for(stored, sparse=run.method in ("rocketkv", "reconstruct", "reselect"))
     max_new = cfg.max_new_tokens or sample.max_new_tokens
-    kept = max(layer.n_kept_tokens for layer, s in zip(stored.layers, engine.shape.layers) if s.sliding_window is None)
+    stored_tokens = max(layer.n_kept_tokens for layer, s in zip(stored.layers, engine.shape.layers)
+                        if s.sliding_window is None)  # fmt: skip
+    kept = min(stored_tokens, stored.info.budgets.prompt_budget) if run.method == "reselect" else stored_tokens
     prepared = prepare_questions(engine, stored, [q.text for q in sample.questions], max_new)
     decoder = Decoder(engine, stored, max(QUESTION_RESERVE_TOKENS, max(len(i) for _, i in prepared)) + max_new + 2,
                       decode)  # fmt: skip
@@ -366,7 +393,8 @@ def _answer_run(engine: Engine, stored: CompressedKVCache, run: Run, sample: Sam
             "needle_depths": list(question.depths), "method": run.method, "label": run.label, "budget": run.budget,
             "observation": run.observation,
             "pool_kernel": None if run.pool_kernel is None else pool_label(run.pool_kernel),
-            "kept_tokens": kept, "sparse": decode.sparse, "topk": decode.topk, "page_size": decode.page_size,
+            "kept_tokens": kept, "stored_tokens": stored_tokens, "sparse": decode.sparse, "topk": decode.topk,
+            "page_size": decode.page_size,
             "n_score_dims": decode.n_score_dims, "answer": ans.text, "token_ids": list(ans.token_ids),
             "n_answer_tokens": ans.n_answer_tokens, "stop_reason": ans.stop_reason, "score": score,
             "correct": score == 1.0, "agreement": None, **forced, "prefill_s": round(ans.prefill_s, 4),

@@ -127,6 +127,7 @@ class RocketLayer(CacheLayerMixin):
         self.n_context = s
         self.is_initialized = True
         self._context_pages: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self._stored: tuple[torch.Tensor, ...] | None = None  # the whole context while a working set is selected
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         pass  # buffers are allocated in __init__
@@ -174,8 +175,34 @@ class RocketLayer(CacheLayerMixin):
         self.n_context = min(self.n_context, n_tokens)
         self._context_pages = None
 
+    def select_context(self, kept: torch.Tensor) -> None:
+        """Narrow the stored context to the tokens `kept` (`[B, Hkv, P]` int64 ascending indices
+        into it, per KV head), the tail moved up behind them: a question's working set
+        (re-selection). `crop_to_context()` restores the whole stored context."""
+        b, hkv, p = kept.shape
+        n, end = self.n_context, self.length
+        if (b, hkv) != tuple(self.keys.shape[:2]) or p > n:
+            raise ValueError(f"kept indices {tuple(kept.shape)} do not fit a context of {n} tokens")
+        if self._stored is None:
+            self._stored = tuple(buf[:, :, :n].clone() for buf in (self.keys, self.values, self.positions))
+        tail = [buf[:, :, n:end].clone() for buf in (self.keys, self.values, self.positions)]
+        idx = kept.unsqueeze(-1)
+        self.keys[:, :, :p] = self.keys[:, :, :n].gather(2, idx.expand(b, hkv, p, self.keys.shape[3]))
+        self.values[:, :, :p] = self.values[:, :, :n].gather(2, idx.expand(b, hkv, p, self.values.shape[3]))
+        self.positions[:, :, :p] = self.positions[:, :, :n].gather(2, kept)
+        for buf, part in zip((self.keys, self.values, self.positions), tail):
+            buf[:, :, p : p + end - n] = part
+        self.n_context, self.length = p, p + end - n
+        self._context_pages = None
+
     def crop_to_context(self) -> None:
-        """Drop the tail: the cache is back to the stored context."""
+        """Drop the tail: the cache is back to the stored context (all of it, after a
+        `select_context`)."""
+        if self._stored is not None:
+            n = self._stored[0].shape[2]
+            for buf, part in zip((self.keys, self.values, self.positions), self._stored):
+                buf[:, :, :n] = part
+            self.n_context, self._stored, self._context_pages = n, None, None
         self.length = self.n_context
 
     def get_seq_length(self) -> int:
@@ -206,6 +233,11 @@ class RocketCache(Cache):
     def crop_to_context(self) -> None:
         for layer in self.layers:
             layer.crop_to_context()
+
+    @property
+    def selected(self) -> bool:
+        """Whether some layer holds a question's working set rather than its stored context."""
+        return any(layer._stored is not None for layer in self.layers)
 
 
 def empty_cache(model: Any, shape: ModelShape, n_tokens: int) -> RocketCache:

@@ -147,6 +147,25 @@ def observation_scores(
     return fn(window_queries, keys, query_positions, key_positions, scaling, softcap)
 
 
+def question_scores(
+    question_queries: torch.Tensor, keys: torch.Tensor, scaling: float, softcap: float | None = None
+) -> torch.Tensor:
+    """`stage1.question_scores` through the dispatched `observation_scores`: `[B, H, T, D]` ×
+    `[B, Hkv, S, D]` (every key before every query) → `[B, Hkv, S]` float32."""
+    t, s = question_queries.shape[2], keys.shape[2]
+    ones = torch.ones(t, dtype=torch.long, device=keys.device)
+    return observation_scores(question_queries, keys, ones, torch.zeros(s, dtype=torch.long, device=keys.device),
+                              scaling, softcap)  # fmt: skip
+
+
+def reconstruction_weights(
+    queries: torch.Tensor, keys: torch.Tensor, n_context: int, scaling: float, softcap: float | None = None
+) -> torch.Tensor:
+    """`stage1.reconstruction_weights` (torch on every device): `[B, H, T, D]` × `[B, Hkv, L, D]` →
+    `[B, H, n_context]` float32."""
+    return stage1.reconstruction_weights(queries, keys, n_context, scaling, softcap)
+
+
 def pool_scores(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
     """Dispatched `stage1.pool_scores`: `[B, Hkv, S]` → `[B, Hkv, S]` (stride-1 max-pool)."""
     return implementation("pool_scores", scores)(scores, kernel_size)

@@ -1,0 +1,209 @@
+"""Per-question re-selection (two-level budgets, docs/algorithm.md §4): the file stores a larger
+question-agnostic set (`store_budget`); each question chooses its working set of prompt_budget
+tokens from it with its own queries, and the next question starts from the whole stored set."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import make_engine, text_of_bytes
+
+from rocketkv_cli.core.cache import CompressedKVCache, LayerKV
+from rocketkv_cli.core.config import PrefillConfig
+from rocketkv_cli.engine.answer import Answerer, decode_config_for
+from rocketkv_cli.engine.documents import Document
+from rocketkv_cli.engine.engine import Decoder, reselection_for
+
+CFG = PrefillConfig(token_budget=32, max_new_tokens=8, window_size=8, pool_kernel_size=5, store_budget=128)
+DOC = Document(text_of_bytes(600, seed=4), "0" * 64, "d.txt")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return make_engine("llama")
+
+
+@pytest.fixture(scope="module")
+def stored(engine):
+    return engine.ingest(DOC, CFG)
+
+
+def _full_layers(engine):
+    return [i for i, s in enumerate(engine.shape.layers) if s.sliding_window is None]
+
+
+def test__store_budget__file_keeps_the_store_budget_and_records_the_working_set(engine, stored):
+    from rocketkv_cli.core.config import derive_budgets
+
+    p, n = stored.info.budgets.prompt_budget, stored.n_context_tokens
+    n_stored = derive_budgets(
+        n, CFG.max_new_tokens, CFG.store_budget, 1
+    ).prompt_budget  # the store budget's prompt budget
+    assert p < n_stored < n, (p, n_stored, n)
+    assert {stored.layers[i].n_kept_tokens for i in _full_layers(engine)} == {n_stored}
+    plan = reselection_for(stored)
+    assert plan is not None and plan.prompt_budget == p
+    plain = engine.ingest(DOC, PrefillConfig(token_budget=32, max_new_tokens=8, window_size=8, pool_kernel_size=5))
+    assert reselection_for(plain) is None
+    assert {plain.layers[i].n_kept_tokens for i in _full_layers(engine)} == {p}
+
+
+def test__config__store_budget_below_the_token_budget_is_refused():
+    with pytest.raises(ValueError, match="store_budget must be at least the token budget"):
+        PrefillConfig(token_budget=512, store_budget=256)
+    with pytest.raises(ValueError, match="store_budget"):
+        PrefillConfig(token_budget=512, store_budget=0)
+    assert "store_budget" not in PrefillConfig().to_dict()  # files without it read as before
+
+
+def test__question_narrows_each_layer_to_the_working_set_and_reset_restores_the_store(engine, stored):
+    p = stored.info.budgets.prompt_budget
+    decoder = Decoder(engine, stored, 300, decode_config_for(stored))
+    ids = engine.question_ids("Which letter comes first?")
+    with decoder.attention():
+        decoder.prefill(ids)
+        decoder.decode_one_token(5)
+    for i in _full_layers(engine):
+        layer = decoder.cache.layers[i]
+        assert layer.n_context == p and layer.length == p + len(ids) + 1, (i, layer.n_context, layer.length)
+        pos = layer.positions[0, :, :p]
+        assert bool((pos[:, 1:] > pos[:, :-1]).all()), "a working set keeps the stored order"
+        stored_pos = stored.layers[i].positions[0]
+        for h in range(pos.shape[0]):  # every kept token is one of the stored ones
+            assert set(pos[h].tolist()) <= set(stored_pos[h].tolist())
+    decoder.reset()
+    for i, layer in enumerate(decoder.cache.layers):
+        k, v, pos = layer.view()
+        assert layer.n_context == stored.layers[i].n_kept_tokens
+        assert torch.equal(k, stored.layers[i].keys.to(k.dtype)) and torch.equal(pos, stored.layers[i].positions)
+
+
+def test__questions_stay_independent__q1_then_q2_equals_q2_alone(engine, stored):
+    q1, q2 = "What is the first word?", "Name a letter near the end."
+    both = Answerer(engine, stored, 8, decode_config_for(stored))
+    both.ask(q1)
+    second = both.ask(q2)
+    alone = Answerer(engine, stored, 8, decode_config_for(stored)).ask(q2)
+    assert second.token_ids == alone.token_ids
+
+
+def test__working_set_keeps_the_key_the_question_attends_to(engine, stored):
+    """A key planted in the middle of the stored set of the first full-attention layer along the
+    question's queries (layer 0's queries do not depend on the context) is in every KV head's
+    working set, though the tail window alone would not choose it."""
+    from rocketkv_cli.engine.segments import question_queries
+
+    question = "where is the stone?"
+    i = _full_layers(engine)[0]
+    q = question_queries(engine, question, stored.n_context_tokens)[i]  # [1, H, T, D]
+    layers = list(stored.layers)
+    keys = layers[i].keys.clone()  # [1, Hkv, S, D]
+    group = engine.shape.n_heads // engine.shape.n_kv_heads
+    middle = keys.shape[2] // 2
+    keys[0, :, middle] = (q[0].view(keys.shape[1], group, q.shape[2], -1).mean(dim=(1, 2)) * 50.0).to(keys.dtype)
+    layers[i] = LayerKV(keys, layers[i].values, layers[i].positions)
+    planted = CompressedKVCache(stored.info, tuple(layers), stored.token_ids)
+    decoder = Decoder(engine, planted, 300, None)
+    with decoder.attention():
+        decoder.prefill(engine.question_ids(question))
+    kept = decoder.cache.layers[i].positions[0, :, : decoder.cache.layers[i].n_context]  # [Hkv, P]
+    target = layers[i].positions[0, :, middle]  # [Hkv]
+    assert bool((kept == target[:, None]).any(dim=1).all()), "the planted key left some head's working set"
+    assert middle >= CFG.n_first_tokens and middle < keys.shape[2] - CFG.window_size  # not kept by position
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test__teacher_forced_logits_equal_step_by_step_decode_with_reselection(arch):
+    engine = make_engine(arch)
+    cfg = PrefillConfig(token_budget=32, max_new_tokens=8, window_size=8, pool_kernel_size=5, store_budget=96)
+    stored = engine.ingest(Document(text_of_bytes(500, seed=3), "0" * 64, "d.txt"), cfg)
+    assert reselection_for(stored) is not None
+    dec = decode_config_for(stored)
+    ids = engine.question_ids("Which word comes first?")
+    answer = [7, 101, 55, 200, 33, 9]
+    decoder = Decoder(engine, stored, 300, dec)
+    with decoder.attention():
+        steps = [decoder.prefill(ids)[0]]
+        assert any(dec.uses_hsa(layer.n_context) for layer in decoder.cache.layers), "HSA must really select"
+        for token in answer[:-1]:
+            steps.append(decoder.decode_one_token(token)[0])
+    decoder.reset()
+    forced = decoder.score(ids, answer)
+    err = (forced - torch.stack(steps)).abs()
+    assert float(err.max()) < 1e-9, f"max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"
+
+
+def test__saved_and_loaded_cache_keeps_the_store_budget(engine, stored, tmp_path):
+    from rocketkv_cli.store.format import load_cache, save_cache
+
+    path = tmp_path / "d.kv"
+    save_cache(stored, path)
+    loaded = load_cache(path)
+    assert loaded.info.config.store_budget == CFG.store_budget
+    assert reselection_for(loaded) == reselection_for(stored)
+
+
+# --- context reconstruction (KVzip §3) -----------------------------------------------------------
+
+
+def test__reconstruction_scores__equal_transformers_own_attention_weights():
+    """One chunk: the scores equal, per layer, the max over the re-read document's queries of
+    transformers' eager attention weights on the document's keys, summed over each GQA group."""
+    from rocketkv_cli.model.templates import read_prompt
+
+    engine = make_engine("llama")  # full attention in every layer
+    doc = engine.document_ids(Document(text_of_bytes(150, seed=8), "0" * 64, "d.txt"))
+    n = len(doc)
+    prefill = engine.prefill(doc, 8, chunk_tokens=4 * n, reconstruct=True)
+    request = engine.question_ids(read_prompt("reconstruct.txt"))
+    ids = torch.tensor([doc + request + doc])
+    with torch.no_grad():
+        out = engine.model(input_ids=ids, output_attentions=True, use_cache=False)
+    group = engine.shape.n_heads // engine.shape.n_kv_heads
+    for i, layer in enumerate(prefill.layers):
+        weights = out.attentions[i][0, :, n + len(request) :, :n].float()  # [H, n, n]: re-read queries on the document
+        expected = weights.amax(dim=1).view(engine.shape.n_kv_heads, group, n).sum(dim=1)  # [Hkv, n]
+        got = layer.reconstruction[0]
+        err = (got - expected).abs()
+        assert float(err.max()) < 1e-6, f"layer {i}: max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"
+
+
+def test__reconstruction_scores__chunks_attend_the_document_and_themselves_only():
+    """Chunked: each chunk is scored as if run alone after the document (its own request)."""
+    engine = make_engine("llama")
+    doc = engine.document_ids(Document(text_of_bytes(200, seed=9), "0" * 64, "d.txt"))
+    chunked = engine.prefill(doc, 8, chunk_tokens=64, reconstruct=True)
+    again = engine.prefill(doc, 8, chunk_tokens=64, reconstruct=True)
+    whole = engine.prefill(doc, 8, chunk_tokens=4096, reconstruct=True)
+    for a, b, c in zip(chunked.layers, again.layers, whole.layers):
+        assert torch.equal(a.reconstruction, b.reconstruction)  # no state leaks from one run to the next
+        assert a.keys.shape == c.keys.shape and torch.allclose(a.keys, c.keys)  # the document's cache is untouched
+        assert not torch.allclose(a.reconstruction, c.reconstruction)  # chunks see less than the whole re-read
+
+
+def test__reconstruct_observation__ingests_and_keeps_the_highest_scored_keys(tmp_path):
+    from rocketkv_cli.engine.selectors import ReconstructionSelector, selector_for
+
+    engine = make_engine("gemma3_text")  # sliding-window layers too
+    cfg = PrefillConfig(token_budget=32, max_new_tokens=8, window_size=8, pool_kernel_size=1,
+                        observation="reconstruct", n_first_tokens=4)  # fmt: skip
+    assert isinstance(selector_for(cfg), ReconstructionSelector)
+    doc = Document(text_of_bytes(500, seed=5), "0" * 64, "d.txt")
+    tokens = engine.document_tokens(doc)
+    prefill = engine.prefill(tokens.ids, cfg.window_size, chunk_tokens=128, reconstruct=True)
+    stored = engine.compress(prefill, cfg, doc.sha256, doc.source)
+    p = stored.info.budgets.prompt_budget
+    for i, layer in enumerate(prefill.layers):
+        if isinstance(layer, LayerKV):
+            continue
+        scores = layer.reconstruction[0]  # [Hkv, n]
+        n = scores.shape[1]
+        kept = stored.layers[i].positions[0]  # [Hkv, P]
+        for h in range(scores.shape[0]):
+            middle = scores[h, 4 : n - 8]
+            top = set((torch.topk(middle, p - 12).indices + 4).tolist()) | set(range(4)) | set(range(n - 8, n))
+            assert set(kept[h].tolist()) == top, f"layer {i} head {h}"
+    again = engine.ingest(doc, dataclasses.replace(cfg, chunk_tokens=128))
+    assert all(torch.equal(a.positions, b.positions) for a, b in zip(again.layers, stored.layers))

@@ -207,3 +207,21 @@ def test__reconstruct_observation__ingests_and_keeps_the_highest_scored_keys(tmp
             assert set(kept[h].tolist()) == top, f"layer {i} head {h}"
     again = engine.ingest(doc, dataclasses.replace(cfg, chunk_tokens=128))
     assert all(torch.equal(a.positions, b.positions) for a, b in zip(again.layers, stored.layers))
+
+
+def test__segmented_store_budget__merged_segments_reselect_a_working_set_per_segment(engine):
+    from rocketkv_cli.engine.documents import TextPieces
+    from rocketkv_cli.engine.segments import answer_segmented, ingest_stream, merge_segments
+
+    stored = ingest_stream(engine, TextPieces(text_of_bytes(1500, seed=6), "book.txt"), CFG, segment_tokens=400)
+    assert len(stored.segments) >= 3
+    one = stored.segments[0].info.budgets.prompt_budget
+    merged = merge_segments(stored, [0, 1])
+    assert merged.info.budgets.prompt_budget == 2 * one
+    decoder = Decoder(engine, merged, 300, decode_config_for(merged))
+    with decoder.attention():
+        decoder.prefill(engine.question_ids("Where?"))
+    for i in _full_layers(engine):  # two segments' working sets, of the two segments' stored tokens
+        assert decoder.cache.layers[i].n_context == 2 * one < merged.layers[i].n_kept_tokens
+    answers = list(answer_segmented(engine, stored, ["Where?"], 4, True, {}, n_segments=2))
+    assert len(answers) == 1 and answers[0].segments is not None and len(answers[0].segments) == 2

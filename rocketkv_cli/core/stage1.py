@@ -109,19 +109,25 @@ def reconstruction_weights(
     if keys.shape[0] != b or keys.shape[3] != d or length - t < n_context or h % hkv:
         raise ValueError(f"queries {tuple(queries.shape)} and keys {tuple(keys.shape)} do not match n={n_context}")
     g = h // hkv
-    k = keys.float()
-    best = torch.zeros(b, hkv, g, n_context, device=keys.device)
+    k_ctx = keys[:, :, :n_context].float().transpose(-1, -2)  # [B, Hkv, D, n]: never masked
+    k_rest = keys[:, :, n_context:].float().transpose(-1, -2)  # [B, Hkv, D, L − n]: masked causally
+    # max over queries of exp(logit − lse) = exp(max over queries of (logit − lse)): one exp at the end
+    best = torch.full((b, hkv, g, n_context), float("-inf"), device=keys.device)
     for start in range(0, t, query_chunk_tokens):
         q = queries[:, :, start : start + query_chunk_tokens].float()  # [B, H, C, D]
         c = q.shape[2]
-        logits = torch.einsum("bkgcd,bksd->bkgcs", q.view(b, hkv, g, c, d), k) * scaling  # [B, Hkv, G, C, L]
+        q = q.reshape(b, hkv, g * c, d)  # rows in (g, c) order
+        ctx = torch.matmul(q, k_ctx) * scaling  # [B, Hkv, G*C, n]
+        rest = torch.matmul(q, k_rest) * scaling  # [B, Hkv, G*C, L − n]
         if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
-        last_seen = length - t + start + torch.arange(c, device=keys.device)  # [C]
-        future = torch.arange(length, device=keys.device)[None, :] > last_seen[:, None]  # [C, L]
-        weights = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)[..., :n_context]
-        best = torch.maximum(best, weights.amax(dim=3))
-    return best.view(b, h, n_context)
+            ctx, rest = torch.tanh(ctx / softcap) * softcap, torch.tanh(rest / softcap) * softcap
+        last_seen = length - t + start + torch.arange(c, device=keys.device) - n_context  # [C], in rest's columns
+        future = torch.arange(length - n_context, device=keys.device)[None, :] > last_seen[:, None]  # [C, L − n]
+        rest = rest.view(b, hkv, g, c, -1).masked_fill(future, float("-inf")).view(b, hkv, g * c, -1)
+        lse = torch.logaddexp(torch.logsumexp(ctx, dim=-1, keepdim=True), torch.logsumexp(rest, dim=-1, keepdim=True))
+        ctx = (ctx - lse).view(b, hkv, g, c, n_context)  # log-weights on the context keys
+        best = torch.maximum(best, ctx.amax(dim=3))
+    return best.exp().view(b, h, n_context)
 
 
 def pool_scores(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:

@@ -4,7 +4,7 @@
 Usage: python scripts/accuracy_report.py [--quick] [--from-json] [--out-dir DIR] [--samples N]
 Runs the installed CLI once per preset and task (SmolLM2 at ~4K tokens, Gemma at ~8K, 20 samples
 per task, budgets 128–1024, methods full / rocketkv with each observation window / snapkv / hsa /
-sink_recent) and keeps each run's JSON (`docs/bench/accuracy-<preset>-<task>.json`): an
+sink_recent / reconstruct / reselect) and keeps each run's JSON (`docs/bench/accuracy-<preset>-<task>.json`): an
 interrupted report resumes at the first missing one when rerun, so it can run in the background.
 Every method scores full attention's answer teacher-forced (top-1 agreement, KL, log-prob) and
 generates only where it disagrees, so a preset takes about an hour on an idle 2-core CPU. Rates
@@ -93,7 +93,8 @@ def main_table(report: dict, what: str) -> list[str]:
     """Rows tasks + mean; columns full, then rocketkv / snapkv / hsa / sink_recent per budget."""
     cells, cfg = rows_of(report), report["config"]
     cols = [("full", None)] + [(m, t) for t in cfg["budgets"] for m in
-                               (default_label(report), "snapkv", "hsa", "sink_recent")]  # fmt: skip
+                               (default_label(report), "snapkv", "hsa", "sink_recent", "reconstruct",
+                                "reselect")]  # fmt: skip
     cols = [c for c in cols if any(k[1:] == c for k in cells)]
     head = ["task"] + [label.split("[")[0] if t is None else f"{label.split('[')[0]} t={t}" for label, t in cols]
     lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * len(cols)]
@@ -101,6 +102,30 @@ def main_table(report: dict, what: str) -> list[str]:
         vals = [ci(cells[(task, *c)], what) if (task, *c) in cells else "-" for c in cols]
         name = f"**{task}**" if task == "mean" else task
         lines.append(f"| {name} | " + " | ".join(vals) + " |")
+    return lines
+
+
+def two_level(report: dict) -> list[str]:
+    """Per budget t: rocketkv at t and at the store budget (its file), and reselect at t (the
+    store budget's file, t's working set), each as mean score (top-1 agreement) and kept tokens."""
+    cells, cfg = rows_of(report), report["config"]
+    factor, label = cfg.get("store_factor", 2), default_label(report)
+    kept = defaultdict(list)
+    for r in report["records"]:
+        kept[(r["label"], r["budget"])].append(r.get("stored_tokens", r["kept_tokens"]))
+    lines = [f"| t | rocketkv t | rocketkv {factor}t (same file as reselect) | reselect t (file of {factor}t, "
+             "working set of t) | reconstruct t |", "| ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+
+    def cell(lab: str, t: int) -> str:
+        row = cells.get(("mean", lab, t))
+        if row is None:
+            return "-"
+        files = kept.get((lab, t), [0])
+        return f"{pct(row['score'])} ({pct(row['top1_agreement'])}); {round(sum(files) / len(files))} stored"
+
+    for t in cfg["budgets"]:
+        lines.append(f"| {t} | {cell(label, t)} | {cell(label, factor * t)} | {cell('reselect', t)} | "
+                     f"{cell('reconstruct', t)} |")  # fmt: skip
     return lines
 
 
@@ -214,7 +239,10 @@ def page(reports: dict[str, dict], quick: bool, partial: str | None = None) -> s
         "Methods, each answered from its saved `.kv` file (ingest → file → ask): `full` (nothing pruned, exact "
         "attention); `rocketkv` (SnapKV++ then HSA); `snapkv` (the same stage-1 cache, exact attention: stage 1 "
         "only); `hsa` (nothing pruned, HSA at the budget: stage 2 only); `sink_recent` (first 4 tokens + the most "
-        "recent, as many as rocketkv keeps, exact attention). t is the token budget (docs/algorithm.md §1). "
+        "recent, as many as rocketkv keeps, exact attention); `reconstruct` (stage 1 scored by context "
+        "reconstruction, KVzip-style, then HSA); `reselect` (the file keeps what SnapKV++ keeps at twice the "
+        "budget, each question re-selects t's working set with its own queries, then HSA). t is the token budget "
+        "(docs/algorithm.md §1). "
         "On CPU, `ask` runs the `snapkv` row at these sizes: layers storing up to 4096 tokens are attended "
         "exactly there, below HSA's measured crossover (docs/performance.md, \"Where stage 2 pays\").", "",
     ]  # fmt: skip
@@ -228,7 +256,10 @@ def page(reports: dict[str, dict], quick: bool, partial: str | None = None) -> s
                   "Teacher-forced top-1 agreement % with full attention's answer [95% interval]:", "",
                   *main_table(report, "top1_agreement"), "",
                   "KL(full ‖ method) per answer token, nats [95% interval] (×100 in the cells):", "",
-                  *main_table(report, "kl"), ""]  # fmt: skip
+                  *main_table(report, "kl"), "",
+                  "Two-level budgets and context reconstruction — mean score % (top-1 agreement %); stored "
+                  "tokens per KV head per full-attention layer (the file's size follows them):", "",
+                  *two_level(report), ""]  # fmt: skip
     abl, means = ablation(reports)
     lines += ["## Ablation: ingest-time observation window and pooling kernel", "",
               "`tail` = the document's last 32 queries; `probe` = those plus the generic probe text "

@@ -225,3 +225,28 @@ def test__segmented_store_budget__merged_segments_reselect_a_working_set_per_seg
         assert decoder.cache.layers[i].n_context == 2 * one < merged.layers[i].n_kept_tokens
     answers = list(answer_segmented(engine, stored, ["Where?"], 4, True, {}, n_segments=2))
     assert len(answers) == 1 and answers[0].segments is not None and len(answers[0].segments) == 2
+
+
+@pytest.mark.parametrize(
+    "g,t,n,softcap,score_from", [(3, 70, 130, None, 9), (1, 300, 41, 30.0, 0), (2, 5, 17, None, 5)]
+)
+def test__reconstruction_attention__equals_exact_attention_and_the_reference_weights(g, t, n, softcap, score_from):
+    """The fused pass (attention output + weights in one softmax) against the two references;
+    query chunks (256) split the 300-query case."""
+    from rocketkv_cli.core.attention import exact_attention
+    from rocketkv_cli.core.stage1 import reconstruction_attention, reconstruction_weights
+
+    torch.manual_seed(t)
+    hkv, d, extra = 2, 16, 3  # `extra` tokens between the context and the queries (none of them scored)
+    length = n + extra + t
+    q = torch.randn(1, hkv * g, t, d, dtype=torch.float64)
+    k, v = torch.randn(1, hkv, length, d, dtype=torch.float64), torch.randn(1, hkv, length, d, dtype=torch.float64)
+    out, best = reconstruction_attention(q, k, v, n, score_from, 0.3, softcap)
+    pos = torch.arange(length).view(1, 1, -1)
+    ref = exact_attention(q, k, v, pos, torch.arange(n + extra, length), 0.3, None, softcap)
+    err = (out - ref).abs()
+    assert float(err.max()) < 1e-6, f"output: max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"
+    scored = q[:, :, score_from:]  # the last t − score_from queries count
+    want = reconstruction_weights(scored, k, n, 0.3, softcap) if score_from < t else torch.zeros_like(best)
+    err = (best - want).abs()
+    assert float(err.max()) < 1e-6, f"weights: max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"

@@ -130,6 +130,56 @@ def reconstruction_weights(
     return best.exp().view(b, h, n_context)
 
 
+def reconstruction_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    n_context: int,
+    score_from: int,
+    scaling: float,
+    softcap: float | None = None,
+    query_chunk_tokens: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of a teacher-forced pass appended after a context, and, in the same
+    softmax, its context-reconstruction weights (`reconstruction_weights` for the queries from
+    index `score_from` on): one pass instead of attention plus a second scoring pass.
+
+    Args:
+        queries: `[B, H, T, D]`, the tokens of the last T keys. keys, values: `[B, Hkv, L, D]`,
+            L − T ≥ n_context. score_from: index of the first query that counts (earlier ones,
+            the reconstruction request, attend but do not score). scaling, softcap: the layer's.
+    Returns:
+        (output `[B, H, T, D]` in the queries' dtype, float32 softmax as in `exact_attention`;
+        weights `[B, H, n_context]` float32, zeros when no query counts).
+    """
+    b, h, t, d = queries.shape
+    hkv, length = keys.shape[1], keys.shape[2]
+    if keys.shape[0] != b or keys.shape[3] != d or length - t < n_context or h % hkv or not 0 <= score_from <= t:
+        raise ValueError(f"queries {tuple(queries.shape)} and keys {tuple(keys.shape)} do not match n={n_context}, "
+                         f"score_from={score_from}")  # fmt: skip
+    g = h // hkv
+    k_t, v = keys.float().transpose(-1, -2), values.float()  # [B, Hkv, D, L], [B, Hkv, L, Dv]
+    best = torch.zeros(b, hkv, g, n_context, device=keys.device)
+    outs = []
+    for start in range(0, t, query_chunk_tokens):
+        q = queries[:, :, start : start + query_chunk_tokens].float()
+        c = q.shape[2]
+        logits = torch.matmul(q.reshape(b, hkv, g * c, d), k_t) * scaling  # [B, Hkv, G*C, L]
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        last_seen = length - t + start + torch.arange(c, device=keys.device)  # [C]
+        future = torch.arange(n_context, length, device=keys.device)[None, :] > last_seen[:, None]  # [C, L − n]
+        logits = logits.view(b, hkv, g, c, length)
+        logits[..., n_context:] = logits[..., n_context:].masked_fill(future, float("-inf"))  # the context: all seen
+        weights = torch.softmax(logits, dim=-1)  # [B, Hkv, G, C, L]
+        outs.append(torch.matmul(weights.view(b, hkv, g * c, length), v).view(b, hkv, g, c, -1))
+        first = max(0, score_from - start)
+        if first < c:
+            best = torch.maximum(best, weights[:, :, :, first:, :n_context].amax(dim=3))
+    out = torch.cat(outs, dim=3).view(b, h, t, -1).to(queries.dtype)
+    return out, best.view(b, h, n_context)
+
+
 def pool_scores(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
     """Max-pool scores along the sequence, stride 1, same length (SnapKV clustering).
 

@@ -28,6 +28,7 @@ from ..core.stage1 import gather_tokens
 from ..errors import BudgetError, CacheFormatError
 from ..model.hf import (
     ModelShape,
+    Reconstruction,
     RocketCache,
     RocketLayer,
     empty_cache,
@@ -189,25 +190,18 @@ class Engine:
         """
         n, shape = len(doc_ids), self.shape
         request = self.question_ids(read_prompt("reconstruct.txt"))
-        best: dict[int, torch.Tensor] = {}  # layer → [1, H, n] running max over queries
+        record = Reconstruction(n_context=n, score_from=n + len(request))
         for offset in range(0, n, chunk_tokens):
             piece = request + doc_ids[offset : offset + chunk_tokens]
             lengths = [layer.length for layer in cache.layers]
             positions = torch.arange(n, n + len(piece), device=self.loaded.device)
-            with rocketkv_attention(self.model, cache, shape, capture_from=n + len(request)) as session:
+            with rocketkv_attention(self.model, cache, shape, reconstruct=record):
                 forward_tokens(self.model, cache, self.ids(piece), positions)
-            for i, spec in enumerate(shape.layers):
-                if spec.sliding_window is not None:
-                    continue
-                keys, _, _ = cache.layers[i].view()  # [1, Hkv, n + len(piece), D]
-                q = torch.cat(session.captured[i], dim=2)  # [1, H, T, D], the chunk's own tokens
-                weights = ops.reconstruction_weights(q, keys, n, spec.scaling, spec.softcap)  # [1, H, n]
-                best[i] = weights if i not in best else torch.maximum(best[i], weights)
             for layer, length in zip(cache.layers, lengths):
                 layer.length = length  # drop the request and the chunk
             progress(min(n, offset + chunk_tokens), n)
         group = shape.n_heads // shape.n_kv_heads
-        return {i: w.view(1, shape.n_kv_heads, group, n).sum(dim=2) for i, w in best.items()}
+        return {i: w.view(1, shape.n_kv_heads, group, n).sum(dim=2) for i, w in record.best.items()}
 
     def _prefill_chunks(
         self, cache: RocketCache, ids: list[int], start: int, chunk: int, progress: TokenProgress

@@ -252,6 +252,18 @@ def empty_cache(model: Any, shape: ModelShape, n_tokens: int) -> RocketCache:
 
 
 @dataclass
+class Reconstruction:
+    """Context-reconstruction weights gathered while a teacher-forced pass runs after a context
+    of `n_context` tokens (`Engine.reconstruction_scores`): queries at RoPE positions ≥
+    `score_from` count. `best[layer]`: `[1, H, n_context]` float32, the largest weight any
+    counted query gave each context key (full-attention layers only)."""
+
+    n_context: int
+    score_from: int
+    best: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
 class _Session:
     cache: RocketCache
     shape: ModelShape
@@ -259,6 +271,7 @@ class _Session:
     capture_from: int | None = None  # capture queries at RoPE positions ≥ this
     captured: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     hsa_from: int | None = None  # teacher forcing: queries at positions ≥ this attend as decode steps do
+    reconstruct: Reconstruction | None = None  # full-attention layers record reconstruction weights
 
 
 _SESSION: contextvars.ContextVar[_Session | None] = contextvars.ContextVar("rocketkv_session", default=None)
@@ -337,6 +350,13 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     if (mass := _MASS.get()) is not None and spec.sliding_window is None and layer.n_context:
         mass.add(module.layer_idx, query, layer, spec)
     keys, values, k_pos = layer.view()
+    if (rec := session.reconstruct) is not None and spec.sliding_window is None:
+        score_from = int((q_pos < rec.score_from).sum())
+        out, best = ops.reconstruction_attention(query, keys, values, rec.n_context, score_from, spec.scaling,
+                                                 spec.softcap)  # fmt: skip
+        prev = rec.best.get(module.layer_idx)
+        rec.best[module.layer_idx] = best if prev is None else torch.maximum(prev, best)
+        return out.transpose(1, 2).contiguous(), None
     dec = session.decode
     hsa = dec if dec is not None and spec.sliding_window is None and dec.uses_hsa(layer.n_context) else None
     if hsa is not None and query.shape[2] == 1:
@@ -395,17 +415,21 @@ def rocketkv_attention(
     decode: DecodeConfig | None = None,
     capture_from: int | None = None,
     hsa_from: int | None = None,
+    reconstruct: Reconstruction | None = None,
 ) -> Iterator[_Session]:
     """Run `model` with rocketkv's attention over `cache` inside the block; restore it afterwards.
 
     decode: stage-2 settings for single-token steps (None = exact attention everywhere).
     capture_from: record full-attention layers' queries at positions ≥ this (stage-1 window);
         they appear in the yielded session's `captured[layer_idx]` as `[B, H, t, D]` float32 pieces.
+    hsa_from: teacher forcing, see `_teacher_forced`. reconstruct: full-attention layers attend
+        through `ops.reconstruction_attention` and gather its weights into this record.
     """
     AttentionInterface.register(ATTN_NAME, _attention)
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_NAME)
-    session = _Session(cache=cache, shape=shape, decode=decode, capture_from=capture_from, hsa_from=hsa_from)
+    session = _Session(cache=cache, shape=shape, decode=decode, capture_from=capture_from, hsa_from=hsa_from,
+                       reconstruct=reconstruct)  # fmt: skip
     token = _SESSION.set(session)
     try:
         yield session

@@ -166,6 +166,20 @@ def reconstruction_weights(
     return stage1.reconstruction_weights(queries, keys, n_context, scaling, softcap)
 
 
+def reconstruction_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    n_context: int,
+    score_from: int,
+    scaling: float,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`stage1.reconstruction_attention` (torch on every device): attention output `[B, H, T, D]`
+    and context-reconstruction weights `[B, H, n_context]` float32 in one softmax."""
+    return stage1.reconstruction_attention(queries, keys, values, n_context, score_from, scaling, softcap)
+
+
 def pool_scores(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
     """Dispatched `stage1.pool_scores`: `[B, Hkv, S]` → `[B, Hkv, S]` (stride-1 max-pool)."""
     return implementation("pool_scores", scores)(scores, kernel_size)

@@ -215,7 +215,8 @@ def test__plan__one_cache_per_stage1_setting_and_every_method():
     caches, runs = plan(EvalConfig(budgets=(128, 512), observations=("tail", "probe"), pool_kernels=(63, 0)))
     assert set(caches) == {"full", *(f"t{t}-{o}-{k}" for t in (128, 512) for o in ("tail", "probe")
                                       for k in ("63", "auto")), "t128-sink", "t512-sink",
-                           *(f"t{t}-{m}" for t in (128, 512) for m in ("reconstruct", "reselect"))}  # fmt: skip
+                           *(f"t{t}-{m}" for t in (128, 512) for m in ("reconstruct", "reselect",
+                                                                         "reconstruct-reselect"))}  # fmt: skip
     assert caches["t512-reselect"].store_budget == 1024 and caches["t128-reconstruct"].observation == "reconstruct"
     labels = Counter(r.label for r in runs)
     assert labels["full"] == 1 and labels["snapkv"] == labels["hsa"] == labels["sink_recent"] == 2
@@ -268,16 +269,18 @@ def test__cli_eval__tiny_model_end_to_end_json_schema(rocketkv_bin, tiny_model_d
     records = report["records"]
     assert all(set(rec) == RECORD_KEYS for rec in records)
     # questions: niah_text 1 + multiquery 4 + fwe 1, per sample; runs: full, 2 rocketkv, snapkv, hsa, sink_recent,
-    # reconstruct, reselect
-    assert len(records) == 2 * (1 + 4 + 1) * 8
+    # reconstruct, reselect, reconstruct_reselect
+    assert len(records) == 2 * (1 + 4 + 1) * 9
     assert {rec["label"] for rec in records} == {"full", "rocketkv[tail,63]", "rocketkv[probe,63]", "snapkv", "hsa",
-                                                  "sink_recent", "reconstruct", "reselect"}  # fmt: skip
-    for rec in (r for r in records if r["method"] == "reselect"):  # the file holds more than each question's set
+                                                  "sink_recent", "reconstruct", "reselect",
+                                                  "reconstruct_reselect"}  # fmt: skip
+    # the file holds more than each question's working set
+    for rec in (r for r in records if r["method"] in ("reselect", "reconstruct_reselect")):
         assert rec["kept_tokens"] < rec["stored_tokens"] < rec["n_context_tokens"], rec
     assert all(rec["agreement"] == 1.0 for rec in records if rec["method"] == "full")
     assert all(0 <= rec["score"] <= 1 and 0 <= rec["agreement"] <= 1 for rec in records)
     assert all(rec["kept_tokens"] < rec["n_context_tokens"] for rec in records if rec["method"] not in ("full", "hsa"))
-    assert all(rec["sparse"] == (rec["method"] in ("rocketkv", "hsa", "reconstruct", "reselect")) for rec in records)
+    assert all(rec["sparse"] == (rec["method"] not in ("full", "snapkv", "sink_recent")) for rec in records)
     for rec in records:  # teacher-forced scores of the full-attention answer under every other method
         if rec["method"] == "full":
             assert rec["top1_agreement"] is None and rec["generated"]

@@ -100,3 +100,39 @@ def test__smollm2_preset__the_documents_first_tokens_survive_every_budget():
     (full_answer,) = rk.ask(full, q, max_new_tokens=12)
     if "zebra" in full_answer.text.lower():
         assert "zebra" in pruned_answer.text.lower(), (full_answer.text, pruned_answer.text)
+
+
+FACTS = [
+    (FACT, QUESTION, "7391"),
+    ("The name of the auditor's cat is Bartholomew.", "What is the name of the auditor's cat?", "Bartholomew"),
+    ("The meeting was moved to room 4182 on Thursday.", "Which room was the meeting moved to?", "4182"),
+    ("The backup password is MAPLE-9.", "What is the backup password?", "MAPLE-9"),
+]  # fmt: skip
+
+
+def test__smollm2_preset__context_reconstruction_keeps_facts_the_tail_window_drops(rocketkv_bin, tmp_path):
+    """Four facts planted at 20/40/60/80% of ~2.9K tokens of the GPL, at t=128 (about a fifth of
+    the document kept): the tail window keeps almost none of them (0 of 4 when measured), context
+    reconstruction (`--observation reconstruct`) keeps all four, as full attention answers them."""
+    src = SHARED_DATA / "gpl-3.txt"
+    if not src.exists():
+        pytest.fail(f"shared data missing: {src}")
+    text = src.read_text()[:12000]
+    parts, prev = [], 0
+    for frac, (fact, _, _) in zip((0.2, 0.4, 0.6, 0.8), FACTS):
+        cut = text.index("\n\n", int(len(text) * frac))
+        parts += [text[prev:cut], "\n\n" + fact + "\n"]
+        prev = cut
+    doc = tmp_path / "gpl-facts.txt"
+    doc.write_text("".join(parts) + text[prev:])
+    found = {}
+    for name, extra in (("tail", []), ("reconstruct", ["--observation", "reconstruct", "--pool-kernel-size", "7"])):
+        kv = tmp_path / f"{name}.kv"
+        r = run(rocketkv_bin, "ingest", doc, "-o", kv, "--model", "smollm2-135m", "--budget", "128", *extra)
+        assert r.returncode == 0, r.stderr[-2000:]
+        r = run(rocketkv_bin, "ask", "--cache", kv, *(q for _, q, _ in FACTS), "--max-new-tokens", "16", "--json")
+        assert r.returncode == 0, r.stderr[-2000:]
+        rows = [json.loads(line) for line in r.stdout.splitlines()]
+        found[name] = [a in row["answer"] for (_, _, a), row in zip(FACTS, rows)]
+    assert all(found["reconstruct"]), found
+    assert sum(found["tail"]) < len(FACTS), found

@@ -78,7 +78,8 @@ def eval_command(
     methods: Annotated[
         str,
         typer.Option(
-            help="Comma-separated: full, rocketkv, snapkv (stage 1 only), hsa (stage 2 only), sink_recent; or all."
+            help="Comma-separated: full, rocketkv, snapkv (stage 1 only), hsa (stage 2 only), sink_recent, "
+            "reconstruct (context reconstruction), reselect (store budget, per-question re-selection); or all."
         ),  # fmt: skip
     ] = "all",
     tasks: Annotated[
@@ -95,6 +96,8 @@ def eval_command(
     pool_kernels: Annotated[str, typer.Option(help="Stage-1 pool kernels for rocketkv: odd sizes or auto.")] = "63",
     window_size: Annotated[int, typer.Option(min=1, help="Observation window W in tokens (tail, probe).")] = 32,
     wide_window_size: Annotated[int, typer.Option(min=1, help="Window of the 'wide' observation, tokens.")] = 128,
+    store_factor: Annotated[int, typer.Option(min=2, help="reselect's store budget as a multiple of t.")] = 2,
+    reconstruct_pool_kernel: Annotated[int, typer.Option(min=1, help="reconstruct's pool kernel (odd).")] = 7,
     max_new_tokens: Annotated[
         Optional[int], typer.Option(min=1, help="Answer cap in tokens (default: each task's own).")
     ] = None,
@@ -127,6 +130,7 @@ def eval_command(
             methods=_names(methods, METHODS), tasks=task_list, samples=samples, seed=seed,
             observations=_names(observations, OBSERVATIONS), pool_kernels=_ints("pool-kernels", pool_kernels, True),
             window_size=window_size, wide_window_size=wide_window_size, max_new_tokens=max_new_tokens,
+            store_factor=store_factor, reconstruct_pool_kernel=reconstruct_pool_kernel,
         )  # fmt: skip
     except ValueError as exc:
         raise InputError(f"invalid option: {exc}") from None

@@ -19,6 +19,8 @@ Methods (budgets in tokens, docs/algorithm.md §1):
   then HSA as rocketkv.
 - reselect: two-level budgets: the file keeps what SnapKV++ keeps at `store_factor`·t, each
   question re-selects its working set of t's prompt budget with its own queries, then HSA.
+- reconstruct_reselect: both: the file keeps what context reconstruction keeps at
+  `store_factor`·t, each question re-selects t's working set, then HSA.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from ..errors import BudgetError
 from ..store.format import load_cache, save_cache
 from .tasks import NEEDS_HAYSTACK_TEXT, TASKS, Sample, generate
 
-METHODS = ("full", "rocketkv", "snapkv", "hsa", "sink_recent", "reconstruct", "reselect")
+METHODS = ("full", "rocketkv", "snapkv", "hsa", "sink_recent", "reconstruct", "reselect", "reconstruct_reselect")
 OBSERVATIONS = ("tail", "probe", "wide")  # stage-1 observation windows compared by the ablation
 FULL_TOKEN_BUDGET = 1 << 30  # a budget above any document: stage 1 keeps everything
 REPORT_FORMAT = "rocketkv.eval"
@@ -168,6 +170,13 @@ def plan(cfg: EvalConfig) -> tuple[dict[str, PrefillConfig], list[Run]]:
             )
             runs.append(Run("reconstruct", t, "reconstruct", cfg.reconstruct_pool_kernel, f"t{t}-reconstruct",
                             "reconstruct"))  # fmt: skip
+        if "reconstruct_reselect" in cfg.methods:
+            caches[f"t{t}-reconstruct-reselect"] = PrefillConfig(
+                token_budget=t, store_budget=cfg.store_factor * t, observation="reconstruct",
+                pool_kernel_size=cfg.reconstruct_pool_kernel, **base,
+            )  # fmt: skip
+            runs.append(Run("reconstruct_reselect", t, "reconstruct", cfg.reconstruct_pool_kernel,
+                            f"t{t}-reconstruct-reselect", "reconstruct_reselect"))  # fmt: skip
         if "reselect" in cfg.methods:
             kernel = cfg.pool_kernels[0]
             caches[f"t{t}-reselect"] = PrefillConfig(
@@ -363,11 +372,12 @@ def _answer_run(engine: Engine, stored: CompressedKVCache, run: Run, sample: Sam
         decode = decode_config_for(stored, True, **stage2_only_budgets(n_ctx, cfg.plan_new_tokens, run.budget,
                                                                          engine.shape.head_dim))  # fmt: skip
     else:
-        decode = decode_config_for(stored, sparse=run.method in ("rocketkv", "reconstruct", "reselect"))
+        decode = decode_config_for(stored, sparse=run.method not in ("full", "snapkv", "sink_recent"))
     max_new = cfg.max_new_tokens or sample.max_new_tokens
     stored_tokens = max(layer.n_kept_tokens for layer, s in zip(stored.layers, engine.shape.layers)
                         if s.sliding_window is None)  # fmt: skip
-    kept = min(stored_tokens, stored.info.budgets.prompt_budget) if run.method == "reselect" else stored_tokens
+    reselects = run.method in ("reselect", "reconstruct_reselect")
+    kept = min(stored_tokens, stored.info.budgets.prompt_budget) if reselects else stored_tokens
     prepared = prepare_questions(engine, stored, [q.text for q in sample.questions], max_new)
     decoder = Decoder(engine, stored, max(QUESTION_RESERVE_TOKENS, max(len(i) for _, i in prepared)) + max_new + 2,
                       decode)  # fmt: skip

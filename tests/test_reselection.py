@@ -250,3 +250,20 @@ def test__reconstruction_attention__equals_exact_attention_and_the_reference_wei
     want = reconstruction_weights(scored, k, n, 0.3, softcap) if score_from < t else torch.zeros_like(best)
     err = (best - want).abs()
     assert float(err.max()) < 1e-6, f"weights: max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"
+
+
+def test__preset_defaults__fill_only_the_fields_the_user_did_not_set():
+    from rocketkv_cli.core.config import PRESET_PREFILL_DEFAULTS, with_preset_defaults
+
+    base = PrefillConfig(token_budget=256)
+    smol = with_preset_defaults(base, "smollm2-135m", ["token_budget"])
+    assert (
+        (smol.observation, smol.pool_kernel_size)
+        == ("reconstruct", 7)
+        == tuple(PRESET_PREFILL_DEFAULTS["smollm2-135m"][k] for k in ("observation", "pool_kernel_size"))
+    )
+    kept = with_preset_defaults(PrefillConfig(token_budget=256, observation="tail"), "smollm2-135m",
+                                ["token_budget", "observation"])  # fmt: skip
+    assert (kept.observation, kept.pool_kernel_size) == ("tail", 7)
+    assert with_preset_defaults(base, "/some/model/dir", []) is base  # other models: the general defaults
+    assert with_preset_defaults(base, "gemma-3-270m", []) == base

@@ -188,7 +188,7 @@ def ask_command(
                                 cite=passages if cite else 0, segments=segments)  # fmt: skip
         source = str(cache)
     else:
-        cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens or 128, pool_kernel_size="63")
+        cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens or 128)
         document = open_stream(doc, encoding, errors)
         rk = load_engine(model, device, dtype or "auto", trust_remote_code, weights)
         stored = ingest(rk, document, cfg, segment_tokens=segment_tokens).cache

@@ -117,7 +117,10 @@ def batch_command(
     configure(quiet, progress_bars=err.is_terminal and not quiet)  # transformers offline and silent (one worker too)
     out = None if output == "-" else Path(output) if output is not None else default_output(manifest)
     folder = cache_dir if cache_dir is not None else manifest.with_name(_stem(manifest) + ".kv-cache")
-    cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens, pool_kernel_size="63")
+    from ..core.config import with_preset_defaults
+
+    cfg = with_preset_defaults(prefill_config(token_budget=budget, max_new_tokens=max_new_tokens),
+                               model or DEFAULT_MODEL, ("token_budget", "max_new_tokens"))  # fmt: skip
     try:
         settings = BatchSettings(model=model or DEFAULT_MODEL, device=device, dtype=dtype or "auto", config=cfg,
                                  storage=storage(kv_dtype), summary_tokens=summary_tokens,

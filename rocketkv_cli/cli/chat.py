@@ -150,7 +150,7 @@ def chat_command(
         source = str(cache)
     else:
         assert document is not None  # one of the two, checked above
-        cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens or 128, pool_kernel_size="63")
+        cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens or 128)
         stream = open_stream(document, encoding, errors)
         rk = load_engine(model, device, dtype or "auto", trust_remote_code, weights)
         stored = ingest(rk, stream, cfg, segment_tokens=segment_tokens).cache

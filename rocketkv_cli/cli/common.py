@@ -246,10 +246,18 @@ def open_stream(doc_path: str, encoding: str, errors: str = "strict"):
     return open_document(doc_path, encoding, errors)
 
 
-def ingest(rk, document, cfg, output=None, force=False, segment_tokens=None, kv_dtype=None):
+def ingest(rk, document, cfg, output=None, force=False, segment_tokens=None, kv_dtype=None,
+           explicit=("token_budget", "max_new_tokens")):  # fmt: skip
     """`RocketKV.ingest` with a progress bar (tokens, tokens/s, ETA) and a line per segment.
 
-    Returns the `Ingested` result."""
+    `cfg` gets the loaded preset's measured stage-1 defaults in the fields not in `explicit`
+    (the options the user gave; `with_preset_defaults`). Returns the `Ingested` result."""
+    from ..core.config import with_preset_defaults
+
+    try:
+        cfg = with_preset_defaults(cfg, rk.model_id, explicit)
+    except ValueError as exc:
+        raise InputError(f"invalid option: {exc}") from None
     so_far = [0]
 
     def on_segment(event) -> None:
@@ -316,8 +324,10 @@ def prefill_config(**kw):
     Raises InputError naming the invalid value."""
     from ..core.config import PrefillConfig
 
-    pool = kw.pop("pool_kernel_size")
-    if pool == "auto":
+    pool = kw.pop("pool_kernel_size", None)
+    if pool is None:
+        pass
+    elif pool == "auto":
         kw["pool_kernel_size"] = 0
     else:
         try:

@@ -42,14 +42,19 @@ def ingest_command(
     budget: BudgetOpt = 512,
     max_new_tokens: Annotated[int, typer.Option(help="Answer length the budget plans for, in tokens.")] = 128,
     window_size: Annotated[int, typer.Option(help="Observation window W in tokens.")] = 32,
-    pool_kernel_size: Annotated[str, typer.Option(help="Odd max-pool kernel in tokens, or 'auto'.")] = "63",
+    pool_kernel_size: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Odd max-pool kernel in tokens, or 'auto' (default: 63; the model's own, docs/accuracy.md)."
+        ),  # fmt: skip
+    ] = None,
     observation: Annotated[
-        str,
+        Optional[str],
         typer.Option(
             help="'tail' (document end), 'probe' (+ a generic probe text) or 'reconstruct' (the "
-            "model re-reading the document; ~2x the prefill time)."
+            "model re-reading the document; ~5x the ingest time). Default: tail; the model's own where measured."
         ),  # fmt: skip
-    ] = "tail",
+    ] = None,
     store_budget: Annotated[
         Optional[int],
         typer.Option(
@@ -83,11 +88,13 @@ def ingest_command(
     from ..engine.preflight import check_output, default_output  # no torch: these answer at once
 
     setup(quiet)
-    cfg = prefill_config(
+    options = dict(
         token_budget=budget, max_new_tokens=max_new_tokens, window_size=window_size, pool_kernel_size=pool_kernel_size,
         observation=observation, prompt_budget=prompt_budget, topk=topk, page_size=page_size,
         n_score_dims=n_score_dims, chunk_tokens=chunk_tokens, store_budget=store_budget,
     )  # fmt: skip
+    explicit = [k for k, v in options.items() if v is not None]  # the preset's measured defaults fill the rest
+    cfg = prefill_config(**options)
     stream = open_stream(document, encoding, errors)  # bad documents fail before anything else is touched
     # the output is checked (name, directory, permission to write) before the model loads, not after a long prefill
     target = check_output(output if output is not None else default_output(document), force, document)
@@ -98,7 +105,7 @@ def ingest_command(
     count, folder = pending_checkpoints(target)
     if count:
         log(f"resuming: found {count} checkpointed segments in {folder} (reused if they match)")
-    done = ingest(rk, stream, cfg, target, force, segment_tokens, kv_dtype)
+    done = ingest(rk, stream, cfg, target, force, segment_tokens, kv_dtype, explicit)
     size = target.stat().st_size
     log(f"wrote {target} ({size / 1e6:.1f} MB)")
     if json_out:

@@ -61,7 +61,7 @@ def summarize_command(
     if (document is None) == (cache is None):
         raise InputError("give either DOC or --cache FILE.kv", "e.g. rocketkv summarize book.txt")
     fmt, stream = resolve_format("auto", json_out, stream, 1)
-    cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens, pool_kernel_size="63")
+    cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens)
     if cache is not None:
         rk, stored = open_cache(cache, model, device, dtype, trust_remote_code, weights)
         source = str(cache)

@@ -6,7 +6,9 @@ All budgets are in tokens, per KV head, per layer. Nothing here reads the enviro
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 OBSERVATIONS = ("tail", "probe", "reconstruct")
 SELECTIONS = ("snapkv", "sink_recent")
@@ -20,6 +22,13 @@ WEIGHT_FORMATS = ("float", "int8")  # decode weight formats (model/weights.py)
 # option defaults): chosen by measurement (docs/storage.md): teacher-forced top-1 agreement with
 # the float32 cache of at least 0.994 on both presets; 1/6-1/11 of the bfloat16 full KV
 DEFAULT_KV_DTYPE = "int8"
+
+
+# Stage-1 settings chosen per preset by measurement (docs/accuracy.md, "Defaults"): they replace
+# PrefillConfig's own defaults for that model only, and never a field the user set.
+PRESET_PREFILL_DEFAULTS: dict[str, dict[str, Any]] = {
+    "smollm2-135m": {"observation": "reconstruct", "pool_kernel_size": 7},
+}
 
 
 def _positive(name: str, value: int | None, allow_none: bool = True) -> None:
@@ -275,3 +284,15 @@ class Reselection:
             raise ValueError(f"pool_kernel_size must be odd, got {self.pool_kernel_size}")
         if isinstance(self.n_first_tokens, bool) or not isinstance(self.n_first_tokens, int) or self.n_first_tokens < 0:
             raise ValueError(f"n_first_tokens must be a non-negative integer, got {self.n_first_tokens!r}")
+
+
+def with_preset_defaults(cfg: PrefillConfig, model_id: str, explicit: Iterable[str]) -> PrefillConfig:
+    """`cfg` with the measured stage-1 defaults of preset `model_id` (`PRESET_PREFILL_DEFAULTS`)
+    in every field not named in `explicit` (the fields the user set). Other models: `cfg`.
+
+    Raises:
+        ValueError: the combination is invalid (as `PrefillConfig`).
+    """
+    given = set(explicit)
+    changes = {k: v for k, v in PRESET_PREFILL_DEFAULTS.get(model_id, {}).items() if k not in given}
+    return replace(cfg, **changes) if changes else cfg

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.cache import AnyCache, CompressedKVCache, SegmentedKVCache
-from ..core.config import DEFAULT_KV_DTYPE, DEFAULT_MAX_NEW_TOKENS, PrefillConfig
+from ..core.config import DEFAULT_KV_DTYPE, DEFAULT_MAX_NEW_TOKENS, PrefillConfig, with_preset_defaults
 from ..core.quant import KVStorage
 from ..errors import InputError
 from ..model.loading import DEFAULT_MODEL, configure_transformers, load_model
@@ -154,7 +154,8 @@ class RocketKV:
         """Prefill a document once and prune its KV cache (SnapKV++); write it to `output` if given.
 
         document: a path (`-` = stdin) or an open `TextStream`; or `text=` for an in-memory text.
-        config: stage-1 settings, or their fields as keywords (`token_budget=512`, …).
+        config: stage-1 settings, or their fields as keywords (`token_budget=512`, …; fields not
+            given take the preset's measured defaults, `core.config.PRESET_PREFILL_DEFAULTS`).
         storage: how keys/values are stored — a `KVStorage`, or its name (`auto` = the model's
         dtype, `float32`, `bfloat16`, `float16`, `int8` (the default), `int4`, `+hadamard`;
         docs/storage.md).
@@ -164,7 +165,7 @@ class RocketKV:
         Raises:
             InputError, OutputError, BudgetError, ValueError (invalid config fields).
         """
-        cfg = config or PrefillConfig(**config_fields)
+        cfg = config or with_preset_defaults(PrefillConfig(**config_fields), self.model_id, config_fields)
         kv = storage if isinstance(storage, KVStorage) else KVStorage.parse(storage)
         if (document is None) == (text is None):
             raise InputError("give a document path or text=, not both")

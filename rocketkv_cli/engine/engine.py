@@ -146,8 +146,9 @@ class Engine:
         full-attention layer (the widest observation window any later compression needs). probe:
         also prefill the probe text (`prompts/probe.txt`) after the document; its queries are
         captured and its keys kept apart from the document's. reconstruct: also score the
-        document's keys by context reconstruction (`reconstruction_scores`; `progress` then counts
-        the document twice). The caller checks `doc_ids` against `context_limit`.
+        document's keys by context reconstruction (`reconstruction_scores`; the prefill is then
+        the first half of `progress`, the reconstruction the second). The caller checks
+        `doc_ids` against `context_limit`.
         """
         n, shape = len(doc_ids), self.shape
         probe_ids = self.question_ids(read_prompt("probe.txt")) if probe else []
@@ -155,11 +156,15 @@ class Engine:
         extra = max(len(probe_ids), len(self.question_ids(read_prompt("reconstruct.txt"))) + chunk_tokens
                     if reconstruct else 0)  # fmt: skip
         cache = empty_cache(self.model, shape, n + extra)
+        first_pass, second_pass = progress, progress
+        if reconstruct:  # two passes over the document: each is half of the progress, in document tokens
+            first_pass = lambda done, total: progress(done // 2, total)  # noqa: E731
+            second_pass = lambda done, total: progress((total + done) // 2, total)  # noqa: E731
         with rocketkv_attention(self.model, cache, shape, capture_from=capture_from) as session:
-            self._prefill_chunks(cache, doc_ids, 0, chunk_tokens, progress)
+            self._prefill_chunks(cache, doc_ids, 0, chunk_tokens, first_pass)
             sliding = {i: _last_tokens(cache.layers[i].view(), s.sliding_window)
                        for i, s in enumerate(shape.layers) if s.sliding_window}  # fmt: skip
-            recon = self.reconstruction_scores(cache, doc_ids, chunk_tokens, progress) if reconstruct else {}
+            recon = self.reconstruction_scores(cache, doc_ids, chunk_tokens, second_pass) if reconstruct else {}
             if probe_ids:
                 self._prefill_chunks(cache, probe_ids, n, chunk_tokens, lambda d, t: None)
         layers: list[LayerPrefill | LayerKV] = []

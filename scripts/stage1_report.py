@@ -1,0 +1,173 @@
+#!/usr/bin/env python
+"""Regenerate docs/stage1-methods.md: question-agnostic stage-1 methods side by side, per preset.
+
+Usage: python scripts/stage1_report.py [--from-json] [--presets P,Q]
+For each preset, runs `rocketkv eval` twice (tasks niah_noise, multikey, niah_text; budgets 256
+and 512; part a: methods full, rocketkv (tail window), reconstruct (context reconstruction),
+reselect (per-question re-selection from a larger stored set); part b: full and
+reconstruct_reselect; the same seed, so the same samples and the same full-attention answers)
+and keeps each JSON in docs/bench/stage1-<preset>-<part>.json (a finished part is reused: the
+report resumes), merges them, then times ingest with the tail window and with context
+reconstruction on the same document side by side.
+Use OMP_NUM_THREADS=1 when anything else runs (torch's threads spin against each other on 2
+cores). `--from-json` renders the page from the JSON files without running anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ROCKETKV = str(Path(sys.executable).parent / "rocketkv")
+# preset: (context tokens, store factor, samples per task); Gemma's 8K prefill costs twice SmolLM2's 4K
+PRESETS = {"smollm2-135m": (4096, 2, 10), "gemma-3-270m": (8192, 4, 6)}
+PARTS = {"a": ("full", "rocketkv", "reconstruct", "reselect"), "b": ("full", "reconstruct_reselect")}
+TASKS = "niah_noise,multikey,niah_text"
+BUDGETS = (256, 512)
+METHODS = ("full", "rocketkv", "reconstruct", "reselect", "reconstruct_reselect")
+KJV = ROOT.parent / "shared" / "data" / "kjv.txt"
+GPL = ROOT.parent / "shared" / "data" / "gpl-3.txt"
+
+
+def run_eval(model: str, n: int, factor: int, samples: int, out: Path, methods: tuple[str, ...]) -> None:
+    cmd = [ROCKETKV, "eval", "--model", model, "--context-tokens", str(n), "--budgets", ",".join(map(str, BUDGETS)),
+           "--methods", ",".join(methods), "--store-factor", str(factor), "--tasks", TASKS, "--samples",
+           str(samples), "--haystack", str(KJV), "--json", str(out)]  # fmt: skip
+    print("$", " ".join(["rocketkv", *cmd[1:]]), file=sys.stderr)
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+
+
+def ingest_times(model: str, n_chars: int) -> dict:
+    """Seconds to ingest the first `n_chars` of the GPL with the tail window and with context
+    reconstruction, alternated twice (the better of each), in this process."""
+    import torch
+
+    from rocketkv_cli.engine.api import RocketKV
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    rk = RocketKV.load(model)
+    text = GPL.read_text()[:n_chars]
+    best: dict[str, float] = {}
+    n_tokens = 0
+    for _ in range(2):
+        for obs, kernel in (("tail", 63), ("reconstruct", 7)):
+            t0 = time.perf_counter()
+            done = rk.ingest(text=text, token_budget=512, observation=obs, pool_kernel_size=kernel)
+            best[obs] = min(best.get(obs, float("inf")), time.perf_counter() - t0)
+            n_tokens = done.cache.n_context_tokens
+    return {"n_context_tokens": n_tokens, "tail_s": round(best["tail"], 2),
+            "reconstruct_s": round(best["reconstruct"], 2)}  # fmt: skip
+
+
+def merge(parts: list[dict]) -> dict:
+    """One report from parts run with the same seed: the first part's records, the others' records
+    of methods it lacks (their `full` rows repeat the first's), the summary recomputed."""
+    from rocketkv_cli.eval.runner import summarize
+
+    report = dict(parts[0])
+    records = list(parts[0]["records"])
+    have = {r["label"] for r in records}
+    for p in parts[1:]:
+        records += [r for r in p["records"] if r["label"] not in have]
+    report["records"], report["summary"] = records, summarize(records)
+    report["elapsed_s"] = sum(p["elapsed_s"] for p in parts)
+    return report
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}"
+
+
+def table(report: dict) -> list[str]:
+    cells = {(r["task"], r["label"], r["budget"]): r for r in report["summary"]}
+    stored: dict[tuple, list[int]] = defaultdict(list)
+    for rec in report["records"]:
+        stored[(rec["label"], rec["budget"])].append(rec["stored_tokens"])
+    tasks = [*report["config"]["tasks"], "mean"]
+    cols = [("full", None)] + [(m, t) for t in report["config"]["budgets"] for m in METHODS if m != "full"]
+    cols = [c for c in cols if any((task, *c) in cells for task in tasks)]
+    lines = ["| task | " + " | ".join(m if t is None else f"{m} t={t}" for m, t in cols) + " |",
+             "| --- |" + " ---: |" * len(cols)]  # fmt: skip
+    for task in tasks:
+        vals = []
+        for c in cols:
+            r = cells.get((task, *c))
+            if r is None:
+                vals.append("-")
+                continue
+            lo, hi = r["score_ci"]
+            agree = "" if r["top1_agreement"] is None else f" ({pct(r['top1_agreement'])})"
+            vals.append(f"{pct(r['score'])} [{pct(lo)}–{pct(hi)}]{agree}")
+        lines.append(f"| {'**mean**' if task == 'mean' else task} | " + " | ".join(vals) + " |")
+    sizes = [str(round(sum(stored[c]) / len(stored[c]))) if stored[c] else "-" for c in cols]
+    lines.append("| stored tokens | " + " | ".join(sizes) + " |")
+    return lines
+
+
+def page(reports: dict[str, dict], times: dict[str, dict]) -> str:
+    v = next(iter(reports.values()))["versions"]
+    lines = [
+        "# Question-agnostic stage 1: which tokens to keep before the question is known", "",
+        f"Generated by `python scripts/stage1_report.py` on {dt.date.today().isoformat()} (rocketkv {v['rocketkv']}, "
+        f"torch {v['torch']}, {v['threads']} threads, {v['cpu']}); the JSON with every answer is in "
+        "`docs/bench/stage1-<preset>.json`.", "",
+        "Methods (all through saved `.kv` files, answered with stage 2 = HSA as `rocketkv eval` always does; on CPU "
+        "`ask` attends these sizes exactly, see docs/performance.md): `rocketkv` = SnapKV++ with the document's last "
+        "32 queries as the observation window (the paper's setting); `reconstruct` = keys scored by context "
+        "reconstruction (docs/algorithm.md §2, the idea of KVzip), pool kernel 7; `reselect` = the file keeps what "
+        "SnapKV++ keeps at the store budget (a multiple of t, per preset below), each question re-selects t's "
+        "working set with its own queries (docs/algorithm.md §4); `reconstruct_reselect` = both. Cells: score % "
+        "[95% bootstrap interval] (teacher-forced top-1 agreement % with full attention's answer). The last row: "
+        "tokens stored per KV head per full-attention layer (the file's size follows it).", "",
+    ]  # fmt: skip
+    for model, report in reports.items():
+        cfg = report["config"]
+        lines += [f"## {model}, {cfg['context_tokens'][0]} tokens, {cfg['samples']} samples per task, store budget "
+                  f"{cfg['store_factor']}·t ({report['elapsed_s'] / 60:.0f} min)", "", *table(report), ""]  # fmt: skip
+        if model in times:
+            t = times[model]
+            lines += [f"Ingest cost, same document ({t['n_context_tokens']} tokens of the GPL, t=512, side by side "
+                      f"in one process): tail window {t['tail_s']:.1f} s, context reconstruction "
+                      f"{t['reconstruct_s']:.1f} s ({t['reconstruct_s'] / t['tail_s']:.1f}×).", ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--from-json", action="store_true", help="render from docs/bench/stage1-*.json only")
+    parser.add_argument("--presets", default=",".join(PRESETS), help="comma-separated presets")
+    args = parser.parse_args()
+    bench = ROOT / "docs" / "bench"
+    bench.mkdir(parents=True, exist_ok=True)
+    reports, times = {}, {}
+    for model in args.presets.split(","):
+        n, factor, samples = PRESETS[model]
+        parts = []
+        for part, methods in PARTS.items():
+            out = bench / f"stage1-{model}-{part}.json"
+            if not out.exists():
+                if args.from_json:
+                    raise SystemExit(f"--from-json: {out} is missing")
+                run_eval(model, n, factor, samples, out, methods)
+            parts.append(json.loads(out.read_text()))
+        reports[model] = merge(parts)
+        timing = bench / f"stage1-{model}-ingest.json"
+        if not timing.exists() and not args.from_json:
+            timing.write_text(json.dumps(ingest_times(model, 12000 if model == "smollm2-135m" else 35000)))
+        if timing.exists():
+            times[model] = json.loads(timing.read_text())
+    (ROOT / "docs" / "stage1-methods.md").write_text(page(reports, times))
+    print(ROOT / "docs" / "stage1-methods.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -126,7 +126,7 @@ def test__smollm2_preset__context_reconstruction_keeps_facts_the_tail_window_dro
     doc = tmp_path / "gpl-facts.txt"
     doc.write_text("".join(parts) + text[prev:])
     found = {}
-    # SmolLM2's measured default is context reconstruction (docs/accuracy.md); the tail window is asked for
+    # SmolLM2's measured default is context reconstruction (docs/stage1-methods.md); the tail window is asked for
     for name, extra in (("tail", ["--observation", "tail", "--pool-kernel-size", "63"]), ("reconstruct", [])):
         kv = tmp_path / f"{name}.kv"
         r = run(rocketkv_bin, "ingest", doc, "-o", kv, "--model", "smollm2-135m", "--budget", "128", *extra)

@@ -171,16 +171,57 @@ def test__reconstruction_scores__equal_transformers_own_attention_weights():
 
 
 def test__reconstruction_scores__chunks_attend_the_document_and_themselves_only():
-    """Chunked: each chunk is scored as if run alone after the document (its own request)."""
+    """Chunked: the scores equal the max over chunks of transformers' eager attention weights,
+    each chunk run alone after the document with its own request, and the document's cache is
+    left as the prefill made it."""
+    from rocketkv_cli.model.templates import read_prompt
+
     engine = make_engine("llama")
     doc = engine.document_ids(Document(text_of_bytes(200, seed=9), "0" * 64, "d.txt"))
-    chunked = engine.prefill(doc, 8, chunk_tokens=64, reconstruct=True)
-    again = engine.prefill(doc, 8, chunk_tokens=64, reconstruct=True)
-    whole = engine.prefill(doc, 8, chunk_tokens=4096, reconstruct=True)
-    for a, b, c in zip(chunked.layers, again.layers, whole.layers):
-        assert torch.equal(a.reconstruction, b.reconstruction)  # no state leaks from one run to the next
-        assert a.keys.shape == c.keys.shape and torch.allclose(a.keys, c.keys)  # the document's cache is untouched
-        assert not torch.allclose(a.reconstruction, c.reconstruction)  # chunks see less than the whole re-read
+    n, chunk = len(doc), 64
+    chunked = engine.prefill(doc, 8, chunk_tokens=chunk, reconstruct=True)
+    plain = engine.prefill(doc, 8, chunk_tokens=chunk)
+    request = engine.question_ids(read_prompt("reconstruct.txt"))
+    group = engine.shape.n_heads // engine.shape.n_kv_heads
+    expected = [torch.zeros(engine.shape.n_heads, n, dtype=torch.float64) for _ in chunked.layers]
+    for start in range(0, n, chunk):
+        ids = torch.tensor([doc + request + doc[start : start + chunk]])
+        with torch.no_grad():
+            out = engine.model(input_ids=ids, output_attentions=True, use_cache=False)
+        for i, att in enumerate(out.attentions):
+            expected[i] = torch.maximum(expected[i], att[0, :, n + len(request) :, :n].amax(dim=1))
+    for i, (a, b) in enumerate(zip(chunked.layers, plain.layers)):
+        want = expected[i].view(engine.shape.n_kv_heads, group, n).sum(dim=1)
+        err = (a.reconstruction[0] - want).abs()
+        assert float(err.max()) < 1e-6, f"layer {i}: max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.queries, b.queries)  # the prefill is untouched
+
+
+def test__reconstruction__re_read_stays_within_the_models_positions():
+    """A document near the context limit is re-read in shorter chunks, never past the last
+    RoPE position; one that leaves no room is refused with a one-line error."""
+    from rocketkv_cli.errors import BudgetError
+    from rocketkv_cli.model.templates import read_prompt
+
+    engine = make_engine("llama")
+    limit = engine.shape.max_context_tokens
+    request = len(engine.question_ids(read_prompt("reconstruct.txt")))
+    doc = [65 + i % 26 for i in range(limit - request - 40)]
+    seen: list[int] = []
+    original = engine.model.forward
+
+    def spy(*args, **kwargs):
+        seen.append(int(kwargs["position_ids"].max()))
+        return original(*args, **kwargs)
+
+    engine.model.forward = spy
+    try:
+        engine.prefill(doc, 8, chunk_tokens=512, reconstruct=True)
+    finally:
+        engine.model.forward = original
+    assert max(seen) == limit - 1, (max(seen), limit)
+    with pytest.raises(BudgetError, match="no room is left"):
+        engine.prefill([65] * (limit - request), 8, chunk_tokens=512, reconstruct=True)
 
 
 def test__reconstruct_observation__ingests_and_keeps_the_highest_scored_keys(tmp_path):
@@ -209,20 +250,21 @@ def test__reconstruct_observation__ingests_and_keeps_the_highest_scored_keys(tmp
     assert all(torch.equal(a.positions, b.positions) for a, b in zip(again.layers, stored.layers))
 
 
-def test__segmented_store_budget__merged_segments_reselect_a_working_set_per_segment(engine):
+def test__segmented_store_budget__merged_segments_reselect_the_chosen_segments_working_sets(engine):
     from rocketkv_cli.engine.documents import TextPieces
     from rocketkv_cli.engine.segments import answer_segmented, ingest_stream, merge_segments
 
     stored = ingest_stream(engine, TextPieces(text_of_bytes(1500, seed=6), "book.txt"), CFG, segment_tokens=400)
     assert len(stored.segments) >= 3
-    one = stored.segments[0].info.budgets.prompt_budget
+    one, two = (stored.segments[j].info.budgets.prompt_budget for j in (0, 1))
     merged = merge_segments(stored, [0, 1])
-    assert merged.info.budgets.prompt_budget == 2 * one
+    assert merged.info.budgets.prompt_budget == one + two
+    assert merged.info.budgets.capacity_budget == one + two + CFG.max_new_tokens
     decoder = Decoder(engine, merged, 300, decode_config_for(merged))
     with decoder.attention():
         decoder.prefill(engine.question_ids("Where?"))
     for i in _full_layers(engine):  # two segments' working sets, of the two segments' stored tokens
-        assert decoder.cache.layers[i].n_context == 2 * one < merged.layers[i].n_kept_tokens
+        assert decoder.cache.layers[i].n_context == one + two < merged.layers[i].n_kept_tokens
     answers = list(answer_segmented(engine, stored, ["Where?"], 4, True, {}, n_segments=2))
     assert len(answers) == 1 and answers[0].segments is not None and len(answers[0].segments) == 2
 
@@ -267,3 +309,21 @@ def test__preset_defaults__fill_only_the_fields_the_user_did_not_set():
     assert (kept.observation, kept.pool_kernel_size) == ("tail", 7)
     assert with_preset_defaults(base, "/some/model/dir", []) is base  # other models: the general defaults
     assert with_preset_defaults(base, "gemma-3-270m", []) == base
+
+
+def test__api_ingest__takes_the_presets_defaults_unless_given(monkeypatch):
+    """The Python API fills fields it is not given from `PRESET_PREFILL_DEFAULTS` of its model
+    (here a tiny model registered as a preset for the test), and never a field it is given."""
+    from rocketkv_cli.core import config
+    from rocketkv_cli.engine.api import RocketKV
+
+    engine = make_engine("llama")
+    rk = RocketKV(engine)
+    monkeypatch.setitem(
+        config.PRESET_PREFILL_DEFAULTS, rk.model_id, {"observation": "reconstruct", "pool_kernel_size": 3}
+    )
+    text = text_of_bytes(400, seed=2)
+    got = rk.ingest(text=text, token_budget=32, max_new_tokens=8, window_size=8).cache.info.config
+    assert (got.observation, got.pool_kernel_size) == ("reconstruct", 3)
+    mine = rk.ingest(text=text, token_budget=32, max_new_tokens=8, window_size=8, observation="tail").cache.info.config
+    assert (mine.observation, mine.pool_kernel_size) == ("tail", 3)

@@ -50,7 +50,14 @@ from .common import (
     setup,
 )  # fmt: skip
 
-DenseOpt = Annotated[bool, typer.Option("--dense", help="Exact attention over the stored cache (no stage-2 sparsity).")]
+DenseOpt = Annotated[
+    bool,
+    typer.Option(
+        "--dense",
+        help="Exact attention over the stored cache (no stage-2 sparsity; a --store-budget file: over the "
+        "question's working set).",
+    ),
+]
 HsaOpt = Annotated[bool, typer.Option("--hsa", help="Stage-2 HSA even where exact attention is faster here.")]
 MaxNewOpt = Annotated[
     Optional[int], typer.Option(min=1, metavar="N", help="Answer length limit in tokens (default: the cache's plan).")

@@ -45,7 +45,7 @@ def ingest_command(
     pool_kernel_size: Annotated[
         Optional[str],
         typer.Option(
-            help="Odd max-pool kernel in tokens, or 'auto' (default: 63; the model's own, docs/accuracy.md)."
+            help="Odd max-pool kernel in tokens, or 'auto' (default: 63; the model's own, docs/stage1-methods.md)."
         ),  # fmt: skip
     ] = None,
     observation: Annotated[

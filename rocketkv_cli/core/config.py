@@ -24,7 +24,7 @@ WEIGHT_FORMATS = ("float", "int8")  # decode weight formats (model/weights.py)
 DEFAULT_KV_DTYPE = "int8"
 
 
-# Stage-1 settings chosen per preset by measurement (docs/accuracy.md, "Defaults"): they replace
+# Stage-1 settings chosen per preset by measurement (docs/stage1-methods.md, "Defaults"): they replace
 # PrefillConfig's own defaults for that model only, and never a field the user set.
 PRESET_PREFILL_DEFAULTS: dict[str, dict[str, Any]] = {
     "smollm2-135m": {"observation": "reconstruct", "pool_kernel_size": 7},
@@ -49,7 +49,8 @@ class PrefillConfig:
     observation: "tail" (the document's last W queries), "probe" (those plus a generic
         question-like probe text from `prompts/`, scored then dropped) or "reconstruct" (the
         queries of the model re-reading the whole document after a "repeat the text" prompt,
-        teacher-forced over the full cache: context reconstruction, KVzip §3; about 2× prefill).
+        teacher-forced over the full cache: context reconstruction, KVzip §3; measured 2.5–5.6×
+        the ingest time, docs/stage1-methods.md).
     store_budget: a token budget (≥ token_budget) for what the file keeps: it stores the prompt
         budget derived from this budget instead of from t (None = t). Each question then
         re-selects its working set of t's prompt budget from the stored tokens, with its own

@@ -287,8 +287,11 @@ def merge_segments(stored: SegmentedKVCache, indices: list[int]) -> CompressedKV
         for layer in zip(*(p.layers for p in parts))
     )  # each [1, Hkv, Σ S_j, D] / [1, Hkv, Σ S_j]
     first = parts[0].info
-    # a working set per chosen segment: re-selection (a store budget) keeps k segments' worth
-    budgets = dataclasses.replace(first.budgets, prompt_budget=first.budgets.prompt_budget * len(parts))
+    # re-selection (a store budget) keeps k segments' worth of working set, ranked over the chosen
+    # segments' stored tokens together (the first tokens and last W kept are the concatenation's)
+    prompt_budget = sum(p.info.budgets.prompt_budget for p in parts)
+    budgets = dataclasses.replace(first.budgets, prompt_budget=prompt_budget,
+                                  capacity_budget=prompt_budget + first.config.max_new_tokens)  # fmt: skip
     info = first.with_(n_context_tokens=max(p.n_context_tokens for p in parts), segment=None, budgets=budgets)
     return CompressedKVCache(info=info, layers=layers)
 

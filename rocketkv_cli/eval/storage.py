@@ -65,7 +65,8 @@ def storage_rows(
     """One row per storage type (bytes, tokens, fractions in [0, 1]). The first row is float32,
     the reference of the others' fidelity. Raises BudgetError as `Engine.ingest`."""
     tokens = engine.document_tokens(document)
-    prefill = engine.prefill(tokens.ids, cfg.window_size, cfg.observation == "probe", cfg.chunk_tokens)
+    prefill = engine.prefill(tokens.ids, cfg.window_size, cfg.observation == "probe", cfg.chunk_tokens,
+                             reconstruct=cfg.observation == "reconstruct")  # fmt: skip
     shape = engine.shape
     bf16_full = full_kv_bytes(len(tokens.ids), [s.sliding_window for s in shape.layers], shape.n_kv_heads,
                               shape.head_dim, 2)  # fmt: skip

@@ -62,7 +62,11 @@ def observation_scores(
 
 
 def question_scores(
-    question_queries: torch.Tensor, keys: torch.Tensor, scaling: float, softcap: float | None = None
+    question_queries: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    softcap: float | None = None,
+    score: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention mass a question's queries give each stored key, summed per KV head: the
     observation scores of per-question re-selection (docs/algorithm.md §4), where the question's
@@ -74,11 +78,14 @@ def question_scores(
     Args:
         question_queries: `[B, H, T, D]` after norms and RoPE. keys: `[B, Hkv, S, D]` stored keys
             after RoPE (each KV head its own tokens). scaling, softcap: the layer's attention.
+        score: the observation-score function (default `observation_scores`; `ops` passes its
+            dispatched one).
     Returns:
         `[B, Hkv, S]` float32.
     """
+    score = score or observation_scores
     t, s = question_queries.shape[2], keys.shape[2]
-    return observation_scores(question_queries, keys, torch.ones(t, dtype=torch.long, device=keys.device),
+    return score(question_queries, keys, torch.ones(t, dtype=torch.long, device=keys.device),
                               torch.zeros(s, dtype=torch.long, device=keys.device), scaling, softcap)  # fmt: skip
 
 

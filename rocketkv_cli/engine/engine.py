@@ -153,8 +153,9 @@ class Engine:
         n, shape = len(doc_ids), self.shape
         probe_ids = self.question_ids(read_prompt("probe.txt")) if probe else []
         capture_from = max(0, n - window_tokens)
-        extra = max(len(probe_ids), len(self.question_ids(read_prompt("reconstruct.txt"))) + chunk_tokens
-                    if reconstruct else 0)  # fmt: skip  # a re-read chunk never exceeds chunk_tokens
+        # room after the document: the probe, or one re-read chunk (request + at most chunk_tokens)
+        request = len(self.question_ids(read_prompt("reconstruct.txt"))) if reconstruct else 0
+        extra = max(len(probe_ids), request + chunk_tokens if reconstruct else 0)
         cache = empty_cache(self.model, shape, n + extra)
         first_pass, second_pass = progress, progress
         if reconstruct:  # two passes over the document: each is half of the progress, in document tokens
@@ -338,8 +339,7 @@ def reselection_for(cache: CompressedKVCache) -> Reselection | None:
     if cfg.store_budget is None:
         return None
     kernel = auto_pool_kernel_size(max(layer.n_kept_tokens for layer in cache.layers))
-    return Reselection(prompt_budget, min(cfg.window_size, prompt_budget), kernel,
-                       min(cfg.n_first_tokens, prompt_budget - min(cfg.window_size, prompt_budget)))  # fmt: skip
+    return Reselection(prompt_budget, cfg.window_size, kernel, cfg.n_first_tokens)  # select_kept_tokens fits them
 
 
 def _tensor_or_none(values: list[int] | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -395,7 +395,7 @@ class Decoder:
         exactly; with `reselection` set, each full-attention layer then narrows its context to the
         question's working set (`select_working_set`) for the decode steps that follow."""
         positions = torch.arange(self.position, self.position + len(ids), device=self._position.device)
-        if self.reselection is None or self.cache.selected or self.position != self.n_context_tokens:
+        if self.reselection is None or self.position != self.n_context_tokens:  # not a question's first prefill
             logits = forward_tokens(self.engine.model, self.cache, self.engine.ids(ids), positions)
         else:
             with rocketkv_attention(self.engine.model, self.cache, self.engine.shape, decode=self.decode,

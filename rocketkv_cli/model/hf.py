@@ -234,11 +234,6 @@ class RocketCache(Cache):
         for layer in self.layers:
             layer.crop_to_context()
 
-    @property
-    def selected(self) -> bool:
-        """Whether some layer holds a question's working set rather than its stored context."""
-        return any(layer._stored is not None for layer in self.layers)
-
 
 def empty_cache(model: Any, shape: ModelShape, n_tokens: int) -> RocketCache:
     """A cache with no context, room for `n_tokens` per layer, on the model's device and dtype."""

@@ -152,18 +152,7 @@ def question_scores(
 ) -> torch.Tensor:
     """`stage1.question_scores` through the dispatched `observation_scores`: `[B, H, T, D]` ×
     `[B, Hkv, S, D]` (every key before every query) → `[B, Hkv, S]` float32."""
-    t, s = question_queries.shape[2], keys.shape[2]
-    ones = torch.ones(t, dtype=torch.long, device=keys.device)
-    return observation_scores(question_queries, keys, ones, torch.zeros(s, dtype=torch.long, device=keys.device),
-                              scaling, softcap)  # fmt: skip
-
-
-def reconstruction_weights(
-    queries: torch.Tensor, keys: torch.Tensor, n_context: int, scaling: float, softcap: float | None = None
-) -> torch.Tensor:
-    """`stage1.reconstruction_weights` (torch on every device): `[B, H, T, D]` × `[B, Hkv, L, D]` →
-    `[B, H, n_context]` float32."""
-    return stage1.reconstruction_weights(queries, keys, n_context, scaling, softcap)
+    return stage1.question_scores(question_queries, keys, scaling, softcap, score=observation_scores)
 
 
 def reconstruction_attention(

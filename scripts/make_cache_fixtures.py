@@ -1,12 +1,14 @@
-"""Write the `.kv` fixtures in tests/data/ (format v1 and v2) and the answers they must give.
+"""Add the `.kv` fixtures of the current format version to tests/data/, with the answers they must give.
 
 The files are built from tiny random-init models (tests/conftest.py, fixed seeds, float32) and
 kept in the repository, so that every later rocketkv must still read what an earlier one wrote:
 tests/test_fixtures.py loads each file with the current code, answers the recorded questions and
 compares the token ids with `tests/data/fixtures.json`. Answers use exact attention over the stored
 cache, so they test the stored keys, values and positions, not stage-2 choices a later version may
-improve. Run it only to add a format version (the
-files of older versions must stay as they were written):
+improve. Files of older versions stay as they were written (v1 and v2 by rocketkv 0.1.0 before
+the redesign): run this only when the format version changes, and it adds `v{N}-*.kv` for the
+current version N (a one-segment int8 file on a sliding-window model, a segmented int4 file)
+and leaves the others and their records alone:
 
     python scripts/make_cache_fixtures.py [--out tests/data]
 """
@@ -38,34 +40,31 @@ def main() -> int:
     from conftest import make_engine
 
     from rocketkv_cli.core.config import PrefillConfig
+    from rocketkv_cli.core.quant import KVStorage
     from rocketkv_cli.engine.answer import answer
     from rocketkv_cli.engine.documents import Document, TextPieces
     from rocketkv_cli.engine.segments import ingest_stream
-    from rocketkv_cli.store.format import load_cache, save_cache, save_segmented
+    from rocketkv_cli.store.format import FORMAT_VERSION, all_segments, load_cache, save_cache
 
     args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "fixtures.json"
+    record = json.loads(path.read_text()) if path.exists() else {}
     cfg = PrefillConfig(token_budget=64, max_new_tokens=MAX_NEW_TOKENS, window_size=8, pool_kernel_size=7)
-    record = {}
-    for arch in ("llama", "gemma3_text"):
-        engine = make_engine(arch, torch.float32)
-        text = document_text(120, 0)
-        name = f"v1-{arch}.kv"
-        stored = engine.ingest(Document(text, "0" * 64, f"{arch}.txt"), cfg)
-        save_cache(stored, args.out / name, force=True)
-        loaded = load_cache(args.out / name)
-        record[name] = {"arch": arch, "answers": [
-            list(a.token_ids) for a in answer(engine, loaded, QUESTIONS, MAX_NEW_TOKENS, None)
-        ]}  # fmt: skip
+    made = {}
+    engine = make_engine("gemma3_text", torch.float32)
+    made[f"v{FORMAT_VERSION}-gemma3_text.kv"] = ("gemma3_text", engine, engine.ingest(
+        Document(document_text(120, 0), "0" * 64, "gemma3_text.txt"), cfg, storage=KVStorage("int8")))
     engine = make_engine("llama", torch.float32)
     text = "".join(document_text(30 + 7 * i, i) for i in range(3))
-    stored = ingest_stream(engine, TextPieces(text, "book.txt"), cfg, segment_tokens=200)
-    name = "v2-llama.kv"
-    save_segmented(stored, args.out / name, force=True)
-    loaded = load_cache(args.out / name)
-    record[name] = {"arch": "llama", "answers": [
-        [list(a.token_ids) for a in answer(engine, part, QUESTIONS, MAX_NEW_TOKENS, None)]
-        for part in loaded.segments
-    ]}  # fmt: skip
+    made[f"v{FORMAT_VERSION}-llama.kv"] = ("llama", engine, ingest_stream(
+        engine, TextPieces(text, "book.txt"), cfg, segment_tokens=200, storage=KVStorage("int4")))
+    for name, (arch, engine, cache) in made.items():
+        save_cache(cache, args.out / name, force=True)
+        loaded = load_cache(args.out / name)
+        parts = all_segments(loaded)
+        record[name] = {"arch": arch, "segmented": len(parts) > 1, "answers": [
+            [list(a.token_ids) for a in answer(engine, part, QUESTIONS, MAX_NEW_TOKENS, None)] for part in parts
+        ]}  # fmt: skip
     (args.out / "fixtures.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {', '.join(record)} and fixtures.json in {args.out}", file=sys.stderr)
     return 0

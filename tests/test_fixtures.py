@@ -1,9 +1,9 @@
 """Files written by earlier rocketkv versions still load and answer as they did.
 
 tests/data/ holds `.kv` files of format v1 and v2 written by rocketkv 0.1.0 before the package was
-reorganised (scripts/make_cache_fixtures.py, tiny random models from fixed seeds) and the token ids
-each answered then with exact attention (`fixtures.json`). The current code must read them and
-give the same tokens.
+reorganised, and of v3 written before v4 (scripts/make_cache_fixtures.py, tiny random models from
+fixed seeds), with the token ids each answered then with exact attention (`fixtures.json`). The
+current code must read them and give the same tokens.
 """
 
 import json
@@ -31,12 +31,16 @@ def test__old_file_loads_and_answers_as_recorded(name):
     cache = load_cache(DATA / name)
     engine.check(cache.segments[0] if isinstance(cache, SegmentedKVCache) else cache, name)
     parts = cache.segments if isinstance(cache, SegmentedKVCache) else (cache,)
-    assert (name.startswith("v2")) == isinstance(cache, SegmentedKVCache)
+    assert entry.get("segmented", name.startswith("v2")) == isinstance(cache, SegmentedKVCache)
     got = [[list(a.token_ids) for a in answer(engine, p, QUESTIONS, MAX_NEW_TOKENS, None)] for p in parts]
-    expected = entry["answers"] if isinstance(cache, SegmentedKVCache) else [entry["answers"]]
+    nested = "segmented" in entry or isinstance(cache, SegmentedKVCache)  # v1 records: one flat list
+    expected = entry["answers"] if nested else [entry["answers"]]
     assert got == expected
 
 
-def test__fixtures_cover_both_formats_and_a_sliding_window_model():
+def test__fixtures_cover_every_older_format_and_a_sliding_window_model():
     kinds = {(RECORD[n]["arch"], type(load_cache(DATA / n))) for n in RECORD}
     assert ("llama", SegmentedKVCache) in kinds and ("gemma3_text", CompressedKVCache) in kinds
+    assert {n.split("-")[0] for n in RECORD} >= {"v1", "v2", "v3"}
+    storages = {load_cache(DATA / n).info.storage.kv_dtype for n in RECORD if n.startswith("v3")}
+    assert storages == {"int8", "int4"}

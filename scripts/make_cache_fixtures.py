@@ -52,12 +52,18 @@ def main() -> int:
     cfg = PrefillConfig(token_budget=64, max_new_tokens=MAX_NEW_TOKENS, window_size=8, pool_kernel_size=7)
     made = {}
     engine = make_engine("gemma3_text", torch.float32)
-    made[f"v{FORMAT_VERSION}-gemma3_text.kv"] = ("gemma3_text", engine, engine.ingest(
-        Document(document_text(120, 0), "0" * 64, "gemma3_text.txt"), cfg, storage=KVStorage("int8")))
+    made[f"v{FORMAT_VERSION}-gemma3_text.kv"] = (
+        "gemma3_text",
+        engine,
+        engine.ingest(Document(document_text(120, 0), "0" * 64, "gemma3_text.txt"), cfg, storage=KVStorage("int8")),
+    )
     engine = make_engine("llama", torch.float32)
     text = "".join(document_text(30 + 7 * i, i) for i in range(3))
-    made[f"v{FORMAT_VERSION}-llama.kv"] = ("llama", engine, ingest_stream(
-        engine, TextPieces(text, "book.txt"), cfg, segment_tokens=200, storage=KVStorage("int4")))
+    made[f"v{FORMAT_VERSION}-llama.kv"] = (
+        "llama",
+        engine,
+        ingest_stream(engine, TextPieces(text, "book.txt"), cfg, segment_tokens=200, storage=KVStorage("int4")),
+    )
     for name, (arch, engine, cache) in made.items():
         save_cache(cache, args.out / name, force=True)
         loaded = load_cache(args.out / name)

@@ -27,15 +27,29 @@ def report(name, ref, out, bound):
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
-@pytest.mark.parametrize("shape", [(2, 97, 64), (1, 5, 32), (3, 130, 60)], ids=["97x64", "5x32", "130x60"])
+@pytest.mark.parametrize("shape", [(2, 97, 64), (1, 5, 32), (3, 130, 60), (2, 3, 8)],
+                         ids=["97x64", "5x32", "130x60", "3x8"])  # fmt: skip
 @pytest.mark.parametrize("rotation", ["none", "hadamard"])
-def test__integer_round_trip__within_half_a_step(kv_dtype, shape, rotation):
+@pytest.mark.parametrize("sinks", [4, 0])
+def test__integer_round_trip__within_half_a_step(kv_dtype, shape, rotation, sinks):
     g = torch.Generator().manual_seed(0)
     keys = torch.randn(*shape, generator=g) * 3 + torch.linspace(-4, 4, shape[-1])  # per-channel offsets
+    keys[:, 0] *= 20  # a sink with outlier magnitudes
     values = torch.randn(*shape, generator=g)
-    storage = KVStorage(kv_dtype, key_group_tokens=32, value_group_dims=16, rotation=rotation)
+    storage = KVStorage(kv_dtype, key_group_tokens=32, value_group_dims=16, rotation=rotation, sink_tokens=sinks)
     parts = encode_layer(keys, values, storage)
     k, v = decode_layer(parts, storage, shape[-1])
+    assert k.shape == keys.shape and v.shape == values.shape
+    n_sinks = min(sinks, shape[1])
+    # the sinks: float16, relative rounding 2^-11 (the values here are all in its normal range)
+    for name, ref, out in (("sink keys", keys, k), ("sink values", values, v)):
+        ref, out = ref[:, :n_sinks], out[:, :n_sinks]
+        bound = ref.abs() * 2**-11 + 1e-7
+        assert bool(((ref - out).abs() <= bound).all()), report(name, ref, out, bound.max())
+    if n_sinks == shape[1]:
+        assert parts["keys.q"].shape[1] == 0 and parts["keys.min"].shape[1] == 0
+        return
+    keys, values, k, v = keys[:, n_sinks:], values[:, n_sinks:], k[:, n_sinks:], v[:, n_sinks:]
     levels = (1 << storage.bits) - 1
     # half a quantization step of the widest group (keys: in the rotated basis, so ×√D after rotation)
     if rotation == "none":
@@ -49,6 +63,8 @@ def test__integer_round_trip__within_half_a_step(kv_dtype, shape, rotation):
     assert float((values - v).abs().max()) <= step_v / 2 + 1e-5, report("values", values, v, step_v / 2)
     assert step_v <= float(values.max() - values.min()) / levels + 1e-3
     assert parts["keys.q"].dtype == torch.uint8 and parts["keys.q"].shape[-1] == shape[-1] // (8 // storage.bits)
+    if sinks and shape[1] > 40:  # the sink's outliers stay out of the first key group's range
+        assert float(parts["keys.scale"][:, 0].float().max()) < 40 / levels
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
@@ -266,3 +282,59 @@ def test__decode_config__page_larger_than_topk_refused():
 
     with pytest.raises(ValueError, match="page_size must not exceed topk"):
         DecodeConfig(topk=4, page_size=8, n_score_dims=2)
+
+
+def test__v4_file__int16_positions_float16_sinks_and_line_runs(tmp_path):
+    """What v4 adds: positions in int16 (the segment is under 2^15 tokens), each head's first
+    stored tokens as float16 sinks, token lines as runs — and the lines read back token for token."""
+    engine = make_engine("llama", torch.float32)
+    text = "".join(f"line {i} holds the river stone\n" for i in range(40))
+    stored = engine.ingest(Document(text, "0" * 64, "d.txt"), CFG, storage=KVStorage("int4"))
+    path = save_cache(stored, tmp_path / "q.kv")
+    _, header, _ = _header(path)
+    assert header["__metadata__"]["format_version"] == "4"
+    assert header["segments.0.layers.0.positions"]["dtype"] == "I16"
+    assert header["segments.0.layers.0.sinks.keys"]["dtype"] == "F16"
+    assert header["segments.0.layers.0.sinks.keys"]["shape"][1] == 4
+    runs = header["segments.0.token_line_runs"]["shape"]
+    assert "segments.0.token_lines" not in header and runs[1] == 2 and 40 <= runs[0] <= 42  # 40 lines + framing
+    loaded = load_cache(path)
+    assert torch.equal(loaded.token_lines, stored.token_lines.to(torch.int32))
+    assert loaded.info.storage.sink_tokens == 4
+    for a, b in zip(stored.layers, loaded.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.positions, b.positions)
+        assert torch.equal(b.keys[0, :, :4], a.keys[0, :, :4].half().float())
+
+
+@pytest.mark.parametrize("rows, n", [([[1, 1]], 5), ([[0, 1], [0, 2]], 5), ([[0, 1], [3, 2], [2, 3]], 5),
+                                     ([[0, 1], [5, 2]], 5), ([[0, -1]], 5), ([], 5)])  # fmt: skip
+def test__line_runs__malformed_rows_refused(rows, n):
+    from rocketkv_cli.store.v3 import lines_from_runs
+
+    assert lines_from_runs(torch.tensor(rows, dtype=torch.int32).reshape(-1, 2), n) is None
+
+
+def test__line_runs__round_trip():
+    from rocketkv_cli.store.v3 import line_runs, lines_from_runs
+
+    lines = torch.tensor([0, 0, 1, 1, 1, 2, 4, 4, 0], dtype=torch.int32)
+    runs = line_runs(lines)
+    assert runs.tolist() == [[0, 0], [2, 1], [5, 2], [6, 4], [8, 0]]
+    assert torch.equal(lines_from_runs(runs, 9), lines)
+
+
+def test__v3_storage_without_sinks__reads_as_no_sinks(tmp_path):
+    """A v3 file's kv_storage has no sink_tokens: it quantized every token, so it reads as 0."""
+    from rocketkv_cli.store.format import metadata_info
+
+    engine = make_engine("llama", torch.float32)
+    stored = engine.ingest(Document(text_of_bytes(300), "0" * 64, "d.txt"), CFG, storage=KVStorage("int8"))
+    path = save_cache(stored, tmp_path / "q.kv")
+    _, header, _ = _header(path)
+    meta = dict(header["__metadata__"])
+    raw = json.loads(meta["kv_storage"])
+    del raw["sink_tokens"]
+    meta.update(kv_storage=json.dumps(raw), format_version="3")
+    assert metadata_info(meta, "q.kv", "").storage.sink_tokens == 0
+    meta["format_version"] = "4"
+    assert metadata_info(meta, "q.kv", "").storage.sink_tokens == 4  # v4 always writes it; the default

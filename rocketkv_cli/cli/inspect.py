@@ -33,6 +33,11 @@ def inspect_command(
         typer.echo(f"{key:<16}  {value}")
 
 
+def _sinks(info: dict) -> str:
+    sinks = info.get("kv_storage", {}).get("sink_tokens", 0)
+    return f" (each head's first {sinks} tokens in float16)" if sinks else ""
+
+
 def _lines(info: dict) -> list[tuple[str, str]]:
     windows, kept = info["layer_windows"], info["kept_tokens_per_layer"]
     n_parts, n_ctx, n_full = info["n_segments"], info["n_context_tokens"], info["n_full_attention_layers"]
@@ -45,7 +50,10 @@ def _lines(info: dict) -> list[tuple[str, str]]:
         ("format", f"{info['format']} v{info['format_version']} (rocketkv {info['rocketkv_version']})"),
         ("model", f"{info['model_id']} (digest {info['model_digest'][:12]})"),
         ("dtype", info["dtype"]),
-        ("storage", f"{info['kv_dtype']} keys/values, {info['kv_bytes_per_token']:,.0f} bytes per document token"),
+        (
+            "storage",
+            f"{info['kv_dtype']} keys/values{_sinks(info)}, {info['kv_bytes_per_token']:,.0f} bytes per document token",
+        ),
         ("document", f"{info.get('document_source', '?')} (sha256 {info['document_sha256'][:12]})"),
         ("context tokens", str(n_ctx)),
     ]

@@ -5,8 +5,13 @@ KIVI layout (Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for K
 arXiv 2402.02750, §3): keys are grouped per channel along the tokens (their outliers sit in fixed
 channels), values per token along the channels. Optionally the keys are first rotated by an
 orthonormal Hadamard matrix along the head dimension (spreading outlier channels, as in QuaRot,
-arXiv 2404.00456 §4), which is undone after dequantization. Scales and minimums are float16 when
-they fit, else float32. Dequantization happens in float32 and is deterministic, so a cache
+arXiv 2404.00456 §4), which is undone after dequantization. Each KV head's first `sink_tokens`
+stored tokens (the attention sinks: position 0 and the document's first tokens, which stage 1
+keeps) are held apart in float16, outside the integer groups — the pivot tokens of IntactKV (Liu
+et al., arXiv 2403.01241 §3): they draw most of the attention, so their rounding error reaches
+every query, and their outlier magnitudes would widen the range of the first key group. Measured
+in docs/storage.md (SmolLM2 int4: top-1 agreement 0.95 without, 0.99 with). Scales, minimums and
+sinks are float16 when they fit, else float32. Dequantization happens in float32 and is deterministic, so a cache
 quantized in memory and the same cache read back from a file hold bit-identical values.
 Pure torch.
 """
@@ -26,6 +31,7 @@ FLOAT_DTYPES = {
     "float64": torch.float64,
 }
 ROTATIONS = ("none", "hadamard")
+SINK_TOKENS = 4  # integer storage: each head's first stored tokens kept in float16 (measured: docs/storage.md)
 _F16_MAX = 65504.0
 
 
@@ -38,14 +44,17 @@ class KVStorage:
     key_group_tokens: tokens per key group (one min/scale per channel and group).
     value_group_dims: channels per value group (one min/scale per token and group).
     rotation: "hadamard" rotates keys along the head dimension before quantizing; "none".
+    sink_tokens: integer storage keeps each KV head's first `sink_tokens` stored tokens in
+        float16 (tokens, ≥ 0); float storage has none (any value given is replaced by 0).
     Raises:
-        ValueError: an unknown dtype or rotation, or a non-positive group size.
+        ValueError: an unknown dtype or rotation, a non-positive group size, a negative sink count.
     """
 
     kv_dtype: str = "auto"
     key_group_tokens: int = 64
     value_group_dims: int = 64
     rotation: str = "none"
+    sink_tokens: int = SINK_TOKENS
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in KV_DTYPES:
@@ -58,6 +67,11 @@ class KVStorage:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.rotation != "none" and not self.is_integer:
             raise ValueError(f"rotation {self.rotation!r} only applies to integer kv_dtype, got {self.kv_dtype}")
+        sinks = self.sink_tokens
+        if isinstance(sinks, bool) or not isinstance(sinks, int) or not 0 <= sinks <= 1 << 20:
+            raise ValueError(f"sink_tokens must be an integer in [0, 2^20], got {sinks!r}")
+        if not self.is_integer and sinks:
+            object.__setattr__(self, "sink_tokens", 0)  # float storage holds every token as it is
 
     @property
     def is_integer(self) -> bool:
@@ -72,14 +86,25 @@ class KVStorage:
 
     @staticmethod
     def parse(name: str) -> KVStorage:
-        """A storage from its name: a kv dtype, optionally `+hadamard` (`int4+hadamard`).
+        """A storage from its name: a kv dtype, then optionally `+hadamard` and `+sinksN` (N sink
+        tokens instead of the default): `int4`, `int4+hadamard`, `int4+sinks0`.
         Raises ValueError naming the value."""
-        dtype, _, rotation = name.partition("+")
-        return KVStorage(dtype, rotation=rotation or "none")
+        dtype, *extras = name.split("+")
+        rotation, sinks = "none", SINK_TOKENS
+        for extra in extras:
+            if extra in ROTATIONS and rotation == "none":
+                rotation = extra
+            elif extra.startswith("sinks") and extra[5:].isdigit() and len(extra) <= 12:
+                sinks = int(extra[5:])
+            else:
+                raise ValueError(f"unknown storage option {extra!r} in {name!r} (known: hadamard, sinksN)")
+        return KVStorage(dtype, rotation=rotation, sink_tokens=sinks)
 
     @property
     def name(self) -> str:
-        return self.kv_dtype + ("" if self.rotation == "none" else f"+{self.rotation}")
+        """The name `parse` reads back: `int4`, `int4+hadamard`, `int8+sinks0`."""
+        out = self.kv_dtype + ("" if self.rotation == "none" else f"+{self.rotation}")
+        return out + (f"+sinks{self.sink_tokens}" if self.is_integer and self.sink_tokens != SINK_TOKENS else "")
 
 
 def hadamard(dim: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -198,26 +223,45 @@ def resolved(storage: KVStorage, model_dtype: str) -> KVStorage:
     """`storage` with `auto` replaced by the model's dtype name."""
     if storage.kv_dtype != "auto":
         return storage
-    return KVStorage(model_dtype, storage.key_group_tokens, storage.value_group_dims, storage.rotation)
+    return KVStorage(
+        model_dtype, storage.key_group_tokens, storage.value_group_dims, storage.rotation, storage.sink_tokens
+    )
+
+
+def layer_part_names(storage: KVStorage) -> tuple[str, ...]:
+    """Names of the tensors `encode_layer` returns under an integer `storage`."""
+    sinks = ("sinks.keys", "sinks.values") if storage.sink_tokens else ()
+    return ("keys.q", "keys.min", "keys.scale", "values.q", "values.min", "values.scale", *sinks)
 
 
 def encode_layer(keys: torch.Tensor, values: torch.Tensor, storage: KVStorage) -> dict[str, torch.Tensor]:
-    """The stored tensors of one layer's keys/values `[Hkv, S, D]` under an integer `storage`:
-    `keys.q`, `keys.min`, `keys.scale`, `values.q`, `values.min`, `values.scale`.
+    """The stored tensors of one layer's keys/values `[Hkv, S, D]` under an integer `storage`.
+
+    With s = min(sink_tokens, S): `sinks.keys` / `sinks.values` `[Hkv, s, D]` float16 (float32
+    when out of its range) hold the first s tokens; `keys.q`, `keys.min`, `keys.scale`,
+    `values.q`, `values.min`, `values.scale` encode the other S − s (`encode_keys`, `encode_values`).
     Raises ValueError: int4 with an odd head dim."""
     if storage.bits == 4 and keys.shape[-1] % 2:
         raise ValueError(f"int4 storage needs an even head_dim, got {keys.shape[-1]}")
-    parts = {f"keys.{k}": v for k, v in encode_keys(keys, storage).items()}
-    parts.update({f"values.{k}": v for k, v in encode_values(values, storage).items()})
+    n_sinks = min(storage.sink_tokens, keys.shape[1])
+    parts = {f"keys.{k}": v for k, v in encode_keys(keys[:, n_sinks:], storage).items()}
+    parts.update({f"values.{k}": v for k, v in encode_values(values[:, n_sinks:], storage).items()})
+    if storage.sink_tokens:
+        sink_k, sink_v = keys[:, :n_sinks].float(), values[:, :n_sinks].float()
+        dtype = _scale_dtype(sink_k, sink_v)
+        parts["sinks.keys"], parts["sinks.values"] = sink_k.to(dtype).contiguous(), sink_v.to(dtype).contiguous()
     return parts
 
 
 def decode_layer(
     parts: dict[str, torch.Tensor], storage: KVStorage, head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 (keys, values) `[Hkv, S, D]` from `encode_layer`'s tensors."""
+    """Float32 (keys, values) `[Hkv, S, D]` from `encode_layer`'s tensors (sinks first)."""
     keys = decode_keys({k: parts[f"keys.{k}"] for k in ("q", "min", "scale")}, storage, head_dim)
     values = decode_values({k: parts[f"values.{k}"] for k in ("q", "min", "scale")}, storage)
+    if storage.sink_tokens:
+        keys = torch.cat([parts["sinks.keys"].float(), keys], dim=1)
+        values = torch.cat([parts["sinks.values"].float(), values], dim=1)
     return keys, values
 
 

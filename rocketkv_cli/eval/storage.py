@@ -5,7 +5,8 @@ stage-1 selection), each cache written to a file and read back the way `ask` rea
 measured side by side: file bytes, bytes per document token, file size over the bfloat16 full KV
 cache of the same document, and fidelity against the float32 cache of the same budget —
 teacher-forced top-1 agreement (the float32 cache's greedy answer fed token by token; the share
-of steps where this storage's greedy next token is the same), greedy-answer agreement (common
+of steps where this storage's greedy next token is the same) and mean KL(float32 ‖ this storage)
+per answer token in nats, greedy-answer agreement (common
 prefix over the longer answer), and the answers' scores on planted facts when the questions have
 expected values.
 """
@@ -16,6 +17,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from ..core.cache import CompressedKVCache, full_kv_bytes
 from ..core.config import PrefillConfig
@@ -35,21 +38,20 @@ class Probe:
     expected: tuple[str, ...] = ()
 
 
-def teacher_forced_top1(engine: Engine, cache: CompressedKVCache, ids: list[int], reference: tuple[int, ...],
-                        sparse: bool = True) -> tuple[int, int]:  # fmt: skip
-    """(steps where the greedy next token equals the reference's, steps) when the reference answer
-    is fed after the framed question `ids`; stage 2 applied at each step exactly as decode does."""
-    if not reference:
-        return 0, 0
+def teacher_forced_log_probs(engine: Engine, cache: CompressedKVCache, ids: list[int], reference: tuple[int, ...],
+                             sparse: bool = True) -> torch.Tensor:  # fmt: skip
+    """Next-token log-probabilities `[len(reference), V]` float32 at each step when the reference
+    answer is fed after the framed question `ids`; stage 2 applied at each step exactly as decode
+    does."""
     decoder = Decoder(engine, cache, max(QUESTION_RESERVE_TOKENS, len(ids)) + len(reference) + 1,
                       decode_config_for(cache, sparse))  # fmt: skip
-    same = 0
+    rows = []
     with decoder.attention():
         logits = decoder.prefill(ids)
         for token in reference:
-            same += int(logits.argmax(dim=-1)) == token
+            rows.append(logits.reshape(-1).float().log_softmax(-1))
             logits = decoder.decode_one_token(token)
-    return same, len(reference)
+    return torch.stack(rows) if rows else torch.empty(0, 0)
 
 
 def storage_rows(
@@ -70,7 +72,7 @@ def storage_rows(
     shape = engine.shape
     bf16_full = full_kv_bytes(len(tokens.ids), [s.sliding_window for s in shape.layers], shape.n_kv_heads,
                               shape.head_dim, 2)  # fmt: skip
-    rows, reference = [], None
+    rows, reference, ref_log_probs = [], None, []
     for kv_dtype in ["float32", *[d for d in kv_dtypes if d != "float32"]]:
         log(f"storage {kv_dtype}: compress, save, load, answer {len(probes)} questions")
         storage = KVStorage.parse(kv_dtype)
@@ -90,16 +92,53 @@ def storage_rows(
                "answers": [a.text for a in answers], "token_ids": [list(a.token_ids) for a in answers]}  # fmt: skip
         scored = [(p, a) for p, a in zip(probes, answers) if p.expected]
         row["score"] = sum(match_fraction(a.text, p.expected) for p, a in scored) / len(scored) if scored else None
+        prepared = prepare_questions(engine, loaded, [p.text for p in probes], max_new_tokens)
         if reference is None:
             reference = answers
-            row.update(top1_agreement=1.0, greedy_agreement=1.0)
+            ref_log_probs = [teacher_forced_log_probs(engine, loaded, ids, ref.token_ids)
+                             for (_, ids), ref in zip(prepared, reference)]  # fmt: skip
+            row.update(top1_agreement=1.0, greedy_agreement=1.0, mean_kl=0.0)
         else:
-            prepared = prepare_questions(engine, loaded, [p.text for p in probes], max_new_tokens)
-            counts = [teacher_forced_top1(engine, loaded, ids, ref.token_ids)
-                      for (_, ids), ref in zip(prepared, reference)]  # fmt: skip
-            row["top1_agreement"] = sum(c[0] for c in counts) / max(1, sum(c[1] for c in counts))
+            same = steps = 0
+            kl = 0.0
+            for (_, ids), ref, ref_lp in zip(prepared, reference, ref_log_probs):
+                lp = teacher_forced_log_probs(engine, loaded, ids, ref.token_ids)
+                same += int((lp.argmax(dim=-1) == torch.tensor(ref.token_ids)).sum()) if len(lp) else 0
+                steps += len(ref.token_ids)
+                kl += float((ref_lp.exp() * (ref_lp - lp)).sum()) if len(lp) else 0.0  # KL(float32 ‖ this)
+            row["top1_agreement"] = same / max(1, steps)
+            row["mean_kl"] = kl / max(1, steps)
             row["greedy_agreement"] = sum(token_agreement(r.token_ids, a.token_ids)
                                           for r, a in zip(reference, answers)) / len(answers)  # fmt: skip
         rows.append(row)
         path.unlink()
     return rows
+
+
+def load_first_token_seconds(engine: Engine, document: Document, cfg: PrefillConfig, kv_dtypes: list[str],
+                             question: str, workdir: Path, rounds: int = 5) -> dict[str, list[float]]:  # fmt: skip
+    """Seconds from opening a `.kv` file to the first answer token, per storage type, measured
+    side by side: one prefill compressed and saved once per storage, then `rounds` rounds that
+    each time every file in turn (load and verify, model check, question prefill, one token).
+    Returns {storage name: [seconds per round]}. Raises BudgetError as `Engine.ingest`."""
+    tokens = engine.document_tokens(document)
+    prefill = engine.prefill(tokens.ids, cfg.window_size, cfg.observation == "probe", cfg.chunk_tokens,
+                             reconstruct=cfg.observation == "reconstruct")  # fmt: skip
+    paths = {}
+    for name in kv_dtypes:
+        cache = engine.compress(prefill, cfg, document.sha256, document.source, storage=KVStorage.parse(name),
+                                tokens=tokens)  # fmt: skip
+        paths[name] = save_cache(cache, workdir / f"load-{name}.kv", force=True)
+    times: dict[str, list[float]] = {name: [] for name in kv_dtypes}
+    for _ in range(rounds + 1):  # the first round warms the page cache and the model; not kept
+        for name, path in paths.items():
+            t0 = time.perf_counter()
+            loaded = load_cache(path)
+            if not isinstance(loaded, CompressedKVCache):
+                raise ValueError(f"{path}: a load measurement document fits one segment")
+            engine.check(loaded, str(path))
+            next(iter(answer(engine, loaded, [question], 1, decode_config_for(loaded))))
+            times[name].append(time.perf_counter() - t0)
+    for path in paths.values():
+        path.unlink()
+    return {name: t[1:] for name, t in times.items()}

@@ -3,7 +3,7 @@
 The only place where a `CompressedKVCache` / `SegmentedKVCache` becomes bytes and strings, and
 back. This module holds what every format version shares: the metadata ↔ `CacheInfo`
 conversion, the header parser, digests, and the entry points `save_cache`, `load_cache` and
-`read_metadata`. Format v3 (what rocketkv writes) is in `v3.py`, the reader of v1/v2 files in
+`read_metadata`. Formats v3 and v4 (v4 is what rocketkv writes) are in `v3.py`, the reader of v1/v2 files in
 `legacy.py`. Files are read into private memory (never memory-mapped) and the digest is checked on
 exactly the bytes that are then used, so a file changed or truncated under a reader gives a
 `CacheFormatError`, never a wrong answer or a signal. Nothing read from a file is checked with
@@ -31,11 +31,12 @@ from ..core.quant import KVStorage
 from ..errors import CacheFormatError
 
 FORMAT_NAME = "rocketkv.kv_cache"
-FORMAT_VERSION = 3  # v1: one segment (`layers.*`); v2: `segments.{j}.layers.*`; v3: + integer storage
+FORMAT_VERSION = 4  # v1: one segment (`layers.*`); v2: `segments.{j}.layers.*`; v3: + integer storage;
+# v4: + float16 sink tokens, int16 positions where they fit, token lines as runs
 MAX_HEADER_BYTES = 100 << 20  # as safetensors itself
-DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "F64": 8, "U8": 1}
+DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "F64": 8, "U8": 1}
 TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
-                "I32": torch.int32, "F64": torch.float64, "U8": torch.uint8}  # fmt: skip
+                "I32": torch.int32, "I16": torch.int16, "F64": torch.float64, "U8": torch.uint8}  # fmt: skip
 ST_DTYPES = {v: k for k, v in TORCH_DTYPES.items()}
 REQUIRED_METADATA = (
     "format", "format_version", "rocketkv_version", "model_id", "model_digest", "tokenizer_digest",
@@ -213,8 +214,8 @@ def tensor_from(buf: bytearray, offset: int, entry: dict) -> torch.Tensor:
 def load_cache(path: str | Path, lazy: bool = False) -> AnyCache:
     """Load and validate a `.kv` file of any version (format, header bounds, shapes, digests).
 
-    A one-segment v3 file is read and verified now unless `lazy` (then, like every segment of a
-    segmented v3 file, its KV is read and verified when first used). Model compatibility is
+    A one-segment v3/v4 file is read and verified now unless `lazy` (then, like every segment of a
+    segmented v3/v4 file, its KV is read and verified when first used). Model compatibility is
     checked separately (`ModelIdentity.mismatch`). One segment gives a `CompressedKVCache`, several
     a `SegmentedKVCache`.
     Raises:
@@ -241,7 +242,7 @@ def _load(p: Path, shown: str, lazy: bool = True) -> tuple[AnyCache, dict[str, s
     if not all(isinstance(v, str) for v in meta.values()) or metadata_digest(meta) != meta["metadata_sha256"]:
         raise CacheFormatError(f"{shown} is damaged (metadata digest mismatch)", rebuild)
     info = metadata_info(meta, shown, rebuild)
-    if info.format_version == 3:
+    if (info.format_version or 0) >= 3:
         from .v3 import read_v3
 
         cache = read_v3(f, header, info, rebuild)
@@ -295,7 +296,12 @@ def metadata_info(meta: dict[str, str], path: str, rebuild: str) -> CacheInfo:
         if "segment_index" in meta:
             segment = SegmentInfo(_int(meta, "segment_index"), _int(meta, "segment_start_token"),
                                   meta.get("segment_ids_sha256", ""))  # fmt: skip
-        storage = KVStorage(**json.loads(meta["kv_storage"])) if version >= 3 else KVStorage(meta["dtype"])
+        storage = KVStorage(meta["dtype"])
+        if version >= 3:
+            raw_storage = json.loads(meta["kv_storage"])
+            if version == 3 and isinstance(raw_storage, dict):
+                raw_storage.setdefault("sink_tokens", 0)  # v3 quantized every token
+            storage = KVStorage(**raw_storage)
         if version >= 3 and storage.kv_dtype == "auto":
             raise ValueError("kv_storage")
         weights = meta.get("weights", "float") if version >= 3 else "float"
@@ -359,7 +365,7 @@ def token_ids_ok(ids: torch.Tensor | None, info: CacheInfo, required: bool) -> b
 
 
 def save_cache(cache: AnyCache, path: str | Path, force: bool = False) -> Path:
-    """Write `cache` (one or several segments) atomically to `path` in the current format (v3).
+    """Write `cache` (one or several segments) atomically to `path` in the current format (v4).
 
     Raises:
         OutputError: target exists without `force`, is a directory or special file, its directory

@@ -1,10 +1,11 @@
-"""Format v3: every cache as segments (one or more), keys/values in their storage form (a float
-dtype, or int8/int4 codes with group scales), int32 positions, and per-token ids, character
-offsets and lines. Each segment's tensors occupy two contiguous byte ranges — its KV, then its
-tokens — each with its own sha256 in the metadata, so a reader verifies exactly the bytes it
-reads, when it reads them: `ask` on a book reads the token ranges (for routing) and the KV of the
-segments it answers from only. The layout is plain safetensors (8-byte aligned, no holes: each
-range is padded with a small `pad` tensor).
+"""Formats v3 and v4: every cache as segments (one or more), keys/values in their storage form (a
+float dtype, or int8/int4 codes with group scales; v4: plus float16 sink tokens), positions (v3:
+int32; v4: int16 where the segment is shorter than 2^15 tokens), and per-token ids, character
+offsets and lines (v4: lines as runs). This module writes v4 and reads both. Each segment's
+tensors occupy two contiguous byte ranges — its KV, then its tokens — each with its own sha256 in
+the metadata, so a reader verifies exactly the bytes it reads, when it reads them: `ask` on a book
+reads the token ranges (for routing) and the KV of the segments it answers from only. The layout
+is plain safetensors (8-byte aligned, no holes: each range is padded with a small `pad` tensor).
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import torch
 
 from .. import __version__
 from ..core.cache import AnyCache, CacheInfo, CompressedKVCache, LayerKV, SegmentedKVCache
-from ..core.quant import FLOAT_DTYPES
+from ..core.quant import FLOAT_DTYPES, layer_part_names
 from ..errors import CacheFormatError, OutputError
 from .atomic import atomic_write
 from .format import (
     FORMAT_NAME,
+    FORMAT_VERSION,
     MAX_HEADER_BYTES,
     REQUIRED_METADATA,
     ST_DTYPES,
@@ -44,14 +46,15 @@ from .format import (
 
 ENTRY_FIELDS = ("n_context_tokens", "start_token", "budgets", "ids_sha256", "kv", "kv_sha256", "tokens",
                 "tokens_sha256")  # fmt: skip
-INT_PARTS = ("keys.q", "keys.min", "keys.scale", "values.q", "values.min", "values.scale")
 TOKEN_FIELDS = {"token_ids": torch.int32, "token_offsets": torch.int32, "token_lines": torch.int32}
+LINE_RUNS = "token_line_runs"  # v4: `[R, 2]` int32 (first token of a run, its line); v3 stored token_lines
+POSITION_DTYPES = (torch.int16, torch.int32)
 OFFSET_DTYPES = (torch.int32, torch.int64)  # offsets: int32 unless a document passes 2^31 characters
 _PLACEHOLDER = "0" * 64  # digests are written after the payload, in place (same length)
 
 
 class FileSegment(CompressedKVCache):
-    """A segment of an open v3 file: tokens read, KV read (and verified) on first use."""
+    """A segment of an open v3/v4 file: tokens read, KV read (and verified) on first use."""
 
     stored_loader: Callable[[], dict[str, torch.Tensor]]
     specs: dict[str, tuple[torch.dtype, list[int]]]
@@ -77,18 +80,46 @@ def _kv_tensors(seg: CompressedKVCache) -> dict[str, torch.Tensor]:
                 raise ValueError(f"layer {i} holds {layer.keys.dtype}, the storage says {storage.kv_dtype}")
             out[f"layers.{i}.keys"] = layer.keys[0].contiguous()
             out[f"layers.{i}.values"] = layer.values[0].contiguous()
-        out[f"layers.{i}.positions"] = layer.positions[0].to(torch.int32).contiguous()
+        pos_dtype = torch.int16 if seg.n_context_tokens <= 1 << 15 else torch.int32
+        out[f"layers.{i}.positions"] = layer.positions[0].to(pos_dtype).contiguous()
     return out
+
+
+def line_runs(lines: torch.Tensor) -> torch.Tensor:
+    """Per-token lines `[n]` as runs `[R, 2]` int32: (first token of the run, its line), one row
+    per change of line (a document token is about 1/10 of a line, so R ≪ n)."""
+    change = torch.ones(lines.shape[0], dtype=torch.bool)
+    change[1:] = lines[1:] != lines[:-1]
+    starts = torch.nonzero(change).reshape(-1)
+    return torch.stack([starts, lines[starts].to(torch.int64)], dim=1).to(torch.int32).contiguous()
+
+
+def lines_from_runs(runs: torch.Tensor, n: int) -> torch.Tensor | None:
+    """Per-token lines `[n]` int32 from `line_runs`'s rows, or None when they are not valid runs
+    (starts from 0, strictly increasing, below n; lines ≥ 0)."""
+    if runs.dtype != torch.int32 or runs.dim() != 2 or runs.shape[1] != 2 or not 1 <= runs.shape[0] <= n:
+        return None
+    starts, lines = runs[:, 0].to(torch.int64), runs[:, 1]
+    if int(starts[0]) != 0 or int(starts[-1]) >= n or int(lines.min()) < 0:
+        return None
+    if runs.shape[0] > 1 and not bool((starts[1:] > starts[:-1]).all()):
+        return None
+    lengths = torch.diff(starts, append=torch.tensor([n]))
+    return torch.repeat_interleave(lines, lengths)
 
 
 def _token_tensors(seg: CompressedKVCache) -> dict[str, torch.Tensor]:
     out = {}
     for name, dtype in TOKEN_FIELDS.items():
         t = getattr(seg, name)
-        if t is not None:
-            if name == "token_offsets" and t.numel() and int(t.max()) >= 1 << 31:
-                dtype = torch.int64
-            out[name] = t.to(dtype).contiguous()
+        if t is None or not t.numel():
+            continue
+        if name == "token_lines":
+            out[LINE_RUNS] = line_runs(t)
+            continue
+        if name == "token_offsets" and int(t.max()) >= 1 << 31:
+            dtype = torch.int64
+        out[name] = t.to(dtype).contiguous()
     return out
 
 
@@ -140,7 +171,7 @@ def write_v3(cache: AnyCache, target: Path, force: bool) -> Path:
     file_info = cache.info
     meta = info_metadata(file_info.with_(created_at=file_info.created_at or now(),
                                          segment=file_info.segment if len(segments) == 1 else None))  # fmt: skip
-    meta.update(format=FORMAT_NAME, format_version="3", rocketkv_version=__version__,
+    meta.update(format=FORMAT_NAME, format_version=str(FORMAT_VERSION), rocketkv_version=__version__,
                 n_context_tokens=str(file_info.n_context_tokens), tensors_sha256=_table_digest(header))  # fmt: skip
     if len(segments) > 1:
         meta["n_context_tokens"] = str(sum(seg.n_context_tokens for seg in segments))
@@ -188,7 +219,7 @@ def write_v3(cache: AnyCache, target: Path, force: bool) -> Path:
 
 
 def _root(entries: list[dict]) -> str:
-    """The payload digest of a v3 file: sha256 over the segments' range digests, in order."""
+    """The payload digest of a v3/v4 file: sha256 over the segments' range digests, in order."""
     text = "".join(f"{e['kv_sha256']}{e['tokens_sha256']}" for e in entries)
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -202,7 +233,7 @@ def _table_digest(tensors: dict) -> str:
 
 
 def read_v3(f: CacheFile, header: dict, info: CacheInfo, rebuild: str) -> AnyCache:
-    """The cache of a v3 file whose header and metadata are validated: tokens read and verified
+    """The cache of a v3 or v4 file whose header and metadata are validated: tokens read and verified
     now, each segment's KV when first used. Raises CacheFormatError."""
     meta, shown, table = header["metadata"], f.shown, header["tensors"]
     if meta.get("tensors_sha256") != _table_digest(table):
@@ -282,6 +313,12 @@ def _segment(f: CacheFile, base: int, names: dict[str, dict], entry: dict, info:
               for n in tok_names & set(names)}  # fmt: skip
     n = info.n_context_tokens
     ok = token_ids_ok(tokens.get("token_ids"), info, required="token_ids" in required)
+    if LINE_RUNS in tokens:
+        runs = tokens.pop(LINE_RUNS)
+        lines = lines_from_runs(runs, n)
+        ok = ok and lines is not None and "token_lines" not in tokens
+        if lines is not None:
+            tokens["token_lines"] = lines
     for name, dtype in TOKEN_FIELDS.items():
         t = tokens.get(name)
         allowed = OFFSET_DTYPES if name == "token_offsets" else (dtype,)
@@ -315,16 +352,17 @@ def _torch_dtype(st: str) -> torch.dtype:
 
 
 def _expected_names(info: CacheInfo) -> tuple[set[str], set[str]]:
-    parts = INT_PARTS if info.storage.is_integer else ("keys", "values")
+    parts = layer_part_names(info.storage) if info.storage.is_integer else ("keys", "values")
     kv = {f"layers.{i}.{p}" for i in range(info.identity.n_layers) for p in (*parts, "positions")}
-    return kv, set(TOKEN_FIELDS)
+    tokens = set(TOKEN_FIELDS) | ({LINE_RUNS} if (info.format_version or 0) >= 4 else set())
+    return kv, tokens
 
 
 def _layer(tensors: dict[str, torch.Tensor], i: int, info: CacheInfo) -> LayerKV | None:
     """Layer i from its stored tensors, or None when they disagree with the metadata."""
     n_kv, d, storage = info.identity.n_kv_heads, info.identity.head_dim, info.storage
     pos = tensors[f"layers.{i}.positions"]
-    if pos.dtype != torch.int32 or pos.dim() != 2:
+    if pos.dtype not in POSITION_DTYPES or pos.dim() != 2:
         return None
     s = pos.shape[1]
     if not positions_ok(pos, n_kv, s, info.n_context_tokens):
@@ -336,13 +374,17 @@ def _layer(tensors: dict[str, torch.Tensor], i: int, info: CacheInfo) -> LayerKV
         if k.shape != (n_kv, s, d) or v.shape != (n_kv, s, d) or k.dtype != want or v.dtype != want:
             return None
         return LayerKV(k.unsqueeze(0), v.unsqueeze(0), positions)
-    parts = {p: tensors[f"layers.{i}.{p}"] for p in INT_PARTS}
+    parts = {p: tensors[f"layers.{i}.{p}"] for p in layer_part_names(storage)}
     width = d // 2 if storage.bits == 4 else d
     gd = min(storage.value_group_dims, d)
-    shapes = {"keys.q": (n_kv, s, width), "values.q": (n_kv, s, width),
-              "keys.min": (n_kv, -(-s // storage.key_group_tokens), d),
-              "values.min": (n_kv, s, -(-d // gd))}  # fmt: skip
+    n_sinks = min(storage.sink_tokens, s)
+    rest = s - n_sinks  # tokens in integer groups
+    shapes = {"keys.q": (n_kv, rest, width), "values.q": (n_kv, rest, width),
+              "keys.min": (n_kv, -(-rest // storage.key_group_tokens), d),
+              "values.min": (n_kv, rest, -(-d // gd))}  # fmt: skip
     shapes["keys.scale"], shapes["values.scale"] = shapes["keys.min"], shapes["values.min"]
+    if storage.sink_tokens:
+        shapes["sinks.keys"] = shapes["sinks.values"] = (n_kv, n_sinks, d)
     for p, shape in shapes.items():
         t = parts[p]
         if t.shape != shape:

@@ -161,9 +161,9 @@ def test__trust_remote_code_off_by_default():
 
 FUZZ_MUTATIONS = 300
 FUZZ_NIGHTLY_MUTATIONS = 10_000
-DTYPES = ("F32", "F16", "BF16", "I64", "I32", "F64", "U8", "Q4")
+DTYPES = ("F32", "F16", "BF16", "I64", "I32", "I16", "F64", "U8", "Q4")
 # re-digested edits the loader must catch (they disagree with the tensors); not `dtype`, which in
-# format v3 names the model's compute dtype, not the stored tensors' (`kv_storage` does)
+# formats v3 and v4 name the model's compute dtype, not the stored tensors' (`kv_storage` does)
 GEOMETRY = ("n_context_tokens", "n_kv_heads", "head_dim", "n_layers", "format_version")
 
 
@@ -280,9 +280,10 @@ def identical(a, b) -> bool:
 
 @pytest.fixture(scope="module")
 def fuzz_files(tmp_path_factory):
-    """Valid files of every kind the loader reads, as (name, bytes, loaded cache): format v3 with
-    float keys/values, one segment stored as int4 (packed codes plus per-group scales and
-    minima), three segments stored as int8, and the v1 and v2 files of rocketkv 0.1.0."""
+    """Valid files of every kind the loader reads, as (name, bytes, loaded cache): format v4 with
+    float keys/values, one segment stored as int4 (packed codes plus per-group scales, minima and
+    float16 sinks), three segments stored as int8, the v1 and v2 files of rocketkv 0.1.0, and the
+    v3 files written before v4."""
     from rocketkv_cli.core.quant import KVStorage
     from rocketkv_cli.engine.documents import TextPieces
     from rocketkv_cli.engine.segments import ingest_stream
@@ -293,14 +294,15 @@ def fuzz_files(tmp_path_factory):
     short = "".join(text_of_bytes(50, i) + "\n" for i in range(3))
     book = "".join(text_of_bytes(60, i) + "\n" for i in range(6))
     caches = {
-        "v3-float.kv": small_cache(),
-        "v3-int4.kv": ingest_stream(engine, TextPieces(short, "short.txt"), cfg, storage=KVStorage(kv_dtype="int4")),
-        "v3-int8-segments.kv": ingest_stream(engine, TextPieces(book, "book.txt"), cfg, 200,
+        "v4-float.kv": small_cache(),
+        "v4-int4.kv": ingest_stream(engine, TextPieces(short, "short.txt"), cfg, storage=KVStorage(kv_dtype="int4")),
+        "v4-int8-segments.kv": ingest_stream(engine, TextPieces(book, "book.txt"), cfg, 200,
                                              storage=KVStorage(kv_dtype="int8")),
     }  # fmt: skip
-    assert len(caches["v3-int8-segments.kv"].segments) >= 3
+    assert len(caches["v4-int8-segments.kv"].segments) >= 3
     paths = [save_cache(cache, folder / name) for name, cache in caches.items()]
-    paths += [Path(__file__).parent / "data" / name for name in ("v1-llama.kv", "v2-llama.kv")]
+    paths += [Path(__file__).parent / "data" / name for name in ("v1-llama.kv", "v2-llama.kv", "v3-llama.kv",
+                                                                 "v3-gemma3_text.kv")]  # fmt: skip
     return [(p.name, p.read_bytes(), load_cache(p)) for p in paths]
 
 

@@ -131,7 +131,7 @@ def test__segmented_file_round_trips_and_is_plain_safetensors(engine, tmp_path):
     path = save_segmented(stored, tmp_path / "book.kv")
     loaded = load_cache(path)
     assert isinstance(loaded, SegmentedKVCache) and len(loaded.segments) == len(stored.segments)
-    assert loaded.info.format_version == 3
+    assert loaded.info.format_version == 4
     for a, b in zip(stored.segments, loaded.segments):
         assert a.n_context_tokens == b.n_context_tokens
         assert a.info.segment == b.info.segment

@@ -338,3 +338,27 @@ def test__v3_storage_without_sinks__reads_as_no_sinks(tmp_path):
     assert metadata_info(meta, "q.kv", "").storage.sink_tokens == 0
     meta["format_version"] = "4"
     assert metadata_info(meta, "q.kv", "").storage.sink_tokens == 4  # v4 always writes it; the default
+
+
+def test__storage_default__the_measured_choice_per_preset_and_an_explicit_one_wins():
+    from rocketkv_cli.core.config import default_kv_dtype
+    from rocketkv_cli.engine.batch import BatchSettings
+
+    # docs/storage.md: int4 meets the agreement bar on SmolLM2, not on Gemma; unmeasured models get int8
+    assert [default_kv_dtype(m) for m in ("smollm2-135m", "gemma-3-270m", "/models/other")] == ["int4", "int8", "int8"]
+    assert BatchSettings(model="smollm2-135m").storage == KVStorage("int4")
+    assert BatchSettings(model="gemma-3-270m").storage == KVStorage("int8")
+    assert BatchSettings(model="smollm2-135m", storage=KVStorage("float32")).storage == KVStorage("float32")
+
+
+@pytest.mark.parametrize("name, expected", [("int4", KVStorage("int4")), ("int4+sinks0", KVStorage("int4", sink_tokens=0)),
+                                            ("int8+hadamard+sinks2", KVStorage("int8", rotation="hadamard", sink_tokens=2)),
+                                            ("float16", KVStorage("float16"))])  # fmt: skip
+def test__storage_names__parse_and_print_back(name, expected):
+    assert KVStorage.parse(name) == expected and expected.name == name
+
+
+@pytest.mark.parametrize("name", ["int4+sinks", "int4+fast", "int4+sinks-1", "int4+hadamard+hadamard", "int3"])
+def test__storage_names__unknown_parts_refused(name):
+    with pytest.raises(ValueError, match="int|sinks|storage option|kv_dtype"):
+        KVStorage.parse(name)

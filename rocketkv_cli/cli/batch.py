@@ -11,7 +11,6 @@ from rich.text import Text
 
 from ..errors import InputError
 from .common import (
-    DEFAULT_KV_DTYPE,
     BudgetOpt,
     DeviceOpt,
     DtypeOpt,
@@ -97,7 +96,7 @@ def batch_command(
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Answer length limit (the budget plans for it).")] = 128,
     summary_tokens: Annotated[int, typer.Option(min=1, help="Summary length limit in tokens.")] = 256,
     segment_tokens: SegmentTokensOpt = None,
-    kv_dtype: KvDtypeOpt = DEFAULT_KV_DTYPE,
+    kv_dtype: KvDtypeOpt = None,
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = None,
@@ -117,13 +116,14 @@ def batch_command(
     configure(quiet, progress_bars=err.is_terminal and not quiet)  # transformers offline and silent (one worker too)
     out = None if output == "-" else Path(output) if output is not None else default_output(manifest)
     folder = cache_dir if cache_dir is not None else manifest.with_name(_stem(manifest) + ".kv-cache")
-    from ..core.config import with_preset_defaults
+    from ..core.config import default_kv_dtype, with_preset_defaults
 
     cfg = with_preset_defaults(prefill_config(token_budget=budget, max_new_tokens=max_new_tokens),
                                model or DEFAULT_MODEL, ("token_budget", "max_new_tokens"))  # fmt: skip
     try:
         settings = BatchSettings(model=model or DEFAULT_MODEL, device=device, dtype=dtype or "auto", config=cfg,
-                                 storage=storage(kv_dtype), summary_tokens=summary_tokens,
+                                 storage=storage(kv_dtype or default_kv_dtype(model or DEFAULT_MODEL)),
+                                 summary_tokens=summary_tokens,
                                  segment_tokens=segment_tokens, threads=threads,
                                  trust_remote_code=trust_remote_code)  # fmt: skip
     except ValueError as exc:

@@ -12,7 +12,6 @@ from rich.console import Console
 
 from ..errors import InputError
 from .common import (
-    DEFAULT_KV_DTYPE,
     BudgetOpt,
     DeviceOpt,
     DtypeOpt,
@@ -58,7 +57,7 @@ def bench(
         Optional[str],
         typer.Option(help="A Python with llama-cpp-python: run llama.cpp's state-file path side by side."),
     ] = None,
-    kv_dtype: KvDtypeOpt = DEFAULT_KV_DTYPE,
+    kv_dtype: KvDtypeOpt = None,
     json_path: Annotated[
         Optional[Path], typer.Option("--json", help="Write all results, configuration and versions here.")
     ] = None,
@@ -99,8 +98,11 @@ def bench(
     text = read_document(str(src)).text
     cfg = prefill_config(token_budget=budget, pool_kernel_size="63")
     storages = [x.strip() for x in kv_dtypes.split(",") if x.strip()]
-    for name in [*storages, kv_dtype]:
+    for name in [*storages, kv_dtype or "auto"]:
         storage(name)  # an unknown name fails before the model loads
+    from ..core.config import default_kv_dtype
+
+    kv_dtype = kv_dtype or default_kv_dtype(model or DEFAULT_MODEL)
     rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", False, weights)
     engine = rk.engine
     room = rk.engine.context_limit(128)  # the answer plan and a question

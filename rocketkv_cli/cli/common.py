@@ -252,7 +252,7 @@ def ingest(rk, document, cfg, output=None, force=False, segment_tokens=None, kv_
 
     `cfg` gets the loaded preset's measured stage-1 defaults in the fields not in `explicit`
     (the options the user gave; `with_preset_defaults`). Returns the `Ingested` result."""
-    from ..core.config import with_preset_defaults
+    from ..core.config import default_kv_dtype, with_preset_defaults
 
     try:
         cfg = with_preset_defaults(cfg, rk.model_id, explicit)
@@ -268,7 +268,7 @@ def ingest(rk, document, cfg, output=None, force=False, segment_tokens=None, kv_
     with progress_bar() as bar:
         task = bar.add_task("prefill", total=None)
         done = rk.ingest(document, output=output, force=force, config=cfg, segment_tokens=segment_tokens,
-                         storage=storage(kv_dtype or DEFAULT_KV_DTYPE), on_segment=on_segment,
+                         storage=storage(kv_dtype or default_kv_dtype(rk.model_id)), on_segment=on_segment,
                          progress=lambda n, total: bar.update(task, completed=n, total=total))  # fmt: skip
     stored = done.cache
     n_parts = stored.n_segments
@@ -344,11 +344,12 @@ DEFAULT_WEIGHTS = "float"  # chosen by measurement: docs/performance.md
 WeightsOpt = Annotated[
     Optional[str], typer.Option(help="Weights for decode: float, or int8 (CPU; ask: default = the cache's).")
 ]
-from ..core.config import DEFAULT_KV_DTYPE  # noqa: E402  (chosen by measurement: docs/storage.md)
 
 KvDtypeOpt = Annotated[
-    str, typer.Option(help="Stored keys/values: auto (model dtype), float32, bfloat16, float16, int8, int4.")
-]
+    Optional[str],
+    typer.Option(help="Stored keys/values: auto (model dtype), float32, bfloat16, float16, int8, int4. "
+                 "Default: int4 for smollm2-135m, int8 otherwise (measured: docs/storage.md)."),
+]  # fmt: skip
 BudgetOpt = Annotated[int, typer.Option("--budget", "-b", help="Token budget t per KV head per layer (tokens).")]
 TopkOpt = Annotated[Optional[int], typer.Option(help="Override: tokens attended exactly per decode step.")]
 PageSizeOpt = Annotated[Optional[int], typer.Option(help="Override: tokens per key min/max page.")]

@@ -8,7 +8,6 @@ from typing import Annotated, Optional
 import typer
 
 from .common import (
-    DEFAULT_KV_DTYPE,
     BudgetOpt,
     DeviceOpt,
     DtypeOpt,
@@ -67,7 +66,7 @@ def ingest_command(
     page_size: PageSizeOpt = None,
     n_score_dims: ScoreDimsOpt = None,
     chunk_tokens: Annotated[int, typer.Option(help="Prefill chunk length in tokens.")] = 1024,
-    kv_dtype: KvDtypeOpt = DEFAULT_KV_DTYPE,
+    kv_dtype: KvDtypeOpt = None,
     segment_tokens: SegmentTokensOpt = None,
     force: Annotated[bool, typer.Option("--force", "-f", help="Replace an existing output file.")] = False,
     encoding: EncodingOpt = "utf-8",

@@ -19,9 +19,17 @@ DEFAULT_POOL_KERNEL_SIZE = 63
 DEFAULT_FIRST_TOKENS = 64  # docs/algorithm.md §2 step 5
 WEIGHT_FORMATS = ("float", "int8")  # decode weight formats (model/weights.py)
 # what `ingest` stores by default (`core/quant.py` parses it; kept here, torch-free, for the CLI's
-# option defaults): chosen by measurement (docs/storage.md): teacher-forced top-1 agreement with
-# the float32 cache of at least 0.994 on both presets; 1/6-1/11 of the bfloat16 full KV
+# option defaults), chosen by measurement (docs/storage.md, "Default and targets"): the smallest
+# storage whose teacher-forced top-1 agreement with the float32 cache is >= 0.98 — int4 on SmolLM2
+# (0.99), int8 on Gemma (int4: 0.95-0.96) and on any model not measured
 DEFAULT_KV_DTYPE = "int8"
+PRESET_KV_DTYPE_DEFAULTS: dict[str, str] = {"smollm2-135m": "int4"}
+
+
+def default_kv_dtype(model_id: str) -> str:
+    """The storage `ingest` uses for model `model_id` when none is given (a preset's measured
+    choice, `PRESET_KV_DTYPE_DEFAULTS`, else `DEFAULT_KV_DTYPE`)."""
+    return PRESET_KV_DTYPE_DEFAULTS.get(model_id, DEFAULT_KV_DTYPE)
 
 
 # Stage-1 settings chosen per preset by measurement (docs/stage1-methods.md, "Defaults"): they replace

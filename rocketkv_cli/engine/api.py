@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.cache import AnyCache, CompressedKVCache, SegmentedKVCache
-from ..core.config import DEFAULT_KV_DTYPE, DEFAULT_MAX_NEW_TOKENS, PrefillConfig, with_preset_defaults
+from ..core.config import DEFAULT_MAX_NEW_TOKENS, PrefillConfig, default_kv_dtype, with_preset_defaults
 from ..core.quant import KVStorage
 from ..errors import InputError
 from ..model.loading import DEFAULT_MODEL, configure_transformers, load_model
@@ -145,7 +145,7 @@ class RocketKV:
         output: str | Path | None = None,
         force: bool = False,
         config: PrefillConfig | None = None,
-        storage: KVStorage | str = DEFAULT_KV_DTYPE,
+        storage: KVStorage | str | None = None,
         segment_tokens: int | None = None,
         progress: TokenProgress = lambda done, total: None,
         on_segment: Callable[[SegmentDone], None] = lambda event: None,
@@ -157,8 +157,9 @@ class RocketKV:
         config: stage-1 settings, or their fields as keywords (`token_budget=512`, …; fields not
             given take the preset's measured defaults, `core.config.PRESET_PREFILL_DEFAULTS`).
         storage: how keys/values are stored — a `KVStorage`, or its name (`auto` = the model's
-        dtype, `float32`, `bfloat16`, `float16`, `int8` (the default), `int4`, `+hadamard`;
-        docs/storage.md).
+        dtype, `float32`, `bfloat16`, `float16`, `int8`, `int4`, `+hadamard`, `+sinksN`;
+        docs/storage.md); None: the preset's measured default (`core.config.default_kv_dtype`:
+        int4 on smollm2-135m, int8 otherwise).
         A document longer than the model's context is ingested in segments, each checkpointed
         beside `output` (in a temporary folder without one) so a rerun resumes an interrupted
         ingest. Writes are atomic; an existing `output` is replaced only with `force`.
@@ -166,6 +167,8 @@ class RocketKV:
             InputError, OutputError, BudgetError, ValueError (invalid config fields).
         """
         cfg = config or with_preset_defaults(PrefillConfig(**config_fields), self.model_id, config_fields)
+        if storage is None:
+            storage = default_kv_dtype(self.model_id)
         kv = storage if isinstance(storage, KVStorage) else KVStorage.parse(storage)
         if (document is None) == (text is None):
             raise InputError("give a document path or text=, not both")

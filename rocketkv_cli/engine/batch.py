@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.cache import SegmentedKVCache
-from ..core.config import DEFAULT_KV_DTYPE, PrefillConfig
+from ..core.config import PrefillConfig, default_kv_dtype
 from ..core.quant import KVStorage, resolved
 from ..errors import CacheFormatError, InputError, OutputError, RocketKVError
 from .api import AnyCache, RocketKV, open_document
@@ -37,7 +37,8 @@ class BatchSettings:
     """How every row is run: the model, the ingest settings and the answer lengths.
 
     config: stage-1 settings of every ingest (its `max_new_tokens` is also the answer cap).
-    storage: how the `.kv` files store keys and values (`--kv-dtype`).
+    storage: how the `.kv` files store keys and values (`--kv-dtype`; None: the model's measured
+        default, `core.config.default_kv_dtype`).
     summary_tokens: summary length cap in tokens. segment_tokens: tokens per segment for
     documents longer than the context (None: all that fit). threads: torch threads per worker
     (None: the machine's cores divided among the local workers; 1 per Ray actor).
@@ -47,7 +48,7 @@ class BatchSettings:
     device: str = "auto"
     dtype: str = "auto"
     config: PrefillConfig = field(default_factory=PrefillConfig)
-    storage: KVStorage = field(default_factory=lambda: KVStorage.parse(DEFAULT_KV_DTYPE))
+    storage: KVStorage | None = None
     summary_tokens: int = 256
     segment_tokens: int | None = None
     dense: bool = False
@@ -59,6 +60,15 @@ class BatchSettings:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.storage is None:
+            object.__setattr__(self, "storage", KVStorage.parse(default_kv_dtype(self.model)))
+
+    @property
+    def kv_storage(self) -> KVStorage:
+        """`storage`, never None once constructed."""
+        if self.storage is None:
+            raise ValueError("storage is unset")
+        return self.storage
 
 
 @dataclass(frozen=True)
@@ -144,7 +154,8 @@ def cache_key(rk: RocketKV, doc_sha256: str, settings: BatchSettings) -> str:
     record = {"document_sha256": doc_sha256, "model_digest": ident.model_digest,
               "tokenizer_digest": ident.tokenizer_digest, "chat_template_digest": ident.chat_template_digest,
               "prompt_template_id": ident.prompt_template_id, "dtype": rk.engine.dtype_name,
-              "config": settings.config.to_dict(), "storage": asdict(resolved(settings.storage, rk.engine.dtype_name)),
+              "config": settings.config.to_dict(),
+              "storage": asdict(resolved(settings.kv_storage, rk.engine.dtype_name)),
               "segment_tokens": settings.segment_tokens}  # fmt: skip
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
@@ -174,7 +185,7 @@ def _reusable(rk: RocketKV, path: Path, doc_sha256: str, settings: BatchSettings
         log(f"rebuilding {path}: {exc.message}")
         return None
     info = (cache.segments[0] if isinstance(cache, SegmentedKVCache) else cache).info
-    storage = resolved(settings.storage, rk.engine.dtype_name)  # as files record it: `auto` resolved
+    storage = resolved(settings.kv_storage, rk.engine.dtype_name)  # as files record it: `auto` resolved
     if (info.document_sha256 != doc_sha256 or info.config != settings.config or info.storage != storage
             or info.dtype != rk.engine.dtype_name):  # fmt: skip
         log(f"rebuilding {path}: built from another document or with other settings")
@@ -194,7 +205,7 @@ def build(rk: RocketKV, row: Row, cache_dir: Path, settings: BatchSettings, log:
         if cache is not None:
             return cache, path
         source = {"text": row.text} if row.text is not None else {"document": open_document(str(row.document))}
-        done = rk.ingest(**source, output=path, force=True, config=settings.config, storage=settings.storage,
+        done = rk.ingest(**source, output=path, force=True, config=settings.config, storage=settings.kv_storage,
                          segment_tokens=settings.segment_tokens)  # fmt: skip
         return done.cache, path
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from ..core.cache import CompressedKVCache
-from ..core.config import DEFAULT_KV_DTYPE, DEFAULT_MAX_NEW_TOKENS, DEFAULT_WINDOW_SIZE, PrefillConfig
+from ..core.config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_WINDOW_SIZE, PrefillConfig, default_kv_dtype
 from ..core.quant import KVStorage
 from ..engine.answer import decode_config_for, prepare_questions
 from ..engine.answer import generate as generate_answer
@@ -67,7 +67,8 @@ class EvalConfig:
         for every (observation, pool kernel) pair; snapkv (stage 1 only) uses the first pair.
     plan_new_tokens: the answer length budgets plan for (ingest's --max-new-tokens).
     max_new_tokens: answer cap; None = each task's own (eval_tasks.ANSWER_TOKENS).
-    kv_dtype: storage of every method's keys/values (default: what `ingest` stores).
+    kv_dtype: storage of every method's keys/values (None: what `ingest` stores for the model,
+        `core.config.default_kv_dtype`).
     store_factor: reselect's store budget, as a multiple of t. reconstruct_pool_kernel: the
         pooling kernel of reconstruct's selection (odd; 1 = none, as KVzip).
     """
@@ -86,7 +87,7 @@ class EvalConfig:
     plan_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     max_new_tokens: int | None = None
     chunk_tokens: int = 1024
-    kv_dtype: str = DEFAULT_KV_DTYPE
+    kv_dtype: str | None = None
     store_factor: int = 2
     reconstruct_pool_kernel: int = 7
 
@@ -333,7 +334,15 @@ def _run_sample(engine, cfg, sample: Sample, n: int, caches: dict, runs: list, w
                    f"eval-{sample.task}-{sample.index}")  # fmt: skip
     t0 = time.perf_counter()
     stored = dict(
-        zip(caches, compress_variants(engine, doc, list(caches.values()), storage=KVStorage.parse(cfg.kv_dtype)))
+        zip(
+            caches,
+            compress_variants(
+                engine,
+                doc,
+                list(caches.values()),
+                storage=KVStorage.parse(cfg.kv_dtype or default_kv_dtype(engine.loaded.model_id)),
+            ),
+        )
     )
     prefill_s, io_s, records = time.perf_counter() - t0, 0.0, []
     reference: dict = {}  # question index → full attention's answer, filled by the `full` run (first)

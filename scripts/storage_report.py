@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("ROCKETKV_SHARED_DATA", ROOT.parent / "shared" / "data"))
-DTYPES = ["float32", "bfloat16", "float16", "int8", "int4", "int4+sinks0"]  # int4+sinks0: the sinks quantized too
+DTYPES = ["float32", "bfloat16", "float16", "int8", "int4", "int4+rope", "int4+sinks0"]  # +sinks0: sinks quantized too
 PLAN = {"smollm2-135m": [7800], "gemma-3-270m": [8192, 32000]}
 LOAD_DTYPES = ["float32", "int8", "int4"]  # float32: what rocketkv stored before integer storage
 OPEN_QUESTIONS = [

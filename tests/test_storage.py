@@ -29,7 +29,7 @@ def report(name, ref, out, bound):
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
 @pytest.mark.parametrize("shape", [(2, 97, 64), (1, 5, 32), (3, 130, 60), (2, 3, 8)],
                          ids=["97x64", "5x32", "130x60", "3x8"])  # fmt: skip
-@pytest.mark.parametrize("rotation", ["none", "hadamard"])
+@pytest.mark.parametrize("rotation", ["none", "hadamard", "rope"])
 @pytest.mark.parametrize("sinks", [4, 0])
 def test__integer_round_trip__within_half_a_step(kv_dtype, shape, rotation, sinks):
     g = torch.Generator().manual_seed(0)
@@ -37,8 +37,10 @@ def test__integer_round_trip__within_half_a_step(kv_dtype, shape, rotation, sink
     keys[:, 0] *= 20  # a sink with outlier magnitudes
     values = torch.randn(*shape, generator=g)
     storage = KVStorage(kv_dtype, key_group_tokens=32, value_group_dims=16, rotation=rotation, sink_tokens=sinks)
-    parts = encode_layer(keys, values, storage)
-    k, v = decode_layer(parts, storage, shape[-1])
+    positions = torch.sort(torch.randperm(4 * shape[1], generator=g)[: shape[1]]).values.expand(shape[0], -1)
+    freqs = 1.0 / 10000 ** (torch.arange(0, shape[-1], 2) / shape[-1])
+    parts = encode_layer(keys, values, storage, positions, freqs)
+    k, v = decode_layer(parts, storage, shape[-1], positions)
     assert k.shape == keys.shape and v.shape == values.shape
     n_sinks = min(sinks, shape[1])
     # the sinks: float16, relative rounding 2^-11 (the values here are all in its normal range)
@@ -55,6 +57,14 @@ def test__integer_round_trip__within_half_a_step(kv_dtype, shape, rotation, sink
     if rotation == "none":
         step_k = float(parts["keys.scale"].float().max())
         assert float((keys - k).abs().max()) <= step_k / 2 + 1e-5, report("keys", keys, k, step_k / 2)
+    elif rotation == "rope":  # per pair of channels, a rotation: the pair's error is that of the un-rotated pair
+        from rocketkv_cli.core.quant import rope_rotate
+
+        step_k = float(parts["keys.scale"].float().max())
+        rest = positions[:, n_sinks:]
+        err = rope_rotate(keys, rest, freqs, inverse=True) - rope_rotate(k, rest, freqs, inverse=True)
+        assert float(err.abs().max()) <= step_k / 2 + 1e-4, report("un-rotated keys", keys, k, step_k / 2)
+        assert torch.equal(parts["keys.rope_freqs"], freqs.float())
     else:
         step_k = float(parts["keys.scale"].float().max())
         rot_err = (keys @ hadamard(shape[-1]) - k @ hadamard(shape[-1])).abs().max()
@@ -351,14 +361,76 @@ def test__storage_default__the_measured_choice_per_preset_and_an_explicit_one_wi
     assert BatchSettings(model="smollm2-135m", storage=KVStorage("float32")).storage == KVStorage("float32")
 
 
-@pytest.mark.parametrize("name, expected", [("int4", KVStorage("int4")), ("int4+sinks0", KVStorage("int4", sink_tokens=0)),
-                                            ("int8+hadamard+sinks2", KVStorage("int8", rotation="hadamard", sink_tokens=2)),
-                                            ("float16", KVStorage("float16"))])  # fmt: skip
+NAMED = [
+    ("int4", KVStorage("int4")),
+    ("int4+sinks0", KVStorage("int4", sink_tokens=0)),
+    ("int8+hadamard+sinks2", KVStorage("int8", rotation="hadamard", sink_tokens=2)),
+    ("int4+rope", KVStorage("int4", rotation="rope")),
+    ("float16", KVStorage("float16")),
+]
+
+
+@pytest.mark.parametrize("name, expected", NAMED)
 def test__storage_names__parse_and_print_back(name, expected):
     assert KVStorage.parse(name) == expected and expected.name == name
 
 
-@pytest.mark.parametrize("name", ["int4+sinks", "int4+fast", "int4+sinks-1", "int4+hadamard+hadamard", "int3"])
+@pytest.mark.parametrize("name", ["int4+sinks", "int4+fast", "int4+sinks-1", "int4+hadamard+rope", "int3"])
 def test__storage_names__unknown_parts_refused(name):
     with pytest.raises(ValueError, match="int|sinks|storage option|kv_dtype"):
         KVStorage.parse(name)
+
+
+def test__rope_rotation__undone_exactly_and_keys_rotated_back_to_before_rope():
+    """`rope_rotate` is the inverse of what RoPE did (transformers' rotate_half pairing): keys
+    rotated by a tiny model's own rotary embedding come back to the keys before it."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from rocketkv_cli.core.quant import rope_rotate
+    from rocketkv_cli.model.hf import rope_frequencies
+
+    engine = make_engine("llama", torch.float64)
+    freqs = rope_frequencies(engine.model, engine.shape.head_dim)
+    assert all(f is not None for f in freqs)
+    raw = torch.randn(1, engine.shape.n_kv_heads, 9, engine.shape.head_dim, dtype=torch.float64)
+    pos = torch.tensor([[0, 3, 4, 10, 11, 50, 51, 52, 99]])
+    cos, sin = engine.model.model.rotary_emb(raw, pos)
+    _, rotated = apply_rotary_pos_emb(raw, raw, cos.to(raw.dtype), sin.to(raw.dtype))
+    back = rope_rotate(rotated[0], pos.expand(engine.shape.n_kv_heads, -1), freqs[0].double(), inverse=True)
+    assert float((back - raw[0]).abs().max()) < 1e-5, report("un-rotated", raw[0], back, 1e-5)
+    again = rope_rotate(back, pos.expand(engine.shape.n_kv_heads, -1), freqs[0].double(), inverse=False)
+    assert float((again - rotated[0]).abs().max()) < 1e-12
+
+
+def test__gemma_layers__each_kind_gets_its_own_rope_frequencies():
+    from rocketkv_cli.model.hf import rope_frequencies
+
+    engine = make_engine("gemma3_text", torch.float32)
+    freqs = rope_frequencies(engine.model, engine.shape.head_dim)
+    windows = [s.sliding_window for s in engine.shape.layers]
+    local = {tuple(f.tolist()) for f, w in zip(freqs, windows) if w is not None}
+    full = {tuple(f.tolist()) for f, w in zip(freqs, windows) if w is None}
+    assert len(local) == len(full) == 1 and local != full  # Gemma 3: another RoPE base for global layers
+
+
+def test__pre_rope_basis__lowers_key_error_on_rotated_keys():
+    """Keys with a per-channel mean, rotated by RoPE at scattered positions (what stored keys
+    look like): quantized in the pre-RoPE basis they keep their narrow per-channel range; in the
+    stored basis each pair swings by its magnitude."""
+    from rocketkv_cli.core.quant import rope_rotate
+
+    g = torch.Generator().manual_seed(1)
+    d, s = 64, 256
+    raw = torch.randn(1, s, d, generator=g) * 0.3 + torch.linspace(2, 6, d)  # consistent per-channel offsets
+    pos = torch.sort(torch.randperm(8000, generator=g)[:s]).values.unsqueeze(0)
+    freqs = 1.0 / 10000 ** (torch.arange(0, d, 2) / d)
+    keys = rope_rotate(raw, pos, freqs, inverse=False)
+    values = torch.randn(1, s, d, generator=g)
+    assert KVStorage("int4").rotation == "none" and KVStorage.parse("int4+rope").rotation == "rope"
+    errors = {}
+    for rotation in ("rope", "none"):
+        storage = KVStorage("int4", rotation=rotation)
+        k, _ = decode_layer(encode_layer(keys, values, storage, pos, freqs), storage, d,
+                            pos)  # fmt: skip
+        errors[rotation] = float((k - keys).pow(2).mean())
+    assert errors["rope"] < errors["none"] / 4, errors

@@ -50,21 +50,23 @@ class LayerKV:
             return sum(t.numel() * t.element_size() for t in self.stored.values())
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
-    def to_storage(self, storage: KVStorage) -> LayerKV:
+    def to_storage(self, storage: KVStorage, rope_freqs: torch.Tensor | None = None) -> LayerKV:
         """This layer as `storage` holds it: cast for a float dtype; for an integer one, encoded
-        (`stored`) with keys/values replaced by their float32 dequantization. Positions unchanged."""
+        (`stored`) with keys/values replaced by their float32 dequantization. Positions unchanged.
+        rope_freqs `[D/2]`: the layer's RoPE frequencies, for the pre-RoPE key basis (None: no
+        rotation, still exact)."""
         if storage.kv_dtype == "auto":
             return self
         if not storage.is_integer:
             dtype = FLOAT_DTYPES[storage.kv_dtype]
             return LayerKV(self.keys.to(dtype), self.values.to(dtype), self.positions)
-        parts = encode_layer(self.keys[0], self.values[0], storage)
+        parts = encode_layer(self.keys[0], self.values[0], storage, self.positions[0], rope_freqs)
         return LayerKV.from_stored(parts, self.positions, storage, self.keys.shape[-1])
 
     @staticmethod
     def from_stored(parts: dict[str, torch.Tensor], positions: torch.Tensor, storage: KVStorage, head_dim: int):
         """A layer from integer-stored tensors and positions `[1, Hkv, S]` (keys/values dequantized)."""
-        keys, values = decode_layer(parts, storage, head_dim)
+        keys, values = decode_layer(parts, storage, head_dim, positions[0])
         return LayerKV(keys.unsqueeze(0), values.unsqueeze(0), positions, stored=parts)
 
 

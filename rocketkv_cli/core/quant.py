@@ -3,9 +3,11 @@
 Integer storage is asymmetric round-to-nearest with one (minimum, scale) pair per group, the
 KIVI layout (Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache",
 arXiv 2402.02750, §3): keys are grouped per channel along the tokens (their outliers sit in fixed
-channels), values per token along the channels. Optionally the keys are first rotated by an
-orthonormal Hadamard matrix along the head dimension (spreading outlier channels, as in QuaRot,
-arXiv 2404.00456 §4), which is undone after dequantization. Each KV head's first `sink_tokens`
+channels), values per token along the channels. Optionally keys are quantized before RoPE: each
+rotated back by its position's RoPE angles (KVQuant, Hooper et al., arXiv 2401.18079 §3.1: RoPE
+makes a channel with a steady value swing with the position, widening its group's range) and
+rotated forward again after dequantization; or rotated by an orthonormal Hadamard matrix along
+the head dimension (spreading outlier channels, as in QuaRot, arXiv 2404.00456 §4). Each KV head's first `sink_tokens`
 stored tokens (the attention sinks: position 0 and the document's first tokens, which stage 1
 keeps) are held apart in float16, outside the integer groups — the pivot tokens of IntactKV (Liu
 et al., arXiv 2403.01241 §3): they draw most of the attention, so their rounding error reaches
@@ -30,7 +32,7 @@ FLOAT_DTYPES = {
     "float16": torch.float16,
     "float64": torch.float64,
 }
-ROTATIONS = ("none", "hadamard")
+ROTATIONS = ("none", "hadamard", "rope")  # integer storage's key basis (measured: docs/storage.md)
 SINK_TOKENS = 4  # integer storage: each head's first stored tokens kept in float16 (measured: docs/storage.md)
 _F16_MAX = 65504.0
 
@@ -43,7 +45,12 @@ class KVStorage:
         int8 / int4 (group-wise integers).
     key_group_tokens: tokens per key group (one min/scale per channel and group).
     value_group_dims: channels per value group (one min/scale per token and group).
-    rotation: "hadamard" rotates keys along the head dimension before quantizing; "none".
+    rotation: the basis keys are quantized in — "none" (the default): as the KV cache holds them;
+        "rope": each key first rotated back by its RoPE angles (position × the layer's
+        frequencies), so channels are grouped as the model computed them before RoPE mixed each
+        channel pair with its position (KVQuant, Hooper et al., arXiv 2401.18079 §3.1; measured:
+        better on Gemma 3, worse on SmolLM2); "hadamard": rotated along the head dimension.
+        Float storage: "none".
     sink_tokens: integer storage keeps each KV head's first `sink_tokens` stored tokens in
         float16 (tokens, ≥ 0); float storage has none (any value given is replaced by 0).
     Raises:
@@ -86,14 +93,14 @@ class KVStorage:
 
     @staticmethod
     def parse(name: str) -> KVStorage:
-        """A storage from its name: a kv dtype, then optionally `+hadamard` and `+sinksN` (N sink
-        tokens instead of the default): `int4`, `int4+hadamard`, `int4+sinks0`.
+        """A storage from its name: a kv dtype, then optionally a key basis (`+rope`, `+hadamard`)
+        and `+sinksN` (N sink tokens instead of the default): `int4`, `int4+rope`, `int4+sinks0`.
         Raises ValueError naming the value."""
         dtype, *extras = name.split("+")
-        rotation, sinks = "none", SINK_TOKENS
+        rotation, sinks, chosen = "none", SINK_TOKENS, False
         for extra in extras:
-            if extra in ROTATIONS and rotation == "none":
-                rotation = extra
+            if extra in ROTATIONS and not chosen:
+                rotation, chosen = extra, True
             elif extra.startswith("sinks") and extra[5:].isdigit() and len(extra) <= 12:
                 sinks = int(extra[5:])
             else:
@@ -102,7 +109,7 @@ class KVStorage:
 
     @property
     def name(self) -> str:
-        """The name `parse` reads back: `int4`, `int4+hadamard`, `int8+sinks0`."""
+        """The name `parse` reads back: `int4`, `int4+rope`, `int8+hadamard+sinks0`."""
         out = self.kv_dtype + ("" if self.rotation == "none" else f"+{self.rotation}")
         return out + (f"+sinks{self.sink_tokens}" if self.is_integer and self.sink_tokens != SINK_TOKENS else "")
 
@@ -117,6 +124,23 @@ def hadamard(dim: int, device: torch.device | str = "cpu", dtype: torch.dtype = 
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     h = h / math.sqrt(block)
     return torch.block_diag(*([h] * (dim // block))).to(device, dtype)
+
+
+def rope_rotate(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """Keys `x` `[Hkv, S, D]` rotated by their RoPE angles (`positions` `[Hkv, S]` × `freqs`
+    `[D/2]` radians per token, in float64), channel i paired with i + D/2 as transformers'
+    `rotate_half` pairs them; `inverse` rotates back. Orthonormal per pair, so ‖R x − R y‖ =
+    ‖x − y‖: rounding error in the rotated basis is the error in the original one.
+    Raises ValueError: an odd head dim or freqs not `[D/2]`."""
+    d = x.shape[-1]
+    if d % 2 or freqs.shape != (d // 2,):
+        raise ValueError(f"RoPE rotation needs an even head_dim and [D/2] frequencies, got {d}, {tuple(freqs.shape)}")
+    angles = positions.to(torch.float64).unsqueeze(-1) * freqs.to(torch.float64)  # [Hkv, S, D/2]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    if inverse:
+        sin = -sin
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 def _scale_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -154,14 +178,21 @@ def _unpack4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
 
 
-def encode_keys(keys: torch.Tensor, storage: KVStorage) -> dict[str, torch.Tensor]:
-    """The stored form of keys `[Hkv, S, D]` (rotated if asked, then per channel in token groups).
+def encode_keys(keys: torch.Tensor, storage: KVStorage, positions: torch.Tensor | None = None,
+                rope_freqs: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The stored form of keys `[Hkv, S, D]` (rotated into the storage's basis, then per channel in
+    token groups). positions `[Hkv, S]` and rope_freqs `[D/2]`: needed by the `rope` basis.
 
     Returns {"q": uint8 `[Hkv, S, D]` (int4: `[Hkv, S, D/2]`), "min"/"scale": `[Hkv, ⌈S/Gt⌉, D]`}.
+    Raises ValueError: the `rope` basis without positions or frequencies.
     """
     x = keys.float()
     if storage.rotation == "hadamard":
         x = x @ hadamard(x.shape[-1], x.device)
+    elif storage.rotation == "rope":
+        if positions is None or rope_freqs is None:
+            raise ValueError("pre-RoPE key storage needs the keys' positions and the layer's RoPE frequencies")
+        x = rope_rotate(x, positions, rope_freqs, inverse=True)
     hkv, s, d = x.shape
     g = storage.key_group_tokens
     n_groups = -(-s // g)
@@ -177,8 +208,15 @@ def encode_keys(keys: torch.Tensor, storage: KVStorage) -> dict[str, torch.Tenso
     return out
 
 
-def decode_keys(parts: dict[str, torch.Tensor], storage: KVStorage, head_dim: int) -> torch.Tensor:
-    """Float32 keys `[Hkv, S, D]` from `encode_keys`'s parts (rotation undone)."""
+def decode_keys(
+    parts: dict[str, torch.Tensor],
+    storage: KVStorage,
+    head_dim: int,
+    positions: torch.Tensor | None = None,
+    rope_freqs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Float32 keys `[Hkv, S, D]` from `encode_keys`'s parts (rotation undone; the `rope` basis
+    needs the same positions `[Hkv, S]` and frequencies `[D/2]`). Raises ValueError without them."""
     q = _unpack4(parts["q"]) if storage.bits == 4 else parts["q"]
     hkv, s, d = q.shape
     g = storage.key_group_tokens
@@ -187,6 +225,10 @@ def decode_keys(parts: dict[str, torch.Tensor], storage: KVStorage, head_dim: in
     x = q.float() * scale.float() + lo.float()
     if storage.rotation == "hadamard":
         x = x @ hadamard(head_dim, x.device).T
+    elif storage.rotation == "rope":
+        if positions is None or rope_freqs is None:
+            raise ValueError("pre-RoPE key storage needs the keys' positions and the layer's RoPE frequencies")
+        x = rope_rotate(x, positions, rope_freqs.float(), inverse=False)
     return x
 
 
@@ -231,20 +273,34 @@ def resolved(storage: KVStorage, model_dtype: str) -> KVStorage:
 def layer_part_names(storage: KVStorage) -> tuple[str, ...]:
     """Names of the tensors `encode_layer` returns under an integer `storage`."""
     sinks = ("sinks.keys", "sinks.values") if storage.sink_tokens else ()
-    return ("keys.q", "keys.min", "keys.scale", "values.q", "values.min", "values.scale", *sinks)
+    rope = ("keys.rope_freqs",) if storage.rotation == "rope" else ()
+    return ("keys.q", "keys.min", "keys.scale", "values.q", "values.min", "values.scale", *sinks, *rope)
 
 
-def encode_layer(keys: torch.Tensor, values: torch.Tensor, storage: KVStorage) -> dict[str, torch.Tensor]:
+def encode_layer(keys: torch.Tensor, values: torch.Tensor, storage: KVStorage, positions: torch.Tensor | None = None,
+                 rope_freqs: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
     """The stored tensors of one layer's keys/values `[Hkv, S, D]` under an integer `storage`.
 
     With s = min(sink_tokens, S): `sinks.keys` / `sinks.values` `[Hkv, s, D]` float16 (float32
     when out of its range) hold the first s tokens; `keys.q`, `keys.min`, `keys.scale`,
-    `values.q`, `values.min`, `values.scale` encode the other S − s (`encode_keys`, `encode_values`).
-    Raises ValueError: int4 with an odd head dim."""
+    `values.q`, `values.min`, `values.scale` encode the other S − s (`encode_keys`, `encode_values`);
+    the `rope` basis adds `keys.rope_freqs` `[D/2]` float32, the layer's RoPE frequencies (radians
+    per token; None: zeros, no rotation), used with the keys' positions `[Hkv, S]`.
+    Raises ValueError: int4 with an odd head dim; the `rope` basis without positions or with an
+    odd head dim."""
     if storage.bits == 4 and keys.shape[-1] % 2:
         raise ValueError(f"int4 storage needs an even head_dim, got {keys.shape[-1]}")
     n_sinks = min(storage.sink_tokens, keys.shape[1])
-    parts = {f"keys.{k}": v for k, v in encode_keys(keys[:, n_sinks:], storage).items()}
+    freqs = None
+    if storage.rotation == "rope":
+        if keys.shape[-1] % 2:
+            raise ValueError(f"pre-RoPE key storage needs an even head_dim, got {keys.shape[-1]}")
+        freqs = torch.zeros(keys.shape[-1] // 2) if rope_freqs is None else rope_freqs.detach().float().cpu()
+        freqs = freqs.to(keys.device).contiguous()
+        positions = None if positions is None else positions[:, n_sinks:]
+    parts = {f"keys.{k}": v for k, v in encode_keys(keys[:, n_sinks:], storage, positions, freqs).items()}
+    if freqs is not None:
+        parts["keys.rope_freqs"] = freqs
     parts.update({f"values.{k}": v for k, v in encode_values(values[:, n_sinks:], storage).items()})
     if storage.sink_tokens:
         sink_k, sink_v = keys[:, :n_sinks].float(), values[:, :n_sinks].float()
@@ -254,10 +310,14 @@ def encode_layer(keys: torch.Tensor, values: torch.Tensor, storage: KVStorage) -
 
 
 def decode_layer(
-    parts: dict[str, torch.Tensor], storage: KVStorage, head_dim: int
+    parts: dict[str, torch.Tensor], storage: KVStorage, head_dim: int, positions: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 (keys, values) `[Hkv, S, D]` from `encode_layer`'s tensors (sinks first)."""
-    keys = decode_keys({k: parts[f"keys.{k}"] for k in ("q", "min", "scale")}, storage, head_dim)
+    """Float32 (keys, values) `[Hkv, S, D]` from `encode_layer`'s tensors (sinks first); the
+    `rope` basis needs the layer's positions `[Hkv, S]`. Raises ValueError without them."""
+    n_sinks = parts["sinks.keys"].shape[1] if storage.sink_tokens else 0
+    rest = None if positions is None else positions[:, n_sinks:]
+    keys = decode_keys({k: parts[f"keys.{k}"] for k in ("q", "min", "scale")}, storage, head_dim, rest,
+                       parts.get("keys.rope_freqs"))  # fmt: skip
     values = decode_values({k: parts[f"values.{k}"] for k in ("q", "min", "scale")}, storage)
     if storage.sink_tokens:
         keys = torch.cat([parts["sinks.keys"].float(), keys], dim=1)

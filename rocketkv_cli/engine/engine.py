@@ -35,6 +35,7 @@ from ..model.hf import (
     forward_tokens,
     model_shape,
     rocketkv_attention,
+    rope_frequencies,
 )
 from ..model.loading import LoadedModel, chat_template_digest, model_digest, stop_token_ids, tokenizer_digest
 from ..model.templates import PromptFormat, prompt_format, read_prompt
@@ -67,6 +68,7 @@ class Engine:
         self.shape: ModelShape = model_shape(loaded.model)
         self.prompt: PromptFormat = prompt_format(loaded.tokenizer)
         self.stop_ids = stop_token_ids(loaded.model, loaded.tokenizer)
+        self.rope_freqs = rope_frequencies(loaded.model, self.shape.head_dim)  # per layer [D/2] or None
 
     @cached_property
     def identity(self) -> ModelIdentity:
@@ -270,16 +272,16 @@ class Engine:
         layers = []
         for i, layer in enumerate(prefill.layers):
             if isinstance(layer, LayerKV):
-                layers.append(layer.to_storage(storage))
+                layers.append(layer.to_storage(storage, self.rope_freqs[i]))
                 continue
             tensors = (layer.keys[:, :, :n], layer.values[:, :, :n], layer.positions[:, :, :n])
             if n <= n_stored:
                 k, v, p = (t.contiguous() for t in tensors)
-                layers.append(LayerKV(k, v, p).to_storage(storage))
+                layers.append(LayerKV(k, v, p).to_storage(storage, self.rope_freqs[i]))
                 continue
             kept = selector.select(layer, n_stored)  # [1, Hkv, n_stored]
             k, v, p = (gather_tokens(t, kept) for t in tensors)
-            layers.append(LayerKV(k, v, p).to_storage(storage))
+            layers.append(LayerKV(k, v, p).to_storage(storage, self.rope_freqs[i]))
         info = CacheInfo(
             identity=self.identity, dtype=self.dtype_name, n_context_tokens=n, document_sha256=document_sha256,
             document_source=document_source, config=cfg, budgets=budgets, pool_kernel_size=pool_kernel_of(cfg, n),

@@ -100,6 +100,29 @@ def model_shape(model: Any) -> ModelShape:
     )
 
 
+def rope_frequencies(model: Any, head_dim: int) -> list[torch.Tensor | None]:
+    """Each decoder layer's RoPE frequencies `[head_dim / 2]` float32 (radians per token), read
+    from the model's rotary embedding (`inv_freq`, or Gemma 3's `{layer_type}_inv_freq`); None for
+    a layer whose rotary embedding is not found or rotates only part of the head. Used by integer
+    storage to quantize keys before RoPE (`core.quant.rope_rotate`); a wrong or missing one only
+    costs precision, never correctness (the rotation is undone exactly)."""
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    layer_types = getattr(model.config, "layer_types", None)
+    out: list[torch.Tensor | None] = []
+    for i in range(len(model.model.layers)):
+        freqs = None
+        if rotary is not None:
+            name = (
+                f"{layer_types[i]}_inv_freq"
+                if layer_types and hasattr(rotary, f"{layer_types[i]}_inv_freq")
+                else "inv_freq"
+            )
+            freqs = getattr(rotary, name, None)
+        ok = isinstance(freqs, torch.Tensor) and freqs.shape == (head_dim // 2,) and bool(torch.isfinite(freqs).all())
+        out.append(freqs.detach().float().cpu() if ok else None)  # type: ignore[union-attr]
+    return out
+
+
 class RocketLayer(CacheLayerMixin):
     """One layer's KV cache: a stored context (read-only) followed by an appendable tail.
 

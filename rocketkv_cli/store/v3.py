@@ -379,18 +379,23 @@ def _layer(tensors: dict[str, torch.Tensor], i: int, info: CacheInfo) -> LayerKV
     gd = min(storage.value_group_dims, d)
     n_sinks = min(storage.sink_tokens, s)
     rest = s - n_sinks  # tokens in integer groups
-    shapes = {"keys.q": (n_kv, rest, width), "values.q": (n_kv, rest, width),
+    shapes: dict[str, tuple[int, ...]] = {"keys.q": (n_kv, rest, width), "values.q": (n_kv, rest, width),
               "keys.min": (n_kv, -(-rest // storage.key_group_tokens), d),
               "values.min": (n_kv, rest, -(-d // gd))}  # fmt: skip
     shapes["keys.scale"], shapes["values.scale"] = shapes["keys.min"], shapes["values.min"]
     if storage.sink_tokens:
         shapes["sinks.keys"] = shapes["sinks.values"] = (n_kv, n_sinks, d)
+    if storage.rotation == "rope":
+        shapes["keys.rope_freqs"] = (d // 2,)
     for p, shape in shapes.items():
         t = parts[p]
         if t.shape != shape:
             return None
         if p.endswith(".q"):
             if t.dtype != torch.uint8:
+                return None
+        elif p == "keys.rope_freqs":
+            if t.dtype != torch.float32 or not bool(torch.isfinite(t).all()):
                 return None
         elif t.dtype not in (torch.float16, torch.float32) or not bool(torch.isfinite(t).all()):
             return None

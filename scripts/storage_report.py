@@ -160,26 +160,37 @@ TARGETS = {"gemma-3-270m/32000": 20, "smollm2-135m/7800": 10}  # file ≤ 1/k of
 
 
 def verdicts(by_group: dict[str, list]) -> list[str]:
-    """The default the numbers support — the smallest storage whose pooled top-1 agreement is at
-    or above the bar on every target (preset, length) — and each target, met or missed by how much."""
+    """Each preset's default the numbers support — the smallest storage whose pooled top-1
+    agreement is at or above the bar at every length measured for that preset — checked against
+    `core.config.default_kv_dtype`, and each size target, met or missed by how much."""
+    from rocketkv_cli.core.config import default_kv_dtype
+
     names = [row["kv_dtype"] for row in next(iter(by_group.values()))[0]["rows"]]
-    targets = {g: k for g, k in TARGETS.items() if g in by_group}
-    if not targets:
-        return ["- No target length measured yet."]
-    ok = [i for i in range(len(names)) if all(pooled(by_group[g], i)["top1"] >= AGREEMENT_BAR for g in targets)]
-    best = min(ok, key=lambda i: max(pooled(by_group[g], i)["bytes_per_token"] for g in targets)) if ok else 0
-    out = [f"- **Default `--kv-dtype {names[best]}`**: the smallest storage whose pooled teacher-forced top-1 "
-           f"agreement with the float32 cache is ≥ {AGREEMENT_BAR} at every target length below."]  # fmt: skip
-    for group, k in targets.items():
+    presets = sorted({g.split("/")[0] for g in by_group})
+    out = []
+    for preset in presets:
+        groups = [g for g in by_group if g.startswith(preset + "/")]
+        ok = [i for i in range(len(names)) if all(pooled(by_group[g], i)["top1"] >= AGREEMENT_BAR for g in groups)]
+        best = min(ok, key=lambda i: max(pooled(by_group[g], i)["bytes_per_token"] for g in groups))
+        lengths = " and ".join(g.split("/")[1] for g in groups)
+        code = default_kv_dtype(preset)
+        agrees = "as `core/config.py` has it" if code == names[best] else f"BUT `core/config.py` says {code}"
+        out.append(f"- **{preset}: default `--kv-dtype {names[best]}`** ({agrees}): the smallest storage whose pooled "
+                   f"teacher-forced top-1 agreement with float32 is ≥ {AGREEMENT_BAR} at {lengths} tokens.")  # fmt: skip
+    for group, k in TARGETS.items():
+        if group not in by_group:
+            continue
+        default = default_kv_dtype(group.split("/")[0])
         for i, name in enumerate(names):
-            if name not in (names[best], "int4", "int8"):
+            if name not in (default, "int4", "int4+rope", "int8"):
                 continue
             row = pooled(by_group[group], i)
             frac, top1 = row["file_vs_bf16_full_kv"], row["top1"]
             size = f"meets (1/{1 / frac:.1f})" if frac <= 1 / k else f"misses ({1 / frac:.1f}× smaller, not {k}×)"
             bar = "meets" if top1 >= AGREEMENT_BAR else "misses"
+            tag = " (the default)" if name == default else ""
             out.append(f"- {group} tokens, target file ≤ 1/{k} of the bf16 full KV at top-1 ≥ {AGREEMENT_BAR}: "
-                       f"{name} {size} the size and {bar} the agreement (top-1 {top1:.3f}, KL {row['mean_kl']:.4f}).")  # fmt: skip
+                       f"{name}{tag} {size} the size and {bar} the agreement (top-1 {top1:.3f}, KL {row['mean_kl']:.4f}).")  # fmt: skip
     return out
 
 

@@ -19,6 +19,7 @@ from ..errors import InputError, OutputError
 from .common import (
     DeviceOpt,
     DtypeOpt,
+    KvDtypeOpt,
     ModelOpt,
     QuietOpt,
     WeightsOpt,
@@ -28,6 +29,7 @@ from .common import (
     log,
     setup,
     steps_bar,
+    storage,
 )
 
 
@@ -108,6 +110,7 @@ def eval_command(
     json_path: Annotated[
         Optional[Path], typer.Option("--json", help="Write the report (every record, configuration, versions) here.")
     ] = None,
+    kv_dtype: KvDtypeOpt = None,
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = None,
@@ -131,6 +134,7 @@ def eval_command(
             observations=_names(observations, OBSERVATIONS), pool_kernels=_ints("pool-kernels", pool_kernels, True),
             window_size=window_size, wide_window_size=wide_window_size, max_new_tokens=max_new_tokens,
             store_factor=store_factor, reconstruct_pool_kernel=reconstruct_pool_kernel,
+            kv_dtype=storage(kv_dtype).name if kv_dtype is not None else None,
         )  # fmt: skip
     except ValueError as exc:
         raise InputError(f"invalid option: {exc}") from None

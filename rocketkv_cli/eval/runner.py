@@ -275,6 +275,8 @@ def run_eval(
         ValueError: a task needing haystack text without it. BudgetError: a length the model's
         context does not fit. OutputError: `workdir` not writable.
     """
+    if cfg.kv_dtype is None:  # the report records the storage used
+        cfg = dataclasses.replace(cfg, kv_dtype=default_kv_dtype(engine.loaded.model_id))
     tasks = [t for t in cfg.tasks if haystack_text is not None or t not in NEEDS_HAYSTACK_TEXT]
     if len(tasks) != len(cfg.tasks):
         raise ValueError(f"tasks {', '.join(NEEDS_HAYSTACK_TEXT)} need a haystack text")

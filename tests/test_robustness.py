@@ -282,8 +282,9 @@ def identical(a, b) -> bool:
 def fuzz_files(tmp_path_factory):
     """Valid files of every kind the loader reads, as (name, bytes, loaded cache): format v4 with
     float keys/values, one segment stored as int4 (packed codes plus per-group scales, minima and
-    float16 sinks), three segments stored as int8, the v1 and v2 files of rocketkv 0.1.0, and the
-    v3 files written before v4."""
+    float16 sinks), one as int4 with pre-RoPE keys (their RoPE frequencies stored), three
+    segments stored as int8, the v1 and v2 files of rocketkv 0.1.0, and the v3 files written
+    before v4."""
     from rocketkv_cli.core.quant import KVStorage
     from rocketkv_cli.engine.documents import TextPieces
     from rocketkv_cli.engine.segments import ingest_stream
@@ -296,6 +297,8 @@ def fuzz_files(tmp_path_factory):
     caches = {
         "v4-float.kv": small_cache(),
         "v4-int4.kv": ingest_stream(engine, TextPieces(short, "short.txt"), cfg, storage=KVStorage(kv_dtype="int4")),
+        "v4-int4-rope.kv": ingest_stream(engine, TextPieces(short, "short.txt"), cfg,
+                                         storage=KVStorage(kv_dtype="int4", rotation="rope")),
         "v4-int8-segments.kv": ingest_stream(engine, TextPieces(book, "book.txt"), cfg, 200,
                                              storage=KVStorage(kv_dtype="int8")),
     }  # fmt: skip

@@ -347,7 +347,8 @@ WeightsOpt = Annotated[
 
 KvDtypeOpt = Annotated[
     Optional[str],
-    typer.Option(help="Stored keys/values: auto (model dtype), float32, bfloat16, float16, int8, int4. "
+    typer.Option(help="Stored keys/values: auto (model dtype), float32, bfloat16, float16, int8, int4; "
+                 "+rope (keys quantized before RoPE), +sinksN (N float16 sink tokens, default 4). "
                  "Default: int4 for smollm2-135m, int8 otherwise (measured: docs/storage.md)."),
 ]  # fmt: skip
 BudgetOpt = Annotated[int, typer.Option("--budget", "-b", help="Token budget t per KV head per layer (tokens).")]

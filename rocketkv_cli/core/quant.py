@@ -99,12 +99,14 @@ class KVStorage:
         dtype, *extras = name.split("+")
         rotation, sinks, chosen = "none", SINK_TOKENS, False
         for extra in extras:
-            if extra in ROTATIONS and not chosen:
+            if extra in ROTATIONS:
+                if chosen:
+                    raise ValueError(f"storage {name!r} names two key bases; choose one of rope, hadamard")
                 rotation, chosen = extra, True
             elif extra.startswith("sinks") and extra[5:].isdigit() and len(extra) <= 12:
                 sinks = int(extra[5:])
             else:
-                raise ValueError(f"unknown storage option {extra!r} in {name!r} (known: hadamard, sinksN)")
+                raise ValueError(f"unknown storage option {extra!r} in {name!r} (known: rope, hadamard, sinksN)")
         return KVStorage(dtype, rotation=rotation, sink_tokens=sinks)
 
     @property

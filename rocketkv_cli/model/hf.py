@@ -105,7 +105,7 @@ def rope_frequencies(model: Any, head_dim: int) -> list[torch.Tensor | None]:
     from the model's rotary embedding (`inv_freq`, or Gemma 3's `{layer_type}_inv_freq`); None for
     a layer whose rotary embedding is not found or rotates only part of the head. Used by integer
     storage to quantize keys before RoPE (`core.quant.rope_rotate`); a wrong or missing one only
-    costs precision, never correctness (the rotation is undone exactly)."""
+    costs precision, never correctness (the rotation is undone, to float32 rounding)."""
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
     layer_types = getattr(model.config, "layer_types", None)
     out: list[torch.Tensor | None] = []

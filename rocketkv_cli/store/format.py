@@ -299,8 +299,14 @@ def metadata_info(meta: dict[str, str], path: str, rebuild: str) -> CacheInfo:
         storage = KVStorage(meta["dtype"])
         if version >= 3:
             raw_storage = json.loads(meta["kv_storage"])
-            if version == 3 and isinstance(raw_storage, dict):
-                raw_storage.setdefault("sink_tokens", 0)  # v3 quantized every token
+            if not isinstance(raw_storage, dict):
+                raise ValueError("kv_storage")
+            if version == 3:  # v3 quantized every token as stored, and wrote no sink count
+                if "sink_tokens" in raw_storage or raw_storage.get("rotation") == "rope":
+                    raise ValueError("kv_storage")
+                raw_storage["sink_tokens"] = 0
+            elif "sink_tokens" not in raw_storage:  # v4 always writes it: a default would misread the file
+                raise ValueError("kv_storage")
             storage = KVStorage(**raw_storage)
         if version >= 3 and storage.kv_dtype == "auto":
             raise ValueError("kv_storage")

@@ -1,6 +1,6 @@
 """Formats v3 and v4: every cache as segments (one or more), keys/values in their storage form (a
 float dtype, or int8/int4 codes with group scales; v4: plus float16 sink tokens), positions (v3:
-int32; v4: int16 where the segment is shorter than 2^15 tokens), and per-token ids, character
+int32; v4: int16 where every position fits it, else int32), and per-token ids, character
 offsets and lines (v4: lines as runs). This module writes v4 and reads both. Each segment's
 tensors occupy two contiguous byte ranges — its KV, then its tokens — each with its own sha256 in
 the metadata, so a reader verifies exactly the bytes it reads, when it reads them: `ask` on a book
@@ -80,9 +80,13 @@ def _kv_tensors(seg: CompressedKVCache) -> dict[str, torch.Tensor]:
                 raise ValueError(f"layer {i} holds {layer.keys.dtype}, the storage says {storage.kv_dtype}")
             out[f"layers.{i}.keys"] = layer.keys[0].contiguous()
             out[f"layers.{i}.values"] = layer.values[0].contiguous()
-        pos_dtype = torch.int16 if seg.n_context_tokens <= 1 << 15 else torch.int32
-        out[f"layers.{i}.positions"] = layer.positions[0].to(pos_dtype).contiguous()
+        out[f"layers.{i}.positions"] = layer.positions[0].to(position_dtype(layer.positions)).contiguous()
     return out
+
+
+def position_dtype(positions: torch.Tensor) -> torch.dtype:
+    """int16 when every position fits it (a segment of at most 2^15 tokens), else int32."""
+    return torch.int16 if not positions.numel() or int(positions.max()) < 1 << 15 else torch.int32
 
 
 def line_runs(lines: torch.Tensor) -> torch.Tensor:
@@ -354,8 +358,9 @@ def _torch_dtype(st: str) -> torch.dtype:
 def _expected_names(info: CacheInfo) -> tuple[set[str], set[str]]:
     parts = layer_part_names(info.storage) if info.storage.is_integer else ("keys", "values")
     kv = {f"layers.{i}.{p}" for i in range(info.identity.n_layers) for p in (*parts, "positions")}
-    tokens = set(TOKEN_FIELDS) | ({LINE_RUNS} if (info.format_version or 0) >= 4 else set())
-    return kv, tokens
+    if (info.format_version or 0) >= 4:  # v4 stores lines as runs only
+        return kv, {"token_ids", "token_offsets", LINE_RUNS}
+    return kv, set(TOKEN_FIELDS)
 
 
 def _layer(tensors: dict[str, torch.Tensor], i: int, info: CacheInfo) -> LayerKV | None:
@@ -401,4 +406,9 @@ def _layer(tensors: dict[str, torch.Tensor], i: int, info: CacheInfo) -> LayerKV
             return None
     if any(bool((parts[p] < 0).any()) for p in ("keys.scale", "values.scale")):
         return None
-    return LayerKV.from_stored(parts, positions, storage, d)
+    if d % 2 and (storage.bits == 4 or storage.rotation == "rope"):  # no model has one; the codes need pairs
+        return None
+    try:
+        return LayerKV.from_stored(parts, positions, storage, d)
+    except (ValueError, RuntimeError):  # anything the checks above missed is still a refusal, never a crash
+        return None

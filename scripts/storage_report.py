@@ -151,8 +151,30 @@ def page(report: dict) -> str:
             lines.append(f"| {group.replace('/', ', ')} | " + " | ".join(f"{t:.2f} s ({t / base:.2f}×)"
                                                                      for t in med.values()) + " |")  # fmt: skip
         lines.append("")
-    lines += ["## Default and targets", "", *verdicts(by_group), ""]
+    lines += ["## Default and targets", "", *verdicts(by_group), "", *NOTES, ""]
     return "\n".join(lines) + "\n"
+
+
+NOTES = [
+    "## What the rows show",
+    "",
+    "- **Sinks.** Keeping each head's first 4 tokens in float16, outside the integer groups, is what makes int4 "
+    "usable: compare `int4` with `int4+sinks0` (every token in the groups, rocketkv before format v4) — the KL "
+    "halves on every preset and length, for 0.1–1% more bytes. These tokens draw most of the attention (the "
+    "attention sinks), so their rounding reaches every query, and their outlier magnitudes widen the first key "
+    "group's range (IntactKV, arXiv 2403.01241, keeps the same pivot tokens in full precision).",
+    "- **Pre-RoPE keys** (`+rope`, KVQuant's basis) lowered the KL on Gemma at 32K and raised it on Gemma at 8K "
+    "and on SmolLM2, so it is an option, not the default. "
+    "A Hadamard rotation (`+hadamard`) did not help either when it was measured (format v3, in git history).",
+    "- **Top-1 has a floor.** bfloat16, whose KL is below 0.0001, agrees on only 98–99% of Gemma's answer tokens: "
+    "Gemma's greedy answers have near-ties that any rounding flips. The KL column separates the storages where "
+    "top-1 cannot; intervals are Wilson 95% over the answer tokens.",
+    "- **What would close the Gemma gap.** int4 is within the size target at 32K (1/20.3) but 6 of 240 answer "
+    "tokens differ from float32 (bar: ≤ 4); its error is mostly in the keys (in a side experiment, exact keys with "
+    "int4 values cut the KL by 5×). Finer key groups (32 tokens: KL −50% in that experiment) cost 16 bytes per "
+    "token and layer, which the 1/20 budget does not have unless the scales themselves are compressed (8-bit "
+    "scales relative to a per-channel range).",
+]
 
 
 AGREEMENT_BAR = 0.98  # teacher-forced top-1 agreement a storage needs against float32 to be a default

@@ -65,6 +65,16 @@ def test__ingest_then_ask_json__one_object_per_question(rocketkv_bin, env, kv):
     assert all(0 < row["n_answer_tokens"] <= 6 or row["stop_reason"] != "length" for row in rows)
 
 
+@pytest.mark.parametrize("command", ["ask", "chat"])
+def test__budget_with_cache__says_the_file_keeps_its_own(rocketkv_bin, env, kv, command):
+    args = [command, "--cache", kv, "--budget", "128"] + (["Which word?"] if command == "ask" else [])
+    r = run(rocketkv_bin, env, *args, stdin="Which word?\n")
+    assert r.returncode == 0, r.stderr
+    assert f"--budget 128 applies to a DOC ingested here; {kv} keeps the budget it was built with" in r.stderr
+    quiet = run(rocketkv_bin, env, command, "--cache", kv, *args[4:], stdin="Which word?\n")
+    assert "keeps the budget" not in quiet.stderr
+
+
 def test__ask__questions_file_from_stdin_matches_arguments(rocketkv_bin, env, kv):
     a = run(rocketkv_bin, env, "ask", "--cache", kv, "--questions-file", "-", "--json", stdin="Q one?\n\nQ two?\n")
     b = run(rocketkv_bin, env, "ask", "--cache", kv, "Q two?", "--json")

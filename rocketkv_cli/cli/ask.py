@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..core.config import DEFAULT_TOKEN_BUDGET
 from ..errors import InputError
 from .answers import (
     AnswerPrinter,
@@ -42,6 +43,7 @@ from .common import (
     TopkOpt,
     TrustOpt,
     WeightsOpt,
+    cache_budget_note,
     ingest,
     load_engine,
     log,
@@ -141,11 +143,14 @@ def ask_command(
     ] = None,
     max_new_tokens: MaxNewOpt = None,
     budget: Annotated[
-        int,
+        Optional[int],
         typer.Option(
-            "--budget", "-b", metavar="T", help="Token budget when DOC is ingested in memory (a cache keeps its own)."
+            "--budget",
+            "-b",
+            metavar="T",
+            help="Token budget when DOC is ingested in memory (default 512; a cache keeps its own).",
         ),
-    ] = 512,
+    ] = None,  # fmt: skip
     dense: DenseOpt = False,
     fmt: FormatOpt = "auto",
     stream: StreamOpt = None,
@@ -191,11 +196,12 @@ def ask_command(
         log(note)
     if doc is None:
         assert cache is not None  # one of the two, checked above
+        cache_budget_note(budget, cache)
         rk, stored = open_cache(cache, model, device, dtype, trust_remote_code, weights, timings,
                                 cite=passages if cite else 0, segments=segments)  # fmt: skip
         source = str(cache)
     else:
-        cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens or 128)
+        cfg = prefill_config(token_budget=budget or DEFAULT_TOKEN_BUDGET, max_new_tokens=max_new_tokens or 128)
         document = open_stream(doc, encoding, errors)
         rk = load_engine(model, device, dtype or "auto", trust_remote_code, weights)
         stored = ingest(rk, document, cfg, segment_tokens=segment_tokens).cache

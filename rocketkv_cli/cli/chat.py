@@ -16,6 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..core.config import DEFAULT_TOKEN_BUDGET
 from ..entry import handled
 from ..errors import InputError, RocketKVError
 from .answers import (
@@ -31,7 +32,6 @@ from .answers import (
 )
 from .ask import DenseOpt, HsaOpt, MaxNewOpt, open_cache
 from .common import (
-    BudgetOpt,
     CacheOpt,
     DeviceOpt,
     DtypeOpt,
@@ -45,6 +45,7 @@ from .common import (
     SegmentTokensOpt,
     TrustOpt,
     WeightsOpt,
+    cache_budget_note,
     err,
     fail,
     ingest,
@@ -111,7 +112,15 @@ def chat_command(
     ] = None,
     cache: CacheOpt = None,
     max_new_tokens: MaxNewOpt = None,
-    budget: BudgetOpt = 512,
+    budget: Annotated[
+        Optional[int],
+        typer.Option(
+            "--budget",
+            "-b",
+            metavar="T",
+            help="Token budget when DOC is ingested in memory (default 512; a cache keeps its own).",
+        ),
+    ] = None,  # fmt: skip
     dense: DenseOpt = False,
     hsa: HsaOpt = False,
     temperature: TemperatureOpt = 0.0,
@@ -145,12 +154,13 @@ def chat_command(
     if note := sampling_note(temperature, seed):
         log(note)
     if cache is not None:
+        cache_budget_note(budget, cache)
         rk, stored = open_cache(cache, model, device, dtype, trust_remote_code, weights, cite=passages if cite else 0,
                                 segments=segments)  # fmt: skip
         source = str(cache)
     else:
         assert document is not None  # one of the two, checked above
-        cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens or 128)
+        cfg = prefill_config(token_budget=budget or DEFAULT_TOKEN_BUDGET, max_new_tokens=max_new_tokens or 128)
         stream = open_stream(document, encoding, errors)
         rk = load_engine(model, device, dtype or "auto", trust_remote_code, weights)
         stored = ingest(rk, stream, cfg, segment_tokens=segment_tokens).cache

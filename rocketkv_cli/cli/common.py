@@ -300,6 +300,13 @@ def _age(seconds: float) -> str:
     return f"{max(seconds, 0):.0f} s"
 
 
+def cache_budget_note(budget: Optional[int], cache: Path) -> None:
+    """One line on stderr when `--budget` is given with `--cache`: the file keeps its own budget."""
+    if budget is not None:
+        log(f"--budget {budget} applies to a DOC ingested here; {cache} keeps the budget it was built with "
+            f"(to change it: rocketkv ingest DOC --budget {budget})")  # fmt: skip
+
+
 def storage(kv_dtype: str):
     """The storage named by `--kv-dtype`. Raises InputError for an unknown name."""
     from ..core.quant import KVStorage

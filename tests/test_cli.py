@@ -4,6 +4,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 from conftest import text_of_bytes
@@ -63,6 +64,21 @@ def test__ingest_then_ask_json__one_object_per_question(rocketkv_bin, env, kv):
     }
     assert all(set(row) == keys for row in rows)
     assert all(0 < row["n_answer_tokens"] <= 6 or row["stop_reason"] != "length" for row in rows)
+
+
+def test__text_file_as_cache__refused_before_torch_with_a_hint(rocketkv_bin, env, doc):
+    """A document given as --cache is refused by its first bytes, before torch is imported (the
+    refusal used to take the seconds of that import), with the command that asks it directly."""
+    from rocketkv_cli.engine import preflight
+    from rocketkv_cli.store import format as store_format
+
+    assert preflight.MAX_HEADER_BYTES == store_format.MAX_HEADER_BYTES
+    probe = "import sys; from rocketkv_cli.entry import main\n"
+    probe += "sys.argv = ['rocketkv', 'ask', '--cache', sys.argv[1], 'q?']\n"
+    probe += "try:\n    main()\nexcept SystemExit as e:\n    print('torch' in sys.modules, e.code)\n"
+    r = subprocess.run([sys.executable, "-c", probe, str(doc)], env=env, capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["False", "1"], (r.stdout, r.stderr)
+    assert f"{doc} is not a rocketkv cache" in r.stderr and f"rocketkv ask {doc} QUESTION" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("command", ["ask", "chat"])

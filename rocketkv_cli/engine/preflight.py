@@ -8,13 +8,17 @@ The Python API (`api.py`) re-exports every function of this module.
 from __future__ import annotations
 
 import os
+import shlex
 import stat
+import struct
 from pathlib import Path
 
 from ..errors import CacheFormatError, OutputError
 from ..store.atomic import check_target, probe_writable, remove_stale_temp_files
 from ..store.folders import AbandonedCheckpoints, abandoned_checkpoints
 from .documents import TextStream
+
+MAX_HEADER_BYTES = 100 << 20  # a safetensors header's bound, as `store.format` (torch-free here)
 
 
 def open_document(path: str, encoding: str = "utf-8", errors: str = "strict") -> TextStream:
@@ -81,12 +85,33 @@ def check_cache_file(path: str | Path) -> None:
         raise CacheFormatError(f"{path} is not a regular file (a FIFO, socket or device); a cache must be a file",
                                f"copy it to a file first, e.g. cat {path} > copy.kv")  # fmt: skip
     try:
-        with open(p, "rb"):
-            pass
+        with open(p, "rb") as f:
+            head = f.read(9)
     except PermissionError:
         raise CacheFormatError(f"no permission to read cache {path}", "check the file's permissions") from None
     except OSError as exc:
         raise CacheFormatError(f"cannot read cache {path}: {exc.strerror}") from None
+    # the safetensors framing, checked here without torch (as `store.format.parse_header` checks it
+    # again): a text file given as a cache is refused at once, not after the seconds of an import
+    hint = "give a .kv file written by: rocketkv ingest DOC -o FILE.kv"
+    if _looks_like_text(head):
+        hint = f"{path} looks like a text document; ask it directly: rocketkv ask {shlex.quote(str(path))} QUESTION"
+    if len(head) < 8:
+        raise CacheFormatError(f"{path} is not a rocketkv cache (too short)", hint)
+    (n,) = struct.unpack("<Q", head[:8])
+    if n > MAX_HEADER_BYTES or n > st.st_size - 8:
+        raise CacheFormatError(f"{path} is not a rocketkv cache (bad header length)", hint)
+    if head[8:9] != b"{":
+        raise CacheFormatError(f"{path} is not a rocketkv cache (unreadable header)", hint)
+
+
+def _looks_like_text(head: bytes) -> bool:
+    """The first bytes are printable UTF-8 text (a document, not a binary file)."""
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return bool(text) and all(c.isprintable() or c in "\n\r\t" for c in text)
 
 
 def abandoned_ingests(directory: str | Path) -> list[AbandonedCheckpoints]:

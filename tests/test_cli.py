@@ -66,6 +66,16 @@ def test__ingest_then_ask_json__one_object_per_question(rocketkv_bin, env, kv):
     assert all(0 < row["n_answer_tokens"] <= 6 or row["stop_reason"] != "length" for row in rows)
 
 
+def test__inspect__shows_the_storage_sinks_and_key_basis(rocketkv_bin, env, doc, tiny_model_dir, tmp_path):
+    out = tmp_path / "rope.kv"
+    r = run(rocketkv_bin, env, "ingest", doc, "-o", out, "--model", tiny_model_dir, "--budget", "64",
+            "--kv-dtype", "int4+rope")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    shown = run(rocketkv_bin, env, "inspect", out)
+    assert "int4 keys/values (each head's first 4 tokens in float16; keys quantized before RoPE)" in shown.stdout
+    assert "rocketkv.kv_cache v4 (" in shown.stdout
+
+
 def test__text_file_as_cache__refused_before_torch_with_a_hint(rocketkv_bin, env, doc):
     """A document given as --cache is refused by its first bytes, before torch is imported (the
     refusal used to take the seconds of that import), with the command that asks it directly."""

@@ -34,8 +34,12 @@ def inspect_command(
 
 
 def _sinks(info: dict) -> str:
-    sinks = info.get("kv_storage", {}).get("sink_tokens", 0)
-    return f" (each head's first {sinks} tokens in float16)" if sinks else ""
+    storage = info.get("kv_storage", {})
+    notes = [f"each head's first {storage['sink_tokens']} tokens in float16"] if storage.get("sink_tokens") else []
+    notes += {"rope": ["keys quantized before RoPE"], "hadamard": ["keys Hadamard-rotated"]}.get(
+        storage.get("rotation", "none"), []
+    )
+    return f" ({'; '.join(notes)})" if notes else ""
 
 
 def _lines(info: dict) -> list[tuple[str, str]]:

@@ -76,6 +76,13 @@ def test__inspect__shows_the_storage_sinks_and_key_basis(rocketkv_bin, env, doc,
     assert "rocketkv.kv_cache v4 (" in shown.stdout
 
 
+def test__unknown_storage__refused_before_the_model_loads(rocketkv_bin, env, doc, tmp_path):
+    r = run(rocketkv_bin, env, "ingest", doc, "-o", tmp_path / "x.kv", "--kv-dtype", "int4+fast",
+            "--model", str(tmp_path / "no-such-model"))  # fmt: skip
+    assert r.returncode == 1 and "unknown storage option 'fast'" in r.stderr, r.stderr
+    assert "no-such-model" not in r.stderr  # refused before the model (here: missing) is looked at
+
+
 def test__text_file_as_cache__refused_before_torch_with_a_hint(rocketkv_bin, env, doc):
     """A document given as --cache is refused by its first bytes, before torch is imported (the
     refusal used to take the seconds of that import), with the command that asks it directly."""

@@ -30,6 +30,7 @@ from .common import (
     prefill_config,
     report_abandoned,
     setup,
+    storage,
 )  # fmt: skip
 
 
@@ -94,6 +95,8 @@ def ingest_command(
     )  # fmt: skip
     explicit = [k for k, v in options.items() if v is not None]  # the preset's measured defaults fill the rest
     cfg = prefill_config(**options)
+    if kv_dtype is not None:
+        storage(kv_dtype)  # an unknown storage fails before the model loads
     stream = open_stream(document, encoding, errors)  # bad documents fail before anything else is touched
     # the output is checked (name, directory, permission to write) before the model loads, not after a long prefill
     target = check_output(output if output is not None else default_output(document), force, document)

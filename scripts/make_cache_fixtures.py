@@ -7,7 +7,8 @@ compares the token ids with `tests/data/fixtures.json`. Answers use exact attent
 cache, so they test the stored keys, values and positions, not stage-2 choices a later version may
 improve. Files of older versions stay as they were written (v1 and v2 by rocketkv 0.1.0 before
 the redesign): run this only when the format version changes, and it adds `v{N}-*.kv` for the
-current version N (a one-segment int8 file on a sliding-window model, a segmented int4 file)
+current version N (a one-segment int8 file on a sliding-window model, a one-segment int4 file with
+pre-RoPE keys on it, a segmented int4 file)
 and leaves the others and their records alone:
 
     python scripts/make_cache_fixtures.py [--out tests/data]
@@ -56,6 +57,11 @@ def main() -> int:
         "gemma3_text",
         engine,
         engine.ingest(Document(document_text(120, 0), "0" * 64, "gemma3_text.txt"), cfg, storage=KVStorage("int8")),
+    )
+    made[f"v{FORMAT_VERSION}-gemma3_text-rope.kv"] = (  # from v4: pre-RoPE keys store the layer's frequencies
+        "gemma3_text",
+        engine,
+        engine.ingest(Document(document_text(90, 1), "1" * 64, "rope.txt"), cfg, storage=KVStorage.parse("int4+rope")),
     )
     engine = make_engine("llama", torch.float32)
     text = "".join(document_text(30 + 7 * i, i) for i in range(3))

@@ -104,8 +104,17 @@ def test__budget_with_cache__says_the_file_keeps_its_own(rocketkv_bin, env, kv, 
     r = run(rocketkv_bin, env, *args, stdin="Which word?\n")
     assert r.returncode == 0, r.stderr
     assert f"--budget 128 applies to a DOC ingested here; {kv} keeps the budget it was built with" in r.stderr
-    quiet = run(rocketkv_bin, env, command, "--cache", kv, *args[4:], stdin="Which word?\n")
+    quiet = run(rocketkv_bin, env, command, "--cache", kv, *args[5:], stdin="Which word?\n")
+    assert quiet.returncode == 0, quiet.stderr
     assert "keeps the budget" not in quiet.stderr
+
+
+@pytest.mark.parametrize("command", ["ask", "chat"])
+def test__doc_with_budget_zero__refused_not_replaced_by_the_default(rocketkv_bin, env, doc, tiny_model_dir, command):
+    args = [command, doc, "--model", tiny_model_dir, "--budget", "0"] + (["Which word?"] if command == "ask" else [])
+    r = run(rocketkv_bin, env, *args, stdin="Which word?\n")
+    assert r.returncode == 1, r.stderr
+    assert "token_budget must be a positive integer, got 0" in r.stderr, r.stderr
 
 
 def test__ask__questions_file_from_stdin_matches_arguments(rocketkv_bin, env, kv):

@@ -98,6 +98,28 @@ def test__text_file_as_cache__refused_before_torch_with_a_hint(rocketkv_bin, env
     assert f"{doc} is not a rocketkv cache" in r.stderr and f"rocketkv ask {doc} QUESTION" in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize(
+    "content, text",
+    [
+        ("plain words, more words", True),
+        ("\u00e9" * 20, True),  # the 9th byte cuts a two-byte character in half
+        ("\ufeffa document with a BOM", True),
+        ("\u4e2d\u6587\u6587\u6863", True),  # three-byte characters
+        (b"\x00\x01\x02binary data", False),
+        (b"\xff\xfe\x00\x00 not utf-8", False),
+    ],
+)
+def test__text_file_as_cache__recognised_as_text_even_when_a_character_is_cut(tmp_path, content, text):
+    from rocketkv_cli.engine.preflight import check_cache_file
+    from rocketkv_cli.errors import CacheFormatError
+
+    path = tmp_path / "doc.txt"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
+    with pytest.raises(CacheFormatError) as err:
+        check_cache_file(path)
+    assert ("ask it directly" in str(err.value)) == text, str(err.value)
+
+
 @pytest.mark.parametrize("command", ["ask", "chat"])
 def test__budget_with_cache__says_the_file_keeps_its_own(rocketkv_bin, env, kv, command):
     args = [command, "--cache", kv, "--budget", "128"] + (["Which word?"] if command == "ask" else [])

@@ -4,7 +4,9 @@ file, damage to scales is caught, and a segmented file is verified segment by se
 
 import dataclasses
 import json
+import re
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -406,10 +408,30 @@ def test__storage_names__parse_and_print_back(name, expected):
     assert KVStorage.parse(name) == expected and expected.name == name
 
 
-@pytest.mark.parametrize("name", ["int4+sinks", "int4+fast", "int4+sinks-1", "int4+hadamard+rope", "int3"])
-def test__storage_names__unknown_parts_refused(name):
-    with pytest.raises(ValueError, match="int|sinks|storage option|kv_dtype"):
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("int4+sinks", "unknown storage option 'sinks'"),
+        ("int4+fast", "unknown storage option 'fast'"),
+        ("int4+sinks-1", "unknown storage option 'sinks-1'"),
+        ("int4+hadamard+rope", "names two key bases"),
+        ("int4+sinks2+sinks0", "names the sink count twice"),
+        ("float16+sinks2", "sinksN only applies to int8 and int4"),
+        ("int3", "kv_dtype must be one of"),
+    ],
+)
+def test__storage_names__unknown_parts_refused(name, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         KVStorage.parse(name)
+
+
+@pytest.mark.parametrize("name, sinks", [("v4-llama.kv", (4, ["float16"])), ("v3-llama.kv", (0, []))])
+def test__describe__storage_as_read_with_the_sinks_dtype(name, sinks):
+    """inspect shows the storage as the reader took it (v3 has no sinks) and what the sinks are stored in."""
+    from rocketkv_cli.store.describe import describe
+
+    storage = describe(Path(__file__).parent / "data" / name)["kv_storage"]
+    assert (storage["sink_tokens"], storage["sink_dtypes"]) == sinks
 
 
 def test__rope_rotation__undone_exactly_and_keys_rotated_back_to_before_rope():
@@ -465,3 +487,17 @@ def test__pre_rope_basis__lowers_key_error_on_rotated_keys():
                             pos)  # fmt: skip
         errors[rotation] = float((k - keys).pow(2).mean())
     assert errors["rope"] < errors["none"] / 4, errors
+
+
+def test__pre_rope_storage_without_frequencies__refused_before_the_prefill():
+    """A model whose rotary embedding rocketkv cannot read gets a one-line refusal, not a file
+    that claims pre-RoPE keys that were never rotated."""
+    from rocketkv_cli.errors import InputError
+
+    engine = make_engine("llama", torch.float32)
+    assert any(f is not None for f in engine.rope_freqs)  # the tiny model's own frequencies are readable
+    ingest_stream(engine, TextPieces(text_of_bytes(300), "ok.txt"), CFG, storage=KVStorage.parse("int4+rope"))
+    engine.rope_freqs = [None] * len(engine.rope_freqs)  # as for a model with partial or unknown RoPE
+    with pytest.raises(InputError, match=r"int4\+rope: .* has no RoPE frequencies") as err:
+        ingest_stream(engine, TextPieces(text_of_bytes(300), "doc.txt"), CFG, storage=KVStorage.parse("int4+rope"))
+    assert "without +rope" in str(err.value)

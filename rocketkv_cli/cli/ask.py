@@ -201,8 +201,10 @@ def ask_command(
                                 cite=passages if cite else 0, segments=segments)  # fmt: skip
         source = str(cache)
     else:
-        cfg = prefill_config(token_budget=DEFAULT_TOKEN_BUDGET if budget is None else budget,
-                             max_new_tokens=128 if max_new_tokens is None else max_new_tokens)
+        cfg = prefill_config(
+            token_budget=DEFAULT_TOKEN_BUDGET if budget is None else budget,
+            max_new_tokens=128 if max_new_tokens is None else max_new_tokens,
+        )
         document = open_stream(doc, encoding, errors)
         rk = load_engine(model, device, dtype or "auto", trust_remote_code, weights)
         stored = ingest(rk, document, cfg, segment_tokens=segment_tokens).cache

@@ -160,8 +160,10 @@ def chat_command(
         source = str(cache)
     else:
         assert document is not None  # one of the two, checked above
-        cfg = prefill_config(token_budget=DEFAULT_TOKEN_BUDGET if budget is None else budget,
-                             max_new_tokens=128 if max_new_tokens is None else max_new_tokens)
+        cfg = prefill_config(
+            token_budget=DEFAULT_TOKEN_BUDGET if budget is None else budget,
+            max_new_tokens=128 if max_new_tokens is None else max_new_tokens,
+        )
         stream = open_stream(document, encoding, errors)
         rk = load_engine(model, device, dtype or "auto", trust_remote_code, weights)
         stored = ingest(rk, stream, cfg, segment_tokens=segment_tokens).cache

@@ -35,7 +35,8 @@ def inspect_command(
 
 def _sinks(info: dict) -> str:
     storage = info.get("kv_storage", {})
-    notes = [f"each head's first {storage['sink_tokens']} tokens in float16"] if storage.get("sink_tokens") else []
+    kinds = " or ".join(storage.get("sink_dtypes") or ["float16"])
+    notes = [f"each head's first {storage['sink_tokens']} tokens in {kinds}"] if storage.get("sink_tokens") else []
     notes += {"rope": ["keys quantized before RoPE"], "hadamard": ["keys Hadamard-rotated"]}.get(
         storage.get("rotation", "none"), []
     )

@@ -97,16 +97,22 @@ class KVStorage:
         and `+sinksN` (N sink tokens instead of the default): `int4`, `int4+rope`, `int4+sinks0`.
         Raises ValueError naming the value."""
         dtype, *extras = name.split("+")
-        rotation, sinks, chosen = "none", SINK_TOKENS, False
+        rotation, sinks, chosen, sinks_named = "none", SINK_TOKENS, False, False
         for extra in extras:
             if extra in ROTATIONS:
                 if chosen:
                     raise ValueError(f"storage {name!r} names two key bases; choose one of rope, hadamard")
                 rotation, chosen = extra, True
             elif extra.startswith("sinks") and extra[5:].isdigit() and len(extra) <= 12:
-                sinks = int(extra[5:])
+                if sinks_named:
+                    raise ValueError(f"storage {name!r} names the sink count twice; give one sinksN")
+                sinks, sinks_named = int(extra[5:]), True
             else:
                 raise ValueError(f"unknown storage option {extra!r} in {name!r} (known: rope, hadamard, sinksN)")
+        if sinks_named and dtype not in ("int8", "int4"):
+            raise ValueError(
+                f"storage {name!r}: sinksN only applies to int8 and int4 (float storage keeps every token)"
+            )
         return KVStorage(dtype, rotation=rotation, sink_tokens=sinks)
 
     @property

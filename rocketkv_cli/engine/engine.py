@@ -25,7 +25,7 @@ from ..core.cache import CacheInfo, CompressedKVCache, LayerKV, ModelIdentity, S
 from ..core.config import DecodeConfig, PrefillConfig, Reselection, auto_pool_kernel_size, resolve_budgets
 from ..core.quant import KVStorage, resolved
 from ..core.stage1 import gather_tokens
-from ..errors import BudgetError, CacheFormatError
+from ..errors import BudgetError, CacheFormatError, InputError
 from ..model.hf import (
     ModelShape,
     Reconstruction,
@@ -69,6 +69,22 @@ class Engine:
         self.prompt: PromptFormat = prompt_format(loaded.tokenizer)
         self.stop_ids = stop_token_ids(loaded.model, loaded.tokenizer)
         self.rope_freqs = rope_frequencies(loaded.model, self.shape.head_dim)  # per layer [D/2] or None
+
+    def check_storage(self, storage: KVStorage) -> None:
+        """Refuse, before any prefill, a storage this model cannot hold as named: int4 or pre-RoPE
+        keys with an odd head dim (codes and RoPE pairs need pairs), or pre-RoPE keys on a model
+        whose rotary embedding rotates no layer's whole head (the file would claim a rotation that
+        never happened). Raises InputError naming the storage and what to use instead."""
+        d = self.shape.head_dim
+        if d % 2 and (storage.bits == 4 or storage.rotation == "rope"):
+            raise InputError(f"--kv-dtype {storage.name} needs an even head_dim; {self.loaded.model_id} has {d}",
+                             "use int8 (without +rope)")  # fmt: skip
+        if storage.rotation == "rope" and all(f is None for f in self.rope_freqs):
+            raise InputError(
+                f"--kv-dtype {storage.name}: {self.loaded.model_id} has no RoPE frequencies rocketkv can read "
+                "for the whole head",
+                f"use --kv-dtype {storage.kv_dtype} (without +rope)",
+            )
 
     @cached_property
     def identity(self) -> ModelIdentity:

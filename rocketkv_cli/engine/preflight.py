@@ -106,11 +106,15 @@ def check_cache_file(path: str | Path) -> None:
 
 
 def _looks_like_text(head: bytes) -> bool:
-    """The first bytes are printable UTF-8 text (a document, not a binary file)."""
+    """The first bytes are printable UTF-8 text (a document, not a binary file). A character cut
+    by the end of `head` and a leading byte-order mark do not count against it."""
     try:
         text = head.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
+    except UnicodeDecodeError as exc:
+        if exc.start < len(head) - 3 or exc.reason != "unexpected end of data":
+            return False
+        text = head[: exc.start].decode("utf-8")  # only the last, incomplete character was cut
+    text = text.removeprefix("\ufeff")
     return bool(text) and all(c.isprintable() or c in "\n\r\t" for c in text)
 
 

@@ -93,6 +93,7 @@ def ingest_stream(
     Raises:
         InputError: the stream's errors, or an empty document. BudgetError: see `segment_limit`.
     """
+    engine.check_storage(resolved(storage, engine.dtype_name))
     seg = segment_limit(engine, cfg, segment_tokens)
     frame = frame_tokens(engine)
     texts = segment_texts(engine.tokenizer, stream, seg - frame - SEGMENT_SLACK_TOKENS)

@@ -19,7 +19,8 @@ def describe(path: str | Path) -> dict:
     dtype), kv_bytes (keys + values as stored, scales included), kv_dtype, kv_bytes_per_token
     (kv_bytes / n_context_tokens), kept_tokens_per_layer (summed over segments),
     n_full_attention_layers, n_segments, every metadata entry (numbers as ints, JSON entries
-    parsed), and for a segmented file `segments` (per-segment records).
+    parsed; `kv_storage` as the reader took it, plus `sink_dtypes`, the dtypes its sink tokens
+    are stored in), and for a segmented file `segments` (per-segment records).
     Raises:
         CacheFormatError: as `load_cache`, or any damaged byte.
     """
@@ -46,8 +47,11 @@ def describe(path: str | Path) -> dict:
         **{k: v for k, v in meta.items() if k not in JSON_FIELDS},
         **{k: json.loads(meta[k]) for k in ("config", "budgets", "layer_windows")},
     }
-    if "kv_storage" in meta:
-        info["kv_storage"] = json.loads(meta["kv_storage"])
+    if "kv_storage" in meta:  # as the reader understood it (a float file's sink count reads as 0)
+        info["kv_storage"] = cache.info.storage.to_dict()
+        sink_dtypes = sorted({str(spec[0]).removeprefix("torch.") for part in parts
+                              for name, spec in (_specs(part) or {}).items() if ".sinks." in name})  # fmt: skip
+        info["kv_storage"]["sink_dtypes"] = sink_dtypes
     if len(parts) > 1:
         info["segments"] = json.loads(meta["segments"])
     for key in INT_FIELDS:

@@ -501,3 +501,26 @@ def test__pre_rope_storage_without_frequencies__refused_before_the_prefill():
     with pytest.raises(InputError, match=r"int4\+rope: .* has no RoPE frequencies") as err:
         ingest_stream(engine, TextPieces(text_of_bytes(300), "doc.txt"), CFG, storage=KVStorage.parse("int4+rope"))
     assert "without +rope" in str(err.value)
+
+
+@pytest.mark.parametrize("n_context, dtype", [(32768, torch.int16), (32769, torch.int32)])
+def test__positions_at_the_int16_boundary__written_and_read_back_exactly(tmp_path, n_context, dtype):
+    """A cache whose last position is 32767 stores int16 positions and one at 32768 int32; both
+    read back as the same int64 positions (no wrap-around at the boundary)."""
+    from safetensors import safe_open
+
+    engine = make_engine("llama", torch.float32)
+    small = engine.ingest(Document(text_of_bytes(400), "0" * 64, "doc.txt"), CFG, storage=KVStorage("int8"))
+    shift = n_context - small.n_context_tokens  # move every kept token so the last sits at n_context - 1
+    layers = tuple(dataclasses.replace(layer, positions=layer.positions + shift) for layer in small.layers)
+    info = small.info.with_(n_context_tokens=n_context)
+    from rocketkv_cli.core.cache import CompressedKVCache
+
+    cache = CompressedKVCache(info, layers)
+    path = save_cache(cache, tmp_path / "edge.kv")
+    with safe_open(str(path), "pt") as f:
+        assert f.get_tensor("segments.0.layers.0.positions").dtype == dtype
+    loaded = load_cache(path)
+    for a, b in zip(loaded.layers, layers):
+        assert torch.equal(a.positions, b.positions)
+        assert int(a.positions.max()) == n_context - 1

@@ -49,8 +49,8 @@ class KVStorage:
         "rope": each key first rotated back by its RoPE angles (position × the layer's
         frequencies), so channels are grouped as the model computed them before RoPE mixed each
         channel pair with its position (KVQuant, Hooper et al., arXiv 2401.18079 §3.1; measured:
-        better on Gemma 3, worse on SmolLM2); "hadamard": rotated along the head dimension.
-        Float storage: "none".
+        better on Gemma 3 at 32K tokens, worse at 8K and on SmolLM2); "hadamard": rotated along
+        the head dimension. Float storage: "none".
     sink_tokens: integer storage keeps each KV head's first `sink_tokens` stored tokens in
         float16 (tokens, ≥ 0); float storage has none (any value given is replaced by 0).
     Raises:

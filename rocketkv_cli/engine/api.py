@@ -157,7 +157,7 @@ class RocketKV:
         config: stage-1 settings, or their fields as keywords (`token_budget=512`, …; fields not
             given take the preset's measured defaults, `core.config.PRESET_PREFILL_DEFAULTS`).
         storage: how keys/values are stored — a `KVStorage`, or its name (`auto` = the model's
-        dtype, `float32`, `bfloat16`, `float16`, `int8`, `int4`, `+hadamard`, `+sinksN`;
+        dtype, `float32`, `bfloat16`, `float16`, `int8`, `int4`, `+rope`, `+hadamard`, `+sinksN`;
         docs/storage.md); None: the preset's measured default (`core.config.default_kv_dtype`:
         int4 on smollm2-135m, int8 otherwise).
         A document longer than the model's context is ingested in segments, each checkpointed

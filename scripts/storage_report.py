@@ -152,7 +152,11 @@ def page(report: dict) -> str:
                                                                      for t in med.values()) + " |")  # fmt: skip
         lines.append("")
     lines += accuracy_section()
-    lines += ["## Default and targets", "", *verdicts(by_group), "", *NOTES, ""]
+    ablation = json.loads(ABLATION.read_text()) if ABLATION.exists() else {}
+    from storage_ablation import finding, section  # the ablation script imports this one: imported here
+
+    lines += section(ablation)
+    lines += ["## Default and targets", "", *verdicts(by_group), "", *NOTES, *finding(ablation, AGREEMENT_BAR), ""]
     return "\n".join(lines) + "\n"
 
 
@@ -201,14 +205,10 @@ NOTES = [
     "- **Top-1 has a floor.** bfloat16, whose KL is below 0.0001, agrees on only 98–99% of Gemma's answer tokens: "
     "Gemma's greedy answers have near-ties that any rounding flips. The KL column separates the storages where "
     "top-1 cannot; intervals are Wilson 95% over the answer tokens.",
-    "- **What would close the Gemma gap.** int4 is within the size target at 32K (1/20.3) but 6 of 240 answer "
-    "tokens differ from float32 (bar: ≤ 4); its error is mostly in the keys (in a side experiment, exact keys with "
-    "int4 values cut the KL by 5×). Finer key groups (32 tokens: KL −50% in that experiment) cost 16 bytes per "
-    "token and layer, which the 1/20 budget does not have unless the scales themselves are compressed (8-bit "
-    "scales relative to a per-channel range).",
 ]
 
 
+ABLATION = ROOT / "docs" / "bench" / "storage-ablation.json"  # scripts/storage_ablation.py
 AGREEMENT_BAR = 0.98  # teacher-forced top-1 agreement a storage needs against float32 to be a default
 TARGETS = {"gemma-3-270m/32000": 20, "smollm2-135m/7800": 10}  # file ≤ 1/k of the bf16 full KV
 

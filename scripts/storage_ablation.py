@@ -1,0 +1,309 @@
+"""Where int4's error lives, and which layouts of the same size remove it (docs/storage.md, "Ablation").
+
+For each document (the storage report's: KJV with a planted fact, five questions), one prefill is
+compressed at the default budget into a float32 cache (kept as a `.kv` file under --scratch, so a
+rerun skips the prefill), the float32 cache's greedy answers are the reference, and each layout
+below is scored teacher-forced against them as `scripts/storage_report.py` scores storage types:
+top-1 agreement per answer token and mean KL(float32 ‖ layout), HSA at every step as in decode.
+A layout is a way to round the float32 cache's keys and values, applied in memory:
+
+- storage types (`int4`, `int8`, `int4+rope`, group sizes, sink counts) use `core.quant` itself;
+- `*-only` layouts round part of the cache (keys, values, full-attention or sliding-window layers)
+  as int4 and keep the rest exact, to locate the error;
+- `sim:` layouts are not storage types: quantizers written here (per-token key groups, MSE-chosen
+  clipping, 8-bit group ranges, float16 recent tokens) to test an idea before building it into
+  the format (the table's descriptions say what each would cost in bytes).
+
+Resumable: finished (document, layout) results are kept in the JSON.
+
+    python scripts/storage_ablation.py                     # gemma-3-270m at 32000 tokens, 2 documents
+    python scripts/storage_ablation.py --from-json         # only rewrite docs/storage.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from storage_report import DATA, OPEN_QUESTIONS  # noqa: E402
+
+CLIP_FACTORS = (1.0, 0.95, 0.9, 0.85, 0.8)  # shrink factors of a group's range tried by the MSE search
+
+LAYOUTS = {  # name: what it is (and, for a layout int4's bytes would not hold, what it costs)
+    "int8": "int8 everywhere (the Gemma default)",
+    "int4": "int4 everywhere (64-token key groups, 64-dim value groups, 4 float16 sinks)",
+    "int4 keys only": "keys int4, values exact",
+    "int4 values only": "values int4, keys exact",
+    "int4 full-attention layers only": "int4 in the 3 full-attention layers, sliding-window layers exact",
+    "int4 sliding-window layers only": "int4 in the 15 sliding-window layers, full-attention layers exact",
+    "int4, sliding keys int8": "int4, but the sliding-window layers' keys int8 (+44% bytes per sliding token)",
+    "int4, key groups 32": "int4 with 32-token key groups (+6% bytes per token)",
+    "int4, key groups 16": "int4 with 16-token key groups (+17% bytes per token)",
+    "int4, 16 sinks": "int4 with each head's first 16 tokens in float16 (+12 float16 tokens per head and layer)",
+    "int4+rope": "int4 with keys quantized before RoPE, every layer",
+    "int4+rope sliding only": "int4; keys before RoPE in the sliding-window layers only",
+    "sim: recent 16 in float16": "int4, and each head's last 16 stored tokens in float16 (+16 float16 tokens)",
+    "sim: MSE clipping": "int4 with each group's range shrunk by the factor of least squared error",
+    "sim: key groups 32, 8-bit ranges": "int4, 32-token key groups whose min/max are 8-bit codes in the "
+    "channel's range (int4's bytes)",
+    "sim: sliding keys per token (64 dims)": "int4; sliding-window keys grouped per token like values",
+}
+
+
+def simulated_groups(x, bits: int, clip: tuple[float, ...] = (), ranges8: bool = False):
+    """Round `x` `[..., G, E]` in groups of its last dim (asymmetric, as `core.quant` does), with
+    an MSE-chosen clipping of each group's range, or with each group's min/max rounded outward to
+    8-bit codes of the range over dim -2 (what one per-channel float pair would store)."""
+    import torch
+
+    levels = (1 << bits) - 1
+    lo, hi = x.amin(-1), x.amax(-1)
+    if ranges8:
+        glo, ghi = lo.amin(dim=-2, keepdim=True), hi.amax(dim=-2, keepdim=True)
+        span = (ghi - glo).clamp_min(1e-30)
+        lo = torch.floor((lo - glo) / span * 255) / 255 * span + glo
+        hi = torch.ceil((hi - glo) / span * 255) / 255 * span + glo
+    best, best_err = None, None
+    for f in clip or (1.0,):
+        mid = (lo + hi) / 2
+        a, b = mid + (lo - mid) * f, mid + (hi - mid) * f
+        step = ((b - a) / levels).clamp_min(1e-30).unsqueeze(-1)
+        xh = ((x - a.unsqueeze(-1)) / step).round().clamp(0, levels) * step + a.unsqueeze(-1)
+        err = ((xh - x) ** 2).sum(-1)
+        if best is None or best_err is None:
+            best, best_err = xh, err
+        else:
+            best = torch.where((err < best_err).unsqueeze(-1), xh, best)
+            best_err = torch.minimum(err, best_err)
+    return best
+
+
+def key_groups(k, g: int, **kw):
+    """Keys `[Hkv, S, D]` rounded per channel in groups of g tokens (`simulated_groups`)."""
+    import torch
+
+    hkv, s, d = k.shape
+    n = -(-s // g)
+    x = torch.cat([k, k[:, -1:].expand(hkv, n * g - s, d)], 1) if n * g > s else k
+    out = simulated_groups(x.view(hkv, n, g, d).transpose(2, 3), 4, **kw)  # [Hkv, G, D, g]
+    return out.transpose(2, 3).reshape(hkv, n * g, d)[:, :s]
+
+
+def token_groups(x, g: int, **kw):
+    """Keys or values `[Hkv, S, D]` rounded per token in groups of g channels."""
+    hkv, s, d = x.shape
+    return simulated_groups(x.view(hkv, s, d // g, g), 4, **kw).reshape(hkv, s, d)
+
+
+def layouts(engine) -> dict[str, Callable]:
+    """name → f(layer, i) giving the layer as that layout holds it (float32 `LayerKV`)."""
+    from rocketkv_cli.core.cache import LayerKV
+    from rocketkv_cli.core.quant import KVStorage
+
+    full = {i for i, s in enumerate(engine.shape.layers) if s.sliding_window is None}
+
+    def st(name: str, **kw):
+        storage = KVStorage.parse(name) if not kw else KVStorage(name, **kw)
+        return lambda layer, i: layer.to_storage(storage, engine.rope_freqs[i])
+
+    int4, int8, rope = st("int4"), st("int8"), st("int4+rope")
+
+    def sim(keys=None, values=None, sinks=4, recent=0, where=lambda i: True):
+        def f(layer, i):
+            if not where(i):
+                return int4(layer, i)
+            k, v = layer.keys[0].float(), layer.values[0].float()
+            a = min(sinks, k.shape[1])
+            b = max(a, k.shape[1] - recent)
+            kk, vv = k.half().float(), v.half().float()  # sinks and recent tokens: float16
+            kk[:, a:b] = (keys or (lambda x: key_groups(x, 64)))(k[:, a:b])
+            vv[:, a:b] = (values or (lambda x: token_groups(x, 64)))(v[:, a:b])
+            return LayerKV(kk.unsqueeze(0), vv.unsqueeze(0), layer.positions)
+
+        return f
+
+    def mix(keys, values):
+        return lambda layer, i: LayerKV(keys(layer, i).keys, values(layer, i).values, layer.positions)
+
+    exact = lambda layer, i: layer  # noqa: E731
+    clip = {"clip": CLIP_FACTORS}
+    return {
+        "int8": int8,
+        "int4": int4,
+        "int4 keys only": mix(int4, exact),
+        "int4 values only": mix(exact, int4),
+        "int4 full-attention layers only": lambda layer, i: int4(layer, i) if i in full else layer,
+        "int4 sliding-window layers only": lambda layer, i: layer if i in full else int4(layer, i),
+        "int4, sliding keys int8": lambda layer, i: int4(layer, i) if i in full else mix(int8, int4)(layer, i),
+        "int4, key groups 32": st("int4", key_group_tokens=32),
+        "int4, key groups 16": st("int4", key_group_tokens=16),
+        "int4, 16 sinks": st("int4", sink_tokens=16),
+        "int4+rope": rope,
+        "int4+rope sliding only": lambda layer, i: int4(layer, i) if i in full else rope(layer, i),
+        "sim: recent 16 in float16": sim(recent=16),
+        "sim: MSE clipping": sim(lambda x: key_groups(x, 64, **clip), lambda x: token_groups(x, 64, **clip)),
+        "sim: key groups 32, 8-bit ranges": sim(lambda x: key_groups(x, 32, ranges8=True)),
+        "sim: sliding keys per token (64 dims)": sim(lambda x: token_groups(x, 64), where=lambda i: i not in full),
+    }
+
+
+def run(args) -> dict:
+    import torch
+
+    from rocketkv_cli.core.config import PrefillConfig, with_preset_defaults
+    from rocketkv_cli.core.quant import KVStorage
+    from rocketkv_cli.engine.answer import answer, decode_config_for, prepare_questions
+    from rocketkv_cli.engine.api import RocketKV
+    from rocketkv_cli.engine.documents import Document, read_document
+    from rocketkv_cli.eval.storage import teacher_forced_log_probs
+    from rocketkv_cli.eval.tasks import generate
+    from rocketkv_cli.store.format import load_cache, save_cache
+
+    torch.set_num_threads(args.threads)
+    report = json.loads(args.json.read_text()) if args.json.exists() else {}
+    report.setdefault("results", {})
+    report["layouts"] = LAYOUTS
+    engine = RocketKV.load(args.preset, device="cpu").engine
+    todo = {k: f for k, f in layouts(engine).items() if k in LAYOUTS}
+    cfg = with_preset_defaults(PrefillConfig(), args.preset, set())
+    count = lambda text: len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    haystack = read_document(str(DATA / "kjv.txt")).text
+    args.scratch.mkdir(parents=True, exist_ok=True)
+    for index in range(args.samples):
+        key = f"{args.preset}/{args.length}/{index}"
+        done = report["results"].setdefault(key, {})
+        if all(name in done for name in todo):
+            continue
+        sample = generate("niah_text", index, 7, args.length - 200, count, haystack)
+        questions = [q.text for q in sample.questions] + OPEN_QUESTIONS
+        path = args.scratch / f"{args.preset}-{args.length}-{index}-float32.kv"
+        if not path.exists():
+            t0 = time.perf_counter()
+            doc = Document(sample.document, f"{index:064x}", f"kjv-{args.length}-{index}")
+            tokens = engine.document_tokens(doc)
+            prefill = engine.prefill(tokens.ids, cfg.window_size, cfg.observation == "probe", cfg.chunk_tokens,
+                                     reconstruct=cfg.observation == "reconstruct")  # fmt: skip
+            cache = engine.compress(prefill, cfg, doc.sha256, doc.source, storage=KVStorage("float32"), tokens=tokens)
+            save_cache(cache, path, force=True)
+            print(f"{key}: prefill + compress {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+        cache = load_cache(path)
+        cache = cache.with_layers(tuple(cache.layers))  # read every layer once
+        refs = list(answer(engine, cache, questions, 32, decode_config_for(cache)))
+        prepared = prepare_questions(engine, cache, questions, 32)
+        ref_lp = [teacher_forced_log_probs(engine, cache, ids, r.token_ids) for (_, ids), r in zip(prepared, refs)]
+        for name, layout in todo.items():
+            if name in done:
+                continue
+            t0 = time.perf_counter()
+            variant = cache.with_layers(tuple(layout(layer, i) for i, layer in enumerate(cache.layers)))
+            same = steps = 0
+            kl = 0.0
+            for (_, ids), ref, ref_log_probs in zip(prepared, refs, ref_lp):
+                lp = teacher_forced_log_probs(engine, variant, ids, ref.token_ids)
+                if len(lp):
+                    same += int((lp.argmax(-1) == torch.tensor(ref.token_ids)).sum())
+                    kl += float((ref_log_probs.exp() * (ref_log_probs - lp)).sum())
+                steps += len(ref.token_ids)
+            done[name] = {"same": same, "steps": steps, "kl": kl}
+            args.json.write_text(json.dumps(report, indent=1))
+            print(f"{key} {name}: top-1 {same}/{steps}, KL {kl / max(1, steps):.4f} ({time.perf_counter() - t0:.0f}s)",
+                  file=sys.stderr)  # fmt: skip
+    return report
+
+
+def section(report: dict) -> list[str]:
+    """docs/storage.md's ablation table: per layout, top-1 pooled over the documents with its
+    Wilson 95% interval and mean KL per answer token, in the order of LAYOUTS."""
+    from rocketkv_cli.eval.stats import wilson
+
+    results = report.get("results", {})
+    if not results:
+        return []
+    groups = sorted({k.rsplit("/", 1)[0] for k in results})
+    lines = ["## Ablation: where int4's error lives", "",
+             "Generated by `python scripts/storage_ablation.py` (raw counts in `docs/bench/storage-ablation.json`):",
+             "the float32 cache of each document (the storage report's documents and questions, default budget)",
+             "rounded in each layout below, scored teacher-forced against the float32 cache's greedy answers",
+             "(HSA at every step as in decode). `sim:` rows are quantizers written in the script to test an idea,",
+             "not storage types.", ""]  # fmt: skip
+    for group in groups:
+        docs = [v for k, v in results.items() if k.rsplit("/", 1)[0] == group]
+        preset, n = group.split("/")
+        lines += [f"**{preset}, {n} tokens, {len(docs)} documents**", "",
+                  "| layout | top-1 vs float32 (95% CI) | KL |", "| --- | ---: | ---: |"]  # fmt: skip
+        for name, what in report.get("layouts", LAYOUTS).items():
+            rows = [d[name] for d in docs if name in d]
+            if len(rows) < len(docs):
+                continue
+            same, steps = sum(r["same"] for r in rows), sum(r["steps"] for r in rows)
+            lo, hi = wilson(same, steps)
+            kl = sum(r["kl"] for r in rows) / max(1, steps)
+            lines.append(f"| {name} — {what} | {same / steps:.3f} ({lo:.3f}–{hi:.3f}, {steps} tokens) | {kl:.4f} |")
+        lines.append("")
+    return lines
+
+
+def pooled(report: dict, name: str) -> tuple[int, int, float] | None:
+    """(same, steps, mean KL) of a layout over every document of the report, or None."""
+    rows = [d[name] for d in report.get("results", {}).values() if name in d]
+    if not rows or len(rows) < len(report["results"]):
+        return None
+    same, steps = sum(r["same"] for r in rows), sum(r["steps"] for r in rows)
+    return same, steps, sum(r["kl"] for r in rows) / max(1, steps)
+
+
+def finding(report: dict, bar: float) -> list[str]:
+    """The 'what would close the Gemma gap' note, its numbers taken from the ablation's rows."""
+    rows = {name: pooled(report, name) for name in LAYOUTS}
+    need = ("int4", "int4 keys only", "int4 values only", "int4 full-attention layers only",
+            "int4 sliding-window layers only")  # fmt: skip
+    if any(rows.get(n) is None for n in need):
+        return []
+    kl = {n: rows[n][2] for n in need}  # type: ignore[index]
+    top1 = {n: r[0] / r[1] for n, r in rows.items() if r is not None}
+    int4_like = [n for n in top1 if n not in ("int8", "int4 full-attention layers only", "int4 keys only",
+                                               "int4 values only", "int4 sliding-window layers only")]  # fmt: skip
+    best = max(int4_like, key=lambda n: top1[n])
+    finer = min((n for n in int4_like if n in rows and rows[n] is not None), key=lambda n: rows[n][2])  # type: ignore[index]
+    full_only = "int4 full-attention layers only"
+    return [
+        f"- **What would close the Gemma gap** (the ablation above). int4's KL ({kl['int4']:.4f}) comes mostly "
+        f"from the sliding-window layers ({kl['int4 sliding-window layers only']:.4f} with only them rounded, "
+        f"{kl[full_only]:.4f} with only the full-attention layers, whose top-1 then stays at {top1[full_only]:.3f}) "
+        f"and more from keys ({kl['int4 keys only']:.4f}) than values ({kl['int4 values only']:.4f}). The lowest "
+        f"KL of the int4-like layouts is `{finer}`'s ({rows[finer][2]:.4f}), but none reaches top-1 {bar}: the "  # type: ignore[index]
+        f"best is `{best}` at {top1[best]:.3f} (int8: {top1.get('int8', float('nan')):.3f}). The 15 sliding-window "
+        "layers store the document's last 512 tokens whole and their keys need about int8's precision, so 1/20 "
+        "at the bar needs close to int8's fidelity at int4's bytes there: entropy coding of the int8 codes, or "
+        "KVTC-style decorrelation with bit allocation (arXiv 2511.01815), neither built yet.",
+    ]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="gemma-3-270m")
+    ap.add_argument("--length", type=int, default=32000)
+    ap.add_argument("--samples", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--scratch", type=Path, default=ROOT / "build" / "storage-ablation")
+    ap.add_argument("--json", type=Path, default=ROOT / "docs" / "bench" / "storage-ablation.json")
+    ap.add_argument("--from-json", action="store_true", help="only rewrite docs/storage.md from the JSONs")
+    args = ap.parse_args()
+    if not args.from_json:
+        run(args)
+    import storage_report
+
+    out = ROOT / "docs" / "storage.md"
+    out.write_text(storage_report.page(json.loads((ROOT / "docs" / "bench" / "storage.json").read_text())))
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -29,6 +29,7 @@ from ..engine.answer import decode_config_for
 from ..engine.documents import Document, tokenize
 from ..engine.engine import Decoder, Engine
 from ..model.hf import PlainDecoder
+from ..model.weights import weights_bytes
 from ..store.format import load_cache, save_cache
 
 QUESTION = "Who is mentioned first in this text, and what happens to them?"
@@ -264,7 +265,7 @@ def bench_one(
     log(f"{n_tokens} tokens: full attention (plain transformers)")
     ids = engine.document_ids(document) + engine.question_ids(QUESTION)
     full_ttft, full_step = full_attention_decode_s(engine, ids, steps, warmup)
-    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    weights = weights_bytes(engine.model)  # int8 linears hold their weights as buffers
     full_kv = full_kv_bytes(
         n, [x.sliding_window for x in engine.shape.layers], engine.shape.n_kv_heads, engine.shape.head_dim, elem
     )

@@ -70,10 +70,14 @@ def resolve_device(device: str) -> torch.device:
     raise ModelLoadError(f"unknown device {device!r}", "use cpu, cuda or auto")
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """`auto` → float32 on CPU, bfloat16 on CUDA; else a name from DTYPES."""
+def resolve_dtype(dtype: str, device: torch.device, weights: str = "float") -> torch.dtype:
+    """`auto` → float32 on CPU (bfloat16 with int8 weights), bfloat16 on CUDA; else a name from
+    DTYPES. Int8 weights run with bfloat16 activations: torch's int8 kernel
+    (`aten._weight_int8pack_mm`) is several times slower with float32 ones than float32 weights
+    are (benchmarks/linear_formats.py: 6.5× on a 2-core AVX2 CPU), with bfloat16 ones 1.9× faster.
+    Raises ModelLoadError: an unknown name."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or weights == "int8" else torch.float32
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}", f"use one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
@@ -218,8 +222,9 @@ def load_model(
 
     Args:
         model: preset name, directory, `.gguf` path, or a hub id already in the local HF cache.
-        device: cpu, cuda[:N] or auto. dtype: auto, float32, bfloat16 or float16.
-        weights: "float" (as loaded) or "int8" (weight-only int8 linears, CPU; `model.weights`).
+        device: cpu, cuda[:N] or auto. dtype: auto (`resolve_dtype`), float32, bfloat16 or float16.
+        weights: "float" (as loaded) or "int8" (weight-only int8 linears, CPU; `model.weights`;
+            `auto` dtype gives them bfloat16 activations).
         progress: called with one-line status messages (for stderr).
     Raises:
         ModelLoadError: not found, no weights, unsupported, or no CUDA.
@@ -227,7 +232,10 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
+    torch_dtype = resolve_dtype(dtype, dev, weights)
+    if weights == "int8" and torch_dtype == torch.float32:
+        progress("int8 weights with float32 activations run slower than float32 weights on CPU "
+                 "(benchmarks/linear_formats.py); leave --dtype at auto for bfloat16 activations")  # fmt: skip
     model_id, where = resolve_model_dir(model, progress)
     local_only = {"local_files_only": True, "trust_remote_code": trust_remote_code}
     try:

@@ -5,7 +5,10 @@ bytes of the weights: float32 reads 4 bytes per parameter, bfloat16 2 (`--dtype 
 on CPUs with AVX512-BF16/AMX), weight-only int8 1. `int8` replaces each `nn.Linear` of the decoder
 and the LM head with symmetric per-output-channel int8 weights and float scales, multiplied by
 torch's own int8 matmul kernel (`aten._weight_int8pack_mm`); activations stay in the model's
-dtype. Embeddings are kept as they are (a lookup reads one row).
+dtype, bfloat16 unless the user names another (`model.loading.resolve_dtype`): that kernel is
+fast with bfloat16 activations and slow with float32 ones (benchmarks/linear_formats.py, 2-core
+AVX2 CPU: all of SmolLM2's linears 1.9× float32's speed with bfloat16 activations, 0.15× with
+float32 ones). Embeddings are kept as they are (a lookup reads one row).
 """
 
 from __future__ import annotations

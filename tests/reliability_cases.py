@@ -577,8 +577,8 @@ CASES: list[Case] = [
     Case("--segment on a one-segment cache", "questions", lambda ws: ["ask", "--cache", ws.kv, "--segment", "3", QUESTION], 1, "one segment"),
     Case("- with empty stdin", "input", lambda ws: ["ingest", "-", "-o", ws.root / "stdin.kv", *M(ws)], 1, "(stdin) is empty", stdin=""),
     # options
-    Case("budget 0", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "b.kv", "--budget", "0", *M(ws)], 1, "token_budget"),
-    Case("negative budget", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "b.kv", "--budget", "-5", *M(ws)], 1, "token_budget"),
+    Case("budget 0", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "b.kv", "--budget", "0", *M(ws)], 1, "--budget must be a positive integer"),
+    Case("negative budget", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "b.kv", "--budget", "-5", *M(ws)], 1, "--budget must be a positive integer"),
     Case("non-integer budget", "options", lambda ws: ["ingest", ws.doc, "--budget", "lots", *M(ws)], 2, "", notes="usage error: Typer's message, exit 2"),
     Case("budget larger than the document", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "big-budget.kv", "--budget", "100000", *M(ws)], 0, "", check=_full_cache_check, notes="keeps every token: full attention"),
     Case("--max-new-tokens 0", "options", lambda ws: ["ask", "--cache", ws.kv, QUESTION, "--max-new-tokens", "0"], 2, "", notes="usage error: Typer's range check, exit 2"),

@@ -136,7 +136,7 @@ def test__doc_with_budget_zero__refused_not_replaced_by_the_default(rocketkv_bin
     args = [command, doc, "--model", tiny_model_dir, "--budget", "0"] + (["Which word?"] if command == "ask" else [])
     r = run(rocketkv_bin, env, *args, stdin="Which word?\n")
     assert r.returncode == 1, r.stderr
-    assert "token_budget must be a positive integer, got 0" in r.stderr, r.stderr
+    assert "invalid option: --budget must be a positive integer, got 0" in r.stderr, r.stderr
 
 
 def test__ask__questions_file_from_stdin_matches_arguments(rocketkv_bin, env, kv):
@@ -407,5 +407,5 @@ def test__ingest_store_budget_and_reconstruct__inspect_and_ask(rocketkv_bin, env
     assert json.loads(a.stdout)["n_answer_tokens"] >= 1
     bad = run(rocketkv_bin, env, "ingest", doc, "-o", tmp_path / "bad.kv", "--model", tiny_model_dir, "--budget",
               "64", "--store-budget", "32")  # fmt: skip
-    assert "store_budget must be at least the token budget" in assert_one_line_error(bad)
+    assert "--store-budget must be at least the token budget" in assert_one_line_error(bad)
     assert not (tmp_path / "bad.kv").exists()

@@ -10,6 +10,7 @@ import contextlib
 import fcntl
 import functools
 import os
+import re
 import shlex
 import signal
 import sys
@@ -344,7 +345,19 @@ def prefill_config(**kw):
     try:
         return PrefillConfig(**{k: v for k, v in kw.items() if v is not None})
     except ValueError as exc:
-        raise InputError(f"invalid option: {exc}") from None
+        raise InputError(f"invalid option: {option_names(str(exc))}") from None
+
+
+# configuration fields (what `PrefillConfig` names in its errors) → the options users typed
+OPTION_NAMES = {"token_budget": "--budget", "store_budget": "--store-budget", "max_new_tokens": "--max-new-tokens",
+                "window_size": "--window-size", "pool_kernel_size": "--pool-kernel-size",
+                "prompt_budget": "--prompt-budget", "chunk_tokens": "--chunk-tokens", "n_score_dims": "--n-score-dims",
+                "page_size": "--page-size", "topk": "--topk", "observation": "--observation"}  # fmt: skip
+
+
+def option_names(message: str) -> str:
+    """`message` with configuration field names replaced by the command-line options that set them."""
+    return re.sub(r"\b(" + "|".join(OPTION_NAMES) + r")\b", lambda m: OPTION_NAMES[m.group(1)], message)
 
 
 DEFAULT_WEIGHTS = "float"  # chosen by measurement: docs/performance.md
@@ -354,9 +367,9 @@ WeightsOpt = Annotated[
 
 KvDtypeOpt = Annotated[
     Optional[str],
-    typer.Option(help="Stored keys/values: auto (model dtype), float32, bfloat16, float16, int8, int4; "
-                 "+rope (keys quantized before RoPE), +sinksN (N float16 sink tokens, default 4). "
-                 "Default: int4 for smollm2-135m, int8 otherwise (measured: docs/storage.md)."),
+    typer.Option(help="Stored keys/values: int8, int4, float32, bfloat16, float16, or auto (as the model "
+                 "computes them); integers take +rope (keys quantized before RoPE) and +sinksN (N float16 sink "
+                 "tokens, default 4). Default: int4 for smollm2-135m, int8 otherwise (measured: docs/storage.md)."),
 ]  # fmt: skip
 BudgetOpt = Annotated[int, typer.Option("--budget", "-b", help="Token budget t per KV head per layer (tokens).")]
 TopkOpt = Annotated[Optional[int], typer.Option(help="Override: tokens attended exactly per decode step.")]

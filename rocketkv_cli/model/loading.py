@@ -155,9 +155,9 @@ def _converted_dir(gguf: Path, progress: Progress, key: str | None = None) -> Pa
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     progress(f"converting {gguf.name} to safetensors once (about a minute on 2 cores)")
-    quiet = contextlib.nullcontext() if sys.stderr.isatty() else contextlib.redirect_stderr(io.StringIO())
-    try:
-        with quiet:  # the GGUF loader draws its own tqdm bar, which would flood a log file
+    try:  # the GGUF loader draws its own tqdm bar: in a log file a flood of lines, on a terminal a bar
+        # drawn under rocketkv's spinner that comes out as a burst of separate lines; the line above says it
+        with contextlib.redirect_stderr(io.StringIO()):
             tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
             model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     except Exception as exc:  # transformers raises many types for a bad GGUF

@@ -10,7 +10,8 @@ bfloat16 activations; weight-only int4 (`aten._weight_int4pack_mm_for_cpu`, grou
 bfloat16 activations. Prints one row per shape and format: median µs, GB/s of weight bytes
 streamed, and the ratio to float32; then the per-token total over the model's linears.
 
-    python benchmarks/linear_formats.py [--preset smollm2-135m] [--threads 2] [--rounds 15]
+    python benchmarks/linear_formats.py [--preset smollm2-135m] [--threads 2] [--rounds 15] [--json OUT]
+    python benchmarks/linear_formats.py --table A.json B.json   # the docs/performance.md table
 """
 
 from __future__ import annotations
@@ -77,6 +78,19 @@ def formats(k: int, n: int) -> dict:
     return out
 
 
+def table(paths: list[str]) -> str:
+    """Markdown: per preset, each format's per-token milliseconds over all linears and its speed
+    relative to float32, from `--json` results."""
+    runs = [json.load(open(p)) for p in paths]
+    names = list(runs[0]["per_token_ms"])
+    out = ["| preset (threads) | " + " | ".join(names) + " |", "| --- |" + " ---: |" * len(names)]
+    for run in runs:
+        ms = run["per_token_ms"]
+        cells = [f"{ms[n]:.1f} ms ({ms['float32'] / ms[n]:.2f}×)" for n in names]
+        out.append(f"| {run['preset']} ({run['threads']}) | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=list(PRESETS), default="smollm2-135m")
@@ -84,7 +98,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=15, help="round-robin rounds (each: every format once per shape)")
     ap.add_argument("--repeat", type=int, default=20, help="products per timing")
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--table", nargs="+", metavar="JSON", help="only print the markdown table of these results")
     args = ap.parse_args()
+    if args.table:
+        print(table(args.table))
+        return 0
     torch.set_num_threads(args.threads)
     spec = PRESETS[args.preset]
     shapes = {**spec["shapes"], "lm_head": spec["lm_head"]}

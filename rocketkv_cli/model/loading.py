@@ -74,7 +74,8 @@ def resolve_dtype(dtype: str, device: torch.device, weights: str = "float") -> t
     """`auto` → float32 on CPU (bfloat16 with int8 weights), bfloat16 on CUDA; else a name from
     DTYPES. Int8 weights run with bfloat16 activations: torch's int8 kernel
     (`aten._weight_int8pack_mm`) is several times slower with float32 ones than float32 weights
-    are (benchmarks/linear_formats.py: 6.5× on a 2-core AVX2 CPU), with bfloat16 ones 1.9× faster.
+    are (docs/performance.md, "Weight formats": 3.4× on SmolLM2's linears, 2 threads of an AVX2
+    CPU), and 2.1× faster with bfloat16 ones.
     Raises ModelLoadError: an unknown name."""
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" or weights == "int8" else torch.float32

@@ -6,8 +6,8 @@ on CPUs with AVX512-BF16/AMX), weight-only int8 1. `int8` replaces each `nn.Line
 and the LM head with symmetric per-output-channel int8 weights and float scales, multiplied by
 torch's own int8 matmul kernel (`aten._weight_int8pack_mm`); activations stay in the model's
 dtype, bfloat16 unless the user names another (`model.loading.resolve_dtype`): that kernel is
-fast with bfloat16 activations and slow with float32 ones (benchmarks/linear_formats.py, 2-core
-AVX2 CPU: all of SmolLM2's linears 1.9× float32's speed with bfloat16 activations, 0.15× with
+fast with bfloat16 activations and slow with float32 ones (docs/performance.md, "Weight formats":
+SmolLM2's linears at 2.1× float32's speed with bfloat16 activations, 0.29× with
 float32 ones). Embeddings are kept as they are (a lookup reads one row).
 """
 

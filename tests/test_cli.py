@@ -409,3 +409,14 @@ def test__ingest_store_budget_and_reconstruct__inspect_and_ask(rocketkv_bin, env
               "64", "--store-budget", "32")  # fmt: skip
     assert "--store-budget must be at least the token budget" in assert_one_line_error(bad)
     assert not (tmp_path / "bad.kv").exists()
+
+
+def test__option_names__fields_become_the_options_typed_and_words_stay_words():
+    from rocketkv_cli.cli.common import option_names
+    from rocketkv_cli.core.config import PrefillConfig
+
+    with pytest.raises(ValueError) as err:
+        PrefillConfig(token_budget=2, max_new_tokens=600)
+    shown = option_names(str(err.value))
+    assert shown.startswith("--budget 2 is below the observation window (--window-size 32)"), shown
+    assert "token_budget" not in shown and "window_size" not in shown

@@ -348,11 +348,12 @@ def prefill_config(**kw):
         raise InputError(f"invalid option: {option_names(str(exc))}") from None
 
 
-# configuration fields (what `PrefillConfig` names in its errors) → the options users typed
+# configuration fields (what `PrefillConfig` names in its errors) → the options users typed; only
+# identifiers that are not English words ("observation" is both a field and a word of the messages)
 OPTION_NAMES = {"token_budget": "--budget", "store_budget": "--store-budget", "max_new_tokens": "--max-new-tokens",
                 "window_size": "--window-size", "pool_kernel_size": "--pool-kernel-size",
                 "prompt_budget": "--prompt-budget", "chunk_tokens": "--chunk-tokens", "n_score_dims": "--n-score-dims",
-                "page_size": "--page-size", "topk": "--topk", "observation": "--observation"}  # fmt: skip
+                "page_size": "--page-size", "topk": "--topk"}  # fmt: skip
 
 
 def option_names(message: str) -> str:

@@ -28,6 +28,7 @@ from .answers import (
 from .common import (
     CacheOpt,
     DeviceOpt,
+    DocBudgetOpt,
     DtypeOpt,
     EncodingOpt,
     ErrorsOpt,
@@ -142,15 +143,7 @@ def ask_command(
         Optional[str], typer.Option(metavar="FILE", help="File with one question per line, or - for stdin.")
     ] = None,
     max_new_tokens: MaxNewOpt = None,
-    budget: Annotated[
-        Optional[int],
-        typer.Option(
-            "--budget",
-            "-b",
-            metavar="T",
-            help="Token budget when DOC is ingested in memory (default 512; a cache keeps its own).",
-        ),
-    ] = None,  # fmt: skip
+    budget: DocBudgetOpt = None,
     dense: DenseOpt = False,
     fmt: FormatOpt = "auto",
     stream: StreamOpt = None,

@@ -34,6 +34,7 @@ from .ask import DenseOpt, HsaOpt, MaxNewOpt, open_cache
 from .common import (
     CacheOpt,
     DeviceOpt,
+    DocBudgetOpt,
     DtypeOpt,
     EncodingOpt,
     ErrorsOpt,
@@ -112,15 +113,7 @@ def chat_command(
     ] = None,
     cache: CacheOpt = None,
     max_new_tokens: MaxNewOpt = None,
-    budget: Annotated[
-        Optional[int],
-        typer.Option(
-            "--budget",
-            "-b",
-            metavar="T",
-            help="Token budget when DOC is ingested in memory (default 512; a cache keeps its own).",
-        ),
-    ] = None,  # fmt: skip
+    budget: DocBudgetOpt = None,
     dense: DenseOpt = False,
     hsa: HsaOpt = False,
     temperature: TemperatureOpt = 0.0,

@@ -372,6 +372,11 @@ KvDtypeOpt = Annotated[
                  "computes them); integers take +rope (keys quantized before RoPE) and +sinksN (N float16 sink "
                  "tokens, default 4). Default: int4 for smollm2-135m, int8 otherwise (measured: docs/storage.md)."),
 ]  # fmt: skip
+DocBudgetOpt = Annotated[  # ask/chat: applies to a DOC ingested in memory; a cache keeps its own budget
+    Optional[int],
+    typer.Option("--budget", "-b", metavar="T",
+                 help="Token budget when DOC is ingested in memory (default 512; a cache keeps its own)."),
+]  # fmt: skip
 BudgetOpt = Annotated[int, typer.Option("--budget", "-b", help="Token budget t per KV head per layer (tokens).")]
 TopkOpt = Annotated[Optional[int], typer.Option(help="Override: tokens attended exactly per decode step.")]
 PageSizeOpt = Annotated[Optional[int], typer.Option(help="Override: tokens per key min/max page.")]

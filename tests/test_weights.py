@@ -9,7 +9,7 @@ from conftest import tiny_model
 from torch import nn
 
 from rocketkv_cli.model.loading import load_model, resolve_dtype
-from rocketkv_cli.model.weights import Int8Linear, quantize_weights
+from rocketkv_cli.model.weights import Int4Linear, Int8Linear, quantize_weights
 
 
 @pytest.mark.parametrize("k, n, rows, bias", [(64, 48, 1, False), (96, 130, 3, True), (576, 192, 7, False)])
@@ -62,3 +62,92 @@ def test__int8_weights__bfloat16_activations_by_default_float32_on_request(tiny_
     loaded = load_model(str(tiny_model_dir), device="cpu", dtype="float32", weights="int8", progress=said.append)
     assert next(loaded.model.parameters()).dtype == torch.float32
     assert any("int8 weights with float32 activations run slower" in m for m in said), said
+
+
+def _int4_error_bound(w: torch.Tensor) -> torch.Tensor:
+    """Per-weight bound `[n, k]` on |W − Ŵ| for int4 with groups of 32 along k: half a step
+    s = (max − min) / 15 of the group, plus the rounding of s and of the zero z = min + 8 s to
+    bfloat16 (relative 2⁻⁸ each, through at most 16 steps); computed here from W alone."""
+    n, k = w.shape
+    g = w.view(n, k // 32, 32)
+    lo, hi = g.amin(-1), g.amax(-1)
+    s = (hi - lo) / 15
+    z = lo + 8 * s
+    e = s / 2 + 2**-8 * (z.abs() + 16 * s)  # [n, k/32]
+    return e.repeat_interleave(32, dim=1)
+
+
+@pytest.mark.parametrize("k, n, rows, bias", [(64, 48, 1, False), (96, 160, 3, True), (576, 192, 7, False)])
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test__int4_linear__within_the_group_rounding_bound(k, n, rows, bias, act):
+    """|x·Wᵀ − y| ≤ |x|·Eᵀ + |x − x_bf16|·|W|ᵀ + output rounding, where E bounds |W − Ŵ| per
+    weight (`_int4_error_bound`) and x_bf16 is the input as the int4 kernel takes it; the output
+    comes back in the input's dtype."""
+    torch.manual_seed(k * n)
+    linear = nn.Linear(k, n, bias=bias).to(act).requires_grad_(False)
+    x = torch.randn(rows, k, dtype=act)
+    got = Int4Linear(linear)(x)
+    assert got.dtype == act and got.shape == (rows, n)
+    xf, w = x.float(), linear.weight.float()
+    exact = xf @ w.T + (linear.bias.float() if bias else 0)
+    e = _int4_error_bound(w)  # [n, k]
+    rounded_x = (xf - xf.bfloat16().float()).abs()
+    bound = xf.abs() @ e.T + rounded_x @ (w.abs() + e).T  # [rows, n]
+    slack = 2**-7 * exact.abs() + 1e-3  # the kernel's bfloat16 output (and act's own)
+    err = (got.float() - exact).abs()
+    assert bool((err <= bound + slack).all()), (
+        f"max error {float(err.max()):.3e} (mean {float(err.mean()):.3e}) exceeds the bound "
+        f"(max {float(bound.max()):.3e}) by {float((err - bound - slack).max()):.3e}"
+    )
+
+
+
+@pytest.mark.parametrize("k, n", [(64, 48), (96, 160), (576, 192)])
+def test__int4_linear__stored_weights_within_half_a_step(k, n):
+    """The weights as the kernel applies them (the product with the identity: Ŵᵀ, exact inputs,
+    bfloat16 outputs) are each within `_int4_error_bound` of W, and on average about a quarter
+    step away (uniform rounding error), so the bound is not vacuous."""
+    torch.manual_seed(k + 7 * n)
+    linear = nn.Linear(k, n).requires_grad_(False)
+    w = linear.weight.float()
+    got = (Int4Linear(linear)(torch.eye(k)).float() - linear.bias).T  # Ŵ [n, k]
+    e = _int4_error_bound(w)
+    err = (got - w).abs()
+    slack = 2**-8 * got.abs()  # the kernel's bfloat16 output
+    assert bool((err <= e + slack).all()), f"max error {float(err.max()):.3e} (mean {float(err.mean()):.3e})"
+    step = (w.view(n, k // 32, 32).amax(-1) - w.view(n, k // 32, 32).amin(-1)) / 15
+    assert 0.15 < float(err.mean() / step.mean()) < 0.35, float(err.mean() / step.mean())
+
+
+def test__int4_linear__refuses_shapes_its_kernel_cannot_pack():
+    assert not Int4Linear.fits(nn.Linear(48, 32)) and not Int4Linear.fits(nn.Linear(64, 40))
+    with pytest.raises(ValueError, match=r"int4 needs in_features % 32 == 0 and out_features % 16 == 0, got \[40, 64\]"):
+        Int4Linear(nn.Linear(64, 40))
+
+
+def test__quantize_weights__int4_converts_every_linear_that_fits():
+    model = tiny_model("llama", torch.float32)
+    fitting = [m for m in model.model.modules() if isinstance(m, nn.Linear) and Int4Linear.fits(m)]
+    head_fits = Int4Linear.fits(model.lm_head)
+    assert len(fitting) == sum(isinstance(m, nn.Linear) for m in model.model.modules())  # every decoder linear fits
+    assert quantize_weights(model, "int4") == len(fitting) + head_fits
+    assert not any(isinstance(m, nn.Linear) for m in model.model.modules())
+    assert isinstance(model.lm_head, Int4Linear if head_fits else nn.Linear)
+
+
+def test__int4_weights__keep_a_float32_model_and_answer(tiny_model_dir):
+    """`--weights int4` leaves `auto` at float32 (only the products' inputs are rounded), the
+    model's logits stay close to the float one's, and nothing is said about slow paths."""
+    assert resolve_dtype("auto", torch.device("cpu"), "int4") == torch.float32
+    said: list[str] = []
+    ref = load_model(str(tiny_model_dir), device="cpu")
+    loaded = load_model(str(tiny_model_dir), device="cpu", weights="int4", progress=said.append)
+    assert loaded.weights == "int4" and next(loaded.model.parameters()).dtype == torch.float32
+    assert any(isinstance(m, Int4Linear) for m in loaded.model.modules())
+    assert not any("slower" in m for m in said), said
+    ids = torch.arange(2, 40).view(1, -1)
+    with torch.inference_mode():
+        a, b = ref.model(ids).logits, loaded.model(ids).logits
+    cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)
+    assert float(cos) > 0.97, float(cos)  # random weights of a 2-layer model: a coarse closeness check
+    assert float((a - b).abs().max()) > 0  # the int4 path really ran

@@ -363,7 +363,7 @@ def option_names(message: str) -> str:
 
 DEFAULT_WEIGHTS = "float"  # chosen by measurement: docs/performance.md
 WeightsOpt = Annotated[
-    Optional[str], typer.Option(help="Weights for decode: float, or int8 (CPU; ask: default = the cache's).")
+    Optional[str], typer.Option(help="Weights for decode: float, int8 or int4 (CPU; ask: default = the cache's).")
 ]
 
 KvDtypeOpt = Annotated[

@@ -1,4 +1,4 @@
-"""Weight formats for decode: the checkpoint's floats, or weight-only int8.
+"""Weight formats for decode: the checkpoint's floats, weight-only int8, or weight-only int4.
 
 Decode at batch 1 reads every weight once per token, so its speed on a CPU is bounded by the
 bytes of the weights: float32 reads 4 bytes per parameter, bfloat16 2 (`--dtype bfloat16`; native
@@ -7,8 +7,13 @@ and the LM head with symmetric per-output-channel int8 weights and float scales,
 torch's own int8 matmul kernel (`aten._weight_int8pack_mm`); activations stay in the model's
 dtype, bfloat16 unless the user names another (`model.loading.resolve_dtype`): that kernel is
 fast with bfloat16 activations and slow with float32 ones (docs/performance.md, "Weight formats":
-SmolLM2's linears at 2.1× float32's speed with bfloat16 activations, 0.29× with
-float32 ones). Embeddings are kept as they are (a lookup reads one row).
+SmolLM2's linears at 2.9× float32's speed with bfloat16 activations, 0.68× with
+float32 ones). `int4` stores 4-bit codes with a bfloat16 scale and zero per group of 32 input
+channels (0.56 bytes per parameter) and multiplies with torch's CPU int4 kernel
+(`aten._weight_int4pack_mm_for_cpu`, which needs bfloat16 inputs to be fast); only the product's
+input is rounded to bfloat16 and its output returned in the model's dtype, so a float32 model
+keeps float32 everywhere else (norms, residual stream, attention, softmax). Embeddings are kept
+as they are (a lookup reads one row).
 """
 
 from __future__ import annotations
@@ -51,26 +56,82 @@ class Int8Linear(nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
 
-def quantize_weights(model: Any, weight_format: str) -> int:
-    """Convert `model`'s decoder linears and LM head to `weight_format` in place.
+class Int4Linear(nn.Module):
+    """`y = x · Ŵᵀ + b` with W `[out, in]` stored as 4-bit codes, one bfloat16 scale s and zero z
+    per output channel and group of `GROUP` input channels: Ŵ = (code − 8) · s + z.
 
-    Returns the number of layers converted. Raises ValueError: an unknown format, or int8 on a
-    device without the int8 kernel (CUDA: use bfloat16 there).
+    Quantization (asymmetric min/max per group, the group-wise uniform scheme of GPTQ's and AWQ's
+    int4 formats; Lin et al., arXiv 2306.00978 §3): s = (max − min) / 15 and z = min + 8 s, both
+    rounded to bfloat16, then code = clamp(round((W − z) / s) + 8, 0, 15) against the stored s and
+    z. Needs in % GROUP == 0 and out % 16 == 0 (the kernel's packing); `fits` says whether a
+    linear does.
+    """
+
+    GROUP = 32
+
+    @classmethod
+    def fits(cls, linear: nn.Linear) -> bool:
+        return linear.in_features % cls.GROUP == 0 and linear.out_features % 16 == 0
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        if not self.fits(linear):
+            raise ValueError(f"int4 needs in_features % {self.GROUP} == 0 and out_features % 16 == 0, "
+                             f"got [{linear.out_features}, {linear.in_features}]")  # fmt: skip
+        w = linear.weight.detach().float()  # [out, in]
+        out, k = w.shape
+        groups = w.view(out, k // self.GROUP, self.GROUP)  # [out, G, GROUP]
+        lo, hi = groups.amin(-1), groups.amax(-1)  # [out, G]
+        scale = ((hi - lo) / 15).clamp_min(1e-8).bfloat16().float()
+        zero = (lo + 8 * scale).bfloat16().float()
+        codes = (torch.round((groups - zero[..., None]) / scale[..., None]) + 8).clamp_(0, 15)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight_int4: torch.Tensor
+        self.scales_zeros: torch.Tensor
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.view(out, k).to(torch.int32), 1)
+        self.register_buffer("weight_int4", packed)  # [out, in / 2] uint8, the kernel's layout
+        self.register_buffer("scales_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous().bfloat16())
+        self.bias: torch.Tensor | None
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [N, in]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight_int4, self.GROUP, self.scales_zeros)
+        y = y.to(x.dtype)  # [N, out]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+
+def quantize_weights(model: Any, weight_format: str) -> int:
+    """Convert `model`'s decoder linears and LM head to `weight_format` in place (int4: the
+    linears whose shape the int4 kernel takes, `Int4Linear.fits`; the others stay as they are).
+
+    Returns the number of layers converted. Raises ValueError: an unknown format, or an integer
+    format on a device without its kernel (CUDA: use bfloat16 there).
     """
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}")
     if weight_format == "float":
         return 0
     if next(model.parameters()).device.type != "cpu":
-        raise ValueError("int8 weights are for the CPU; on a GPU use --dtype bfloat16")
+        raise ValueError(f"{weight_format} weights are for the CPU; on a GPU use --dtype bfloat16")
+
+    def convert(linear: nn.Linear) -> nn.Module | None:
+        if weight_format == "int8":
+            return Int8Linear(linear)
+        return Int4Linear(linear) if Int4Linear.fits(linear) else None
+
     count = 0
     for module in list(model.model.modules()):
         for attr, sub in list(module.named_children()):
-            if isinstance(sub, nn.Linear):
-                setattr(module, attr, Int8Linear(sub))
+            if isinstance(sub, nn.Linear) and (new := convert(sub)) is not None:
+                setattr(module, attr, new)
                 count += 1
-    if isinstance(getattr(model, "lm_head", None), nn.Linear):
-        model.lm_head = Int8Linear(model.lm_head)  # tied to the embeddings: untie, the lookup keeps the floats
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, nn.Linear) and (new := convert(head)) is not None:
+        model.lm_head = new  # tied to the embeddings: untie, the lookup keeps the floats
         count += 1
     return count
 

@@ -153,8 +153,9 @@ def main() -> int:
               f"{base / sec:4.2f}× float32's speed  (LM head {head * 1e3:.1f} ms)")  # fmt: skip
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"preset": args.preset, "threads": args.threads, "torch": torch.__version__, "cold": True,
-                       "rows": rows, "per_token_ms": {f: s * 1e3 for f, s in per_token.items()}}, fh, indent=1)  # fmt: skip
+            result = {"preset": args.preset, "threads": args.threads, "torch": torch.__version__, "cold": True,
+                      "rows": rows, "per_token_ms": {f: s * 1e3 for f, s in per_token.items()}}  # fmt: skip
+            json.dump(result, fh, indent=1)
     return 0
 
 

@@ -7,10 +7,11 @@ document itself (a cache records the weights that built it) and is scored teache
 against the float32 model's greedy answers from its own cache: top-1 agreement per answer token
 (Wilson 95% interval over the pooled tokens), mean KL(float32 ‖ format), greedy prefix agreement,
 planted facts found. Formats: `float32`; `bfloat16` (weights and activations); `bf16+int8w`
-(weight-only int8 linears, bfloat16 activations: `--weights int8`). Resumable per (preset,
-format, document).
+(weight-only int8 linears, bfloat16 activations: `--weights int8`); `int4w` (weight-only int4
+linears in a float32 model: `--weights int4`). Resumable per (preset, format, document); the
+float32 reference is recomputed on each run.
 
-    python scripts/weights_agreement.py [--presets smollm2-135m gemma-3-270m] [--samples 2]
+    python scripts/weights_agreement.py [--presets smollm2-135m gemma-3-270m] [--formats int4w] [--samples 2]
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from storage_report import DATA, OPEN_QUESTIONS  # noqa: E402
 
-FORMATS = {"float32": ("float32", "float"), "bfloat16": ("bfloat16", "float"), "bf16+int8w": ("bfloat16", "int8")}
+FORMATS = {"float32": ("float32", "float"), "bfloat16": ("bfloat16", "float"), "bf16+int8w": ("bfloat16", "int8"),
+           "int4w": ("float32", "int4")}  # fmt: skip
 LENGTHS = {"smollm2-135m": 7800, "gemma-3-270m": 8192}
 BAR = 0.98
 
@@ -51,9 +53,11 @@ def run(args) -> dict:
         cfg = with_preset_defaults(PrefillConfig(), preset, set())
         storage = KVStorage.parse(default_kv_dtype(preset))
         refs: dict[int, dict] = {}
-        if all(f"{preset}/{fmt}/{i}" in results for fmt in FORMATS for i in range(args.samples)):
+        formats = ["float32", *(f for f in args.formats if f != "float32")]  # float32 first: the reference
+        if all(f"{preset}/{fmt}/{i}" in results for fmt in formats for i in range(args.samples)):
             continue
-        for fmt, (dtype, weights) in FORMATS.items():  # float32 first: the reference
+        for fmt in formats:
+            dtype, weights = FORMATS[fmt]
             keys = [f"{preset}/{fmt}/{i}" for i in range(args.samples)]
             if all(k in results for k in keys) and fmt != "float32":
                 continue
@@ -122,6 +126,7 @@ def table(report: dict) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", nargs="+", default=list(LENGTHS), choices=list(LENGTHS))
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     ap.add_argument("--samples", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=ROOT / "docs" / "bench" / "weights-agreement.json")

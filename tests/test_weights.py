@@ -101,7 +101,6 @@ def test__int4_linear__within_the_group_rounding_bound(k, n, rows, bias, act):
     )
 
 
-
 @pytest.mark.parametrize("k, n", [(64, 48), (96, 160), (576, 192)])
 def test__int4_linear__stored_weights_within_half_a_step(k, n):
     """The weights as the kernel applies them (the product with the identity: Ŵᵀ, exact inputs,
@@ -121,7 +120,8 @@ def test__int4_linear__stored_weights_within_half_a_step(k, n):
 
 def test__int4_linear__refuses_shapes_its_kernel_cannot_pack():
     assert not Int4Linear.fits(nn.Linear(48, 32)) and not Int4Linear.fits(nn.Linear(64, 40))
-    with pytest.raises(ValueError, match=r"int4 needs in_features % 32 == 0 and out_features % 16 == 0, got \[40, 64\]"):
+    message = r"int4 needs in_features % 32 == 0 and out_features % 16 == 0, got \[40, 64\]"
+    with pytest.raises(ValueError, match=message):
         Int4Linear(nn.Linear(64, 40))
 
 

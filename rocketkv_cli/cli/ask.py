@@ -96,9 +96,10 @@ def open_cache(cache: Path, model: Optional[str], device: str, dtype: Optional[s
     from ..engine.preflight import check_cache_file
 
     check_cache_file(cache)  # a missing or unreadable path fails before torch is imported
-    from ..engine.api import check_cite, read_cache
-
     timings = timings or Timings()
+    with timings.span("imports (torch, transformers)"):
+        from ..engine.api import check_cite, read_cache
+
     with timings.span("cache read + verify"):
         stored = read_cache(cache)
     check_cite(stored, cite, segments)

@@ -157,7 +157,7 @@ class Timings:
 
     def __init__(self) -> None:
         age = process_age_s()
-        self.spans: list[tuple[str, float]] = [("start-up (interpreter, imports)", age)] if age is not None else []
+        self.spans: list[tuple[str, float]] = [("start-up (interpreter, CLI)", age)] if age is not None else []
 
     @contextlib.contextmanager
     def span(self, name: str):

@@ -1,4 +1,5 @@
-"""Error types. Every known failure is a `RocketKVError`; the CLI maps it to one line and exit code 1."""
+"""Error types. Every known failure is a `RocketKVError`; the CLI maps it to one line and exit code 1
+(2 for a `UsageError`: an option value the command cannot take, as for a malformed option)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ class RocketKVError(Exception):
 
 class InputError(RocketKVError):
     """A document or question that cannot be used (missing, unreadable, empty, not text)."""
+
+
+class UsageError(InputError):
+    """An option value a command cannot take whatever the input (out of range, malformed, two
+    options that contradict each other): a usage error, exit code 2 at the command line, like a
+    value the option parser refuses. Messages name the API's fields; the CLI shows option names."""
 
 
 class ModelLoadError(RocketKVError):

@@ -79,7 +79,7 @@ def test__inspect__shows_the_storage_sinks_and_key_basis(rocketkv_bin, env, doc,
 def test__unknown_storage__refused_before_the_model_loads(rocketkv_bin, env, doc, tmp_path):
     r = run(rocketkv_bin, env, "ingest", doc, "-o", tmp_path / "x.kv", "--kv-dtype", "int4+fast",
             "--model", str(tmp_path / "no-such-model"))  # fmt: skip
-    assert r.returncode == 1 and "unknown storage option 'fast'" in r.stderr, r.stderr
+    assert r.returncode == 2 and "unknown storage option 'fast'" in r.stderr, r.stderr  # a usage error
     assert "no-such-model" not in r.stderr  # refused before the model (here: missing) is looked at
 
 
@@ -135,7 +135,7 @@ def test__budget_with_cache__says_the_file_keeps_its_own(rocketkv_bin, env, kv, 
 def test__doc_with_budget_zero__refused_not_replaced_by_the_default(rocketkv_bin, env, doc, tiny_model_dir, command):
     args = [command, doc, "--model", tiny_model_dir, "--budget", "0"] + (["Which word?"] if command == "ask" else [])
     r = run(rocketkv_bin, env, *args, stdin="Which word?\n")
-    assert r.returncode == 1, r.stderr
+    assert r.returncode == 2, r.stderr  # a usage error
     assert "invalid option: --budget must be a positive integer, got 0" in r.stderr, r.stderr
 
 
@@ -407,7 +407,7 @@ def test__ingest_store_budget_and_reconstruct__inspect_and_ask(rocketkv_bin, env
     assert json.loads(a.stdout)["n_answer_tokens"] >= 1
     bad = run(rocketkv_bin, env, "ingest", doc, "-o", tmp_path / "bad.kv", "--model", tiny_model_dir, "--budget",
               "64", "--store-budget", "32")  # fmt: skip
-    assert "--store-budget must be at least the token budget" in assert_one_line_error(bad)
+    assert "--store-budget must be at least the token budget" in assert_one_line_error(bad, code=2)
     assert not (tmp_path / "bad.kv").exists()
 
 

@@ -297,13 +297,13 @@ def test__cli_eval__tiny_model_end_to_end_json_schema(rocketkv_bin, tiny_model_d
 
 def test__cli_eval__bad_options_are_one_line_errors(rocketkv_bin, tmp_path):
     env = {**os.environ, "ROCKETKV_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
-    for args, message in (
-        (["--methods", "full,h2o"], "methods must be"),
-        (["--tasks", "niah_text", "--haystack", str(tmp_path / "missing.txt")], "not found"),
+    for args, message, code in (
+        (["--methods", "full,h2o"], "methods must be", 2),  # a usage error
+        (["--tasks", "niah_text", "--haystack", str(tmp_path / "missing.txt")], "not found", 1),
     ):
         r = subprocess.run([rocketkv_bin, "eval", *args], capture_output=True, text=True, env=env, cwd=tmp_path,
                            timeout=120)  # fmt: skip
-        assert r.returncode == 1, r.stderr
+        assert r.returncode == code, r.stderr
         errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
         assert len(errors) == 1 and message in errors[0], r.stderr
         assert r.stdout == ""

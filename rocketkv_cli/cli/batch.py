@@ -9,7 +9,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
-from ..errors import InputError
+from ..errors import UsageError
 from .common import (
     BudgetOpt,
     DeviceOpt,
@@ -127,7 +127,7 @@ def batch_command(
                                  segment_tokens=segment_tokens, threads=threads,
                                  trust_remote_code=trust_remote_code)  # fmt: skip
     except ValueError as exc:
-        raise InputError(f"invalid option: {exc}") from None
+        raise UsageError(f"invalid option: {exc}") from None
     with batch_bar() as bar:
         task = bar.add_task("batch", total=None, answers=0)
 

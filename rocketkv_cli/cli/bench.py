@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from ..errors import InputError
+from ..errors import InputError, UsageError
 from .common import (
     BudgetOpt,
     DeviceOpt,
@@ -89,9 +89,9 @@ def bench(
     try:
         lengths = [int(x) for x in context_tokens.split(",") if x.strip()]
     except ValueError:
-        raise InputError(f"--context-tokens must be comma-separated integers, got {context_tokens!r}") from None
+        raise UsageError(f"--context-tokens must be comma-separated integers, got {context_tokens!r}") from None
     if not lengths or min(lengths) < 64:
-        raise InputError(f"--context-tokens must be at least 64 tokens each, got {context_tokens!r}")
+        raise UsageError(f"--context-tokens must be at least 64 tokens each, got {context_tokens!r}")
     src = source or default_kjv()
     if src is None:
         raise InputError("no source text found", "pass --source FILE (e.g. ../shared/data/kjv.txt)")
@@ -200,4 +200,4 @@ def _ints(name: str, text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise InputError(f"--{name} must be comma-separated integers, got {text!r}") from None
+        raise UsageError(f"--{name} must be comma-separated integers, got {text!r}") from None

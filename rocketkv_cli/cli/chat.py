@@ -18,7 +18,7 @@ import typer
 
 from ..core.config import DEFAULT_TOKEN_BUDGET
 from ..entry import handled
-from ..errors import InputError, RocketKVError
+from ..errors import InputError, RocketKVError, UsageError
 from .answers import (
     AnswerPrinter,
     CiteOpt,
@@ -141,7 +141,7 @@ def chat_command(
     """
     setup(quiet)
     if (document is None) == (cache is None):
-        raise InputError("give either --cache FILE.kv or DOC", "e.g. rocketkv chat --cache book.kv")
+        raise UsageError("give either --cache FILE.kv or DOC", "e.g. rocketkv chat --cache book.kv")
     if document == "-":
         raise InputError("chat reads its questions from stdin, so DOC cannot be -", "ingest it first: rocketkv ingest")
     if note := sampling_note(temperature, seed):

@@ -33,7 +33,7 @@ from rich.progress import (
 from rich.text import Text
 
 from ..entry import EXIT_CODES, MESSAGES, Terminated, install, mark_reported, received
-from ..errors import InputError, RocketKVError
+from ..errors import InputError, RocketKVError, UsageError
 
 err = Console(stderr=True, highlight=False)
 _state = {"quiet": False}
@@ -81,7 +81,7 @@ def stdout_usable() -> bool:
 
 
 def command(fn):
-    """Wrap a command body: known errors → one line + exit 1; Ctrl-C → 130; SIGTERM → 143.
+    """Wrap a command body: known errors → one line + exit 1 (usage errors 2); Ctrl-C → 130; SIGTERM → 143.
 
     Signals are handled by `rocketkv_cli.entry` (installed before the heavy imports); an
     unexpected error after a signal was received is reported as that signal (an interrupted
@@ -97,6 +97,8 @@ def command(fn):
                     "redirect it to a file or to /dev/null instead of closing it (>&-)",
                 )
             return fn(*args, **kwargs)
+        except UsageError as exc:  # an option value the command cannot take: exit 2, with the options' names
+            raise fail(option_names(str(exc)), 2) from None
         except RocketKVError as exc:
             raise fail(str(exc)) from None
         except KeyboardInterrupt:
@@ -258,7 +260,7 @@ def ingest(rk, document, cfg, output=None, force=False, segment_tokens=None, kv_
     try:
         cfg = with_preset_defaults(cfg, rk.model_id, explicit)
     except ValueError as exc:
-        raise InputError(f"invalid option: {exc}") from None
+        raise UsageError(f"invalid option: {exc}") from None
     so_far = [0]
 
     def on_segment(event) -> None:
@@ -315,7 +317,7 @@ def storage(kv_dtype: str):
     try:
         return KVStorage.parse(kv_dtype)
     except ValueError as exc:
-        raise InputError(f"invalid option: --kv-dtype: {exc}") from None
+        raise UsageError(f"invalid option: --kv-dtype: {exc}") from None
 
 
 def default_kjv() -> Optional[Path]:
@@ -341,11 +343,11 @@ def prefill_config(**kw):
         try:
             kw["pool_kernel_size"] = int(pool)
         except ValueError:
-            raise InputError(f"--pool-kernel-size must be an odd integer or 'auto', got {pool!r}") from None
+            raise UsageError(f"--pool-kernel-size must be an odd integer or 'auto', got {pool!r}") from None
     try:
         return PrefillConfig(**{k: v for k, v in kw.items() if v is not None})
     except ValueError as exc:
-        raise InputError(f"invalid option: {option_names(str(exc))}") from None
+        raise UsageError(f"invalid option: {option_names(str(exc))}") from None
 
 
 # configuration fields (what `PrefillConfig` names in its errors) → the options users typed; only
@@ -378,9 +380,9 @@ DocBudgetOpt = Annotated[  # ask/chat: applies to a DOC ingested in memory; a ca
                  help="Token budget when DOC is ingested in memory (default 512; a cache keeps its own)."),
 ]  # fmt: skip
 BudgetOpt = Annotated[int, typer.Option("--budget", "-b", help="Token budget t per KV head per layer (tokens).")]
-TopkOpt = Annotated[Optional[int], typer.Option(help="Override: tokens attended exactly per decode step.")]
-PageSizeOpt = Annotated[Optional[int], typer.Option(help="Override: tokens per key min/max page.")]
-ScoreDimsOpt = Annotated[Optional[int], typer.Option(help="Override: head dims used for page scores.")]
+TopkOpt = Annotated[Optional[int], typer.Option(min=1, help="Override: tokens attended exactly per decode step.")]
+PageSizeOpt = Annotated[Optional[int], typer.Option(min=1, help="Override: tokens per key min/max page.")]
+ScoreDimsOpt = Annotated[Optional[int], typer.Option(min=1, help="Override: head dims used for page scores.")]
 EncodingOpt = Annotated[str, typer.Option(help="Text encoding of the document.")]
 CacheOpt = Annotated[  # readable=False: an unreadable file gets rocketkv's one-line error, not a usage box
     Optional[Path],

@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..engine.documents import read_document
-from ..errors import InputError, OutputError
+from ..errors import InputError, OutputError, UsageError
 from .common import (
     DeviceOpt,
     DtypeOpt,
@@ -42,7 +42,7 @@ def _ints(name: str, text: str, allow_auto: bool = False) -> tuple[int, ...]:
         try:
             out.append(int(part))
         except ValueError:
-            raise InputError(f"--{name} must be comma-separated integers{' or auto' if allow_auto else ''}, "
+            raise UsageError(f"--{name} must be comma-separated integers{' or auto' if allow_auto else ''}, "
                              f"got {text!r}") from None  # fmt: skip
     return tuple(out)
 
@@ -137,7 +137,7 @@ def eval_command(
             kv_dtype=storage(kv_dtype).name if kv_dtype is not None else None,
         )  # fmt: skip
     except ValueError as exc:
-        raise InputError(f"invalid option: {exc}") from None
+        raise UsageError(f"invalid option: {exc}") from None
     if json_path is not None and json_path.is_dir():
         raise OutputError(f"--json {json_path} is a directory", "give a file name")
     if json_path is not None and not (json_path.parent if str(json_path.parent) else Path(".")).is_dir():

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..errors import InputError
+from ..errors import UsageError
 from .answers import AnswerPrinter, StreamOpt, resolve_format
 from .ask import DenseOpt, open_cache
 from .common import (
@@ -59,7 +59,7 @@ def summarize_command(
     """
     setup(quiet)
     if (document is None) == (cache is None):
-        raise InputError("give either DOC or --cache FILE.kv", "e.g. rocketkv summarize book.txt")
+        raise UsageError("give either DOC or --cache FILE.kv", "e.g. rocketkv summarize book.txt")
     fmt, stream = resolve_format("auto", json_out, stream, 1)
     cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens)
     if cache is not None:

@@ -25,7 +25,7 @@ from pathlib import Path
 from ..core.cache import AnyCache, CompressedKVCache, SegmentedKVCache
 from ..core.config import DEFAULT_MAX_NEW_TOKENS, PrefillConfig, default_kv_dtype, with_preset_defaults
 from ..core.quant import KVStorage
-from ..errors import InputError
+from ..errors import InputError, UsageError
 from ..model.loading import DEFAULT_MODEL, configure_transformers, load_model
 from ..store.checkpoints import Checkpoints
 from ..store.describe import describe as store_describe
@@ -94,11 +94,11 @@ def check_cite(cache: AnyCache, cite: int, segments: int = 1) -> None:
         cache answered from several segments at once.
     """
     if isinstance(cite, bool) or not isinstance(cite, int) or cite < 0:
-        raise InputError(f"--cite must be a count of passages ≥ 0, got {cite!r}")
+        raise UsageError(f"--cite must be a count of passages ≥ 0, got {cite!r}")
     if not cite:
         return
     if isinstance(cache, SegmentedKVCache) and segments > 1:
-        raise InputError("--cite needs one segment per answer", "drop --segments, or give --segment J")
+        raise UsageError("--cite needs one segment per answer", "drop --segments, or give --segment J")
     for part in cache.segments if isinstance(cache, SegmentedKVCache) else (cache,):
         check_citable(part)
 
@@ -254,7 +254,7 @@ class RocketKV:
                 raise InputError(f"--segment {segment}: this cache has one segment (0)")
             decode = decode_config_for(cache, sparse=not dense, **overrides)
         except ValueError as exc:
-            raise InputError(f"invalid option: {exc}") from None
+            raise UsageError(f"invalid option: {exc}") from None
         return answer(self.engine, cache, qs, max_new, decode, sampling=sampling, on_text=on_text, cite=cite)
 
     def session(
@@ -288,7 +288,7 @@ class RocketKV:
             first = cache.segments[0] if isinstance(cache, SegmentedKVCache) else cache
             decode_config_for(first, sparse=not dense, **overrides)  # validates the overrides now
         except ValueError as exc:
-            raise InputError(f"invalid option: {exc}") from None
+            raise UsageError(f"invalid option: {exc}") from None
         if not isinstance(cache, SegmentedKVCache) and segment not in (None, 0):
             raise InputError(f"--segment {segment}: this cache has one segment (0)")
         if isinstance(cache, SegmentedKVCache) and segment is not None and not 0 <= segment < cache.n_segments:
@@ -310,7 +310,7 @@ class RocketKV:
                    n_score_dims: int | None) -> dict[str, int | None]:  # fmt: skip
         """Stage-2 overrides, with the device's HSA crossover unless `hsa`. Raises InputError."""
         if dense and hsa:
-            raise InputError("--dense and --hsa contradict each other", "give one of them")
+            raise UsageError("--dense and --hsa contradict each other", "give one of them")
         crossover = 0 if hsa else hsa_min_tokens(self.engine.loaded.device.type)
         return {"topk": topk, "page_size": page_size, "n_score_dims": n_score_dims, "min_hsa_tokens": crossover}
 

@@ -25,7 +25,7 @@ from typing import Any
 from ..core.cache import SegmentedKVCache
 from ..core.config import PrefillConfig, default_kv_dtype
 from ..core.quant import KVStorage, resolved
-from ..errors import CacheFormatError, InputError, OutputError, RocketKVError
+from ..errors import CacheFormatError, InputError, OutputError, RocketKVError, UsageError
 from .api import AnyCache, RocketKV, open_document
 from .manifest import BadRow, Results, Row, error_row, question_key, read_manifest, summary_key
 
@@ -309,7 +309,7 @@ def run_batch(
         file or cache folder cannot be written. ModelLoadError: the model does not load.
     """
     if workers is not None and workers < 1:
-        raise InputError(f"--workers must be at least 1, got {workers}")
+        raise UsageError(f"--workers must be at least 1, got {workers}")
     rows = read_manifest(manifest)
     if output is not None and output.exists() and os.path.samefile(output, manifest):
         raise OutputError(f"-o {output} is the manifest itself", "choose another results file")

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import InputError, UsageError
 
 READ_BLOCK_BYTES = 1 << 20
 MAX_PIECE_CHARS = 1 << 20  # a line longer than this is cut (at whitespace when there is some)
@@ -59,7 +59,7 @@ class TextStream:
         try:
             codecs.lookup_error(errors)
         except LookupError as exc:
-            raise InputError(f"unknown --errors handler {errors!r}", "use strict, replace or ignore") from exc
+            raise UsageError(f"unknown --errors handler {errors!r}", "use strict, replace or ignore") from exc
         try:
             self._stream = sys.stdin.buffer if path == "-" else open(path, "rb")
         except FileNotFoundError as exc:

@@ -24,7 +24,7 @@ import torch
 from ..core.cache import CacheInfo, CompressedKVCache, LayerKV, SegmentedKVCache, SegmentInfo
 from ..core.config import PrefillConfig, resolve_budgets
 from ..core.quant import KVStorage, resolved
-from ..errors import BudgetError, CacheFormatError, InputError
+from ..errors import BudgetError, CacheFormatError, InputError, UsageError
 from ..model.hf import empty_cache, forward_tokens, rocketkv_attention
 from ..model.templates import read_prompt
 from ..store.checkpoints import Checkpoints
@@ -252,7 +252,7 @@ def route(engine: Engine, stored: SegmentedKVCache, question: str, n_segments: i
     far more often with these small models.
     """
     if n_segments < 1:
-        raise InputError(f"--segments must be at least 1, got {n_segments}")
+        raise UsageError(f"--segments must be at least 1, got {n_segments}")
     scores = lexical_scores(engine, stored, question)
     if float(scores.max()) <= 0.0:
         scores = segment_scores(engine, stored, question)

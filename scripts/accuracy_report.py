@@ -2,6 +2,7 @@
 """Regenerate docs/accuracy.md: run `rocketkv eval` on both presets and choose ingest's defaults.
 
 Usage: python scripts/accuracy_report.py [--quick] [--from-json] [--out-dir DIR] [--samples N]
+       python scripts/accuracy_report.py --quick --model DIR --context-tokens N --eval-args "..."  # a smoke test
 Runs the installed CLI once per preset and task (SmolLM2 at ~4K tokens, Gemma at ~8K, 20 samples
 per task, budgets 128–1024, methods full / rocketkv with each observation window / snapkv / hsa /
 sink_recent / reconstruct / reselect) and keeps each run's JSON (`docs/bench/accuracy-<preset>-<task>.json`): an
@@ -9,7 +10,9 @@ interrupted report resumes at the first missing one when rerun, so it can run in
 Every method scores full attention's answer teacher-forced (top-1 agreement, KL, log-prob) and
 generates only where it disagrees, so a preset takes about an hour on an idle 2-core CPU. Rates
 carry Wilson intervals, means bootstrap intervals (95%). `--quick` is a smoke run of the whole
-chain (SmolLM2 only, 1K tokens, one sample, one budget) under build/accuracy-quick/: not evidence.
+chain (SmolLM2 only, 1K tokens, one sample, one budget) under build/accuracy-quick/: not evidence;
+with `--model`, `--context-tokens` and `--eval-args` (passed on to `rocketkv eval`) it runs on any
+model, which is how the test suite runs it on a tiny one (tests/test_eval.py).
 Run it on an otherwise idle machine, or with OMP_NUM_THREADS=1: torch's two threads spin against
 any other process on the same 2 cores and decode runs 10-30x slower (seen here).
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import shlex
 import subprocess
 import sys
 from collections import defaultdict
@@ -38,20 +42,27 @@ MARGIN = 0.02  # a variant must beat the current default by 2 points of mean sco
 NEAR_FULL = 0.05  # a budget is "close to full attention" within 5 points of its mean score
 
 
+def file_label(model: str) -> str:
+    """A model's name in file names and headings: a preset's name, or a model directory's last part."""
+    return Path(model).name if ("/" in model or model.startswith(".")) else model
+
+
 def run(model: str, n: int, common: list[str], json_dir: Path, tasks: tuple[str, ...], resume: bool,
         runs: bool = True) -> dict:  # fmt: skip
     """One `rocketkv eval` per task (a finished task's JSON is reused when `resume`), merged.
     `runs=False` (--from-json): only the JSON already there; a missing one is an error."""
     parts = []
     for task in tasks:
-        out = json_dir / f"accuracy-{model}-{task}.json"
+        out = json_dir / f"accuracy-{file_label(model)}-{task}.json"
         if not runs and not out.exists():
             raise SystemExit(f"--from-json: {out} is missing (run without --from-json to make it)")
         if not (resume and out.exists()):
             cmd = [ROCKETKV, "eval", "--model", model, "--context-tokens", str(n), "--tasks", task, *common,
                    "--json", str(out)]  # fmt: skip
             print("$", " ".join(["rocketkv", *cmd[1:]]), file=sys.stderr)
-            subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+            done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
+            if done.returncode != 0:  # its one-line error is on stderr above
+                raise SystemExit(f"rocketkv eval failed (exit {done.returncode}) on {task}; rerun to resume")
         parts.append(json.loads(out.read_text()))
     return merge(parts)
 
@@ -284,12 +295,19 @@ def main() -> int:
     parser.add_argument("--samples", type=int, help="samples per task (default 20; quick: 1)")
     parser.add_argument("--presets", help=f"comma-separated subset of {','.join(FULL)} (a partial report)")
     parser.add_argument("--tasks", help=f"comma-separated subset of {','.join(TASKS)} (a partial report)")
+    parser.add_argument("--model", help="with --quick: run on this model (a directory or preset) instead")
+    parser.add_argument("--context-tokens", type=int, default=1024, help="with --quick --model: document length")
+    parser.add_argument("--eval-args", default="", help="with --quick: more `rocketkv eval` options (later win)")
     args = parser.parse_args()
+    if (args.model or args.eval_args) and not args.quick:
+        parser.error("--model and --eval-args are for --quick smoke runs")
     out_dir = args.out_dir or (ROOT / "build" / "accuracy-quick" if args.quick else ROOT / "docs")
     json_dir = out_dir / "bench"
     json_dir.mkdir(parents=True, exist_ok=True)
     samples = args.samples or (1 if args.quick else 20)
     presets = dict(QUICK if args.quick else FULL)
+    if args.model:
+        presets = {args.model: args.context_tokens}
     if args.presets:
         presets = {m: presets[m] for m in args.presets.split(",")}
     tasks = tuple(args.tasks.split(",")) if args.tasks else TASKS
@@ -297,10 +315,10 @@ def main() -> int:
         parser.error(f"--tasks: unknown {sorted(set(tasks) - set(TASKS))}")
     reports = {}
     for model, n in presets.items():
-        common = [*(QUICK_COMMON if args.quick else COMMON), "--samples", str(samples)]
+        common = [*(QUICK_COMMON if args.quick else COMMON), "--samples", str(samples), *shlex.split(args.eval_args)]
         reports[model] = run(model, n, common, json_dir, tasks, resume=not args.quick or args.from_json,
                              runs=not args.from_json)  # fmt: skip
-        (json_dir / f"accuracy-{model}.json").write_text(json.dumps(reports[model], indent=1))
+        (json_dir / f"accuracy-{file_label(model)}.json").write_text(json.dumps(reports[model], indent=1))
     partial = None
     if not args.quick and (presets.keys() != FULL.keys() or tasks != TASKS or samples < 20):
         partial = (f"**Partial report**: presets {', '.join(presets)}; tasks {', '.join(tasks)}; {samples} samples "

@@ -329,3 +329,36 @@ def test__teacher_forced_scores__a_method_equal_to_full_attention_agrees_everywh
     report = run_eval(engine, cfg, tmp_path)
     snap = [r for r in report["records"] if r["method"] == "snapkv"]
     assert snap and all(r["top1_agreement"] == 1.0 and abs(r["kl"]) < 1e-9 and not r["generated"] for r in snap)
+
+
+def test__accuracy_report__quick_mode_on_a_tiny_model_writes_the_page_and_json(tiny_model_dir, tmp_path):
+    """`scripts/accuracy_report.py --quick` (the smoke run of the whole chain: eval per task, the
+    merge, the page) on a tiny model: the merged JSON keeps eval's schema and the page says it is
+    not evidence."""
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    hay = tmp_path / "hay.txt"
+    hay.write_text(HAYSTACK)
+    env = {**os.environ, "ROCKETKV_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    extra = (
+        f"--haystack {hay} --window-size 8 --max-new-tokens 3 --budgets 64 --methods full,rocketkv,snapkv "
+        "--observations tail"
+    )
+    r = subprocess.run([sys.executable, str(root / "scripts" / "accuracy_report.py"), "--quick", "--model",
+                        str(tiny_model_dir), "--context-tokens", "300", "--tasks", "niah_text,fwe", "--out-dir",
+                        str(tmp_path / "out"), "--eval-args", extra],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    name = tiny_model_dir.name
+    merged = json.loads((tmp_path / "out" / "bench" / f"accuracy-{name}.json").read_text())
+    assert merged["format"] == "rocketkv.eval" and merged["config"]["tasks"] == ["niah_text", "fwe"]
+    assert all(set(rec) == RECORD_KEYS for rec in merged["records"]) and merged["records"]
+    assert all(set(row) == SUMMARY_KEYS for row in merged["summary"])
+    assert {row["task"] for row in merged["summary"]} == {"niah_text", "fwe", "mean"}
+    assert {rec["label"] for rec in merged["records"]} >= {"full", "snapkv"}
+    for task in ("niah_text", "fwe"):  # one eval run per task, kept for resuming
+        assert (tmp_path / "out" / "bench" / f"accuracy-{name}-{task}.json").is_file()
+    page = (tmp_path / "out" / "accuracy.md").read_text()
+    assert "QUICK SMOKE RUN" in page and f"## {tiny_model_dir}" in page, page[:500]

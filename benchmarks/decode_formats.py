@@ -8,7 +8,7 @@ cache answers the same question, round-robin over the formats (so a busy machine
 format alike): the question's prefill, then `--steps` greedy decode steps timed after 4 warm-up
 steps, with exact attention over the pruned cache (what `ask` runs on CPU at the default budget,
 docs/performance.md "Where stage 2 pays") and with HSA. Prints, per format, the median ms per
-decode step over the rounds and its speed relative to float.
+decode step over the rounds and its speed relative to the first format given (float by default).
 
     python benchmarks/decode_formats.py CACHE.kv [--formats float int4 int8] [--steps 24] [--rounds 3]
 """

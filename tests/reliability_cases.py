@@ -582,7 +582,7 @@ CASES: list[Case] = [
     Case("non-integer budget", "options", lambda ws: ["ingest", ws.doc, "--budget", "lots", *M(ws)], 2, "", notes="usage error: Typer's message, exit 2"),
     Case("budget larger than the document", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "big-budget.kv", "--budget", "100000", *M(ws)], 0, "", check=_full_cache_check, notes="keeps every token: full attention"),
     Case("--max-new-tokens 0", "options", lambda ws: ["ask", "--cache", ws.kv, QUESTION, "--max-new-tokens", "0"], 2, "", notes="usage error: Typer's range check, exit 2"),
-    Case("ask --page-size larger than topk", "options", lambda ws: ["ask", "--cache", ws.kv, QUESTION, "--page-size", "100000000"], 2, "--page-size", notes="usage error: exit 2"),
+    Case("ask --page-size larger than topk", "options", lambda ws: ["ask", "--cache", ws.kv, QUESTION, "--page-size", "100000000"], 1, "--page-size", notes="the cache's own topk bounds it: exit 1"),
     Case("ask --topk 0", "options", lambda ws: ["ask", "--cache", ws.kv, QUESTION, "--topk", "0"], 2, "--topk", before_model=True, notes="usage error: Typer's range check, exit 2"),
     Case("unknown --errors handler", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "e.kv", "--errors", "shrug", *M(ws)], 2, "--errors", notes="usage error: exit 2"),
     Case("prompt budget below the window", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "w.kv", "--budget", "2", "--max-new-tokens", "600", *M(ws)], 2, "below the observation window", before_model=True, notes="usage error: exit 2, before the model loads"),

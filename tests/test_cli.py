@@ -420,3 +420,40 @@ def test__option_names__fields_become_the_options_typed_and_words_stay_words():
     shown = option_names(str(err.value))
     assert shown.startswith("--budget 2 is below the observation window (--window-size 32)"), shown
     assert "token_budget" not in shown and "window_size" not in shown
+
+
+def test__option_names__shown_once_and_only_for_fields():
+    """Config field names become the options users typed, once: a message already rewritten (or
+    naming `--topk` itself) is left as it is, and words inside other names are not touched."""
+    from rocketkv_cli.cli.common import option_names
+
+    once = option_names("invalid option: page_size must not exceed topk (32), got 300")
+    assert once == "invalid option: --page-size must not exceed --topk (32), got 300"
+    assert option_names(once) == once
+    assert option_names("token_budget_x and my_topk") == "token_budget_x and my_topk"
+
+
+def test__unknown_weights__usage_error_before_the_model_loads(rocketkv_bin, env, doc, tmp_path):
+    r = run(rocketkv_bin, env, "ingest", doc, "-o", tmp_path / "w.kv", "--weights", "int3",
+            "--model", str(tmp_path / "no-such-model"))  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert "'int3' is not one of float, int8, int4" in r.stderr and "no-such-model" not in r.stderr, r.stderr
+    assert not (tmp_path / "w.kv").exists()
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["ingest", "DOC", "--encoding", "klingon"], "unknown text encoding 'klingon'"),
+        (["ingest", "DOC", "--errors", "shrug"], "unknown --errors handler 'shrug'"),
+        (["ask", "-", "--questions-file", "-"], "cannot both come from stdin"),
+        (["chat", "-"], "DOC cannot be -"),
+    ],
+    ids=["encoding", "errors", "two-stdins", "chat-stdin-doc"],
+)
+def test__option_values_no_input_could_satisfy__exit_2_before_the_model_loads(rocketkv_bin, env, doc, tmp_path,
+                                                                              args, says):  # fmt: skip
+    argv = [str(doc) if a == "DOC" else a for a in args] + ["--model", str(tmp_path / "no-such-model")]
+    r = run(rocketkv_bin, env, *argv, stdin="")
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert says in assert_one_line_error(r, code=2) and "no-such-model" not in r.stderr

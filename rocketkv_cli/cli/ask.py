@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..core.config import DEFAULT_TOKEN_BUDGET
-from ..errors import InputError
+from ..errors import InputError, UsageError
 from .answers import (
     AnswerPrinter,
     CiteOpt,
@@ -73,7 +73,7 @@ def read_questions(positional: list[str], questions_file: Optional[str], doc_is_
     if questions_file is not None:
         if questions_file == "-":
             if doc_is_stdin:
-                raise InputError("the document and the questions cannot both come from stdin")
+                raise UsageError("the document and the questions cannot both come from stdin")
             text = sys.stdin.buffer.read().decode("utf-8-sig", errors="replace")
         else:
             try:

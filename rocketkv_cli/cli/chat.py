@@ -18,7 +18,7 @@ import typer
 
 from ..core.config import DEFAULT_TOKEN_BUDGET
 from ..entry import handled
-from ..errors import InputError, RocketKVError, UsageError
+from ..errors import RocketKVError, UsageError
 from .answers import (
     AnswerPrinter,
     CiteOpt,
@@ -143,7 +143,7 @@ def chat_command(
     if (document is None) == (cache is None):
         raise UsageError("give either --cache FILE.kv or DOC", "e.g. rocketkv chat --cache book.kv")
     if document == "-":
-        raise InputError("chat reads its questions from stdin, so DOC cannot be -", "ingest it first: rocketkv ingest")
+        raise UsageError("chat reads its questions from stdin, so DOC cannot be -", "ingest it first: rocketkv ingest")
     if note := sampling_note(temperature, seed):
         log(note)
     if cache is not None:

@@ -97,10 +97,11 @@ def command(fn):
                     "redirect it to a file or to /dev/null instead of closing it (>&-)",
                 )
             return fn(*args, **kwargs)
-        except UsageError as exc:  # an option value the command cannot take: exit 2, with the options' names
-            raise fail(option_names(str(exc)), 2) from None
-        except RocketKVError as exc:
-            raise fail(str(exc)) from None
+        except RocketKVError as exc:  # a UsageError (an option value no input could satisfy): exit 2
+            message = str(exc)
+            if message.startswith("invalid option:"):  # wrapped config errors name fields: show the options
+                message = option_names(message)
+            raise fail(message, 2 if isinstance(exc, UsageError) else 1) from None
         except KeyboardInterrupt:
             raise _signal_exit(signal.SIGINT) from None
         except Terminated:
@@ -360,13 +361,26 @@ OPTION_NAMES = {"token_budget": "--budget", "store_budget": "--store-budget", "m
 
 def option_names(message: str) -> str:
     """`message` with configuration field names replaced by the command-line options that set them."""
-    return re.sub(r"\b(" + "|".join(OPTION_NAMES) + r")\b", lambda m: OPTION_NAMES[m.group(1)], message)
+    return re.sub(r"(?<![\w-])(" + "|".join(OPTION_NAMES) + r")(?![\w-])", lambda m: OPTION_NAMES[m.group(1)], message)
 
 
 DEFAULT_WEIGHTS = "float"  # chosen by measurement: docs/performance.md
+
+
+def _check_weights(value: Optional[str]) -> Optional[str]:
+    """--weights is checked as it is parsed (exit 2, before any model loads)."""
+    from ..core.config import WEIGHT_FORMATS
+
+    if value is not None and value not in WEIGHT_FORMATS:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(WEIGHT_FORMATS)}")
+    return value
+
+
 WeightsOpt = Annotated[
-    Optional[str], typer.Option(help="Weights for decode: float, int8 or int4 (CPU; ask: default = the cache's).")
-]
+    Optional[str],
+    typer.Option(callback=_check_weights, help="Weights for decode: float, int8 or int4 (CPU; ask: default = the "
+                 "cache's)."),
+]  # fmt: skip
 
 KvDtypeOpt = Annotated[
     Optional[str],

@@ -98,7 +98,7 @@ def check_cite(cache: AnyCache, cite: int, segments: int = 1) -> None:
     if not cite:
         return
     if isinstance(cache, SegmentedKVCache) and segments > 1:
-        raise UsageError("--cite needs one segment per answer", "drop --segments, or give --segment J")
+        raise InputError("--cite needs one segment per answer", "drop --segments, or give --segment J")
     for part in cache.segments if isinstance(cache, SegmentedKVCache) else (cache,):
         check_citable(part)
 
@@ -254,7 +254,7 @@ class RocketKV:
                 raise InputError(f"--segment {segment}: this cache has one segment (0)")
             decode = decode_config_for(cache, sparse=not dense, **overrides)
         except ValueError as exc:
-            raise UsageError(f"invalid option: {exc}") from None
+            raise InputError(f"invalid option: {exc}") from None  # may depend on the cache's budgets: exit 1
         return answer(self.engine, cache, qs, max_new, decode, sampling=sampling, on_text=on_text, cite=cite)
 
     def session(
@@ -288,7 +288,7 @@ class RocketKV:
             first = cache.segments[0] if isinstance(cache, SegmentedKVCache) else cache
             decode_config_for(first, sparse=not dense, **overrides)  # validates the overrides now
         except ValueError as exc:
-            raise UsageError(f"invalid option: {exc}") from None
+            raise InputError(f"invalid option: {exc}") from None  # may depend on the cache's budgets: exit 1
         if not isinstance(cache, SegmentedKVCache) and segment not in (None, 0):
             raise InputError(f"--segment {segment}: this cache has one segment (0)")
         if isinstance(cache, SegmentedKVCache) and segment is not None and not 0 <= segment < cache.n_segments:

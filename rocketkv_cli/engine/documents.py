@@ -55,7 +55,7 @@ class TextStream:
             self._decoder = codecs.getincrementaldecoder(codec)(errors=errors)
             self._codec = codecs.lookup(codec).name  # canonical name, for the NUL check ("u8" is utf-8)
         except LookupError as exc:
-            raise InputError(f"unknown text encoding {encoding!r}", "pass a text codec name to --encoding") from exc
+            raise UsageError(f"unknown text encoding {encoding!r}", "pass a text codec name to --encoding") from exc
         try:
             codecs.lookup_error(errors)
         except LookupError as exc:

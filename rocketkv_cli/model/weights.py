@@ -9,7 +9,7 @@ dtype, bfloat16 unless the user names another (`model.loading.resolve_dtype`): t
 fast with bfloat16 activations and slow with float32 ones (docs/performance.md, "Weight formats":
 SmolLM2's linears at 2.9× float32's speed with bfloat16 activations, 0.68× with
 float32 ones). `int4` stores 4-bit codes with a bfloat16 scale and zero per group of 32 input
-channels (0.56 bytes per parameter) and multiplies with torch's CPU int4 kernel
+channels (0.625 bytes per parameter) and multiplies with torch's CPU int4 kernel
 (`aten._weight_int4pack_mm_for_cpu`, which needs bfloat16 inputs to be fast); only the product's
 input is rounded to bfloat16 and its output returned in the model's dtype, so a float32 model
 keeps float32 everywhere else (norms, residual stream, attention, softmax). Embeddings are kept
@@ -117,6 +117,8 @@ def quantize_weights(model: Any, weight_format: str) -> int:
         return 0
     if next(model.parameters()).device.type != "cpu":
         raise ValueError(f"{weight_format} weights are for the CPU; on a GPU use --dtype bfloat16")
+    if weight_format == "int4" and not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        raise ValueError(f"int4 weights need torch's CPU int4 kernel (torch 2.6 or newer; this is {torch.__version__})")
 
     def convert(linear: nn.Linear) -> nn.Module | None:
         if weight_format == "int8":

@@ -51,6 +51,7 @@ from .common import (
     open_stream,
     prefill_config,
     setup,
+    starting,
 )  # fmt: skip
 
 DenseOpt = Annotated[
@@ -97,7 +98,7 @@ def open_cache(cache: Path, model: Optional[str], device: str, dtype: Optional[s
 
     check_cache_file(cache)  # a missing or unreadable path fails before torch is imported
     timings = timings or Timings()
-    with timings.span("imports (torch, transformers)"):
+    with timings.span("imports (torch, transformers)"), starting():
         from ..engine.api import check_cite, read_cache
 
     with timings.span("cache read + verify"):
@@ -184,6 +185,8 @@ def ask_command(
     if not questions:
         raise usage_error("QUESTION...", "missing: pass questions as arguments or with --questions-file")
     fmt, stream = resolve_format(fmt, json_out, stream, len(questions), cite)
+    if dense and hsa:  # before the model loads (the API checks it too)
+        raise usage_error("--hsa", "--dense and --hsa contradict each other: give one of them")
     timings = Timings()
     setup(quiet)
     if note := sampling_note(temperature, seed):

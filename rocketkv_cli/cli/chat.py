@@ -144,6 +144,8 @@ def chat_command(
         raise UsageError("give either --cache FILE.kv or DOC", "e.g. rocketkv chat --cache book.kv")
     if document == "-":
         raise UsageError("chat reads its questions from stdin, so DOC cannot be -", "ingest it first: rocketkv ingest")
+    if dense and hsa:  # before the model loads (the API checks it too)
+        raise UsageError("--dense and --hsa contradict each other", "give one of them")
     if note := sampling_note(temperature, seed):
         log(note)
     if cache is not None:

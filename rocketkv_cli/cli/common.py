@@ -185,10 +185,22 @@ def setup(quiet: bool) -> None:
     _state["quiet"] = quiet
 
 
+@contextlib.contextmanager
+def starting():
+    """A spinner on a terminal while torch and transformers are imported (several seconds on a
+    small CPU, before any other output), unless quiet."""
+    if err.is_terminal and not _state.get("quiet"):
+        with err.status("starting (importing torch)", spinner="dots"):
+            yield
+    else:
+        yield
+
+
 def load_engine(model: Optional[str], device: str, dtype: str, trust_remote_code: bool, weights: str | None = None):
     """`RocketKV.load` (None: the default model) with transformers offline and silent, a spinner
     on a terminal and a timing line on stderr."""
-    from ..engine.api import DEFAULT_MODEL, RocketKV, configure
+    with starting():
+        from ..engine.api import DEFAULT_MODEL, RocketKV, configure
 
     quiet = _state["quiet"]
     configure(quiet, progress_bars=err.is_terminal and not quiet)

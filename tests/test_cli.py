@@ -448,8 +448,10 @@ def test__unknown_weights__usage_error_before_the_model_loads(rocketkv_bin, env,
         (["ingest", "DOC", "--errors", "shrug"], "unknown --errors handler 'shrug'"),
         (["ask", "-", "--questions-file", "-"], "cannot both come from stdin"),
         (["chat", "-"], "DOC cannot be -"),
+        (["ask", "DOC", "q?", "--dense", "--hsa"], "--dense and --hsa contradict each other"),
+        (["chat", "DOC", "--dense", "--hsa"], "--dense and --hsa contradict each other"),
     ],
-    ids=["encoding", "errors", "two-stdins", "chat-stdin-doc"],
+    ids=["encoding", "errors", "two-stdins", "chat-stdin-doc", "ask-dense-hsa", "chat-dense-hsa"],
 )
 def test__option_values_no_input_could_satisfy__exit_2_before_the_model_loads(rocketkv_bin, env, doc, tmp_path,
                                                                               args, says):  # fmt: skip

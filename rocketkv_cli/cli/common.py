@@ -360,7 +360,7 @@ def prefill_config(**kw):
     try:
         return PrefillConfig(**{k: v for k, v in kw.items() if v is not None})
     except ValueError as exc:
-        raise UsageError(f"invalid option: {option_names(str(exc))}") from None
+        raise UsageError(f"invalid option: {exc}") from None  # `command` shows the options' names
 
 
 # configuration fields (what `PrefillConfig` names in its errors) → the options users typed; only

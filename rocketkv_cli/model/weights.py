@@ -26,7 +26,27 @@ from torch import nn
 from ..core.config import WEIGHT_FORMATS
 
 
-class Int8Linear(nn.Module):
+class _IntLinear(nn.Module):
+    """What the integer linears share: the shapes, the bias and `[..., in] → [..., out]` around
+    their kernel's `[N, in] → [N, out]` product (`_product`)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias: torch.Tensor | None
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def _product(self, flat: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._product(x.reshape(-1, self.in_features))  # [N, out]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class Int8Linear(_IntLinear):
     """`y = x · Wᵀ + b` with W stored as int8 `[out, in]` and one scale per output channel.
 
     Quantization: scale_o = max_i |W[o, i]| / 127, W_q = round(W / scale) (symmetric, per
@@ -34,29 +54,21 @@ class Int8Linear(nn.Module):
     """
 
     def __init__(self, linear: nn.Linear):
-        super().__init__()
+        super().__init__(linear)
         w = linear.weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)  # [out]
-        self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight_int8: torch.Tensor
         self.scales: torch.Tensor
         self.register_buffer("weight_int8", torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8))
         self.register_buffer("scales", scale.to(linear.weight.dtype))
-        self.bias: torch.Tensor | None
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        flat = x.reshape(-1, self.in_features)
+    def _product(self, flat: torch.Tensor) -> torch.Tensor:
         if flat.dtype != self.scales.dtype:
             flat = flat.to(self.scales.dtype)
-        y = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)  # [N, out]
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*shape[:-1], self.out_features)
+        return torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)  # [N, out]
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(_IntLinear):
     """`y = x · Ŵᵀ + b` with W `[out, in]` stored as 4-bit codes, one bfloat16 scale s and zero z
     per output channel and group of `GROUP` input channels: Ŵ = (code − 8) · s + z.
 
@@ -74,7 +86,7 @@ class Int4Linear(nn.Module):
         return linear.in_features % cls.GROUP == 0 and linear.out_features % 16 == 0
 
     def __init__(self, linear: nn.Linear):
-        super().__init__()
+        super().__init__(linear)
         if not self.fits(linear):
             raise ValueError(f"int4 needs in_features % {self.GROUP} == 0 and out_features % 16 == 0, "
                              f"got [{linear.out_features}, {linear.in_features}]")  # fmt: skip
@@ -85,23 +97,16 @@ class Int4Linear(nn.Module):
         scale = ((hi - lo) / 15).clamp_min(1e-8).bfloat16().float()
         zero = (lo + 8 * scale).bfloat16().float()
         codes = (torch.round((groups - zero[..., None]) / scale[..., None]) + 8).clamp_(0, 15)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight_int4: torch.Tensor
         self.scales_zeros: torch.Tensor
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.view(out, k).to(torch.int32), 1)
         self.register_buffer("weight_int4", packed)  # [out, in / 2] uint8, the kernel's layout
         self.register_buffer("scales_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous().bfloat16())
-        self.bias: torch.Tensor | None
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [N, in]
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.weight_int4, self.GROUP, self.scales_zeros)
-        y = y.to(x.dtype)  # [N, out]
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*shape[:-1], self.out_features)
+    def _product(self, flat: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.to(torch.bfloat16), self.weight_int4, self.GROUP,
+                                                        self.scales_zeros)  # fmt: skip
+        return y.to(flat.dtype)  # [N, out], in the caller's dtype
 
 
 def quantize_weights(model: Any, weight_format: str) -> int:

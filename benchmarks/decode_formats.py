@@ -2,15 +2,15 @@
 """Whole decode steps from one `.kv` file in each weight format, side by side in one process.
 
 `benchmarks/linear_formats.py` times the linears alone; this times what `ask` runs: for each
-weight format (`float`: the checkpoint's float32; `int4`: weight-only int4 linears in a float32
-model; `int8`: weight-only int8 with bfloat16 activations), the model is loaded once and the same
+weight format (`float`: the checkpoint's float32; `bf16`, `int8`, `int4`: weight-only linears in
+a float32 model, each product's input rounded to bfloat16: `model/weights.py`), the model is loaded once and the same
 cache answers the same question, round-robin over the formats (so a busy machine shifts every
 format alike): the question's prefill, then `--steps` greedy decode steps timed after 4 warm-up
 steps, with exact attention over the pruned cache (what `ask` runs on CPU at the default budget,
 docs/performance.md "Where stage 2 pays") and with HSA. Prints, per format, the median ms per
 decode step over the rounds and its speed relative to the first format given (float by default).
 
-    python benchmarks/decode_formats.py CACHE.kv [--formats float int4 int8] [--steps 24] [--rounds 3]
+    python benchmarks/decode_formats.py CACHE.kv [--formats float bf16 int8 int4] [--steps 24] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ QUESTION = "Summarize the document in detail, section by section."
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("cache", type=Path)
-    ap.add_argument("--formats", nargs="+", default=["float", "int4", "int8"], choices=["float", "int4", "int8"])
+    ap.add_argument("--formats", nargs="+", default=["float", "bf16", "int8", "int4"],
+                    choices=["float", "bf16", "int8", "int4"])  # fmt: skip
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)

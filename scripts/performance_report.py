@@ -3,8 +3,8 @@
 
 Usage: python scripts/performance_report.py [--quick] [--from-json] [--llama-cpp PYTHON]
 For each preset at its target length (SmolLM2 ~7.8K tokens, Gemma 8K and 32K) and each compute
-format (float32; bfloat16 on CPUs with native bf16; bfloat16 activations with weight-only int8
-linears), one `rocketkv bench` run measures, side by side in that process: decode ms/token with
+format (float32; the whole model in bfloat16; weight-only bf16, int8 and int4 linears in a
+float32 model: `--weights`), one `rocketkv bench` run measures, side by side in that process: decode ms/token with
 HSA, with exact attention over the same pruned cache and with plain transformers' full cache; a
 fresh `rocketkv ask` process's wall time; the per-layer HSA/exact crossover; and, with
 `--llama-cpp PYTHON` (an interpreter with llama-cpp-python), llama.cpp's state-file path on the
@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 ROCKETKV = str(Path(sys.executable).parent / "rocketkv")
 RUNS = {"smollm2-135m": "7800", "gemma-3-270m": "8192,32000"}
 FORMATS = {"float32": ["--dtype", "float32"], "bfloat16": ["--dtype", "bfloat16"],
-           "bf16+int8w": ["--dtype", "bfloat16", "--weights", "int8"]}  # fmt: skip
+           "bf16w": ["--dtype", "float32", "--weights", "bf16"], "int8w": ["--dtype", "float32", "--weights", "int8"],
+           "int4w": ["--dtype", "float32", "--weights", "int4"]}  # fmt: skip
 TARGET_MS = {"smollm2-135m": (7800, 15.0), "gemma-3-270m": (32000, 25.0)}
 
 

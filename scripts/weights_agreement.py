@@ -6,10 +6,11 @@ with a planted fact, five questions, default budget and storage), every format i
 document itself (a cache records the weights that built it) and is scored teacher-forced
 against the float32 model's greedy answers from its own cache: top-1 agreement per answer token
 (Wilson 95% interval over the pooled tokens), mean KL(float32 ‖ format), greedy prefix agreement,
-planted facts found. Formats: `float32`; `bfloat16` (weights and activations); `bf16+int8w`
-(weight-only int8 linears, bfloat16 activations: `--weights int8`); `int4w` (weight-only int4
-linears in a float32 model: `--weights int4`). Resumable per (preset, format, document); the
-float32 reference is recomputed on each run.
+planted facts found. Formats: `float32`; `bfloat16` (the whole model: `--dtype bfloat16`);
+`bf16+int8w` (weight-only int8 linears in a bfloat16 model: `--dtype bfloat16 --weights int8`);
+and the weight-only formats in a float32 model, whose linears round only their inputs to
+bfloat16: `bf16w` (`--weights bf16`), `int8w` (`--weights int8`), `int4w` (`--weights int4`).
+Resumable per (preset, format, document); the float32 reference is recomputed on each run.
 
     python scripts/weights_agreement.py [--presets smollm2-135m gemma-3-270m] [--formats int4w] [--samples 2]
 """
@@ -27,7 +28,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from storage_report import DATA, OPEN_QUESTIONS  # noqa: E402
 
 FORMATS = {"float32": ("float32", "float"), "bfloat16": ("bfloat16", "float"), "bf16+int8w": ("bfloat16", "int8"),
-           "int4w": ("float32", "int4")}  # fmt: skip
+           "bf16w": ("float32", "bf16"), "int8w": ("float32", "int8"), "int4w": ("float32", "int4")}  # fmt: skip
 LENGTHS = {"smollm2-135m": 7800, "gemma-3-270m": 8192}
 BAR = 0.98
 

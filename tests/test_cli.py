@@ -433,11 +433,31 @@ def test__option_names__shown_once_and_only_for_fields():
     assert option_names("token_budget_x and my_topk") == "token_budget_x and my_topk"
 
 
+def test__weights_bf16__recorded_in_the_cache_and_used_by_ask(rocketkv_bin, env, doc, tiny_model_dir, tmp_path):
+    """`ingest --weights bf16` records the weights that built the cache; `ask` then loads the same
+    format without being told (and `--weights float` overrides it)."""
+    from rocketkv_cli.engine.api import read_cache
+
+    out = tmp_path / "bf16.kv"
+    r = run(rocketkv_bin, env, "ingest", doc, "-o", out, "--model", tiny_model_dir, "--budget", "64",
+            "--max-new-tokens", "6", "--weights", "bf16")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert read_cache(out).info.weights == "bf16"
+    r = run(rocketkv_bin, env, "inspect", out)
+    assert re.search(r"dtype\s+float32, bf16 weights", r.stdout), r.stdout
+    r = run(rocketkv_bin, env, "ask", "--cache", out, "What is the code?", "--max-new-tokens", "4")
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr
+    assert "(float32, bf16 weights)" in r.stderr, r.stderr
+    r = run(rocketkv_bin, env, "ask", "--cache", out, "What is the code?", "--max-new-tokens", "4",
+            "--weights", "float")  # fmt: skip
+    assert r.returncode == 0 and "bf16 weights" not in r.stderr, r.stderr
+
+
 def test__unknown_weights__usage_error_before_the_model_loads(rocketkv_bin, env, doc, tmp_path):
     r = run(rocketkv_bin, env, "ingest", doc, "-o", tmp_path / "w.kv", "--weights", "int3",
             "--model", str(tmp_path / "no-such-model"))  # fmt: skip
     assert r.returncode == 2, r.stderr
-    assert "'int3' is not one of float, int8, int4" in r.stderr and "no-such-model" not in r.stderr, r.stderr
+    assert "'int3' is not one of float, bf16, int8, int4" in r.stderr and "no-such-model" not in r.stderr, r.stderr
     assert not (tmp_path / "w.kv").exists()
 
 

@@ -390,8 +390,8 @@ def _check_weights(value: Optional[str]) -> Optional[str]:
 
 WeightsOpt = Annotated[
     Optional[str],
-    typer.Option(callback=_check_weights, help="Weights for decode: float, int8 or int4 (CPU; ask: default = the "
-                 "cache's)."),
+    typer.Option(callback=_check_weights, help="Weights for decode: float, bf16, int8 or int4 (CPU; ask: default = "
+                 "the cache's)."),
 ]  # fmt: skip
 
 KvDtypeOpt = Annotated[

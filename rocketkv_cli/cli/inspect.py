@@ -54,7 +54,7 @@ def _lines(info: dict) -> list[tuple[str, str]]:
         ("cache", info["cache"]),
         ("format", f"{info['format']} v{info['format_version']} (rocketkv {info['rocketkv_version']})"),
         ("model", f"{info['model_id']} (digest {info['model_digest'][:12]})"),
-        ("dtype", info["dtype"]),
+        ("dtype", info["dtype"] + (f", {info['weights']} weights" if info.get("weights", "float") != "float" else "")),
         (
             "storage",
             f"{info['kv_dtype']} keys/values{_sinks(info)}, {info['kv_bytes_per_token']:,.0f} bytes per document token",

@@ -17,7 +17,7 @@ DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_WINDOW_SIZE = 32
 DEFAULT_POOL_KERNEL_SIZE = 63
 DEFAULT_FIRST_TOKENS = 64  # docs/algorithm.md §2 step 5
-WEIGHT_FORMATS = ("float", "int8", "int4")  # decode weight formats (model/weights.py)
+WEIGHT_FORMATS = ("float", "bf16", "int8", "int4")  # decode weight formats (model/weights.py)
 # what `ingest` stores by default (`core/quant.py` parses it; kept here, torch-free, for the CLI's
 # option defaults), chosen by measurement (docs/storage.md, "Default and targets"): the smallest
 # storage whose teacher-forced top-1 agreement with the float32 cache is >= 0.98 — int4 on SmolLM2

@@ -71,15 +71,11 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device, weights: str = "float") -> torch.dtype:
-    """`auto` → float32 on CPU (bfloat16 with int8 weights), bfloat16 on CUDA; else a name from
-    DTYPES. Int8 weights run with bfloat16 activations: torch's int8 kernel
-    (`aten._weight_int8pack_mm`) is several times slower with float32 ones than float32 weights
-    are (docs/performance.md, "Weight formats": 0.68× float32's speed on SmolLM2's linears, 2
-    threads of an AVX2 CPU), and 2.9× faster with bfloat16 ones. Int4 weights keep float32 (their
-    linears round only their own inputs to bfloat16, `model.weights.Int4Linear`).
-    Raises ModelLoadError: an unknown name."""
+    """`auto` → float32 on CPU, bfloat16 on CUDA; else a name from DTYPES. Weight-only formats
+    (`weights`) keep a float32 model under `auto`: their linears round only their own inputs to
+    bfloat16 (`model.weights`). Raises ModelLoadError: an unknown name."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" or weights == "int8" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}", f"use one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
@@ -225,9 +221,8 @@ def load_model(
     Args:
         model: preset name, directory, `.gguf` path, or a hub id already in the local HF cache.
         device: cpu, cuda[:N] or auto. dtype: auto (`resolve_dtype`), float32, bfloat16 or float16.
-        weights: "float" (as loaded), "int8" (weight-only int8 linears, CPU; `model.weights`;
-            `auto` dtype gives them bfloat16 activations) or "int4" (weight-only int4 linears,
-            CPU; the model stays float32 under `auto`).
+        weights: "float" (as loaded), or weight-only "bf16", "int8" or "int4" linears (CPU;
+            `model.weights`; the model stays float32 under `auto`).
         progress: called with one-line status messages (for stderr).
     Raises:
         ModelLoadError: not found, no weights, unsupported, or no CUDA.
@@ -236,9 +231,6 @@ def load_model(
 
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev, weights)
-    if weights == "int8" and torch_dtype == torch.float32:
-        progress("int8 weights with float32 activations run slower than float32 weights on CPU "
-                 "(benchmarks/linear_formats.py); leave --dtype at auto for bfloat16 activations")  # fmt: skip
     model_id, where = resolve_model_dir(model, progress)
     local_only = {"local_files_only": True, "trust_remote_code": trust_remote_code}
     try:

@@ -1,19 +1,16 @@
-"""Weight formats for decode: the checkpoint's floats, weight-only int8, or weight-only int4.
+"""Weight formats for decode: the checkpoint's floats, or weight-only bfloat16, int8 or int4.
 
 Decode at batch 1 reads every weight once per token, so its speed on a CPU is bounded by the
-bytes of the weights: float32 reads 4 bytes per parameter, bfloat16 2 (`--dtype bfloat16`; native
-on CPUs with AVX512-BF16/AMX), weight-only int8 1. `int8` replaces each `nn.Linear` of the decoder
-and the LM head with symmetric per-output-channel int8 weights and float scales, multiplied by
-torch's own int8 matmul kernel (`aten._weight_int8pack_mm`); activations stay in the model's
-dtype, bfloat16 unless the user names another (`model.loading.resolve_dtype`): that kernel is
-fast with bfloat16 activations and slow with float32 ones (docs/performance.md, "Weight formats":
-SmolLM2's linears at 2.9× float32's speed with bfloat16 activations, 0.68× with
-float32 ones). `int4` stores 4-bit codes with a bfloat16 scale and zero per group of 32 input
-channels (0.625 bytes per parameter) and multiplies with torch's CPU int4 kernel
-(`aten._weight_int4pack_mm_for_cpu`, which needs bfloat16 inputs to be fast); only the product's
-input is rounded to bfloat16 and its output returned in the model's dtype, so a float32 model
-keeps float32 everywhere else (norms, residual stream, attention, softmax). Embeddings are kept
-as they are (a lookup reads one row).
+bytes of the weights: float32 reads 4 bytes per parameter, bfloat16 2, int8 1, int4 0.625
+(docs/performance.md, "Weight formats"). Each format replaces every `nn.Linear` of the decoder
+and the LM head with a module that stores the weights in that format and multiplies with
+torch's own CPU kernel for it, fast only with bfloat16 inputs: `bf16` (`F.linear` in
+bfloat16), `int8` (symmetric per-output-channel codes, `aten._weight_int8pack_mm`), `int4`
+(4-bit codes with a bfloat16 scale and zero per 32 input channels,
+`aten._weight_int4pack_mm_for_cpu`). Only each product's input is rounded to bfloat16 and its
+output returned in the model's dtype, so a float32 model keeps float32 everywhere else (norms,
+residual stream, attention, softmax). Embeddings are kept as they are (a lookup reads one row;
+a tied LM head is untied).
 """
 
 from __future__ import annotations
@@ -21,13 +18,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..core.config import WEIGHT_FORMATS
 
 
-class _IntLinear(nn.Module):
-    """What the integer linears share: the shapes, the bias and `[..., in] → [..., out]` around
+class _PackedLinear(nn.Module):
+    """What the weight-only linears share: the shapes, the bias and `[..., in] → [..., out]` around
     their kernel's `[N, in] → [N, out]` product (`_product`)."""
 
     def __init__(self, linear: nn.Linear):
@@ -46,29 +44,55 @@ class _IntLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-class Int8Linear(_IntLinear):
+class Bf16Linear(_PackedLinear):
+    """`y = x · Ŵᵀ + b` with Ŵ = W rounded to bfloat16 `[out, in]` (2 bytes per weight).
+
+    The input is rounded to bfloat16 too, so each product x_i · Ŵ_oi is exact in float32. Up to
+    `GEMV_ROWS` rows (decode steps, short teacher-forced answers) go through torch's bfloat16
+    kernel, which accumulates in float32 and rounds the output to bfloat16; longer inputs
+    (prefill chunks) multiply the same rounded operands in float32 (a CPU without native
+    bfloat16 runs a bfloat16 product of many rows several times slower than float32:
+    benchmarks/linear_formats.py), output unrounded. The output comes back in the input's dtype.
+    """
+
+    GEMV_ROWS = 16
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear)
+        self.weight_bf16: torch.Tensor
+        self.register_buffer("weight_bf16", linear.weight.detach().to(torch.bfloat16).contiguous())
+
+    def _product(self, flat: torch.Tensor) -> torch.Tensor:
+        x = flat.to(torch.bfloat16)
+        if flat.shape[0] <= self.GEMV_ROWS or flat.dtype == torch.bfloat16:
+            return F.linear(x, self.weight_bf16).to(flat.dtype)  # [N, out]
+        return F.linear(x.to(flat.dtype), self.weight_bf16.to(flat.dtype))
+
+
+class Int8Linear(_PackedLinear):
     """`y = x · Wᵀ + b` with W stored as int8 `[out, in]` and one scale per output channel.
 
-    Quantization: scale_o = max_i |W[o, i]| / 127, W_q = round(W / scale) (symmetric, per
-    channel, as in LLM.int8()'s weight path without outliers; Dettmers et al., arXiv 2208.07339 §3).
+    Quantization: scale_o = max_i |W[o, i]| / 127 rounded to bfloat16, W_q = round(W / scale)
+    (symmetric, per channel, as in LLM.int8()'s weight path without outliers; Dettmers et al.,
+    arXiv 2208.07339 §3). The product's input is rounded to bfloat16 (the kernel's fast path);
+    the output comes back in the input's dtype.
     """
 
     def __init__(self, linear: nn.Linear):
         super().__init__(linear)
         w = linear.weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)  # [out]
+        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).bfloat16().float()  # [out], as stored
         self.weight_int8: torch.Tensor
         self.scales: torch.Tensor
         self.register_buffer("weight_int8", torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8))
-        self.register_buffer("scales", scale.to(linear.weight.dtype))
+        self.register_buffer("scales", scale.bfloat16())
 
     def _product(self, flat: torch.Tensor) -> torch.Tensor:
-        if flat.dtype != self.scales.dtype:
-            flat = flat.to(self.scales.dtype)
-        return torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)  # [N, out]
+        y = torch.ops.aten._weight_int8pack_mm(flat.to(torch.bfloat16), self.weight_int8, self.scales)  # [N, out]
+        return y.to(flat.dtype)
 
 
-class Int4Linear(_IntLinear):
+class Int4Linear(_PackedLinear):
     """`y = x · Ŵᵀ + b` with W `[out, in]` stored as 4-bit codes, one bfloat16 scale s and zero z
     per output channel and group of `GROUP` input channels: Ŵ = (code − 8) · s + z.
 
@@ -109,12 +133,43 @@ class Int4Linear(_IntLinear):
         return y.to(flat.dtype)  # [N, out], in the caller's dtype
 
 
+class RefinedHead(nn.Module):
+    """An LM head in a weight-only format whose top candidates are recomputed in float.
+
+    A reduced-precision head rounds every logit (its kernel's bfloat16 output has steps of 0.125
+    at logits of 16–32), which breaks near-ties the float model resolves, so greedy answers
+    flip. Here the logits `[..., V]` come from `approx`, then each position's `TOPK` largest
+    are recomputed from the float weights `[V, H]` (the embedding matrix when tied: no extra
+    memory) and the float input: those equal the float head's logits up to float32 summation
+    order, so the greedy token is the float head's whenever that token ranks within the
+    approximate top `TOPK`. Reads `TOPK` float rows per position, not V.
+    """
+
+    TOPK = 64
+
+    def __init__(self, approx: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.approx = approx
+        self.float_weight = weight.detach()  # [V, H]; not a buffer: shared with the embedding when tied
+        self.float_bias = None if bias is None else bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.approx(x)  # [..., V], x's dtype
+        idx = y.topk(min(self.TOPK, y.shape[-1]), dim=-1).indices  # [..., k]
+        rows = self.float_weight[idx]  # [..., k, H]
+        exact = (rows.to(x.dtype) @ x.unsqueeze(-1)).squeeze(-1)  # [..., k]
+        if self.float_bias is not None:
+            exact = exact + self.float_bias[idx].to(x.dtype)
+        return y.scatter(-1, idx, exact.to(y.dtype))
+
+
 def quantize_weights(model: Any, weight_format: str) -> int:
     """Convert `model`'s decoder linears and LM head to `weight_format` in place (int4: the
     linears whose shape the int4 kernel takes, `Int4Linear.fits`; the others stay as they are).
+    The converted LM head is wrapped in `RefinedHead` (its top logits recomputed in float).
 
-    Returns the number of layers converted. Raises ValueError: an unknown format, or an integer
-    format on a device without its kernel (CUDA: use bfloat16 there).
+    Returns the number of layers converted. Raises ValueError: an unknown format, a weight-only
+    format on a GPU (use `--dtype bfloat16` there), or int4 on a torch without its CPU kernel.
     """
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}")
@@ -126,6 +181,8 @@ def quantize_weights(model: Any, weight_format: str) -> int:
         raise ValueError(f"int4 weights need torch's CPU int4 kernel (torch 2.6 or newer; this is {torch.__version__})")
 
     def convert(linear: nn.Linear) -> nn.Module | None:
+        if weight_format == "bf16":
+            return Bf16Linear(linear)
         if weight_format == "int8":
             return Int8Linear(linear)
         return Int4Linear(linear) if Int4Linear.fits(linear) else None
@@ -138,7 +195,7 @@ def quantize_weights(model: Any, weight_format: str) -> int:
                 count += 1
     head = getattr(model, "lm_head", None)
     if isinstance(head, nn.Linear) and (new := convert(head)) is not None:
-        model.lm_head = new  # tied to the embeddings: untie, the lookup keeps the floats
+        model.lm_head = RefinedHead(new, head.weight, head.bias)  # tied: the lookup keeps the float embeddings
         count += 1
     return count
 

@@ -10,7 +10,10 @@ planted facts found. Formats: `float32`; `bfloat16` (the whole model: `--dtype b
 `bf16+int8w` (weight-only int8 linears in a bfloat16 model: `--dtype bfloat16 --weights int8`);
 and the weight-only formats in a float32 model, whose linears round only their inputs to
 bfloat16: `bf16w` (`--weights bf16`), `int8w` (`--weights int8`), `int4w` (`--weights int4`).
-Resumable per (preset, format, document); the float32 reference is recomputed on each run.
+A format named with ` (decode)` (e.g. `bf16w (decode)`) answers from the float32 model's own
+cache instead (ingest with float weights, `ask --weights …`): only decode's precision differs,
+not which tokens stage 1 kept. Resumable per (preset, format, document); the float32 reference
+is recomputed on each run.
 
     python scripts/weights_agreement.py [--presets smollm2-135m gemma-3-270m] [--formats int4w] [--samples 2]
 """
@@ -29,6 +32,8 @@ from storage_report import DATA, OPEN_QUESTIONS  # noqa: E402
 
 FORMATS = {"float32": ("float32", "float"), "bfloat16": ("bfloat16", "float"), "bf16+int8w": ("bfloat16", "int8"),
            "bf16w": ("float32", "bf16"), "int8w": ("float32", "int8"), "int4w": ("float32", "int4")}  # fmt: skip
+DECODE_ONLY = " (decode)"  # suffix: the format answers from the float32 model's cache
+FORMATS.update({f"{name}{DECODE_ONLY}": spec for name, spec in list(FORMATS.items()) if name != "float32"})
 LENGTHS = {"smollm2-135m": 7800, "gemma-3-270m": 8192}
 BAR = 0.98
 
@@ -59,6 +64,7 @@ def run(args) -> dict:
             continue
         for fmt in formats:
             dtype, weights = FORMATS[fmt]
+            decode_only = fmt.endswith(DECODE_ONLY)
             keys = [f"{preset}/{fmt}/{i}" for i in range(args.samples)]
             if all(k in results for k in keys) and fmt != "float32":
                 continue
@@ -72,14 +78,14 @@ def run(args) -> dict:
                 sample = generate("niah_text", index, 7, n - 200, count, haystack)
                 probes = [(q.text, q.expected) for q in sample.questions] + [(q, ()) for q in OPEN_QUESTIONS]
                 doc = Document(sample.document, f"{index:064x}", f"kjv-{n}-{index}")
-                cache = engine.ingest(doc, cfg, storage=storage)
+                cache = refs[index]["cache"] if decode_only else engine.ingest(doc, cfg, storage=storage)
                 texts = [q for q, _ in probes]
                 answers = list(answer(engine, cache, texts, 32, decode_config_for(cache)))
                 prepared = prepare_questions(engine, cache, texts, 32)
                 if fmt == "float32":
                     lps = [teacher_forced_log_probs(engine, cache, ids, a.token_ids)
                            for (_, ids), a in zip(prepared, answers)]  # fmt: skip
-                    refs[index] = {"answers": answers, "log_probs": lps}
+                    refs[index] = {"answers": answers, "log_probs": lps, "cache": cache}
                     if key in results:
                         continue
                 ref = refs[index]

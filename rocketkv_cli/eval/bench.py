@@ -265,7 +265,7 @@ def bench_one(
     log(f"{n_tokens} tokens: full attention (plain transformers)")
     ids = engine.document_ids(document) + engine.question_ids(QUESTION)
     full_ttft, full_step = full_attention_decode_s(engine, ids, steps, warmup)
-    weights = weights_bytes(engine.model)  # int8 linears hold their weights as buffers
+    weights = weights_bytes(engine.model)  # what a decode step reads (weight-only formats: their buffers)
     full_kv = full_kv_bytes(
         n, [x.sliding_window for x in engine.shape.layers], engine.shape.n_kv_heads, engine.shape.head_dim, elem
     )

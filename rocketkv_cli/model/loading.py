@@ -70,10 +70,10 @@ def resolve_device(device: str) -> torch.device:
     raise ModelLoadError(f"unknown device {device!r}", "use cpu, cuda or auto")
 
 
-def resolve_dtype(dtype: str, device: torch.device, weights: str = "float") -> torch.dtype:
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """`auto` → float32 on CPU, bfloat16 on CUDA; else a name from DTYPES. Weight-only formats
-    (`weights`) keep a float32 model under `auto`: their linears round only their own inputs to
-    bfloat16 (`model.weights`). Raises ModelLoadError: an unknown name."""
+    (`--weights`) keep this dtype: their linears round only their own inputs to bfloat16
+    (`model.weights`). Raises ModelLoadError: an unknown name."""
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in DTYPES:
@@ -230,7 +230,7 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev, weights)
+    torch_dtype = resolve_dtype(dtype, dev)
     model_id, where = resolve_model_dir(model, progress)
     local_only = {"local_files_only": True, "trust_remote_code": trust_remote_code}
     try:

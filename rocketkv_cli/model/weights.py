@@ -2,15 +2,15 @@
 
 Decode at batch 1 reads every weight once per token, so its speed on a CPU is bounded by the
 bytes of the weights: float32 reads 4 bytes per parameter, bfloat16 2, int8 1, int4 0.625
-(docs/performance.md, "Weight formats"). Each format replaces every `nn.Linear` of the decoder
-and the LM head with a module that stores the weights in that format and multiplies with
-torch's own CPU kernel for it, fast only with bfloat16 inputs: `bf16` (`F.linear` in
-bfloat16), `int8` (symmetric per-output-channel codes, `aten._weight_int8pack_mm`), `int4`
+(docs/performance.md, "Weight formats"). Each format replaces the decoder's `nn.Linear`s (int4:
+those whose shape its kernel packs) and the LM head with a module that stores the weights in
+that format and multiplies with torch's own CPU kernel for it, fast only with bfloat16 inputs:
+`bf16` (`F.linear` in bfloat16), `int8` (symmetric per-output-channel codes, `aten._weight_int8pack_mm`), `int4`
 (4-bit codes with a bfloat16 scale and zero per 32 input channels,
 `aten._weight_int4pack_mm_for_cpu`). Only each product's input is rounded to bfloat16 and its
 output returned in the model's dtype, so a float32 model keeps float32 everywhere else (norms,
 residual stream, attention, softmax). Embeddings are kept as they are (a lookup reads one row;
-a tied LM head is untied).
+a tied LM head is untied, and its top logits are recomputed in float: `RefinedHead`).
 """
 
 from __future__ import annotations
@@ -50,9 +50,11 @@ class Bf16Linear(_PackedLinear):
     The input is rounded to bfloat16 too, so each product x_i · Ŵ_oi is exact in float32. Up to
     `GEMV_ROWS` rows (decode steps, short teacher-forced answers) go through torch's bfloat16
     kernel, which accumulates in float32 and rounds the output to bfloat16; longer inputs
-    (prefill chunks) multiply the same rounded operands in float32 (a CPU without native
-    bfloat16 runs a bfloat16 product of many rows several times slower than float32:
-    benchmarks/linear_formats.py), output unrounded. The output comes back in the input's dtype.
+    (prefill chunks, a question's prefill) multiply the same rounded operands in float32, output
+    unrounded: a CPU without native bfloat16 runs a bfloat16 product of many rows several times
+    slower than float32. That float32 copy of Ŵ is made at the first long input and kept (memory:
+    6 bytes per weight from then on; decode still reads only the 2-byte copy). The output comes
+    back in the input's dtype.
     """
 
     GEMV_ROWS = 16
@@ -61,12 +63,15 @@ class Bf16Linear(_PackedLinear):
         super().__init__(linear)
         self.weight_bf16: torch.Tensor
         self.register_buffer("weight_bf16", linear.weight.detach().to(torch.bfloat16).contiguous())
+        self._widened: torch.Tensor | None = None  # Ŵ in the input's dtype, made at the first long input
 
     def _product(self, flat: torch.Tensor) -> torch.Tensor:
         x = flat.to(torch.bfloat16)
         if flat.shape[0] <= self.GEMV_ROWS or flat.dtype == torch.bfloat16:
             return F.linear(x, self.weight_bf16).to(flat.dtype)  # [N, out]
-        return F.linear(x.to(flat.dtype), self.weight_bf16.to(flat.dtype))
+        if self._widened is None or self._widened.dtype != flat.dtype:
+            self._widened = self.weight_bf16.to(flat.dtype)  # kept: a question's prefill would widen it again
+        return F.linear(x.to(flat.dtype), self._widened)
 
 
 class Int8Linear(_PackedLinear):
@@ -134,15 +139,21 @@ class Int4Linear(_PackedLinear):
 
 
 class RefinedHead(nn.Module):
-    """An LM head in a weight-only format whose top candidates are recomputed in float.
+    """An LM head in a weight-only format whose top candidates are recomputed in float32.
 
     A reduced-precision head rounds every logit (its kernel's bfloat16 output has steps of 0.125
     at logits of 16–32), which breaks near-ties the float model resolves, so greedy answers
-    flip. Here the logits `[..., V]` come from `approx`, then each position's `TOPK` largest
-    are recomputed from the float weights `[V, H]` (the embedding matrix when tied: no extra
-    memory) and the float input: those equal the float head's logits up to float32 summation
-    order, so the greedy token is the float head's whenever that token ranks within the
-    approximate top `TOPK`. Reads `TOPK` float rows per position, not V.
+    flip. Here the logits `[..., V]` of up to `Bf16Linear.GEMV_ROWS` positions come from
+    `approx`, then each position's `TOPK` largest are recomputed in float32 from the float
+    weights `[V, H]` (the embedding matrix when tied: no extra memory) and the unrounded input:
+    those equal the float head's logits up to float32 summation order, so the greedy token is
+    the float head's whenever that token ranks within the approximate top `TOPK`. Decode reads
+    `TOPK` float rows per position, not V. Longer inputs (teacher forcing) take the float head
+    whole. Returns float32 logits.
+
+    `float_weight` is a plain reference, not a parameter or buffer: the model is quantized after
+    it is moved to its device and dtype and never converted again (a later `.to()` would leave it
+    behind).
     """
 
     TOPK = 64
@@ -150,17 +161,21 @@ class RefinedHead(nn.Module):
     def __init__(self, approx: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.approx = approx
-        self.float_weight = weight.detach()  # [V, H]; not a buffer: shared with the embedding when tied
+        self.float_weight = weight.detach()  # [V, H]; shared with the embedding when tied
         self.float_bias = None if bias is None else bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.approx(x)  # [..., V], x's dtype
+        xf = x.float()
+        rows = x.numel() // x.shape[-1]
+        if rows > Bf16Linear.GEMV_ROWS:  # [..., V] in float32, exact
+            bias = None if self.float_bias is None else self.float_bias.float()
+            return F.linear(xf, self.float_weight.float(), bias)
+        y = self.approx(x).float()  # [..., V]
         idx = y.topk(min(self.TOPK, y.shape[-1]), dim=-1).indices  # [..., k]
-        rows = self.float_weight[idx]  # [..., k, H]
-        exact = (rows.to(x.dtype) @ x.unsqueeze(-1)).squeeze(-1)  # [..., k]
+        exact = (self.float_weight[idx].float() @ xf.unsqueeze(-1)).squeeze(-1)  # [..., k]
         if self.float_bias is not None:
-            exact = exact + self.float_bias[idx].to(x.dtype)
-        return y.scatter(-1, idx, exact.to(y.dtype))
+            exact = exact + self.float_bias[idx].float()
+        return y.scatter(-1, idx, exact)
 
 
 def quantize_weights(model: Any, weight_format: str) -> int:
@@ -201,6 +216,10 @@ def quantize_weights(model: Any, weight_format: str) -> int:
 
 
 def weights_bytes(model: Any) -> int:
-    """Bytes of every parameter and buffer the forward pass reads (embeddings included)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    return total + sum(b.numel() * b.element_size() for b in model.buffers())
+    """Bytes of the weights one decode step reads: every parameter and buffer, except the input
+    embedding matrix (a lookup reads one row) unless it is also the float LM head (tied)."""
+    embedding = model.get_input_embeddings().weight
+    head = getattr(model, "lm_head", None)
+    tied = isinstance(head, nn.Linear) and head.weight is embedding
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors if tied or t is not embedding)

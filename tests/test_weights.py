@@ -243,3 +243,15 @@ def test__refined_head__tied_head_shares_the_embedding_and_weights_bytes_counts_
     assert got.dtype == torch.float32 and float((got - ref).abs().max()) < 0.05 * float(ref.abs().max())
     v, h = embedding.shape
     assert float_bytes - weights_bytes(model) > 0.9 * (v * h * 2)  # the float head (4 B) became bf16 (2 B)
+
+
+def test__default_weights__a_preset_default_applies_when_none_are_named(tiny_model_dir, monkeypatch):
+    """`RocketKV.load` without `weights` loads the model's measured default
+    (`PRESET_WEIGHTS_DEFAULTS`), float for any other model; a named format always wins."""
+    from rocketkv_cli.core import config
+    from rocketkv_cli.engine.api import RocketKV
+
+    assert config.default_weights("some/other-model") == "float"
+    monkeypatch.setitem(config.PRESET_WEIGHTS_DEFAULTS, str(tiny_model_dir), "bf16")
+    assert RocketKV.load(str(tiny_model_dir), device="cpu").engine.loaded.weights == "bf16"
+    assert RocketKV.load(str(tiny_model_dir), device="cpu", weights="float").engine.loaded.weights == "float"

@@ -212,7 +212,7 @@ def load_engine(model: Optional[str], device: str, dtype: str, trust_remote_code
         else contextlib.nullcontext()
     ):
         rk = RocketKV.load(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, log=log,
-                           weights=weights or DEFAULT_WEIGHTS)  # fmt: skip
+                           weights=weights)  # fmt: skip
     loaded = rk.engine.loaded
     dtype_name = str(loaded.dtype).removeprefix("torch.")
     what = dtype_name + (f", {loaded.weights} weights" if loaded.weights != "float" else "")
@@ -374,9 +374,6 @@ OPTION_NAMES = {"token_budget": "--budget", "store_budget": "--store-budget", "m
 def option_names(message: str) -> str:
     """`message` with configuration field names replaced by the command-line options that set them."""
     return re.sub(r"(?<![\w-])(" + "|".join(OPTION_NAMES) + r")(?![\w-])", lambda m: OPTION_NAMES[m.group(1)], message)
-
-
-DEFAULT_WEIGHTS = "float"  # chosen by measurement: docs/performance.md
 
 
 def _check_weights(value: Optional[str]) -> Optional[str]:

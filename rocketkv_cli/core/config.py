@@ -18,12 +18,24 @@ DEFAULT_WINDOW_SIZE = 32
 DEFAULT_POOL_KERNEL_SIZE = 63
 DEFAULT_FIRST_TOKENS = 64  # docs/algorithm.md §2 step 5
 WEIGHT_FORMATS = ("float", "bf16", "int8", "int4")  # decode weight formats (model/weights.py)
+# the weights a model loads with when none are named (`--weights`; `ask` on a cache: the cache's),
+# chosen by measurement (docs/performance.md, "Do the faster formats answer like float32?"): a
+# weight-only format only for a preset whose answers with it agree with the float32 model's on
+# >= 0.98 of the answer tokens; the checkpoint's floats elsewhere
+DEFAULT_WEIGHTS = "float"
+PRESET_WEIGHTS_DEFAULTS: dict[str, str] = {}
 # what `ingest` stores by default (`core/quant.py` parses it; kept here, torch-free, for the CLI's
 # option defaults), chosen by measurement (docs/storage.md, "Default and targets"): the smallest
 # storage whose teacher-forced top-1 agreement with the float32 cache is >= 0.98 — int4 on SmolLM2
 # (0.99), int8 on Gemma (int4: 0.95 at 8K, 0.975 at 32K) and on any model not measured
 DEFAULT_KV_DTYPE = "int8"
 PRESET_KV_DTYPE_DEFAULTS: dict[str, str] = {"smollm2-135m": "int4"}
+
+
+def default_weights(model_id: str) -> str:
+    """The weight format model `model_id` loads with when none is named (`PRESET_WEIGHTS_DEFAULTS`,
+    else `DEFAULT_WEIGHTS`)."""
+    return PRESET_WEIGHTS_DEFAULTS.get(model_id, DEFAULT_WEIGHTS)
 
 
 def default_kv_dtype(model_id: str) -> str:

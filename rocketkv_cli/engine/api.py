@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.cache import AnyCache, CompressedKVCache, SegmentedKVCache
-from ..core.config import DEFAULT_MAX_NEW_TOKENS, PrefillConfig, default_kv_dtype, with_preset_defaults
+from ..core.config import DEFAULT_MAX_NEW_TOKENS, PrefillConfig, default_kv_dtype, default_weights, with_preset_defaults
 from ..core.quant import KVStorage
 from ..errors import InputError, UsageError
 from ..model.loading import DEFAULT_MODEL, configure_transformers, load_model
@@ -123,13 +123,14 @@ class RocketKV:
         dtype: str = "auto",
         trust_remote_code: bool = False,
         log: Log = lambda message: None,
-        weights: str = "float",
+        weights: str | None = None,
     ) -> RocketKV:
         """Load a model offline: a preset (`gemma-3-270m`, `smollm2-135m`), a Hugging Face model
         directory, a `.gguf` file or a hub id already in the local cache. device: cpu, cuda[:N]
         or auto; dtype: auto, float32, bfloat16 or float16; weights: float, bf16, int8 or int4
-        (weight-only linears for CPU decode in a float32 model, `model/weights.py`). Raises
-        ModelLoadError."""
+        (weight-only linears for CPU decode in a float32 model, `model/weights.py`), None: the
+        model's measured default (`core.config.default_weights`). Raises ModelLoadError."""
+        weights = weights or default_weights(model)
         loaded = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=log,
                             weights=weights)  # fmt: skip
         return cls(Engine(loaded))

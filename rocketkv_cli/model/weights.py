@@ -9,8 +9,10 @@ that format and multiplies with torch's own CPU kernel for it, fast only with bf
 (4-bit codes with a bfloat16 scale and zero per 32 input channels,
 `aten._weight_int4pack_mm_for_cpu`). Only each product's input is rounded to bfloat16 and its
 output returned in the model's dtype, so a float32 model keeps float32 everywhere else (norms,
-residual stream, attention, softmax). Embeddings are kept as they are (a lookup reads one row;
-a tied LM head is untied, and its top logits are recomputed in float: `RefinedHead`).
+residual stream, attention, softmax). `bf16` keeps the float weights too and uses them for
+inputs of more than 16 rows (prefill), so it changes decode only. Embeddings are kept as they
+are (a lookup reads one row; a tied LM head is untied, and its top logits are recomputed in
+float: `RefinedHead`).
 """
 
 from __future__ import annotations
@@ -45,16 +47,19 @@ class _PackedLinear(nn.Module):
 
 
 class Bf16Linear(_PackedLinear):
-    """`y = x · Ŵᵀ + b` with Ŵ = W rounded to bfloat16 `[out, in]` (2 bytes per weight).
+    """`y = x · Ŵᵀ + b` for decode with Ŵ = W rounded to bfloat16 `[out, in]` (2 bytes per
+    weight read per token); longer inputs with W itself.
 
-    The input is rounded to bfloat16 too, so each product x_i · Ŵ_oi is exact in float32. Up to
-    `GEMV_ROWS` rows (decode steps, short teacher-forced answers) go through torch's bfloat16
-    kernel, which accumulates in float32 and rounds the output to bfloat16; longer inputs
-    (prefill chunks, a question's prefill) multiply the same rounded operands in float32, output
-    unrounded: a CPU without native bfloat16 runs a bfloat16 product of many rows several times
-    slower than float32. That float32 copy of Ŵ is made at the first long input and kept (memory:
-    6 bytes per weight from then on; decode still reads only the 2-byte copy). The output comes
-    back in the input's dtype.
+    Up to `GEMV_ROWS` rows (decode steps, short questions) the input is rounded to bfloat16 too
+    and torch's bfloat16 kernel multiplies (each product exact, float32 accumulation, the output
+    rounded to bfloat16). Longer inputs (prefill chunks, most questions, teacher forcing) are
+    multiplied by the float weights W exactly as the float model does: a CPU without native
+    bfloat16 runs a bfloat16 product of many rows several times slower than float32, and a cache
+    prefilled with W keeps the tokens the float model would keep (docs/performance.md measures
+    both). So `--weights bf16` changes decode, not what `ingest` stores. Memory: W stays loaded
+    beside Ŵ (6 bytes per weight); `float_weight` is a plain reference, not a buffer (the model
+    is quantized after it is moved to its device and dtype, and never converted again). The
+    output comes back in the input's dtype.
     """
 
     GEMV_ROWS = 16
@@ -63,15 +68,12 @@ class Bf16Linear(_PackedLinear):
         super().__init__(linear)
         self.weight_bf16: torch.Tensor
         self.register_buffer("weight_bf16", linear.weight.detach().to(torch.bfloat16).contiguous())
-        self._widened: torch.Tensor | None = None  # Ŵ in the input's dtype, made at the first long input
+        self.float_weight = linear.weight.detach()  # [out, in], the model's dtype
 
     def _product(self, flat: torch.Tensor) -> torch.Tensor:
-        x = flat.to(torch.bfloat16)
         if flat.shape[0] <= self.GEMV_ROWS or flat.dtype == torch.bfloat16:
-            return F.linear(x, self.weight_bf16).to(flat.dtype)  # [N, out]
-        if self._widened is None or self._widened.dtype != flat.dtype:
-            self._widened = self.weight_bf16.to(flat.dtype)  # kept: a question's prefill would widen it again
-        return F.linear(x.to(flat.dtype), self._widened)
+            return F.linear(flat.to(torch.bfloat16), self.weight_bf16).to(flat.dtype)  # [N, out]
+        return F.linear(flat, self.float_weight.to(flat.dtype))
 
 
 class Int8Linear(_PackedLinear):
@@ -149,7 +151,7 @@ class RefinedHead(nn.Module):
     those equal the float head's logits up to float32 summation order, so the greedy token is
     the float head's whenever that token ranks within the approximate top `TOPK`. Decode reads
     `TOPK` float rows per position, not V. Longer inputs (teacher forcing) take the float head
-    whole. Returns float32 logits.
+    whole, as `Bf16Linear` does. Returns float32 logits.
 
     `float_weight` is a plain reference, not a parameter or buffer: the model is quantized after
     it is moved to its device and dtype and never converted again (a later `.to()` would leave it

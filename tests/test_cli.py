@@ -433,24 +433,25 @@ def test__option_names__shown_once_and_only_for_fields():
     assert option_names("token_budget_x and my_topk") == "token_budget_x and my_topk"
 
 
-def test__weights_bf16__recorded_in_the_cache_and_used_by_ask(rocketkv_bin, env, doc, tiny_model_dir, tmp_path):
-    """`ingest --weights bf16` records the weights that built the cache; `ask` then loads the same
-    format without being told (and `--weights float` overrides it)."""
+def test__weights_int8__recorded_in_the_cache_and_used_by_ask(rocketkv_bin, env, doc, tiny_model_dir, tmp_path):
+    """`ingest --weights int8` records the weights that prefilled the cache (`inspect` shows
+    them); `ask` then loads the same format without being told (integer weights change what
+    stage 1 kept), and `--weights float` overrides it."""
     from rocketkv_cli.engine.api import read_cache
 
-    out = tmp_path / "bf16.kv"
+    out = tmp_path / "int8.kv"
     r = run(rocketkv_bin, env, "ingest", doc, "-o", out, "--model", tiny_model_dir, "--budget", "64",
-            "--max-new-tokens", "6", "--weights", "bf16")  # fmt: skip
+            "--max-new-tokens", "6", "--weights", "int8")  # fmt: skip
     assert r.returncode == 0, r.stderr
-    assert read_cache(out).info.weights == "bf16"
+    assert read_cache(out).info.weights == "int8"
     r = run(rocketkv_bin, env, "inspect", out)
-    assert re.search(r"dtype\s+float32, bf16 weights", r.stdout), r.stdout
+    assert re.search(r"dtype\s+float32, int8 weights", r.stdout), r.stdout
     r = run(rocketkv_bin, env, "ask", "--cache", out, "What is the code?", "--max-new-tokens", "4")
     assert r.returncode == 0 and r.stdout.strip(), r.stderr
-    assert "(float32, bf16 weights)" in r.stderr, r.stderr
+    assert "(float32, int8 weights)" in r.stderr, r.stderr
     r = run(rocketkv_bin, env, "ask", "--cache", out, "What is the code?", "--max-new-tokens", "4",
             "--weights", "float")  # fmt: skip
-    assert r.returncode == 0 and "bf16 weights" not in r.stderr, r.stderr
+    assert r.returncode == 0 and "int8 weights" not in r.stderr, r.stderr
 
 
 def test__unknown_weights__usage_error_before_the_model_loads(rocketkv_bin, env, doc, tmp_path):

@@ -256,3 +256,21 @@ def test__default_weights__a_preset_default_applies_when_none_are_named(tiny_mod
     monkeypatch.setitem(config.PRESET_WEIGHTS_DEFAULTS, str(tiny_model_dir), "bf16")
     assert RocketKV.load(str(tiny_model_dir), device="cpu").engine.loaded.weights == "bf16"
     assert RocketKV.load(str(tiny_model_dir), device="cpu", weights="float").engine.loaded.weights == "float"
+    bf16_model = RocketKV.load(str(tiny_model_dir), device="cpu", dtype="bfloat16").engine.loaded
+    assert bf16_model.weights == "float"  # weight-only formats are for a float32 model
+
+
+@pytest.mark.parametrize("fmt, answer_with", [("float", None), ("bf16", None), ("int8", "int8"), ("int4", "int4")])
+def test__decode_weights_for__integer_prefill_is_kept_float_and_bf16_take_the_default(tiny_model_dir, fmt,
+                                                                                       answer_with):  # fmt: skip
+    """A cache prefilled with integer weights is answered with them (they changed what stage 1
+    kept); float and bf16 prefill alike (bf16 multiplies prefill's long inputs by the float
+    weights), so their caches take the model's default decode weights (None)."""
+    from rocketkv_cli.core.config import PrefillConfig
+    from rocketkv_cli.engine.api import RocketKV, decode_weights_for
+    from rocketkv_cli.engine.documents import Document
+
+    rk = RocketKV.load(str(tiny_model_dir), device="cpu", weights=fmt)
+    cache = rk.engine.ingest(Document("word " * 200, "0" * 64, "doc"), PrefillConfig(token_budget=64))
+    assert cache.info.weights == fmt
+    assert decode_weights_for(cache) == answer_with

@@ -99,7 +99,7 @@ def open_cache(cache: Path, model: Optional[str], device: str, dtype: Optional[s
     check_cache_file(cache)  # a missing or unreadable path fails before torch is imported
     timings = timings or Timings()
     with timings.span("imports (torch, transformers)"), starting():
-        from ..engine.api import check_cite, read_cache
+        from ..engine.api import check_cite, decode_weights_for, read_cache
 
     with timings.span("cache read + verify"):
         stored = read_cache(cache)
@@ -107,7 +107,7 @@ def open_cache(cache: Path, model: Optional[str], device: str, dtype: Optional[s
     ident = stored.info.identity
     with timings.span("model load"):
         rk = load_engine(model or ident.model_id, device, dtype or stored.info.dtype, trust_remote_code,
-                         weights or stored.info.weights)  # fmt: skip
+                         weights or decode_weights_for(stored))  # fmt: skip
     with timings.span("model identity check"):
         rk.check(stored, str(cache))
     return rk, stored

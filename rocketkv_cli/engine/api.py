@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.cache import AnyCache, CompressedKVCache, SegmentedKVCache
-from ..core.config import DEFAULT_MAX_NEW_TOKENS, PrefillConfig, default_kv_dtype, default_weights, with_preset_defaults
+from ..core.config import DEFAULT_MAX_NEW_TOKENS, PrefillConfig, default_kv_dtype, with_preset_defaults
 from ..core.quant import KVStorage
 from ..errors import InputError, UsageError
 from ..model.loading import DEFAULT_MODEL, configure_transformers, load_model
@@ -72,6 +72,13 @@ def check_questions(questions: Iterable[str]) -> list[str]:
     if not qs:
         raise InputError("no question given", "pass questions as arguments or with --questions-file")
     return qs
+
+
+def decode_weights_for(cache: AnyCache) -> str | None:
+    """The weights to answer from `cache` with when the user names none: the cache's own when it
+    was prefilled with integer weights (int8/int4 change what stage 1 kept), else None (the
+    model's measured default: float and bf16 prefill alike, `model.weights.Bf16Linear`)."""
+    return cache.info.weights if cache.info.weights in ("int8", "int4") else None
 
 
 def read_cache(path: str | Path) -> AnyCache:
@@ -129,8 +136,7 @@ class RocketKV:
         directory, a `.gguf` file or a hub id already in the local cache. device: cpu, cuda[:N]
         or auto; dtype: auto, float32, bfloat16 or float16; weights: float, bf16, int8 or int4
         (weight-only linears for CPU decode in a float32 model, `model/weights.py`), None: the
-        model's measured default (`core.config.default_weights`). Raises ModelLoadError."""
-        weights = weights or default_weights(model)
+        model's measured default on a CPU (`core.config.default_weights`). Raises ModelLoadError."""
         loaded = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=log,
                             weights=weights)  # fmt: skip
         return cls(Engine(loaded))

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..core.config import default_weights
 from ..errors import ModelLoadError
 from .weights import quantize_weights
 
@@ -214,7 +215,7 @@ def load_model(
     dtype: str = "auto",
     trust_remote_code: bool = False,
     progress: Progress = lambda _msg: None,
-    weights: str = "float",
+    weights: str | None = None,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer, offline.
 
@@ -222,7 +223,8 @@ def load_model(
         model: preset name, directory, `.gguf` path, or a hub id already in the local HF cache.
         device: cpu, cuda[:N] or auto. dtype: auto (`resolve_dtype`), float32, bfloat16 or float16.
         weights: "float" (as loaded), or weight-only "bf16", "int8" or "int4" linears (CPU;
-            `model.weights`; the model stays float32 under `auto`).
+            `model.weights`; the model stays float32 under `auto`). None: the model's measured
+            default (`core.config.default_weights`) for a float32 model on the CPU, else "float".
         progress: called with one-line status messages (for stderr).
     Raises:
         ModelLoadError: not found, no weights, unsupported, or no CUDA.
@@ -232,6 +234,8 @@ def load_model(
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     model_id, where = resolve_model_dir(model, progress)
+    if weights is None:
+        weights = default_weights(model_id) if dev.type == "cpu" and torch_dtype == torch.float32 else "float"
     local_only = {"local_files_only": True, "trust_remote_code": trust_remote_code}
     try:
         cfg_model_type = _config_model_type(where)

@@ -2,6 +2,8 @@
 its format (bfloat16, per-channel int8, group-wise int4), every linear converted, and the model
 left in float32 under `--dtype auto` (only the products' inputs are rounded to bfloat16)."""
 
+import contextlib
+
 import pytest
 import torch
 from conftest import tiny_model
@@ -13,6 +15,7 @@ from rocketkv_cli.model.weights import (
     Int4Linear,
     Int8Linear,
     RefinedHead,
+    decode_step,
     quantize_weights,
     weights_bytes,
 )
@@ -50,24 +53,26 @@ def test__int8_linear__within_the_per_channel_rounding_bound(k, n, rows, bias, a
 
 @pytest.mark.parametrize("k, n, rows, bias", [(64, 48, 1, False), (96, 130, 3, True), (576, 192, 40, False)])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
-def test__bf16_linear__rounded_operands_for_decode_float_weights_for_long_inputs(k, n, rows, bias, act):
-    """Up to `GEMV_ROWS` rows: both operands rounded to bfloat16, products exact, float32
+@pytest.mark.parametrize("in_decode", [True, False])
+def test__bf16_linear__rounded_operands_in_decode_float_weights_in_prefill(k, n, rows, bias, act, in_decode):
+    """In a decode step: both operands rounded to bfloat16, products exact, float32
     accumulation, output rounded to bfloat16 — the reference x_bf16 · W_bf16ᵀ is computed here in
     float64, and the result differs from the unrounded product (the rounding really happened).
-    More rows (40 here): the float weights as they are, x · Wᵀ in the input's dtype (float32
-    summation only). The output comes back in the input's dtype."""
+    In prefill: the float weights as they are, x · Wᵀ in the input's dtype (summation only). The
+    output comes back in the input's dtype."""
     torch.manual_seed(k * 3 + n)
     linear = nn.Linear(k, n, bias=bias).to(act).requires_grad_(False)
     x = torch.randn(rows, k, dtype=act)
-    got = Bf16Linear(linear)(x)
+    with decode_step() if in_decode else contextlib.nullcontext():
+        got = Bf16Linear(linear)(x)
     assert got.dtype == act and got.shape == (rows, n)
-    short = rows <= Bf16Linear.GEMV_ROWS or act == torch.bfloat16
+    rounded = in_decode or act == torch.bfloat16
     xr, wr = (
-        (x.bfloat16().double(), linear.weight.bfloat16().double()) if short else (x.double(), linear.weight.double())
+        (x.bfloat16().double(), linear.weight.bfloat16().double()) if rounded else (x.double(), linear.weight.double())
     )
     product = xr @ wr.T  # [rows, n]
     magnitude = xr.abs() @ wr.abs().T
-    tol = 2**-8 * product.abs() + 1e-6 * magnitude if short else 1e-6 * magnitude  # bfloat16 output; summation
+    tol = 2**-8 * product.abs() + 1e-6 * magnitude if rounded else 1e-6 * magnitude  # bfloat16 output; summation
     if bias:
         product = product + linear.bias.double()
         tol = tol + (2**-8 * product.abs() if act == torch.bfloat16 else 1e-6 * product.abs())  # the bias added
@@ -75,7 +80,7 @@ def test__bf16_linear__rounded_operands_for_decode_float_weights_for_long_inputs
     assert bool((err <= tol).all()), (
         f"max error {float(err.max()):.3e} (mean {float(err.mean()):.3e}), worst excess {float((err - tol).max()):.3e}"
     )
-    if act == torch.float32 and short:
+    if act == torch.float32 and in_decode:
         unrounded = x.double() @ linear.weight.double().T + (linear.bias.double() if bias else 0)
         assert float((got.double() - unrounded).abs().max()) > 1e-4 * float(magnitude.max())
 
@@ -183,8 +188,8 @@ def test__weight_formats__keep_a_float32_model_and_answer(tiny_model_dir, fmt, c
     loaded = load_model(str(tiny_model_dir), device="cpu", weights=fmt)
     assert loaded.weights == fmt and next(loaded.model.parameters()).dtype == torch.float32
     assert any(isinstance(m, cls) for m in loaded.model.modules())
-    ids = torch.arange(2, 14).view(1, -1)  # ≤ 16 tokens: bf16's decode path too
-    with torch.inference_mode():
+    ids = torch.arange(2, 40).view(1, -1)
+    with torch.inference_mode(), decode_step():  # the weights decode runs (bf16: its bfloat16 copy)
         a, b = ref.model(ids).logits, loaded.model(ids).logits
     cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)
     assert float(cos) > 0.97, float(cos)  # random weights of a 2-layer model: a coarse closeness check
@@ -192,13 +197,13 @@ def test__weight_formats__keep_a_float32_model_and_answer(tiny_model_dir, fmt, c
 
 
 @pytest.mark.parametrize("fmt, cls", [("bf16", Bf16Linear), ("int8", Int8Linear), ("int4", Int4Linear)])
-@pytest.mark.parametrize("rows", [1, 5, 16, 40])
+@pytest.mark.parametrize("rows", [1, 5, 40])
 def test__refined_head__top_logits_exact_so_greedy_matches_the_float_head(fmt, cls, rows):
     """Logits around 20 (steps of 0.125 in bfloat16) where 8 tokens are near-tied and the rest
     lie several units below: the format's own head picks another token than the float head on
-    some rows; `RefinedHead` recomputes each row's approximate top `TOPK` in float (calls of up
-    to `GEMV_ROWS` positions; longer ones, 40 here, take the float head whole), so those logits
-    equal the float head's (max error shown) and every argmax matches."""
+    some rows; `RefinedHead` recomputes each row's approximate top `TOPK` in float in decode
+    steps, so those logits equal the float head's (max error shown) and every argmax matches;
+    in prefill it takes the float head whole."""
     torch.manual_seed(rows)
     v, h = 512, 64
     head = nn.Linear(h, v, bias=True).requires_grad_(False)
@@ -210,20 +215,19 @@ def test__refined_head__top_logits_exact_so_greedy_matches_the_float_head(fmt, c
     exact = head(x)  # [200, rows, V]
     approx = cls(head)
     module = RefinedHead(approx, head.weight, head.bias)
-    refined = torch.cat([module(x[i : i + 1]) for i in range(len(x))])  # one call per sample: [1, rows, H]
-    approximate = torch.cat([approx(x[i : i + 1]).float() for i in range(len(x))])  # as the module sees it
-    if rows <= Bf16Linear.GEMV_ROWS:
-        picked = approximate.topk(RefinedHead.TOPK, dim=-1).indices  # what the module refines
-        err = (refined.gather(-1, picked) - exact.gather(-1, picked)).abs()
-    else:
-        err = (refined - exact).abs()  # the float head whole
+    with decode_step():
+        refined = module(x)
+        approximate = approx(x).float()  # as the module sees it
+    picked = approximate.topk(RefinedHead.TOPK, dim=-1).indices  # what the module refines
+    err = (refined.gather(-1, picked) - exact.gather(-1, picked)).abs()
     assert float(err.max()) < 1e-4, f"max error {float(err.max()):.3e} (mean {float(err.mean()):.3e})"
     best = exact.max(-1, keepdim=True).values
     chosen = exact.gather(-1, refined.argmax(-1, keepdim=True))  # the float head's logit of the refined choice
     assert bool((chosen >= best - 1e-4).all()), float((best - chosen).max())  # the greedy token, up to float32 ties
-    if rows <= Bf16Linear.GEMV_ROWS:  # decode's calls: the format alone picks a worse token on some rows
-        flipped = exact.gather(-1, approximate.argmax(-1, keepdim=True))
-        assert bool((flipped < best - 1e-3).any())
+    flipped = exact.gather(-1, approximate.argmax(-1, keepdim=True))
+    assert bool((flipped < best - 1e-3).any())  # the format alone picks a worse token on some rows
+    prefill = module(x)  # outside a decode step: the float head whole
+    assert float((prefill - exact).abs().max()) < 1e-4
 
 
 def test__refined_head__tied_head_shares_the_embedding_and_weights_bytes_counts_what_decode_reads():
@@ -239,7 +243,7 @@ def test__refined_head__tied_head_shares_the_embedding_and_weights_bytes_counts_
     embedding = model.model.embed_tokens.weight
     quantize_weights(model, "bf16")
     assert model.lm_head.float_weight.data_ptr() == embedding.data_ptr()
-    with torch.inference_mode():
+    with torch.inference_mode(), decode_step():
         got = model(ids, logits_to_keep=1).logits
     assert got.dtype == torch.float32 and float((got - ref).abs().max()) < 0.05 * float(ref.abs().max())
     v, h = embedding.shape

@@ -387,8 +387,8 @@ def _check_weights(value: Optional[str]) -> Optional[str]:
 
 WeightsOpt = Annotated[
     Optional[str],
-    typer.Option(callback=_check_weights, help="Weights for decode: float, bf16, int8 or int4 (CPU; ask: default = "
-                 "the cache's)."),
+    typer.Option(callback=_check_weights, help="Weights for decode on CPU: float, bf16, int8 or int4 (int8/int4 "
+                 "also prefill). Default: the model's measured choice; ask: the cache's int8/int4."),
 ]  # fmt: skip
 
 KvDtypeOpt = Annotated[

@@ -39,6 +39,7 @@ from ..model.hf import (
 )
 from ..model.loading import LoadedModel, chat_template_digest, model_digest, stop_token_ids, tokenizer_digest
 from ..model.templates import PromptFormat, prompt_format, read_prompt
+from ..model.weights import decode_step
 from .documents import Document, DocumentTokens, tokenize, tokenize_document
 from .selectors import LayerPrefill, pool_kernel_of, selector_for
 
@@ -444,34 +445,33 @@ class Decoder:
         """Run one token at the next position; returns its logits `[1, V]` float32."""
         self._token.fill_(token)
         self._position.fill_(self.position)
-        logits = forward_tokens(self.engine.model, self.cache, self._token, self._position)
+        with decode_step():
+            logits = forward_tokens(self.engine.model, self.cache, self._token, self._position)
         self.position += 1
         return logits
 
     def score(self, ids: list[int], answer: list[int]) -> torch.Tensor:
         """Teacher forcing: the logits `[len(answer), V]` float32 that predict each token of
-        `answer` after the question `ids` and the answer's earlier tokens, in one forward. The
-        question attends exactly (as its prefill does) and every answer position with stage 2
-        exactly as the decode step at that position would, so the logits equal step-by-step decode
-        (`tests/test_decode.py`). Leaves the tokens in the tail; `reset()` drops them."""
-        if self.reselection is not None:  # the question first (it chooses the working set), then the answer
+        `answer` after the question `ids` and the answer's earlier tokens. The question is
+        prefilled as `prefill` does it (it also chooses a re-selected working set), then the
+        answer's tokens run in one forward, each position attending with stage 2 and the decode
+        weights (`decode_step`) exactly as the decode step at that position would, so the logits
+        equal step-by-step decode (`tests/test_decode.py`). Leaves the tokens in the tail;
+        `reset()` drops them."""
+        with self.attention():
             first = self.prefill(ids)  # [1, V]
-            if len(answer) == 1:
-                return first
-            rest = answer[:-1]
-            positions = torch.arange(self.position, self.position + len(rest), device=self._position.device)
-            with rocketkv_attention(self.engine.model, self.cache, self.engine.shape, decode=self.decode,
-                                    hsa_from=self.position):  # fmt: skip
-                logits = forward_tokens(self.engine.model, self.cache, self.engine.ids(rest), positions, len(rest))
-            self.position += len(rest)
-            return torch.cat([first, logits.view(len(rest), -1)], dim=0)
-        tokens = ids + answer[:-1]
-        positions = torch.arange(self.position, self.position + len(tokens), device=self._position.device)
-        with rocketkv_attention(self.engine.model, self.cache, self.engine.shape, decode=self.decode,
-                                hsa_from=self.position + len(ids)):  # fmt: skip
-            logits = forward_tokens(self.engine.model, self.cache, self.engine.ids(tokens), positions, len(answer))
-        self.position += len(tokens)
-        return logits.view(len(answer), -1)
+        if len(answer) == 1:
+            return first
+        rest = answer[:-1]
+        positions = torch.arange(self.position, self.position + len(rest), device=self._position.device)
+        with (
+            rocketkv_attention(self.engine.model, self.cache, self.engine.shape, decode=self.decode,
+                               hsa_from=self.position),
+            decode_step(),
+        ):  # fmt: skip
+            logits = forward_tokens(self.engine.model, self.cache, self.engine.ids(rest), positions, len(rest))
+        self.position += len(rest)
+        return torch.cat([first, logits.view(len(rest), -1)], dim=0)
 
     def reset(self) -> None:
         """Back to the stored context (the tail's tokens are forgotten)."""

@@ -9,14 +9,17 @@ that format and multiplies with torch's own CPU kernel for it, fast only with bf
 (4-bit codes with a bfloat16 scale and zero per 32 input channels,
 `aten._weight_int4pack_mm_for_cpu`). Only each product's input is rounded to bfloat16 and its
 output returned in the model's dtype, so a float32 model keeps float32 everywhere else (norms,
-residual stream, attention, softmax). `bf16` keeps the float weights too and uses them for
-inputs of more than 16 rows (prefill), so it changes decode only. Embeddings are kept as they
+residual stream, attention, softmax). `bf16` keeps the float weights too and prefills with
+them: it changes decode steps only (`decode_step`). Embeddings are kept as they
 are (a lookup reads one row; a tied LM head is untied, and its top logits are recomputed in
 float: `RefinedHead`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,6 +27,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.config import WEIGHT_FORMATS
+
+_DECODE_STEP: contextvars.ContextVar[bool] = contextvars.ContextVar("rocketkv_decode_step", default=False)
+
+
+@contextlib.contextmanager
+def decode_step() -> Iterator[None]:
+    """Inside the block, the forward runs decode's weights: `Bf16Linear`'s bfloat16 copy and
+    `RefinedHead`'s approximate head with its top logits refined. The engine wraps each
+    generated token's forward in it, and an answer's teacher forcing (which must equal decode);
+    prefill runs outside it. Integer linears use their codes either way (they keep no floats)."""
+    token = _DECODE_STEP.set(True)
+    try:
+        yield
+    finally:
+        _DECODE_STEP.reset(token)
 
 
 class _PackedLinear(nn.Module):
@@ -47,22 +65,20 @@ class _PackedLinear(nn.Module):
 
 
 class Bf16Linear(_PackedLinear):
-    """`y = x · Ŵᵀ + b` for decode with Ŵ = W rounded to bfloat16 `[out, in]` (2 bytes per
-    weight read per token); longer inputs with W itself.
+    """`y = x · Ŵᵀ + b` in decode steps with Ŵ = W rounded to bfloat16 `[out, in]` (2 bytes per
+    weight read per token); `y = x · Wᵀ + b` with the float weights W everywhere else.
 
-    Up to `GEMV_ROWS` rows (decode steps, short questions) the input is rounded to bfloat16 too
-    and torch's bfloat16 kernel multiplies (each product exact, float32 accumulation, the output
-    rounded to bfloat16). Longer inputs (prefill chunks, most questions, teacher forcing) are
-    multiplied by the float weights W exactly as the float model does: a CPU without native
-    bfloat16 runs a bfloat16 product of many rows several times slower than float32, and a cache
-    prefilled with W keeps the tokens the float model would keep (docs/performance.md measures
-    both). So `--weights bf16` changes decode, not what `ingest` stores. Memory: W stays loaded
-    beside Ŵ (6 bytes per weight); `float_weight` is a plain reference, not a buffer (the model
-    is quantized after it is moved to its device and dtype, and never converted again). The
-    output comes back in the input's dtype.
+    Inside `decode_step()` (each generated token; an answer's teacher forcing, which equals
+    decode) the input is rounded to bfloat16 too and torch's bfloat16 kernel multiplies (each
+    product exact, float32 accumulation, the output rounded to bfloat16). Prefill (the document
+    and the question) multiplies by W exactly as the float model does: a CPU without native
+    bfloat16 runs a bfloat16 product of many rows several times slower than float32, and a
+    cache prefilled with W keeps the tokens the float model would keep (docs/performance.md
+    measured the difference). So `--weights bf16` changes decode, not what `ingest` stores.
+    Memory: W stays loaded beside Ŵ (6 bytes per weight); `float_weight` is a plain reference,
+    not a buffer (the model is quantized after it is moved to its device and dtype, and never
+    converted again). The output comes back in the input's dtype.
     """
-
-    GEMV_ROWS = 16
 
     def __init__(self, linear: nn.Linear):
         super().__init__(linear)
@@ -71,7 +87,7 @@ class Bf16Linear(_PackedLinear):
         self.float_weight = linear.weight.detach()  # [out, in], the model's dtype
 
     def _product(self, flat: torch.Tensor) -> torch.Tensor:
-        if flat.shape[0] <= self.GEMV_ROWS or flat.dtype == torch.bfloat16:
+        if _DECODE_STEP.get() or flat.dtype == torch.bfloat16:
             return F.linear(flat.to(torch.bfloat16), self.weight_bf16).to(flat.dtype)  # [N, out]
         return F.linear(flat, self.float_weight.to(flat.dtype))
 
@@ -145,13 +161,13 @@ class RefinedHead(nn.Module):
 
     A reduced-precision head rounds every logit (its kernel's bfloat16 output has steps of 0.125
     at logits of 16–32), which breaks near-ties the float model resolves, so greedy answers
-    flip. Here the logits `[..., V]` of up to `Bf16Linear.GEMV_ROWS` positions come from
-    `approx`, then each position's `TOPK` largest are recomputed in float32 from the float
-    weights `[V, H]` (the embedding matrix when tied: no extra memory) and the unrounded input:
-    those equal the float head's logits up to float32 summation order, so the greedy token is
-    the float head's whenever that token ranks within the approximate top `TOPK`. Decode reads
-    `TOPK` float rows per position, not V. Longer inputs (teacher forcing) take the float head
-    whole, as `Bf16Linear` does. Returns float32 logits.
+    flip. Here, inside `decode_step()`, the logits `[..., V]` come from `approx`, then each
+    position's `TOPK` largest are recomputed in float32 from the float weights `[V, H]` (the
+    embedding matrix when tied: no extra memory) and the unrounded input: those equal the float
+    head's logits up to float32 summation order, so the greedy token is the float head's
+    whenever that token ranks within the approximate top `TOPK`. A decode step reads `TOPK`
+    float rows per position, not V. Prefill (one row per question) takes the float head whole.
+    Returns float32 logits.
 
     `float_weight` is a plain reference, not a parameter or buffer: the model is quantized after
     it is moved to its device and dtype and never converted again (a later `.to()` would leave it
@@ -168,8 +184,7 @@ class RefinedHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        rows = x.numel() // x.shape[-1]
-        if rows > Bf16Linear.GEMV_ROWS:  # [..., V] in float32, exact
+        if not _DECODE_STEP.get():  # [..., V] in float32, exact
             bias = None if self.float_bias is None else self.float_bias.float()
             return F.linear(xf, self.float_weight.float(), bias)
         y = self.approx(x).float()  # [..., V]

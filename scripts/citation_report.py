@@ -58,7 +58,7 @@ def run(model: str, budget: str, docs: dict[str, str], log) -> list[dict]:
     from rocketkv_cli.engine.cite import baseline_mass, cite, token_scores
     from rocketkv_cli.model.hf import attention_mass
 
-    rk = RocketKV.load(model, device="cpu")
+    rk = RocketKV.load(model, device="cpu", weights="float")  # as docs/citations.md was measured
     token_budget = 10**6 if budget == "full" else int(budget)
     rows = []
     for name, text in docs.items():

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ROCKETKV = str(Path(sys.executable).parent / "rocketkv")
 RUNS = {"smollm2-135m": "7800", "gemma-3-270m": "8192,32000"}
-FORMATS = {"float32": ["--dtype", "float32"], "bfloat16": ["--dtype", "bfloat16"],
+FORMATS = {"float32": ["--dtype", "float32", "--weights", "float"], "bfloat16": ["--dtype", "bfloat16"],
            "bf16w": ["--dtype", "float32", "--weights", "bf16"], "int8w": ["--dtype", "float32", "--weights", "int8"],
            "int4w": ["--dtype", "float32", "--weights", "int4"]}  # fmt: skip
 TARGET_MS = {"smollm2-135m": (7800, 15.0), "gemma-3-270m": (32000, 25.0)}

@@ -53,7 +53,7 @@ def ingest_times(model: str, n_chars: int) -> dict:
     from rocketkv_cli.engine.api import RocketKV
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-    rk = RocketKV.load(model)
+    rk = RocketKV.load(model, weights="float")  # as docs/stage1-methods.md was measured
     text = GPL.read_text()[:n_chars]
     best: dict[str, float] = {}
     n_tokens = 0

@@ -169,7 +169,7 @@ def run(args) -> dict:
     report = json.loads(args.json.read_text()) if args.json.exists() else {}
     report.setdefault("results", {})
     report["layouts"] = LAYOUTS
-    engine = RocketKV.load(args.preset, device="cpu").engine
+    engine = RocketKV.load(args.preset, device="cpu", weights="float").engine  # storage alone varies
     todo = {k: f for k, f in layouts(engine).items() if k in LAYOUTS}
     cfg = with_preset_defaults(PrefillConfig(), args.preset, set())
     count = lambda text: len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731

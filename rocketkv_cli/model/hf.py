@@ -23,6 +23,7 @@ from .. import ops
 from ..core.attention import exact_attention
 from ..core.config import DecodeConfig
 from ..errors import ModelLoadError
+from .weights import decode_step
 
 ATTN_NAME = "rocketkv"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
@@ -506,5 +507,6 @@ class PlainDecoder:
     @torch.inference_mode()
     def decode_one_token(self, token: int) -> int:
         ids = torch.tensor([[token]], device=self.model.device)
-        out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1)
+        with decode_step():  # the same decode weights as rocketkv's own steps
+            out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1)
         return int(out.logits[0, -1].argmax())

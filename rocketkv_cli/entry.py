@@ -72,6 +72,38 @@ def exit_for_signal(signum: int) -> None:
     raise SystemExit(EXIT_CODES[signum])
 
 
+def _exit_now(code: object) -> None:
+    """Finish a command that ran to its end: exit handlers run (Ray's shutdown, temporary folders),
+    the standard streams are flushed, and the process ends without the interpreter's teardown.
+
+    That teardown frees torch's and transformers' thousands of modules and objects one by one:
+    about 2 s after every command that loaded a model, measured on a 2-core CPU, while nothing
+    of rocketkv's is left to write (files are written atomically before a command returns).
+    Without torch loaded there is nothing to save and the normal exit runs. Returns only then."""
+    if "torch" not in sys.modules:
+        return
+    import atexit
+    import os
+    import threading
+
+    status = 0 if code is None else code if isinstance(code, int) else 1
+    if not isinstance(code, (int, type(None))):
+        sys.stderr.write(f"{code}\n")  # what SystemExit would print for a message
+    for thread in threading.enumerate():  # as a normal exit does: wait for non-daemon threads first
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # registered handlers and weakref finalizers, as a normal exit runs them
+    for stream, closed_status in ((sys.stdout, 141), (sys.stderr, status)):
+        try:
+            if stream is not None:
+                stream.flush()
+        except BrokenPipeError:  # stdout's reader went away before the last lines: 128 + SIGPIPE
+            status = status or closed_status
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
+
+
 def main() -> None:
     """Console-script entry point (`rocketkv`, `python -m rocketkv_cli`)."""
     install()
@@ -79,6 +111,10 @@ def main() -> None:
         from .cli import app, with_bare_ray  # the slow imports: from here on an interrupt is ours to report
 
         app(args=with_bare_ray(sys.argv[1:]))
+    except SystemExit as done:
+        if received() is None:
+            _exit_now(done.code)
+        raise
     except KeyboardInterrupt:
         exit_for_signal(signal.SIGINT)
     except Terminated:

@@ -468,3 +468,46 @@ def test__interrupt_that_a_library_turns_into_an_import_error__still_exits_as_th
                        preexec_fn=default_sigint, timeout=120)  # fmt: skip
     assert r.returncode == code, r.stderr
     assert r.stderr.strip().splitlines() == [f"Error: {message}"], r.stderr
+
+
+_EXIT_SCRIPT = """
+import atexit, sys, threading, time
+import torch  # the fast exit applies once torch is loaded
+from rocketkv_cli.entry import _exit_now
+done = []
+worker = threading.Thread(target=lambda: (time.sleep(0.3), done.append(1)))  # a non-daemon thread
+worker.start()
+atexit.register(lambda: open(sys.argv[1], "w").write(f"atexit ran, thread finished: {bool(done)}"))
+if sys.argv[3] == "buffered":  # held in the process until the exit flushes it
+    sys.stdout = open(1, "w", buffering=1 << 16, closefd=False)
+sys.stdout.write("last line, not yet flushed")
+code = sys.argv[2]
+_exit_now(int(code) if code.isdigit() else None if code == "none" else code)
+"""
+
+
+@pytest.mark.parametrize("code, status", [("none", 0), ("0", 0), ("3", 3), ("a message", 1)])
+def test__fast_exit__keeps_the_exit_code_the_output_exit_handlers_and_threads(code, status, tmp_path):
+    """`entry._exit_now` skips the interpreter's teardown after a command, nothing else: the exit
+    status is SystemExit's, buffered stdout is written, atexit handlers run after non-daemon
+    threads end, and a message code is printed on stderr with status 1."""
+    marker = tmp_path / "marker"
+    proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(marker), code, "-"], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == status, proc.stderr
+    assert proc.stdout == "last line, not yet flushed"
+    assert marker.read_text() == "atexit ran, thread finished: True"
+    assert proc.stderr.strip() == ("a message" if code == "a message" else "")
+
+
+def test__fast_exit__reader_gone_before_the_last_flush__exits_141(tmp_path):
+    """stdout's reader closed before the final flush: the output is lost, so the status says so
+    (128 + SIGPIPE, as `_stdout_closed` does for a write that fails earlier), not 0."""
+    marker = tmp_path / "marker"
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the process writes
+    proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(marker), "0", "buffered"], stdout=write_end,
+                          stderr=subprocess.PIPE, text=True, timeout=120)  # fmt: skip
+    os.close(write_end)
+    assert proc.returncode == 141, proc.stderr
+    assert marker.read_text().startswith("atexit ran")

@@ -38,6 +38,7 @@ from ..model.hf import (
     rope_frequencies,
 )
 from ..model.loading import LoadedModel, chat_template_digest, model_digest, stop_token_ids, tokenizer_digest
+from ..model.step import DecodeStep, decode_step_for
 from ..model.templates import PromptFormat, prompt_format, read_prompt
 from ..model.weights import decode_step
 from .documents import Document, DocumentTokens, tokenize, tokenize_document
@@ -70,6 +71,8 @@ class Engine:
         self.prompt: PromptFormat = prompt_format(loaded.tokenizer)
         self.stop_ids = stop_token_ids(loaded.model, loaded.tokenizer)
         self.rope_freqs = rope_frequencies(loaded.model, self.shape.head_dim)  # per layer [D/2] or None
+        # The decode step without transformers' per-call plumbing (model/step.py); None: model.forward.
+        self.step: DecodeStep | None = decode_step_for(loaded.model, self.shape)
 
     def check_storage(self, storage: KVStorage) -> None:
         """Refuse, before any prefill, a storage this model cannot hold as named: int4 or pre-RoPE
@@ -446,7 +449,10 @@ class Decoder:
         self._token.fill_(token)
         self._position.fill_(self.position)
         with decode_step():
-            logits = forward_tokens(self.engine.model, self.cache, self._token, self._position)
+            if self.engine.step is not None:
+                logits = self.engine.step(self.cache, self._token, self._position)
+            else:
+                logits = forward_tokens(self.engine.model, self.cache, self._token, self._position)
         self.position += 1
         return logits
 

@@ -1,0 +1,110 @@
+"""One decode step without transformers' per-call plumbing.
+
+A decode step at batch 1 runs one token through every layer. Calling the model's `forward` for
+it also builds causal masks, output records, keyword plumbing and the decorators around each
+module call, which on a CPU cost about a tenth of SmolLM2's step (docs/performance.md, "Decode
+step"). `DecodeStep` runs the same modules in the same order, with the same arithmetic, but calls
+them directly: the embedding, each layer's norms, projections, RoPE (the model's own rotary
+embedding and `apply_rotary_pos_emb`), rocketkv's attention function (`hf._attention`, so stage
+2, the exact-attention path and `attention_mass` behave as they do in `forward_tokens`), the MLP
+module, the final norm and the LM head. Weight formats need nothing special: their modules are
+the ones called.
+
+Only layouts whose layer order is read from the transformers source are built
+(`SUPPORTED_STEP_TYPES`); any other model gets None from `decode_step_for` and the engine calls
+`forward_tokens`. `tests/test_step.py` checks, for each supported architecture on a tiny model,
+that the logits equal `forward_tokens`'s over several steps, exact attention and HSA.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from .hf import ModelShape, RocketCache, _attention
+
+# Pre-norm layers: norm → attention → residual; norm → MLP → residual.
+_PRE_NORM = ("llama", "mistral", "qwen2", "qwen3")
+# Gemma 3: the attention's and the MLP's outputs are normed again before their residual add.
+_SANDWICH = ("gemma3_text",)
+SUPPORTED_STEP_TYPES = _PRE_NORM + _SANDWICH
+
+
+class DecodeStep:
+    """`step(cache, input_ids [1, 1], positions [1]) → logits [1, V] float32` for one token.
+
+    Built once per model by `decode_step_for`; holds references to the model's modules, no copies.
+    Equals `forward_tokens(model, cache, input_ids, positions)` (same modules, same order).
+    """
+
+    def __init__(self, model: Any, shape: ModelShape):
+        cfg = model.config
+        self.model = model
+        self.shape = shape
+        self.sandwich = cfg.model_type in _SANDWICH
+        self.layers = list(model.model.layers)
+        self.layer_types: list[str] | None = list(cfg.layer_types) if self.sandwich else None
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)
+        attn = self.layers[0].self_attn
+        self.apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        self.qk_norm = hasattr(attn, "q_norm")
+
+    @torch.inference_mode()
+    def __call__(self, cache: RocketCache, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape != (1, 1) or positions.shape != (1,):
+            raise ValueError(f"a decode step takes input_ids [1, 1] and positions [1], got "
+                             f"{tuple(input_ids.shape)}, {tuple(positions.shape)}")  # fmt: skip
+        inner = self.model.model
+        cache.query_positions = positions
+        h = inner.embed_tokens(input_ids)  # [1, 1, C]
+        pos = positions.unsqueeze(0)  # [1, 1]
+        rope: dict[str | None, Any]
+        if self.layer_types is None:
+            rope = {None: inner.rotary_emb(h, pos)}  # (cos, sin) [1, 1, D]
+        else:
+            rope = {t: inner.rotary_emb(h, pos, t) for t in set(self.layer_types)}
+        for i, layer in enumerate(self.layers):
+            attn, spec = layer.self_attn, self.shape.layers[i]
+            d = attn.head_dim
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(1, 1, -1, d)  # [1, 1, H, D]
+            k = attn.k_proj(x).view(1, 1, -1, d)  # [1, 1, Hkv, D]
+            v = attn.v_proj(x).view(1, 1, -1, d).transpose(1, 2)  # [1, Hkv, 1, D]
+            if self.qk_norm:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            cos, sin = rope[None if self.layer_types is None else self.layer_types[i]]
+            q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [1, H|Hkv, 1, D]
+            keys, values = cache.update(k, v, i)  # [1, Hkv, L, D]
+            out, _ = _attention(attn, q, keys, values, None, scaling=spec.scaling, sliding_window=spec.sliding_window)
+            out = attn.o_proj(out.reshape(1, 1, -1))  # [1, 1, C]
+            if self.sandwich:
+                h = h + layer.post_attention_layernorm(out)
+                h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+            else:
+                h = h + out
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits = self.model.lm_head(inner.norm(h))[:, -1]  # [1, V]
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.float()
+
+
+def decode_step_for(model: Any, shape: ModelShape) -> DecodeStep | None:
+    """A `DecodeStep` for `model`, or None when its architecture's layer layout is not one this
+    module reproduces (the caller then runs the model's own forward)."""
+    if shape.model_type not in SUPPORTED_STEP_TYPES:
+        return None
+    layer = model.model.layers[0]
+    needed = ["input_layernorm", "mlp", "self_attn"]
+    needed += ["post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"] \
+        if shape.model_type in _SANDWICH else ["post_attention_layernorm"]  # fmt: skip
+    attn = layer.self_attn
+    if not all(hasattr(layer, n) for n in needed) or not all(
+        hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim")
+    ):
+        return None
+    if not hasattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb"):
+        return None
+    return DecodeStep(model, shape)

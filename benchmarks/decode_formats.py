@@ -2,7 +2,8 @@
 """Whole decode steps from one `.kv` file in each weight format, side by side in one process.
 
 `benchmarks/linear_formats.py` times the linears alone; this times what `ask` runs: for each
-weight format (`float`: the checkpoint's float32; `bf16`, `int8`, `int4`: weight-only linears in
+weight format (`float`: the checkpoint's float32; `head-bf16`: float linears, the LM head ranked
+in bfloat16; `bf16`, `int8`, `int4`: weight-only linears in
 a float32 model, each product's input rounded to bfloat16: `model/weights.py`), the model is loaded once and the same
 cache answers the same question, round-robin over the formats (so a busy machine shifts every
 format alike): the question's prefill, then `--steps` greedy decode steps timed after 4 warm-up
@@ -30,7 +31,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("cache", type=Path)
     ap.add_argument("--formats", nargs="+", default=["float", "bf16", "int8", "int4"],
-                    choices=["float", "bf16", "int8", "int4"])  # fmt: skip
+                    choices=["float", "head-bf16", "bf16", "int8", "int4"])  # fmt: skip
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)

@@ -1,8 +1,12 @@
 #!/usr/bin/env python
 """The direct decode step (`rocketkv_cli/model/step.py`) against the model's own forward, side by side.
 
-One model load; the same cache answers the same question, alternating the two ways of running a
-decode step round by round (so a busy machine shifts both alike): the question's prefill, then
+Three ways of running a decode step: `forward` (the model's forward, sliding-window layers
+attended through the position mask: the code before the direct step), `direct, masked` (the
+direct step, still masked) and `direct` (the direct step, with sliding-window layers attending
+the slice inside their window, `model.hf.window_start`: what `ask` runs). One model load; the
+same cache answers the same question, the ways rotating round by round (so a busy machine shifts
+them alike): the question's prefill, then
 `--steps` greedy decode steps timed after 4 warm-up steps, exact attention over the pruned cache
 (what `ask` runs on CPU at the default budget). Prints the median ms per step of each and the
 ratio. The weights are the model's default for the device (`--weights` to choose).
@@ -46,21 +50,26 @@ def main() -> int:
     direct = engine.step
     if direct is None:
         ap.error(f"{model_id}: its architecture has no direct decode step")
-    times: dict[str, list[float]] = {"direct": [], "forward": []}
+    from rocketkv_cli.model import hf
+
+    window_start = hf.window_start
+    ways = ["forward", "direct, masked", "direct"]
+    times: dict[str, list[float]] = {w: [] for w in ways}
     with torch.inference_mode():
         for r in range(args.rounds):
-            for way in ("direct", "forward") if r % 2 == 0 else ("forward", "direct"):
-                engine.step = direct if way == "direct" else None
+            for way in ways[r % 3 :] + ways[: r % 3]:
+                engine.step = None if way == "forward" else direct
+                hf.window_start = window_start if way == "direct" else lambda *_: None  # type: ignore[assignment]
                 _, step = rocketkv_answer_s(engine, args.cache, QUESTION, args.steps, 4, sparse=False)
                 times[way].append(step)
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
-    engine.step = direct
+    engine.step, hf.window_start = direct, window_start
     ms = {w: statistics.median(v) * 1e3 for w, v in times.items()}
     weights = engine.loaded.weights
     print(f"decode ms per step, {model_id} ({weights} weights), {args.cache.name}, {args.threads} threads, exact "
           f"attention, median of {args.rounds} rounds of {args.steps} steps:")  # fmt: skip
-    print(f"  model forward: {ms['forward']:7.1f} ms")
-    print(f"  direct step:   {ms['direct']:7.1f} ms ({ms['forward'] / ms['direct']:4.2f}× faster)")
+    for way in ways:
+        print(f"  {way:>15}: {ms[way]:7.1f} ms ({ms['forward'] / ms[way]:4.2f}× the forward's speed)")
     if args.json:
         args.json.write_text(json.dumps({"model": model_id, "weights": weights, "cache": args.cache.name,
                                          "threads": args.threads, "steps": args.steps, "rounds": args.rounds,

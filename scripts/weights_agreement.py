@@ -9,7 +9,8 @@ against the float32 model's greedy answers from its own cache: top-1 agreement p
 planted facts found. Formats: `float32`; `bfloat16` (the whole model: `--dtype bfloat16`);
 `bf16+int8w` (weight-only int8 linears in a bfloat16 model: `--dtype bfloat16 --weights int8`);
 and the weight-only formats in a float32 model, whose linears round only their inputs to
-bfloat16: `bf16w` (`--weights bf16`), `int8w` (`--weights int8`), `int4w` (`--weights int4`).
+bfloat16: `bf16w` (`--weights bf16`), `int8w` (`--weights int8`), `int4w` (`--weights int4`),
+`headbf16w` (`--weights head-bf16`: float linears, the LM head's ranking in bfloat16).
 A format named with ` (decode)` (e.g. `bf16w (decode)`) answers from the float32 model's own
 cache instead (ingest with float weights, `ask --weights …`): only decode's precision differs,
 not which tokens stage 1 kept. Resumable per (preset, format, document); the float32 reference
@@ -31,7 +32,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from storage_report import DATA, OPEN_QUESTIONS  # noqa: E402
 
 FORMATS = {"float32": ("float32", "float"), "bfloat16": ("bfloat16", "float"), "bf16+int8w": ("bfloat16", "int8"),
-           "bf16w": ("float32", "bf16"), "int8w": ("float32", "int8"), "int4w": ("float32", "int4")}  # fmt: skip
+           "bf16w": ("float32", "bf16"), "int8w": ("float32", "int8"), "int4w": ("float32", "int4"),
+           "headbf16w": ("float32", "head-bf16")}  # fmt: skip
 DECODE_ONLY = " (decode)"  # suffix: the format answers from the float32 model's cache
 FORMATS.update({f"{name}{DECODE_ONLY}": spec for name, spec in list(FORMATS.items()) if name != "float32"})
 LENGTHS = {"smollm2-135m": 7800, "gemma-3-270m": 8192}

@@ -60,3 +60,41 @@ def test__other_architectures__decode_through_the_models_forward(arch):
     engine = make_engine(arch)
     assert decode_step_for(engine.model, engine.shape) is None
     assert engine.step is None
+
+
+def test__window_start__a_common_suffix_of_the_buffer_or_none():
+    """The keys inside a sliding window (q − window < k ≤ q) as a slice start, only when they are
+    the same suffix in every KV head."""
+    from rocketkv_cli.model.hf import LayerSpec, window_start
+
+    spec = LayerSpec(scaling=1.0, sliding_window=4, softcap=None)
+    q = torch.tensor([10])
+    ascending = torch.arange(3, 11).view(1, 1, -1).expand(1, 2, -1)  # positions 3..10, two heads
+    assert window_start(ascending, q, spec) == 4  # 7, 8, 9, 10 are inside
+    assert window_start(torch.arange(8, 11).view(1, 1, -1), q, spec) == 0  # all inside
+    shuffled = torch.tensor([[[9, 3, 10, 8, 7]]])
+    assert window_start(shuffled, q, spec) is None  # inside keys not a suffix
+    per_head = torch.stack([torch.arange(3, 11), torch.arange(4, 12) - 1 + (torch.arange(8) > 5)]).unsqueeze(0)
+    assert window_start(per_head, q, spec) is None  # heads disagree on the start
+    assert window_start(torch.tensor([[[5, 6, 11]]]), q, spec) is None  # a future key is not visible
+
+
+def test__sliding_layer_decode_steps__take_the_slice_and_equal_the_masked_reference(monkeypatch):
+    """In real decode steps of a model with sliding-window layers the window's start moves past
+    the stored tokens (slices starting after 0 occur), and the logits equal the masked path's
+    (the same steps with `window_start` disabled), float64 to 1e-10."""
+    from rocketkv_cli.model import hf
+
+    engine = make_engine("gemma3_text")
+    cfg = PrefillConfig(token_budget=32, max_new_tokens=8, window_size=8, pool_kernel_size=5)
+    stored = engine.ingest(Document(text_of_bytes(500, seed=3), "0" * 64, "d.txt"), cfg)
+    dec = decode_config_for(stored, sparse=False)
+    starts: list[int | None] = []
+    real = hf.window_start
+    monkeypatch.setattr(hf, "window_start", lambda *a: starts.append(real(*a)) or starts[-1])
+    sliced = _decode(engine, stored, dec, True)
+    assert any(s for s in starts) and None not in starts, starts
+    monkeypatch.setattr(hf, "window_start", lambda *a: None)
+    masked = _decode(engine, stored, dec, True)
+    err = (sliced - masked).abs()
+    assert float(err.max()) <= 1e-10, f"max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"

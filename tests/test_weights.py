@@ -97,6 +97,33 @@ def test__quantize_weights__every_linear_and_the_lm_head(fmt, cls):
         quantize_weights(model, "int3")
 
 
+def test__head_bf16__only_the_lm_head_changes_and_only_in_decode_steps():
+    """`head-bf16` converts the LM head alone: every decoder linear keeps its float weights, the
+    tied embedding stays the refinement's float head (no copy), prefill's logits equal the float
+    model's exactly, and a decode step's greedy token is the float model's with its top logits
+    recomputed in float (to float32 summation order)."""
+    model = tiny_model("llama", torch.float32)
+    model.lm_head.weight = model.model.embed_tokens.weight  # tie, as Gemma 3 and SmolLM2 do
+    ids = torch.arange(2, 30).view(1, -1)
+    with torch.inference_mode():
+        ref = model(ids).logits  # [1, T, V]
+    linears = [m for m in model.model.modules() if isinstance(m, nn.Linear)]
+    assert quantize_weights(model, "head-bf16") == 1
+    assert [m for m in model.model.modules() if isinstance(m, nn.Linear)] == linears
+    assert isinstance(model.lm_head, RefinedHead) and isinstance(model.lm_head.approx, Bf16Linear)
+    assert model.lm_head.float_weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    with torch.inference_mode():
+        prefill = model(ids).logits
+        with decode_step():
+            step = model(ids).logits
+    assert torch.equal(prefill, ref)
+    assert torch.equal(step.argmax(-1), ref.argmax(-1))
+    top = ref.topk(8, dim=-1).indices
+    err = (step.gather(-1, top) - ref.gather(-1, top)).abs()
+    assert float(err.max()) < 1e-5, f"max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"
+    assert float((step - ref).abs().max()) > 0  # the other logits come from the bfloat16 copy
+
+
 def test__int8_weights__float32_model_by_default_bfloat16_on_request(tiny_model_dir):
     cpu = torch.device("cpu")
     assert resolve_dtype("auto", cpu) == torch.float32
@@ -264,7 +291,8 @@ def test__default_weights__a_preset_default_applies_when_none_are_named(tiny_mod
     assert bf16_model.weights == "float"  # weight-only formats are for a float32 model
 
 
-@pytest.mark.parametrize("fmt, answer_with", [("float", None), ("bf16", None), ("int8", "int8"), ("int4", "int4")])
+@pytest.mark.parametrize("fmt, answer_with", [("float", None), ("head-bf16", None), ("bf16", None), ("int8", "int8"),
+                                               ("int4", "int4")])  # fmt: skip
 def test__decode_weights_for__integer_prefill_is_kept_float_and_bf16_take_the_default(tiny_model_dir, fmt,
                                                                                        answer_with):  # fmt: skip
     """A cache prefilled with integer weights is answered with them (they changed what stage 1

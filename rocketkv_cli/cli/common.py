@@ -387,8 +387,9 @@ def _check_weights(value: Optional[str]) -> Optional[str]:
 
 WeightsOpt = Annotated[
     Optional[str],
-    typer.Option(callback=_check_weights, help="Weights for decode on CPU: float, bf16, int8 or int4 (int8/int4 "
-                 "also prefill). Default: the model's measured choice; ask: the cache's int8/int4."),
+    typer.Option(callback=_check_weights, help="Weights for decode on CPU: float, head-bf16 (float layers, bfloat16 LM "
+                 "head ranking), bf16, int8 or int4 (int8/int4 also prefill). Default: the model's measured choice; "
+                 "ask: the cache's int8/int4."),
 ]  # fmt: skip
 
 KvDtypeOpt = Annotated[

@@ -17,7 +17,7 @@ DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_WINDOW_SIZE = 32
 DEFAULT_POOL_KERNEL_SIZE = 63
 DEFAULT_FIRST_TOKENS = 64  # docs/algorithm.md §2 step 5
-WEIGHT_FORMATS = ("float", "bf16", "int8", "int4")  # decode weight formats (model/weights.py)
+WEIGHT_FORMATS = ("float", "head-bf16", "bf16", "int8", "int4")  # decode weight formats (model/weights.py)
 # the weights a model loads with when none are named (`--weights`; `ask` on a cache: the cache's),
 # chosen by measurement (docs/performance.md, "Do the faster formats answer like float32?"): a
 # weight-only format only for a preset whose answers with it agree with the float32 model's on

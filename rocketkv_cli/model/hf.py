@@ -384,6 +384,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         out = _teacher_forced(query, keys, values, k_pos, q_pos, layer, hsa, spec, session.hsa_from)
     elif query.shape[2] == 1 and spec.sliding_window is None and spec.softcap is None:
         out = exact_decode_attention(query, keys, values, spec.scaling)
+    elif query.shape[2] == 1 and spec.softcap is None and (start := window_start(k_pos, q_pos, spec)) is not None:
+        out = exact_decode_attention(query, keys[:, :, start:], values[:, :, start:], spec.scaling)
     else:
         if layer.n_context == 0:  # ingest: positions are shared by all heads
             k_pos = k_pos[:, :1]
@@ -415,6 +417,25 @@ def _teacher_forced(query, keys, values, k_pos, q_pos, layer, dec, spec, hsa_fro
         visible = n_before + i + 1
         outs.append(_hsa_step(query[:, :, i : i + 1], keys[:, :, :visible], values[:, :, :visible], layer, dec, spec))
     return torch.cat(outs, dim=2)
+
+
+def window_start(key_positions: torch.Tensor, query_position: torch.Tensor, spec: LayerSpec) -> int | None:
+    """For one decode step in a sliding-window layer: the index from which every key of every KV
+    head is inside the window (q − window < k ≤ q, `core.attention.position_mask`) while none
+    before it is, or None when the visible keys are not such a common suffix of the buffer.
+
+    key_positions `[B, Hkv, S]`, query_position `[1]`. The layers rocketkv builds keep a sliding
+    window's tokens in position order, the same for every head, followed by the tail, so the
+    window's start moves forward one token per step and the answer is a slice: exact attention
+    over it needs no mask (the masked path costs several times more on a CPU)."""
+    assert spec.sliding_window is not None
+    q = query_position.view(1, 1, 1)
+    visible = (key_positions > q - spec.sliding_window) & (key_positions <= q)  # [B, Hkv, S]
+    hidden = (~visible).sum(-1)  # [B, Hkv]
+    start = int(hidden.max())
+    if start >= visible.shape[-1] or int(hidden.min()) != start or not bool(visible[..., start:].all()):
+        return None
+    return start
 
 
 def exact_decode_attention(

@@ -4,14 +4,14 @@
 Three ways of running a decode step: `forward` (the model's forward, sliding-window layers
 attended through the position mask: the code before the direct step), `direct, masked` (the
 direct step, still masked) and `direct` (the direct step, with sliding-window layers attending
-the slice inside their window, `model.hf.window_start`: what `ask` runs). One model load; the
-same cache answers the same question, the ways rotating round by round (so a busy machine shifts
-them alike): the question's prefill, then
-`--steps` greedy decode steps timed after 4 warm-up steps, exact attention over the pruned cache
-(what `ask` runs on CPU at the default budget). Prints the median ms per step of each and the
-ratio. The weights are the model's default for the device (`--weights` to choose).
+the slice inside their window, `model.hf.window_start`: what `ask` runs). One model load, one
+decoder over the cache: the question's prefill, then greedy decode steps with the three ways
+taking turns step by step (so a busy machine, and the tail's growth, shift them alike), exact
+attention over the pruned cache (what `ask` runs on CPU at the default budget); the first 6
+steps are warm-up. Prints the median ms per step of each and its speed relative to `forward`.
+The weights are the model's default for the device (`--weights` to choose).
 
-    python benchmarks/decode_step.py CACHE.kv [--steps 24] [--rounds 5] [--weights bf16] [--json OUT]
+    python benchmarks/decode_step.py CACHE.kv [--steps 48] [--weights bf16] [--json OUT]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
+import time
 from pathlib import Path
 
 import torch
@@ -30,19 +30,18 @@ QUESTION = "Summarize the document in detail, section by section."
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("cache", type=Path)
-    ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=48, help="timed steps per way")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--weights", choices=["float", "bf16", "int8", "int4"], default=None)
+    ap.add_argument("--weights", choices=["float", "head-bf16", "bf16", "int8", "int4"], default=None)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    if args.steps < 1 or args.rounds < 1 or args.threads < 1:
-        ap.error("--steps, --rounds and --threads must be at least 1")
+    if args.steps < 1 or args.threads < 1:
+        ap.error("--steps and --threads must be at least 1")
     if not args.cache.is_file():
         ap.error(f"{args.cache}: no such file")
     torch.set_num_threads(args.threads)
     from rocketkv_cli.engine.api import RocketKV, read_cache
-    from rocketkv_cli.eval.bench import machine_info, rocketkv_answer_s
+    from rocketkv_cli.eval.bench import machine_info
 
     model_id = read_cache(args.cache).info.identity.model_id
     rk = RocketKV.load(model_id, device="cpu", weights=args.weights)
@@ -50,29 +49,39 @@ def main() -> int:
     direct = engine.step
     if direct is None:
         ap.error(f"{model_id}: its architecture has no direct decode step")
+    from rocketkv_cli.engine.answer import decode_config_for
+    from rocketkv_cli.engine.engine import Decoder
     from rocketkv_cli.model import hf
+    from rocketkv_cli.store.format import load_cache
 
     window_start = hf.window_start
     ways = ["forward", "direct, masked", "direct"]
     times: dict[str, list[float]] = {w: [] for w in ways}
-    with torch.inference_mode():
-        for r in range(args.rounds):
-            for way in ways[r % 3 :] + ways[: r % 3]:
+    stored = load_cache(args.cache)
+    ids = engine.question_ids(QUESTION)
+    decoder = Decoder(engine, stored, len(ids) + 3 * args.steps + 16, decode_config_for(stored, False))
+    try:
+        with torch.inference_mode(), decoder.attention():
+            token = int(decoder.prefill(ids).argmax())
+            for i in range(6 + 3 * args.steps):
+                way = ways[i % 3]
                 engine.step = None if way == "forward" else direct
                 hf.window_start = window_start if way == "direct" else lambda *_: None  # type: ignore[assignment]
-                _, step = rocketkv_answer_s(engine, args.cache, QUESTION, args.steps, 4, sparse=False)
-                times[way].append(step)
-            print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
-    engine.step, hf.window_start = direct, window_start
+                t0 = time.perf_counter()
+                token = int(decoder.decode_one_token(token).argmax())
+                if i >= 6:
+                    times[way].append(time.perf_counter() - t0)
+    finally:
+        engine.step, hf.window_start = direct, window_start
     ms = {w: statistics.median(v) * 1e3 for w, v in times.items()}
     weights = engine.loaded.weights
     print(f"decode ms per step, {model_id} ({weights} weights), {args.cache.name}, {args.threads} threads, exact "
-          f"attention, median of {args.rounds} rounds of {args.steps} steps:")  # fmt: skip
+          f"attention, median of {args.steps} steps each, taking turns:")  # fmt: skip
     for way in ways:
         print(f"  {way:>15}: {ms[way]:7.1f} ms ({ms['forward'] / ms[way]:4.2f}× the forward's speed)")
     if args.json:
         args.json.write_text(json.dumps({"model": model_id, "weights": weights, "cache": args.cache.name,
-                                         "threads": args.threads, "steps": args.steps, "rounds": args.rounds,
+                                         "threads": args.threads, "steps": args.steps,
                                          "machine": machine_info(), "ms": ms, "all_s": times}, indent=1))  # fmt: skip
     return 0
 

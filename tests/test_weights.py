@@ -306,3 +306,25 @@ def test__decode_weights_for__integer_prefill_is_kept_float_and_bf16_take_the_de
     cache = rk.engine.ingest(Document("word " * 200, "0" * 64, "doc"), PrefillConfig(token_budget=64))
     assert cache.info.weights == fmt
     assert decode_weights_for(cache) == answer_with
+
+
+def test__tokenizer_digest__remembered_per_file_version_after_a_load(tiny_model_dir, tmp_path, monkeypatch):
+    """`load_model` records the files the tokenizer came from, so `Engine.identity` serialises the
+    tokenizer once per version of them (Gemma's takes 0.8 s) and reads the digest back after."""
+    import json
+
+    from rocketkv_cli.engine.engine import Engine
+    from rocketkv_cli.model import loading
+
+    monkeypatch.setenv("ROCKETKV_HOME", str(tmp_path))
+    loaded = load_model(str(tiny_model_dir), device="cpu")
+    assert {f.name for f in loaded.tokenizer_files} >= {"tokenizer.json"}
+    first = Engine(loaded).identity.tokenizer_digest
+    known = json.loads((tmp_path / "digests.json").read_text())
+    assert [k for k in known if k.startswith("tokenizer:")], known
+    assert first == loading.tokenizer_digest(loaded.tokenizer)  # the same value as serialising it now
+    calls = []
+    monkeypatch.setattr(type(loaded.tokenizer.backend_tokenizer), "to_str", lambda *a: calls.append(1) or "x",
+                        raising=False)  # fmt: skip
+    assert Engine(load_model(str(tiny_model_dir), device="cpu")).identity.tokenizer_digest == first
+    assert not calls  # read back, not serialised again

@@ -272,6 +272,7 @@ def load_model(
         dtype=torch_dtype,
         weights_digest=digest,
         weights=weights,
+        tokenizer_files=tuple(tokenizer_files(where)),  # its digest is then computed once per file version
     )
 
 

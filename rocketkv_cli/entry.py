@@ -89,10 +89,16 @@ def _exit_now(code: object) -> None:
     status = 0 if code is None else code if isinstance(code, int) else 1
     if not isinstance(code, (int, type(None))):
         sys.stderr.write(f"{code}\n")  # what SystemExit would print for a message
-    for thread in threading.enumerate():  # as a normal exit does: wait for non-daemon threads first
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()  # registered handlers and weakref finalizers, as a normal exit runs them
+    try:
+        # what a normal exit runs, in its order: threading's exit hooks (idle thread-pool workers
+        # are told to stop) and the join of non-daemon threads, then the atexit handlers and
+        # weakref finalizers
+        getattr(threading, "_shutdown", lambda: None)()
+        atexit._run_exitfuncs()
+    except KeyboardInterrupt:  # a signal while those run: its exit code, as everywhere else
+        os._exit(EXIT_CODES[signal.SIGINT])
+    except Terminated:
+        os._exit(EXIT_CODES[signal.SIGTERM])
     for stream, closed_status in ((sys.stdout, 141), (sys.stderr, status)):
         try:
             if stream is not None:
@@ -111,17 +117,14 @@ def main() -> None:
         from .cli import app, with_bare_ray  # the slow imports: from here on an interrupt is ours to report
 
         app(args=with_bare_ray(sys.argv[1:]))
-    except SystemExit as done:
-        if received() is None:
-            _exit_now(done.code)
-        raise
     except KeyboardInterrupt:
         exit_for_signal(signal.SIGINT)
     except Terminated:
         exit_for_signal(signal.SIGTERM)
-    except SystemExit:
+    except SystemExit as done:
         signum = received()
         if signum is None:
+            _exit_now(done.code)  # the command ran to its end
             raise
         exit_for_signal(signum)  # Typer's own handler exits 130 silently (an interrupt while it parses)
     except BaseException:

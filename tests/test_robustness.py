@@ -511,3 +511,33 @@ def test__fast_exit__reader_gone_before_the_last_flush__exits_141(tmp_path):
     os.close(write_end)
     assert proc.returncode == 141, proc.stderr
     assert marker.read_text().startswith("atexit ran")
+
+
+def test__fast_exit__an_open_thread_pool_does_not_hang_the_exit(tmp_path):
+    """A thread pool a library left open: its idle workers stop through threading's exit hooks, as
+    in a normal exit, so `_exit_now` returns the status instead of waiting forever."""
+    script = (
+        "import concurrent.futures, torch\n"
+        "from rocketkv_cli.entry import _exit_now\n"
+        "pool = concurrent.futures.ThreadPoolExecutor(2)\n"
+        "pool.submit(print, 'ran', flush=True).result()\n"
+        "_exit_now(4)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout) == (4, "ran\n"), proc.stderr
+
+
+def test__interrupt_that_a_library_swallowed__still_exits_as_the_interrupt():
+    """A Ctrl-C received while a command ran, which a library turned into a normal exit (Typer
+    exits 130 silently while it parses; others return 0): the one line and 130, not the raw code."""
+    script = (
+        "import torch, rocketkv_cli.cli as cli\n"
+        "from rocketkv_cli import entry\n"
+        "def app(args):\n"
+        "    entry._received.append(2)  # SIGINT, received and swallowed\n"
+        "    raise SystemExit(0)\n"
+        "cli.app = app\n"
+        "entry.main()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130 and proc.stderr.strip() == "Error: interrupted", (proc.returncode, proc.stderr)

@@ -304,7 +304,7 @@ def test__decode_weights_for__integer_prefill_is_kept_float_and_bf16_take_the_de
 
     rk = RocketKV.load(str(tiny_model_dir), device="cpu", weights=fmt)
     cache = rk.engine.ingest(Document("word " * 200, "0" * 64, "doc"), PrefillConfig(token_budget=64))
-    assert cache.info.weights == fmt
+    assert cache.info.weights == ("float" if fmt == "head-bf16" else fmt)  # head-bf16 prefills as float does
     assert decode_weights_for(cache) == answer_with
 
 
@@ -321,7 +321,7 @@ def test__tokenizer_digest__remembered_per_file_version_after_a_load(tiny_model_
     assert {f.name for f in loaded.tokenizer_files} >= {"tokenizer.json"}
     first = Engine(loaded).identity.tokenizer_digest
     known = json.loads((tmp_path / "digests.json").read_text())
-    assert [k for k in known if k.startswith("tokenizer:")], known
+    assert [k for k in known if k.startswith("tokenizer@transformers-")], known  # keyed by the libraries too
     assert first == loading.tokenizer_digest(loaded.tokenizer)  # the same value as serialising it now
     calls = []
     monkeypatch.setattr(type(loaded.tokenizer.backend_tokenizer), "to_str", lambda *a: calls.append(1) or "x",

@@ -22,7 +22,7 @@ WEIGHT_FORMATS = ("float", "head-bf16", "bf16", "int8", "int4")  # decode weight
 # chosen by measurement (docs/performance.md, "Do the faster formats answer like float32?"): a
 # weight-only format only for a preset whose answers with it agree with the float32 model's on
 # >= 0.98 of the answer tokens; the checkpoint's floats elsewhere — bf16 on SmolLM2 (0.987, 1.69x
-# faster decode), head-bf16 on Gemma (0.993, the float32 floor; bf16: 0.973), float on any model
+# faster decode), head-bf16 on Gemma (0.994, the float32 floor; bf16: 0.973), float on any model
 # not measured
 DEFAULT_WEIGHTS = "float"
 PRESET_WEIGHTS_DEFAULTS: dict[str, str] = {"smollm2-135m": "bf16", "gemma-3-270m": "head-bf16"}

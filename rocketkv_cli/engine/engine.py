@@ -106,6 +106,13 @@ class Engine:
         )
 
     @property
+    def cache_weights(self) -> str:
+        """The weight format a cache built by this engine records: the one that computed its keys
+        and values. `head-bf16` prefills with the float model exactly (only decode's LM head
+        differs), so its caches record `float`: they are float caches, readable by every release."""
+        return "float" if self.loaded.weights == "head-bf16" else self.loaded.weights
+
+    @property
     def dtype_name(self) -> str:
         return str(self.loaded.dtype).removeprefix("torch.")
 
@@ -305,7 +312,7 @@ class Engine:
         info = CacheInfo(
             identity=self.identity, dtype=self.dtype_name, n_context_tokens=n, document_sha256=document_sha256,
             document_source=document_source, config=cfg, budgets=budgets, pool_kernel_size=pool_kernel_of(cfg, n),
-            segment=segment, storage=storage, weights=self.loaded.weights,
+            segment=segment, storage=storage, weights=self.cache_weights,
         )  # fmt: skip
         if tokens is None:
             return CompressedKVCache(info, tuple(layers))

@@ -145,7 +145,7 @@ def _checkpointed(engine: Engine, checkpoints: Checkpoints | None, index: int, i
     expected = CacheInfo(identity=engine.identity, dtype=engine.dtype_name, n_context_tokens=n, document_sha256=ids_sha,
                          document_source=source, config=cfg, budgets=resolve_budgets(cfg, n, engine.shape.head_dim),
                          pool_kernel_size=pool_kernel_of(cfg, n), segment=where,
-                         storage=resolved(storage, engine.dtype_name), weights=engine.loaded.weights)  # fmt: skip
+                         storage=resolved(storage, engine.dtype_name), weights=engine.cache_weights)  # fmt: skip
     return checkpoints.load(index, expected)
 
 

@@ -384,7 +384,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         out = _teacher_forced(query, keys, values, k_pos, q_pos, layer, hsa, spec, session.hsa_from)
     elif query.shape[2] == 1 and spec.sliding_window is None and spec.softcap is None:
         out = exact_decode_attention(query, keys, values, spec.scaling)
-    elif query.shape[2] == 1 and spec.softcap is None and (start := window_start(k_pos, q_pos, spec)) is not None:
+    elif (query.shape[2] == 1 and spec.softcap is None and keys.device.type == "cpu"
+          and (start := window_start(k_pos, q_pos, spec)) is not None):  # fmt: skip
         out = exact_decode_attention(query, keys[:, :, start:], values[:, :, start:], spec.scaling)
     else:
         if layer.n_context == 0:  # ingest: positions are shared by all heads
@@ -427,7 +428,7 @@ def window_start(key_positions: torch.Tensor, query_position: torch.Tensor, spec
     key_positions `[B, Hkv, S]`, query_position `[1]`. The layers rocketkv builds keep a sliding
     window's tokens in position order, the same for every head, followed by the tail, so the
     window's start moves forward one token per step and the answer is a slice: exact attention
-    over it needs no mask (the masked path costs several times more on a CPU)."""
+    over it needs no mask. Used on the CPU only (on a GPU its host reads would stall each step)."""
     assert spec.sliding_window is not None
     q = query_position.view(1, 1, 1)
     visible = (key_positions > q - spec.sliding_window) & (key_positions <= q)  # [B, Hkv, S]

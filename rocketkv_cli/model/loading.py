@@ -386,8 +386,13 @@ def tokenizer_digest(tokenizer, files: list[Path] | None = None) -> str:
 
     if not files:
         return compute()
+    import tokenizers
+    import transformers
+
+    # the serialisation depends on the libraries that load and write it, not only on the files
+    kind = f"tokenizer@transformers-{transformers.__version__},tokenizers-{tokenizers.__version__}"
     cache = DigestCache()
-    digest = cache.get(DigestCache.key("tokenizer", files), compute)
+    digest = cache.get(DigestCache.key(kind, files), compute)
     cache.save()
     return digest
 

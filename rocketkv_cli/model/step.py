@@ -93,9 +93,10 @@ class DecodeStep:
 
 def decode_step_for(model: Any, shape: ModelShape) -> DecodeStep | None:
     """A `DecodeStep` for `model`, or None when its architecture's layer layout is not one this
-    module reproduces (the caller then runs the model's own forward)."""
-    if shape.model_type not in SUPPORTED_STEP_TYPES:
-        return None
+    module reproduces, or its code is not transformers' own (`--trust-remote-code`): the caller
+    then runs the model's own forward."""
+    if shape.model_type not in SUPPORTED_STEP_TYPES or not type(model).__module__.startswith("transformers.models."):
+        return None  # another layout, or remote code that only borrows a supported name
     layer = model.model.layers[0]
     needed = ["input_layernorm", "mlp", "self_attn"]
     needed += ["post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"] \

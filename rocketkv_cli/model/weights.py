@@ -10,9 +10,10 @@ that format and multiplies with torch's own CPU kernel for it, fast only with bf
 `aten._weight_int4pack_mm_for_cpu`). Only each product's input is rounded to bfloat16 and its
 output returned in the model's dtype, so a float32 model keeps float32 everywhere else (norms,
 residual stream, attention, softmax). `bf16` keeps the float weights too and prefills with
-them: it changes decode steps only (`decode_step`). Embeddings are kept as they
-are (a lookup reads one row; a tied LM head is untied, and its top logits are recomputed in
-float: `RefinedHead`).
+them: it changes decode steps only (`decode_step`). `head-bf16` converts the LM head alone,
+as `bf16` does, and keeps every decoder linear in float (Gemma 3 270M's default: its head is
+most of its weights). Embeddings are kept as they are (a lookup reads one row; a tied LM head is
+untied, and its top logits are recomputed in float: `RefinedHead`).
 """
 
 from __future__ import annotations

@@ -458,7 +458,8 @@ def test__unknown_weights__usage_error_before_the_model_loads(rocketkv_bin, env,
     r = run(rocketkv_bin, env, "ingest", doc, "-o", tmp_path / "w.kv", "--weights", "int3",
             "--model", str(tmp_path / "no-such-model"))  # fmt: skip
     assert r.returncode == 2, r.stderr
-    assert "'int3' is not one of float, bf16, int8, int4" in r.stderr and "no-such-model" not in r.stderr, r.stderr
+    assert "'int3' is not one of float, head-bf16, bf16, int8, int4" in r.stderr, r.stderr
+    assert "no-such-model" not in r.stderr, r.stderr
     assert not (tmp_path / "w.kv").exists()
 
 

@@ -2,13 +2,13 @@
 
 A decode step at batch 1 runs one token through every layer. Calling the model's `forward` for
 it also builds causal masks, output records, keyword plumbing and the decorators around each
-module call, which on a CPU cost about a tenth of SmolLM2's step (docs/performance.md, "Decode
-step"). `DecodeStep` runs the same modules in the same order, with the same arithmetic, but calls
-them directly: the embedding, each layer's norms, projections, RoPE (the model's own rotary
-embedding and `apply_rotary_pos_emb`), rocketkv's attention function (`hf._attention`, so stage
-2, the exact-attention path and `attention_mass` behave as they do in `forward_tokens`), the MLP
-module, the final norm and the LM head. Weight formats need nothing special: their modules are
-the ones called.
+module call, which measured 5–10% of SmolLM2's step on a CPU, close to the machine's noise
+(docs/performance.md, "Decode step"). `DecodeStep` runs the same modules in the same order, with
+the same arithmetic, but calls them directly: the embedding, each layer's norms, projections,
+RoPE (the model's own rotary embedding and `apply_rotary_pos_emb`), rocketkv's attention
+function (`hf._attention`, so stage 2, the exact-attention path and `attention_mass` behave as
+they do in `forward_tokens`), the MLP module, the final norm and the LM head. Weight formats
+need nothing special: their modules are the ones called.
 
 Only layouts whose layer order is read from the transformers source are built
 (`SUPPORTED_STEP_TYPES`); any other model gets None from `decode_step_for` and the engine calls

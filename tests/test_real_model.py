@@ -142,3 +142,20 @@ def test__smollm2_preset__context_reconstruction_keeps_facts_the_tail_window_dro
         found[name] = [a in row["answer"] for (_, _, a), row in zip(FACTS, rows)]
     assert all(found["reconstruct"]), found
     assert sum(found["tail"]) < len(FACTS), found
+
+
+@pytest.mark.parametrize("preset", ["gemma-3-270m", "smollm2-135m"])
+def test__presets__tokenizer_read_directly_behaves_as_autotokenizer(preset, tmp_path, monkeypatch):
+    """Both presets' tokenizers take the fast direct read of tokenizer.json from their second load
+    on (Gemma's own class rebuilds its 262K-entry vocabulary in Python: ~1.5 s of every start-up)."""
+    from transformers import AutoTokenizer
+
+    from rocketkv_cli.model import loading
+
+    _, where = loading.resolve_model_dir(preset, lambda _msg: None)
+    auto = AutoTokenizer.from_pretrained(where, local_files_only=True)
+    direct = loading._direct_tokenizer(loading.Path(where))
+    assert loading.tokenizer_fingerprint(direct) == loading.tokenizer_fingerprint(auto)
+    monkeypatch.setenv("ROCKETKV_HOME", str(tmp_path))  # a fresh verdict store (the model stays where it is)
+    loading.load_tokenizer(where)
+    assert type(loading.load_tokenizer(where)).__name__ in ("PreTrainedTokenizerFast", "TokenizersBackend")

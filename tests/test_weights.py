@@ -328,3 +328,74 @@ def test__tokenizer_digest__remembered_per_file_version_after_a_load(tiny_model_
                         raising=False)  # fmt: skip
     assert Engine(load_model(str(tiny_model_dir), device="cpu")).identity.tokenizer_digest == first
     assert not calls  # read back, not serialised again
+
+
+def test__load_tokenizer__direct_read_only_after_it_was_shown_equal(tiny_model_dir, tmp_path, monkeypatch):
+    """The first load makes `AutoTokenizer`'s tokenizer and the direct read of tokenizer.json,
+    compares their fingerprints and remembers the verdict; later loads take the direct read, and
+    it tokenizes, decodes and digests exactly as `AutoTokenizer`'s does."""
+    from transformers import AutoTokenizer
+
+    from rocketkv_cli.engine.engine import Engine
+    from rocketkv_cli.model import loading
+
+    monkeypatch.setenv("ROCKETKV_HOME", str(tmp_path))
+    auto = AutoTokenizer.from_pretrained(str(tiny_model_dir), local_files_only=True)
+    first = loading.load_tokenizer(str(tiny_model_dir))
+    assert type(first) is type(auto)  # not verified yet: the model's own class
+    verdicts = [v for k, v in loading.DigestCache().known.items() if k.startswith("direct-tokenizer@")]
+    assert verdicts == ["same"]
+    built = []
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: built.append(1) or auto)
+    second = loading.load_tokenizer(str(tiny_model_dir))
+    assert not built  # AutoTokenizer no longer built
+    text = "alpha river ünï 7\n\n  stone"
+    assert second(text)["input_ids"] == auto(text)["input_ids"]
+    assert second.decode(auto(text)["input_ids"]) == auto.decode(auto(text)["input_ids"])
+    assert loading.tokenizer_fingerprint(second) == loading.tokenizer_fingerprint(auto)
+    monkeypatch.undo()
+    monkeypatch.setenv("ROCKETKV_HOME", str(tmp_path))
+    assert Engine(load_model(str(tiny_model_dir), device="cpu")).identity == Engine(
+        load_model(str(tiny_model_dir), device="cpu")
+    ).identity
+
+
+def test__load_tokenizer__a_direct_read_that_differs_is_never_used(tiny_model_dir, tmp_path, monkeypatch):
+    """A direct read whose behaviour differs (here: another chat template) is refused once and for
+    all for these files: every load keeps `AutoTokenizer`'s tokenizer."""
+    from rocketkv_cli.model import loading
+
+    monkeypatch.setenv("ROCKETKV_HOME", str(tmp_path))
+    real = loading._direct_tokenizer
+
+    def altered(where):
+        tok = real(where)
+        tok.chat_template = "{{ messages[0]['content'] }}"
+        return tok
+
+    monkeypatch.setattr(loading, "_direct_tokenizer", altered)
+    auto_chat = loading.load_tokenizer(str(tiny_model_dir)).chat_template
+    verdicts = [v for k, v in loading.DigestCache().known.items() if k.startswith("direct-tokenizer@")]
+    assert verdicts == ["differs"]
+    assert loading.load_tokenizer(str(tiny_model_dir)).chat_template == auto_chat != "{{ messages[0]['content'] }}"
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["template", "eos", "vocab"],
+)
+def test__tokenizer_fingerprint__sees_what_rocketkv_uses(tiny_model_dir, change):
+    """The fingerprint changes with the chat template, a special token, or one vocabulary entry."""
+    from transformers import AutoTokenizer
+
+    from rocketkv_cli.model.loading import tokenizer_fingerprint
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir), local_files_only=True)
+    before = tokenizer_fingerprint(tok)
+    if change == "template":
+        tok.chat_template = (tok.chat_template or "") + " "
+    elif change == "eos":
+        tok.eos_token = tok.convert_ids_to_tokens(5)
+    else:
+        tok.add_tokens(["zzqx"])
+    assert tokenizer_fingerprint(tok) != before

@@ -230,7 +230,7 @@ def load_model(
     Raises:
         ModelLoadError: not found, no weights, unsupported, or no CUDA.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
@@ -247,7 +247,7 @@ def load_model(
                 f"unsupported architecture {cfg_model_type!r}; rocketkv supports {', '.join(SUPPORTED_MODEL_TYPES)}",
                 "choose a model of a supported architecture with --model",
             )
-        tok = AutoTokenizer.from_pretrained(where, **local_only)
+        tok = load_tokenizer(where, trust_remote_code)
         lm = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, **local_only)
     except ModelLoadError:
         raise
@@ -338,6 +338,106 @@ def tokenizer_files(where: str) -> list[Path]:
     names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
              "merges.txt", "added_tokens.json")  # fmt: skip
     return [path / n for n in names if (path / n).is_file()]
+
+
+_FINGERPRINT_PROBES = ("", "Hello world", "  two leading spaces", "ünïcödé ✓ 中文 😀 \x00", "a\n\n  b\tc\r\n",
+                      "1234567 3.14 -0.5e10", "<bos><eos><|im_start|><|endoftext|> <s></s>")  # fmt: skip
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 over everything rocketkv uses of a tokenizer: its serialisation, special tokens and
+    their ids, the chat template and a rendering of it, and the ids, offsets and decoded text of
+    probe strings (with and without special tokens). Two tokenizers with equal fingerprints
+    tokenize, frame and decode alike for rocketkv (padding and truncation, never used, are not
+    compared)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    parts: dict[str, Any] = {
+        "backend": backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items()),
+        "special": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+        "special_ids": sorted(tokenizer.all_special_ids),
+        "ids": [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id],
+        "template": getattr(tokenizer, "chat_template", None),
+    }
+    for special in (True, False):
+        enc = [tokenizer(p, add_special_tokens=special, return_offsets_mapping=True) for p in _FINGERPRINT_PROBES]
+        parts[f"encode-{special}"] = [(list(e["input_ids"]), [list(o) for o in e["offset_mapping"]]) for e in enc]
+        parts[f"decode-{special}"] = [tokenizer.decode(e["input_ids"], skip_special_tokens=special) for e in enc]
+    if parts["template"]:
+        turns = [("user", "Q?"), ("assistant", "A."), ("user", "R")]
+        messages = [{"role": role, "content": text} for role, text in turns]
+        try:
+            parts["chat"] = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # a template that refuses this conversation refuses it in both
+            parts["chat"] = f"{type(exc).__name__}: {exc}"
+    return hashlib.sha256(json.dumps(parts, default=str, ensure_ascii=False).encode()).hexdigest()
+
+
+def _direct_tokenizer(where: Path) -> Any:
+    """A `PreTrainedTokenizerFast` read straight from `tokenizer.json` (special tokens and chat
+    template from `tokenizer_config.json` / `chat_template.jinja`), without the model-specific
+    class: Gemma's rebuilds its 262K-entry vocabulary and merges in Python at every load."""
+    from transformers import PreTrainedTokenizerFast
+
+    config = json.loads((where / "tokenizer_config.json").read_text(encoding="utf-8"))
+    kwargs: dict[str, Any] = {}
+    for key, value in config.items():
+        if key.endswith("_token") and isinstance(value, dict) and isinstance(value.get("content"), str):
+            value = value["content"]  # the older AddedToken form
+        if key.endswith("_token") and isinstance(value, str):
+            kwargs[key] = value
+    for key in ("model_max_length", "add_bos_token", "add_eos_token", "clean_up_tokenization_spaces"):
+        if key in config:
+            kwargs[key] = config[key]
+    template = where / "chat_template.jinja"
+    chat = template.read_text(encoding="utf-8") if template.is_file() else config.get("chat_template")
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(where / "tokenizer.json"), **kwargs)
+    if isinstance(chat, str):
+        tok.chat_template = chat
+    return tok
+
+
+def load_tokenizer(where: str, trust_remote_code: bool = False) -> Any:
+    """The tokenizer of model directory (or cached hub id) `where`, offline.
+
+    `AutoTokenizer` builds the model's own tokenizer class; for a directory with a `tokenizer.json`
+    the same tokenizer read directly (`_direct_tokenizer`) loads 2-10× faster (Gemma 3: 2.5 s →
+    1.0 s; SmolLM2: 0.8 → 0.07 s, on 2 cores). The direct load is used only once it has been shown
+    equal (`tokenizer_fingerprint`) to `AutoTokenizer`'s for this version of the files and of
+    transformers and tokenizers: the first load makes both and compares them, and the verdict is
+    remembered in the rocketkv home (`DigestCache`); a tokenizer that differs keeps `AutoTokenizer`.
+
+    Raises: OSError, ValueError or KeyError from transformers (no tokenizer, unreadable files).
+    """
+    from transformers import AutoTokenizer
+
+    local_only = {"local_files_only": True, "trust_remote_code": trust_remote_code}
+    path = Path(where)
+    if trust_remote_code or not (path / "tokenizer.json").is_file() or not (path / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(where, **local_only)
+    import tokenizers
+    import transformers
+
+    files = tokenizer_files(where) + [f for f in [path / "chat_template.jinja"] if f.is_file()]
+    kind = f"direct-tokenizer@transformers-{transformers.__version__},tokenizers-{tokenizers.__version__}"
+    cache = DigestCache()
+    key = DigestCache.key(kind, files)
+    if cache.known.get(key) == "same":
+        with contextlib.suppress(Exception):  # anything unexpected: the verified path below
+            return _direct_tokenizer(path)
+    auto = AutoTokenizer.from_pretrained(where, **local_only)
+    if key in cache.known:
+        return auto
+
+    def verdict() -> str:
+        try:
+            direct = _direct_tokenizer(path)
+            return "same" if tokenizer_fingerprint(direct) == tokenizer_fingerprint(auto) else "differs"
+        except Exception:  # a tokenizer the direct path cannot read: keep AutoTokenizer
+            return "differs"
+
+    cache.get(key, verdict)
+    cache.save()
+    return auto
 
 
 def _config_model_type(where: str) -> str | None:

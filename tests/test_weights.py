@@ -355,9 +355,10 @@ def test__load_tokenizer__direct_read_only_after_it_was_shown_equal(tiny_model_d
     assert loading.tokenizer_fingerprint(second) == loading.tokenizer_fingerprint(auto)
     monkeypatch.undo()
     monkeypatch.setenv("ROCKETKV_HOME", str(tmp_path))
-    assert Engine(load_model(str(tiny_model_dir), device="cpu")).identity == Engine(
-        load_model(str(tiny_model_dir), device="cpu")
-    ).identity
+    assert (
+        Engine(load_model(str(tiny_model_dir), device="cpu")).identity
+        == Engine(load_model(str(tiny_model_dir), device="cpu")).identity
+    )
 
 
 def test__load_tokenizer__a_direct_read_that_differs_is_never_used(tiny_model_dir, tmp_path, monkeypatch):

@@ -158,4 +158,8 @@ def test__presets__tokenizer_read_directly_behaves_as_autotokenizer(preset, tmp_
     assert loading.tokenizer_fingerprint(direct) == loading.tokenizer_fingerprint(auto)
     monkeypatch.setenv("ROCKETKV_HOME", str(tmp_path))  # a fresh verdict store (the model stays where it is)
     loading.load_tokenizer(where)
-    assert type(loading.load_tokenizer(where)).__name__ in ("PreTrainedTokenizerFast", "TokenizersBackend")
+    built = []
+    real = loading._direct_tokenizer
+    monkeypatch.setattr(loading, "_direct_tokenizer", lambda w: built.append(w) or real(w))
+    assert loading.tokenizer_fingerprint(loading.load_tokenizer(where)) == loading.tokenizer_fingerprint(auto)
+    assert built  # the second load is the direct read

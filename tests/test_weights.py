@@ -330,10 +330,38 @@ def test__tokenizer_digest__remembered_per_file_version_after_a_load(tiny_model_
     assert not calls  # read back, not serialised again
 
 
+def _spy_tokenizer_loads(monkeypatch):
+    """Count the builds of `AutoTokenizer` and of the direct read (each still runs for real)."""
+    from transformers import AutoTokenizer
+
+    from rocketkv_cli.model import loading
+
+    calls = {"auto": 0, "direct": 0}
+    auto_load, direct_load = AutoTokenizer.from_pretrained, loading._direct_tokenizer
+
+    def auto(*args, **kwargs):
+        calls["auto"] += 1
+        return auto_load(*args, **kwargs)
+
+    def direct(*args, **kwargs):
+        calls["direct"] += 1
+        return direct_load(*args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", auto)
+    monkeypatch.setattr(loading, "_direct_tokenizer", direct)
+    return calls
+
+
+def _verdicts() -> list[str]:
+    from rocketkv_cli.model import loading
+
+    return [v for k, v in loading.DigestCache().known.items() if k.startswith("direct-tokenizer-")]
+
+
 def test__load_tokenizer__direct_read_only_after_it_was_shown_equal(tiny_model_dir, tmp_path, monkeypatch):
-    """The first load makes `AutoTokenizer`'s tokenizer and the direct read of tokenizer.json,
-    compares their fingerprints and remembers the verdict; later loads take the direct read, and
-    it tokenizes, decodes and digests exactly as `AutoTokenizer`'s does."""
+    """The first load builds `AutoTokenizer`'s tokenizer and the direct read of tokenizer.json,
+    compares their fingerprints, remembers the verdict and returns `AutoTokenizer`'s; later loads
+    build only the direct read, which tokenizes, decodes and digests exactly as the other does."""
     from transformers import AutoTokenizer
 
     from rocketkv_cli.engine.engine import Engine
@@ -341,24 +369,17 @@ def test__load_tokenizer__direct_read_only_after_it_was_shown_equal(tiny_model_d
 
     monkeypatch.setenv("ROCKETKV_HOME", str(tmp_path))
     auto = AutoTokenizer.from_pretrained(str(tiny_model_dir), local_files_only=True)
-    first = loading.load_tokenizer(str(tiny_model_dir))
-    assert type(first) is type(auto)  # not verified yet: the model's own class
-    verdicts = [v for k, v in loading.DigestCache().known.items() if k.startswith("direct-tokenizer@")]
-    assert verdicts == ["same"]
-    built = []
-    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: built.append(1) or auto)
+    calls = _spy_tokenizer_loads(monkeypatch)
+    loading.load_tokenizer(str(tiny_model_dir))
+    assert calls == {"auto": 1, "direct": 1} and _verdicts() == ["same"]
     second = loading.load_tokenizer(str(tiny_model_dir))
-    assert not built  # AutoTokenizer no longer built
+    assert calls == {"auto": 1, "direct": 2}  # AutoTokenizer no longer built
     text = "alpha river ünï 7\n\n  stone"
     assert second(text)["input_ids"] == auto(text)["input_ids"]
     assert second.decode(auto(text)["input_ids"]) == auto.decode(auto(text)["input_ids"])
     assert loading.tokenizer_fingerprint(second) == loading.tokenizer_fingerprint(auto)
-    monkeypatch.undo()
-    monkeypatch.setenv("ROCKETKV_HOME", str(tmp_path))
-    assert (
-        Engine(load_model(str(tiny_model_dir), device="cpu")).identity
-        == Engine(load_model(str(tiny_model_dir), device="cpu")).identity
-    )
+    identities = [Engine(load_model(str(tiny_model_dir), device="cpu")).identity for _ in range(2)]
+    assert calls["auto"] == 1 and identities[0] == identities[1]  # caches stay valid across the switch
 
 
 def test__load_tokenizer__a_direct_read_that_differs_is_never_used(tiny_model_dir, tmp_path, monkeypatch):
@@ -376,17 +397,41 @@ def test__load_tokenizer__a_direct_read_that_differs_is_never_used(tiny_model_di
 
     monkeypatch.setattr(loading, "_direct_tokenizer", altered)
     auto_chat = loading.load_tokenizer(str(tiny_model_dir)).chat_template
-    verdicts = [v for k, v in loading.DigestCache().known.items() if k.startswith("direct-tokenizer@")]
-    assert verdicts == ["differs"]
+    assert _verdicts() == ["differs"]
+    calls = _spy_tokenizer_loads(monkeypatch)
     assert loading.load_tokenizer(str(tiny_model_dir)).chat_template == auto_chat != "{{ messages[0]['content'] }}"
+    assert calls == {"auto": 1, "direct": 0}
+
+
+def test__load_tokenizer__failures_of_the_direct_read_fall_back(tiny_model_dir, tmp_path, monkeypatch):
+    """A direct read that cannot be built is judged 'differs' (a read error decides nothing); one
+    that fails after a 'same' verdict falls back to `AutoTokenizer`; a damaged verdict store is
+    rebuilt."""
+    from rocketkv_cli.model import loading
+
+    monkeypatch.setenv("ROCKETKV_HOME", str(tmp_path))
+    (tmp_path / "digests.json").write_text("[]")  # valid JSON, not a store
+    real = loading._direct_tokenizer
+    monkeypatch.setattr(loading, "_direct_tokenizer", lambda where: (_ for _ in ()).throw(OSError("busy")))
+    assert loading.load_tokenizer(str(tiny_model_dir)) is not None and _verdicts() == []
+    monkeypatch.setattr(loading, "_direct_tokenizer", real)
+    loading.load_tokenizer(str(tiny_model_dir))
+    assert _verdicts() == ["same"]
+    monkeypatch.setattr(loading, "_direct_tokenizer", lambda where: (_ for _ in ()).throw(KeyError("x")))
+    tok = loading.load_tokenizer(str(tiny_model_dir))
+    assert tok("alpha")["input_ids"] == real(tiny_model_dir)("alpha")["input_ids"]
+    (tmp_path / "digests.json").unlink()
+    loading.load_tokenizer(str(tiny_model_dir))
+    assert _verdicts() == ["differs"]
 
 
 @pytest.mark.parametrize(
     "change",
-    ["template", "eos", "vocab"],
+    ["template", "eos", "vocab", "cleanup"],
 )
 def test__tokenizer_fingerprint__sees_what_rocketkv_uses(tiny_model_dir, change):
-    """The fingerprint changes with the chat template, a special token, or one vocabulary entry."""
+    """The fingerprint changes with the chat template, a special token, one vocabulary entry, or
+    the decode clean-up of spaces before punctuation."""
     from transformers import AutoTokenizer
 
     from rocketkv_cli.model.loading import tokenizer_fingerprint
@@ -397,6 +442,8 @@ def test__tokenizer_fingerprint__sees_what_rocketkv_uses(tiny_model_dir, change)
         tok.chat_template = (tok.chat_template or "") + " "
     elif change == "eos":
         tok.eos_token = tok.convert_ids_to_tokens(5)
+    elif change == "cleanup":
+        tok.clean_up_tokenization_spaces = not tok.clean_up_tokenization_spaces
     else:
         tok.add_tokens(["zzqx"])
     assert tokenizer_fingerprint(tok) != before

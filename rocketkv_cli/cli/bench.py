@@ -139,7 +139,7 @@ def bench(
     )
     for col in ("context", "ingest s", "file/full KV", "TTFT file s", "TTFT full s", "decode ms HSA",
                 "decode ms exact", "decode ms full", "HSA ×exact", "HSA ×full", "of ideal", "fresh ask s",
-                "llama.cpp ms", "peak RSS ask/full"):  # fmt: skip
+                "llama.cpp ms", "llama.cpp fresh s", "peak RSS ask/full"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in rows:
         ms = lambda k: f"{r[k] * 1e3:.1f}" if k in r else "-"  # noqa: E731
@@ -149,10 +149,17 @@ def bench(
             ms("decode_step_exact_pruned_s"), ms("decode_step_full_s"), f"{r['hsa_vs_exact_pruned']:.2f}",
             f"{r['decode_speedup']:.2f}", f"{r['decode_speedup_fraction_of_ideal']:.0%}",
             f"{r['fresh_ask_wall_s']:.2f}" if "fresh_ask_wall_s" in r else "-", ms("llama_cpp_decode_step_s"),
+            f"{r['llama_cpp_fresh_wall_s']:.2f}" if "llama_cpp_fresh_wall_s" in r else "-",
             f"{r['peak_rss_ratio']:.2f}" if "peak_rss_ratio" in r else "-",
         )  # fmt: skip
     if not quiet:
         Console(stderr=True, width=max(err.width, 170), highlight=False).print(table)
+        for r in rows:
+            if "llama_cpp_error" in r:
+                err.print(
+                    f"rocketkv: llama.cpp at {r['context_tokens']} tokens did not run: {r['llama_cpp_error']}",
+                    markup=False,
+                )
         if storages:
             Console(stderr=True, width=max(err.width, 120), highlight=False).print(_storage_table(rows))
         if cross:

@@ -184,7 +184,19 @@ def llama_cpp_row(engine: Engine, document: Document, question: str, python: str
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return {"llama_cpp_error": f"exit {done.returncode}: {last[:300]}"}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    # a fresh llama.cpp process for a later question, timed as `fresh_ask_s` times ours (32 tokens)
+    answer = [python, str(child), "answer", str(gguf), row.pop("llama_cpp_state_file"), str(q),
+              str(row.pop("llama_cpp_n_ctx") + 32), str(torch.get_num_threads()), "32"]  # fmt: skip
+    times = []
+    for _ in range(3):  # the first run warms the page cache
+        t0 = time.perf_counter()
+        done = subprocess.run(answer, capture_output=True, text=True)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            return {**row, "llama_cpp_error": f"answer: exit {done.returncode}: {last[:300]}"}
+        times.append(time.perf_counter() - t0)
+    return {**row, "llama_cpp_fresh_wall_s": statistics.median(times[1:])}
 
 
 def peak_rss_bytes(argv: list[str], workdir: Path) -> tuple[int, int]:

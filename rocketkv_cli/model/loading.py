@@ -286,6 +286,8 @@ class DigestCache:
             self.known = json.loads(self.path.read_text())
         except (OSError, ValueError):
             self.known = {}
+        if not isinstance(self.known, dict):  # a damaged store is rebuilt, never trusted
+            self.known = {}
         self.changed = False
 
     @staticmethod
@@ -341,25 +343,33 @@ def tokenizer_files(where: str) -> list[Path]:
 
 
 _FINGERPRINT_PROBES = ("", "Hello world", "  two leading spaces", "ünïcödé ✓ 中文 😀 \x00", "a\n\n  b\tc\r\n",
-                      "1234567 3.14 -0.5e10", "<bos><eos><|im_start|><|endoftext|> <s></s>")  # fmt: skip
+                      "1234567 3.14 -0.5e10", "Yes , it 's . Don 't ! (x) [y]",
+                      "<bos><eos><|im_start|><|endoftext|> <s></s>")  # fmt: skip
+_CLEANUP_FLAGS = ("clean_up_tokenization_spaces",
+                  "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")  # fmt: skip
+_DIRECT_TOKENIZER_SCHEME = 1  # bump when `_direct_tokenizer` or `tokenizer_fingerprint` change: old verdicts lapse
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """sha256 over everything rocketkv uses of a tokenizer: its serialisation, special tokens and
-    their ids, the chat template and a rendering of it, and the ids, offsets and decoded text of
-    probe strings (with and without special tokens). Two tokenizers with equal fingerprints
-    tokenize, frame and decode alike for rocketkv (padding and truncation, never used, are not
-    compared)."""
+    """sha256 over what rocketkv uses of a tokenizer, as far as these checks reach: its
+    serialisation and size, special tokens and their ids, the decode clean-up flags, the chat
+    template and a rendering of it, and the ids, offsets and decoded text of probe strings (one
+    made of all its special tokens), with and without special tokens. Padding and truncation,
+    never used by rocketkv, are not compared."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
+    specials = " ".join(map(str, tokenizer.all_special_tokens))
     parts: dict[str, Any] = {
         "backend": backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items()),
+        "size": len(tokenizer),
         "special": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
         "special_ids": sorted(tokenizer.all_special_ids),
         "ids": [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id],
+        "cleanup": [getattr(tokenizer, flag, None) for flag in _CLEANUP_FLAGS],
         "template": getattr(tokenizer, "chat_template", None),
-    }
+    }  # fmt: skip
+    probes = (*_FINGERPRINT_PROBES, f"a {specials} b")
     for special in (True, False):
-        enc = [tokenizer(p, add_special_tokens=special, return_offsets_mapping=True) for p in _FINGERPRINT_PROBES]
+        enc = [tokenizer(p, add_special_tokens=special, return_offsets_mapping=True) for p in probes]
         parts[f"encode-{special}"] = [(list(e["input_ids"]), [list(o) for o in e["offset_mapping"]]) for e in enc]
         parts[f"decode-{special}"] = [tokenizer.decode(e["input_ids"], skip_special_tokens=special) for e in enc]
     if parts["template"]:
@@ -385,7 +395,7 @@ def _direct_tokenizer(where: Path) -> Any:
             value = value["content"]  # the older AddedToken form
         if key.endswith("_token") and isinstance(value, str):
             kwargs[key] = value
-    for key in ("model_max_length", "add_bos_token", "add_eos_token", "clean_up_tokenization_spaces"):
+    for key in ("model_max_length", "add_bos_token", "add_eos_token", *_CLEANUP_FLAGS):
         if key in config:
             kwargs[key] = config[key]
     template = where / "chat_template.jinja"
@@ -405,6 +415,10 @@ def load_tokenizer(where: str, trust_remote_code: bool = False) -> Any:
     equal (`tokenizer_fingerprint`) to `AutoTokenizer`'s for this version of the files and of
     transformers and tokenizers: the first load makes both and compares them, and the verdict is
     remembered in the rocketkv home (`DigestCache`); a tokenizer that differs keeps `AutoTokenizer`.
+    That first load is slower than `AutoTokenizer` alone (both tokenizers are built and each is
+    serialised once: about +1.5 s for Gemma, once per file version). The verdict's key holds every
+    file `AutoTokenizer` reads for it (tokenizer files, chat templates, config.json) with its size
+    and mtime, the library versions and `_DIRECT_TOKENIZER_SCHEME`.
 
     Raises: OSError, ValueError or KeyError from transformers (no tokenizer, unreadable files).
     """
@@ -417,8 +431,10 @@ def load_tokenizer(where: str, trust_remote_code: bool = False) -> Any:
     import tokenizers
     import transformers
 
-    files = tokenizer_files(where) + [f for f in [path / "chat_template.jinja"] if f.is_file()]
-    kind = f"direct-tokenizer@transformers-{transformers.__version__},tokenizers-{tokenizers.__version__}"
+    extra = [path / "chat_template.jinja", path / "config.json", *sorted(path.glob("additional_chat_templates/*"))]
+    files = tokenizer_files(where) + [f for f in extra if f.is_file()]
+    kind = (f"direct-tokenizer-{_DIRECT_TOKENIZER_SCHEME}@transformers-{transformers.__version__},"
+            f"tokenizers-{tokenizers.__version__}")  # fmt: skip
     cache = DigestCache()
     key = DigestCache.key(kind, files)
     if cache.known.get(key) == "same":
@@ -427,15 +443,14 @@ def load_tokenizer(where: str, trust_remote_code: bool = False) -> Any:
     auto = AutoTokenizer.from_pretrained(where, **local_only)
     if key in cache.known:
         return auto
-
-    def verdict() -> str:
-        try:
-            direct = _direct_tokenizer(path)
-            return "same" if tokenizer_fingerprint(direct) == tokenizer_fingerprint(auto) else "differs"
-        except Exception:  # a tokenizer the direct path cannot read: keep AutoTokenizer
-            return "differs"
-
-    cache.get(key, verdict)
+    try:
+        direct = _direct_tokenizer(path)
+        verdict = "same" if tokenizer_fingerprint(direct) == tokenizer_fingerprint(auto) else "differs"
+    except OSError:  # a passing read error: decide another time
+        return auto
+    except Exception:  # a tokenizer the direct path cannot build: keep AutoTokenizer
+        verdict = "differs"
+    cache.get(key, lambda: verdict)
     cache.save()
     return auto
 

@@ -150,19 +150,34 @@ def crossover_tokens(rows: list[dict], margin: float = 1.1) -> int | None:
     return None
 
 
+def _last_line(done: subprocess.CompletedProcess) -> str:
+    """The last line a failed child wrote on stderr (300 characters at most)."""
+    return (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
+
+
+def median_wall_s(cmd: list[str], runs: int = 2) -> float:
+    """Median wall seconds of `runs` runs of the process `cmd`, after one more run that warms the
+    page cache (and rocketkv's digest cache). Raises RuntimeError naming the exit code and the
+    last stderr line when a run fails."""
+    times = []
+    for _ in range(runs + 1):
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"exit {done.returncode}: {_last_line(done)}")
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
 def fresh_ask_s(path: Path, model_id: str, question: str, device: str, dtype: str, runs: int = 2) -> float:
     """Median wall seconds of a new `rocketkv ask` process answering `question` (32 tokens) from
     `path`: interpreter start, imports, model and cache load, question prefill and decode."""
     cmd = [sys.executable, "-m", "rocketkv_cli.cli", "ask", "--cache", str(path), question, "--max-new-tokens", "32",
            "-q", "--model", model_id, "--device", device, "--dtype", dtype]  # fmt: skip
-    times = []
-    for _ in range(runs + 1):  # the first run warms the page cache and the digest cache
-        t0 = time.perf_counter()
-        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"rocketkv ask failed (exit {done.returncode}): {done.stderr[-500:]}")
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+    try:
+        return median_wall_s(cmd, runs)
+    except RuntimeError as exc:
+        raise RuntimeError(f"rocketkv ask failed ({exc})") from None
 
 
 def llama_cpp_row(engine: Engine, document: Document, question: str, python: str, workdir: Path,
@@ -182,21 +197,15 @@ def llama_cpp_row(engine: Engine, document: Document, question: str, python: str
     cmd = [python, str(child), str(gguf), str(doc), str(q), str(workdir), str(torch.get_num_threads()), str(n_new)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"llama_cpp_error": f"exit {done.returncode}: {last[:300]}"}
+        return {"llama_cpp_error": f"exit {done.returncode}: {_last_line(done)}"}
     row = json.loads(done.stdout.strip().splitlines()[-1])
     # a fresh llama.cpp process for a later question, timed as `fresh_ask_s` times ours (32 tokens)
     answer = [python, str(child), "answer", str(gguf), row.pop("llama_cpp_state_file"), str(q),
               str(row.pop("llama_cpp_n_ctx") + 32), str(torch.get_num_threads()), "32"]  # fmt: skip
-    times = []
-    for _ in range(3):  # the first run warms the page cache
-        t0 = time.perf_counter()
-        done = subprocess.run(answer, capture_output=True, text=True)
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            return {**row, "llama_cpp_error": f"answer: exit {done.returncode}: {last[:300]}"}
-        times.append(time.perf_counter() - t0)
-    return {**row, "llama_cpp_fresh_wall_s": statistics.median(times[1:])}
+    try:
+        return {**row, "llama_cpp_fresh_wall_s": median_wall_s(answer)}
+    except RuntimeError as exc:
+        return {**row, "llama_cpp_error": f"answer: {exc}"}
 
 
 def peak_rss_bytes(argv: list[str], workdir: Path) -> tuple[int, int]:

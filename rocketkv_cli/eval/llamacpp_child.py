@@ -27,13 +27,18 @@ import sys
 import time
 
 
+def llama_options(gguf: str, n_threads: str) -> dict:
+    """`Llama` options shared by every context here: the model, the thread count, quiet."""
+    return dict(model_path=gguf, n_threads=int(n_threads), n_threads_batch=int(n_threads), n_batch=512, verbose=False)
+
+
 def main(argv: list[str]) -> int:
     gguf, doc_path, question_path, workdir, n_threads, n_new = argv
     from llama_cpp import Llama, llama_cpp
 
     document = open(doc_path, encoding="utf-8").read()
     question = open(question_path, encoding="utf-8").read()
-    kw = dict(model_path=gguf, n_threads=int(n_threads), n_threads_batch=int(n_threads), n_batch=512, verbose=False)
+    kw = llama_options(gguf, n_threads)
     probe = Llama(n_ctx=512, vocab_only=True, **kw)
     doc_tokens = probe.tokenize(document.encode("utf-8"), add_bos=True, special=True)
     q_tokens = probe.tokenize(question.encode("utf-8"), add_bos=False, special=True)
@@ -95,8 +100,7 @@ def answer_main(argv: list[str]) -> int:
     gguf, state, question_path, n_ctx, n_threads, n_new = argv
     from llama_cpp import Llama
 
-    kw = dict(model_path=gguf, n_threads=int(n_threads), n_threads_batch=int(n_threads), n_batch=512, verbose=False)
-    llm = Llama(n_ctx=int(n_ctx), **kw)
+    llm = Llama(n_ctx=int(n_ctx), **llama_options(gguf, n_threads))
     question = open(question_path, encoding="utf-8").read()
     q_tokens = llm.tokenize(question.encode("utf-8"), add_bos=False, special=True)
     answer_from_state(llm, state, q_tokens, int(n_ctx), int(n_new))

@@ -350,6 +350,14 @@ _CLEANUP_FLAGS = ("clean_up_tokenization_spaces",
 _DIRECT_TOKENIZER_SCHEME = 1  # bump when `_direct_tokenizer` or `tokenizer_fingerprint` change: old verdicts lapse
 
 
+def _tokenizer_libraries() -> str:
+    """The versions of the libraries that load and serialise tokenizers (part of digest keys)."""
+    import tokenizers
+    import transformers
+
+    return f"transformers-{transformers.__version__},tokenizers-{tokenizers.__version__}"
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """sha256 over what rocketkv uses of a tokenizer, as far as these checks reach: its
     serialisation and size, special tokens and their ids, the decode clean-up flags, the chat
@@ -428,13 +436,9 @@ def load_tokenizer(where: str, trust_remote_code: bool = False) -> Any:
     path = Path(where)
     if trust_remote_code or not (path / "tokenizer.json").is_file() or not (path / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(where, **local_only)
-    import tokenizers
-    import transformers
-
     extra = [path / "chat_template.jinja", path / "config.json", *sorted(path.glob("additional_chat_templates/*"))]
     files = tokenizer_files(where) + [f for f in extra if f.is_file()]
-    kind = (f"direct-tokenizer-{_DIRECT_TOKENIZER_SCHEME}@transformers-{transformers.__version__},"
-            f"tokenizers-{tokenizers.__version__}")  # fmt: skip
+    kind = f"direct-tokenizer-{_DIRECT_TOKENIZER_SCHEME}@{_tokenizer_libraries()}"
     cache = DigestCache()
     key = DigestCache.key(kind, files)
     if cache.known.get(key) == "same":
@@ -501,11 +505,8 @@ def tokenizer_digest(tokenizer, files: list[Path] | None = None) -> str:
 
     if not files:
         return compute()
-    import tokenizers
-    import transformers
-
     # the serialisation depends on the libraries that load and write it, not only on the files
-    kind = f"tokenizer@transformers-{transformers.__version__},tokenizers-{tokenizers.__version__}"
+    kind = f"tokenizer@{_tokenizer_libraries()}"
     cache = DigestCache()
     digest = cache.get(DigestCache.key(kind, files), compute)
     cache.save()

@@ -159,6 +159,7 @@ def bench(
                 err.print(
                     f"rocketkv: llama.cpp at {r['context_tokens']} tokens did not run: {r['llama_cpp_error']}",
                     markup=False,
+                    soft_wrap=True,
                 )
         if storages:
             Console(stderr=True, width=max(err.width, 120), highlight=False).print(_storage_table(rows))

@@ -481,3 +481,18 @@ def test__option_values_no_input_could_satisfy__exit_2_before_the_model_loads(ro
     r = run(rocketkv_bin, env, *argv, stdin="")
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert says in assert_one_line_error(r, code=2) and "no-such-model" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--page-size", "999"], "invalid option: --page-size must not exceed --topk"),
+        (["--topk", "8", "--page-size", "16"], "invalid option: --page-size must not exceed --topk (8), got 16"),
+    ],
+    ids=["page-over-the-files-topk", "page-over-the-given-topk"],
+)
+def test__stage2_override_the_cache_cannot_take__refused_before_the_model_loads(rocketkv_bin, env, kv, tmp_path,
+                                                                                args, says):  # fmt: skip
+    # --model names nothing: the refusal must come from the file's budgets, before any model load
+    r = run(rocketkv_bin, env, "ask", "--cache", kv, "q?", *args, "--model", tmp_path / "no-such-model")
+    assert says in assert_one_line_error(r) and "no-such-model" not in r.stderr

@@ -91,19 +91,21 @@ def read_questions(positional: list[str], questions_file: Optional[str], doc_is_
 
 def open_cache(cache: Path, model: Optional[str], device: str, dtype: Optional[str], trust_remote_code: bool,
                weights: Optional[str] = None, timings: Timings | None = None, cite: int = 0,
-               segments: int = 1):  # fmt: skip
-    """Validate the file (and that it can give `cite` citations), load the model it was built
-    with (or `model`), check they match."""
+               segments: int = 1, decode_options: dict | None = None):  # fmt: skip
+    """Validate the file (and that it can give `cite` citations, and that `decode_options`, the
+    stage-2 overrides, suit its budgets), load the model it was built with (or `model`), check
+    they match."""
     from ..engine.preflight import check_cache_file
 
     check_cache_file(cache)  # a missing or unreadable path fails before torch is imported
     timings = timings or Timings()
     with timings.span("imports (torch, transformers)"), starting():
-        from ..engine.api import check_cite, decode_weights_for, read_cache
+        from ..engine.api import check_cite, check_decode_options, decode_weights_for, read_cache
 
     with timings.span("cache read + verify"):
         stored = read_cache(cache)
     check_cite(stored, cite, segments)
+    check_decode_options(stored, **(decode_options or {}))
     ident = stored.info.identity
     with timings.span("model load"):
         rk = load_engine(model or ident.model_id, device, dtype or stored.info.dtype, trust_remote_code,
@@ -195,7 +197,9 @@ def ask_command(
         assert cache is not None  # one of the two, checked above
         cache_budget_note(budget, cache)
         rk, stored = open_cache(cache, model, device, dtype, trust_remote_code, weights, timings,
-                                cite=passages if cite else 0, segments=segments)  # fmt: skip
+                                cite=passages if cite else 0, segments=segments,
+                                decode_options={"dense": dense, "hsa": hsa, "topk": topk, "page_size": page_size,
+                                                "n_score_dims": n_score_dims})  # fmt: skip
         source = str(cache)
     else:
         cfg = prefill_config(

@@ -151,7 +151,7 @@ def chat_command(
     if cache is not None:
         cache_budget_note(budget, cache)
         rk, stored = open_cache(cache, model, device, dtype, trust_remote_code, weights, cite=passages if cite else 0,
-                                segments=segments)  # fmt: skip
+                                segments=segments, decode_options={"dense": dense, "hsa": hsa})  # fmt: skip
         source = str(cache)
     else:
         assert document is not None  # one of the two, checked above

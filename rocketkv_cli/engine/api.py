@@ -93,6 +93,23 @@ def describe(path: str | Path) -> dict:
     return store_describe(path)
 
 
+def check_decode_options(cache: AnyCache, dense: bool = False, hsa: bool = False, topk: int | None = None,
+                         page_size: int | None = None, n_score_dims: int | None = None) -> None:  # fmt: skip
+    """Refuse stage-2 overrides that `cache`'s budgets make invalid (a page larger than top-k, a
+    non-positive count), before any model loads: `RocketKV.ask` would refuse them only after.
+
+    Raises:
+        UsageError: dense and hsa together. InputError: an override `DecodeConfig` rejects.
+    """
+    if dense and hsa:
+        raise UsageError("--dense and --hsa contradict each other", "give one of them")
+    first = cache.segments[0] if isinstance(cache, SegmentedKVCache) else cache
+    try:
+        decode_config_for(first, sparse=not dense, topk=topk, page_size=page_size, n_score_dims=n_score_dims)
+    except ValueError as exc:
+        raise InputError(f"invalid option: {exc}") from None  # depends on the cache's budgets: exit 1
+
+
 def check_cite(cache: AnyCache, cite: int, segments: int = 1) -> None:
     """Refuse `cite` passages that `cache` cannot give (before any model loads).
 
@@ -356,6 +373,7 @@ __all__ = [
     "Answer",
     "abandoned_ingests",
     "check_cache_file",
+    "check_decode_options",
     "check_output",
     "default_output",
     "AnswerStream",

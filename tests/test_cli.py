@@ -76,6 +76,18 @@ def test__inspect__shows_the_storage_sinks_and_key_basis(rocketkv_bin, env, doc,
     assert "rocketkv.kv_cache v4 (" in shown.stdout
 
 
+def test__allocated_key_bits__ingest_inspect_and_ask(rocketkv_bin, env, doc, tiny_model_dir, tmp_path):
+    out = tmp_path / "alloc.kv"
+    r = run(rocketkv_bin, env, "ingest", doc, "-o", out, "--model", tiny_model_dir, "--budget", "64",
+            "--kv-dtype", "int4+alloc", "--max-new-tokens", "6")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    shown = run(rocketkv_bin, env, "inspect", out)
+    assert "key bits allocated per channel, 4 on average" in shown.stdout
+    assert "rocketkv.kv_cache v5 (" in shown.stdout
+    asked = run(rocketkv_bin, env, "ask", "--cache", out, "What is the code?", "--json")
+    assert asked.returncode == 0 and json.loads(asked.stdout)["n_answer_tokens"] >= 1, asked.stderr
+
+
 def test__unknown_storage__refused_before_the_model_loads(rocketkv_bin, env, doc, tmp_path):
     r = run(rocketkv_bin, env, "ingest", doc, "-o", tmp_path / "x.kv", "--kv-dtype", "int4+fast",
             "--model", str(tmp_path / "no-such-model"))  # fmt: skip

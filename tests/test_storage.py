@@ -247,7 +247,17 @@ def test__storage_validation_names_the_value():
         KVStorage("int8", key_group_tokens=0)
     with pytest.raises(ValueError, match="rotation"):
         KVStorage("float16", rotation="hadamard")
-    assert dataclasses.asdict(KVStorage()) == KVStorage().to_dict()
+    with pytest.raises(ValueError, match="key_bits"):
+        KVStorage("int4", key_bits="greedy")
+    for name in ("int8+alloc", "int4+rope+alloc", "float16+alloc", "int4+alloc+alloc"):
+        with pytest.raises(ValueError, match="alloc"):
+            KVStorage.parse(name)
+    with pytest.raises(ValueError, match="allocated key bits need int4"):
+        KVStorage("int8", key_bits="allocated")
+    # a uniform storage's record is what format v4 wrote (no key_bits); allocated bits add the field
+    assert {**KVStorage().to_dict(), "key_bits": "uniform"} == dataclasses.asdict(KVStorage())
+    assert KVStorage.parse("int4+alloc").to_dict() == dataclasses.asdict(KVStorage.parse("int4+alloc"))
+    assert KVStorage.parse("int4+sinks0+alloc").name == "int4+alloc+sinks0"
 
 
 def _redigest(tmp_path, path, name, **meta_changes):

@@ -40,6 +40,8 @@ def _sinks(info: dict) -> str:
     notes += {"rope": ["keys quantized before RoPE"], "hadamard": ["keys Hadamard-rotated"]}.get(
         storage.get("rotation", "none"), []
     )
+    if storage.get("key_bits") == "allocated":
+        notes.append("key bits allocated per channel, 4 on average")
     return f" ({'; '.join(notes)})" if notes else ""
 
 

@@ -50,17 +50,19 @@ class LayerKV:
             return sum(t.numel() * t.element_size() for t in self.stored.values())
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
-    def to_storage(self, storage: KVStorage, rope_freqs: torch.Tensor | None = None) -> LayerKV:
+    def to_storage(self, storage: KVStorage, rope_freqs: torch.Tensor | None = None,
+                   key_weights: torch.Tensor | None = None) -> LayerKV:  # fmt: skip
         """This layer as `storage` holds it: cast for a float dtype; for an integer one, encoded
         (`stored`) with keys/values replaced by their float32 dequantization. Positions unchanged.
         rope_freqs `[D/2]`: the layer's RoPE frequencies, for the pre-RoPE key basis (None: no
-        rotation, still exact)."""
+        rotation, still exact). key_weights `[Hkv, D]`: E[q_c²] per key channel, for allocated
+        key bits (None: channels weighted alike). Raises ValueError: bad key weights."""
         if storage.kv_dtype == "auto":
             return self
         if not storage.is_integer:
             dtype = FLOAT_DTYPES[storage.kv_dtype]
             return LayerKV(self.keys.to(dtype), self.values.to(dtype), self.positions)
-        parts = encode_layer(self.keys[0], self.values[0], storage, self.positions[0], rope_freqs)
+        parts = encode_layer(self.keys[0], self.values[0], storage, self.positions[0], rope_freqs, key_weights)
         return LayerKV.from_stored(parts, self.positions, storage, self.keys.shape[-1])
 
     @staticmethod

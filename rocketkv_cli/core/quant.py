@@ -15,6 +15,15 @@ every query, and their outlier magnitudes would widen the range of the first key
 in docs/storage.md (SmolLM2 int4: top-1 agreement 0.95 without, 0.99 with). Scales, minimums and
 sinks are float16 when they fit, else float32. Dequantization happens in float32 and is deterministic, so a cache
 quantized in memory and the same cache read back from a file hold bit-identical values.
+
+Allocated key bits (`int4+alloc`): int4's bytes, but each key channel of a head gets its own
+width in `ALLOC_WIDTHS` (4 bits on average per head), chosen to minimise the expected error of
+the attention logits q·k. A channel c rounded in a token group of range r with b bits errs by
+about r²/(12·(2^b−1)²) in mean square, and reaches a logit weighted by E[q_c²]; minimising
+Σ_c E[q_c²]·mean r_c²/(2^b_c−1)² under Σ_c b_c ≤ 4·D is reverse water-filling, the bit
+allocation of transform coding (as KVTC, arXiv 2511.01815 §3, allocates bits over PCA components).
+E[q_c²] comes from the document's own observation-window queries (`Engine.prefill`), so the
+allocation depends on nothing but the document. Measured in docs/storage.md.
 Pure torch.
 """
 
@@ -34,6 +43,8 @@ FLOAT_DTYPES = {
 }
 ROTATIONS = ("none", "hadamard", "rope")  # integer storage's key basis (measured: docs/storage.md)
 SINK_TOKENS = 4  # integer storage: each head's first stored tokens kept in float16 (measured: docs/storage.md)
+KEY_BITS = ("uniform", "allocated")  # int4 keys: every channel 4 bits, or widths allocated per channel
+ALLOC_WIDTHS = (2, 3, 4, 5, 6, 7, 8)  # the widths allocation may give a key channel (bits)
 _F16_MAX = 65504.0
 
 
@@ -53,8 +64,12 @@ class KVStorage:
         the head dimension. Float storage: "none".
     sink_tokens: integer storage keeps each KV head's first `sink_tokens` stored tokens in
         float16 (tokens, ≥ 0); float storage has none (any value given is replaced by 0).
+    key_bits: "uniform" (every key channel `bits` wide) or "allocated" (int4 only, in the
+        default key basis: each channel of a head its own width in `ALLOC_WIDTHS`, 4 on average,
+        by the expected logit error; `allocate_key_bits`).
     Raises:
-        ValueError: an unknown dtype or rotation, a non-positive group size, a negative sink count.
+        ValueError: an unknown dtype, rotation or key_bits, a non-positive group size, a negative
+        sink count, allocated key bits with a dtype other than int4 or with a rotation.
     """
 
     kv_dtype: str = "auto"
@@ -62,6 +77,7 @@ class KVStorage:
     value_group_dims: int = 64
     rotation: str = "none"
     sink_tokens: int = SINK_TOKENS
+    key_bits: str = "uniform"
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in KV_DTYPES:
@@ -79,6 +95,13 @@ class KVStorage:
             raise ValueError(f"sink_tokens must be an integer in [0, 2^20], got {sinks!r}")
         if not self.is_integer and sinks:
             object.__setattr__(self, "sink_tokens", 0)  # float storage holds every token as it is
+        if self.key_bits not in KEY_BITS:
+            raise ValueError(f"key_bits must be one of {', '.join(KEY_BITS)}, got {self.key_bits!r}")
+        if self.key_bits == "allocated" and (self.kv_dtype != "int4" or self.rotation != "none"):
+            raise ValueError(
+                "allocated key bits need int4 in the default key basis, "
+                f"got {self.kv_dtype} with rotation {self.rotation}"
+            )
 
     @property
     def is_integer(self) -> bool:
@@ -89,17 +112,27 @@ class KVStorage:
         return {"int8": 8, "int4": 4}.get(self.kv_dtype, 0)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields as a dict; `key_bits` only when allocated (format v5 added it, and a
+        uniform storage's record stays what v4 wrote)."""
+        d = asdict(self)
+        if self.key_bits == "uniform":
+            del d["key_bits"]
+        return d
 
     @staticmethod
     def parse(name: str) -> KVStorage:
-        """A storage from its name: a kv dtype, then optionally a key basis (`+rope`, `+hadamard`)
-        and `+sinksN` (N sink tokens instead of the default): `int4`, `int4+rope`, `int4+sinks0`.
-        Raises ValueError naming the value."""
+        """A storage from its name: a kv dtype, then optionally a key basis (`+rope`, `+hadamard`),
+        `+alloc` (allocated key bits) and `+sinksN` (N sink tokens instead of the default):
+        `int4`, `int4+rope`, `int4+alloc`, `int4+sinks0`. Raises ValueError naming the value."""
         dtype, *extras = name.split("+")
         rotation, sinks, chosen, sinks_named = "none", SINK_TOKENS, False, False
+        key_bits = "uniform"
         for extra in extras:
-            if extra in ROTATIONS:
+            if extra == "alloc":
+                if key_bits == "allocated":
+                    raise ValueError(f"storage {name!r} names alloc twice")
+                key_bits = "allocated"
+            elif extra in ROTATIONS:
                 if chosen:
                     raise ValueError(f"storage {name!r} names two key bases; choose one of rope, hadamard")
                 rotation, chosen = extra, True
@@ -108,17 +141,20 @@ class KVStorage:
                     raise ValueError(f"storage {name!r} names the sink count twice; give one sinksN")
                 sinks, sinks_named = int(extra[5:]), True
             else:
-                raise ValueError(f"unknown storage option {extra!r} in {name!r} (known: rope, hadamard, sinksN)")
+                raise ValueError(f"unknown storage option {extra!r} in {name!r} (known: rope, hadamard, alloc, sinksN)")
         if sinks_named and dtype not in ("int8", "int4"):
             raise ValueError(
                 f"storage {name!r}: sinksN only applies to int8 and int4 (float storage keeps every token)"
             )
-        return KVStorage(dtype, rotation=rotation, sink_tokens=sinks)
+        if key_bits == "allocated" and (dtype != "int4" or rotation != "none"):
+            raise ValueError(f"storage {name!r}: alloc only applies to int4 without a key rotation")
+        return KVStorage(dtype, rotation=rotation, sink_tokens=sinks, key_bits=key_bits)
 
     @property
     def name(self) -> str:
-        """The name `parse` reads back: `int4`, `int4+rope`, `int8+hadamard+sinks0`."""
+        """The name `parse` reads back: `int4`, `int4+rope`, `int4+alloc`, `int8+hadamard+sinks0`."""
         out = self.kv_dtype + ("" if self.rotation == "none" else f"+{self.rotation}")
+        out += "+alloc" if self.key_bits == "allocated" else ""
         return out + (f"+sinks{self.sink_tokens}" if self.is_integer and self.sink_tokens != SINK_TOKENS else "")
 
 
@@ -157,12 +193,14 @@ def _scale_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float16 if biggest < _F16_MAX / 2 else torch.float32
 
 
-def _quantize_groups(x: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
+def _quantize_groups(x: torch.Tensor, bits: int | torch.Tensor) -> dict[str, torch.Tensor]:
     """Asymmetric quantization of `x` `[..., G, E]`: one (min, scale) per row of E elements.
 
-    Returns {"q": uint8 `[..., G, E]` (codes), "min": `[..., G]`, "scale": `[..., G]`}.
+    bits: one width for every row, or a tensor of widths broadcastable to `[..., G]` (allocated
+    key bits: one per channel). Returns {"q": uint8 `[..., G, E]` (codes), "min": `[..., G]`,
+    "scale": `[..., G]`}.
     """
-    levels = (1 << bits) - 1
+    levels = (1 << bits) - 1 if isinstance(bits, int) else (2.0 ** bits.float() - 1)
     lo, hi = x.amin(dim=-1), x.amax(dim=-1)
     dtype = _scale_dtype(lo, hi, hi - lo)
     stored = lo.to(dtype)  # rounded to the nearest: may land above the true minimum (then above hi)
@@ -170,7 +208,8 @@ def _quantize_groups(x: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
     scale = ((hi - lo.float()) / levels).clamp_min(0).to(dtype)  # ≥ 0: a constant group gets 0
     step = scale.float().unsqueeze(-1)
     codes = torch.where(step > 0, torch.round((x - lo.float().unsqueeze(-1)) / step.clamp_min(1e-30)), 0.0)
-    return {"q": codes.clamp_(0, levels).to(torch.uint8), "min": lo, "scale": scale}
+    top = levels if isinstance(levels, int) else levels.unsqueeze(-1).expand_as(codes)
+    return {"q": torch.minimum(codes.clamp_(min=0), torch.as_tensor(top)).to(torch.uint8), "min": lo, "scale": scale}
 
 
 def _dequantize_groups(q: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -186,13 +225,104 @@ def _unpack4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
 
 
+def allocate_key_bits(keys: torch.Tensor, weight: torch.Tensor | None, group_tokens: int,
+                      average: int = 4) -> torch.Tensor:  # fmt: skip
+    """Bits per key channel `[Hkv, D]` uint8, each in `ALLOC_WIDTHS`, summing to at most
+    average·D per head: the widths b minimising Σ_c weight_c · mean_g range_cg² / (2^b_c − 1)²,
+    the expected squared error of a logit q·k when channel c is rounded in token groups of range
+    range_cg (module docstring). Solved per head by bisection on the multiplier λ of the bit
+    budget (each channel then takes argmin_b importance·err(b) + λ·b), and the bits λ leaves
+    unspent given one at a time to the channel whose error drops most. Deterministic.
+
+    keys: `[Hkv, S, D]` float, the tokens in integer groups (groups of `group_tokens` tokens).
+    weight: `[Hkv, D]` E[q_c²] per channel, ≥ 0 (None: every channel alike, the allocation then
+    follows the ranges alone).
+    Raises ValueError: a weight of another shape, or negative or not finite.
+    """
+    hkv, s, d = keys.shape
+    if weight is not None and (weight.shape != (hkv, d) or not bool(torch.isfinite(weight).all())
+                               or bool((weight < 0).any())):  # fmt: skip
+        raise ValueError(f"key weights must be finite, ≥ 0 and [Hkv, D] = {[hkv, d]}, got {list(weight.shape)}")
+    if s == 0:
+        return torch.full((hkv, d), average, dtype=torch.uint8, device=keys.device)
+    n = -(-s // group_tokens)
+    x = keys.double()
+    if n * group_tokens > s:
+        x = torch.cat([x, x[:, -1:].expand(hkv, n * group_tokens - s, d)], dim=1)
+    grouped = x.view(hkv, n, group_tokens, d)
+    spread = ((grouped.amax(2) - grouped.amin(2)) ** 2).mean(1)  # [Hkv, D]
+    importance = spread * (1.0 if weight is None else weight.double().to(keys.device))
+    widths = torch.tensor(ALLOC_WIDTHS, dtype=torch.float64, device=keys.device)
+    err = 1 / (2**widths - 1) ** 2  # [W]
+    out = torch.empty(hkv, d, dtype=torch.long, device=keys.device)
+    for head in range(hkv):
+        cost = importance[head, :, None] * err  # [D, W]
+        lo, hi = 0.0, float(cost.max()) + 1.0  # λ = hi: every channel at the narrowest width
+        for _ in range(100):
+            lam = (lo + hi) / 2
+            if float(widths[(cost + lam * widths).argmin(-1)].sum()) > average * d:
+                lo = lam
+            else:
+                hi = lam
+        pick = (cost + hi * widths).argmin(-1)  # [D] index into ALLOC_WIDTHS
+        left = average * d - int(widths[pick].sum())
+        while left > 0:  # consecutive widths: each step is one bit
+            nxt = (pick + 1).clamp(max=len(ALLOC_WIDTHS) - 1)
+            gain = torch.where(
+                nxt > pick, cost.gather(1, pick[:, None])[:, 0] - cost.gather(1, nxt[:, None])[:, 0], -1.0
+            )
+            if float(gain.max()) < 0:
+                break
+            pick[int(gain.argmax())] += 1
+            left -= 1
+        out[head] = widths[pick].long()
+    return out.to(torch.uint8)
+
+
+def _pack_bits(codes: torch.Tensor, widths: torch.Tensor, n_bytes: int) -> torch.Tensor:
+    """One head's codes `[D, S]` (channel c's below 2^widths[c]) as a uint8 stream `[n_bytes]`:
+    channel by channel, token by token, each code in widths[c] bits, least significant first,
+    zero padding at the end. Raises ValueError: a stream longer than n_bytes."""
+    d, s = codes.shape
+    shifts = torch.arange(8, dtype=torch.uint8, device=codes.device)
+    bits = (codes.to(torch.uint8).unsqueeze(-1) >> shifts) & 1  # [D, S, 8]
+    keep = (shifts.view(1, 1, 8) < widths.view(d, 1, 1).to(torch.uint8)).expand(d, s, 8)
+    stream = bits.masked_select(keep)
+    if stream.numel() > 8 * n_bytes:
+        raise ValueError(f"{stream.numel()} bits do not fit {n_bytes} bytes")
+    stream = torch.cat([stream, stream.new_zeros(8 * n_bytes - stream.numel())]).view(n_bytes, 8)
+    return (stream << shifts).sum(-1, dtype=torch.int32).to(torch.uint8)
+
+
+def _unpack_bits(stream: torch.Tensor, widths: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """Codes `[D, S]` uint8 from `_pack_bits`' stream `[n_bytes]` (S = n_tokens). Raises
+    ValueError: a stream shorter than the widths need."""
+    d = widths.shape[0]
+    shifts = torch.arange(8, dtype=torch.uint8, device=stream.device)
+    keep = (shifts.view(1, 1, 8) < widths.view(d, 1, 1).to(torch.uint8)).expand(d, n_tokens, 8)
+    need = int(widths.long().sum()) * n_tokens
+    if need > 8 * stream.numel():
+        raise ValueError(f"{need} bits of codes in a {stream.numel()}-byte stream")
+    bits = ((stream.unsqueeze(-1) >> shifts) & 1).flatten()[:need]
+    spread = torch.zeros(d, n_tokens, 8, dtype=torch.uint8, device=stream.device)
+    spread.masked_scatter_(keep, bits)
+    codes = spread[..., 0].clone()
+    for j in range(1, 8):
+        codes |= spread[..., j] << j
+    return codes
+
+
 def encode_keys(keys: torch.Tensor, storage: KVStorage, positions: torch.Tensor | None = None,
-                rope_freqs: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+                rope_freqs: torch.Tensor | None = None, key_weights: torch.Tensor | None = None
+                ) -> dict[str, torch.Tensor]:  # fmt: skip
     """The stored form of keys `[Hkv, S, D]` (rotated into the storage's basis, then per channel in
     token groups). positions `[Hkv, S]` and rope_freqs `[D/2]`: needed by the `rope` basis.
+    key_weights `[Hkv, D]`: E[q_c²] for allocated key bits (`allocate_key_bits`; None: equal).
 
-    Returns {"q": uint8 `[Hkv, S, D]` (int4: `[Hkv, S, D/2]`), "min"/"scale": `[Hkv, ⌈S/Gt⌉, D]`}.
-    Raises ValueError: the `rope` basis without positions or frequencies.
+    Returns {"q": uint8 `[Hkv, S, D]` (int4: `[Hkv, S, D/2]`), "min"/"scale": `[Hkv, ⌈S/Gt⌉, D]`};
+    allocated key bits add "bits": uint8 `[Hkv, D]`, and "q" holds each head's `_pack_bits`
+    stream (S·D/2 bytes, the int4 size) viewed as `[Hkv, S, D/2]`.
+    Raises ValueError: the `rope` basis without positions or frequencies; bad key weights.
     """
     x = keys.float()
     if storage.rotation == "hadamard":
@@ -208,10 +338,16 @@ def encode_keys(keys: torch.Tensor, storage: KVStorage, positions: torch.Tensor 
     if pad:  # repeat the last token: a group's min and max do not change
         x = torch.cat([x, x[:, -1:].expand(hkv, pad, d)], dim=1)
     grouped = x.view(hkv, n_groups, g, d).transpose(2, 3)  # [Hkv, G, D, Gt]
-    parts = _quantize_groups(grouped, storage.bits)
+    widths = allocate_key_bits(x[:, :s], key_weights, g, storage.bits) if storage.key_bits == "allocated" else None
+    parts = _quantize_groups(grouped, storage.bits if widths is None else widths[:, None, :])
     q = parts["q"].transpose(2, 3).reshape(hkv, n_groups * g, d)[:, :s]  # [Hkv, S, D]
     out = {"q": q.contiguous(), "min": parts["min"].contiguous(), "scale": parts["scale"].contiguous()}
-    if storage.bits == 4:
+    if widths is not None:
+        n_bytes = s * d * storage.bits // 8
+        streams = [_pack_bits(q[h].T, widths[h], n_bytes) for h in range(hkv)]
+        out["q"] = torch.stack(streams).view(hkv, s, d * storage.bits // 8)
+        out["bits"] = widths
+    elif storage.bits == 4:
         out["q"] = _pack4(out["q"])
     return out
 
@@ -224,8 +360,14 @@ def decode_keys(
     rope_freqs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float32 keys `[Hkv, S, D]` from `encode_keys`'s parts (rotation undone; the `rope` basis
-    needs the same positions `[Hkv, S]` and frequencies `[D/2]`). Raises ValueError without them."""
-    q = _unpack4(parts["q"]) if storage.bits == 4 else parts["q"]
+    needs the same positions `[Hkv, S]` and frequencies `[D/2]`; allocated key bits their
+    "bits"). Raises ValueError without them."""
+    if storage.key_bits == "allocated":
+        hkv, s = parts["q"].shape[:2]
+        streams = parts["q"].reshape(hkv, -1)
+        q = torch.stack([_unpack_bits(streams[h], parts["bits"][h], s).T for h in range(hkv)])
+    else:
+        q = _unpack4(parts["q"]) if storage.bits == 4 else parts["q"]
     hkv, s, d = q.shape
     g = storage.key_group_tokens
     idx = torch.arange(s, device=q.device) // g  # each token's group
@@ -282,20 +424,23 @@ def layer_part_names(storage: KVStorage) -> tuple[str, ...]:
     """Names of the tensors `encode_layer` returns under an integer `storage`."""
     sinks = ("sinks.keys", "sinks.values") if storage.sink_tokens else ()
     rope = ("keys.rope_freqs",) if storage.rotation == "rope" else ()
-    return ("keys.q", "keys.min", "keys.scale", "values.q", "values.min", "values.scale", *sinks, *rope)
+    bits = ("keys.bits",) if storage.key_bits == "allocated" else ()
+    return ("keys.q", "keys.min", "keys.scale", "values.q", "values.min", "values.scale", *sinks, *rope, *bits)
 
 
 def encode_layer(keys: torch.Tensor, values: torch.Tensor, storage: KVStorage, positions: torch.Tensor | None = None,
-                 rope_freqs: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+                 rope_freqs: torch.Tensor | None = None, key_weights: torch.Tensor | None = None
+                 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """The stored tensors of one layer's keys/values `[Hkv, S, D]` under an integer `storage`.
 
     With s = min(sink_tokens, S): `sinks.keys` / `sinks.values` `[Hkv, s, D]` float16 (float32
     when out of its range) hold the first s tokens; `keys.q`, `keys.min`, `keys.scale`,
     `values.q`, `values.min`, `values.scale` encode the other S − s (`encode_keys`, `encode_values`);
     the `rope` basis adds `keys.rope_freqs` `[D/2]` float32, the layer's RoPE frequencies (radians
-    per token; None: zeros, no rotation), used with the keys' positions `[Hkv, S]`.
+    per token; None: zeros, no rotation), used with the keys' positions `[Hkv, S]`; allocated key
+    bits add `keys.bits` `[Hkv, D]` uint8, chosen with key_weights `[Hkv, D]` (E[q_c²]; None: equal).
     Raises ValueError: int4 with an odd head dim; the `rope` basis without positions or with an
-    odd head dim."""
+    odd head dim; bad key weights."""
     if storage.bits == 4 and keys.shape[-1] % 2:
         raise ValueError(f"int4 storage needs an even head_dim, got {keys.shape[-1]}")
     n_sinks = min(storage.sink_tokens, keys.shape[1])
@@ -306,7 +451,7 @@ def encode_layer(keys: torch.Tensor, values: torch.Tensor, storage: KVStorage, p
         freqs = torch.zeros(keys.shape[-1] // 2) if rope_freqs is None else rope_freqs.detach().float().cpu()
         freqs = freqs.to(keys.device).contiguous()
         positions = None if positions is None else positions[:, n_sinks:]
-    parts = {f"keys.{k}": v for k, v in encode_keys(keys[:, n_sinks:], storage, positions, freqs).items()}
+    parts = {f"keys.{k}": v for k, v in encode_keys(keys[:, n_sinks:], storage, positions, freqs, key_weights).items()}
     if freqs is not None:
         parts["keys.rope_freqs"] = freqs
     parts.update({f"values.{k}": v for k, v in encode_values(values[:, n_sinks:], storage).items()})
@@ -324,7 +469,8 @@ def decode_layer(
     `rope` basis needs the layer's positions `[Hkv, S]`. Raises ValueError without them."""
     n_sinks = parts["sinks.keys"].shape[1] if storage.sink_tokens else 0
     rest = None if positions is None else positions[:, n_sinks:]
-    keys = decode_keys({k: parts[f"keys.{k}"] for k in ("q", "min", "scale")}, storage, head_dim, rest,
+    names = ("q", "min", "scale", "bits") if storage.key_bits == "allocated" else ("q", "min", "scale")
+    keys = decode_keys({k: parts[f"keys.{k}"] for k in names}, storage, head_dim, rest,
                        parts.get("keys.rope_freqs"))  # fmt: skip
     values = decode_values({k: parts[f"values.{k}"] for k in ("q", "min", "scale")}, storage)
     if storage.sink_tokens:

@@ -54,10 +54,14 @@ class Prefill:
 
     layers: per decoder layer, a `LayerPrefill` (full attention: all keys, captured queries) or a
     `LayerKV` (sliding window: its last `sliding_window` tokens, what it keeps).
+    query_energy: per decoder layer, E[q_c²] `[Hkv, D]` float32 of the captured document queries
+        (after RoPE, averaged over the tokens and each KV head's GQA group): the weights of
+        allocated key bits (`core.quant.allocate_key_bits`); None: not captured.
     """
 
     n_context_tokens: int
     layers: list[LayerPrefill | LayerKV]
+    query_energy: list[torch.Tensor] | None = None
 
 
 class Engine:
@@ -190,7 +194,7 @@ class Engine:
         if reconstruct:  # two passes over the document: each is half of the progress, in document tokens
             first_pass = lambda done, total: progress(done // 2, total)  # noqa: E731
             second_pass = lambda done, total: progress((total + done) // 2, total)  # noqa: E731
-        with rocketkv_attention(self.model, cache, shape, capture_from=capture_from) as session:
+        with rocketkv_attention(self.model, cache, shape, capture_from=capture_from, capture_sliding=True) as session:
             self._prefill_chunks(cache, doc_ids, 0, chunk_tokens, first_pass)
             sliding = {i: _last_tokens(cache.layers[i].view(), s.sliding_window)
                        for i, s in enumerate(shape.layers) if s.sliding_window}  # fmt: skip
@@ -198,7 +202,11 @@ class Engine:
             if probe_ids:
                 self._prefill_chunks(cache, probe_ids, n, chunk_tokens, lambda d, t: None)
         layers: list[LayerPrefill | LayerKV] = []
+        energy = []
         for i, spec in enumerate(shape.layers):
+            document = torch.cat(session.captured[i], dim=2)[:, :, : n - capture_from]  # [1, H, W, D]
+            grouped = document.reshape(shape.n_kv_heads, -1, document.shape[-1])  # [Hkv, G·W, D]: heads are kv-major
+            energy.append((grouped**2).mean(1))  # [Hkv, D]
             if spec.sliding_window is not None:
                 layers.append(sliding[i])
                 continue
@@ -207,7 +215,7 @@ class Engine:
             assert queries.shape[2] == n + len(probe_ids) - capture_from, (queries.shape, n, capture_from)
             layers.append(LayerPrefill(keys, values, positions, queries, n, len(probe_ids), capture_from, spec.scaling,
                                        spec.softcap, recon.get(i)))  # fmt: skip
-        return Prefill(n_context_tokens=n, layers=layers)
+        return Prefill(n_context_tokens=n, layers=layers, query_energy=energy)
 
     def reconstruction_scores(
         self, cache: RocketCache, doc_ids: list[int], chunk_tokens: int, progress: TokenProgress
@@ -298,17 +306,18 @@ class Engine:
         storage = resolved(storage, self.dtype_name)
         layers = []
         for i, layer in enumerate(prefill.layers):
+            weights = prefill.query_energy[i] if prefill.query_energy is not None else None  # [Hkv, D]
             if isinstance(layer, LayerKV):
-                layers.append(layer.to_storage(storage, self.rope_freqs[i]))
+                layers.append(layer.to_storage(storage, self.rope_freqs[i], weights))
                 continue
             tensors = (layer.keys[:, :, :n], layer.values[:, :, :n], layer.positions[:, :, :n])
             if n <= n_stored:
                 k, v, p = (t.contiguous() for t in tensors)
-                layers.append(LayerKV(k, v, p).to_storage(storage, self.rope_freqs[i]))
+                layers.append(LayerKV(k, v, p).to_storage(storage, self.rope_freqs[i], weights))
                 continue
             kept = selector.select(layer, n_stored)  # [1, Hkv, n_stored]
             k, v, p = (gather_tokens(t, kept) for t in tensors)
-            layers.append(LayerKV(k, v, p).to_storage(storage, self.rope_freqs[i]))
+            layers.append(LayerKV(k, v, p).to_storage(storage, self.rope_freqs[i], weights))
         info = CacheInfo(
             identity=self.identity, dtype=self.dtype_name, n_context_tokens=n, document_sha256=document_sha256,
             document_source=document_source, config=cfg, budgets=budgets, pool_kernel_size=pool_kernel_of(cfg, n),

@@ -288,6 +288,7 @@ class _Session:
     shape: ModelShape
     decode: DecodeConfig | None
     capture_from: int | None = None  # capture queries at RoPE positions ≥ this
+    capture_sliding: bool = False  # … in sliding-window layers too
     captured: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     hsa_from: int | None = None  # teacher forcing: queries at positions ≥ this attend as decode steps do
     reconstruct: Reconstruction | None = None  # full-attention layers record reconstruction weights
@@ -362,7 +363,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     q_pos = session.cache.query_positions
     if q_pos is None:
         raise RuntimeError("rocketkv attention called without query positions (use forward_tokens)")
-    if session.capture_from is not None and spec.sliding_window is None:
+    if session.capture_from is not None and (spec.sliding_window is None or session.capture_sliding):
         keep = torch.ge(q_pos, session.capture_from)
         if bool(keep.any()):
             session.captured.setdefault(module.layer_idx, []).append(query[:, :, keep].detach().float())
@@ -457,12 +458,14 @@ def rocketkv_attention(
     capture_from: int | None = None,
     hsa_from: int | None = None,
     reconstruct: Reconstruction | None = None,
+    capture_sliding: bool = False,
 ) -> Iterator[_Session]:
     """Run `model` with rocketkv's attention over `cache` inside the block; restore it afterwards.
 
     decode: stage-2 settings for single-token steps (None = exact attention everywhere).
     capture_from: record full-attention layers' queries at positions ≥ this (stage-1 window);
-        they appear in the yielded session's `captured[layer_idx]` as `[B, H, t, D]` float32 pieces.
+        they appear in the yielded session's `captured[layer_idx]` as `[B, H, t, D]` float32 pieces
+        (after RoPE); capture_sliding: sliding-window layers' queries too.
     hsa_from: teacher forcing, see `_teacher_forced`. reconstruct: full-attention layers attend
         through `ops.reconstruction_attention` and gather its weights into this record.
     """
@@ -470,7 +473,7 @@ def rocketkv_attention(
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_NAME)
     session = _Session(cache=cache, shape=shape, decode=decode, capture_from=capture_from, hsa_from=hsa_from,
-                       reconstruct=reconstruct)  # fmt: skip
+                       reconstruct=reconstruct, capture_sliding=capture_sliding)  # fmt: skip
     token = _SESSION.set(session)
     try:
         yield session

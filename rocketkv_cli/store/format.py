@@ -31,8 +31,17 @@ from ..core.quant import KVStorage
 from ..errors import CacheFormatError
 
 FORMAT_NAME = "rocketkv.kv_cache"
-FORMAT_VERSION = 4  # v1: one segment (`layers.*`); v2: `segments.{j}.layers.*`; v3: + integer storage;
-# v4: + float16 sink tokens, int16 positions where they fit, token lines as runs
+FORMAT_VERSION = 5  # the newest this rocketkv reads and writes. v1: one segment (`layers.*`); v2:
+# `segments.{j}.layers.*`; v3: + integer storage; v4: + float16 sink tokens, int16 positions where
+# they fit, token lines as runs; v5: + allocated key bits (`keys.bits`). A file is written with the
+# oldest version that holds it (`version_for`), so older rocketkv still read what they can.
+
+
+def version_for(storage: KVStorage) -> int:
+    """The format version a file of `storage` is written with: 5 for allocated key bits, else 4."""
+    return 5 if storage.key_bits == "allocated" else 4
+
+
 MAX_HEADER_BYTES = 100 << 20  # as safetensors itself
 DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "F64": 8, "U8": 1}
 TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64,
@@ -306,6 +315,8 @@ def metadata_info(meta: dict[str, str], path: str, rebuild: str) -> CacheInfo:
                     raise ValueError("kv_storage")
                 raw_storage["sink_tokens"] = 0
             elif "sink_tokens" not in raw_storage:  # v4 always writes it: a default would misread the file
+                raise ValueError("kv_storage")
+            if version < 5 and "key_bits" in raw_storage:  # v5 added it
                 raise ValueError("kv_storage")
             storage = KVStorage(**raw_storage)
         if version >= 3 and storage.kv_dtype == "auto":

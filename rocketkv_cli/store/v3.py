@@ -26,7 +26,6 @@ from ..errors import CacheFormatError, OutputError
 from .atomic import atomic_write
 from .format import (
     FORMAT_NAME,
-    FORMAT_VERSION,
     MAX_HEADER_BYTES,
     REQUIRED_METADATA,
     ST_DTYPES,
@@ -42,6 +41,7 @@ from .format import (
     segment_info,
     tensor_from,
     token_ids_ok,
+    version_for,
 )  # fmt: skip
 
 ENTRY_FIELDS = ("n_context_tokens", "start_token", "budgets", "ids_sha256", "kv", "kv_sha256", "tokens",
@@ -175,7 +175,7 @@ def write_v3(cache: AnyCache, target: Path, force: bool) -> Path:
     file_info = cache.info
     meta = info_metadata(file_info.with_(created_at=file_info.created_at or now(),
                                          segment=file_info.segment if len(segments) == 1 else None))  # fmt: skip
-    meta.update(format=FORMAT_NAME, format_version=str(FORMAT_VERSION), rocketkv_version=__version__,
+    meta.update(format=FORMAT_NAME, format_version=str(version_for(file_info.storage)), rocketkv_version=__version__,
                 n_context_tokens=str(file_info.n_context_tokens), tensors_sha256=_table_digest(header))  # fmt: skip
     if len(segments) > 1:
         meta["n_context_tokens"] = str(sum(seg.n_context_tokens for seg in segments))
@@ -392,11 +392,16 @@ def _layer(tensors: dict[str, torch.Tensor], i: int, info: CacheInfo) -> LayerKV
         shapes["sinks.keys"] = shapes["sinks.values"] = (n_kv, n_sinks, d)
     if storage.rotation == "rope":
         shapes["keys.rope_freqs"] = (d // 2,)
+    if storage.key_bits == "allocated":
+        shapes["keys.bits"] = (n_kv, d)
     for p, shape in shapes.items():
         t = parts[p]
         if t.shape != shape:
             return None
-        if p.endswith(".q"):
+        if p == "keys.bits":  # each channel 1–8 bits, each head's codes within the int4 bytes it was given
+            if t.dtype != torch.uint8 or bool(((t < 1) | (t > 8)).any()) or bool((t.long().sum(1) > 4 * d).any()):
+                return None
+        elif p.endswith(".q"):
             if t.dtype != torch.uint8:
                 return None
         elif p == "keys.rope_freqs":

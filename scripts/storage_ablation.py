@@ -53,7 +53,145 @@ LAYOUTS = {  # name: what it is (and, for a layout int4's bytes would not hold, 
     "sim: key groups 32, 8-bit ranges": "int4, 32-token key groups whose min/max are 8-bit codes in the "
     "channel's range (int4's bytes)",
     "sim: sliding keys per token (64 dims)": "int4; sliding-window keys grouped per token like values",
+    "sim: key bits by query energy": "int4's bytes; each key channel gets 2–8 bits (4 on average per head), "
+    "chosen to minimise Σ E[q_c²]·range_c²/(2^b−1)² with E[q_c²] from the document's last 32 queries "
+    "(+1 byte per channel and head)",
+    "sim: key and value bits by energy": "the row above, and each value channel 2–8 bits (4 on average per head) "
+    "by Σ_h ‖W_o[:, h, c]‖² over the head's GQA group times the token groups' mean range²",
 }
+ALLOC_BITS = (2, 3, 4, 5, 6, 8)  # the widths "sim: key bits by query energy" may give a channel
+
+
+def tail_query_energy(engine, ids: list[int], window: int = 32) -> list:
+    """Per layer, E[q_c²] `[Hkv, D]` float32 of the queries of the last `window` document tokens,
+    after the layer's query norm and RoPE (the basis the keys are stored in), averaged over each
+    KV head's GQA group. Captured with forward hooks on each attention block's `q_proj` during an
+    exact forward of the document: an experiment's instrument, coupled to the two presets'
+    transformers modules (Llama: no query norm; Gemma 3: `q_norm`)."""
+    import torch
+
+    from rocketkv_cli.core.quant import rope_rotate
+    from rocketkv_cli.model.hf import empty_cache, rocketkv_attention
+
+    model, shape = engine.model, engine.shape
+    blocks = [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")]
+    rows: dict[int, list] = {}
+    hooks = [b.q_proj.register_forward_hook(lambda m, i, o, idx=b.layer_idx: rows.setdefault(idx, []).append(o[0]))
+             for b in blocks]  # fmt: skip
+    try:
+        cache = empty_cache(model, shape, len(ids))
+        with torch.no_grad(), rocketkv_attention(model, cache, shape):
+            engine._prefill_chunks(cache, ids, 0, 1024, lambda done, total: None)
+    finally:
+        for h in hooks:
+            h.remove()
+    out = []
+    for b in sorted(blocks, key=lambda b: b.layer_idx):
+        i = b.layer_idx
+        q = torch.cat(rows[i], 0)[-window:].float()  # [W, H·D]
+        h, d = q.shape[1] // shape.head_dim, shape.head_dim
+        q = q.view(-1, h, d)
+        if hasattr(b, "q_norm"):
+            with torch.no_grad():
+                q = b.q_norm(q).float()
+        q = q.transpose(0, 1)  # [H, W, D]
+        if engine.rope_freqs[i] is not None:
+            pos = torch.arange(len(ids) - q.shape[1], len(ids)).expand(h, -1)
+            q = rope_rotate(q, pos, engine.rope_freqs[i].float(), inverse=False)
+        hkv = shape.n_kv_heads
+        out.append((q**2).view(hkv, h // hkv, -1, d).mean((1, 2)))
+    return out
+
+
+def value_channel_energy(engine) -> list:
+    """Per layer, Σ over each KV head's GQA group of ‖W_o[:, h·D + c]‖² `[Hkv, D]` float32: how
+    much a value channel's rounding error reaches the layer's output."""
+    shape = engine.shape
+    blocks = sorted((m for m in engine.model.modules() if hasattr(m, "o_proj") and hasattr(m, "layer_idx")),
+                    key=lambda b: b.layer_idx)  # fmt: skip
+    out = []
+    for b in blocks:
+        w = b.o_proj.weight.detach().float()  # [hidden, H·D]
+        h = w.shape[1] // shape.head_dim
+        energy = (w**2).sum(0).view(h, shape.head_dim)
+        out.append(energy.view(shape.n_kv_heads, h // shape.n_kv_heads, shape.head_dim).sum(1))
+    return out
+
+
+def lagrangian_bits(importance, average: int = 4):
+    """Bits `[Hkv, N]` (each in ALLOC_BITS, mean ≤ `average` per row) minimising
+    Σ importance / (2^b − 1)² `[Hkv, N]`: bisection on the multiplier of the bit budget."""
+    import torch
+
+    importance = importance.double()
+    widths = torch.tensor(ALLOC_BITS, dtype=torch.float64)
+    err = 1 / (2**widths - 1) ** 2
+    out = torch.empty(importance.shape, dtype=torch.long)
+    for row in range(importance.shape[0]):
+        lo, hi = 1e-30, 1e30
+        for _ in range(120):
+            lam = (lo * hi) ** 0.5
+            b = widths[(importance[row, :, None] * err + lam * widths).argmin(-1)]
+            lo, hi = (lam, hi) if b.mean() > average else (lo, lam)
+        out[row] = widths[(importance[row, :, None] * err + hi * widths).argmin(-1)].long()
+    return out
+
+
+def value_bits(values, weight, group: int = 64):
+    """Bits per value channel `[Hkv, D]` for per-token groups of `group` channels: importance
+    weight_c × the mean over tokens of its group's range²."""
+    hkv, s, d = values.shape
+    g = values.view(hkv, s, d // group, group)
+    r2 = ((g.amax(-1) - g.amin(-1)) ** 2).mean(1)  # [Hkv, D/group]
+    return lagrangian_bits(weight * r2.repeat_interleave(group, -1))
+
+
+def token_groups_bits(x, bits, group: int = 64):
+    """Values `[Hkv, S, D]` rounded per token in groups of `group` channels, channel c with bits `[Hkv, D]`."""
+    hkv, s, d = x.shape
+    g = x.view(hkv, s, d // group, group)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    step = ((hi - lo) / (2.0 ** bits.float() - 1).view(hkv, 1, d // group, group)).clamp_min(1e-30)
+    return ((g - lo) / step).round().mul(step).add(lo).minimum(hi).view(hkv, s, d)
+
+
+def allocated_key_bits(keys, weight, group: int = 64, average: int = 4):
+    """Bits per key channel `[Hkv, D]` (each in ALLOC_BITS, mean ≤ `average` per head): the
+    Lagrangian solution of min Σ_c weight_c · mean_g range_cg² / (2^b_c − 1)² — uniform rounding
+    error of a channel's token group is range²/(12·(2^b−1)²), and a logit's error is Σ_c q_c·Δk_c
+    (reverse water-filling over channels, as in transform coding; KVTC, arXiv 2511.01815 §3)."""
+    import torch
+
+    hkv, s, d = keys.shape
+    n = -(-s // group)
+    x = torch.cat([keys, keys[:, -1:].expand(hkv, n * group - s, d)], 1) if n * group > s else keys
+    g = x.view(hkv, n, group, d)
+    importance = (weight * ((g.amax(2) - g.amin(2)) ** 2).mean(1)).double()  # [Hkv, D]
+    widths = torch.tensor(ALLOC_BITS, dtype=torch.float64)
+    err = 1 / (2**widths - 1) ** 2
+    out = torch.empty(hkv, d, dtype=torch.long)
+    for head in range(hkv):
+        lo, hi = 1e-30, 1e30
+        for _ in range(120):  # bisect the multiplier λ of the bit budget
+            lam = (lo * hi) ** 0.5
+            b = widths[(importance[head, :, None] * err + lam * widths).argmin(-1)]
+            lo, hi = (lam, hi) if b.mean() > average else (lo, lam)
+        out[head] = widths[(importance[head, :, None] * err + hi * widths).argmin(-1)].long()
+    return out
+
+
+def key_groups_bits(k, bits, g: int = 64):
+    """Keys `[Hkv, S, D]` rounded per channel in groups of g tokens, channel c with bits `[Hkv, D]`."""
+    import torch
+
+    hkv, s, d = k.shape
+    n = -(-s // g)
+    x = torch.cat([k, k[:, -1:].expand(hkv, n * g - s, d)], 1) if n * g > s else k
+    grp = x.view(hkv, n, g, d)
+    lo, hi = grp.amin(2, keepdim=True), grp.amax(2, keepdim=True)
+    step = ((hi - lo) / (2.0 ** bits.float() - 1).view(hkv, 1, 1, d)).clamp_min(1e-30)
+    xh = torch.minimum(((grp - lo) / step).round() * step + lo, hi)
+    return xh.view(hkv, n * g, d)[:, :s]
 
 
 def simulated_groups(x, bits: int, clip: tuple[float, ...] = (), ranges8: bool = False):
@@ -101,8 +239,9 @@ def token_groups(x, g: int, **kw):
     return simulated_groups(x.view(hkv, s, d // g, g), 4, **kw).reshape(hkv, s, d)
 
 
-def layouts(engine) -> dict[str, Callable]:
-    """name → f(layer, i) giving the layer as that layout holds it (float32 `LayerKV`)."""
+def layouts(engine, energy: list | None = None) -> dict[str, Callable]:
+    """name → f(layer, i) giving the layer as that layout holds it (float32 `LayerKV`). energy:
+    per layer E[q_c²] `[Hkv, D]` (`tail_query_energy`), for the bit-allocation layout."""
     from rocketkv_cli.core.cache import LayerKV
     from rocketkv_cli.core.quant import KVStorage
 
@@ -113,6 +252,7 @@ def layouts(engine) -> dict[str, Callable]:
         return lambda layer, i: layer.to_storage(storage, engine.rope_freqs[i])
 
     int4, int8, rope = st("int4"), st("int8"), st("int4+rope")
+    out_energy = value_channel_energy(engine)
 
     def sim(keys=None, values=None, sinks=4, recent=0, where=lambda i: True):
         def f(layer, i):
@@ -150,6 +290,13 @@ def layouts(engine) -> dict[str, Callable]:
         "sim: MSE clipping": sim(lambda x: key_groups(x, 64, **clip), lambda x: token_groups(x, 64, **clip)),
         "sim: key groups 32, 8-bit ranges": sim(lambda x: key_groups(x, 32, ranges8=True)),
         "sim: sliding keys per token (64 dims)": sim(lambda x: token_groups(x, 64), where=lambda i: i not in full),
+        "sim: key bits by query energy": lambda layer, i: sim(
+            lambda x: key_groups_bits(x, allocated_key_bits(x, energy[i]))
+        )(layer, i),  # type: ignore[index]
+        "sim: key and value bits by energy": lambda layer, i: sim(
+            lambda x: key_groups_bits(x, allocated_key_bits(x, energy[i])),  # type: ignore[index]
+            lambda x: token_groups_bits(x, value_bits(x, out_energy[i])),
+        )(layer, i),
     }
 
 
@@ -170,7 +317,6 @@ def run(args) -> dict:
     report.setdefault("results", {})
     report["layouts"] = LAYOUTS
     engine = RocketKV.load(args.preset, device="cpu", weights="float").engine  # storage alone varies
-    todo = {k: f for k, f in layouts(engine).items() if k in LAYOUTS}
     cfg = with_preset_defaults(PrefillConfig(), args.preset, set())
     count = lambda text: len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     haystack = read_document(str(DATA / "kjv.txt")).text
@@ -178,11 +324,16 @@ def run(args) -> dict:
     for index in range(args.samples):
         key = f"{args.preset}/{args.length}/{index}"
         done = report["results"].setdefault(key, {})
-        if all(name in done for name in todo):
+        if all(name in done for name in LAYOUTS):
             continue
         sample = generate("niah_text", index, 7, args.length - 200, count, haystack)
         questions = [q.text for q in sample.questions] + OPEN_QUESTIONS
         path = args.scratch / f"{args.preset}-{args.length}-{index}-float32.kv"
+        energy_path = path.with_suffix(".energy.pt")
+        if not energy_path.exists():
+            doc = Document(sample.document, f"{index:064x}", f"kjv-{args.length}-{index}")
+            torch.save(tail_query_energy(engine, engine.document_tokens(doc).ids), energy_path)
+        todo = {k: f for k, f in layouts(engine, torch.load(energy_path)).items() if k in LAYOUTS}
         if not path.exists():
             t0 = time.perf_counter()
             doc = Document(sample.document, f"{index:064x}", f"kjv-{args.length}-{index}")

@@ -279,37 +279,66 @@ def allocate_key_bits(keys: torch.Tensor, weight: torch.Tensor | None, group_tok
     return out.to(torch.uint8)
 
 
+STREAM_SLACK_BYTES = 8  # allocated key bits: per head, room for each width's block to end on a byte
+
+
+def alloc_stream_bytes(n_tokens: int, head_dim: int) -> int:
+    """Bytes of one head's allocated-key-bits stream for n_tokens tokens: int4's n·D/2, plus
+    `STREAM_SLACK_BYTES` for the byte padding of up to 7 width blocks."""
+    return n_tokens * head_dim // 2 + STREAM_SLACK_BYTES
+
+
+def _pack_fixed(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """Codes `[N]` (each < 2^width) as ⌈N·width/8⌉ bytes: code i at bits i·width …, least
+    significant first. Eight codes fill `width` bytes exactly, so they are packed as one word."""
+    n = codes.numel()
+    padded = torch.cat([codes.long(), codes.new_zeros(-n % 8).long()]).view(-1, 8)
+    word = padded[:, 0].clone()
+    for j in range(1, 8):
+        word |= padded[:, j] << (width * j)  # width 8, j 7: the top byte lands in the sign bit, bits unchanged
+    out = torch.stack([(word >> (8 * k)) & 0xFF for k in range(width)], dim=1).flatten()
+    return out[: -(-n * width // 8)].to(torch.uint8)
+
+
+def _unpack_fixed(data: torch.Tensor, width: int, n: int) -> torch.Tensor:
+    """Codes `[N]` uint8 from `_pack_fixed`'s bytes."""
+    groups = -(-n // 8)
+    padded = torch.cat([data.long(), data.new_zeros(groups * width - data.numel()).long()]).view(groups, width)
+    word = padded[:, 0].clone()
+    for k in range(1, width):
+        word |= padded[:, k] << (8 * k)
+    mask = (1 << width) - 1
+    return torch.stack([(word >> (width * j)) & mask for j in range(8)], dim=1).flatten()[:n].to(torch.uint8)
+
+
 def _pack_bits(codes: torch.Tensor, widths: torch.Tensor, n_bytes: int) -> torch.Tensor:
     """One head's codes `[D, S]` (channel c's below 2^widths[c]) as a uint8 stream `[n_bytes]`:
-    channel by channel, token by token, each code in widths[c] bits, least significant first,
-    zero padding at the end. Raises ValueError: a stream longer than n_bytes."""
-    d, s = codes.shape
-    shifts = torch.arange(8, dtype=torch.uint8, device=codes.device)
-    bits = (codes.to(torch.uint8).unsqueeze(-1) >> shifts) & 1  # [D, S, 8]
-    keep = (shifts.view(1, 1, 8) < widths.view(d, 1, 1).to(torch.uint8)).expand(d, s, 8)
-    stream = bits.masked_select(keep)
-    if stream.numel() > 8 * n_bytes:
-        raise ValueError(f"{stream.numel()} bits do not fit {n_bytes} bytes")
-    stream = torch.cat([stream, stream.new_zeros(8 * n_bytes - stream.numel())]).view(n_bytes, 8)
-    return (stream << shifts).sum(-1, dtype=torch.int32).to(torch.uint8)
+    a block per width present, narrowest first; a block holds its channels' codes in channel
+    order, each channel's token by token, `_pack_fixed` at that width, and ends on a byte; zeros
+    after the last block. Raises ValueError: a stream longer than n_bytes."""
+    blocks = []
+    for width in sorted(set(widths.tolist())):
+        blocks.append(_pack_fixed(codes[widths == width].flatten(), int(width)))
+    stream = torch.cat(blocks) if blocks else codes.new_zeros(0)
+    if stream.numel() > n_bytes:
+        raise ValueError(f"{8 * stream.numel()} bits do not fit {n_bytes} bytes")
+    return torch.cat([stream, stream.new_zeros(n_bytes - stream.numel())])
 
 
 def _unpack_bits(stream: torch.Tensor, widths: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    """Codes `[D, S]` uint8 from `_pack_bits`' stream `[n_bytes]` (S = n_tokens). Raises
-    ValueError: a stream shorter than the widths need."""
-    d = widths.shape[0]
-    shifts = torch.arange(8, dtype=torch.uint8, device=stream.device)
-    keep = (shifts.view(1, 1, 8) < widths.view(d, 1, 1).to(torch.uint8)).expand(d, n_tokens, 8)
-    need = int(widths.long().sum()) * n_tokens
-    if need > 8 * stream.numel():
-        raise ValueError(f"{need} bits of codes in a {stream.numel()}-byte stream")
-    bits = ((stream.unsqueeze(-1) >> shifts) & 1).flatten()[:need]
-    spread = torch.zeros(d, n_tokens, 8, dtype=torch.uint8, device=stream.device)
-    spread.masked_scatter_(keep, bits)
-    codes = spread[..., 0].clone()
-    for j in range(1, 8):
-        codes |= spread[..., j] << j
-    return codes
+    """Codes `[D, S]` uint8 from `_pack_bits`' stream (S = n_tokens). Raises ValueError: a
+    stream shorter than the widths need."""
+    out = torch.zeros(widths.shape[0], n_tokens, dtype=torch.uint8, device=stream.device)
+    at = 0
+    for width in sorted(set(widths.tolist())) if n_tokens else ():
+        rows = widths == width
+        n = int(rows.sum()) * n_tokens
+        size = -(-n * int(width) // 8)
+        if at + size > stream.numel():
+            raise ValueError(f"{8 * (at + size)} bits of codes in a {stream.numel()}-byte stream")
+        out[rows] = _unpack_fixed(stream[at : at + size], int(width), n).view(-1, n_tokens)
+        at += size
+    return out
 
 
 def encode_keys(keys: torch.Tensor, storage: KVStorage, positions: torch.Tensor | None = None,
@@ -320,8 +349,8 @@ def encode_keys(keys: torch.Tensor, storage: KVStorage, positions: torch.Tensor 
     key_weights `[Hkv, D]`: E[q_c²] for allocated key bits (`allocate_key_bits`; None: equal).
 
     Returns {"q": uint8 `[Hkv, S, D]` (int4: `[Hkv, S, D/2]`), "min"/"scale": `[Hkv, ⌈S/Gt⌉, D]`};
-    allocated key bits add "bits": uint8 `[Hkv, D]`, and "q" holds each head's `_pack_bits`
-    stream (S·D/2 bytes, the int4 size) viewed as `[Hkv, S, D/2]`.
+    allocated key bits add "bits": uint8 `[Hkv, D]`, and "q" is each head's `_pack_bits` stream,
+    `[Hkv, alloc_stream_bytes(S, D)]` (int4's S·D/2 bytes and 8 of slack).
     Raises ValueError: the `rope` basis without positions or frequencies; bad key weights.
     """
     x = keys.float()
@@ -343,9 +372,8 @@ def encode_keys(keys: torch.Tensor, storage: KVStorage, positions: torch.Tensor 
     q = parts["q"].transpose(2, 3).reshape(hkv, n_groups * g, d)[:, :s]  # [Hkv, S, D]
     out = {"q": q.contiguous(), "min": parts["min"].contiguous(), "scale": parts["scale"].contiguous()}
     if widths is not None:
-        n_bytes = s * d * storage.bits // 8
-        streams = [_pack_bits(q[h].T, widths[h], n_bytes) for h in range(hkv)]
-        out["q"] = torch.stack(streams).view(hkv, s, d * storage.bits // 8)
+        n_bytes = alloc_stream_bytes(s, d)
+        out["q"] = torch.stack([_pack_bits(q[h].T, widths[h], n_bytes) for h in range(hkv)])  # [Hkv, n_bytes]
         out["bits"] = widths
     elif storage.bits == 4:
         out["q"] = _pack4(out["q"])
@@ -363,9 +391,9 @@ def decode_keys(
     needs the same positions `[Hkv, S]` and frequencies `[D/2]`; allocated key bits their
     "bits"). Raises ValueError without them."""
     if storage.key_bits == "allocated":
-        hkv, s = parts["q"].shape[:2]
-        streams = parts["q"].reshape(hkv, -1)
-        q = torch.stack([_unpack_bits(streams[h], parts["bits"][h], s).T for h in range(hkv)])
+        hkv, d = parts["bits"].shape
+        s = (parts["q"].shape[1] - STREAM_SLACK_BYTES) * 2 // d  # alloc_stream_bytes, inverted
+        q = torch.stack([_unpack_bits(parts["q"][h], parts["bits"][h], s).T for h in range(hkv)])
     else:
         q = _unpack4(parts["q"]) if storage.bits == 4 else parts["q"]
     hkv, s, d = q.shape

@@ -21,7 +21,7 @@ import torch
 
 from .. import __version__
 from ..core.cache import AnyCache, CacheInfo, CompressedKVCache, LayerKV, SegmentedKVCache
-from ..core.quant import FLOAT_DTYPES, layer_part_names
+from ..core.quant import FLOAT_DTYPES, alloc_stream_bytes, layer_part_names
 from ..errors import CacheFormatError, OutputError
 from .atomic import atomic_write
 from .format import (
@@ -394,6 +394,7 @@ def _layer(tensors: dict[str, torch.Tensor], i: int, info: CacheInfo) -> LayerKV
         shapes["keys.rope_freqs"] = (d // 2,)
     if storage.key_bits == "allocated":
         shapes["keys.bits"] = (n_kv, d)
+        shapes["keys.q"] = (n_kv, alloc_stream_bytes(rest, d))
     for p, shape in shapes.items():
         t = parts[p]
         if t.shape != shape:

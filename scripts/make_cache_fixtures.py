@@ -6,10 +6,12 @@ tests/test_fixtures.py loads each file with the current code, answers the record
 compares the token ids with `tests/data/fixtures.json`. Answers use exact attention over the stored
 cache, so they test the stored keys, values and positions, not stage-2 choices a later version may
 improve. Files of older versions stay as they were written (v1 and v2 by rocketkv 0.1.0 before
-the redesign): run this only when the format version changes, and it adds `v{N}-*.kv` for the
-current version N (a one-segment int8 file on a sliding-window model, a one-segment int4 file with
-pre-RoPE keys on it, a segmented int4 file)
-and leaves the others and their records alone:
+the redesign): run this only when the format version changes. It builds each file below, names it
+by the version it is written with (`version_for`: an int4+alloc file is v5, the others v4), and
+writes only the files of the current version N (`v{N}-*.kv`) with their records, leaving every
+other file and record alone. v4: a one-segment int8 file on a sliding-window model, a one-segment
+int4 file with pre-RoPE keys on it, a segmented int4 file; v5: a one-segment int4+alloc file on
+the sliding-window model.
 
     python scripts/make_cache_fixtures.py [--out tests/data]
 """
@@ -45,7 +47,7 @@ def main() -> int:
     from rocketkv_cli.engine.answer import answer
     from rocketkv_cli.engine.documents import Document, TextPieces
     from rocketkv_cli.engine.segments import ingest_stream
-    from rocketkv_cli.store.format import FORMAT_VERSION, all_segments, load_cache, save_cache
+    from rocketkv_cli.store.format import FORMAT_VERSION, all_segments, load_cache, save_cache, version_for
 
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "fixtures.json"
@@ -53,24 +55,25 @@ def main() -> int:
     cfg = PrefillConfig(token_budget=64, max_new_tokens=MAX_NEW_TOKENS, window_size=8, pool_kernel_size=7)
     made = {}
     engine = make_engine("gemma3_text", torch.float32)
-    made[f"v{FORMAT_VERSION}-gemma3_text.kv"] = (
-        "gemma3_text",
-        engine,
-        engine.ingest(Document(document_text(120, 0), "0" * 64, "gemma3_text.txt"), cfg, storage=KVStorage("int8")),
-    )
-    made[f"v{FORMAT_VERSION}-gemma3_text-rope.kv"] = (  # from v4: pre-RoPE keys store the layer's frequencies
-        "gemma3_text",
-        engine,
-        engine.ingest(Document(document_text(90, 1), "1" * 64, "rope.txt"), cfg, storage=KVStorage.parse("int4+rope")),
-    )
+
+    def named(suffix: str, cache):  # the file name carries the version the file is written with
+        return f"v{version_for(cache.info.storage)}-{suffix}.kv"
+
+    cache = engine.ingest(Document(document_text(120, 0), "0" * 64, "gemma3_text.txt"), cfg, storage=KVStorage("int8"))
+    made[named("gemma3_text", cache)] = ("gemma3_text", engine, cache)
+    cache = engine.ingest(Document(document_text(90, 1), "1" * 64, "rope.txt"), cfg,
+                          storage=KVStorage.parse("int4+rope"))  # fmt: skip
+    made[named("gemma3_text-rope", cache)] = ("gemma3_text", engine, cache)  # v4: pre-RoPE keys store the frequencies
+    cache = engine.ingest(Document(document_text(100, 2), "2" * 64, "alloc.txt"), cfg,
+                          storage=KVStorage.parse("int4+alloc"))  # fmt: skip
+    made[named("gemma3_text-alloc", cache)] = ("gemma3_text", engine, cache)  # v5: allocated key bits
     engine = make_engine("llama", torch.float32)
     text = "".join(document_text(30 + 7 * i, i) for i in range(3))
-    made[f"v{FORMAT_VERSION}-llama.kv"] = (
-        "llama",
-        engine,
-        ingest_stream(engine, TextPieces(text, "book.txt"), cfg, segment_tokens=200, storage=KVStorage("int4")),
-    )
+    cache = ingest_stream(engine, TextPieces(text, "book.txt"), cfg, segment_tokens=200, storage=KVStorage("int4"))
+    made[named("llama", cache)] = ("llama", engine, cache)
     for name, (arch, engine, cache) in made.items():
+        if not name.startswith(f"v{FORMAT_VERSION}-"):
+            continue  # an older version's file: kept as that version wrote it
         save_cache(cache, args.out / name, force=True)
         loaded = load_cache(args.out / name)
         parts = all_segments(loaded)

@@ -231,6 +231,7 @@ NOTES = [
 
 ABLATION = ROOT / "docs" / "bench" / "storage-ablation.json"  # scripts/storage_ablation.py
 AGREEMENT_BAR = 0.98  # teacher-forced top-1 agreement a storage needs against float32 to be a default
+SAME_SIZE = 0.01  # storages within this fraction of the smallest one's bytes per token are the same size
 TARGETS = {"gemma-3-270m/32000": 20, "smollm2-135m/7800": 10}  # file ≤ 1/k of the bf16 full KV
 
 
@@ -246,12 +247,17 @@ def verdicts(by_group: dict[str, list]) -> list[str]:
     for preset in presets:
         groups = [g for g in by_group if g.startswith(preset + "/")]
         ok = [i for i in range(len(names)) if all(pooled(by_group[g], i)["top1"] >= AGREEMENT_BAR for g in groups)]
-        best = min(ok, key=lambda i: max(pooled(by_group[g], i)["bytes_per_token"] for g in groups))
+        size = {i: max(pooled(by_group[g], i)["bytes_per_token"] for g in groups) for i in ok}
+        kl = {i: max(pooled(by_group[g], i)["mean_kl"] for g in groups) for i in ok}
+        smallest = min(size.values())
+        # within SAME_SIZE of the smallest counts as the same size: the lower KL decides among those
+        best = min((i for i in ok if size[i] <= smallest * (1 + SAME_SIZE)), key=lambda i: (kl[i], size[i]))
         lengths = " and ".join(g.split("/")[1] for g in groups)
         code = default_kv_dtype(preset)
         agrees = "as `core/config.py` has it" if code == names[best] else f"BUT `core/config.py` says {code}"
-        out.append(f"- **{preset}: default `--kv-dtype {names[best]}`** ({agrees}): the smallest storage whose pooled "
-                   f"teacher-forced top-1 agreement with float32 is ≥ {AGREEMENT_BAR} at {lengths} tokens.")  # fmt: skip
+        out.append(f"- **{preset}: default `--kv-dtype {names[best]}`** ({agrees}): of the storages whose pooled "
+                   f"teacher-forced top-1 agreement with float32 is ≥ {AGREEMENT_BAR} at {lengths} tokens, the lowest "
+                   f"KL among those within {SAME_SIZE:.0%} of the smallest one's bytes per token.")  # fmt: skip
     for group, k in TARGETS.items():
         if group not in by_group:
             continue

@@ -319,3 +319,30 @@ def test__batch_in_a_terminal__draws_the_bar_with_rates(many, rocketkv_bin, env,
     assert code == 0 and "Traceback" not in plain and "Error:" not in plain, plain[-3000:]
     assert "━" in plain and "documents/s" in plain and "questions/s" in plain and "ETA" in plain, plain[-2000:]
     assert len(answers_by_key(tmp_path / "tty.jsonl")) == 72
+
+
+def test__cache_key__uniform_storage_keys_as_before_format_v5_and_alloc_differs():
+    """Build-cache keys of files a batch made before allocated key bits existed must still match
+    (the storage record without `key_bits`), and an int4+alloc file must not be taken for int4's."""
+    import hashlib
+
+    import torch
+    from conftest import make_engine
+
+    from rocketkv_cli.core.quant import KVStorage
+    from rocketkv_cli.engine.api import RocketKV
+    from rocketkv_cli.engine.batch import BatchSettings, cache_key
+
+    rk = RocketKV(make_engine("llama", torch.float32))
+    settings = BatchSettings(model="tiny", storage=KVStorage("int4"))
+    ident = rk.engine.identity
+    before = {"document_sha256": "a" * 64, "model_digest": ident.model_digest,
+              "tokenizer_digest": ident.tokenizer_digest, "chat_template_digest": ident.chat_template_digest,
+              "prompt_template_id": ident.prompt_template_id, "dtype": rk.engine.dtype_name,
+              "config": settings.config.to_dict(),
+              "storage": {"kv_dtype": "int4", "key_group_tokens": 64, "value_group_dims": 64, "rotation": "none",
+                          "sink_tokens": 4},
+              "segment_tokens": None}  # fmt: skip
+    assert cache_key(rk, "a" * 64, settings) == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()
+    alloc = BatchSettings(model="tiny", storage=KVStorage.parse("int4+alloc"))
+    assert cache_key(rk, "a" * 64, alloc) != cache_key(rk, "a" * 64, settings)

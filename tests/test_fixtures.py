@@ -1,8 +1,8 @@
 """Files written by earlier rocketkv versions still load and answer as they did.
 
 tests/data/ holds `.kv` files of format v1 and v2 written by rocketkv 0.1.0 before the package was
-reorganised, of v3 written before v4, and of v4 (float16 sinks, int16 positions, line runs,
-pre-RoPE keys) (scripts/make_cache_fixtures.py, tiny random models from
+reorganised, of v3 written before v4, of v4 (float16 sinks, int16 positions, line runs,
+pre-RoPE keys) and of v5 (allocated key bits) (scripts/make_cache_fixtures.py, tiny random models from
 fixed seeds), with the token ids each answered then with exact attention (`fixtures.json`). The
 current code must read them and give the same tokens.
 """
@@ -42,8 +42,10 @@ def test__old_file_loads_and_answers_as_recorded(name):
 def test__fixtures_cover_every_older_format_and_a_sliding_window_model():
     kinds = {(RECORD[n]["arch"], type(load_cache(DATA / n))) for n in RECORD}
     assert ("llama", SegmentedKVCache) in kinds and ("gemma3_text", CompressedKVCache) in kinds
-    assert {n.split("-")[0] for n in RECORD} >= {"v1", "v2", "v3", "v4"}
+    assert {n.split("-")[0] for n in RECORD} >= {"v1", "v2", "v3", "v4", "v5"}
     storages = {load_cache(DATA / n).info.storage.kv_dtype for n in RECORD if n.startswith("v3")}
     assert storages == {"int8", "int4"}
     v4 = {load_cache(DATA / n).info.storage.name for n in RECORD if n.startswith("v4")}
     assert v4 == {"int8", "int4", "int4+rope"}  # v4's sinks (default 4), and pre-RoPE keys with their frequencies
+    v5 = {n: load_cache(DATA / n).info for n in RECORD if n.startswith("v5")}
+    assert {i.storage.name for i in v5.values()} == {"int4+alloc"} and {i.format_version for i in v5.values()} == {5}

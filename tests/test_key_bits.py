@@ -141,10 +141,11 @@ def test__allocated_bits__lower_logit_error_than_uniform_int4():
     assert equal < uniform, f"range-only {equal:.4g} vs uniform {uniform:.4g}"
 
 
-def test__prefill__query_energy_from_the_window_in_every_layer():
+@pytest.mark.parametrize("probe", [False, True], ids=["tail", "probe"])
+def test__prefill__query_energy_from_the_window_in_every_layer(probe):
     engine = make_engine("gemma3_text", torch.float32)  # sliding-window and full-attention layers
     ids = engine.document_ids(Document(text_of_bytes(300), "0" * 64, "d.txt"))
-    prefill = engine.prefill(ids, 8)
+    prefill = engine.prefill(ids, 8, probe=probe)  # the probe's queries are captured too, never weighed
     shape = engine.shape
     assert prefill.query_energy is not None and len(prefill.query_energy) == len(shape.layers)
     kinds = set()
@@ -153,7 +154,8 @@ def test__prefill__query_energy_from_the_window_in_every_layer():
         assert float(energy.min()) >= 0 and float(energy.max()) > 0
         kinds.add(isinstance(layer, LayerPrefill))
         if isinstance(layer, LayerPrefill):  # the captured window, grouped by KV head
-            q = layer.queries[0, :, : layer.n_context_tokens - layer.capture_from]  # [H, W, D]
+            assert (layer.n_probe_tokens > 0) == probe
+            q = layer.queries[0, :, : layer.n_context_tokens - layer.capture_from]  # [H, W, D]: document rows only
             expect = (q**2).view(shape.n_kv_heads, -1, shape.head_dim).mean(1)
             assert torch.allclose(energy, expect, rtol=1e-6), report("energy", expect, energy, 0)
     assert kinds == {True, False}, "the tiny Gemma should have both kinds of layer"
@@ -211,12 +213,17 @@ def _set(t, i, value):
 
 @pytest.mark.parametrize(
     "edit",
-    [lambda t: _set(t, 0, 9), lambda t: _set(t, 0, 0), lambda t: torch.full_like(t, 5)],
-    ids=["width-9", "width-0", "over-the-int4-bytes"],
+    [
+        lambda t: _set(t, 0, 9),
+        lambda t: _set(t, 0, 0),
+        lambda t: torch.full_like(t, 5),
+        lambda t: _set(t, int(t.argmin()), int(t.min()) + 1),
+    ],
+    ids=["width-9", "width-0", "over-the-int4-bytes", "one-bit-over-within-the-slack"],
 )
 def test__damaged_key_widths__refused_even_with_digests_recomputed(tmp_path, edit):
     engine = make_engine("llama", torch.float32)
-    stored = engine.ingest(Document(text_of_bytes(500), "0" * 64, "d.txt"), CFG, storage=ALLOC)
+    stored = engine.ingest(Document(text_of_bytes(40), "0" * 64, "d.txt"), CFG, storage=ALLOC)  # < 64 tokens
     path = save_cache(stored, tmp_path / "a.kv")
     flipped = bytearray(path.read_bytes())
     (n,) = struct.unpack("<Q", flipped[:8])
@@ -225,6 +232,8 @@ def test__damaged_key_widths__refused_even_with_digests_recomputed(tmp_path, edi
     (tmp_path / "flip.kv").write_bytes(bytes(flipped))
     with pytest.raises(CacheFormatError, match="KV digest mismatch"):
         load_cache(tmp_path / "flip.kv")
+    rest = stored.layers[1].keys.shape[2] - 4  # tokens in integer groups
+    assert rest * 1 <= 8 * 8, "the one-bit-over case must fit the stream's slack, so only the sum check refuses it"
     crafted = _rewrite(path, tmp_path / "crafted.kv", ("segments.0.layers.1.keys.bits", edit))
     with pytest.raises(CacheFormatError, match="disagree with the metadata"):
         load_cache(crafted).layers

@@ -227,12 +227,14 @@ def _unpack4(packed: torch.Tensor) -> torch.Tensor:
 
 def allocate_key_bits(keys: torch.Tensor, weight: torch.Tensor | None, group_tokens: int,
                       average: int = 4) -> torch.Tensor:  # fmt: skip
-    """Bits per key channel `[Hkv, D]` uint8, each in `ALLOC_WIDTHS`, summing to at most
-    average·D per head: the widths b minimising Σ_c weight_c · mean_g range_cg² / (2^b_c − 1)²,
-    the expected squared error of a logit q·k when channel c is rounded in token groups of range
-    range_cg (module docstring). Solved per head by bisection on the multiplier λ of the bit
+    """Bits per key channel `[Hkv, D]` uint8, each in `ALLOC_WIDTHS`, summing to average·D per head
+    (less only when no channel gains from more: constant keys, zero weights): the widths b
+    minimising Σ_c weight_c · mean_g range_cg² / (2^b_c − 1)², the expected squared error of a
+    logit q·k when channel c is rounded in token groups of range range_cg (module docstring).
+    Solved per head by bisection on the multiplier λ of the bit
     budget (each channel then takes argmin_b importance·err(b) + λ·b), and the bits λ leaves
-    unspent given one at a time to the channel whose error drops most. Deterministic.
+    unspent given one at a time to the channel whose error drops most. Deterministic; computed on
+    the CPU (a `[Hkv, D]` problem), returned on the keys' device.
 
     keys: `[Hkv, S, D]` float, the tokens in integer groups (groups of `group_tokens` tokens).
     weight: `[Hkv, D]` E[q_c²] per channel, ≥ 0 (None: every channel alike, the allocation then
@@ -240,25 +242,28 @@ def allocate_key_bits(keys: torch.Tensor, weight: torch.Tensor | None, group_tok
     Raises ValueError: a weight of another shape, or negative or not finite.
     """
     hkv, s, d = keys.shape
-    if weight is not None and (weight.shape != (hkv, d) or not bool(torch.isfinite(weight).all())
-                               or bool((weight < 0).any())):  # fmt: skip
-        raise ValueError(f"key weights must be finite, ≥ 0 and [Hkv, D] = {[hkv, d]}, got {list(weight.shape)}")
+    if weight is not None and weight.shape != (hkv, d):
+        raise ValueError(f"key weights must be [Hkv, D] = {[hkv, d]}, got {list(weight.shape)}")
+    if weight is not None and (not bool(torch.isfinite(weight).all()) or bool((weight < 0).any())):
+        raise ValueError("key weights must be finite and ≥ 0 (E[q²] of the observation window)")
     if s == 0:
         return torch.full((hkv, d), average, dtype=torch.uint8, device=keys.device)
     n = -(-s // group_tokens)
-    x = keys.double()
+    x = keys.detach().to("cpu", torch.float64)  # [Hkv, D]-sized work below: no device syncs per step
     if n * group_tokens > s:
         x = torch.cat([x, x[:, -1:].expand(hkv, n * group_tokens - s, d)], dim=1)
     grouped = x.view(hkv, n, group_tokens, d)
     spread = ((grouped.amax(2) - grouped.amin(2)) ** 2).mean(1)  # [Hkv, D]
-    importance = spread * (1.0 if weight is None else weight.double().to(keys.device))
-    widths = torch.tensor(ALLOC_WIDTHS, dtype=torch.float64, device=keys.device)
+    importance = spread * (1.0 if weight is None else weight.detach().to("cpu", torch.float64))
+    importance = torch.nan_to_num(importance, nan=0.0, posinf=0.0)  # keys that are not finite: nothing to weigh
+    widths = torch.tensor(ALLOC_WIDTHS, dtype=torch.float64)
     err = 1 / (2**widths - 1) ** 2  # [W]
-    out = torch.empty(hkv, d, dtype=torch.long, device=keys.device)
+    out = torch.empty(hkv, d, dtype=torch.long)
     for head in range(hkv):
-        cost = importance[head, :, None] * err  # [D, W]
-        lo, hi = 0.0, float(cost.max()) + 1.0  # λ = hi: every channel at the narrowest width
-        for _ in range(100):
+        top = float(importance[head].max())
+        cost = importance[head, :, None] * err / (top if top > 0 else 1.0)  # [D, W], ≤ 1: λ's range is fixed
+        lo, hi = 0.0, 2.0  # λ = hi: every channel at the narrowest width
+        for _ in range(60):
             lam = (lo + hi) / 2
             if float(widths[(cost + lam * widths).argmin(-1)].sum()) > average * d:
                 lo = lam
@@ -271,20 +276,20 @@ def allocate_key_bits(keys: torch.Tensor, weight: torch.Tensor | None, group_tok
             gain = torch.where(
                 nxt > pick, cost.gather(1, pick[:, None])[:, 0] - cost.gather(1, nxt[:, None])[:, 0], -1.0
             )
-            if float(gain.max()) < 0:
+            if float(gain.max()) <= 0:  # nothing left to gain (constant channels, zero weights): bits unspent
                 break
             pick[int(gain.argmax())] += 1
             left -= 1
         out[head] = widths[pick].long()
-    return out.to(torch.uint8)
+    return out.to(torch.uint8).to(keys.device)
 
 
-STREAM_SLACK_BYTES = 8  # allocated key bits: per head, room for each width's block to end on a byte
+STREAM_SLACK_BYTES = 8  # allocated key bits: per head, room for each width block (≤ 8) to end on a byte
 
 
 def alloc_stream_bytes(n_tokens: int, head_dim: int) -> int:
     """Bytes of one head's allocated-key-bits stream for n_tokens tokens: int4's n·D/2, plus
-    `STREAM_SLACK_BYTES` for the byte padding of up to 7 width blocks."""
+    `STREAM_SLACK_BYTES` for the byte padding of up to 8 width blocks (≤ 7 bits each)."""
     return n_tokens * head_dim // 2 + STREAM_SLACK_BYTES
 
 

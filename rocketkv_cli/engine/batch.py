@@ -155,7 +155,7 @@ def cache_key(rk: RocketKV, doc_sha256: str, settings: BatchSettings) -> str:
               "tokenizer_digest": ident.tokenizer_digest, "chat_template_digest": ident.chat_template_digest,
               "prompt_template_id": ident.prompt_template_id, "dtype": rk.engine.dtype_name,
               "config": settings.config.to_dict(),
-              "storage": asdict(resolved(settings.kv_storage, rk.engine.dtype_name)),
+              "storage": resolved(settings.kv_storage, rk.engine.dtype_name).to_dict(),  # uniform: as before v5
               "segment_tokens": settings.segment_tokens}  # fmt: skip
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 

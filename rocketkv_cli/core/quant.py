@@ -284,12 +284,14 @@ def allocate_key_bits(keys: torch.Tensor, weight: torch.Tensor | None, group_tok
     return out.to(torch.uint8).to(keys.device)
 
 
-STREAM_SLACK_BYTES = 8  # allocated key bits: per head, room for each width block (≤ 8) to end on a byte
+STREAM_SLACK_BYTES = (
+    8  # allocated key bits: per head (so ≥ 8 per layer), room for each width block (≤ 8) to end on a byte
+)
 
 
 def alloc_stream_bytes(n_tokens: int, head_dim: int) -> int:
-    """Bytes of one head's allocated-key-bits stream for n_tokens tokens: int4's n·D/2, plus
-    `STREAM_SLACK_BYTES` for the byte padding of up to 8 width blocks (≤ 7 bits each)."""
+    """Bytes per head of a layer's allocated-key-bits stream for n_tokens tokens: int4's n·D/2,
+    plus `STREAM_SLACK_BYTES` (the layer's stream pads up to 8 width blocks, ≤ 7 bits each)."""
     return n_tokens * head_dim // 2 + STREAM_SLACK_BYTES
 
 
@@ -317,9 +319,9 @@ def _unpack_fixed(data: torch.Tensor, width: int, n: int) -> torch.Tensor:
 
 
 def _pack_bits(codes: torch.Tensor, widths: torch.Tensor, n_bytes: int) -> torch.Tensor:
-    """One head's codes `[D, S]` (channel c's below 2^widths[c]) as a uint8 stream `[n_bytes]`:
-    a block per width present, narrowest first; a block holds its channels' codes in channel
-    order, each channel's token by token, `_pack_fixed` at that width, and ends on a byte; zeros
+    """Rows of codes `[R, S]` (row r's below 2^widths[r]) as a uint8 stream `[n_bytes]`: a block
+    per width present, narrowest first; a block holds its rows' codes in row order, each row's
+    token by token, `_pack_fixed` at that width, and ends on a byte; zeros
     after the last block. Raises ValueError: a stream longer than n_bytes."""
     blocks = []
     for width in sorted(set(widths.tolist())):
@@ -331,7 +333,7 @@ def _pack_bits(codes: torch.Tensor, widths: torch.Tensor, n_bytes: int) -> torch
 
 
 def _unpack_bits(stream: torch.Tensor, widths: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    """Codes `[D, S]` uint8 from `_pack_bits`' stream (S = n_tokens). Raises ValueError: a
+    """Codes `[R, S]` uint8 from `_pack_bits`' stream (S = n_tokens). Raises ValueError: a
     stream shorter than the widths need."""
     out = torch.zeros(widths.shape[0], n_tokens, dtype=torch.uint8, device=stream.device)
     at = 0
@@ -354,8 +356,9 @@ def encode_keys(keys: torch.Tensor, storage: KVStorage, positions: torch.Tensor 
     key_weights `[Hkv, D]`: E[q_c²] for allocated key bits (`allocate_key_bits`; None: equal).
 
     Returns {"q": uint8 `[Hkv, S, D]` (int4: `[Hkv, S, D/2]`), "min"/"scale": `[Hkv, ⌈S/Gt⌉, D]`};
-    allocated key bits add "bits": uint8 `[Hkv, D]`, and "q" is each head's `_pack_bits` stream,
-    `[Hkv, alloc_stream_bytes(S, D)]` (int4's S·D/2 bytes and 8 of slack).
+    allocated key bits add "bits": uint8 `[Hkv, D]`, and "q" is the layer's `_pack_bits` stream over
+    the rows (head, channel) in that order, viewed as `[Hkv, alloc_stream_bytes(S, D)]` (int4's
+    S·D/2 bytes and 8 of slack per head).
     Raises ValueError: the `rope` basis without positions or frequencies; bad key weights.
     """
     x = keys.float()
@@ -377,8 +380,9 @@ def encode_keys(keys: torch.Tensor, storage: KVStorage, positions: torch.Tensor 
     q = parts["q"].transpose(2, 3).reshape(hkv, n_groups * g, d)[:, :s]  # [Hkv, S, D]
     out = {"q": q.contiguous(), "min": parts["min"].contiguous(), "scale": parts["scale"].contiguous()}
     if widths is not None:
-        n_bytes = alloc_stream_bytes(s, d)
-        out["q"] = torch.stack([_pack_bits(q[h].T, widths[h], n_bytes) for h in range(hkv)])  # [Hkv, n_bytes]
+        rows = q.permute(0, 2, 1).reshape(hkv * d, s)  # [Hkv·D, S]: head by head, channel by channel
+        stream = _pack_bits(rows, widths.flatten(), hkv * alloc_stream_bytes(s, d))  # one stream for the layer
+        out["q"] = stream.view(hkv, alloc_stream_bytes(s, d))
         out["bits"] = widths
     elif storage.bits == 4:
         out["q"] = _pack4(out["q"])
@@ -398,7 +402,8 @@ def decode_keys(
     if storage.key_bits == "allocated":
         hkv, d = parts["bits"].shape
         s = (parts["q"].shape[1] - STREAM_SLACK_BYTES) * 2 // d  # alloc_stream_bytes, inverted
-        q = torch.stack([_unpack_bits(parts["q"][h], parts["bits"][h], s).T for h in range(hkv)])
+        rows = _unpack_bits(parts["q"].flatten(), parts["bits"].flatten(), s)  # [Hkv·D, S]
+        q = rows.view(hkv, d, s).transpose(1, 2)  # [Hkv, S, D]
     else:
         q = _unpack4(parts["q"]) if storage.bits == 4 else parts["q"]
     hkv, s, d = q.shape

@@ -245,3 +245,13 @@ def test__allocated_storage_in_a_v4_file__refused_as_malformed(tmp_path):
     path = save_cache(stored, tmp_path / "a.kv")
     with pytest.raises(CacheFormatError, match="malformed metadata"):
         load_cache(_rewrite(path, tmp_path / "v4.kv", edit_meta={"format_version": "4"}))
+
+
+def test__uniform_storage_claiming_v5__refused_as_malformed(tmp_path):
+    """v5 is written for allocated key bits only: a v4 file relabelled v5 is another file, not the same."""
+    engine = make_engine("llama", torch.float32)
+    stored = engine.ingest(Document(text_of_bytes(300), "0" * 64, "d.txt"), CFG, storage=KVStorage("int4"))
+    path = save_cache(stored, tmp_path / "u.kv")
+    assert load_cache(path).info.format_version == 4
+    with pytest.raises(CacheFormatError, match="malformed metadata"):
+        load_cache(_rewrite(path, tmp_path / "v5.kv", edit_meta={"format_version": "5"}))

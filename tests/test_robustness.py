@@ -282,7 +282,8 @@ def identical(a, b) -> bool:
 def fuzz_files(tmp_path_factory):
     """Valid files of every kind the loader reads, as (name, bytes, loaded cache): format v4 with
     float keys/values, one segment stored as int4 (packed codes plus per-group scales, minima and
-    float16 sinks), one as int4 with pre-RoPE keys (their RoPE frequencies stored), three
+    float16 sinks), one as int4 with pre-RoPE keys (their RoPE frequencies stored), one as int4
+    with allocated key bits (format v5: per-channel widths and a bit stream), three
     segments stored as int8, the v1 and v2 files of rocketkv 0.1.0, and the v3 files written
     before v4."""
     from rocketkv_cli.core.quant import KVStorage
@@ -299,6 +300,8 @@ def fuzz_files(tmp_path_factory):
         "v4-int4.kv": ingest_stream(engine, TextPieces(short, "short.txt"), cfg, storage=KVStorage(kv_dtype="int4")),
         "v4-int4-rope.kv": ingest_stream(engine, TextPieces(short, "short.txt"), cfg,
                                          storage=KVStorage(kv_dtype="int4", rotation="rope")),
+        "v5-int4-alloc.kv": ingest_stream(engine, TextPieces(short, "short.txt"), cfg,
+                                          storage=KVStorage(kv_dtype="int4", key_bits="allocated")),
         "v4-int8-segments.kv": ingest_stream(engine, TextPieces(book, "book.txt"), cfg, 200,
                                              storage=KVStorage(kv_dtype="int8")),
     }  # fmt: skip

@@ -318,6 +318,8 @@ def metadata_info(meta: dict[str, str], path: str, rebuild: str) -> CacheInfo:
                 raise ValueError("kv_storage")
             if version < 5 and "key_bits" in raw_storage:  # v5 added it
                 raise ValueError("kv_storage")
+            if version >= 5 and raw_storage.get("key_bits") != "allocated":  # v5 is written for nothing else
+                raise ValueError("kv_storage")
             storage = KVStorage(**raw_storage)
         if version >= 3 and storage.kv_dtype == "auto":
             raise ValueError("kv_storage")

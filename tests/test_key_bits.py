@@ -19,7 +19,9 @@ from rocketkv_cli.core.quant import (
     ALLOC_WIDTHS,
     KVStorage,
     _pack_bits,
+    _pack_fixed,
     _unpack_bits,
+    _unpack_fixed,
     allocate_key_bits,
     decode_layer,
     encode_layer,
@@ -255,3 +257,12 @@ def test__uniform_storage_claiming_v5__refused_as_malformed(tmp_path):
     assert load_cache(path).info.format_version == 4
     with pytest.raises(CacheFormatError, match="malformed metadata"):
         load_cache(_rewrite(path, tmp_path / "v5.kv", edit_meta={"format_version": "5"}))
+
+
+@pytest.mark.parametrize("width", range(1, 9))
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 17, 64])
+def test__fixed_width_blocks__all_ones_codes_round_trip(width, n):
+    """Every code at its largest value: at width 8 the eighth code's top bit is the packed word's sign bit."""
+    codes = torch.full((n,), (1 << width) - 1, dtype=torch.uint8)
+    data = _pack_fixed(codes, width)
+    assert data.numel() == -(-n * width // 8) and torch.equal(_unpack_fixed(data, width, n), codes)

@@ -300,22 +300,19 @@ def _pack_fixed(codes: torch.Tensor, width: int) -> torch.Tensor:
     significant first. Eight codes fill `width` bytes exactly, so they are packed as one word."""
     n = codes.numel()
     padded = torch.cat([codes.long(), codes.new_zeros(-n % 8).long()]).view(-1, 8)
-    word = padded[:, 0].clone()
-    for j in range(1, 8):
-        word |= padded[:, j] << (width * j)  # width 8, j 7: the top byte lands in the sign bit, bits unchanged
-    out = torch.stack([(word >> (8 * k)) & 0xFF for k in range(width)], dim=1).flatten()
-    return out[: -(-n * width // 8)].to(torch.uint8)
+    # the codes' bits never overlap, so the sum is their OR (width 8: the top byte wraps into the sign bit, bits kept)
+    word = (padded << (width * torch.arange(8, device=codes.device))).sum(1, keepdim=True)  # [N/8, 1]
+    out = (word >> (8 * torch.arange(width, device=codes.device))) & 0xFF  # [N/8, width]
+    return out.flatten()[: -(-n * width // 8)].to(torch.uint8)
 
 
 def _unpack_fixed(data: torch.Tensor, width: int, n: int) -> torch.Tensor:
     """Codes `[N]` uint8 from `_pack_fixed`'s bytes."""
     groups = -(-n // 8)
     padded = torch.cat([data.long(), data.new_zeros(groups * width - data.numel()).long()]).view(groups, width)
-    word = padded[:, 0].clone()
-    for k in range(1, width):
-        word |= padded[:, k] << (8 * k)
-    mask = (1 << width) - 1
-    return torch.stack([(word >> (width * j)) & mask for j in range(8)], dim=1).flatten()[:n].to(torch.uint8)
+    word = (padded << (8 * torch.arange(width, device=data.device))).sum(1, keepdim=True)  # [N/8, 1]
+    codes = (word >> (width * torch.arange(8, device=data.device))) & ((1 << width) - 1)  # [N/8, 8]
+    return codes.flatten()[:n].to(torch.uint8)
 
 
 def _pack_bits(codes: torch.Tensor, widths: torch.Tensor, n_bytes: int) -> torch.Tensor:

@@ -177,7 +177,7 @@ def page(report: dict) -> str:
     from storage_ablation import finding, section  # the ablation script imports this one: imported here
 
     lines += section(ablation)
-    lines += ["## Default and targets", "", *verdicts(by_group), "", *NOTES, *alloc_bullet(by_group),
+    lines += ["## Default and targets", "", *verdicts(by_group, report.get("load")), "", *NOTES, *alloc_bullet(by_group),
               *finding(ablation, AGREEMENT_BAR), ""]  # fmt: skip
     return "\n".join(lines) + "\n"
 
@@ -253,15 +253,32 @@ def alloc_bullet(by_group: dict[str, list]) -> list[str]:
 ABLATION = ROOT / "docs" / "bench" / "storage-ablation.json"  # scripts/storage_ablation.py
 AGREEMENT_BAR = 0.98  # teacher-forced top-1 agreement a storage needs against float32 to be a default
 SAME_SIZE = 0.01  # storages within this fraction of the smallest one's bytes per token are the same size
+LOAD_SLACK = 0.10  # … and may replace it only if their load + first token is at most this much slower
 TARGETS = {"gemma-3-270m/32000": 20, "smollm2-135m/7800": 10}  # file ≤ 1/k of the bf16 full KV
 
 
-def verdicts(by_group: dict[str, list]) -> list[str]:
+def load_ratio(load: dict, groups: list[str], name: str, base: str) -> float:
+    """The largest ratio over `groups` of `name`'s median load + first token to `base`'s (1.0 for
+    the same storage; inf where `name` was not timed beside `base`)."""
+    if name == base:
+        return 1.0
+    ratios = []
+    for g in groups:
+        times = load.get(g, {})
+        if name not in times or base not in times:
+            return float("inf")
+        med = {k: sorted(v)[len(v) // 2] for k, v in times.items() if k in (name, base)}
+        ratios.append(med[name] / med[base])
+    return max(ratios) if ratios else float("inf")
+
+
+def verdicts(by_group: dict[str, list], load: dict | None = None) -> list[str]:
     """Each preset's default the numbers support — the smallest storage whose pooled top-1
     agreement is at or above the bar at every length measured for that preset — checked against
     `core.config.default_kv_dtype`, and each size target, met or missed by how much."""
     from rocketkv_cli.core.config import default_kv_dtype
 
+    load = load or {}
     names = [row["kv_dtype"] for row in next(iter(by_group.values()))[0]["rows"]]
     presets = sorted({g.split("/")[0] for g in by_group})
     out = []
@@ -270,15 +287,19 @@ def verdicts(by_group: dict[str, list]) -> list[str]:
         ok = [i for i in range(len(names)) if all(pooled(by_group[g], i)["top1"] >= AGREEMENT_BAR for g in groups)]
         size = {i: max(pooled(by_group[g], i)["bytes_per_token"] for g in groups) for i in ok}
         kl = {i: max(pooled(by_group[g], i)["mean_kl"] for g in groups) for i in ok}
-        smallest = min(size.values())
-        # within SAME_SIZE of the smallest counts as the same size: the lower KL decides among those
-        best = min((i for i in ok if size[i] <= smallest * (1 + SAME_SIZE)), key=lambda i: (kl[i], size[i]))
+        smallest = min(ok, key=lambda i: (size[i], kl[i]))
+        # within SAME_SIZE of the smallest counts as the same size: the lower KL decides among those, if
+        # it opens and answers its first token within LOAD_SLACK of the smallest one's time
+        best = min((i for i in ok if size[i] <= size[smallest] * (1 + SAME_SIZE)
+                    and load_ratio(load, groups, names[i], names[smallest]) <= 1 + LOAD_SLACK),
+                   key=lambda i: (kl[i], size[i]))  # fmt: skip
         lengths = " and ".join(g.split("/")[1] for g in groups)
         code = default_kv_dtype(preset)
         agrees = "as `core/config.py` has it" if code == names[best] else f"BUT `core/config.py` says {code}"
         out.append(f"- **{preset}: default `--kv-dtype {names[best]}`** ({agrees}): of the storages whose pooled "
                    f"teacher-forced top-1 agreement with float32 is ≥ {AGREEMENT_BAR} at {lengths} tokens, the lowest "
-                   f"KL among those within {SAME_SIZE:.0%} of the smallest one's bytes per token.")  # fmt: skip
+                   f"KL among those within {SAME_SIZE:.0%} of the smallest one's bytes per token that open and "
+                   f"answer the first token within {LOAD_SLACK:.0%} of its time (the load table).")  # fmt: skip
     for group, k in TARGETS.items():
         if group not in by_group:
             continue

@@ -397,7 +397,7 @@ KvDtypeOpt = Annotated[
     typer.Option(help="Stored keys/values: int8, int4, float32, bfloat16, float16, or auto (as the model "
                  "computes them); integers take +rope (keys quantized before RoPE) and +sinksN (N float16 sink "
                  "tokens, default 4); int4 takes +alloc (each key channel 2-8 bits, 4 on average, by the "
-                 "document's queries). Default: int4+alloc for smollm2-135m, int8 otherwise "
+                 "document's queries). Default: int4 for smollm2-135m, int8 otherwise "
                  "(measured: docs/storage.md)."),
 ]  # fmt: skip
 DocBudgetOpt = Annotated[  # ask/chat: applies to a DOC ingested in memory; a cache keeps its own budget

@@ -28,11 +28,11 @@ DEFAULT_WEIGHTS = "float"
 PRESET_WEIGHTS_DEFAULTS: dict[str, str] = {"smollm2-135m": "bf16", "gemma-3-270m": "head-bf16"}
 # what `ingest` stores by default (`core/quant.py` parses it; kept here, torch-free, for the CLI's
 # option defaults), chosen by measurement (docs/storage.md, "Default and targets"): the smallest
-# storage whose teacher-forced top-1 agreement with the float32 cache is >= 0.98, the lower KL
-# deciding between storages of the same size — int4+alloc on SmolLM2 (int4's size, a third of its
-# KL), int8 on Gemma (int4+alloc: 0.97 at 8K) and on any model not measured
+# storage whose teacher-forced top-1 agreement with the float32 cache is >= 0.98 — int4 on SmolLM2
+# (int4+alloc has its size and a third of its KL, but opens and answers 1.2x slower), int8 on Gemma
+# (int4+alloc: 0.97 at 8K and 32K) and on any model not measured
 DEFAULT_KV_DTYPE = "int8"
-PRESET_KV_DTYPE_DEFAULTS: dict[str, str] = {"smollm2-135m": "int4+alloc"}
+PRESET_KV_DTYPE_DEFAULTS: dict[str, str] = {"smollm2-135m": "int4"}
 
 
 def default_weights(model_id: str) -> str:

@@ -167,17 +167,7 @@ def allocated_key_bits(keys, weight, group: int = 64, average: int = 4):
     x = torch.cat([keys, keys[:, -1:].expand(hkv, n * group - s, d)], 1) if n * group > s else keys
     g = x.view(hkv, n, group, d)
     importance = (weight * ((g.amax(2) - g.amin(2)) ** 2).mean(1)).double()  # [Hkv, D]
-    widths = torch.tensor(ALLOC_BITS, dtype=torch.float64)
-    err = 1 / (2**widths - 1) ** 2
-    out = torch.empty(hkv, d, dtype=torch.long)
-    for head in range(hkv):
-        lo, hi = 1e-30, 1e30
-        for _ in range(120):  # bisect the multiplier λ of the bit budget
-            lam = (lo * hi) ** 0.5
-            b = widths[(importance[head, :, None] * err + lam * widths).argmin(-1)]
-            lo, hi = (lam, hi) if b.mean() > average else (lo, lam)
-        out[head] = widths[(importance[head, :, None] * err + hi * widths).argmin(-1)].long()
-    return out
+    return lagrangian_bits(importance, average)
 
 
 def key_groups_bits(k, bits, g: int = 64):

@@ -368,7 +368,7 @@ def prefill_config(**kw):
 OPTION_NAMES = {"token_budget": "--budget", "store_budget": "--store-budget", "max_new_tokens": "--max-new-tokens",
                 "window_size": "--window-size", "pool_kernel_size": "--pool-kernel-size",
                 "prompt_budget": "--prompt-budget", "chunk_tokens": "--chunk-tokens", "n_score_dims": "--n-score-dims",
-                "page_size": "--page-size", "topk": "--topk"}  # fmt: skip
+                "page_size": "--page-size", "topk": "--topk", "layer_budgets": "--layer-budgets"}  # fmt: skip
 
 
 def option_names(message: str) -> str:

@@ -81,7 +81,8 @@ def eval_command(
         str,
         typer.Option(
             help="Comma-separated: full, rocketkv, snapkv (stage 1 only), hsa (stage 2 only), sink_recent, "
-            "reconstruct (context reconstruction), reselect (store budget, per-question re-selection); or all."
+            "reconstruct (context reconstruction), reselect (store budget, per-question re-selection), "
+            "reconstruct_reselect, adaptive and reconstruct_adaptive (adaptive layer budgets); or all."
         ),  # fmt: skip
     ] = "all",
     tasks: Annotated[

@@ -62,6 +62,13 @@ def ingest_command(
             "re-selects its --budget working set from it. Default: --budget."
         ),  # fmt: skip
     ] = None,
+    layer_budgets: Annotated[
+        Optional[str],
+        typer.Option(
+            help="'uniform' (every layer keeps the prompt budget) or 'adaptive' (the same total, split over the "
+            "layers by where their attention mass is). Default: uniform; the model's own where measured."
+        ),  # fmt: skip
+    ] = None,
     prompt_budget: Annotated[Optional[int], typer.Option(help="Override: tokens kept per KV head per layer.")] = None,
     topk: TopkOpt = None,
     page_size: PageSizeOpt = None,
@@ -91,7 +98,7 @@ def ingest_command(
     options = dict(
         token_budget=budget, max_new_tokens=max_new_tokens, window_size=window_size, pool_kernel_size=pool_kernel_size,
         observation=observation, prompt_budget=prompt_budget, topk=topk, page_size=page_size,
-        n_score_dims=n_score_dims, chunk_tokens=chunk_tokens, store_budget=store_budget,
+        n_score_dims=n_score_dims, chunk_tokens=chunk_tokens, store_budget=store_budget, layer_budgets=layer_budgets,
     )  # fmt: skip
     explicit = [k for k, v in options.items() if v is not None]  # the preset's measured defaults fill the rest
     cfg = prefill_config(**options)

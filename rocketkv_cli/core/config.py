@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 OBSERVATIONS = ("tail", "probe", "reconstruct")
+LAYER_BUDGETS = ("uniform", "adaptive")  # how stage 1 splits the prompt budget over full-attention layers
 SELECTIONS = ("snapkv", "sink_recent")
 DEFAULT_TOKEN_BUDGET = 512
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -86,6 +87,9 @@ class PrefillConfig:
     n_sink_tokens: attention-sink tokens kept at the start by "sink_recent".
     n_first_tokens: leading framed tokens SnapKV++ always keeps (attention sinks, the framing, the
         document's first tokens: titles, instructions); 0 in files written before it existed.
+    layer_budgets: "uniform" (every full-attention layer keeps the prompt budget per KV head) or
+        "adaptive" (the same total over the layers, split by where the selection scores put the
+        heads' attention mass: `core.stage1.allocate_layer_budgets`; SnapKV++ selection only).
     """
 
     token_budget: int = DEFAULT_TOKEN_BUDGET
@@ -102,6 +106,7 @@ class PrefillConfig:
     n_sink_tokens: int = 4
     n_first_tokens: int = DEFAULT_FIRST_TOKENS
     store_budget: int | None = None
+    layer_budgets: str = "uniform"
 
     def __post_init__(self) -> None:
         if self.selection not in SELECTIONS:
@@ -121,6 +126,11 @@ class PrefillConfig:
             raise ValueError(
                 f"store_budget needs selection 'snapkv' (re-selection is SnapKV++), got {self.selection!r}"
             )
+        if self.layer_budgets not in LAYER_BUDGETS:
+            raise ValueError(f"layer_budgets must be one of {LAYER_BUDGETS}, got {self.layer_budgets!r}")
+        if self.layer_budgets != "uniform" and self.selection != "snapkv":
+            raise ValueError(f"layer_budgets {self.layer_budgets!r} needs selection 'snapkv' (it splits by its "
+                             f"scores), got {self.selection!r}")  # fmt: skip
         k = self.pool_kernel_size
         if isinstance(k, bool) or not isinstance(k, int) or k < 0 or (k > 0 and k % 2 == 0):
             raise ValueError(f"pool_kernel_size must be an odd positive integer or 0 (auto), got {k!r}")
@@ -147,6 +157,8 @@ class PrefillConfig:
             del d["selection"], d["n_sink_tokens"]
         if self.store_budget is None:
             del d["store_budget"]
+        if self.layer_budgets == "uniform":
+            del d["layer_budgets"]
         return d
 
     def stored_tokens(self, n_context_tokens: int, prompt_budget: int) -> int:

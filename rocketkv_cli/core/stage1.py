@@ -1,12 +1,14 @@
 """Stage 1 — SnapKV++ scoring, pooling and selection (docs/algorithm.md §2). Pure torch, no transformers.
 
-Scores are computed in float32. Each KV head keeps its own token set, the same count per head;
-the last `window_size` tokens are always kept; kept tokens stay in original order.
+Scores are computed in float32. Each KV head keeps its own token set, the same count per head of
+a layer (`allocate_layer_budgets` can give layers different counts); the last `window_size` tokens
+are always kept; kept tokens stay in original order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -257,6 +259,89 @@ def snapkv_select(
     pooled_middle = pool(middle, kernel_size) if middle.shape[-1] else middle
     pooled = torch.cat([scores[..., :first], pooled_middle, scores[..., s - window :]], dim=-1)  # [B, Hkv, S]
     return select_kept_tokens(pooled, prompt_budget, window_size, n_first)
+
+
+def allocate_layer_budgets(
+    scores: Sequence[torch.Tensor],
+    prompt_budget: int,
+    window_size: int,
+    n_first: int = 0,
+    min_share: float = 0.25,
+) -> list[int]:
+    """Per-layer prompt budgets with the total of `prompt_budget` in every layer, spent where the
+    heads' attention mass is (adaptive budgets: Ada-KV's allocation, arXiv 2407.11550 §4, across
+    layers; KVzip §3.3 ranks its scores across heads and layers too).
+
+    Each head's scores of the tokens selection chooses from (after the first `n_first`, before the
+    last W: those are kept anyway, as in `select_kept_tokens`) are normalised to sum to 1, the
+    share of the head's attention mass on each token. The L·Hkv·m largest shares over every layer
+    and head are what a budget of m = prompt_budget − first − W free slots per head and layer
+    would ideally keep; a layer's count is the mean over its heads of the shares it holds (every
+    head of a layer keeps the same count, so a layer stays one `[Hkv, S, D]` tensor). Counts are
+    then scaled to sum to L·m exactly, each kept within [⌈min_share·m⌉, the selectable tokens],
+    so no layer loses most of its uniform share to a document's reconstruction or window that did
+    not anticipate a later question.
+
+    Args:
+        scores: per full-attention layer, `[1, Hkv, S]` float32 selection scores (observation or
+            reconstruction), the same S in every layer. prompt_budget, window_size, n_first: tokens,
+            as for `select_kept_tokens`. min_share: the smallest share of m a layer keeps, in [0, 1].
+    Returns:
+        per layer, its prompt budget (tokens kept per KV head, first and last tokens included); the
+        sum equals `len(scores) · prompt_budget`; all `prompt_budget` when S ≤ prompt_budget.
+    Raises:
+        ValueError: no layers, layers of different lengths, or min_share outside [0, 1].
+    """
+    if not scores:
+        raise ValueError("no layers to allocate budgets to")
+    if not 0.0 <= min_share <= 1.0:
+        raise ValueError(f"min_share must be in [0, 1], got {min_share}")
+    s = scores[0].shape[-1]
+    if any(x.dim() != 3 or x.shape[0] != 1 or x.shape[-1] != s for x in scores):
+        raise ValueError(f"scores must be [1, Hkv, S] with one S, got {[tuple(x.shape) for x in scores]}")
+    n_layers = len(scores)
+    window = min(window_size, prompt_budget, s)
+    first = max(0, min(n_first, prompt_budget - window, s - window))
+    free = prompt_budget - window - first  # m: slots chosen by score, per head and layer
+    selectable = s - window - first
+    if s <= prompt_budget or free <= 0:
+        return [prompt_budget] * n_layers
+    shares = []
+    for x in scores:
+        middle = x[0, :, first : s - window].float().cpu()  # [Hkv, selectable]: a small ranking, on the CPU
+        shares.append(middle / middle.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny))
+    heads = torch.tensor([x.shape[0] for x in shares])
+    flat = torch.cat([x.flatten() for x in shares])  # [Σ Hkv · selectable]
+    if bool(flat.max() == flat.min()):  # no layer holds more mass than another (e.g. all scores 0)
+        return [prompt_budget] * n_layers
+    owner = torch.repeat_interleave(torch.arange(n_layers), heads * selectable)  # layer of each share
+    best = torch.topk(flat, min(flat.numel(), free * int(heads.sum())), sorted=False).indices
+    ideal = torch.bincount(owner[best], minlength=n_layers).double() / heads.double()  # [L] mean per head
+    lo, hi, target = math.ceil(min_share * free), selectable, free * n_layers
+    # scale so that the clamped counts sum to the target (monotone in the scale: bisection), then
+    # round down and hand the remaining slots to the largest fractions
+    low, high = 0.0, float(hi) / max(float(ideal[ideal > 0].min()), 1e-9) if bool((ideal > 0).any()) else 1.0
+    for _ in range(100):
+        mid = (low + high) / 2
+        if float((ideal * mid).clamp(lo, hi).sum()) < target:
+            low = mid
+        else:
+            high = mid
+    real = (ideal * high).clamp(lo, hi)
+    counts = real.floor().long()
+    for i in torch.argsort(real - counts, descending=True).tolist():
+        if int(counts.sum()) >= target:
+            break
+        if counts[i] < hi:
+            counts[i] += 1
+    for i in torch.argsort(real - counts).tolist():  # the clamped sum can round above the target
+        if int(counts.sum()) <= target:
+            break
+        if counts[i] > lo:
+            counts[i] -= 1
+    out = [int(c) + first + window for c in counts]
+    assert sum(out) == n_layers * prompt_budget, (out, prompt_budget)
+    return out
 
 
 def sink_recent_select(

@@ -24,7 +24,7 @@ from .. import ops
 from ..core.cache import CacheInfo, CompressedKVCache, LayerKV, ModelIdentity, SegmentInfo
 from ..core.config import DecodeConfig, PrefillConfig, Reselection, auto_pool_kernel_size, resolve_budgets
 from ..core.quant import KVStorage, resolved
-from ..core.stage1 import gather_tokens
+from ..core.stage1 import allocate_layer_budgets, gather_tokens
 from ..errors import BudgetError, CacheFormatError, InputError
 from ..model.hf import (
     ModelShape,
@@ -42,7 +42,7 @@ from ..model.step import DecodeStep, decode_step_for
 from ..model.templates import PromptFormat, prompt_format, read_prompt
 from ..model.weights import decode_step
 from .documents import Document, DocumentTokens, tokenize, tokenize_document
-from .selectors import LayerPrefill, pool_kernel_of, selector_for
+from .selectors import LayerPrefill, Selector, pool_kernel_of, selector_for
 
 QUESTION_RESERVE_TOKENS = 256  # room kept for a question when checking a document against the context
 TokenProgress = Callable[[int, int], None]  # (tokens done, tokens total)
@@ -303,6 +303,7 @@ class Engine:
             )
         selector = selector_for(cfg)
         n_stored = cfg.stored_tokens(n, budgets.prompt_budget)  # the file's tokens per KV head (≥ the working set)
+        stored_per_layer = self._layer_budgets(prefill, cfg, selector, n_stored)  # {layer index: tokens per KV head}
         storage = resolved(storage, self.dtype_name)
         layers = []
         for i, layer in enumerate(prefill.layers):
@@ -315,7 +316,7 @@ class Engine:
                 k, v, p = (t.contiguous() for t in tensors)
                 layers.append(LayerKV(k, v, p).to_storage(storage, self.rope_freqs[i], weights))
                 continue
-            kept = selector.select(layer, n_stored)  # [1, Hkv, n_stored]
+            kept = selector.select(layer, stored_per_layer.get(i, n_stored))  # [1, Hkv, that layer's count]
             k, v, p = (gather_tokens(t, kept) for t in tensors)
             layers.append(LayerKV(k, v, p).to_storage(storage, self.rope_freqs[i], weights))
         info = CacheInfo(
@@ -328,6 +329,21 @@ class Engine:
         ids = torch.tensor(tokens.ids, dtype=torch.int32)
         offsets, lines = _tensor_or_none(tokens.offsets, torch.int64), _tensor_or_none(tokens.lines, torch.int32)
         return CompressedKVCache(info, tuple(layers), ids, offsets, lines)
+
+    @staticmethod
+    def _layer_budgets(prefill: Prefill, cfg: PrefillConfig, selector: Selector, n_stored: int) -> dict[int, int]:
+        """Tokens per KV head each full-attention layer stores: `n_stored` everywhere for uniform
+        layer budgets (an empty map), else the same total split by `allocate_layer_budgets` over the
+        selector's scores (docs/algorithm.md §2, step 5)."""
+        full = {i: layer for i, layer in enumerate(prefill.layers) if isinstance(layer, LayerPrefill)}
+        if cfg.layer_budgets == "uniform" or not full or prefill.n_context_tokens <= n_stored:
+            return {}
+        scores = [selector.scores(layer) for layer in full.values()]
+        if any(s is None for s in scores):
+            raise ValueError("adaptive layer budgets need a selector that scores tokens")
+        counts = allocate_layer_budgets([s for s in scores if s is not None], n_stored, cfg.window_size,
+                                            cfg.n_first_tokens)  # fmt: skip
+        return dict(zip(full, counts))
 
     def ingest_tokens(
         self,

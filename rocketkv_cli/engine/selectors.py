@@ -68,6 +68,11 @@ class Selector(Protocol):
         """Kept token indices `[1, Hkv, prompt_budget]` int64, ascending, for n > prompt_budget."""
         ...
 
+    def scores(self, layer: LayerPrefill) -> torch.Tensor | None:
+        """The raw scores `select` ranks `[1, Hkv, n]` float32 (before pooling), or None when it
+        ranks nothing (adaptive layer budgets need them)."""
+        ...
+
 
 @dataclass(frozen=True)
 class SnapKVSelector:
@@ -83,10 +88,12 @@ class SnapKVSelector:
     def kernel(self, n_context_tokens: int) -> int:
         return self.pool_kernel_size or auto_pool_kernel_size(n_context_tokens)
 
+    def scores(self, layer: LayerPrefill) -> torch.Tensor:
+        return layer.observation_scores(self.observation, self.window_size)  # [1, Hkv, n]
+
     def select(self, layer: LayerPrefill, prompt_budget: int) -> torch.Tensor:
-        scores = layer.observation_scores(self.observation, self.window_size)  # [1, Hkv, n]
         kernel = self.kernel(layer.n_context_tokens)
-        return ops.snapkv_select(scores, prompt_budget, self.window_size, kernel, self.n_first_tokens)
+        return ops.snapkv_select(self.scores(layer), prompt_budget, self.window_size, kernel, self.n_first_tokens)
 
 
 @dataclass(frozen=True)
@@ -99,11 +106,14 @@ class ReconstructionSelector:
     pool_kernel_size: int
     n_first_tokens: int = 0
 
-    def select(self, layer: LayerPrefill, prompt_budget: int) -> torch.Tensor:
+    def scores(self, layer: LayerPrefill) -> torch.Tensor:
         if layer.reconstruction is None:
             raise ValueError("context reconstruction scores were not computed (Engine.prefill(reconstruct=True))")
+        return layer.reconstruction  # [1, Hkv, n]
+
+    def select(self, layer: LayerPrefill, prompt_budget: int) -> torch.Tensor:
         kernel = self.pool_kernel_size or auto_pool_kernel_size(layer.n_context_tokens)
-        return ops.snapkv_select(layer.reconstruction, prompt_budget, self.window_size, kernel, self.n_first_tokens)
+        return ops.snapkv_select(self.scores(layer), prompt_budget, self.window_size, kernel, self.n_first_tokens)
 
 
 @dataclass(frozen=True)
@@ -111,6 +121,9 @@ class SinkRecentSelector:
     """A StreamingLLM-style baseline: the first `n_sink_tokens` plus the most recent tokens."""
 
     n_sink_tokens: int
+
+    def scores(self, layer: LayerPrefill) -> None:
+        return None
 
     def select(self, layer: LayerPrefill, prompt_budget: int) -> torch.Tensor:
         n_kv = layer.keys.shape[1]

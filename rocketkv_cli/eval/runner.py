@@ -21,6 +21,8 @@ Methods (budgets in tokens, docs/algorithm.md §1):
   question re-selects its working set of t's prompt budget with its own queries, then HSA.
 - reconstruct_reselect: both: the file keeps what context reconstruction keeps at
   `store_factor`·t, each question re-selects t's working set, then HSA.
+- adaptive, reconstruct_adaptive: rocketkv and reconstruct with adaptive layer budgets (the same
+  total over the full-attention layers, split by where the scores put the attention mass).
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from ..errors import BudgetError
 from ..store.format import load_cache, save_cache
 from .tasks import NEEDS_HAYSTACK_TEXT, TASKS, Sample, generate
 
-METHODS = ("full", "rocketkv", "snapkv", "hsa", "sink_recent", "reconstruct", "reselect", "reconstruct_reselect")
+METHODS = ("full", "rocketkv", "snapkv", "hsa", "sink_recent", "reconstruct", "reselect", "reconstruct_reselect",
+           "adaptive", "reconstruct_adaptive")  # fmt: skip
 OBSERVATIONS = ("tail", "probe", "wide")  # stage-1 observation windows compared by the ablation
 FULL_TOKEN_BUDGET = 1 << 30  # a budget above any document: stage 1 keeps everything
 REPORT_FORMAT = "rocketkv.eval"
@@ -171,6 +174,21 @@ def plan(cfg: EvalConfig) -> tuple[dict[str, PrefillConfig], list[Run]]:
             )
             runs.append(Run("reconstruct", t, "reconstruct", cfg.reconstruct_pool_kernel, f"t{t}-reconstruct",
                             "reconstruct"))  # fmt: skip
+        if "reconstruct_adaptive" in cfg.methods:
+            key = f"t{t}-reconstruct-adaptive"
+            caches[key] = PrefillConfig(token_budget=t, observation="reconstruct", layer_budgets="adaptive",
+                                        pool_kernel_size=cfg.reconstruct_pool_kernel, **base)  # fmt: skip
+            runs.append(Run("reconstruct_adaptive", t, "reconstruct", cfg.reconstruct_pool_kernel, key,
+                            "reconstruct_adaptive"))  # fmt: skip
+        if "adaptive" in cfg.methods:
+            obs, kernel = variants[0]
+            key = f"t{t}-{obs}-{pool_label(kernel)}-adaptive"
+            caches[key] = dataclasses.replace(caches.get(f"t{t}-{obs}-{pool_label(kernel)}") or PrefillConfig(
+                token_budget=t, max_new_tokens=cfg.plan_new_tokens, chunk_tokens=cfg.chunk_tokens,
+                window_size=cfg.wide_window_size if obs == "wide" else cfg.window_size,
+                observation="probe" if obs == "probe" else "tail", pool_kernel_size=kernel,
+            ), layer_budgets="adaptive")  # fmt: skip
+            runs.append(Run("adaptive", t, obs, kernel, key, "adaptive"))
         if "reconstruct_reselect" in cfg.methods:
             caches[f"t{t}-reconstruct-reselect"] = PrefillConfig(
                 token_budget=t, store_budget=cfg.store_factor * t, observation="reconstruct",
@@ -385,8 +403,8 @@ def _answer_run(engine: Engine, stored: CompressedKVCache, run: Run, sample: Sam
     else:
         decode = decode_config_for(stored, sparse=run.method not in ("full", "snapkv", "sink_recent"))
     max_new = cfg.max_new_tokens or sample.max_new_tokens
-    stored_tokens = max(layer.n_kept_tokens for layer, s in zip(stored.layers, engine.shape.layers)
-                        if s.sliding_window is None)  # fmt: skip
+    full_kept = [lay.n_kept_tokens for lay, s in zip(stored.layers, engine.shape.layers) if s.sliding_window is None]
+    stored_tokens = round(sum(full_kept) / len(full_kept))  # per layer and KV head (adaptive budgets: the mean)
     reselects = run.method in ("reselect", "reconstruct_reselect")
     kept = min(stored_tokens, stored.info.budgets.prompt_budget) if reselects else stored_tokens
     prepared = prepare_questions(engine, stored, [q.text for q in sample.questions], max_new)

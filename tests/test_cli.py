@@ -402,6 +402,28 @@ def test__shell_completion__script_and_answers(rocketkv_bin, env):
     assert done.stdout.split() == ["--stream"]
 
 
+def test__ingest_adaptive_layer_budgets__inspect_and_ask(rocketkv_bin, env, doc, tiny_model_dir, tmp_path):
+    """`--layer-budgets adaptive` splits the same total over the layers (inspect shows the range and
+    the mean); `ask` answers from the file; an unknown value is a usage error before any model loads."""
+    out = tmp_path / "adaptive.kv"
+    r = run(rocketkv_bin, env, "ingest", doc, "-o", out, "--model", tiny_model_dir, "--budget", "64",
+            "--max-new-tokens", "6", "--layer-budgets", "adaptive")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    info = json.loads(run(rocketkv_bin, env, "inspect", out, "--json").stdout)
+    full = [k for k, w in zip(info["kept_tokens_per_layer"], info["layer_windows"]) if not w]
+    assert info["config"]["layer_budgets"] == "adaptive"
+    assert sum(full) == len(full) * info["budgets"]["prompt_budget"] and len(set(full)) > 1, full
+    text = run(rocketkv_bin, env, "inspect", out).stdout
+    assert f"{min(full)}-{max(full)} (mean {info['budgets']['prompt_budget']}; adaptive layer budgets)" in text, text
+    a = run(rocketkv_bin, env, "ask", "--cache", out, "What is the secret code?", "--json")
+    assert a.returncode == 0, a.stderr
+    assert json.loads(a.stdout)["n_answer_tokens"] >= 1
+    bad = run(rocketkv_bin, env, "ingest", doc, "-o", tmp_path / "bad.kv", "--model", tmp_path / "no-model",
+              "--layer-budgets", "per-head")  # fmt: skip
+    assert "--layer-budgets must be one of" in assert_one_line_error(bad, code=2)
+    assert not (tmp_path / "bad.kv").exists()
+
+
 def test__ingest_store_budget_and_reconstruct__inspect_and_ask(rocketkv_bin, env, doc, tiny_model_dir, tmp_path):
     """`--store-budget` keeps more tokens than the working set (inspect says each question
     re-selects), `--observation reconstruct` builds a cache, and `ask` answers from both."""

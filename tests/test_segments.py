@@ -373,3 +373,25 @@ def test__cli_long_document_from_stdin_and_in_memory_ask_and_summarize(rocketkv_
     n = json.loads(subprocess.run([rocketkv_bin, "inspect", str(out), "--json"], capture_output=True, text=True).stdout)
     assert [p["segment"] for p in row["partial_summaries"] if p["level"] == 0] == list(range(n["n_segments"]))
     assert row["n_answer_tokens"] <= 3 and "summary of part 1/" in r.stderr
+
+
+def test__segmented_adaptive_layer_budgets__round_trip_and_answer(engine, tmp_path):
+    """Each segment splits its own total over the layers; the merged and the saved book answer."""
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, layer_budgets="adaptive")
+    stored = ingest_stream(engine, TextPieces(lines_text(30), "doc.txt"), cfg, segment_tokens=300)
+    assert isinstance(stored, SegmentedKVCache) and len(stored.segments) > 1
+    full = [i for i, s in enumerate(engine.shape.layers) if s.sliding_window is None]
+    for seg in stored.segments:
+        counts = [seg.layers[i].n_kept_tokens for i in full]
+        assert sum(counts) == len(full) * seg.info.budgets.prompt_budget, counts
+    loaded = load_cache(save_segmented(stored, tmp_path / "book.kv"))
+    assert isinstance(loaded, SegmentedKVCache)
+    for a, b in zip(stored.segments, loaded.segments):
+        assert all(same_layer(la, lb) for la, lb in zip(a.layers, b.layers))
+    merged = merge_segments(loaded, [0, len(loaded.segments) - 1])
+    counts = [merged.layers[i].n_kept_tokens for i in full]
+    assert sum(counts) == len(full) * merged.info.budgets.prompt_budget, counts
+    a = next(answer(engine, merged, ["which line?"], 4, decode_config_for(merged)))
+    assert a.n_answer_tokens >= 1

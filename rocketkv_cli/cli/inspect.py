@@ -49,6 +49,10 @@ def _lines(info: dict) -> list[tuple[str, str]]:
     windows, kept = info["layer_windows"], info["kept_tokens_per_layer"]
     n_parts, n_ctx, n_full = info["n_segments"], info["n_context_tokens"], info["n_full_attention_layers"]
     full_kept = sorted({k for k, w in zip(kept, windows) if not w})
+    counts = [k for k, w in zip(kept, windows) if not w]
+    kept_text = ", ".join(map(str, full_kept)) or "-"
+    if info["config"].get("layer_budgets", "uniform") != "uniform" and len(full_kept) > 1:
+        kept_text = f"{full_kept[0]}-{full_kept[-1]} (mean {sum(counts) / len(counts):.0f}; adaptive layer budgets)"
     sliding = f"; {len(windows) - n_full} sliding-window layers keep their last {max(w or 0 for w in windows)}"
     per = " (all segments)" if n_parts > 1 else ""
     full_bytes = info["full_kv_bytes"]
@@ -68,7 +72,7 @@ def _lines(info: dict) -> list[tuple[str, str]]:
         sizes = [s["n_context_tokens"] for s in info["segments"]]
         lines.append(("segments", f"{n_parts} (0-{n_parts - 1}), {min(sizes)}-{max(sizes)} tokens each"))
     lines += [
-        ("kept per KV head", f"{', '.join(map(str, full_kept)) or '-'} of {n_ctx} tokens{per} in "
+        ("kept per KV head", f"{kept_text} of {n_ctx} tokens{per} in "
          f"{n_full} full-attention layers" + (sliding if n_full < len(windows) else "")),
     ]  # fmt: skip
     if info["config"].get("store_budget") is not None and max(full_kept, default=0) > info["budgets"]["prompt_budget"]:

@@ -8,7 +8,8 @@ reselect (per-question re-selection from a larger stored set); part b: full and
 reconstruct_reselect; the same seed, so the same samples and the same full-attention answers)
 and keeps each JSON in docs/bench/stage1-<preset>-<part>.json (a finished part is reused: the
 report resumes), merges them, then times ingest with the tail window and with context
-reconstruction on the same document side by side.
+reconstruction on the same document side by side. Part c (a table of its own, 6 samples): uniform
+against adaptive layer budgets (`ADAPTIVE`).
 Use OMP_NUM_THREADS=1 when anything else runs (torch's threads spin against each other on 2
 cores). `--from-json` renders the page from the JSON files without running anything.
 """
@@ -30,9 +31,14 @@ ROCKETKV = str(Path(sys.executable).parent / "rocketkv")
 # preset: (context tokens, store factor, samples per task); Gemma's 8K prefill costs twice SmolLM2's 4K
 PRESETS = {"smollm2-135m": (4096, 2, 10), "gemma-3-270m": (8192, 4, 6)}
 PARTS = {"a": ("full", "rocketkv", "reconstruct", "reselect"), "b": ("full", "reconstruct_reselect")}
+# part c, a table of its own (run later than a and b, with the storage and code of its date): uniform
+# against adaptive layer budgets for each preset's default observation (SmolLM2: reconstruct)
+ADAPTIVE = {"smollm2-135m": ("full", "reconstruct", "reconstruct_adaptive"),
+            "gemma-3-270m": ("full", "rocketkv", "adaptive", "reconstruct", "reconstruct_adaptive")}  # fmt: skip
+ADAPTIVE_SAMPLES = 6
 TASKS = "niah_noise,multikey,niah_text"
 BUDGETS = (256, 512)
-METHODS = ("full", "rocketkv", "reconstruct", "reselect", "reconstruct_reselect")
+METHODS = ("full", "rocketkv", "adaptive", "reconstruct", "reconstruct_adaptive", "reselect", "reconstruct_reselect")
 KJV = ROOT.parent / "shared" / "data" / "kjv.txt"
 GPL = ROOT.parent / "shared" / "data" / "gpl-3.txt"
 
@@ -112,7 +118,50 @@ def table(report: dict) -> list[str]:
     return lines
 
 
-def page(reports: dict[str, dict], times: dict[str, dict]) -> str:
+def adaptive_section(adaptive: dict[str, dict]) -> list[str]:
+    """The part-c tables (uniform vs adaptive layer budgets) and the default each supports."""
+    from rocketkv_cli.core.config import PRESET_PREFILL_DEFAULTS
+
+    if not adaptive:
+        return []
+    lines = [
+        "## Adaptive layer budgets", "",
+        "`--layer-budgets adaptive` (docs/algorithm.md §2): the same total of kept tokens over the full-attention "
+        "layers as the uniform split, shared out by where the heads' attention mass is, so the file size is the same "
+        "(last row). Each preset's own eval run (part c, JSON in `docs/bench/stage1-<preset>-c.json`), with the "
+        "storage and code of its date; the same seed as above, so the first samples are the same documents. "
+        "`adaptive` = `rocketkv` with adaptive layer budgets, `reconstruct_adaptive` = `reconstruct` with them.", "",
+    ]  # fmt: skip
+    for model, report in adaptive.items():
+        cfg = report["config"]
+        lines += [f"### {model}, {cfg['context_tokens'][0]} tokens, {cfg['samples']} samples per task, "
+                  f"`--kv-dtype {cfg['kv_dtype']}` ({report['elapsed_s'] / 60:.0f} min)", "", *table(report), ""]  # fmt: skip
+    lines += ["Default rule: adaptive layer budgets replace uniform ones for the preset's observation when, at the "
+              f"default budget (t=512), the mean score is higher by {pct(MARGIN)} points and the top-1 agreement is "
+              "not lower.", ""]  # fmt: skip
+    for model, report in adaptive.items():
+        cells = {(r["task"], r["label"], r["budget"]): r for r in report["summary"]}
+        obs = PRESET_PREFILL_DEFAULTS.get(model, {}).get("observation", "tail")
+        base = "reconstruct" if obs == "reconstruct" else "rocketkv"
+        uni, ada = (
+            cells.get(("mean", base, 512)),
+            cells.get(("mean", f"{'reconstruct_' if base != 'rocketkv' else ''}adaptive", 512)),
+        )
+        if uni is None or ada is None:
+            continue
+        wins = ada["score"] >= uni["score"] + MARGIN and ada["top1_agreement"] >= uni["top1_agreement"]
+        coded = PRESET_PREFILL_DEFAULTS.get(model, {}).get("layer_budgets", "uniform")
+        chosen = "adaptive" if wins else "uniform"
+        line = (f"- **{model}: `--layer-budgets {chosen}`** (with `--observation {obs}`: mean score "
+                f"{pct(ada['score'])}% adaptive vs {pct(uni['score'])}% uniform, top-1 agreement "
+                f"{pct(ada['top1_agreement'])}% vs {pct(uni['top1_agreement'])}%, same file size).")  # fmt: skip
+        if coded != chosen:
+            line += f" **The code's default is `{coded}`: update `PRESET_PREFILL_DEFAULTS`.**"
+        lines.append(line)
+    return lines + [""]
+
+
+def page(reports: dict[str, dict], times: dict[str, dict], adaptive: dict[str, dict] | None = None) -> str:
     v = next(iter(reports.values()))["versions"]
     lines = [
         "# Question-agnostic stage 1: which tokens to keep before the question is known", "",
@@ -138,6 +187,7 @@ def page(reports: dict[str, dict], times: dict[str, dict]) -> str:
                       f"in one process): tail window {t['tail_s']:.1f} s, context reconstruction "
                       f"{t['reconstruct_s']:.1f} s ({t['reconstruct_s'] / t['tail_s']:.1f}×).", ""]  # fmt: skip
     lines += ["## Defaults", "", *defaults(reports, times), ""]
+    lines += adaptive_section(adaptive or {})
     return "\n".join(lines)
 
 
@@ -201,7 +251,7 @@ def main() -> int:
     args = parser.parse_args()
     bench = ROOT / "docs" / "bench"
     bench.mkdir(parents=True, exist_ok=True)
-    reports, times = {}, {}
+    reports, times, adaptive = {}, {}, {}
     for model in args.presets.split(","):
         n, factor, samples = PRESETS[model]
         parts = []
@@ -218,7 +268,12 @@ def main() -> int:
             timing.write_text(json.dumps(ingest_times(model, 12000 if model == "smollm2-135m" else 35000)))
         if timing.exists():
             times[model] = json.loads(timing.read_text())
-    (ROOT / "docs" / "stage1-methods.md").write_text(page(reports, times))
+        out = bench / f"stage1-{model}-c.json"
+        if not out.exists() and not args.from_json:
+            run_eval(model, n, factor, ADAPTIVE_SAMPLES, out, ADAPTIVE[model])
+        if out.exists():
+            adaptive[model] = json.loads(out.read_text())
+    (ROOT / "docs" / "stage1-methods.md").write_text(page(reports, times, adaptive))
     print(ROOT / "docs" / "stage1-methods.md")
     return 0
 

@@ -1,5 +1,6 @@
 """`rocketkv eval`: task generators, scoring, the sink+recent selection, one-prefill variants, the CLI."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -216,11 +217,13 @@ def test__plan__one_cache_per_stage1_setting_and_every_method():
     assert set(caches) == {"full", *(f"t{t}-{o}-{k}" for t in (128, 512) for o in ("tail", "probe")
                                       for k in ("63", "auto")), "t128-sink", "t512-sink",
                            *(f"t{t}-{m}" for t in (128, 512) for m in ("reconstruct", "reselect",
-                                                                         "reconstruct-reselect"))}  # fmt: skip
+                                                                         "reconstruct-reselect", "reconstruct-adaptive",
+                                                                         "tail-63-adaptive"))}  # fmt: skip
     assert caches["t512-reselect"].store_budget == 1024 and caches["t128-reconstruct"].observation == "reconstruct"
     labels = Counter(r.label for r in runs)
     assert labels["full"] == 1 and labels["snapkv"] == labels["hsa"] == labels["sink_recent"] == 2
-    assert labels["rocketkv[probe,auto]"] == 2
+    assert labels["rocketkv[probe,auto]"] == 2 and labels["adaptive"] == labels["reconstruct_adaptive"] == 2
+    assert caches["t128-tail-63-adaptive"] == dataclasses.replace(caches["t128-tail-63"], layer_budgets="adaptive")
     snap = [r for r in runs if r.method == "snapkv"]
     assert all(r.cache_key == f"t{r.budget}-tail-63" for r in snap)  # same cache as rocketkv's first variant
     assert {r.cache_key for r in runs if r.method == "hsa"} == {"full"}
@@ -269,11 +272,12 @@ def test__cli_eval__tiny_model_end_to_end_json_schema(rocketkv_bin, tiny_model_d
     records = report["records"]
     assert all(set(rec) == RECORD_KEYS for rec in records)
     # questions: niah_text 1 + multiquery 4 + fwe 1, per sample; runs: full, 2 rocketkv, snapkv, hsa, sink_recent,
-    # reconstruct, reselect, reconstruct_reselect
-    assert len(records) == 2 * (1 + 4 + 1) * 9
+    # reconstruct, reselect, reconstruct_reselect, adaptive, reconstruct_adaptive
+    assert len(records) == 2 * (1 + 4 + 1) * 11
     assert {rec["label"] for rec in records} == {"full", "rocketkv[tail,63]", "rocketkv[probe,63]", "snapkv", "hsa",
                                                   "sink_recent", "reconstruct", "reselect",
-                                                  "reconstruct_reselect"}  # fmt: skip
+                                                  "reconstruct_reselect", "adaptive",
+                                                  "reconstruct_adaptive"}  # fmt: skip
     # the file holds more than each question's working set
     for rec in (r for r in records if r["method"] in ("reselect", "reconstruct_reselect")):
         assert rec["kept_tokens"] < rec["stored_tokens"] < rec["n_context_tokens"], rec

@@ -72,6 +72,8 @@ def test__config__layer_budgets_validated_and_omitted_from_the_record_while_unif
         PrefillConfig(layer_budgets="per-head")
     with pytest.raises(ValueError, match="needs selection 'snapkv'"):
         PrefillConfig(layer_budgets="adaptive", selection="sink_recent")
+    with pytest.raises(ValueError, match="store_budget"):
+        PrefillConfig(layer_budgets="adaptive", token_budget=64, store_budget=256)
     assert "layer_budgets" not in PrefillConfig().to_dict()  # uniform files and batch cache keys as before
     assert PrefillConfig(layer_budgets="adaptive").to_dict()["layer_budgets"] == "adaptive"
 

@@ -66,7 +66,7 @@ def ingest_command(
         Optional[str],
         typer.Option(
             help="'uniform' (every layer keeps the prompt budget) or 'adaptive' (the same total, split over the "
-            "layers by where their attention mass is). Default: uniform; the model's own where measured."
+            "layers by where their attention mass is). Default: uniform."
         ),  # fmt: skip
     ] = None,
     prompt_budget: Annotated[Optional[int], typer.Option(help="Override: tokens kept per KV head per layer.")] = None,

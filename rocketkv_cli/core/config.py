@@ -131,6 +131,9 @@ class PrefillConfig:
         if self.layer_budgets != "uniform" and self.selection != "snapkv":
             raise ValueError(f"layer_budgets {self.layer_budgets!r} needs selection 'snapkv' (it splits by its "
                              f"scores), got {self.selection!r}")  # fmt: skip
+        if self.layer_budgets != "uniform" and self.store_budget is not None:
+            raise ValueError(f"layer_budgets {self.layer_budgets!r} does not combine with store_budget (each question "
+                             "re-selects the same prompt budget in every layer)")  # fmt: skip
         k = self.pool_kernel_size
         if isinstance(k, bool) or not isinstance(k, int) or k < 0 or (k > 0 and k % 2 == 0):
             raise ValueError(f"pool_kernel_size must be an odd positive integer or 0 (auto), got {k!r}")

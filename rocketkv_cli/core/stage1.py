@@ -314,9 +314,10 @@ def allocate_layer_budgets(
     flat = torch.cat([x.flatten() for x in shares])  # [Σ Hkv · selectable]
     if bool(flat.max() == flat.min()):  # no layer holds more mass than another (e.g. all scores 0)
         return [prompt_budget] * n_layers
-    owner = torch.repeat_interleave(torch.arange(n_layers), heads * selectable)  # layer of each share
+    ends = torch.cumsum(heads * selectable, 0)  # flat index where each layer's shares end
     best = torch.topk(flat, min(flat.numel(), free * int(heads.sum())), sorted=False).indices
-    ideal = torch.bincount(owner[best], minlength=n_layers).double() / heads.double()  # [L] mean per head
+    owner = torch.bucketize(best, ends, right=True)  # layer of each chosen share (no [Σ Hkv·S] int64 map)
+    ideal = torch.bincount(owner, minlength=n_layers).double() / heads.double()  # [L] mean per head
     lo, hi, target = math.ceil(min_share * free), selectable, free * n_layers
     # scale so that the clamped counts sum to the target (monotone in the scale: bisection), then
     # round down and hand the remaining slots to the largest fractions

@@ -231,7 +231,8 @@ def test__plan__one_cache_per_stage1_setting_and_every_method():
 
 @pytest.mark.parametrize(
     "kw", [{"methods": ("full", "h2o")}, {"budgets": ()}, {"pool_kernels": (8,)}, {"context_tokens": (10,)},
-           {"samples": 0}, {"observations": ("tail", "tail")}],
+           {"samples": 0}, {"observations": ("tail", "tail")}, {"stage2": "dense"},
+           {"stage2": "exact", "methods": ("full", "hsa")}],
 )  # fmt: skip
 def test__eval_config__rejects_bad_values(kw):
     with pytest.raises(ValueError):
@@ -333,6 +334,19 @@ def test__teacher_forced_scores__a_method_equal_to_full_attention_agrees_everywh
     report = run_eval(engine, cfg, tmp_path)
     snap = [r for r in report["records"] if r["method"] == "snapkv"]
     assert snap and all(r["top1_agreement"] == 1.0 and abs(r["kl"]) < 1e-9 and not r["generated"] for r in snap)
+
+
+def test__stage2_exact__every_pruned_cache_decodes_with_exact_attention(tmp_path):
+    """`stage2="exact"` (as `ask` decodes on a CPU): the methods that decode with HSA by default
+    attend their pruned caches exactly, and equal `snapkv` over the same cache."""
+    engine = make_engine("llama")
+    base = dict(context_tokens=(300,), budgets=(64,), tasks=("niah_noise",), samples=1, max_new_tokens=6)
+    hsa = run_eval(engine, EvalConfig(methods=("full", "rocketkv"), **base), tmp_path)
+    exact = run_eval(engine, EvalConfig(methods=("full", "rocketkv", "snapkv"), stage2="exact", **base), tmp_path)
+    assert {r["sparse"] for r in hsa["records"] if r["method"] == "rocketkv"} == {True}
+    assert {r["sparse"] for r in exact["records"]} == {False}
+    by = {r["method"]: r for r in exact["records"]}
+    assert by["rocketkv"]["token_ids"] == by["snapkv"]["token_ids"] and by["rocketkv"]["kl"] == by["snapkv"]["kl"]
 
 
 def test__accuracy_report__quick_mode_on_a_tiny_model_writes_the_page_and_json(tiny_model_dir, tmp_path):

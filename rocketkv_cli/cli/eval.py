@@ -111,6 +111,12 @@ def eval_command(
     json_path: Annotated[
         Optional[Path], typer.Option("--json", help="Write the report (every record, configuration, versions) here.")
     ] = None,
+    stage2: Annotated[
+        str,
+        typer.Option(
+            help="How pruned caches decode: hsa (each method's stage 2) or exact (exact attention, as ask on a CPU)."
+        ),  # fmt: skip
+    ] = "hsa",
     kv_dtype: KvDtypeOpt = None,
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
@@ -131,11 +137,12 @@ def eval_command(
     try:
         cfg = EvalConfig(
             context_tokens=_ints("context-tokens", context_tokens), budgets=_ints("budgets", budgets),
-            methods=_names(methods, METHODS), tasks=task_list, samples=samples, seed=seed,
+            methods=tuple(m for m in _names(methods, METHODS) if stage2 != "exact" or methods.strip() != "all"
+                          or m != "hsa"), tasks=task_list, samples=samples, seed=seed,
             observations=_names(observations, OBSERVATIONS), pool_kernels=_ints("pool-kernels", pool_kernels, True),
             window_size=window_size, wide_window_size=wide_window_size, max_new_tokens=max_new_tokens,
             store_factor=store_factor, reconstruct_pool_kernel=reconstruct_pool_kernel,
-            kv_dtype=storage(kv_dtype).name if kv_dtype is not None else None,
+            kv_dtype=storage(kv_dtype).name if kv_dtype is not None else None, stage2=stage2,
         )  # fmt: skip
     except ValueError as exc:
         raise UsageError(f"invalid option: {exc}") from None

@@ -74,6 +74,9 @@ class EvalConfig:
         `core.config.default_kv_dtype`).
     store_factor: reselect's store budget, as a multiple of t. reconstruct_pool_kernel: the
         pooling kernel of reconstruct's selection (odd; 1 = none, as KVzip).
+    stage2: how the pruned caches decode: "hsa" (each method's stage 2, as on a GPU) or "exact"
+        (exact attention over every pruned cache, as `ask` decodes on a CPU below HSA's crossover;
+        the `hsa` method, stage 2 alone, is then refused).
     """
 
     context_tokens: tuple[int, ...] = (4096,)
@@ -93,6 +96,7 @@ class EvalConfig:
     kv_dtype: str | None = None
     store_factor: int = 2
     reconstruct_pool_kernel: int = 7
+    stage2: str = "hsa"
 
     def __post_init__(self) -> None:
         for name, allowed in (("methods", METHODS), ("tasks", TASKS), ("observations", OBSERVATIONS)):
@@ -118,6 +122,10 @@ class EvalConfig:
             raise ValueError(f"store_factor must be at least 2, got {self.store_factor}")
         if self.reconstruct_pool_kernel < 1 or self.reconstruct_pool_kernel % 2 == 0:
             raise ValueError(f"reconstruct_pool_kernel must be odd and positive, got {self.reconstruct_pool_kernel}")
+        if self.stage2 not in ("hsa", "exact"):
+            raise ValueError(f"stage2 must be hsa or exact, got {self.stage2!r}")
+        if self.stage2 == "exact" and "hsa" in self.methods:
+            raise ValueError("the hsa method (stage 2 alone) needs stage2 hsa")
         if self.seed < 0 or self.n_sink_tokens < 0:
             raise ValueError(f"seed and n_sink_tokens must be non-negative, got {self.seed}, {self.n_sink_tokens}")
         plan(self)  # every stage-1 configuration must be valid before any model loads (ValueError naming it)
@@ -401,7 +409,8 @@ def _answer_run(engine: Engine, stored: CompressedKVCache, run: Run, sample: Sam
         decode = decode_config_for(stored, True, **stage2_only_budgets(n_ctx, cfg.plan_new_tokens, run.budget,
                                                                          engine.shape.head_dim))  # fmt: skip
     else:
-        decode = decode_config_for(stored, sparse=run.method not in ("full", "snapkv", "sink_recent"))
+        sparse = cfg.stage2 == "hsa" and run.method not in ("full", "snapkv", "sink_recent")
+        decode = decode_config_for(stored, sparse=sparse)
     max_new = cfg.max_new_tokens or sample.max_new_tokens
     full_kept = [lay.n_kept_tokens for lay, s in zip(stored.layers, engine.shape.layers) if s.sliding_window is None]
     stored_tokens = round(sum(full_kept) / len(full_kept))  # per layer and KV head (adaptive budgets: the mean)

@@ -8,8 +8,8 @@ reselect (per-question re-selection from a larger stored set); part b: full and
 reconstruct_reselect; the same seed, so the same samples and the same full-attention answers)
 and keeps each JSON in docs/bench/stage1-<preset>-<part>.json (a finished part is reused: the
 report resumes), merges them, then times ingest with the tail window and with context
-reconstruction on the same document side by side. Part c (a table of its own, 6 samples): uniform
-against adaptive layer budgets (`ADAPTIVE`).
+reconstruction on the same document side by side. Parts c and d (tables of their own, 6 samples):
+uniform against adaptive layer budgets (`ADAPTIVE`), decoded with HSA (c) and exactly (d).
 Use OMP_NUM_THREADS=1 when anything else runs (torch's threads spin against each other on 2
 cores). `--from-json` renders the page from the JSON files without running anything.
 """
@@ -36,6 +36,7 @@ PARTS = {"a": ("full", "rocketkv", "reconstruct", "reselect"), "b": ("full", "re
 ADAPTIVE = {"smollm2-135m": ("full", "reconstruct", "reconstruct_adaptive"),
             "gemma-3-270m": ("full", "rocketkv", "adaptive", "reconstruct", "reconstruct_adaptive")}  # fmt: skip
 ADAPTIVE_SAMPLES = 6
+ADAPTIVE_PARTS = {"c": "hsa", "d": "exact"}  # part → how the pruned caches decode (eval --stage2)
 TASKS = "niah_noise,multikey,niah_text"
 BUDGETS = (256, 512)
 METHODS = ("full", "rocketkv", "adaptive", "reconstruct", "reconstruct_adaptive", "reselect", "reconstruct_reselect")
@@ -43,10 +44,11 @@ KJV = ROOT.parent / "shared" / "data" / "kjv.txt"
 GPL = ROOT.parent / "shared" / "data" / "gpl-3.txt"
 
 
-def run_eval(model: str, n: int, factor: int, samples: int, out: Path, methods: tuple[str, ...]) -> None:
+def run_eval(model: str, n: int, factor: int, samples: int, out: Path, methods: tuple[str, ...],
+             stage2: str = "hsa") -> None:  # fmt: skip
     cmd = [ROCKETKV, "eval", "--model", model, "--context-tokens", str(n), "--budgets", ",".join(map(str, BUDGETS)),
            "--methods", ",".join(methods), "--store-factor", str(factor), "--tasks", TASKS, "--samples",
-           str(samples), "--haystack", str(KJV), "--json", str(out)]  # fmt: skip
+           str(samples), "--haystack", str(KJV), "--json", str(out), "--stage2", stage2]  # fmt: skip
     print("$", " ".join(["rocketkv", *cmd[1:]]), file=sys.stderr)
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
 
@@ -118,7 +120,7 @@ def table(report: dict) -> list[str]:
     return lines
 
 
-def adaptive_section(adaptive: dict[str, dict]) -> list[str]:
+def adaptive_section(adaptive: dict[str, dict[str, dict]]) -> list[str]:
     """The part-c tables (uniform vs adaptive layer budgets) and the default each supports."""
     from rocketkv_cli.core.config import PRESET_PREFILL_DEFAULTS
 
@@ -132,14 +134,21 @@ def adaptive_section(adaptive: dict[str, dict]) -> list[str]:
         "storage and code of its date; the same seed as above, so the first samples are the same documents. "
         "`adaptive` = `rocketkv` with adaptive layer budgets, `reconstruct_adaptive` = `reconstruct` with them.", "",
     ]  # fmt: skip
-    for model, report in adaptive.items():
-        cfg = report["config"]
-        lines += [f"### {model}, {cfg['context_tokens'][0]} tokens, {cfg['samples']} samples per task, "
-                  f"`--kv-dtype {cfg['kv_dtype']}` ({report['elapsed_s'] / 60:.0f} min)", "", *table(report), ""]  # fmt: skip
+    decoded = {"hsa": "decoded with HSA (`eval --stage2 hsa`)",
+               "exact": "decoded with exact attention, as `ask` on a CPU (`eval --stage2 exact`)"}  # fmt: skip
+    for model, runs in adaptive.items():
+        for stage2, report in runs.items():
+            cfg = report["config"]
+            lines += [f"### {model}, {cfg['context_tokens'][0]} tokens, {cfg['samples']} samples per task, "
+                      f"`--kv-dtype {cfg['kv_dtype']}`, {decoded[stage2]} ({report['elapsed_s'] / 60:.0f} min)", "",
+                      *table(report), ""]  # fmt: skip
     lines += ["Default rule: adaptive layer budgets replace uniform ones for the preset's observation when, at the "
               f"default budget (t=512), the mean score is higher by {pct(MARGIN)} points and the top-1 agreement is "
-              "not lower.", ""]  # fmt: skip
-    for model, report in adaptive.items():
+              "not lower, decoded as `ask` decodes on a CPU (exact attention) where that run exists, else with "
+              "HSA.", ""]  # fmt: skip
+    for model, runs in adaptive.items():
+        stage2 = "exact" if "exact" in runs else "hsa"
+        report = runs[stage2]
         cells = {(r["task"], r["label"], r["budget"]): r for r in report["summary"]}
         obs = PRESET_PREFILL_DEFAULTS.get(model, {}).get("observation", "tail")
         base = "reconstruct" if obs == "reconstruct" else "rocketkv"
@@ -154,14 +163,15 @@ def adaptive_section(adaptive: dict[str, dict]) -> list[str]:
         chosen = "adaptive" if wins else "uniform"
         line = (f"- **{model}: `--layer-budgets {chosen}`** (with `--observation {obs}`: mean score "
                 f"{pct(ada['score'])}% adaptive vs {pct(uni['score'])}% uniform, top-1 agreement "
-                f"{pct(ada['top1_agreement'])}% vs {pct(uni['top1_agreement'])}%, same file size).")  # fmt: skip
+                f"{pct(ada['top1_agreement'])}% vs {pct(uni['top1_agreement'])}%, same file size, {stage2} "
+                "decode).")  # fmt: skip
         if coded != chosen:
             line += f" **The code's default is `{coded}`: update `PRESET_PREFILL_DEFAULTS`.**"
         lines.append(line)
     return lines + [""]
 
 
-def page(reports: dict[str, dict], times: dict[str, dict], adaptive: dict[str, dict] | None = None) -> str:
+def page(reports: dict[str, dict], times: dict[str, dict], adaptive: dict[str, dict[str, dict]] | None = None) -> str:
     v = next(iter(reports.values()))["versions"]
     lines = [
         "# Question-agnostic stage 1: which tokens to keep before the question is known", "",
@@ -248,6 +258,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--from-json", action="store_true", help="render from docs/bench/stage1-*.json only")
     parser.add_argument("--presets", default=",".join(PRESETS), help="comma-separated presets")
+    parser.add_argument("--parts", default="c,d", help="adaptive-budget parts to run when missing (c: HSA, d: exact)")
     args = parser.parse_args()
     bench = ROOT / "docs" / "bench"
     bench.mkdir(parents=True, exist_ok=True)
@@ -268,11 +279,12 @@ def main() -> int:
             timing.write_text(json.dumps(ingest_times(model, 12000 if model == "smollm2-135m" else 35000)))
         if timing.exists():
             times[model] = json.loads(timing.read_text())
-        out = bench / f"stage1-{model}-c.json"
-        if not out.exists() and not args.from_json:
-            run_eval(model, n, factor, ADAPTIVE_SAMPLES, out, ADAPTIVE[model])
-        if out.exists():
-            adaptive[model] = json.loads(out.read_text())
+        for part, stage2 in ADAPTIVE_PARTS.items():
+            out = bench / f"stage1-{model}-{part}.json"
+            if not out.exists() and not args.from_json and part in args.parts:
+                run_eval(model, n, factor, ADAPTIVE_SAMPLES, out, ADAPTIVE[model], stage2)
+            if out.exists():
+                adaptive.setdefault(model, {})[stage2] = json.loads(out.read_text())
     (ROOT / "docs" / "stage1-methods.md").write_text(page(reports, times, adaptive))
     print(ROOT / "docs" / "stage1-methods.md")
     return 0

@@ -420,7 +420,7 @@ def test__ingest_adaptive_layer_budgets__inspect_and_ask(rocketkv_bin, env, doc,
     assert json.loads(a.stdout)["n_answer_tokens"] >= 1
     bad = run(rocketkv_bin, env, "ingest", doc, "-o", tmp_path / "bad.kv", "--model", tmp_path / "no-model",
               "--layer-budgets", "per-head")  # fmt: skip
-    assert "--layer-budgets must be one of" in assert_one_line_error(bad, code=2)
+    assert "--layer-budgets must be uniform or adaptive, got 'per-head'" in assert_one_line_error(bad, code=2)
     assert not (tmp_path / "bad.kv").exists()
 
 

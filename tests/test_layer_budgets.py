@@ -68,7 +68,7 @@ def test__allocation__refuses_layers_of_different_lengths_and_bad_shares():
 
 
 def test__config__layer_budgets_validated_and_omitted_from_the_record_while_uniform():
-    with pytest.raises(ValueError, match="layer_budgets must be one of"):
+    with pytest.raises(ValueError, match="layer_budgets must be uniform or adaptive"):
         PrefillConfig(layer_budgets="per-head")
     with pytest.raises(ValueError, match="needs selection 'snapkv'"):
         PrefillConfig(layer_budgets="adaptive", selection="sink_recent")

@@ -290,7 +290,9 @@ def ingest(rk, document, cfg, output=None, force=False, segment_tokens=None, kv_
     n_parts = stored.n_segments
     where = f" in {n_parts} segments" if n_parts > 1 else ""
     log(f"prefilled {stored.n_context_tokens} tokens{where} in {done.seconds:.1f}s; "
-        f"keeping up to {stored.max_kept_tokens} per KV head per layer{' per segment' if where else ''}")  # fmt: skip
+        f"keeping up to {stored.max_kept_tokens} per KV head per layer{' per segment' if where else ''}"
+        + ("; adaptive layer budgets: the layers keep different counts, the same total"
+           if cfg.layer_budgets != "uniform" else ""))  # fmt: skip
     return done
 
 

@@ -127,7 +127,7 @@ class PrefillConfig:
                 f"store_budget needs selection 'snapkv' (re-selection is SnapKV++), got {self.selection!r}"
             )
         if self.layer_budgets not in LAYER_BUDGETS:
-            raise ValueError(f"layer_budgets must be one of {LAYER_BUDGETS}, got {self.layer_budgets!r}")
+            raise ValueError(f"layer_budgets must be {' or '.join(LAYER_BUDGETS)}, got {self.layer_budgets!r}")
         if self.layer_budgets != "uniform" and self.selection != "snapkv":
             raise ValueError(f"layer_budgets {self.layer_budgets!r} needs selection 'snapkv' (it splits by its "
                              f"scores), got {self.selection!r}")  # fmt: skip

@@ -134,11 +134,13 @@ def eval_command(
 
     setup(quiet)
     task_list = _names(tasks, TASKS)
+    method_list = _names(methods, METHODS)
+    if stage2 == "exact" and methods.strip() == "all":  # stage 2 alone has no meaning without stage 2
+        method_list = tuple(m for m in method_list if m != "hsa")
     try:
         cfg = EvalConfig(
             context_tokens=_ints("context-tokens", context_tokens), budgets=_ints("budgets", budgets),
-            methods=tuple(m for m in _names(methods, METHODS) if stage2 != "exact" or methods.strip() != "all"
-                          or m != "hsa"), tasks=task_list, samples=samples, seed=seed,
+            methods=method_list, tasks=task_list, samples=samples, seed=seed,
             observations=_names(observations, OBSERVATIONS), pool_kernels=_ints("pool-kernels", pool_kernels, True),
             window_size=window_size, wide_window_size=wide_window_size, max_new_tokens=max_new_tokens,
             store_factor=store_factor, reconstruct_pool_kernel=reconstruct_pool_kernel,

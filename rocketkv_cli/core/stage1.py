@@ -205,6 +205,13 @@ def pool_scores(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:
     return pooled
 
 
+def always_kept(n_tokens: int, prompt_budget: int, window_size: int, n_first: int) -> tuple[int, int]:
+    """(first, window): how many leading and trailing tokens of `n_tokens` stage 1 keeps whatever
+    their score, within `prompt_budget` (the window first, then the first tokens). In tokens."""
+    window = min(window_size, prompt_budget, n_tokens)
+    return max(0, min(n_first, prompt_budget - window, n_tokens - window)), window
+
+
 def select_kept_tokens(pooled: torch.Tensor, prompt_budget: int, window_size: int, n_first: int = 0) -> torch.Tensor:
     """Indices stage 1 keeps: the first `n_first` tokens, the top (prompt_budget − first − W) of the
     rest by pooled score, and the last W tokens.
@@ -220,8 +227,7 @@ def select_kept_tokens(pooled: torch.Tensor, prompt_budget: int, window_size: in
     b, hkv, s = pooled.shape
     if s <= prompt_budget:
         return torch.arange(s, device=pooled.device).expand(b, hkv, s).contiguous()
-    window = min(window_size, prompt_budget)
-    first = max(0, min(n_first, prompt_budget - window, s - window))
+    first, window = always_kept(s, prompt_budget, window_size, n_first)
     n_top = prompt_budget - window - first
     top = torch.topk(pooled[..., first : s - window], n_top, dim=-1).indices + first  # [B, Hkv, n_top]
     head = torch.arange(first, device=pooled.device).expand(b, hkv, first)
@@ -253,8 +259,7 @@ def snapkv_select(
     """
     pool = pool or pool_scores
     s = scores.shape[-1]
-    window = min(window_size, prompt_budget, s)
-    first = max(0, min(n_first, prompt_budget - window, s - window))  # kept whatever their score:
+    first, window = always_kept(s, prompt_budget, window_size, n_first)  # kept whatever their score:
     middle = scores[..., first : s - window]  # like the window, they stay out of the pooling
     pooled_middle = pool(middle, kernel_size) if middle.shape[-1] else middle
     pooled = torch.cat([scores[..., :first], pooled_middle, scores[..., s - window :]], dim=-1)  # [B, Hkv, S]
@@ -300,8 +305,7 @@ def allocate_layer_budgets(
     if any(x.dim() != 3 or x.shape[0] != 1 or x.shape[-1] != s for x in scores):
         raise ValueError(f"scores must be [1, Hkv, S] with one S, got {[tuple(x.shape) for x in scores]}")
     n_layers = len(scores)
-    window = min(window_size, prompt_budget, s)
-    first = max(0, min(n_first, prompt_budget - window, s - window))
+    first, window = always_kept(s, prompt_budget, window_size, n_first)
     free = prompt_budget - window - first  # m: slots chosen by score, per head and layer
     selectable = s - window - first
     if s <= prompt_budget or free <= 0:

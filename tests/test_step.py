@@ -98,3 +98,27 @@ def test__sliding_layer_decode_steps__take_the_slice_and_equal_the_masked_refere
     masked = _decode(engine, stored, dec, True)
     err = (sliced - masked).abs()
     assert float(err.max()) <= 1e-10, f"max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"
+
+
+ATTN_SHAPES = [(9, 3, 64, 1), (9, 3, 64, 37), (4, 1, 256, 513), (6, 6, 24, 130), (8, 2, 40, 7)]  # H, Hkv, D, S
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+@pytest.mark.parametrize("h, hkv, d, s", ATTN_SHAPES)
+def test__exact_decode_attention__equals_the_masked_reference(h, hkv, d, s, dtype, tol):
+    """The decode fast path (grouped matmuls on a CPU: each KV head read once for its GQA group)
+    against `core.attention.exact_attention` with every key in the query's past."""
+    from rocketkv_cli.core.attention import exact_attention
+    from rocketkv_cli.model.hf import exact_decode_attention
+
+    g = torch.Generator().manual_seed(h * 1000 + s)
+    q = torch.randn(1, h, 1, d, generator=g, dtype=dtype)
+    buf_k = torch.randn(1, hkv, s + 5, d, generator=g, dtype=dtype)  # a prefix of a larger buffer, as in decode
+    buf_v = torch.randn(1, hkv, s + 5, d, generator=g, dtype=dtype)
+    k, v = buf_k[:, :, :s], buf_v[:, :, :s]
+    scaling = d**-0.5
+    ref = exact_attention(q, k, v, torch.arange(s)[None, None], torch.tensor([s]), scaling)
+    out = exact_decode_attention(q, k, v, scaling)
+    err = (out - ref).abs()
+    assert out.shape == ref.shape == (1, h, 1, d) and out.dtype == dtype
+    assert float(err.max()) <= tol, f"max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"

@@ -444,9 +444,23 @@ def exact_decode_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
 ) -> torch.Tensor:
     """Exact attention of one new token `[B, H, 1, D]` over every cached key `[B, Hkv, S, D]`: all
-    are in its past, so no mask (lets SDPA use its fused decode kernels). Returns `[B, H, 1, D]`."""
-    gqa = query.shape[1] != keys.shape[1]
-    return F.scaled_dot_product_attention(query, keys, values, scale=scaling, enable_gqa=gqa)
+    are in its past, so no mask. Returns `[B, H, 1, D]` in the query's dtype.
+
+    On a GPU this is SDPA's fused decode kernel. On a CPU it is two grouped matmuls, the G = H / Hkv
+    query heads of a GQA group multiplied by their KV head at once: SDPA's CPU kernel reads each KV
+    head once per query head, and the keys and values of a decode step are read from memory, not
+    cache (docs/performance.md, "Decode step"). Softmax in float32 at least.
+    `tests/test_step.py` compares both with `core.attention.exact_attention`.
+    """
+    b, h, _, d = query.shape
+    hkv = keys.shape[1]
+    if keys.device.type != "cpu":
+        return F.scaled_dot_product_attention(query, keys, values, scale=scaling, enable_gqa=h != hkv)
+    scores = torch.matmul(query.view(b, hkv, h // hkv, d), keys.transpose(-1, -2))  # [B, Hkv, G, S]
+    if scores.dtype in (torch.float16, torch.bfloat16):
+        scores = scores.float()
+    probs = torch.softmax(scores * scaling, dim=-1).to(values.dtype)
+    return torch.matmul(probs, values).view(b, h, 1, values.shape[-1])
 
 
 @contextlib.contextmanager

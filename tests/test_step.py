@@ -122,3 +122,51 @@ def test__exact_decode_attention__equals_the_masked_reference(h, hkv, d, s, dtyp
     err = (out - ref).abs()
     assert out.shape == ref.shape == (1, h, 1, d) and out.dtype == dtype
     assert float(err.max()) <= tol, f"max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+@pytest.mark.parametrize("bias", [False, True])
+def test__joined_linears__equal_their_parts_and_share_their_memory(fmt, bias):
+    """`_PackedLinear.join` (the decode step's q/k/v and gate/up): the joined output equals the
+    parts' outputs side by side; the parts' tensors become views of the joined ones."""
+    from torch import nn
+
+    from rocketkv_cli.model.weights import Bf16Linear, Int8Linear, decode_step
+
+    torch.manual_seed(0)
+    cls = Bf16Linear if fmt == "bf16" else Int8Linear
+    parts = [cls(nn.Linear(80, n, bias=bias and n != 40)) for n in (88, 40, 40)]  # odd sizes, one part unbiased
+    x = torch.randn(1, 1, 80)
+    with decode_step():
+        expected = torch.cat([p(x) for p in parts], dim=-1)
+        joined = cls.join(parts)
+        assert joined is not None
+        out = joined(x)
+        again = torch.cat([p(x) for p in parts], dim=-1)  # the parts still work, now as views
+    err = (out - expected).abs()
+    assert out.shape == (1, 1, 168) and torch.equal(again, expected)
+    assert float(err.max()) <= 1e-6 * float(expected.abs().max()), (
+        f"max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"
+    )
+    name = cls._ROWS[0]
+    assert all(getattr(p, name).untyped_storage().data_ptr() == getattr(joined, name).untyped_storage().data_ptr()
+               for p in parts)  # fmt: skip
+    assert cls.join([parts[0], Int8Linear(nn.Linear(80, 8)) if fmt == "bf16" else Bf16Linear(nn.Linear(80, 8))]) is None
+    assert cls.join([parts[0], cls(nn.Linear(64, 8))]) is None  # another input size
+
+
+@pytest.mark.parametrize("arch, weights", [("llama", "int8"), ("qwen3", "bf16"), ("gemma3_text", "int8")])
+def test__decode_step__joins_the_projections_of_weight_only_formats(arch, weights):
+    """With int8 or bf16 linears every layer's q/k/v and gate/up run joined (the equality with the
+    model's forward is `test__decode_step__equals_the_models_forward`)."""
+    engine = make_engine(arch, torch.float32)
+    quantize_weights(engine.model, weights)
+    cfg = PrefillConfig(token_budget=32, max_new_tokens=8, window_size=8, pool_kernel_size=5)
+    stored = engine.ingest(Document(text_of_bytes(300, seed=4), "0" * 64, "d.txt"), cfg)
+    direct, forward = _decode(engine, stored, decode_config_for(stored, sparse=False), True), None
+    joined = engine.step._joined
+    assert len(joined) == len(engine.model.model.layers)
+    assert all(qkv is not None and gate_up is not None for _, qkv, gate_up in joined)
+    forward = _decode(engine, stored, decode_config_for(stored, sparse=False), False)
+    err = (direct - forward).abs()
+    assert float(err.max()) <= 1e-5 * float(forward.abs().max()), f"max error {float(err.max()):.3g}"

@@ -21,7 +21,8 @@ from rocketkv_cli.model.weights import (
 )
 
 
-@pytest.mark.parametrize("k, n, rows, bias", [(64, 48, 1, False), (96, 130, 3, True), (576, 192, 7, False)])
+@pytest.mark.parametrize("k, n, rows, bias", [(64, 48, 1, False), (96, 130, 3, True), (576, 192, 7, False),
+                                                (48, 200, 2, True)])  # fmt: skip
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
 def test__int8_linear__within_the_per_channel_rounding_bound(k, n, rows, bias, act):
     """|x·(W − Ŵ)ᵀ| ≤ ‖x‖₁ · e_o per output o, where e_o bounds |W − Ŵ| in row o: half a step of
@@ -185,6 +186,20 @@ def test__int4_linear__stored_weights_within_half_a_step(k, n):
     assert bool((err <= e + slack).all()), f"max error {float(err.max()):.3e} (mean {float(err.mean()):.3e})"
     step = (w.view(n, k // 32, 32).amax(-1) - w.view(n, k // 32, 32).amin(-1)) / 15
     assert 0.15 < float(err.mean() / step.mean()) < 0.35, float(err.mean() / step.mean())
+
+
+def test__int8_linear__refuses_input_sizes_its_kernel_gets_wrong():
+    """torch's int8 kernel returns wrong values, silently, when in_features is not a multiple of 16
+    (measured: 1e14 off at [88, 72]); such linears stay float under `--weights int8`."""
+    assert Int8Linear.fits(nn.Linear(48, 88)) and not Int8Linear.fits(nn.Linear(72, 88))
+    with pytest.raises(ValueError, match=r"int8 needs in_features % 16 == 0, got \[88, 40\]"):
+        Int8Linear(nn.Linear(40, 88))
+    model = nn.Module()
+    model.model = nn.Sequential(nn.Linear(64, 88), nn.Linear(88, 64))  # 88 inputs: kept float
+    model.lm_head = nn.Linear(64, 10)
+    assert quantize_weights(model, "int8") == 2
+    assert isinstance(model.model[0], Int8Linear) and type(model.model[1]) is nn.Linear
+    assert isinstance(model.lm_head, RefinedHead)
 
 
 def test__int4_linear__refuses_shapes_its_kernel_cannot_pack():

@@ -7,8 +7,12 @@ module call, which measured 5–10% of SmolLM2's step on a CPU, close to the mac
 the same arithmetic, but calls them directly: the embedding, each layer's norms, projections,
 RoPE (the model's own rotary embedding and `apply_rotary_pos_emb`), rocketkv's attention
 function (`hf._attention`, so stage 2, the exact-attention path and `attention_mass` behave as
-they do in `forward_tokens`), the MLP module, the final norm and the LM head. Weight formats
-need nothing special: their modules are the ones called.
+they do in `forward_tokens`), the MLP, the final norm and the LM head. Weight formats need
+nothing special: their modules are the ones called. With weight-only int8 or bf16 linears, a
+layer's q, k and v projections run as one joined linear, and so do its MLP's gate and up
+(`_PackedLinear.join`: the same codes and arithmetic per output channel, one kernel call, the
+input rounded once); the MLP is then `down(act(gate) · up)`, the formula of every supported
+layout's MLP.
 
 Only layouts whose layer order is read from the transformers source are built
 (`SUPPORTED_STEP_TYPES`); any other model gets None from `decode_step_for` and the engine calls
@@ -30,6 +34,8 @@ _PRE_NORM = ("llama", "mistral", "qwen2", "qwen3")
 # Gemma 3: the attention's and the MLP's outputs are normed again before their residual add.
 _SANDWICH = ("gemma3_text",)
 SUPPORTED_STEP_TYPES = _PRE_NORM + _SANDWICH
+# MLP classes whose forward is `down_proj(act_fn(gate_proj(x)) * up_proj(x))` (read from transformers).
+_GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Gemma3MLP")
 
 
 class DecodeStep:
@@ -50,6 +56,28 @@ class DecodeStep:
         attn = self.layers[0].self_attn
         self.apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         self.qk_norm = hasattr(attn, "q_norm")
+        # Per layer: the modules last joined and the joined linears (None: call them one by one).
+        # Weight formats replace the linears after the step is built, so the join is redone
+        # whenever the modules differ from those joined.
+        self._joined: list[tuple[tuple[Any, ...], Any, Any]] = []
+
+    def _joins(self, i: int, layer: Any) -> tuple[Any, Any]:
+        """Layer `i`'s joined q/k/v projection and joined MLP gate/up (each None when not joinable)."""
+        attn, mlp = layer.self_attn, layer.mlp
+        parts = (attn.q_proj, attn.k_proj, attn.v_proj, getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None))
+        if i < len(self._joined) and all(a is b for a, b in zip(self._joined[i][0], parts, strict=True)):
+            return self._joined[i][1], self._joined[i][2]
+        qkv = type(attn.q_proj).join(list(parts[:3])) if hasattr(type(attn.q_proj), "join") else None
+        gate_up = None
+        if parts[3] is not None and hasattr(mlp, "act_fn") and type(mlp).__name__ in _GATED_MLPS \
+                and hasattr(type(parts[3]), "join"):  # fmt: skip
+            gate_up = type(parts[3]).join(list(parts[3:]))
+        entry = (parts, qkv, gate_up)
+        if i < len(self._joined):
+            self._joined[i] = entry
+        else:
+            self._joined.append(entry)
+        return qkv, gate_up
 
     @torch.inference_mode()
     def __call__(self, cache: RocketCache, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -68,10 +96,17 @@ class DecodeStep:
         for i, layer in enumerate(self.layers):
             attn, spec = layer.self_attn, self.shape.layers[i]
             d = attn.head_dim
+            qkv, gate_up = self._joins(i, layer)
             x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(1, 1, -1, d)  # [1, 1, H, D]
-            k = attn.k_proj(x).view(1, 1, -1, d)  # [1, 1, Hkv, D]
-            v = attn.v_proj(x).view(1, 1, -1, d).transpose(1, 2)  # [1, Hkv, 1, D]
+            if qkv is None:
+                q = attn.q_proj(x).view(1, 1, -1, d)  # [1, 1, H, D]
+                k = attn.k_proj(x).view(1, 1, -1, d)  # [1, 1, Hkv, D]
+                v = attn.v_proj(x).view(1, 1, -1, d).transpose(1, 2)  # [1, Hkv, 1, D]
+            else:
+                q, k, v = qkv(x).split([attn.q_proj.out_features, attn.k_proj.out_features,
+                                        attn.v_proj.out_features], dim=-1)  # fmt: skip
+                q, k = q.view(1, 1, -1, d), k.view(1, 1, -1, d)  # [1, 1, H|Hkv, D]
+                v = v.view(1, 1, -1, d).transpose(1, 2)  # [1, Hkv, 1, D]
             if self.qk_norm:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             cos, sin = rope[None if self.layer_types is None else self.layer_types[i]]
@@ -79,16 +114,28 @@ class DecodeStep:
             keys, values = cache.update(k, v, i)  # [1, Hkv, L, D]
             out, _ = _attention(attn, q, keys, values, None, scaling=spec.scaling, sliding_window=spec.sliding_window)
             out = attn.o_proj(out.reshape(1, 1, -1))  # [1, 1, C]
+            mlp = layer.mlp if gate_up is None else self._gated(layer.mlp, gate_up)
             if self.sandwich:
                 h = h + layer.post_attention_layernorm(out)
-                h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+                h = h + layer.post_feedforward_layernorm(mlp(layer.pre_feedforward_layernorm(h)))
             else:
                 h = h + out
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
+                h = h + mlp(layer.post_attention_layernorm(h))
         logits = self.model.lm_head(inner.norm(h))[:, -1]  # [1, V]
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits.float()
+
+    @staticmethod
+    def _gated(mlp: Any, gate_up: Any) -> Any:
+        """The MLP `down(act(gate(x)) · up(x))` with gate and up from one joined linear `[..., 2I]`."""
+        n = mlp.gate_proj.out_features
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            gu = gate_up(x)  # [1, 1, 2I]
+            return mlp.down_proj(mlp.act_fn(gu[..., :n]) * gu[..., n:])
+
+        return run
 
 
 def decode_step_for(model: Any, shape: ModelShape) -> DecodeStep | None:

@@ -64,6 +64,48 @@ class _PackedLinear(nn.Module):
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
+    # The tensors `join` concatenates along the output channels (dim 0 of each).
+    _ROWS: tuple[str, ...] = ()
+
+    @classmethod
+    def join(cls, parts: list[nn.Module]) -> nn.Module | None:
+        """One module of this class whose output `[..., Σ out]` is the outputs of `parts` side by
+        side, computed in one kernel call: a decode step's q, k and v projections, or an MLP's
+        gate and up, read their common input once and pay one call's overhead instead of three
+        or two (`model/step.py`). Each output channel is computed as its part computes it (the same
+        codes, scales and input rounding). The parts' tensors become views of the joined ones,
+        so memory does not grow and the parts still work alone.
+
+        Returns None unless every part is an instance of this class (exactly) with one input
+        size. Bf16Linear's joined module has no float weights: it runs in decode steps only.
+        """
+        packed = [p for p in parts if isinstance(p, cls) and type(p) is cls]
+        if not cls._ROWS or len(packed) < 2 or len(packed) != len(parts):
+            return None
+        if len({p.in_features for p in packed}) != 1:
+            return None
+        joined = cls.__new__(cls)
+        nn.Module.__init__(joined)
+        joined.in_features = packed[0].in_features
+        joined.out_features = sum(p.out_features for p in packed)
+        biases = [p.bias for p in packed]
+        if all(b is None for b in biases):
+            joined.register_buffer("bias", None)
+        else:
+            some = next(b for b in biases if b is not None)
+            joined.register_buffer("bias", torch.cat([b if b is not None else some.new_zeros(p.out_features)
+                                                      for p, b in zip(packed, biases, strict=True)]))  # fmt: skip
+        for name in cls._ROWS:
+            whole = torch.cat([getattr(p, name) for p in packed])
+            joined.register_buffer(name, whole)
+            start = 0
+            for p in packed:
+                setattr(p, name, whole[start : start + p.out_features])
+                start += p.out_features
+        if "float_weight" in vars(packed[0]):
+            setattr(joined, "float_weight", None)  # a joined copy of the floats would double their memory
+        return joined
+
 
 class Bf16Linear(_PackedLinear):
     """`y = x · Ŵᵀ + b` in decode steps with Ŵ = W rounded to bfloat16 `[out, in]` (2 bytes per
@@ -81,15 +123,19 @@ class Bf16Linear(_PackedLinear):
     converted again). The output comes back in the input's dtype.
     """
 
+    _ROWS = ("weight_bf16",)
+
     def __init__(self, linear: nn.Linear):
         super().__init__(linear)
         self.weight_bf16: torch.Tensor
         self.register_buffer("weight_bf16", linear.weight.detach().to(torch.bfloat16).contiguous())
-        self.float_weight = linear.weight.detach()  # [out, in], the model's dtype
+        self.float_weight: torch.Tensor | None = linear.weight.detach()  # [out, in], the model's dtype
 
     def _product(self, flat: torch.Tensor) -> torch.Tensor:
         if _DECODE_STEP.get() or flat.dtype == torch.bfloat16:
             return F.linear(flat.to(torch.bfloat16), self.weight_bf16).to(flat.dtype)  # [N, out]
+        if self.float_weight is None:
+            raise RuntimeError("a joined bf16 linear has no float weights: it runs inside decode_step() only")
         return F.linear(flat, self.float_weight.to(flat.dtype))
 
 
@@ -102,8 +148,20 @@ class Int8Linear(_PackedLinear):
     the output comes back in the input's dtype.
     """
 
+    _ROWS = ("weight_int8", "scales")
+    # torch's kernel returns wrong values (up to 1e34 off, no error) when in_features is not a
+    # multiple of 16 (torch 2.13, CPU; found by `tests/test_weights.py`), so such linears stay float.
+    MULTIPLE = 16
+
+    @classmethod
+    def fits(cls, linear: nn.Linear) -> bool:
+        return linear.in_features % cls.MULTIPLE == 0
+
     def __init__(self, linear: nn.Linear):
         super().__init__(linear)
+        if not self.fits(linear):
+            raise ValueError(f"int8 needs in_features % {self.MULTIPLE} == 0, got [{linear.out_features}, "
+                             f"{linear.in_features}]")  # fmt: skip
         w = linear.weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).bfloat16().float()  # [out], as stored
         self.weight_int8: torch.Tensor
@@ -197,8 +255,9 @@ class RefinedHead(nn.Module):
 
 
 def quantize_weights(model: Any, weight_format: str) -> int:
-    """Convert `model`'s decoder linears and LM head to `weight_format` in place (int4: the
-    linears whose shape the int4 kernel takes, `Int4Linear.fits`; the others stay as they are).
+    """Convert `model`'s decoder linears and LM head to `weight_format` in place (int8 and int4:
+    the linears whose shape their kernel takes, `Int8Linear.fits` and `Int4Linear.fits`; the
+    others stay as they are).
     The converted LM head is wrapped in `RefinedHead` (its top logits recomputed in float).
     `head-bf16` converts the LM head alone (`Bf16Linear` in a `RefinedHead`): the decoder keeps
     its float weights, and a decode step ranks the vocabulary with the head's bfloat16 copy and
@@ -227,7 +286,7 @@ def quantize_weights(model: Any, weight_format: str) -> int:
         if weight_format == "bf16":
             return Bf16Linear(linear)
         if weight_format == "int8":
-            return Int8Linear(linear)
+            return Int8Linear(linear) if Int8Linear.fits(linear) else None
         return Int4Linear(linear) if Int4Linear.fits(linear) else None
 
     count = 0

@@ -1,17 +1,19 @@
 #!/usr/bin/env python
 """The direct decode step (`rocketkv_cli/model/step.py`) against the model's own forward, side by side.
 
-Three ways of running a decode step: `forward` (the model's forward, sliding-window layers
-attended through the position mask: the code before the direct step), `direct, masked` (the
-direct step, still masked) and `direct` (the direct step, with sliding-window layers attending
-the slice inside their window, `model.hf.window_start`: what `ask` runs). One model load, one
-decoder over the cache: the question's prefill, then greedy decode steps with the three ways
-taking turns step by step (so a busy machine, and the tail's growth, shift them alike), exact
-attention over the pruned cache (what `ask` runs on CPU at the default budget); the first 6
-steps are warm-up. Prints the median ms per step of each and its speed relative to `forward`.
-The weights are the model's default for the device (`--weights` to choose).
+Four ways of running a decode step: `forward` (the model's forward: the code before the direct
+step), `direct, SDPA, separate` (the direct step with SDPA's CPU kernel for exact decode
+attention and each projection its own linear: the step before the two changes below),
+`direct, separate` (exact decode attention as grouped matmuls, `model.hf.exact_decode_attention`,
+each projection still its own linear) and `direct` (also q/k/v and gate/up joined into one
+linear each for int8/bf16 weights, `_PackedLinear.join`: what `ask` runs). One model load, one
+decoder over the cache: the question's prefill, then greedy decode steps with the ways taking
+turns step by step (so a busy machine, and the tail's growth, shift them alike), exact attention
+over the pruned cache (what `ask` runs on CPU at the default budget); the first 8 steps are
+warm-up. Prints the median ms per step of each and its speed relative to `forward`. The weights
+are the model's default for the device (`--weights` to choose).
 
-    python benchmarks/decode_step.py CACHE.kv [--steps 48] [--weights bf16] [--json OUT]
+    python benchmarks/decode_step.py CACHE.kv [--steps 48] [--weights int8] [--json OUT]
 """
 
 from __future__ import annotations
@@ -23,8 +25,15 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 QUESTION = "Summarize the document in detail, section by section."
+
+
+def sdpa_decode_attention(query, keys, values, scaling):
+    """SDPA's kernel for one decode token (rocketkv's exact decode attention before the grouped matmuls)."""
+    gqa = query.shape[1] != keys.shape[1]
+    return F.scaled_dot_product_attention(query, keys, values, scale=scaling, enable_gqa=gqa)
 
 
 def main() -> int:
@@ -54,31 +63,33 @@ def main() -> int:
     from rocketkv_cli.model import hf
     from rocketkv_cli.store.format import load_cache
 
-    window_start = hf.window_start
-    ways = ["forward", "direct, masked", "direct"]
+    grouped, joins = hf.exact_decode_attention, direct._joins
+    ways = ["forward", "direct, SDPA, separate", "direct, separate", "direct"]
     times: dict[str, list[float]] = {w: [] for w in ways}
     stored = load_cache(args.cache)
     ids = engine.question_ids(QUESTION)
-    decoder = Decoder(engine, stored, len(ids) + 3 * args.steps + 16, decode_config_for(stored, False))
+    n = len(ways)
+    decoder = Decoder(engine, stored, len(ids) + n * args.steps + 16, decode_config_for(stored, False))
     try:
         with torch.inference_mode(), decoder.attention():
             token = int(decoder.prefill(ids).argmax())
-            for i in range(6 + 3 * args.steps):
-                way = ways[i % 3]
+            for i in range(8 + n * args.steps):
+                way = ways[i % n]
                 engine.step = None if way == "forward" else direct
-                hf.window_start = window_start if way == "direct" else lambda *_: None  # type: ignore[assignment]
+                hf.exact_decode_attention = sdpa_decode_attention if "SDPA" in way else grouped  # type: ignore[assignment]
+                direct._joins = joins if way == "direct" else (lambda *_: (None, None))  # type: ignore[method-assign]
                 t0 = time.perf_counter()
                 token = int(decoder.decode_one_token(token).argmax())
-                if i >= 6:
+                if i >= 8:
                     times[way].append(time.perf_counter() - t0)
     finally:
-        engine.step, hf.window_start = direct, window_start
+        engine.step, hf.exact_decode_attention, direct._joins = direct, grouped, joins  # type: ignore[method-assign]
     ms = {w: statistics.median(v) * 1e3 for w, v in times.items()}
     weights = engine.loaded.weights
     print(f"decode ms per step, {model_id} ({weights} weights), {args.cache.name}, {args.threads} threads, exact "
           f"attention, median of {args.steps} steps each, taking turns:")  # fmt: skip
     for way in ways:
-        print(f"  {way:>15}: {ms[way]:7.1f} ms ({ms['forward'] / ms[way]:4.2f}× the forward's speed)")
+        print(f"  {way:>22}: {ms[way]:7.1f} ms ({ms['forward'] / ms[way]:4.2f}× the forward's speed)")
     if args.json:
         args.json.write_text(json.dumps({"model": model_id, "weights": weights, "cache": args.cache.name,
                                          "threads": args.threads, "steps": args.steps,

@@ -8,6 +8,9 @@ the first tensor argument's device and `ROCKETKV_KERNELS`:
 - `torch`: always the reference;
 - `triton`: always the kernels (CPU tensors need `TRITON_INTERPRET=1`, as in the tests).
 
+An op may also have a CPU fast path in torch (`ops/cpu.py`: context reconstruction's attention),
+taken for CPU tensors under `auto` and compared with its reference in the tests.
+
 Nothing is decided or imported at import time; `triton` is imported only when a kernel is first
 used. The backend chosen for each op is logged once at debug level. Kernel exceptions propagate.
 """
@@ -23,6 +26,7 @@ from typing import Any
 import torch
 
 from ..core import stage1, stage2
+from . import cpu
 
 ENV_VAR = "ROCKETKV_KERNELS"
 BACKENDS = ("auto", "torch", "triton")
@@ -164,9 +168,22 @@ def reconstruction_attention(
     scaling: float,
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`stage1.reconstruction_attention` (torch on every device): attention output `[B, H, T, D]`
-    and context-reconstruction weights `[B, H, n_context]` float32 in one softmax."""
+    """`stage1.reconstruction_attention`: attention output `[B, H, T, D]` and context-reconstruction
+    weights `[B, H, n_context]` float32. CPU tensors without softcapping under `ROCKETKV_KERNELS=auto`
+    take the fast path `ops.cpu.reconstruction_attention` (the same values to float32 rounding);
+    every other case, and a torch whose fused CPU attention op is missing or fails, the reference."""
+    global _cpu_fast_failed
+    if (queries.device.type == "cpu" and softcap is None and requested_backend() == "auto" and cpu.flash_available()
+            and not _cpu_fast_failed):  # fmt: skip
+        try:
+            return cpu.reconstruction_attention(queries, keys, values, n_context, score_from, scaling)
+        except (RuntimeError, TypeError) as exc:  # the private op changed in this torch: use the reference
+            _cpu_fast_failed = True
+            log.debug("rocketkv op reconstruction_attention: CPU fast path failed (%s); using the reference", exc)
     return stage1.reconstruction_attention(queries, keys, values, n_context, score_from, scaling, softcap)
+
+
+_cpu_fast_failed = False
 
 
 def pool_scores(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:

@@ -1,0 +1,121 @@
+"""CPU fast paths (`rocketkv_cli/ops/cpu.py`) against their torch references, and their dispatch."""
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import make_engine, text_of_bytes
+
+from rocketkv_cli import ops
+from rocketkv_cli.core.stage1 import reconstruction_attention as reference
+from rocketkv_cli.ops import cpu
+
+pytestmark = pytest.mark.skipif(not cpu.flash_available(), reason="torch has no fused CPU attention op")
+
+# H, Hkv, D, n_context, keys between the context and the appended tokens, appended T, score_from
+SHAPES = [
+    (9, 3, 64, 700, 0, 300, 20),  # SmolLM2's heads; several query chunks and key blocks
+    (4, 1, 256, 130, 0, 37, 5),  # Gemma 3's heads
+    (6, 2, 24, 513, 7, 1, 0),  # one appended token, keys after the context that every query sees
+    (8, 8, 40, 1, 0, 9, 3),  # no GQA, a context of one token
+    (4, 2, 16, 33, 0, 12, 12),  # no query scores (score_from = T)
+    (6, 3, 8, 0, 0, 5, 0),  # nothing before the appended tokens
+]
+
+
+def _inputs(h, hkv, d, n, extra, t, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed + h * 100 + n)
+    length = n + extra + t
+    q = torch.randn(1, h, t, d, generator=g) * 2
+    k = torch.randn(1, hkv, length, d, generator=g) * 2
+    v = torch.randn(1, hkv, length, d, generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+@pytest.mark.parametrize("h, hkv, d, n, extra, t, score_from", SHAPES)
+def test__reconstruction_attention__equals_the_reference(h, hkv, d, n, extra, t, score_from):
+    q, k, v = _inputs(h, hkv, d, n, extra, t)
+    scaling = d**-0.5
+    out, weights = cpu.reconstruction_attention(q, k, v, n, score_from, scaling, query_chunk_tokens=128,
+                                                key_block_tokens=200)  # fmt: skip
+    want_out, want_weights = reference(q, k, v, n, score_from, scaling)
+    assert out.shape == want_out.shape == (1, h, t, d) and weights.shape == want_weights.shape == (1, h, n)
+    err = (out - want_out).abs()
+    assert float(err.max()) <= 1e-5, f"output: max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"
+    rel = (weights - want_weights).abs() / want_weights.abs().clamp_min(1e-30)
+    if score_from == t or n == 0:
+        assert not weights.any()
+    else:  # weights span many orders of magnitude: relative error
+        assert float(rel.max()) <= 1e-4, (
+            f"weights: max relative error {float(rel.max()):.3g}, mean {float(rel.mean()):.3g}"
+        )
+        # what selection uses: the top keys per head, as index sets
+        top = max(1, n // 4)
+        got_top, want_top = weights.topk(top, dim=-1).indices, want_weights.topk(top, dim=-1).indices
+        for head in range(h):
+            assert set(got_top[0, head].tolist()) == set(want_top[0, head].tolist()), f"head {head}"
+
+
+def test__reconstruction_attention__bfloat16_inputs_give_the_references_dtype_and_values():
+    q, k, v = _inputs(9, 3, 64, 200, 0, 40, torch.bfloat16)
+    out, weights = cpu.reconstruction_attention(q, k, v, 200, 4, 0.125)
+    want_out, want_weights = reference(q, k, v, 200, 4, 0.125)
+    assert out.dtype == want_out.dtype == torch.bfloat16 and weights.dtype == want_weights.dtype == torch.float32
+    err = (out.float() - want_out.float()).abs()
+    assert float(err.max()) <= 2**-7 * float(want_out.float().abs().max()), f"max error {float(err.max()):.3g}"
+    assert torch.allclose(weights, want_weights, rtol=1e-4, atol=1e-12)
+
+
+def test__reconstruction_attention__refuses_shapes_that_do_not_match():
+    q, k, v = _inputs(4, 2, 16, 10, 0, 5)
+    with pytest.raises(ValueError, match="do not match"):
+        cpu.reconstruction_attention(q, k, v, 11, 0, 0.25)  # the context overlaps the appended tokens
+    with pytest.raises(ValueError, match="do not match"):
+        cpu.reconstruction_attention(q, k, v, 10, 6, 0.25)  # score_from beyond T
+
+
+def test__dispatch__fast_path_on_cpu_under_auto_reference_otherwise(monkeypatch):
+    calls = []
+    real = cpu.reconstruction_attention
+    monkeypatch.setattr(cpu, "reconstruction_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = _inputs(4, 2, 16, 20, 0, 6)
+    monkeypatch.delenv("ROCKETKV_KERNELS", raising=False)
+    ops.reconstruction_attention(q, k, v, 20, 1, 0.25)
+    assert calls == [1]
+    ops.reconstruction_attention(q, k, v, 20, 1, 0.25, softcap=30.0)  # softcapping: the reference
+    monkeypatch.setenv("ROCKETKV_KERNELS", "torch")
+    ops.reconstruction_attention(q, k, v, 20, 1, 0.25)
+    assert calls == [1]
+
+
+def test__dispatch__a_failing_fast_path_falls_back_to_the_reference(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("the private op changed")
+
+    monkeypatch.setattr(cpu, "reconstruction_attention", broken)
+    monkeypatch.setattr(ops, "_cpu_fast_failed", False)
+    monkeypatch.delenv("ROCKETKV_KERNELS", raising=False)
+    q, k, v = _inputs(4, 2, 16, 20, 0, 6)
+    out, weights = ops.reconstruction_attention(q, k, v, 20, 1, 0.25)
+    want_out, want_weights = reference(q, k, v, 20, 1, 0.25)
+    assert torch.equal(out, want_out) and torch.equal(weights, want_weights) and ops._cpu_fast_failed
+
+
+def test__ingest_with_context_reconstruction__keeps_what_the_reference_keeps(monkeypatch):
+    """End to end on a tiny model: the cache built through the fast path keeps the same tokens
+    as the one built with `ROCKETKV_KERNELS=torch` (the reference), with the same keys."""
+    from rocketkv_cli.core.config import PrefillConfig
+    from rocketkv_cli.engine.documents import Document
+
+    engine = make_engine("llama", torch.float32)
+    doc = Document(text_of_bytes(900, seed=5), "0" * 64, "d.txt")
+    cfg = PrefillConfig(token_budget=32, max_new_tokens=8, window_size=8, pool_kernel_size=5, observation="reconstruct")
+    caches = {}
+    for backend in ("auto", "torch"):
+        monkeypatch.setenv("ROCKETKV_KERNELS", backend)
+        caches[backend] = engine.ingest(doc, dataclasses.replace(cfg))
+    fast, ref = caches["auto"], caches["torch"]
+    assert fast.n_context_tokens > 4 * 32  # stage 1 really selects
+    for a, b in zip(fast.layers, ref.layers, strict=True):
+        assert torch.equal(a.positions, b.positions)
+        assert torch.equal(a.keys, b.keys)

@@ -73,8 +73,8 @@ class PrefillConfig:
     observation: "tail" (the document's last W queries), "probe" (those plus a generic
         question-like probe text from `prompts/`, scored then dropped) or "reconstruct" (the
         queries of the model re-reading the whole document after a "repeat the text" prompt,
-        teacher-forced over the full cache: context reconstruction, KVzip §3; measured 2.5–5.6×
-        the ingest time, docs/stage1-methods.md).
+        teacher-forced over the full cache: context reconstruction, KVzip §3; measured 2.5–2.8×
+        the tail window's ingest time, docs/performance.md "Ingest").
     store_budget: a token budget (≥ token_budget) for what the file keeps: it stores the prompt
         budget derived from this budget instead of from t (None = t). Each question then
         re-selects its working set of t's prompt budget from the stored tokens, with its own

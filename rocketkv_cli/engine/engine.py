@@ -227,8 +227,8 @@ class Engine:
         attention weight any of the chunk's queries gives it (softmax over all keys the query
         sees), summed over the query heads of its GQA group. The appended tokens are then dropped,
         so each chunk attends the document plus the request and itself; chunks are shortened so
-        that the re-read stays within the model's positions. Measured cost: 2.5× (Gemma 3 270M)
-        to 5.6× (SmolLM2) the ingest time (docs/stage1-methods.md).
+        that the re-read stays within the model's positions. Measured cost: 2.75× the tail
+        window's ingest time on SmolLM2, 2.5× on Gemma 3 270M (docs/performance.md, "Ingest").
 
         Returns: {full-attention layer index: `[1, Hkv, n]` float32}, n = len(doc_ids).
         Raises:

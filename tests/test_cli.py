@@ -190,7 +190,10 @@ def test__ingest_from_stdin_and_ask_without_cache(rocketkv_bin, env, doc, tiny_m
     out = tmp_path / "stdin.kv"
     r = run(rocketkv_bin, env, "ingest", "-", "-o", out, "--model", tiny_model_dir, "--json", stdin=doc.read_text())
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["cache"] == str(out)
+    row = json.loads(r.stdout)
+    assert row["cache"] == str(out) and row["layer_budgets"] == "uniform"
+    inspected = json.loads(run(rocketkv_bin, env, "inspect", out, "--json").stdout)
+    assert row["kept_tokens_per_layer"] == inspected["kept_tokens_per_layer"] and row["kept_tokens_per_layer"]
     r = run(rocketkv_bin, env, "ask", doc, "Which word?", "--model", tiny_model_dir, "--max-new-tokens", "4", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["question"] == "Which word?"
@@ -407,11 +410,13 @@ def test__ingest_adaptive_layer_budgets__inspect_and_ask(rocketkv_bin, env, doc,
     the mean); `ask` answers from the file; an unknown value is a usage error before any model loads."""
     out = tmp_path / "adaptive.kv"
     r = run(rocketkv_bin, env, "ingest", doc, "-o", out, "--model", tiny_model_dir, "--budget", "64",
-            "--max-new-tokens", "6", "--layer-budgets", "adaptive")  # fmt: skip
+            "--max-new-tokens", "6", "--layer-budgets", "adaptive", "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout)
     info = json.loads(run(rocketkv_bin, env, "inspect", out, "--json").stdout)
     full = [k for k, w in zip(info["kept_tokens_per_layer"], info["layer_windows"]) if not w]
-    assert info["config"]["layer_budgets"] == "adaptive"
+    assert info["config"]["layer_budgets"] == row["layer_budgets"] == "adaptive"
+    assert row["kept_tokens_per_layer"] == info["kept_tokens_per_layer"]
     assert sum(full) == len(full) * info["budgets"]["prompt_budget"] and len(set(full)) > 1, full
     text = run(rocketkv_bin, env, "inspect", out).stdout
     assert f"{min(full)}-{max(full)} (mean {info['budgets']['prompt_budget']}; adaptive layer budgets)" in text, text

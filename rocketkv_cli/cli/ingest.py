@@ -118,10 +118,13 @@ def ingest_command(
     size = target.stat().st_size
     log(f"wrote {target} ({size / 1e6:.1f} MB)")
     if json_out:
-        cache = done.cache
+        from ..engine.api import describe
+
+        cache, info = done.cache, describe(target)  # what `inspect --json` reports of the same file
         row = {"cache": str(target), "n_context_tokens": cache.n_context_tokens, "n_segments": cache.n_segments,
-               "file_bytes": size, "ingest_s": round(done.seconds, 3),
-               "budgets": cache.info.budgets_record()}  # fmt: skip
+               "file_bytes": size, "ingest_s": round(done.seconds, 3), "budgets": cache.info.budgets_record(),
+               "layer_budgets": info["config"].get("layer_budgets", "uniform"),
+               "kept_tokens_per_layer": info["kept_tokens_per_layer"]}  # fmt: skip
         typer.echo(json.dumps(row))
     else:
         typer.echo(str(target))

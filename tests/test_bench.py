@@ -61,3 +61,15 @@ def test__bench_kv_dtypes__storage_rows_side_by_side(rocketkv_bin, tiny_model_di
     bad = subprocess.run([rocketkv_bin, "bench", "--model", str(tiny_model_dir), "--kv-dtypes", "int3",
                           "--source", str(source)], capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
     assert bad.returncode == 2 and "kv_dtype" in bad.stderr and "Traceback" not in bad.stderr  # a usage error
+
+
+def test__bench_config__measures_the_models_own_ingest_defaults():
+    """`bench` times what `ingest` runs: a preset's measured stage-1 defaults (it used to time the
+    tail window with pool kernel 63 for every model), the budget it was given."""
+    from rocketkv_cli.cli.bench import bench_config
+    from rocketkv_cli.core.config import PrefillConfig
+
+    smol = bench_config(PrefillConfig(token_budget=256), "smollm2-135m")
+    assert (smol.observation, smol.pool_kernel_size, smol.token_budget) == ("reconstruct", 7, 256)
+    other = bench_config(PrefillConfig(token_budget=512), "/models/some-llama")
+    assert (other.observation, other.pool_kernel_size) == ("tail", PrefillConfig().pool_kernel_size)

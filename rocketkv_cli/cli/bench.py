@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
 
 from ..errors import InputError, UsageError
+
+if TYPE_CHECKING:
+    from ..core.config import PrefillConfig
 from .common import (
     BudgetOpt,
     DeviceOpt,
@@ -96,7 +99,7 @@ def bench(
     if src is None:
         raise InputError("no source text found", "pass --source FILE (e.g. ../shared/data/kjv.txt)")
     text = read_document(str(src)).text
-    cfg = prefill_config(token_budget=budget, pool_kernel_size="63")
+    cfg = prefill_config(token_budget=budget)
     storages = [x.strip() for x in kv_dtypes.split(",") if x.strip()]
     for name in [*storages, kv_dtype or "auto"]:
         storage(name)  # an unknown name fails before the model loads
@@ -104,6 +107,7 @@ def bench(
 
     kv_dtype = kv_dtype or default_kv_dtype(model or DEFAULT_MODEL)
     rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", False, weights)
+    cfg = bench_config(cfg, rk.model_id)
     engine = rk.engine
     room = rk.engine.context_limit(128)  # the answer plan and a question
     if max(lengths) > room:
@@ -209,3 +213,11 @@ def _ints(name: str, text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise UsageError(f"--{name} must be comma-separated integers, got {text!r}") from None
+
+
+def bench_config(cfg: PrefillConfig, model_id: str) -> PrefillConfig:
+    """The stage-1 settings `bench` measures: `cfg` (from `--budget`) with model `model_id`'s measured
+    defaults filled in, as `ingest` would run them (SmolLM2: context reconstruction, pool kernel 7)."""
+    from ..core.config import with_preset_defaults
+
+    return with_preset_defaults(cfg, model_id, ["token_budget"])

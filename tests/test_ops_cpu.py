@@ -72,6 +72,10 @@ def test__reconstruction_attention__refuses_shapes_that_do_not_match():
         cpu.reconstruction_attention(q, k, v, 11, 0, 0.25)  # the context overlaps the appended tokens
     with pytest.raises(ValueError, match="do not match"):
         cpu.reconstruction_attention(q, k, v, 10, 6, 0.25)  # score_from beyond T
+    with pytest.raises(ValueError, match="do not match"):
+        cpu.reconstruction_attention(q[:, :, :0], k[:, :, :10], v[:, :, :10], 10, 0, 0.25)  # no appended token
+    with pytest.raises(ValueError, match="do not match"):
+        cpu.reconstruction_attention(q, k, v[..., :8], 10, 0, 0.25)  # values of another head size
 
 
 def test__dispatch__fast_path_on_cpu_under_auto_reference_otherwise(monkeypatch):
@@ -88,17 +92,31 @@ def test__dispatch__fast_path_on_cpu_under_auto_reference_otherwise(monkeypatch)
     assert calls == [1]
 
 
-def test__dispatch__a_failing_fast_path_falls_back_to_the_reference(monkeypatch):
+def test__dispatch__a_failing_fast_path_falls_back_to_the_reference_for_that_call(monkeypatch):
+    calls = []
+
     def broken(*args, **kwargs):
+        calls.append(1)
         raise RuntimeError("the private op changed")
 
     monkeypatch.setattr(cpu, "reconstruction_attention", broken)
-    monkeypatch.setattr(ops, "_cpu_fast_failed", False)
     monkeypatch.delenv("ROCKETKV_KERNELS", raising=False)
     q, k, v = _inputs(4, 2, 16, 20, 0, 6)
+    for _ in range(2):  # each call tries the fast path again (an error is not remembered)
+        out, weights = ops.reconstruction_attention(q, k, v, 20, 1, 0.25)
+        want_out, want_weights = reference(q, k, v, 20, 1, 0.25)
+        assert torch.equal(out, want_out) and torch.equal(weights, want_weights)
+    assert calls == [1, 1]
+
+
+def test__dispatch__values_of_another_head_size_take_the_reference(monkeypatch):
+    """The fused op needs one head size for keys and values; the reference takes any."""
+    monkeypatch.setattr(cpu, "reconstruction_attention", lambda *a, **kw: pytest.fail("fast path called"))
+    monkeypatch.delenv("ROCKETKV_KERNELS", raising=False)
+    q, k, _ = _inputs(4, 2, 16, 20, 0, 6)
+    v = torch.randn(1, 2, 26, 24)
     out, weights = ops.reconstruction_attention(q, k, v, 20, 1, 0.25)
-    want_out, want_weights = reference(q, k, v, 20, 1, 0.25)
-    assert torch.equal(out, want_out) and torch.equal(weights, want_weights) and ops._cpu_fast_failed
+    assert out.shape == (1, 4, 6, 24) and weights.shape == (1, 4, 20)
 
 
 def test__ingest_with_context_reconstruction__keeps_what_the_reference_keeps(monkeypatch):

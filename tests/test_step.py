@@ -170,3 +170,50 @@ def test__decode_step__joins_the_projections_of_weight_only_formats(arch, weight
     forward = _decode(engine, stored, decode_config_for(stored, sparse=False), False)
     err = (direct - forward).abs()
     assert float(err.max()) <= 1e-5 * float(forward.abs().max()), f"max error {float(err.max()):.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test__exact_decode_attention__half_precision_keeps_float32_scores(dtype):
+    """Half-precision keys take SDPA on a CPU too (its scores stay float32; a half-precision matmul
+    would round the logits themselves): error against float64 no larger than SDPA's."""
+    from rocketkv_cli.model.hf import exact_decode_attention
+
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 32, 1, 128, generator=g, dtype=torch.float64) * 2
+    k = torch.randn(1, 8, 4000, 128, generator=g, dtype=torch.float64) * 2
+    v = torch.randn(1, 8, 4000, 128, generator=g, dtype=torch.float64)
+    truth = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=128**-0.5, enable_gqa=True)
+    half = [t.to(dtype) for t in (q, k, v)]
+    sdpa = torch.nn.functional.scaled_dot_product_attention(*half, scale=128**-0.5, enable_gqa=True)
+    out = exact_decode_attention(*half, 128**-0.5)
+    err, sdpa_err = (out.double() - truth).abs().max(), (sdpa.double() - truth).abs().max()
+    assert out.dtype == dtype and float(err) <= float(sdpa_err) * 1.01, (
+        f"max error {float(err):.3g} vs SDPA's {float(sdpa_err):.3g}"
+    )
+
+
+def test__joined_linears__leave_the_models_tensors_usable_and_follow_a_conversion():
+    """The join runs inside the step's inference mode but must not turn the model's own weights
+    into inference tensors (a state-dict load or in-place update would then fail); after
+    `model.to()` replaces the tensors, the next step joins them again."""
+    engine = make_engine("llama", torch.float32)
+    quantize_weights(engine.model, "int8")
+    cfg = PrefillConfig(token_budget=32, max_new_tokens=8, window_size=8, pool_kernel_size=5)
+    stored = engine.ingest(Document(text_of_bytes(300, seed=4), "0" * 64, "d.txt"), cfg)
+    before = _decode(engine, stored, decode_config_for(stored, sparse=False), True)
+    q_proj = engine.model.model.layers[0].self_attn.q_proj
+    assert not q_proj.weight_int8.is_inference() and not q_proj.scales.is_inference()
+    engine.model.load_state_dict(engine.model.state_dict())  # would fail on inference tensors
+    with torch.no_grad():
+        q_proj.scales.mul_(1)
+    first = engine.step._joined[0][1]
+    engine.model.to("cpu")  # a no-op move keeps the tensors: the join is kept
+    _decode(engine, stored, decode_config_for(stored, sparse=False), True)
+    assert engine.step._joined[0][1] is first
+    for module in engine.model.modules():  # new tensors, as a conversion or a load makes them
+        for name, buf in list(module._buffers.items()):
+            if buf is not None:
+                module._buffers[name] = buf.clone()
+    after = _decode(engine, stored, decode_config_for(stored, sparse=False), True)
+    assert engine.step._joined[0][1] is not first
+    assert torch.equal(before, after)

@@ -65,14 +65,15 @@ class DecodeStep:
         """Layer `i`'s joined q/k/v projection and joined MLP gate/up (each None when not joinable)."""
         attn, mlp = layer.self_attn, layer.mlp
         parts = (attn.q_proj, attn.k_proj, attn.v_proj, getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None))
-        if i < len(self._joined) and all(a is b for a, b in zip(self._joined[i][0], parts, strict=True)):
+        if i < len(self._joined) and _same(self._joined[i][0], _state(parts)):
             return self._joined[i][1], self._joined[i][2]
-        qkv = type(attn.q_proj).join(list(parts[:3])) if hasattr(type(attn.q_proj), "join") else None
-        gate_up = None
-        if parts[3] is not None and hasattr(mlp, "act_fn") and type(mlp).__name__ in _GATED_MLPS \
-                and hasattr(type(parts[3]), "join"):  # fmt: skip
-            gate_up = type(parts[3]).join(list(parts[3:]))
-        entry = (parts, qkv, gate_up)
+        with torch.inference_mode(False):  # the model's own tensors must not become inference tensors
+            qkv = type(attn.q_proj).join(list(parts[:3])) if hasattr(type(attn.q_proj), "join") else None
+            gate_up = None
+            if parts[3] is not None and hasattr(mlp, "act_fn") and type(mlp).__name__ in _GATED_MLPS \
+                    and hasattr(type(parts[3]), "join"):  # fmt: skip
+                gate_up = type(parts[3]).join(list(parts[3:]))
+        entry = (_state(parts), qkv, gate_up)  # taken after the join: the parts now hold views of it
         if i < len(self._joined):
             self._joined[i] = entry
         else:
@@ -136,6 +137,16 @@ class DecodeStep:
             return mlp.down_proj(mlp.act_fn(gu[..., :n]) * gu[..., n:])
 
         return run
+
+
+def _state(parts: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The modules and the tensors they hold: `model.to()` or a state-dict load replaces the tensors
+    (a join made before would no longer be theirs)."""
+    return (*parts, *(t for p in parts for t in getattr(p, "_buffers", {}).values()))
+
+
+def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
 def decode_step_for(model: Any, shape: ModelShape) -> DecodeStep | None:

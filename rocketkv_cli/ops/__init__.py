@@ -171,19 +171,15 @@ def reconstruction_attention(
     """`stage1.reconstruction_attention`: attention output `[B, H, T, D]` and context-reconstruction
     weights `[B, H, n_context]` float32. CPU tensors without softcapping under `ROCKETKV_KERNELS=auto`
     take the fast path `ops.cpu.reconstruction_attention` (the same values to float32 rounding);
-    every other case, and a torch whose fused CPU attention op is missing or fails, the reference."""
-    global _cpu_fast_failed
+    every other case (values of another head size too), and a call whose fused CPU attention op is
+    missing or fails, the reference."""
     if (queries.device.type == "cpu" and softcap is None and requested_backend() == "auto" and cpu.flash_available()
-            and not _cpu_fast_failed):  # fmt: skip
+            and values.shape[-1] == queries.shape[-1]):  # fmt: skip
         try:
             return cpu.reconstruction_attention(queries, keys, values, n_context, score_from, scaling)
-        except (RuntimeError, TypeError) as exc:  # the private op changed in this torch: use the reference
-            _cpu_fast_failed = True
+        except (RuntimeError, TypeError) as exc:  # e.g. the private op changed in this torch: this call's reference
             log.debug("rocketkv op reconstruction_attention: CPU fast path failed (%s); using the reference", exc)
     return stage1.reconstruction_attention(queries, keys, values, n_context, score_from, scaling, softcap)
-
-
-_cpu_fast_failed = False
 
 
 def pool_scores(scores: torch.Tensor, kernel_size: int) -> torch.Tensor:

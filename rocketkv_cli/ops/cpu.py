@@ -43,13 +43,15 @@ def reconstruction_attention(
     SmolLM2's heads (9 query heads, 3 KV heads, D=64) at 3.7K context tokens, 1.6× faster ingest
     with context reconstruction (docs/performance.md, "Ingest").
 
-    Args and shapes as the reference's (queries `[B, H, T, D]`, keys and values `[B, Hkv, L, D]`,
-    L − T ≥ n_context, 0 ≤ score_from ≤ T). Raises ValueError on shapes that do not match, and
+    Args and shapes as the reference's (queries `[B, H, T, D]` with T ≥ 1, keys and values
+    `[B, Hkv, L, D]` of one head size, L − T ≥ n_context, 0 ≤ score_from ≤ T). Raises ValueError on
+    shapes that do not match, and
     RuntimeError when the fused op is missing (`flash_available`).
     """
     b, h, t, d = queries.shape
     hkv, length = keys.shape[1], keys.shape[2]
-    if keys.shape[0] != b or keys.shape[3] != d or length - t < n_context or h % hkv or not 0 <= score_from <= t:
+    if (keys.shape[0] != b or keys.shape[3] != d or values.shape[:3] != keys.shape[:3] or values.shape[3] != d
+            or t < 1 or length - t < n_context or h % hkv or not 0 <= score_from <= t):  # fmt: skip
         raise ValueError(f"queries {tuple(queries.shape)} and keys {tuple(keys.shape)} do not match n={n_context}, "
                          f"score_from={score_from}")  # fmt: skip
     if _FLASH is None:

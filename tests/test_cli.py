@@ -141,6 +141,9 @@ def test__budget_with_cache__says_the_file_keeps_its_own(rocketkv_bin, env, kv, 
     quiet = run(rocketkv_bin, env, command, "--cache", kv, *args[5:], stdin="Which word?\n")
     assert quiet.returncode == 0, quiet.stderr
     assert "keeps the budget" not in quiet.stderr
+    bad = run(rocketkv_bin, env, *args[:4], "0", *args[5:], stdin="Which word?\n")  # no ingest takes it: no hint
+    assert "--budget must be a positive integer, got 0" in assert_one_line_error(bad, code=2)
+    assert "rocketkv ingest DOC --budget 0" not in bad.stderr
 
 
 @pytest.mark.parametrize("command", ["ask", "chat"])

@@ -84,13 +84,25 @@ def test__eval_in_a_terminal(rocketkv_bin, env, tiny_model_dir):
     code, shown = run_in_terminal([rocketkv_bin, "eval", "--model", str(tiny_model_dir), "--context-tokens", "300",
                                    "--budgets", "96", "--methods", "full,rocketkv", "--tasks", "niah_noise",
                                    "--samples", "1", "--max-new-tokens", "4"], env)  # fmt: skip
-    check_terminal_run(code, shown)
+    assert_json_rows_on_their_own_lines(check_terminal_run(code, shown))
 
 
 def test__bench_in_a_terminal(rocketkv_bin, env, doc, tiny_model_dir):
     code, shown = run_in_terminal([rocketkv_bin, "bench", "--model", str(tiny_model_dir), "--context-tokens", "300",
                                    "--source", str(doc), "--steps", "2", "--no-memory"], env)  # fmt: skip
-    check_terminal_run(code, shown)
+    assert_json_rows_on_their_own_lines(check_terminal_run(code, shown))
+
+
+def assert_json_rows_on_their_own_lines(lines: list[str]) -> None:
+    """Result rows (stdout) printed while the bar runs start a line of their own, whole JSON,
+    not glued to the bar's line (a user saw `… ETA …{"model": …`)."""
+    import json
+
+    rows = [line for line in lines if '{"' in line]
+    assert rows, "no JSON row shown"
+    for line in rows:
+        assert line.lstrip().startswith('{"'), f"JSON row glued to another line: {line[:160]!r}"
+        json.loads(line)
 
 
 # -- issue 16: new commands and modes in a terminal ----------------------------------------------------------------

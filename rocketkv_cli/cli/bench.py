@@ -27,6 +27,7 @@ from .common import (
     load_engine,
     log,
     prefill_config,
+    print_row,
     setup,
     steps_bar,
     storage,
@@ -133,7 +134,7 @@ def bench(
                 row["storage"] = storage_rows(engine, build_document(engine, text, n), cfg, storages,
                                               [Probe(QUESTION)], Path(tmp), log=log)  # fmt: skip
             rows.append(row)
-            typer.echo(json.dumps({"model": engine.loaded.model_id, **row}))
+            print_row(bar, json.dumps({"model": engine.loaded.model_id, **row}))
         cross = []
         if sizes:
             on_phase(f"one layer's HSA vs exact attention at {', '.join(map(str, sizes))} kept tokens")

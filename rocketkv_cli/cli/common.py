@@ -247,12 +247,27 @@ def progress_bar() -> Progress:
 
 
 def steps_bar() -> Progress:
-    """A bar over counted steps (eval's runs, bench's measurements): description, M/N, elapsed, ETA."""
+    """A bar over counted steps (eval's runs, bench's measurements): description, M/N, elapsed, ETA.
+    Result lines printed while it runs go through `print_row`."""
     return Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         TextColumn("ETA"), TimeRemainingColumn(), console=err, disable=_state["quiet"] or not err.is_terminal,
         transient=True,
     )  # fmt: skip
+
+
+def print_row(bar: Progress, line: str) -> None:
+    """One result line on stdout while `bar` may be drawn on stderr. When stdout is a terminal too
+    (the same screen), the bar is cleared first and drawn again after, so the line is neither
+    printed onto the bar's line nor wrapped by Rich: it stays whole, to copy. A piped stdout gets
+    the line as it is."""
+    live = not bar.disable and bar.live.is_started and sys.stdout.isatty()
+    if live:
+        bar.stop()
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+    if live:
+        bar.start()
 
 
 def open_stream(doc_path: str, encoding: str, errors: str = "strict"):
@@ -319,7 +334,10 @@ def _age(seconds: float) -> str:
 
 
 def cache_budget_note(budget: Optional[int], cache: Path) -> None:
-    """One line on stderr when `--budget` is given with `--cache`: the file keeps its own budget."""
+    """One line on stderr when `--budget` is given with `--cache`: the file keeps its own budget.
+    Raises UsageError for a budget no ingest would take (the hint would suggest a failing command)."""
+    if budget is not None and budget < 1:
+        raise UsageError(f"invalid option: --budget must be a positive integer, got {budget}")
     if budget is not None:
         log(f"--budget {budget} applies to a DOC ingested here; {cache} keeps the budget it was built with "
             f"(to change it: rocketkv ingest DOC --budget {budget})")  # fmt: skip

@@ -63,6 +63,19 @@ def test__segmented_ingest_in_a_terminal(rocketkv_bin, env, doc, tiny_model_dir,
     assert any("segment 1: prefilled" in line for line in lines), lines
 
 
+def test__reconstruct_ingest_in_a_terminal__the_bar_names_the_re_read(rocketkv_bin, env, doc, tiny_model_dir, tmp_path):
+    """Context reconstruction re-reads the document after its prefill (the bar's slower second
+    half): the bar says so, and a tail-window ingest's bar does not."""
+    shown_by = {}
+    for observation in ("reconstruct", "tail"):
+        out = tmp_path / f"{observation}.kv"
+        code, shown = run_in_terminal([rocketkv_bin, "ingest", str(doc), "-o", str(out), "--model",
+                                       str(tiny_model_dir), "--budget", "64", "--chunk-tokens", "256",
+                                       "--observation", observation], env)  # fmt: skip
+        shown_by[observation] = "\n".join(check_terminal_run(code, shown))
+    assert "prefill + re-read" in shown_by["reconstruct"] and "prefill + re-read" not in shown_by["tail"]
+
+
 def test__ask_from_cache_in_a_terminal(rocketkv_bin, env, kv):
     code, shown = run_in_terminal([rocketkv_bin, "ask", "--cache", str(kv), "What is the code?"], env)
     check_terminal_run(code, shown, want_bar=False)

@@ -296,8 +296,10 @@ def ingest(rk, document, cfg, output=None, force=False, segment_tokens=None, kv_
         what = "found checkpointed" if event.resumed else "prefilled"
         log(f"segment {event.index}: {what} ({event.n_tokens} tokens; {so_far[0]} so far)")
 
+    # context reconstruction re-reads each segment after its prefill: the bar's second half, and slower
+    label = "prefill + re-read" if cfg.observation == "reconstruct" else "prefill"
     with progress_bar() as bar:
-        task = bar.add_task("prefill", total=None)
+        task = bar.add_task(label, total=None)
         done = rk.ingest(document, output=output, force=force, config=cfg, segment_tokens=segment_tokens,
                          storage=storage(kv_dtype or default_kv_dtype(rk.model_id)), on_segment=on_segment,
                          progress=lambda n, total: bar.update(task, completed=n, total=total))  # fmt: skip

@@ -118,13 +118,12 @@ def ingest_command(
     size = target.stat().st_size
     log(f"wrote {target} ({size / 1e6:.1f} MB)")
     if json_out:
-        from ..engine.api import describe
+        from ..engine.api import kept_tokens_per_layer
 
-        cache, info = done.cache, describe(target)  # what `inspect --json` reports of the same file
+        cache = done.cache
         row = {"cache": str(target), "n_context_tokens": cache.n_context_tokens, "n_segments": cache.n_segments,
                "file_bytes": size, "ingest_s": round(done.seconds, 3), "budgets": cache.info.budgets_record(),
-               "layer_budgets": info["config"].get("layer_budgets", "uniform"),
-               "kept_tokens_per_layer": info["kept_tokens_per_layer"]}  # fmt: skip
+               "layer_budgets": cfg.layer_budgets, "kept_tokens_per_layer": kept_tokens_per_layer(cache)}  # fmt: skip
         typer.echo(json.dumps(row))
     else:
         typer.echo(str(target))

@@ -139,6 +139,26 @@ def reconstruction_weights(
     return best.exp().view(b, h, n_context)
 
 
+def check_reconstruction_shapes(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    n_context: int,
+    score_from: int,
+    same_head_size: bool = False,
+) -> None:
+    """Raise ValueError unless queries `[B, H, T, D]` (T ≥ 1), keys `[B, Hkv, L, D]` and values
+    `[B, Hkv, L, Dv]` fit `reconstruction_attention`: H a multiple of Hkv, L − T ≥ n_context,
+    0 ≤ score_from ≤ T; Dv = D too when `same_head_size` (the CPU fast path's fused op)."""
+    b, h, t, d = queries.shape
+    hkv, length = keys.shape[1], keys.shape[2]
+    if (keys.shape[0] != b or keys.shape[3] != d or values.shape[:3] != keys.shape[:3] or t < 1
+            or (same_head_size and values.shape[3] != d) or length - t < n_context or h % hkv
+            or not 0 <= score_from <= t):  # fmt: skip
+        raise ValueError(f"queries {tuple(queries.shape)} and keys {tuple(keys.shape)} do not match n={n_context}, "
+                         f"score_from={score_from}")  # fmt: skip
+
+
 def reconstruction_attention(
     queries: torch.Tensor,
     keys: torch.Tensor,
@@ -161,11 +181,9 @@ def reconstruction_attention(
         (output `[B, H, T, D]` in the queries' dtype, float32 softmax as in `exact_attention`;
         weights `[B, H, n_context]` float32, zeros when no query counts).
     """
+    check_reconstruction_shapes(queries, keys, values, n_context, score_from)
     b, h, t, d = queries.shape
     hkv, length = keys.shape[1], keys.shape[2]
-    if keys.shape[0] != b or keys.shape[3] != d or length - t < n_context or h % hkv or not 0 <= score_from <= t:
-        raise ValueError(f"queries {tuple(queries.shape)} and keys {tuple(keys.shape)} do not match n={n_context}, "
-                         f"score_from={score_from}")  # fmt: skip
     g = h // hkv
     k_t, v = keys.float().transpose(-1, -2), values.float()  # [B, Hkv, D, L], [B, Hkv, L, Dv]
     best = torch.zeros(b, hkv, g, n_context, device=keys.device)

@@ -29,6 +29,7 @@ from ..errors import InputError, UsageError
 from ..model.loading import DEFAULT_MODEL, configure_transformers, load_model
 from ..store.checkpoints import Checkpoints
 from ..store.describe import describe as store_describe
+from ..store.describe import kept_tokens_per_layer as kept_tokens_per_layer
 from ..store.folders import make_scratch_dir
 from ..store.format import load_cache, save_cache, verify_file
 from .answer import Answer, Sampling, TextCallback, answer, decode_config_for, hsa_min_tokens

@@ -62,7 +62,8 @@ class DecodeStep:
         self._joined: list[tuple[tuple[Any, ...], Any, Any]] = []
 
     def _joins(self, i: int, layer: Any) -> tuple[Any, Any]:
-        """Layer `i`'s joined q/k/v projection and joined MLP gate/up (each None when not joinable)."""
+        """Layer `i`'s joined q/k/v projection and its MLP run with a joined gate/up (each None when
+        not joinable); built once, reused by every step."""
         attn, mlp = layer.self_attn, layer.mlp
         parts = (attn.q_proj, attn.k_proj, attn.v_proj, getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None))
         if i < len(self._joined) and _same(self._joined[i][0], _state(parts)):
@@ -72,7 +73,8 @@ class DecodeStep:
             gate_up = None
             if parts[3] is not None and hasattr(mlp, "act_fn") and type(mlp).__name__ in _GATED_MLPS \
                     and hasattr(type(parts[3]), "join"):  # fmt: skip
-                gate_up = type(parts[3]).join(list(parts[3:]))
+                joined = type(parts[3]).join(list(parts[3:]))
+                gate_up = None if joined is None else self._gated(mlp, joined)
         entry = (_state(parts), qkv, gate_up)  # taken after the join: the parts now hold views of it
         if i < len(self._joined):
             self._joined[i] = entry
@@ -97,7 +99,7 @@ class DecodeStep:
         for i, layer in enumerate(self.layers):
             attn, spec = layer.self_attn, self.shape.layers[i]
             d = attn.head_dim
-            qkv, gate_up = self._joins(i, layer)
+            qkv, gated_mlp = self._joins(i, layer)
             x = layer.input_layernorm(h)
             if qkv is None:
                 q = attn.q_proj(x).view(1, 1, -1, d)  # [1, 1, H, D]
@@ -115,7 +117,7 @@ class DecodeStep:
             keys, values = cache.update(k, v, i)  # [1, Hkv, L, D]
             out, _ = _attention(attn, q, keys, values, None, scaling=spec.scaling, sliding_window=spec.sliding_window)
             out = attn.o_proj(out.reshape(1, 1, -1))  # [1, 1, C]
-            mlp = layer.mlp if gate_up is None else self._gated(layer.mlp, gate_up)
+            mlp = layer.mlp if gated_mlp is None else gated_mlp
             if self.sandwich:
                 h = h + layer.post_attention_layernorm(out)
                 h = h + layer.post_feedforward_layernorm(mlp(layer.pre_feedforward_layernorm(h)))

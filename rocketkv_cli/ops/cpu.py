@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from ..core.stage1 import check_reconstruction_shapes
+
 # torch's fused CPU attention kernel, which also returns each query's log-sum-exp (a private op;
 # without it, or when it fails, the reference runs).
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -48,12 +50,9 @@ def reconstruction_attention(
     shapes that do not match, and
     RuntimeError when the fused op is missing (`flash_available`).
     """
+    check_reconstruction_shapes(queries, keys, values, n_context, score_from, same_head_size=True)
     b, h, t, d = queries.shape
     hkv, length = keys.shape[1], keys.shape[2]
-    if (keys.shape[0] != b or keys.shape[3] != d or values.shape[:3] != keys.shape[:3] or values.shape[3] != d
-            or t < 1 or length - t < n_context or h % hkv or not 0 <= score_from <= t):  # fmt: skip
-        raise ValueError(f"queries {tuple(queries.shape)} and keys {tuple(keys.shape)} do not match n={n_context}, "
-                         f"score_from={score_from}")  # fmt: skip
     if _FLASH is None:
         raise RuntimeError("this torch has no fused CPU attention op (_scaled_dot_product_flash_attention_for_cpu)")
     g = h // hkv

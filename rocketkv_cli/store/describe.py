@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..core.cache import CompressedKVCache, full_kv_bytes
+from ..core.cache import AnyCache, CompressedKVCache, full_kv_bytes
 from .format import _load, all_segments, verify_file
 
 INT_FIELDS = ("format_version", "n_layers", "n_kv_heads", "head_dim", "n_context_tokens")
@@ -32,7 +32,7 @@ def describe(path: str | Path) -> dict:
     elem = {"float64": 8, "float32": 4}.get(cache.info.dtype, 2)
     full = sum(full_kv_bytes(part.n_context_tokens, ident.layer_windows, ident.n_kv_heads, ident.head_dim, elem)
                for part in parts)  # fmt: skip
-    kept = [sum(_kept(part)[i] for part in parts) for i in range(ident.n_layers)]
+    kept = kept_tokens_per_layer(cache)
     kv_bytes = sum(_kv_bytes(part) for part in parts)
     info = {
         "cache": str(path),
@@ -61,6 +61,13 @@ def describe(path: str | Path) -> dict:
 
 def _specs(part: CompressedKVCache) -> dict | None:
     return getattr(part, "specs", None)
+
+
+def kept_tokens_per_layer(cache: AnyCache) -> list[int]:
+    """Tokens kept per KV head in each layer, summed over segments; read from the file's header
+    for a lazily loaded cache (no payload is read)."""
+    parts = all_segments(cache)
+    return [sum(_kept(part)[i] for part in parts) for i in range(cache.info.identity.n_layers)]
 
 
 def _kept(part: CompressedKVCache) -> list[int]:

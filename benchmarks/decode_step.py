@@ -9,11 +9,11 @@ each projection still its own linear) and `direct` (also q/k/v and gate/up joine
 linear each for int8/bf16 weights, `_PackedLinear.join`: what `ask` runs). One model load, one
 decoder over the cache: the question's prefill, then greedy decode steps with the ways taking
 turns step by step (so a busy machine, and the tail's growth, shift them alike), exact attention
-over the pruned cache (what `ask` runs on CPU at the default budget); the first 8 steps are
-warm-up. Prints the median ms per step of each and its speed relative to `forward`. The weights
-are the model's default for the device (`--weights` to choose).
+over the pruned cache (what `ask` runs on CPU at the default budget); the first 8 steps (with
+`--compile`, 8 per way) are warm-up. Prints the median ms per step of each and its speed
+relative to `forward`. The weights are the model's default for the device (`--weights` to choose).
 
-    python benchmarks/decode_step.py CACHE.kv [--steps 48] [--weights int8] [--json OUT]
+    python benchmarks/decode_step.py CACHE.kv [--steps 48] [--weights int8] [--compile] [--json OUT]
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=48, help="timed steps per way")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--weights", choices=["float", "head-bf16", "bf16", "int8", "int4"], default=None)
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile'd ways")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if args.steps < 1 or args.threads < 1:
@@ -65,23 +66,40 @@ def main() -> int:
 
     grouped, joins = hf.exact_decode_attention, direct._joins
     ways = ["forward", "direct, SDPA, separate", "direct, separate", "direct"]
+    compiled: dict[int, tuple] = {}
+    compiled_step = None
+    if args.compile:
+        ways += ["compiled MLP", "compiled step"]
+        compiled_step = torch.compile(direct, dynamic=False)
+
+        def compiled_joins(i, layer):  # the joins, each layer's MLP compiled once
+            if i not in compiled:
+                qkv, mlp = joins(i, layer)
+                compiled[i] = (qkv, None if mlp is None else torch.compile(mlp, dynamic=False))
+            return compiled[i]
+
+    first_call_s: dict[str, float] = {}
     times: dict[str, list[float]] = {w: [] for w in ways}
     stored = load_cache(args.cache)
     ids = engine.question_ids(QUESTION)
     n = len(ways)
-    decoder = Decoder(engine, stored, len(ids) + n * args.steps + 16, decode_config_for(stored, False))
+    warmup = 8 * n if args.compile else 8  # compiled ways recompile during their first calls
+    decoder = Decoder(engine, stored, len(ids) + warmup + n * args.steps + 16, decode_config_for(stored, False))
     try:
         with torch.inference_mode(), decoder.attention():
             token = int(decoder.prefill(ids).argmax())
-            for i in range(8 + n * args.steps):
+            for i in range(warmup + n * args.steps):
                 way = ways[i % n]
-                engine.step = None if way == "forward" else direct
+                engine.step = None if way == "forward" else compiled_step if way == "compiled step" else direct
                 hf.exact_decode_attention = sdpa_decode_attention if "SDPA" in way else grouped  # type: ignore[assignment]
-                direct._joins = joins if way == "direct" else (lambda *_: (None, None))  # type: ignore[method-assign]
+                direct._joins = (joins if way in ("direct", "compiled step") else compiled_joins  # type: ignore[method-assign]
+                                 if way == "compiled MLP" else (lambda *_: (None, None)))  # fmt: skip
                 t0 = time.perf_counter()
                 token = int(decoder.decode_one_token(token).argmax())
-                if i >= 8:
-                    times[way].append(time.perf_counter() - t0)
+                elapsed = time.perf_counter() - t0
+                first_call_s.setdefault(way, elapsed)
+                if i >= warmup:
+                    times[way].append(elapsed)
     finally:
         engine.step, hf.exact_decode_attention, direct._joins = direct, grouped, joins  # type: ignore[method-assign]
     ms = {w: statistics.median(v) * 1e3 for w, v in times.items()}
@@ -89,11 +107,13 @@ def main() -> int:
     print(f"decode ms per step, {model_id} ({weights} weights), {args.cache.name}, {args.threads} threads, exact "
           f"attention, median of {args.steps} steps each, taking turns:")  # fmt: skip
     for way in ways:
-        print(f"  {way:>22}: {ms[way]:7.1f} ms ({ms['forward'] / ms[way]:4.2f}× the forward's speed)")
+        print(f"  {way:>22}: {ms[way]:7.1f} ms ({ms['forward'] / ms[way]:4.2f}× the forward's speed; "
+              f"first call {first_call_s[way]:.2f} s)")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps({"model": model_id, "weights": weights, "cache": args.cache.name,
                                          "threads": args.threads, "steps": args.steps,
-                                         "machine": machine_info(), "ms": ms, "all_s": times}, indent=1))  # fmt: skip
+                                         "machine": machine_info(), "ms": ms, "first_call_s": first_call_s,
+                                         "all_s": times}, indent=1))  # fmt: skip
     return 0
 
 

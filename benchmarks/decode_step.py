@@ -6,12 +6,17 @@ step), `direct, SDPA, separate` (the direct step with SDPA's CPU kernel for exac
 attention and each projection its own linear: the step before the two changes below),
 `direct, separate` (exact decode attention as grouped matmuls, `model.hf.exact_decode_attention`,
 each projection still its own linear) and `direct` (also q/k/v and gate/up joined into one
-linear each for int8/bf16 weights, `_PackedLinear.join`: what `ask` runs). One model load, one
-decoder over the cache: the question's prefill, then greedy decode steps with the ways taking
-turns step by step (so a busy machine, and the tail's growth, shift them alike), exact attention
-over the pruned cache (what `ask` runs on CPU at the default budget); the first 8 steps (with
-`--compile`, 8 per way) are warm-up. Prints the median ms per step of each and its speed
-relative to `forward`. The weights are the model's default for the device (`--weights` to choose).
+linear each for int8/bf16 weights, `_PackedLinear.join`: what `ask` runs). With `--compile`, two
+more: `compiled MLP` (`direct` with each layer's joined MLP through `torch.compile`) and
+`compiled step` (the whole `direct` step through `torch.compile`), inductor with automatic
+dynamic shapes and room for a graph per layer; a recompile past dynamo's limit fails the run
+instead of silently timing eager code, and each way's first call (its compile) is reported.
+One model load, one decoder over the cache: the question's prefill, then greedy decode steps
+with the ways taking turns step by step (so a busy machine, and the tail's growth, shift them
+alike), exact attention over the pruned cache (what `ask` runs on CPU at the default budget);
+the first 8 steps (with `--compile`, 8 per way) are warm-up. Prints the median ms per step of
+each and its speed relative to `forward`. The weights are the model's default for the device
+(`--weights` to choose).
 
     python benchmarks/decode_step.py CACHE.kv [--steps 48] [--weights int8] [--compile] [--json OUT]
 """
@@ -69,13 +74,21 @@ def main() -> int:
     compiled: dict[int, tuple] = {}
     compiled_step = None
     if args.compile:
+        import torch._dynamo as dynamo
+
         ways += ["compiled MLP", "compiled step"]
-        compiled_step = torch.compile(direct, dynamic=False)
+        # Room for every layer's MLP (one code object, guards per layer) and for the step's
+        # shapes; `dynamic=None` lets dynamo mark the growing cache length dynamic after its
+        # first recompile instead of compiling a graph per length.
+        dynamo.config.recompile_limit = 1024
+        dynamo.config.accumulated_recompile_limit = 4096
+        dynamo.config.fail_on_recompile_limit_hit = True  # never time a silent eager fallback
+        compiled_step = torch.compile(direct, dynamic=None)
 
         def compiled_joins(i, layer):  # the joins, each layer's MLP compiled once
             if i not in compiled:
                 qkv, mlp = joins(i, layer)
-                compiled[i] = (qkv, None if mlp is None else torch.compile(mlp, dynamic=False))
+                compiled[i] = (qkv, None if mlp is None else torch.compile(mlp, dynamic=None))
             return compiled[i]
 
     first_call_s: dict[str, float] = {}

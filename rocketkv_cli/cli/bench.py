@@ -11,9 +11,6 @@ import typer
 from rich.console import Console
 
 from ..errors import InputError, UsageError
-
-if TYPE_CHECKING:
-    from ..core.config import PrefillConfig
 from .common import (
     BudgetOpt,
     DeviceOpt,
@@ -32,6 +29,9 @@ from .common import (
     steps_bar,
     storage,
 )
+
+if TYPE_CHECKING:
+    from ..core.config import PrefillConfig
 
 
 def bench(

@@ -59,15 +59,15 @@ class DecodeStep:
         # Per layer: the modules last joined and the joined linears (None: call them one by one).
         # Weight formats replace the linears after the step is built, so the join is redone
         # whenever the modules differ from those joined.
-        self._joined: list[tuple[tuple[Any, ...], Any, Any]] = []
+        self._joined: list[tuple[tuple[tuple[dict, str, Any], ...], Any, Any]] = []
 
     def _joins(self, i: int, layer: Any) -> tuple[Any, Any]:
         """Layer `i`'s joined q/k/v projection and its MLP run with a joined gate/up (each None when
         not joinable); built once, reused by every step."""
+        if i < len(self._joined) and _unchanged(self._joined[i][0]):
+            return self._joined[i][1], self._joined[i][2]
         attn, mlp = layer.self_attn, layer.mlp
         parts = (attn.q_proj, attn.k_proj, attn.v_proj, getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None))
-        if i < len(self._joined) and _same(self._joined[i][0], _state(parts)):
-            return self._joined[i][1], self._joined[i][2]
         with torch.inference_mode(False):  # the model's own tensors must not become inference tensors
             qkv = type(attn.q_proj).join(list(parts[:3])) if hasattr(type(attn.q_proj), "join") else None
             gate_up = None
@@ -75,7 +75,7 @@ class DecodeStep:
                     and hasattr(type(parts[3]), "join"):  # fmt: skip
                 joined = type(parts[3]).join(list(parts[3:]))
                 gate_up = None if joined is None else self._gated(mlp, joined)
-        entry = (_state(parts), qkv, gate_up)  # taken after the join: the parts now hold views of it
+        entry = (_watched(layer), qkv, gate_up)  # taken after the join: the parts now hold views of it
         if i < len(self._joined):
             self._joined[i] = entry
         else:
@@ -141,14 +141,23 @@ class DecodeStep:
         return run
 
 
-def _state(parts: tuple[Any, ...]) -> tuple[Any, ...]:
-    """The modules and the tensors they hold: `model.to()` or a state-dict load replaces the tensors
-    (a join made before would no longer be theirs)."""
-    return (*parts, *(t for p in parts for t in getattr(p, "_buffers", {}).values()))
+def _watched(layer: Any) -> tuple[tuple[dict, str, Any], ...]:
+    """What a layer's join depends on, as (dict, key, value) entries: its attention and MLP, their
+    q/k/v and gate/up linears, and the tensors those hold. Weight formats replace the linears, and
+    `model.to()` or a state-dict load replaces the tensors: a join made before would no longer be
+    theirs. Read straight from the modules' dicts, so each step's check is cheap."""
+    attn, mlp = layer._modules["self_attn"], layer._modules["mlp"]
+    watched: list[tuple[dict, str, Any]] = [(layer._modules, "self_attn", attn), (layer._modules, "mlp", mlp)]
+    for owner, name in ((attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj"), (mlp, "gate_proj"), (mlp, "up_proj")):
+        part = owner._modules.get(name)
+        watched.append((owner._modules, name, part))
+        if part is not None:
+            watched += [(part._buffers, key, tensor) for key, tensor in part._buffers.items()]
+    return tuple(watched)
 
 
-def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+def _unchanged(watched: tuple[tuple[dict, str, Any], ...]) -> bool:
+    return all(where.get(key) is value for where, key, value in watched)
 
 
 def decode_step_for(model: Any, shape: ModelShape) -> DecodeStep | None:

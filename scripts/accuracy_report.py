@@ -8,11 +8,16 @@ per task, budgets 128–1024, methods full / rocketkv with each observation wind
 sink_recent / reconstruct / reselect) and keeps each run's JSON (`docs/bench/accuracy-<preset>-<task>.json`): an
 interrupted report resumes at the first missing one when rerun, so it can run in the background.
 Every method scores full attention's answer teacher-forced (top-1 agreement, KL, log-prob) and
-generates only where it disagrees, so a preset takes about an hour on an idle 2-core CPU. Rates
+generates only where it disagrees, which was meant to fit a preset in an hour on an idle 2-core CPU; it does not (`--cost` measures
+what it takes: about 1.2 h for SmolLM2 and 2.7 h for Gemma at 1 thread per sample). Rates
 carry Wilson intervals, means bootstrap intervals (95%). `--quick` is a smoke run of the whole
 chain (SmolLM2 only, 1K tokens, one sample, one budget) under build/accuracy-quick/: not evidence;
 with `--model`, `--context-tokens` and `--eval-args` (passed on to `rocketkv eval`) it runs on any
 model, which is how the test suite runs it on a tiny one (tests/test_eval.py).
+`--cost` runs the full report's `rocketkv eval` on one sample of two tasks per preset (a
+one-question and a four-question task) into `docs/bench/accuracy-cost-<preset>.json` and adds
+"What the full report costs" to the page: the measured seconds per sample, split into the
+sample's prefill + stage-1 caches and the answers, projected to the full report's 140 samples.
 Run it on an otherwise idle machine, or with OMP_NUM_THREADS=1: torch's two threads spin against
 any other process on the same 2 cores and decode runs 10-30x slower (seen here).
 """
@@ -20,7 +25,6 @@ any other process on the same 2 cores and decode runs 10-30x slower (seen here).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import shlex
 import subprocess
@@ -37,6 +41,9 @@ QUICK = {"smollm2-135m": 1024}
 QUICK_COMMON = ["--budgets", "256", "--methods", "all", "--observations", "tail,probe,wide", "--pool-kernels", "63",
                 "--seed", "0"]  # fmt: skip
 TASKS = ("niah_noise", "niah_text", "multikey", "multivalue", "multiquery", "vt", "fwe")
+COST_TASKS = ("niah_noise", "multiquery")  # one question, four questions: what --cost samples
+FULL_SAMPLES = 20  # per task in the full report
+BUDGET_MINUTES = 60  # what a preset's report was to take on 2 cores
 DEFAULT_VARIANT = ("tail", "63")  # ingest's defaults before this report: --observation tail --pool-kernel-size 63
 MARGIN = 0.02  # a variant must beat the current default by 2 points of mean score to replace it
 NEAR_FULL = 0.05  # a budget is "close to full attention" within 5 points of its mean score
@@ -77,6 +84,8 @@ def merge(parts: list[dict]) -> dict:
     report["config"] = {**parts[0]["config"], "tasks": [t for p in parts for t in p["config"]["tasks"]]}
     report["elapsed_s"] = sum(p["elapsed_s"] for p in parts)
     report["summary"] = summarize(report["records"])
+    dates = [p["date"] for p in parts if p.get("date")]
+    report["date"] = max(dates) if dates else None
     return report
 
 
@@ -224,7 +233,59 @@ def choose(means: dict, reports: dict[str, dict]) -> list[str]:
     return out
 
 
-def page(reports: dict[str, dict], quick: bool, partial: str | None = None) -> str:
+def measure_cost(model: str, n: int, json_dir: Path) -> dict:
+    """One sample of each COST_TASKS task through the full report's `rocketkv eval` (COMMON);
+    the report JSON, kept as `accuracy-cost-<model>.json`."""
+    out = json_dir / f"accuracy-cost-{file_label(model)}.json"
+    cmd = [ROCKETKV, "eval", "--model", model, "--context-tokens", str(n), "--tasks", ",".join(COST_TASKS), *COMMON,
+           "--samples", "1", "--json", str(out)]  # fmt: skip
+    print("$", " ".join(["rocketkv", *cmd[1:]]), file=sys.stderr)
+    done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
+    if done.returncode != 0:
+        raise SystemExit(f"rocketkv eval failed (exit {done.returncode}) measuring the cost of {model}")
+    return json.loads(out.read_text())
+
+
+def cost_lines(costs: dict[str, dict]) -> list[str]:
+    """The "What the full report costs" section: per preset, the measured seconds per sample (prefill with
+    every stage-1 cache, then the answers of every run) and the full report projected from them."""
+    n_full = FULL_SAMPLES * len(TASKS)
+    lines = ["## What the full report costs", "",
+             f"The full report is {len(TASKS)} tasks × {FULL_SAMPLES} samples = {n_full} documents per preset, each "
+             "prefilled once and compressed for every stage-1 cache of the method list (`--methods all`, 3 "
+             "observation windows, 4 budgets), then answered by every run. `python scripts/accuracy_report.py "
+             "--cost` runs exactly that configuration on one sample of "
+             + " and ".join(f"`{t}`" for t in COST_TASKS) + " per preset (JSON: "
+             "`docs/bench/accuracy-cost-<preset>.json`). *Prefill + caches*: the document's prefill, the "
+             "context-reconstruction re-read and every cache's selection, saving and loading; *answers*: "
+             "every run's teacher-forced scoring and, where it disagrees with full attention, its own "
+             "generation.", "",
+             "| preset, tokens | threads | caches / runs per sample | prefill + caches | answers | per sample | "
+             f"{n_full} samples | with 2 processes |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for model, rep in costs.items():
+        samples = rep["samples"]
+        pre = sum(x["prefill_s"] + x["save_load_s"] for x in samples) / len(samples)
+        total = sum(x["total_s"] for x in samples) / len(samples)
+        n_runs = len({(r["label"], r["budget"]) for r in rep["records"]})
+        threads = rep["versions"]["threads"]
+        full_h = n_full * total / 3600
+        lines.append(f"| {model}, {rep['config']['context_tokens'][0]} | {threads} | {samples[0]['n_caches']} / "
+                     f"{n_runs} | {pre:.0f} s | {total - pre:.0f} s | {total:.0f} s | {full_h:.1f} h | "
+                     f"{full_h / 2:.1f} h |")  # fmt: skip
+    lines += ["", f"*With 2 processes*: the two cores each running half the samples on one thread, the most "
+              "two cores give (it assumes one thread per sample runs as fast as the measurement did). The "
+              f"report was designed for {BUDGET_MINUTES} minutes per preset.", ""]  # fmt: skip
+    return lines
+
+
+def run_date(reports: dict[str, dict]) -> str:
+    """The day of the latest run behind `reports` (each `rocketkv eval` JSON records its own)."""
+    dates = sorted(r["date"] for r in reports.values() if r.get("date"))
+    return dates[-1] if dates else "an unrecorded date (see `git log docs/bench`)"
+
+
+def page(reports: dict[str, dict], quick: bool, partial: str | None = None, costs: dict | None = None) -> str:
     any_report = next(iter(reports.values()))
     v = any_report["versions"]
     lines = ["# Accuracy: rocketkv vs full attention and baselines", ""]
@@ -237,8 +298,7 @@ def page(reports: dict[str, dict], quick: bool, partial: str | None = None) -> s
               "[docs/stage1-methods.md](stage1-methods.md) (`python scripts/stage1_report.py`).", ""]  # fmt: skip
     lines += [
         "Generated by `python scripts/accuracy_report.py` (which runs `rocketkv eval`; the JSON with every answer "
-        "is in `docs/bench/accuracy-<preset>.json`) on "
-        f"{dt.date.today().isoformat()}: rocketkv {v['rocketkv']}, torch {v['torch']}, transformers "
+        f"is in `docs/bench/accuracy-<preset>.json`) on {run_date(reports)}: rocketkv {v['rocketkv']}, torch {v['torch']}, transformers "
         f"{v['transformers']}, {v['threads']} threads, {v['cpu']}.", "",
         "Tasks are RULER-style and generated locally (docs/accuracy.md): `niah_noise` (one needle in a noise haystack), "
         "`niah_text` (one needle in King James Bible text), `multikey` (a needle among 3 distractor needles), "
@@ -284,6 +344,8 @@ def page(reports: dict[str, dict], quick: bool, partial: str | None = None) -> s
               "## Defaults", "", *(["What this partial data would suggest (**not applied**: the rule is for the "
                                     "full report):", ""] if partial else []),
               *choose(means, reports), ""]  # fmt: skip
+    if costs:
+        lines += cost_lines(costs)
     return "\n".join(lines)
 
 
@@ -298,6 +360,8 @@ def main() -> int:
     parser.add_argument("--model", help="with --quick: run on this model (a directory or preset) instead")
     parser.add_argument("--context-tokens", type=int, default=1024, help="with --quick --model: document length")
     parser.add_argument("--eval-args", default="", help="with --quick: more `rocketkv eval` options (later win)")
+    parser.add_argument("--cost", action="store_true",
+                        help="measure what the full report costs (one sample of two tasks per preset; kept JSON reused)")  # fmt: skip
     args = parser.parse_args()
     if (args.model or args.eval_args) and not args.quick:
         parser.error("--model and --eval-args are for --quick smoke runs")
@@ -313,18 +377,27 @@ def main() -> int:
     tasks = tuple(args.tasks.split(",")) if args.tasks else TASKS
     if not set(tasks) <= set(TASKS):
         parser.error(f"--tasks: unknown {sorted(set(tasks) - set(TASKS))}")
+    costs = {}
+    for model, n in ({} if args.quick else FULL).items():
+        kept = json_dir / f"accuracy-cost-{file_label(model)}.json"
+        if args.cost and not args.from_json and not kept.exists():
+            costs[model] = measure_cost(model, n, json_dir)
+        elif kept.exists():
+            costs[model] = json.loads(kept.read_text())
+    if args.cost and args.from_json and not costs:
+        parser.error("--cost --from-json: no docs/bench/accuracy-cost-*.json yet")
     reports = {}
     for model, n in presets.items():
         common = [*(QUICK_COMMON if args.quick else COMMON), "--samples", str(samples), *shlex.split(args.eval_args)]
         reports[model] = run(model, n, common, json_dir, tasks, resume=not args.quick or args.from_json,
-                             runs=not args.from_json)  # fmt: skip
+                             runs=not (args.from_json or args.cost))  # fmt: skip
         (json_dir / f"accuracy-{file_label(model)}.json").write_text(json.dumps(reports[model], indent=1))
     partial = None
     if not args.quick and (presets.keys() != FULL.keys() or tasks != TASKS or samples < 20):
         partial = (f"**Partial report**: presets {', '.join(presets)}; tasks {', '.join(tasks)}; {samples} samples "
                    f"per task (the full report: both presets, all {len(TASKS)} tasks, 20 samples). Intervals are "
                    "wide at this size and the defaults below are not changed from it.")  # fmt: skip
-    (out_dir / "accuracy.md").write_text(page(reports, args.quick, partial))
+    (out_dir / "accuracy.md").write_text(page(reports, args.quick, partial, costs))
     print(out_dir / "accuracy.md")
     return 0
 

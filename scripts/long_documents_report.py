@@ -9,11 +9,19 @@ Per preset, through the installed CLI (every number comes from a real `rocketkv`
 4. `rocketkv summarize --cache` of the same cache: run time and the summary;
 5. the whole book for --full-book-seconds, then SIGTERM (checkpoints kept, as with Ctrl-C):
    tokens/s and the projected total time.
+6. `--ceiling` (on the results already in --json): the ceiling of the needle rows. Each segment
+   holding a needle is cut from the same document exactly as `ingest` cuts it, then ingested on
+   its own twice, with default settings (the pruned cache a segmented file holds for it) and with
+   nothing pruned (`--budget` above its length, `--kv-dtype auto`), and every needle question is
+   asked of both (the second with `--dense`: exact attention over the whole segment, i.e. full
+   attention). The found rate of the first next to the second says how much of what the routed
+   answers miss is lost to pruning, and how much this model misses even with the whole segment.
 
 Usage:
     python scripts/long_documents_report.py                      # both presets, ~25-40 min on 2 cores
     python scripts/long_documents_report.py --from-json          # rewrite the page from the JSON
     python scripts/long_documents_report.py --presets smollm2-135m --tokens 20000 --full-book-seconds 0
+    python scripts/long_documents_report.py --ceiling               # add step 6 to the JSON's results
 """
 
 from __future__ import annotations
@@ -156,6 +164,85 @@ def preset_report(preset: str, args, work: Path) -> dict:
     return result
 
 
+def segment_cuts(preset: str, text: str, segment_tokens: int | None) -> list[dict]:
+    """The segments `rocketkv ingest` (default settings) cuts `text` into: [{"text", "start_token",
+    "n_tokens"}] (start_token: offset of the first document token in the whole document's tokens,
+    as `inspect` reports it; n_tokens: framed tokens of the segment's prefill)."""
+    from rocketkv_cli.core.config import PrefillConfig, with_preset_defaults
+    from rocketkv_cli.engine.api import RocketKV
+    from rocketkv_cli.engine.documents import Document, segment_texts
+    from rocketkv_cli.engine.segments import SEGMENT_SLACK_TOKENS, frame_tokens, segment_limit
+
+    engine = RocketKV.load(preset).engine
+    cfg = with_preset_defaults(PrefillConfig(), engine.loaded.model_id, ())
+    frame = frame_tokens(engine)
+    room = segment_limit(engine, cfg, segment_tokens) - frame - SEGMENT_SLACK_TOKENS
+    cuts, start = [], 0
+    for piece in segment_texts(engine.tokenizer, [text], room):
+        n = len(engine.document_ids(Document(piece, "", "")))
+        cuts.append({"text": piece, "start_token": start, "n_tokens": n})
+        start += n - frame
+    return cuts
+
+
+def ceiling(result: dict, args, work: Path) -> dict:
+    """Step 6 for one preset's result: each needle's own segment ingested alone, pruned with the
+    defaults and unpruned; every needle question asked of both. Adds `seg_default_*` and `full_*`
+    to each needle and returns the run's record (segments, seconds, the commands)."""
+    preset = result["preset"]
+    tok = tokenizer_of(preset)
+    text, needles = build_document(tok, args.tokens, args.needles_per_depth, args.seed)
+    old = {n["name"]: n for n in result["needles"]}
+    for n in needles:  # the same document as the measured one, or the ceiling means nothing
+        measured = old.get(n["name"], {})
+        if (measured.get("number"), measured.get("token_offset")) != (n["number"], n["token_offset"]):
+            raise SystemExit(f"{preset}: --tokens/--needles-per-depth/--seed do not rebuild the measured document")
+    cuts = segment_cuts(preset, text, result.get("segment_tokens"))
+    if sum(c["n_tokens"] for c in cuts) != result["document_tokens"] or len(cuts) != result["n_segments"]:
+        raise SystemExit(
+            f"{preset}: the segments cut today ({len(cuts)}, {sum(c['n_tokens'] for c in cuts)} tokens) "
+            f"are not the measured ones ({result['n_segments']}, {result['document_tokens']})"
+        )
+    by_name = {n["name"]: n for n in result["needles"]}
+    segments = []
+    for j, cut in enumerate(cuts):
+        group = [by_name[n["name"]] for n in needles if own_segment(cuts, n["token_offset"]) == j]
+        if not group:
+            continue
+        doc = work / f"{preset}-seg{j}.txt"
+        doc.write_text(cut["text"])
+        qfile = work / f"{preset}-seg{j}-questions.txt"
+        qfile.write_text("".join(n["question"] + "\n" for n in group))
+        record = {"segment": j, "start_token": cut["start_token"], "n_tokens": cut["n_tokens"],
+                  "needles": [n["name"] for n in group]}  # fmt: skip
+        for kind, ingest_opts, ask_opts in (
+            ("seg_default", [], []),
+            ("full", ["--budget", str(10 * cut["n_tokens"]), "--kv-dtype", "auto", "--observation", "tail"],
+             ["--dense"]),
+        ):  # fmt: skip
+            kv = work / f"{preset}-seg{j}-{kind}.kv"
+            ing = run(["ingest", str(doc), "-o", str(kv), "-m", preset, "--force", "--json", *ingest_opts])
+            if ing["code"] != 0:
+                raise SystemExit(f"{preset} segment {j} ({kind}): ingest failed: {ing['stderr'][-2000:]}")
+            row = json.loads(ing["stdout"])
+            if row["n_context_tokens"] != cut["n_tokens"]:
+                raise SystemExit(f"{preset} segment {j}: ingest made {row['n_context_tokens']} tokens, "
+                                 f"the cut has {cut['n_tokens']}")  # fmt: skip
+            asked = run(["ask", "--cache", str(kv), "--questions-file", str(qfile), "--json", *ask_opts])
+            if asked["code"] != 0:
+                raise SystemExit(f"{preset} segment {j} ({kind}): ask failed: {asked['stderr'][-2000:]}")
+            for needle, line in zip(group, asked["stdout"].splitlines(), strict=True):
+                ans = json.loads(line)["answer"]
+                needle.update({f"{kind}_answer": ans, f"{kind}_hit": needle["number"] in ans})
+            record[kind] = {"ingest_s": round(ing["seconds"], 1), "ask_s": round(asked["seconds"], 1),
+                            "file_bytes": row["file_bytes"], "kept_tokens_per_layer": row["kept_tokens_per_layer"],
+                            "command": " ".join(["rocketkv ingest SEGMENT.txt -m", preset, *ingest_opts]) + " && "
+                            + " ".join(["rocketkv ask --cache SEGMENT.kv --questions-file Q", *ask_opts])}  # fmt: skip
+            kv.unlink(missing_ok=True)
+        segments.append(record)
+    return {"segments": segments, "date": time.strftime("%Y-%m-%d")}
+
+
 def full_book(preset: str, tok, seconds: float, work: Path) -> dict:
     """Ingest the whole book for `seconds`, then interrupt: tokens/s and the projected total."""
     total = sum(
@@ -268,6 +355,35 @@ def render(results: list[dict], command: str | list[str]) -> str:
         n = r["needles"]
         hits = [sum(x[key] for x in n) for key in ("routed_hit", "routed_to_own", "own_hit")]
         out.append(f"| {label(r)} | all | " + " | ".join(f"{h}/{len(n)}" for h in hits) + " |")
+    ceilings = [r for r in results if r.get("ceiling")]
+    if ceilings:
+        out += ["", "## Ceiling: each needle's own segment, pruned and whole", "",
+                "`python scripts/long_documents_report.py --ceiling` (step 6 of the script): every segment "
+                "holding a needle, cut from the same document as `ingest` cuts it, ingested alone with the "
+                "defaults (*default cache*: what the segmented file holds for it) and with nothing pruned "
+                "(*full attention*: `--budget` above its length, `--kv-dtype auto`, asked with `--dense`, "
+                "so exact attention over the whole segment). *Own segment given* is the column above, "
+                "from the run that made the file.", "",
+                "| preset | depth | found (own segment given) | found (default cache) | found (full attention) |",
+                "|---|---|---|---|---|"]  # fmt: skip
+        keys = ("own_hit", "seg_default_hit", "full_hit")
+        for r in ceilings:
+            for depth in (*DEPTHS, None):
+                group = [n for n in r["needles"] if depth is None or n["depth"] == depth]
+                hits = [sum(bool(n.get(key)) for n in group) for key in keys]
+                name = "all" if depth is None else f"{depth:.0%}"
+                out.append(f"| {label(r)} | {name} | " + " | ".join(f"{h}/{len(group)}" for h in hits) + " |")
+        out.append("")
+        for r in ceilings:
+            segs = r["ceiling"]["segments"]
+            out.append(f"- {label(r)} ({r['ceiling']['date']}): segments "
+                       + ", ".join(f"{g['segment']} ({g['n_tokens']:,} tokens: default ingest "
+                                   f"{g['seg_default']['ingest_s']:.0f} s, unpruned {g['full']['ingest_s']:.0f} s)"
+                                   for g in segs) + ".")  # fmt: skip
+        misses = [(r["preset"], n) for r in ceilings for n in r["needles"] if not n.get("full_hit")]
+        if misses:
+            out += ["", "What full attention answered where it missed (the model's own ceiling):", ""]
+            out += [f"- {p}, {n['name']} ({n['number']}): {n.get('full_answer', '')[:120]!r}" for p, n in misses]
     out += ["", "## Summaries (`rocketkv summarize --cache FILE`)", ""]
     for r in results:
         out += [f"**{r['preset']}** ({len(r['partial_summaries'])} partial summaries, {r['summarize_s']:.0f} s):", "",
@@ -301,10 +417,20 @@ def main() -> None:
     ap.add_argument("--segment-tokens", type=int, default=None, help="ingest option (default: rocketkv's)")
     ap.add_argument("--append", action="store_true", help="add these results to those already in --json")
     ap.add_argument("--from-json", action="store_true", help="only rewrite the page from --json")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="step 6 only, on the results in --json (their presets among --presets)")  # fmt: skip
     args = ap.parse_args()
     command = "python scripts/long_documents_report.py " + " ".join(sys.argv[1:])
     if args.from_json:
         data = json.loads(args.json.read_text())
+    elif args.ceiling:
+        data = json.loads(args.json.read_text())
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        for result in data["results"]:
+            if result["preset"] in args.presets.split(",") and not result.get("segment_tokens"):
+                print(f"== {result['preset']}: ceiling", file=sys.stderr, flush=True)
+                result["ceiling"] = ceiling(result, args, args.workdir)
+                args.json.write_text(json.dumps(data, indent=1))  # after each preset: a crash keeps the rest
     else:
         args.workdir.mkdir(parents=True, exist_ok=True)
         old = json.loads(args.json.read_text()) if args.append and args.json.exists() else None

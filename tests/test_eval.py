@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 import subprocess
 from collections import Counter
 
@@ -264,7 +265,8 @@ def test__cli_eval__tiny_model_end_to_end_json_schema(rocketkv_bin, tiny_model_d
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
     assert set(report) == {"format", "format_version", "config", "model", "versions", "summary", "samples",
-                           "records", "elapsed_s"}  # fmt: skip
+                           "records", "elapsed_s", "date"}  # fmt: skip
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", report["date"]), report["date"]
     assert len(report["samples"]) == 3 * 2 and all(s["prefill_s"] > 0 for s in report["samples"])
     assert report["format"] == "rocketkv.eval" and report["format_version"] == 1
     assert report["config"]["samples"] == 2 and report["config"]["budgets"] == [64]
@@ -380,3 +382,28 @@ def test__accuracy_report__quick_mode_on_a_tiny_model_writes_the_page_and_json(t
         assert (tmp_path / "out" / "bench" / f"accuracy-{name}-{task}.json").is_file()
     page = (tmp_path / "out" / "accuracy.md").read_text()
     assert "QUICK SMOKE RUN" in page and f"## {tiny_model_dir}" in page, page[:500]
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", merged["date"]) and f"on {merged['date']}:" in page
+
+
+def test__accuracy_report__cost_section_projects_the_measured_seconds_per_sample():
+    """`--cost`'s section: seconds per sample (prefill + caches, answers) from the eval JSON's
+    sample timings, projected to 7 tasks x 20 samples, one process and two (values by hand)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "accuracy_report.py"
+    spec = importlib.util.spec_from_file_location("accuracy_report", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rep = {
+        "samples": [{"prefill_s": 50.0, "save_load_s": 10.0, "total_s": 90.0, "n_caches": 25},
+                    {"prefill_s": 70.0, "save_load_s": 10.0, "total_s": 150.0, "n_caches": 25}],
+        "records": [{"label": "full", "budget": None}, {"label": "rocketkv", "budget": 128},
+                    {"label": "rocketkv", "budget": 128}],
+        "versions": {"threads": 1}, "config": {"context_tokens": [4096]},
+    }  # fmt: skip
+    lines = mod.cost_lines({"smollm2-135m": rep})
+    row = next(line for line in lines if line.startswith("| smollm2-135m"))
+    # per sample (90 + 150) / 2 = 120 s, of which (60 + 80) / 2 = 70 s prefill + caches; 140 x 120 s = 4.67 h
+    assert row == "| smollm2-135m, 4096 | 1 | 25 / 2 | 70 s | 50 s | 120 s | 4.7 h | 2.3 h |", row

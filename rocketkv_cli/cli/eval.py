@@ -177,6 +177,7 @@ def eval_command(
         report = run_eval(engine, cfg, Path(tmp), haystack_text, on_progress)
     report["config"]["haystack"] = str(haystack_path) if haystack_text is not None else None
     report["versions"] = machine_info()
+    report["date"] = time.strftime("%Y-%m-%d")  # the run's day, for pages rendered later from the JSON
     for row in report["summary"]:
         typer.echo(json.dumps({"model": engine.loaded.model_id, **row}))
     if not quiet:

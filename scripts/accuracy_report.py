@@ -246,9 +246,12 @@ def measure_cost(model: str, n: int, json_dir: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def cost_lines(costs: dict[str, dict]) -> list[str]:
-    """The "What the full report costs" section: per preset, the measured seconds per sample (prefill with
-    every stage-1 cache, then the answers of every run) and the full report projected from them."""
+def cost_lines(costs: dict[str, dict], floors: dict[str, dict] | None = None) -> list[str]:
+    """The "What the full report costs" section: per preset, the measured seconds per sample (prefill
+    with every stage-1 cache, then the answers of every run) and the full report projected from them;
+    with `floors` (preset → `benchmarks/reconstruction_ingest.py --json` output at the report's
+    length), the part of a sample no run of this protocol can skip: its document's prefill and the
+    context-reconstruction re-read, times the report's samples."""
     n_full = FULL_SAMPLES * len(TASKS)
     lines = ["## What the full report costs", "",
              f"The full report is {len(TASKS)} tasks × {FULL_SAMPLES} samples = {n_full} documents per preset, each "
@@ -259,10 +262,11 @@ def cost_lines(costs: dict[str, dict]) -> list[str]:
              "`docs/bench/accuracy-cost-<preset>.json`). *Prefill + caches*: the document's prefill, the "
              "context-reconstruction re-read and every cache's selection, saving and loading; *answers*: "
              "every run's teacher-forced scoring and, where it disagrees with full attention, its own "
-             "generation.", "",
-             "| preset, tokens | threads | caches / runs per sample | prefill + caches | answers | per sample | "
-             f"{n_full} samples | with 2 processes |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+             "generation. *Two processes*: each core running half the samples on one thread, the most two "
+             "cores give (shown when the measurement itself ran on one thread).", "",
+             "| preset, tokens | date | threads | caches / runs per sample | prefill + caches | answers | per sample | "
+             f"{n_full} samples | two processes |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for model, rep in costs.items():
         samples = rep["samples"]
         pre = sum(x["prefill_s"] + x["save_load_s"] for x in samples) / len(samples)
@@ -270,12 +274,25 @@ def cost_lines(costs: dict[str, dict]) -> list[str]:
         n_runs = len({(r["label"], r["budget"]) for r in rep["records"]})
         threads = rep["versions"]["threads"]
         full_h = n_full * total / 3600
-        lines.append(f"| {model}, {rep['config']['context_tokens'][0]} | {threads} | {samples[0]['n_caches']} / "
-                     f"{n_runs} | {pre:.0f} s | {total - pre:.0f} s | {total:.0f} s | {full_h:.1f} h | "
-                     f"{full_h / 2:.1f} h |")  # fmt: skip
-    lines += ["", f"*With 2 processes*: the two cores each running half the samples on one thread, the most "
-              "two cores give (it assumes one thread per sample runs as fast as the measurement did). The "
-              f"report was designed for {BUDGET_MINUTES} minutes per preset.", ""]  # fmt: skip
+        two = f"{full_h / 2:.1f} h" if threads == 1 else "-"
+        lines.append(f"| {model}, {rep['config']['context_tokens'][0]} | {rep.get('date') or '-'} | {threads} | "
+                     f"{samples[0]['n_caches']} / {n_runs} | {pre:.0f} s | {total - pre:.0f} s | {total:.0f} s | "
+                     f"{full_h:.1f} h | {two} |")  # fmt: skip
+    if floors:
+        lines += ["", "The floor: what every sample costs before any cache is selected or any answer scored — "
+                  "one prefill of its document (a `tail`-window ingest) and the context-reconstruction re-read "
+                  "that the `reconstruct` observation adds (`python benchmarks/reconstruction_ingest.py DOC "
+                  "--no-reference`, a KJV slice of the report's length, median of its rounds; JSON "
+                  "`docs/bench/reconstruction-ingest-<preset>-<tokens>.json`). Each sample is a different "
+                  "document, so neither is shared between samples.", "",
+                  "| preset, tokens | threads | prefill | prefill + re-read | "
+                  f"{n_full} samples, prefill only | {n_full} samples, prefill + re-read |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+        for model, fl in floors.items():
+            tail, recon = fl["median_s"]["tail window"], fl["median_s"]["reconstruct, fast path"]
+            lines.append(f"| {model}, {fl['context_tokens']} | {fl['threads']} | {tail:.1f} s | {recon:.1f} s | "
+                         f"{n_full * tail / 60:.0f} min | {n_full * recon / 60:.0f} min |")  # fmt: skip
+    lines += ["", f"The report was designed for {BUDGET_MINUTES} minutes per preset on this 2-core machine.", ""]
     return lines
 
 
@@ -285,7 +302,8 @@ def run_date(reports: dict[str, dict]) -> str:
     return dates[-1] if dates else "an unrecorded date (see `git log docs/bench`)"
 
 
-def page(reports: dict[str, dict], quick: bool, partial: str | None = None, costs: dict | None = None) -> str:
+def page(reports: dict[str, dict], quick: bool, partial: str | None = None, costs: dict | None = None,
+         floors: dict | None = None) -> str:  # fmt: skip
     any_report = next(iter(reports.values()))
     v = any_report["versions"]
     lines = ["# Accuracy: rocketkv vs full attention and baselines", ""]
@@ -345,7 +363,7 @@ def page(reports: dict[str, dict], quick: bool, partial: str | None = None, cost
                                     "full report):", ""] if partial else []),
               *choose(means, reports), ""]  # fmt: skip
     if costs:
-        lines += cost_lines(costs)
+        lines += cost_lines(costs, floors)
     return "\n".join(lines)
 
 
@@ -384,6 +402,11 @@ def main() -> int:
             costs[model] = measure_cost(model, n, json_dir)
         elif kept.exists():
             costs[model] = json.loads(kept.read_text())
+    floors = {}
+    for model, n in ({} if args.quick else FULL).items():
+        kept = json_dir / f"reconstruction-ingest-{file_label(model)}-{n}.json"
+        if kept.exists():
+            floors[model] = json.loads(kept.read_text())
     if args.cost and args.from_json and not costs:
         parser.error("--cost --from-json: no docs/bench/accuracy-cost-*.json yet")
     reports = {}
@@ -397,7 +420,7 @@ def main() -> int:
         partial = (f"**Partial report**: presets {', '.join(presets)}; tasks {', '.join(tasks)}; {samples} samples "
                    f"per task (the full report: both presets, all {len(TASKS)} tasks, 20 samples). Intervals are "
                    "wide at this size and the defaults below are not changed from it.")  # fmt: skip
-    (out_dir / "accuracy.md").write_text(page(reports, args.quick, partial, costs))
+    (out_dir / "accuracy.md").write_text(page(reports, args.quick, partial, costs, floors))
     print(out_dir / "accuracy.md")
     return 0
 

@@ -8,8 +8,8 @@ per task, budgets 128–1024, methods full / rocketkv with each observation wind
 sink_recent / reconstruct / reselect) and keeps each run's JSON (`docs/bench/accuracy-<preset>-<task>.json`): an
 interrupted report resumes at the first missing one when rerun, so it can run in the background.
 Every method scores full attention's answer teacher-forced (top-1 agreement, KL, log-prob) and
-generates only where it disagrees, which was meant to fit a preset in an hour on an idle 2-core CPU; it does not (`--cost` measures
-what it takes: about 1.2 h for SmolLM2 and 2.7 h for Gemma at 1 thread per sample). Rates
+generates only where it disagrees, which was meant to fit a preset in an hour on an idle 2-core CPU; it does not: `--cost` measured
+about 11 hours per preset (docs/accuracy.md, "What the full report costs"). Rates
 carry Wilson intervals, means bootstrap intervals (95%). `--quick` is a smoke run of the whole
 chain (SmolLM2 only, 1K tokens, one sample, one budget) under build/accuracy-quick/: not evidence;
 with `--model`, `--context-tokens` and `--eval-args` (passed on to `rocketkv eval`) it runs on any
@@ -246,11 +246,12 @@ def measure_cost(model: str, n: int, json_dir: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def cost_lines(costs: dict[str, dict], floors: dict[str, dict] | None = None) -> list[str]:
+def cost_lines(costs: dict[str, dict], floors: dict[str, list[list[dict]]] | None = None) -> list[str]:
     """The "What the full report costs" section: per preset, the measured seconds per sample (prefill
     with every stage-1 cache, then the answers of every run) and the full report projected from them;
-    with `floors` (preset → `benchmarks/reconstruction_ingest.py --json` output at the report's
-    length), the part of a sample no run of this protocol can skip: its document's prefill and the
+    with `floors` (preset → measurements, each a list of `benchmarks/reconstruction_ingest.py --json`
+    outputs at the report's length that ran at the same time: one, or one per concurrent process,
+    whose samples then cost their mean over the number of processes), the part of a sample no run of this protocol can skip: its document's prefill and the
     context-reconstruction re-read, times the report's samples."""
     n_full = FULL_SAMPLES * len(TASKS)
     lines = ["## What the full report costs", "",
@@ -285,13 +286,18 @@ def cost_lines(costs: dict[str, dict], floors: dict[str, dict] | None = None) ->
                   "--no-reference`, a KJV slice of the report's length, median of its rounds; JSON "
                   "`docs/bench/reconstruction-ingest-<preset>-<tokens>.json`). Each sample is a different "
                   "document, so neither is shared between samples.", "",
-                  "| preset, tokens | threads | prefill | prefill + re-read | "
+                  "| preset, tokens | processes × threads | prefill | prefill + re-read | "
                   f"{n_full} samples, prefill only | {n_full} samples, prefill + re-read |",
                   "| --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
-        for model, fl in floors.items():
-            tail, recon = fl["median_s"]["tail window"], fl["median_s"]["reconstruct, fast path"]
-            lines.append(f"| {model}, {fl['context_tokens']} | {fl['threads']} | {tail:.1f} s | {recon:.1f} s | "
-                         f"{n_full * tail / 60:.0f} min | {n_full * recon / 60:.0f} min |")  # fmt: skip
+        for model, measurements in floors.items():
+            for runs in measurements:
+                k = len(runs)  # concurrent processes: each sample costs its time over k
+                tail = sum(r["median_s"]["tail window"] for r in runs) / k / k
+                recon = sum(r["median_s"]["reconstruct, fast path"] for r in runs) / k / k
+                lines.append(f"| {model}, {runs[0]['context_tokens']} | {k} × {runs[0]['threads']} | {tail:.1f} s | "
+                             f"{recon:.1f} s | {n_full * tail / 60:.0f} min | {n_full * recon / 60:.0f} min |")  # fmt: skip
+        lines += ["", "With k processes at once, a cell is each process's median over k: the seconds per sample "
+                  "the machine delivers."]  # fmt: skip
     lines += ["", f"The report was designed for {BUDGET_MINUTES} minutes per preset on this 2-core machine.", ""]
     return lines
 
@@ -402,11 +408,14 @@ def main() -> int:
             costs[model] = measure_cost(model, n, json_dir)
         elif kept.exists():
             costs[model] = json.loads(kept.read_text())
-    floors = {}
+    floors: dict[str, list[list[dict]]] = {}
     for model, n in ({} if args.quick else FULL).items():
-        kept = json_dir / f"reconstruction-ingest-{file_label(model)}-{n}.json"
-        if kept.exists():
-            floors[model] = json.loads(kept.read_text())
+        one = json_dir / f"reconstruction-ingest-{file_label(model)}-{n}.json"
+        together = sorted(json_dir.glob(f"reconstruction-ingest-{file_label(model)}-{n}-concurrent-*.json"))
+        floors[model] = [[json.loads(p.read_text())] for p in [one] if p.exists()]
+        if together:
+            floors[model].append([json.loads(p.read_text()) for p in together])
+    floors = {m: f for m, f in floors.items() if f}
     if args.cost and args.from_json and not costs:
         parser.error("--cost --from-json: no docs/bench/accuracy-cost-*.json yet")
     reports = {}

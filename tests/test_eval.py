@@ -405,11 +405,13 @@ def test__accuracy_report__cost_section_projects_the_measured_seconds_per_sample
     }  # fmt: skip
     floor = {"median_s": {"tail window": 12.0, "reconstruct, fast path": 33.0}, "context_tokens": 4100, "threads": 2}
     lines = mod.cost_lines({"smollm2-135m": rep, "two-threads": {**rep, "versions": {"threads": 2}}},
-                           {"smollm2-135m": floor})  # fmt: skip
+                           {"smollm2-135m": [[floor], [{**floor, "threads": 1}, {**floor, "threads": 1}]]})  # fmt: skip
     rows = [line for line in lines if line.startswith(("| smollm2-135m", "| two-threads"))]
     # per sample (90 + 150) / 2 = 120 s, of which (60 + 80) / 2 = 70 s prefill + caches; 140 x 120 s = 4.67 h,
     # over two one-thread processes 2.33 h (not shown for a two-thread measurement)
     assert rows[0] == "| smollm2-135m, 4096 | - | 1 | 25 / 2 | 70 s | 50 s | 120 s | 4.7 h | 2.3 h |", rows[0]
     assert rows[1] == "| two-threads, 4096 | - | 2 | 25 / 2 | 70 s | 50 s | 120 s | 4.7 h | - |", rows[1]
     # the floor: 140 x 12 s = 28 min, 140 x 33 s = 77 min
-    assert rows[2] == "| smollm2-135m, 4100 | 2 | 12.0 s | 33.0 s | 28 min | 77 min |", rows[2]
+    assert rows[2] == "| smollm2-135m, 4100 | 1 × 2 | 12.0 s | 33.0 s | 28 min | 77 min |", rows[2]
+    # two processes at once, each 12 s / 33 s: the machine delivers a sample every 6 s / 16.5 s
+    assert rows[3] == "| smollm2-135m, 4100 | 2 × 1 | 6.0 s | 16.5 s | 14 min | 38 min |", rows[3]

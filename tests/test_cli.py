@@ -169,6 +169,7 @@ def test__inspect_json__describes_the_cache(rocketkv_bin, env, kv):
     assert info["format"] == "rocketkv.kv_cache" and int(info["n_context_tokens"]) > 600
     assert max(info["kept_tokens_per_layer"]) == info["budgets"]["prompt_budget"] < int(info["n_context_tokens"])
     assert info["kv_bytes"] < info["full_kv_bytes"]
+    assert info["layer_budgets"] == "uniform"  # named as `ingest --json` names it (the config omits the default)
 
 
 def test__ingest__existing_target_refused_without_force(rocketkv_bin, env, kv, doc, tiny_model_dir):
@@ -418,7 +419,7 @@ def test__ingest_adaptive_layer_budgets__inspect_and_ask(rocketkv_bin, env, doc,
     row = json.loads(r.stdout)
     info = json.loads(run(rocketkv_bin, env, "inspect", out, "--json").stdout)
     full = [k for k, w in zip(info["kept_tokens_per_layer"], info["layer_windows"]) if not w]
-    assert info["config"]["layer_budgets"] == row["layer_budgets"] == "adaptive"
+    assert info["config"]["layer_budgets"] == info["layer_budgets"] == row["layer_budgets"] == "adaptive"
     assert row["kept_tokens_per_layer"] == info["kept_tokens_per_layer"]
     assert sum(full) == len(full) * info["budgets"]["prompt_budget"] and len(set(full)) > 1, full
     text = run(rocketkv_bin, env, "inspect", out).stdout

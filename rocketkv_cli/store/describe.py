@@ -17,10 +17,11 @@ def describe(path: str | Path) -> dict:
 
     Keys: cache, file_bytes, full_kv_bytes (the unpruned KV of the same document in the model's
     dtype), kv_bytes (keys + values as stored, scales included), kv_dtype, kv_bytes_per_token
-    (kv_bytes / n_context_tokens), kept_tokens_per_layer (summed over segments),
-    n_full_attention_layers, n_segments, every metadata entry (numbers as ints, JSON entries
-    parsed; `kv_storage` as the reader took it, plus `sink_dtypes`, the dtypes its sink tokens
-    are stored in), and for a segmented file `segments` (per-segment records).
+    (kv_bytes / n_context_tokens), kept_tokens_per_layer (summed over segments), layer_budgets
+    ("uniform" or "adaptive", as `ingest --json` reports it), n_full_attention_layers, n_segments,
+    every metadata entry (numbers as ints, JSON entries parsed; `kv_storage` as the reader took
+    it, plus `sink_dtypes`, the dtypes its sink tokens are stored in), and for a segmented file
+    `segments` (per-segment records).
     Raises:
         CacheFormatError: as `load_cache`, or any damaged byte.
     """
@@ -47,6 +48,7 @@ def describe(path: str | Path) -> dict:
         **{k: v for k, v in meta.items() if k not in JSON_FIELDS},
         **{k: json.loads(meta[k]) for k in ("config", "budgets", "layer_windows")},
     }
+    info["layer_budgets"] = info["config"].get("layer_budgets", "uniform")  # the config names it only when adaptive
     if "kv_storage" in meta:  # as the reader understood it (a float file's sink count reads as 0)
         info["kv_storage"] = cache.info.storage.to_dict()
         sink_dtypes = sorted({str(spec[0]).removeprefix("torch.") for part in parts

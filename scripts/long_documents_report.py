@@ -276,7 +276,7 @@ DESIGN = """\
   and read into memory when the final file is written; measured before that change, with the
   checkpoints memory-mapped, the peak RSS grew by the size of the pruned caches, see below). Rerunning the same command reuses every checkpoint whose model, settings
   and token ids (sha256) match, and prefills the rest; the folder is removed once the final file
-  is written (format v3, docs/file-format.md: every segment's pruned KV, its token ids and offsets, its
+  is written (docs/file-format.md: every segment's pruned KV, its token ids and offsets, its
   start offset in the book, a digest per segment).
 - **Routing.** A question is answered from the segment whose words (decoded from its stored token
   ids) match it best by Okapi BM25, falling back to the question's queries scored against the
@@ -380,6 +380,12 @@ def render(results: list[dict], command: str | list[str]) -> str:
                        + ", ".join(f"{g['segment']} ({g['n_tokens']:,} tokens: default ingest "
                                    f"{g['seg_default']['ingest_s']:.0f} s, unpruned {g['full']['ingest_s']:.0f} s)"
                                    for g in segs) + ".")  # fmt: skip
+        for r in ceilings:
+            full = [n for n in r["needles"] if n.get("full_hit")]
+            kept = sum(bool(n.get("seg_default_hit")) for n in full)
+            extra = sum(bool(n.get("seg_default_hit")) and not n.get("full_hit") for n in r["needles"])
+            out.append(f"- {r['preset']}: the default cache answers {kept} of the {len(full)} needles full attention "
+                       f"answers" + (f" (and {extra} it misses)" if extra else "") + ".")  # fmt: skip
         misses = [(r["preset"], n) for r in ceilings for n in r["needles"] if not n.get("full_hit")]
         if misses:
             out += ["", "What full attention answered where it missed (the model's own ceiling):", ""]

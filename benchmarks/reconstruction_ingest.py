@@ -58,6 +58,8 @@ def main() -> int:
                 os.environ["ROCKETKV_KERNELS"] = backend
                 t0 = time.perf_counter()
                 caches[way] = rk.ingest(args.document, observation=observation).cache
+                if not isinstance(caches[way], CompressedKVCache):  # before any more rounds are spent
+                    raise SystemExit(f"{args.document}: the document must fit one segment of {args.model}'s context")
                 seconds[way].append(time.perf_counter() - t0)
                 print(f"round {r + 1}: {way}: {seconds[way][-1]:.1f} s", flush=True)
     finally:

@@ -9,7 +9,7 @@ sink_recent / reconstruct / reselect) and keeps each run's JSON (`docs/bench/acc
 interrupted report resumes at the first missing one when rerun, so it can run in the background.
 Every method scores full attention's answer teacher-forced (top-1 agreement, KL, log-prob) and
 generates only where it disagrees, which was meant to fit a preset in an hour on an idle 2-core CPU; it does not: `--cost` measured
-about 11 hours per preset (docs/accuracy.md, "What the full report costs"). Rates
+about 8-9 hours per preset (docs/accuracy.md, "What the full report costs"). Rates
 carry Wilson intervals, means bootstrap intervals (95%). `--quick` is a smoke run of the whole
 chain (SmolLM2 only, 1K tokens, one sample, one budget) under build/accuracy-quick/: not evidence;
 with `--model`, `--context-tokens` and `--eval-args` (passed on to `rocketkv eval`) it runs on any
@@ -42,6 +42,7 @@ QUICK_COMMON = ["--budgets", "256", "--methods", "all", "--observations", "tail,
                 "--seed", "0"]  # fmt: skip
 TASKS = ("niah_noise", "niah_text", "multikey", "multivalue", "multiquery", "vt", "fwe")
 COST_TASKS = ("niah_noise", "multiquery")  # one question, four questions: what --cost samples
+COST_STANDS_FOR = {"niah_noise": 6, "multiquery": 1}  # tasks of the report each cost task stands for (by questions)
 FULL_SAMPLES = 20  # per task in the full report
 BUDGET_MINUTES = 60  # what a preset's report was to take on 2 cores
 DEFAULT_VARIANT = ("tail", "63")  # ingest's defaults before this report: --observation tail --pool-kernel-size 63
@@ -57,12 +58,12 @@ def file_label(model: str) -> str:
 def run(model: str, n: int, common: list[str], json_dir: Path, tasks: tuple[str, ...], resume: bool,
         runs: bool = True) -> dict:  # fmt: skip
     """One `rocketkv eval` per task (a finished task's JSON is reused when `resume`), merged.
-    `runs=False` (--from-json): only the JSON already there; a missing one is an error."""
+    `runs=False` (--from-json, --cost): only the JSON already there; a missing one is an error."""
     parts = []
     for task in tasks:
         out = json_dir / f"accuracy-{file_label(model)}-{task}.json"
         if not runs and not out.exists():
-            raise SystemExit(f"--from-json: {out} is missing (run without --from-json to make it)")
+            raise SystemExit(f"{out} is missing (run without --from-json and --cost to make it)")
         if not (resume and out.exists()):
             cmd = [ROCKETKV, "eval", "--model", model, "--context-tokens", str(n), "--tasks", task, *common,
                    "--json", str(out)]  # fmt: skip
@@ -248,11 +249,12 @@ def measure_cost(model: str, n: int, json_dir: Path) -> dict:
 
 def cost_lines(costs: dict[str, dict], floors: dict[str, list[list[dict]]] | None = None) -> list[str]:
     """The "What the full report costs" section: per preset, the measured seconds per sample (prefill
-    with every stage-1 cache, then the answers of every run) and the full report projected from them;
-    with `floors` (preset → measurements, each a list of `benchmarks/reconstruction_ingest.py --json`
-    outputs at the report's length that ran at the same time: one, or one per concurrent process,
-    whose samples then cost their mean over the number of processes), the part of a sample no run of this protocol can skip: its document's prefill and the
-    context-reconstruction re-read, times the report's samples."""
+    with every stage-1 cache, then the answers of every run), each cost task's sample weighted by the
+    report's tasks it stands for (`COST_STANDS_FOR`: six one-question tasks, one four-question
+    task), and the full report projected from them; with `floors` (preset → measurements, each a
+    list of `benchmarks/reconstruction_ingest.py --json` outputs at the report's length that ran at
+    the same time: one, or one per concurrent process), what one document's ingest costs with and
+    without the context-reconstruction re-read, times the report's samples."""
     n_full = FULL_SAMPLES * len(TASKS)
     lines = ["## What the full report costs", "",
              f"The full report is {len(TASKS)} tasks × {FULL_SAMPLES} samples = {n_full} documents per preset, each "
@@ -260,45 +262,59 @@ def cost_lines(costs: dict[str, dict], floors: dict[str, list[list[dict]]] | Non
              "observation windows, 4 budgets), then answered by every run. `python scripts/accuracy_report.py "
              "--cost` runs exactly that configuration on one sample of "
              + " and ".join(f"`{t}`" for t in COST_TASKS) + " per preset (JSON: "
-             "`docs/bench/accuracy-cost-<preset>.json`). *Prefill + caches*: the document's prefill, the "
+             "`docs/bench/accuracy-cost-<preset>.json`); the seconds per sample weight "
+             + " and ".join(f"`{t}` by {COST_STANDS_FOR[t]}" for t in COST_TASKS)
+             + ", the report's tasks each stands for (six ask one question, one asks four). One sample each "
+             "makes this a rough measure (below the table: how much the same work varied between samples). "
+             "*Prefill + caches*: the document's prefill, the "
              "context-reconstruction re-read and every cache's selection, saving and loading; *answers*: "
              "every run's teacher-forced scoring and, where it disagrees with full attention, its own "
              "generation. *Two processes*: each core running half the samples on one thread, the most two "
              "cores give (shown when the measurement itself ran on one thread).", "",
-             "| preset, tokens | date | threads | caches / runs per sample | prefill + caches | answers | per sample | "
-             f"{n_full} samples | two processes |",
+             "| preset, tokens | date, CPU | threads | caches / runs per sample | prefill + caches | answers | "
+             f"per sample | {n_full} samples | two processes |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for model, rep in costs.items():
-        samples = rep["samples"]
-        pre = sum(x["prefill_s"] + x["save_load_s"] for x in samples) / len(samples)
-        total = sum(x["total_s"] for x in samples) / len(samples)
+        weights = {x["task"]: COST_STANDS_FOR.get(x["task"], 1) for x in rep["samples"]}
+        samples = [(weights[x["task"]] / sum(weights.values()) / sum(y["task"] == x["task"] for y in rep["samples"]),
+                    x) for x in rep["samples"]]  # fmt: skip
+        pre = sum(w * (x["prefill_s"] + x["save_load_s"]) for w, x in samples)
+        total = sum(w * x["total_s"] for w, x in samples)
         n_runs = len({(r["label"], r["budget"]) for r in rep["records"]})
         threads = rep["versions"]["threads"]
         full_h = n_full * total / 3600
         two = f"{full_h / 2:.1f} h" if threads == 1 else "-"
-        lines.append(f"| {model}, {rep['config']['context_tokens'][0]} | {rep.get('date') or '-'} | {threads} | "
-                     f"{samples[0]['n_caches']} / {n_runs} | {pre:.0f} s | {total - pre:.0f} s | {total:.0f} s | "
-                     f"{full_h:.1f} h | {two} |")  # fmt: skip
+        lines.append(f"| {model}, {rep['config']['context_tokens'][0]} | {rep.get('date') or '-'}, "
+                     f"{rep['versions'].get('cpu', '-')} | {threads} | {rep['samples'][0]['n_caches']} / {n_runs} | "
+                     f"{pre:.0f} s | {total - pre:.0f} s | {total:.0f} s | {full_h:.1f} h | {two} |")  # fmt: skip
+    spread = []
+    for model, rep in costs.items():
+        pre_s = [x["prefill_s"] + x["save_load_s"] for x in rep["samples"]]
+        spread.append(f"{model} {min(pre_s):.0f}–{max(pre_s):.0f} s")
+    lines += ["", "Prefill + caches (the same work for every sample of a preset) between its samples: "
+              + ", ".join(spread) + "."]  # fmt: skip
     if floors:
-        lines += ["", "The floor: what every sample costs before any cache is selected or any answer scored — "
-                  "one prefill of its document (a `tail`-window ingest) and the context-reconstruction re-read "
-                  "that the `reconstruct` observation adds (`python benchmarks/reconstruction_ingest.py DOC "
-                  "--no-reference`, a KJV slice of the report's length, median of its rounds; JSON "
-                  "`docs/bench/reconstruction-ingest-<preset>-<tokens>.json`). Each sample is a different "
-                  "document, so neither is shared between samples.", "",
-                  "| preset, tokens | processes × threads | prefill | prefill + re-read | "
-                  f"{n_full} samples, prefill only | {n_full} samples, prefill + re-read |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+        lines += ["", "The floor: one ingest of each document (its prefill and one selection) with the `tail` "
+                  "window, and with the context-reconstruction re-read that the `reconstruct` observation adds "
+                  "(`python benchmarks/reconstruction_ingest.py DOC --no-reference`, a KJV slice of the report's "
+                  "length, median of its rounds; JSON `docs/bench/reconstruction-ingest-<preset>-<tokens>*.json`). "
+                  "Each sample is a different document, so neither is shared between samples; the other 36 "
+                  "caches and every answer come on top.", "",
+                  "| preset, tokens | CPU | processes × threads | ingest (tail) | ingest (reconstruct) | "
+                  f"{n_full} samples, tail | {n_full} samples, reconstruct |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
         for model, measurements in floors.items():
             for runs in measurements:
                 k = len(runs)  # concurrent processes: each sample costs its time over k
                 tail = sum(r["median_s"]["tail window"] for r in runs) / k / k
                 recon = sum(r["median_s"]["reconstruct, fast path"] for r in runs) / k / k
-                lines.append(f"| {model}, {runs[0]['context_tokens']} | {k} × {runs[0]['threads']} | {tail:.1f} s | "
-                             f"{recon:.1f} s | {n_full * tail / 60:.0f} min | {n_full * recon / 60:.0f} min |")  # fmt: skip
-        lines += ["", "With k processes at once, a cell is each process's median over k: the seconds per sample "
-                  "the machine delivers."]  # fmt: skip
-    lines += ["", f"The report was designed for {BUDGET_MINUTES} minutes per preset on this 2-core machine.", ""]
+                cpu = runs[0].get("machine", {}).get("cpu", "-")
+                lines.append(f"| {model}, {runs[0]['context_tokens']} | {cpu} | {k} × {runs[0]['threads']} | "
+                             f"{tail:.1f} s | {recon:.1f} s | {n_full * tail / 60:.0f} min | "
+                             f"{n_full * recon / 60:.0f} min |")  # fmt: skip
+        lines += ["", "With k processes at once, a cell is the mean of the processes' medians divided by k: the "
+                  "seconds per sample the machine delivers."]  # fmt: skip
+    lines += ["", f"The report was designed for {BUDGET_MINUTES} minutes per preset on a 2-core CPU.", ""]
     return lines
 
 
@@ -401,6 +417,17 @@ def main() -> int:
     tasks = tuple(args.tasks.split(",")) if args.tasks else TASKS
     if not set(tasks) <= set(TASKS):
         parser.error(f"--tasks: unknown {sorted(set(tasks) - set(TASKS))}")
+    if (args.from_json or args.cost) and not args.quick:  # the page from what was run: presets, tasks, samples
+        have = lambda m, t: (json_dir / f"accuracy-{file_label(m)}-{t}.json").exists()  # noqa: E731
+        if not args.presets:
+            presets = {m: n for m, n in presets.items() if any(have(m, t) for t in tasks)}
+        if not args.tasks:
+            tasks = tuple(t for t in TASKS if presets and all(have(m, t) for m in presets))
+        if not presets or not tasks:
+            parser.error(f"no per-task accuracy JSON in {json_dir} yet (run without --from-json and --cost)")
+        if not args.samples:
+            first = json_dir / f"accuracy-{file_label(next(iter(presets)))}-{tasks[0]}.json"
+            samples = json.loads(first.read_text())["config"]["samples"]
     costs = {}
     for model, n in ({} if args.quick else FULL).items():
         kept = json_dir / f"accuracy-cost-{file_label(model)}.json"

@@ -205,6 +205,9 @@ def ceiling(result: dict, args, work: Path) -> dict:
         )
     by_name = {n["name"]: n for n in result["needles"]}
     segments = []
+    for n in needles:
+        if own_segment(cuts, n["token_offset"]) != by_name[n["name"]]["own_segment"]:
+            raise SystemExit(f"{preset}: {n['name']}'s needle falls in another segment than the measured one")
     for j, cut in enumerate(cuts):
         group = [by_name[n["name"]] for n in needles if own_segment(cuts, n["token_offset"]) == j]
         if not group:
@@ -360,10 +363,12 @@ def render(results: list[dict], command: str | list[str]) -> str:
         out += ["", "## Ceiling: each needle's own segment, pruned and whole", "",
                 "`python scripts/long_documents_report.py --ceiling` (step 6 of the script): every segment "
                 "holding a needle, cut from the same document as `ingest` cuts it, ingested alone with the "
-                "defaults (*default cache*: what the segmented file holds for it) and with nothing pruned "
-                "(*full attention*: `--budget` above its length, `--kv-dtype auto`, asked with `--dense`, "
-                "so exact attention over the whole segment). *Own segment given* is the column above, "
-                "from the run that made the file.", "",
+                "defaults of the ceiling run's day (*default cache*: what a segmented file made that day holds "
+                "for it) and with nothing pruned (*full attention*: `--budget` above its length, `--kv-dtype "
+                "auto`, asked with `--dense`, so exact attention over the whole segment). *Own segment given* "
+                "is the column above, from the run that made the file, with the defaults of that run's day "
+                "(which differ where the defaults have changed since: the two columns may differ by settings, "
+                "not only by chance).", "",
                 "| preset | depth | found (own segment given) | found (default cache) | found (full attention) |",
                 "|---|---|---|---|---|"]  # fmt: skip
         keys = ("own_hit", "seg_default_hit", "full_hit")
@@ -432,11 +437,15 @@ def main() -> None:
     elif args.ceiling:
         data = json.loads(args.json.read_text())
         args.workdir.mkdir(parents=True, exist_ok=True)
+        if command.strip() not in data["command"]:
+            data["command"] = [*(data["command"] if isinstance(data["command"], list) else [data["command"]]),
+                               command.strip()]  # fmt: skip
         for result in data["results"]:
-            if result["preset"] in args.presets.split(",") and not result.get("segment_tokens"):
-                print(f"== {result['preset']}: ceiling", file=sys.stderr, flush=True)
-                result["ceiling"] = ceiling(result, args, args.workdir)
-                args.json.write_text(json.dumps(data, indent=1))  # after each preset: a crash keeps the rest
+            if result["preset"] not in args.presets.split(","):
+                continue
+            print(f"== {label(result)}: ceiling", file=sys.stderr, flush=True)
+            result["ceiling"] = ceiling(result, args, args.workdir)
+            args.json.write_text(json.dumps(data, indent=1))  # after each preset: a crash keeps the rest
     else:
         args.workdir.mkdir(parents=True, exist_ok=True)
         old = json.loads(args.json.read_text()) if args.append and args.json.exists() else None

@@ -387,7 +387,8 @@ def test__accuracy_report__quick_mode_on_a_tiny_model_writes_the_page_and_json(t
 
 def test__accuracy_report__cost_section_projects_the_measured_seconds_per_sample():
     """`--cost`'s section: seconds per sample (prefill + caches, answers) from the eval JSON's
-    sample timings, projected to 7 tasks x 20 samples, one process and two (values by hand)."""
+    sample timings, the one-question task weighted 6 and the four-question one 1 (the report's
+    seven tasks), projected to 7 tasks x 20 samples, one process and two (values by hand)."""
     import importlib.util
     from pathlib import Path
 
@@ -397,8 +398,8 @@ def test__accuracy_report__cost_section_projects_the_measured_seconds_per_sample
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     rep = {
-        "samples": [{"prefill_s": 50.0, "save_load_s": 10.0, "total_s": 90.0, "n_caches": 25},
-                    {"prefill_s": 70.0, "save_load_s": 10.0, "total_s": 150.0, "n_caches": 25}],
+        "samples": [{"task": "niah_noise", "prefill_s": 50.0, "save_load_s": 10.0, "total_s": 90.0, "n_caches": 25},
+                    {"task": "multiquery", "prefill_s": 70.0, "save_load_s": 10.0, "total_s": 150.0, "n_caches": 25}],
         "records": [{"label": "full", "budget": None}, {"label": "rocketkv", "budget": 128},
                     {"label": "rocketkv", "budget": 128}],
         "versions": {"threads": 1}, "config": {"context_tokens": [4096]},
@@ -407,11 +408,45 @@ def test__accuracy_report__cost_section_projects_the_measured_seconds_per_sample
     lines = mod.cost_lines({"smollm2-135m": rep, "two-threads": {**rep, "versions": {"threads": 2}}},
                            {"smollm2-135m": [[floor], [{**floor, "threads": 1}, {**floor, "threads": 1}]]})  # fmt: skip
     rows = [line for line in lines if line.startswith(("| smollm2-135m", "| two-threads"))]
-    # per sample (90 + 150) / 2 = 120 s, of which (60 + 80) / 2 = 70 s prefill + caches; 140 x 120 s = 4.67 h,
-    # over two one-thread processes 2.33 h (not shown for a two-thread measurement)
-    assert rows[0] == "| smollm2-135m, 4096 | - | 1 | 25 / 2 | 70 s | 50 s | 120 s | 4.7 h | 2.3 h |", rows[0]
-    assert rows[1] == "| two-threads, 4096 | - | 2 | 25 / 2 | 70 s | 50 s | 120 s | 4.7 h | - |", rows[1]
+    # per sample (6 x 90 + 150) / 7 = 98.6 s, of which (6 x 60 + 80) / 7 = 62.9 s prefill + caches;
+    # 140 x 98.6 s = 3.83 h, over two one-thread processes 1.92 h (not shown for a two-thread measurement)
+    assert rows[0] == "| smollm2-135m, 4096 | -, - | 1 | 25 / 2 | 63 s | 36 s | 99 s | 3.8 h | 1.9 h |", rows[0]
+    assert rows[1] == "| two-threads, 4096 | -, - | 2 | 25 / 2 | 63 s | 36 s | 99 s | 3.8 h | - |", rows[1]
     # the floor: 140 x 12 s = 28 min, 140 x 33 s = 77 min
-    assert rows[2] == "| smollm2-135m, 4100 | 1 × 2 | 12.0 s | 33.0 s | 28 min | 77 min |", rows[2]
+    assert rows[2] == "| smollm2-135m, 4100 | - | 1 × 2 | 12.0 s | 33.0 s | 28 min | 77 min |", rows[2]
     # two processes at once, each 12 s / 33 s: the machine delivers a sample every 6 s / 16.5 s
-    assert rows[3] == "| smollm2-135m, 4100 | 2 × 1 | 6.0 s | 16.5 s | 14 min | 38 min |", rows[3]
+    assert rows[3] == "| smollm2-135m, 4100 | - | 2 × 1 | 6.0 s | 16.5 s | 14 min | 38 min |", rows[3]
+    assert "smollm2-135m 60–80 s" in "\n".join(lines)  # how much the same prefill + caches varied
+
+
+def test__long_documents_report__ceiling_section_counts_each_column():
+    """`long_documents_report.py --ceiling`'s table: per depth and overall, the needles found with
+    the own segment given, from the default cache of that segment alone and with full attention
+    over it; and how many of full attention's finds the default cache keeps (counts by hand)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "long_documents_report.py"
+    spec = importlib.util.spec_from_file_location("long_documents_report", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    hits = [  # depth, own segment given, default cache, full attention
+        (0.1, False, False, True), (0.1, True, True, True), (0.5, False, True, False), (0.9, False, False, False),
+    ]  # fmt: skip
+    needles = [{"name": f"N{i}", "number": str(100000 + i), "depth": d, "routed_hit": False, "routed_to_own": True,
+                "own_hit": own, "seg_default_hit": seg, "full_hit": full, "full_answer": "999"}
+               for i, (d, own, seg, full) in enumerate(hits)]  # fmt: skip
+    result = {"preset": "tiny", "segment_tokens": None, "document_tokens": 1000, "n_segments": 2, "ingest_s": 10.0,
+              "ingest_tokens_per_s": 100.0, "ingest_peak_rss_bytes": 2**30, "file_bytes": 10**6,
+              "full_kv_bytes": 10**7, "needles": needles, "partial_summaries": [], "summarize_s": 1.0,
+              "summary": "s"}  # fmt: skip
+    segment = {"segment": 0, "n_tokens": 500, "seg_default": {"ingest_s": 5.0}, "full": {"ingest_s": 4.0}}
+    result["ceiling"] = {"date": "2026-12-03", "segments": [segment]}
+    page = mod.render([result], "python scripts/long_documents_report.py")
+    section = page[page.index("## Ceiling") : page.index("## Summaries")]
+    assert "| tiny | 10% | 1/2 | 1/2 | 2/2 |" in section, section
+    assert "| tiny | 50% | 0/1 | 1/1 | 0/1 |" in section and "| tiny | 90% | 0/1 | 0/1 | 0/1 |" in section, section
+    assert "| tiny | all | 1/4 | 2/4 | 2/4 |" in section, section
+    assert "the default cache answers 1 of the 2 needles full attention answers (and 1 it misses)" in section
+    assert "tiny, N2 (100002): '999'" in section and "tiny, N0" not in section  # full attention's misses only

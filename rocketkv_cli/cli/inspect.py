@@ -51,7 +51,7 @@ def _lines(info: dict) -> list[tuple[str, str]]:
     full_kept = sorted({k for k, w in zip(kept, windows) if not w})
     counts = [k for k, w in zip(kept, windows) if not w]
     kept_text = ", ".join(map(str, full_kept)) or "-"
-    if info["config"].get("layer_budgets", "uniform") != "uniform" and len(full_kept) > 1:
+    if info["layer_budgets"] != "uniform" and len(full_kept) > 1:
         kept_text = f"{full_kept[0]}-{full_kept[-1]} (mean {sum(counts) / len(counts):.0f}; adaptive layer budgets)"
     sliding = f"; {len(windows) - n_full} sliding-window layers keep their last {max(w or 0 for w in windows)}"
     per = " (all segments)" if n_parts > 1 else ""

@@ -30,6 +30,7 @@ import shlex
 import subprocess
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -274,12 +275,18 @@ def cost_lines(costs: dict[str, dict], floors: dict[str, list[list[dict]]] | Non
              "| preset, tokens | date, CPU | threads | caches / runs per sample | prefill + caches | answers | "
              f"per sample | {n_full} samples | two processes |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    spread = []
     for model, rep in costs.items():
-        weights = {x["task"]: COST_STANDS_FOR.get(x["task"], 1) for x in rep["samples"]}
-        samples = [(weights[x["task"]] / sum(weights.values()) / sum(y["task"] == x["task"] for y in rep["samples"]),
-                    x) for x in rep["samples"]]  # fmt: skip
-        pre = sum(w * (x["prefill_s"] + x["save_load_s"]) for w, x in samples)
-        total = sum(w * x["total_s"] for w, x in samples)
+        by_task: dict[str, list[dict]] = defaultdict(list)
+        for x in rep["samples"]:
+            by_task[x["task"]].append(x)
+        weight = {task: COST_STANDS_FOR.get(task, 1) for task in by_task}
+
+        def per_sample(seconds: Callable[[dict], float]) -> float:  # each task's mean, weighted by what it stands for
+            return sum(weight[t] * sum(map(seconds, xs)) / len(xs) for t, xs in by_task.items()) / sum(weight.values())
+
+        pre = per_sample(lambda x: x["prefill_s"] + x["save_load_s"])
+        total = per_sample(lambda x: x["total_s"])
         n_runs = len({(r["label"], r["budget"]) for r in rep["records"]})
         threads = rep["versions"]["threads"]
         full_h = n_full * total / 3600
@@ -287,8 +294,6 @@ def cost_lines(costs: dict[str, dict], floors: dict[str, list[list[dict]]] | Non
         lines.append(f"| {model}, {rep['config']['context_tokens'][0]} | {rep.get('date') or '-'}, "
                      f"{rep['versions'].get('cpu', '-')} | {threads} | {rep['samples'][0]['n_caches']} / {n_runs} | "
                      f"{pre:.0f} s | {total - pre:.0f} s | {total:.0f} s | {full_h:.1f} h | {two} |")  # fmt: skip
-    spread = []
-    for model, rep in costs.items():
         pre_s = [x["prefill_s"] + x["save_load_s"] for x in rep["samples"]]
         spread.append(f"{model} {min(pre_s):.0f}–{max(pre_s):.0f} s")
     lines += ["", "Prefill + caches (the same work for every sample of a preset) between its samples: "
@@ -439,7 +444,7 @@ def main() -> int:
     for model, n in ({} if args.quick else FULL).items():
         one = json_dir / f"reconstruction-ingest-{file_label(model)}-{n}.json"
         together = sorted(json_dir.glob(f"reconstruction-ingest-{file_label(model)}-{n}-concurrent-*.json"))
-        floors[model] = [[json.loads(p.read_text())] for p in [one] if p.exists()]
+        floors[model] = [[json.loads(one.read_text())]] if one.exists() else []
         if together:
             floors[model].append([json.loads(p.read_text()) for p in together])
     floors = {m: f for m, f in floors.items() if f}

@@ -11,8 +11,8 @@ Per preset, through the installed CLI (every number comes from a real `rocketkv`
    tokens/s and the projected total time.
 6. `--ceiling` (on the results already in --json): the ceiling of the needle rows. Each segment
    holding a needle is cut from the same document exactly as `ingest` cuts it, then ingested on
-   its own twice, with default settings (the pruned cache a segmented file holds for it) and with
-   nothing pruned (`--budget` above its length, `--kv-dtype auto`), and every needle question is
+   its own twice, with the day's default settings (the pruned cache a segmented file made that
+   day holds for it) and with nothing pruned (`--budget` above its length, `--kv-dtype auto`), and every needle question is
    asked of both (the second with `--dense`: exact attention over the whole segment, i.e. full
    attention). The found rate of the first next to the second says how much of what the routed
    answers miss is lost to pruning, and how much this model misses even with the whole segment.
@@ -164,16 +164,14 @@ def preset_report(preset: str, args, work: Path) -> dict:
     return result
 
 
-def segment_cuts(preset: str, text: str, segment_tokens: int | None) -> list[dict]:
+def segment_cuts(engine, text: str, segment_tokens: int | None) -> list[dict]:
     """The segments `rocketkv ingest` (default settings) cuts `text` into: [{"text", "start_token",
     "n_tokens"}] (start_token: offset of the first document token in the whole document's tokens,
     as `inspect` reports it; n_tokens: framed tokens of the segment's prefill)."""
     from rocketkv_cli.core.config import PrefillConfig, with_preset_defaults
-    from rocketkv_cli.engine.api import RocketKV
     from rocketkv_cli.engine.documents import Document, segment_texts
     from rocketkv_cli.engine.segments import SEGMENT_SLACK_TOKENS, frame_tokens, segment_limit
 
-    engine = RocketKV.load(preset).engine
     cfg = with_preset_defaults(PrefillConfig(), engine.loaded.model_id, ())
     frame = frame_tokens(engine)
     room = segment_limit(engine, cfg, segment_tokens) - frame - SEGMENT_SLACK_TOKENS
@@ -189,21 +187,23 @@ def ceiling(result: dict, args, work: Path) -> dict:
     """Step 6 for one preset's result: each needle's own segment ingested alone, pruned with the
     defaults and unpruned; every needle question asked of both. Adds `seg_default_*` and `full_*`
     to each needle and returns the run's record (segments, seconds, the commands)."""
+    from rocketkv_cli.engine.api import RocketKV
+
     preset = result["preset"]
-    tok = tokenizer_of(preset)
-    text, needles = build_document(tok, args.tokens, args.needles_per_depth, args.seed)
-    old = {n["name"]: n for n in result["needles"]}
+    engine = RocketKV.load(preset).engine  # its tokenizer rebuilds the document, its limits cut it
+    text, needles = build_document(engine.tokenizer, args.tokens, args.needles_per_depth, args.seed)
+    by_name = {n["name"]: n for n in result["needles"]}
     for n in needles:  # the same document as the measured one, or the ceiling means nothing
-        measured = old.get(n["name"], {})
+        measured = by_name.get(n["name"], {})
         if (measured.get("number"), measured.get("token_offset")) != (n["number"], n["token_offset"]):
             raise SystemExit(f"{preset}: --tokens/--needles-per-depth/--seed do not rebuild the measured document")
-    cuts = segment_cuts(preset, text, result.get("segment_tokens"))
+    cuts = segment_cuts(engine, text, result.get("segment_tokens"))
+    del engine  # the ingests below run in their own processes
     if sum(c["n_tokens"] for c in cuts) != result["document_tokens"] or len(cuts) != result["n_segments"]:
         raise SystemExit(
             f"{preset}: the segments cut today ({len(cuts)}, {sum(c['n_tokens'] for c in cuts)} tokens) "
             f"are not the measured ones ({result['n_segments']}, {result['document_tokens']})"
         )
-    by_name = {n["name"]: n for n in result["needles"]}
     segments = []
     for n in needles:
         if own_segment(cuts, n["token_offset"]) != by_name[n["name"]]["own_segment"]:

@@ -12,7 +12,12 @@ A layout is a way to round the float32 cache's keys and values, applied in memor
   as int4 and keep the rest exact, to locate the error;
 - `sim:` layouts are not storage types: quantizers written here (per-token key groups, MSE-chosen
   clipping, 8-bit group ranges, float16 recent tokens) to test an idea before building it into
-  the format (the table's descriptions say what each would cost in bytes).
+  the format (the table's descriptions say what each would cost in bytes); `sim: PCA, …` rotates
+  keys (before RoPE) and values into principal components, calibrated once on the GPL
+  (`calibration_bases`) or fitted to the cache itself, the bound of a stored basis.
+
+Beside the layouts, the order-0 entropy of each document's int4 codes (`code_entropy`): what an
+entropy coder of the codes could save at best.
 
 Resumable: finished (document, layout) results are kept in the JSON.
 
@@ -58,8 +63,158 @@ LAYOUTS = {  # name: what it is (and, for a layout int4's bytes would not hold, 
     "(+1 byte per channel and head)",
     "sim: key and value bits by energy": "the row above, and each value channel 2–6 or 8 bits (4 on average per head) "
     "by Σ_h ‖W_o[:, h, c]‖² over the head's GQA group times the token groups' mean range²",
+    "sim: PCA, calibrated basis": "int4's bytes; keys before RoPE and values each rotated into the model's "
+    "principal components (calibrated once on another text, the GPL; not stored in the file), each component "
+    "0–8 bits in 64-token groups, allocated by its weighted variance (KVTC, arXiv 2511.01815 §3)",
+    "sim: PCA, own basis": "the row above with each layer's basis taken from the cache's own tokens "
+    "(an upper bound: a D×D basis per layer and head would have to be stored)",
 }
 ALLOC_BITS = (2, 3, 4, 5, 6, 8)  # the widths "sim: key bits by query energy" may give a channel
+PCA_BITS = (0, 2, 3, 4, 5, 6, 7, 8)  # the widths a principal component may get (0: not stored, its mean)
+
+
+def calibration_bases(engine, ids: list[int], skip: int = 4) -> list:
+    """Per layer (key mean `[Hkv, D]`, key basis `[Hkv, D, D]`, value mean, value basis): the
+    principal components (columns, by falling variance) of the pre-RoPE keys (after the key norm)
+    and the values of an exact forward of `ids`, its first `skip` tokens (the sinks) left out.
+    Captured with forward hooks on `k_proj`/`v_proj`, like `tail_query_energy`."""
+    import torch
+
+    from rocketkv_cli.model.hf import empty_cache, rocketkv_attention
+
+    model, shape = engine.model, engine.shape
+    blocks = sorted((m for m in model.modules() if hasattr(m, "k_proj") and hasattr(m, "layer_idx")),
+                    key=lambda b: b.layer_idx)  # fmt: skip
+    rows: dict[tuple[int, str], list] = {}
+    hooks = []
+    for b in blocks:
+        for name in ("k_proj", "v_proj"):
+            hooks.append(getattr(b, name).register_forward_hook(
+                lambda m, i, o, key=(b.layer_idx, name): rows.setdefault(key, []).append(o[0])))  # fmt: skip
+    try:
+        cache = empty_cache(model, shape, len(ids))
+        with torch.no_grad(), rocketkv_attention(model, cache, shape):
+            engine._prefill_chunks(cache, ids, 0, 1024, lambda done, total: None)
+    finally:
+        for h in hooks:
+            h.remove()
+    out = []
+    for b in blocks:
+        parts = []
+        for name in ("k_proj", "v_proj"):
+            x = torch.cat(rows[(b.layer_idx, name)], 0).float()[skip:]  # [S, Hkv·D]
+            x = x.view(x.shape[0], shape.n_kv_heads, shape.head_dim)
+            if name == "k_proj" and hasattr(b, "k_norm"):
+                with torch.no_grad():
+                    x = b.k_norm(x).float()
+            x = x.transpose(0, 1).double()  # [Hkv, S, D]
+            mean = x.mean(1)
+            cov = (x - mean[:, None]).transpose(1, 2) @ (x - mean[:, None]) / x.shape[1]
+            _, vecs = torch.linalg.eigh(cov)  # ascending
+            parts += [mean.float(), vecs.flip(-1).float()]
+        out.append(tuple(parts))
+    return out
+
+
+def code_entropy(engine, cache) -> dict:
+    """Order-0 entropy of the cache's int4 codes, in bits per code, one symbol table per layer and
+    channel (what a per-channel entropy coder of the codes could reach at best, before its tables):
+    {"keys": …, "values": …, "codes": n}, pooled over every layer."""
+    import torch
+
+    from rocketkv_cli.core.quant import KVStorage, _unpack4
+
+    storage = KVStorage.parse("int4")
+    bits = {"keys": 0.0, "values": 0.0}
+    n = 0
+    for i, layer in enumerate(cache.layers):
+        parts = layer.to_storage(storage, engine.rope_freqs[i]).stored
+        for name in bits:
+            codes = _unpack4(parts[f"{name}.q"]).long()  # [Hkv, S, D]
+            counts = torch.nn.functional.one_hot(codes, 16).sum(1).double()  # [Hkv, D, 16]
+            p = counts / counts.sum(-1, keepdim=True)
+            bits[name] += float(-(counts * torch.where(p > 0, p.log2(), 0.0)).sum())
+        n += codes.numel()
+    return {"keys": bits["keys"] / n, "values": bits["values"] / n, "codes": n}
+
+
+def pca_round(c, weight, budget: float = 4.5, group: int = 64):
+    """Components `[Hkv, S, N]` rounded per component in groups of `group` tokens, each component
+    0–8 bits (`PCA_BITS`): the Lagrangian choice minimising Σ weight_j · err_j(b) with err(0) =
+    mean c_j² (not stored: 0, the calibration mean) and err(b) = mean_g range² / (12·(2^b−1)²),
+    at b + 32/group bits per token (codes and two float16 range values per group) and ≤ `budget`
+    bits per token and component on average (int4's 4 + 0.5)."""
+    import torch
+
+    hkv, s, d = c.shape
+    n = -(-s // group)
+    x = torch.cat([c, c[:, -1:].expand(hkv, n * group - s, d)], 1) if n * group > s else c
+    g = x.view(hkv, n, group, d)
+    r2 = ((g.amax(2) - g.amin(2)) ** 2).mean(1).double()  # [Hkv, N]
+    widths = torch.tensor(PCA_BITS, dtype=torch.float64)
+    cost = torch.where(widths > 0, widths + 32 / group, 0.0)
+    err = torch.where(widths > 0, 1 / (12 * (2**widths - 1) ** 2), 0.0)  # × range²
+    bits = torch.empty(hkv, d, dtype=torch.long)
+    for h in range(hkv):
+        unstored = (c[h].double() ** 2).mean(0)[:, None]  # [N, 1]: the error of a component left at 0 bits
+        e = weight[h].double()[:, None] * torch.where(widths > 0, r2[h][:, None] * err, unstored)
+        top = float(e.max()) or 1.0
+        e = e / top
+        lo, hi = 0.0, 1.0
+        for _ in range(60):
+            lam = (lo + hi) / 2
+            if float(cost[(e + lam * cost).argmin(-1)].sum()) > budget * d:
+                lo = lam
+            else:
+                hi = lam
+        bits[h] = widths[(e + hi * cost).argmin(-1)].long()
+    out = key_groups_bits(c, bits.clamp_min(1))
+    return torch.where((bits > 0)[:, None, :], out, torch.zeros_like(out)), bits
+
+
+def pca_layer(layer, freqs, basis, key_w, value_w, sinks: int = 4):
+    """A float32 `LayerKV` as `sim: PCA …` would store it: sinks in float16; the other tokens' keys
+    un-RoPEd, centred and rotated into `basis`'s key components, values into its value
+    components, each rounded by `pca_round` and rotated back."""
+    import torch
+
+    from rocketkv_cli.core.cache import LayerKV
+    from rocketkv_cli.core.quant import rope_rotate
+
+    k, v, pos = layer.keys[0].float(), layer.values[0].float(), layer.positions[0]
+    a = min(sinks, k.shape[1])
+    kk, vv = k.half().float(), v.half().float()
+    if a == k.shape[1]:
+        return LayerKV(kk.unsqueeze(0), vv.unsqueeze(0), layer.positions)
+    kp = rope_rotate(k[:, a:], pos[:, a:], freqs.float(), inverse=True) if freqs is not None else k[:, a:]
+    km, kb, vm, vb = basis
+    half = key_w.shape[-1] // 2
+    pair = (key_w[:, :half] + key_w[:, half:]) / 2
+    wk = (kb**2 * torch.cat([pair, pair], -1)[:, :, None]).sum(1)  # [Hkv, D] per component
+    wv = (vb**2 * value_w[:, :, None]).sum(1)
+    ck, _ = pca_round((kp - km[:, None]) @ kb, wk)
+    kh = ck @ kb.transpose(1, 2) + km[:, None]
+    kk[:, a:] = rope_rotate(kh, pos[:, a:], freqs.float(), inverse=False) if freqs is not None else kh
+    cv, _ = pca_round((v[:, a:] - vm[:, None]) @ vb, wv)
+    vv[:, a:] = cv @ vb.transpose(1, 2) + vm[:, None]
+    return LayerKV(kk.unsqueeze(0), vv.unsqueeze(0), layer.positions)
+
+
+def own_basis(layer, freqs, sinks: int = 4):
+    """`calibration_bases`'s tuple for one layer from its own kept tokens (after the sinks)."""
+    import torch
+
+    from rocketkv_cli.core.quant import rope_rotate
+
+    k, v, pos = layer.keys[0].float(), layer.values[0].float(), layer.positions[0]
+    a = min(sinks, k.shape[1])
+    kp = rope_rotate(k[:, a:], pos[:, a:], freqs.float(), inverse=True) if freqs is not None else k[:, a:]
+    out = []
+    for x in (kp.double(), v[:, a:].double()):
+        mean = x.mean(1)
+        cov = (x - mean[:, None]).transpose(1, 2) @ (x - mean[:, None]) / max(1, x.shape[1])
+        out += [mean.float(), torch.linalg.eigh(cov)[1].flip(-1).float()]
+    return tuple(out)
 
 
 def tail_query_energy(engine, ids: list[int], window: int = 32) -> list:
@@ -229,7 +384,7 @@ def token_groups(x, g: int, **kw):
     return simulated_groups(x.view(hkv, s, d // g, g), 4, **kw).reshape(hkv, s, d)
 
 
-def layouts(engine, energy: list | None = None) -> dict[str, Callable]:
+def layouts(engine, energy: list | None = None, bases: list | None = None) -> dict[str, Callable]:
     """name → f(layer, i) giving the layer as that layout holds it (float32 `LayerKV`). energy:
     per layer E[q_c²] `[Hkv, D]` (`tail_query_energy`), for the bit-allocation layout."""
     from rocketkv_cli.core.cache import LayerKV
@@ -261,6 +416,11 @@ def layouts(engine, energy: list | None = None) -> dict[str, Callable]:
     def mix(keys, values):
         return lambda layer, i: LayerKV(keys(layer, i).keys, values(layer, i).values, layer.positions)
 
+    def pca(layer, i, basis):
+        if energy is None:
+            raise ValueError("the PCA layouts weigh key components by the query energy: pass it")
+        return pca_layer(layer, engine.rope_freqs[i], basis, energy[i], out_energy[i])
+
     exact = lambda layer, i: layer  # noqa: E731
     clip = {"clip": CLIP_FACTORS}
     return {
@@ -287,6 +447,8 @@ def layouts(engine, energy: list | None = None) -> dict[str, Callable]:
             lambda x: key_groups_bits(x, allocated_key_bits(x, energy[i])),  # type: ignore[index]
             lambda x: token_groups_bits(x, value_bits(x, out_energy[i])),
         )(layer, i),
+        "sim: PCA, calibrated basis": lambda layer, i: pca(layer, i, (bases or [])[i]),
+        "sim: PCA, own basis": lambda layer, i: pca(layer, i, own_basis(layer, engine.rope_freqs[i])),
     }
 
 
@@ -307,6 +469,8 @@ def run(args) -> dict:
     report.setdefault("results", {})
     report["layouts"] = LAYOUTS
     engine = RocketKV.load(args.preset, device="cpu", weights="float").engine  # storage alone varies
+    shape = engine.shape
+    report["shape"] = {"n_layers": len(shape.layers), "n_kv_heads": shape.n_kv_heads, "head_dim": shape.head_dim}
     cfg = with_preset_defaults(PrefillConfig(), args.preset, set())
     count = lambda text: len(engine.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     haystack = read_document(str(DATA / "kjv.txt")).text
@@ -314,7 +478,8 @@ def run(args) -> dict:
     for index in range(args.samples):
         key = f"{args.preset}/{args.length}/{index}"
         done = report["results"].setdefault(key, {})
-        if all(name in done for name in LAYOUTS):
+        wanted = [n for n in LAYOUTS if not args.only or n in args.only]
+        if all(name in done for name in wanted) and key in report.get("entropy", {}):
             continue
         sample = generate("niah_text", index, 7, args.length - 200, count, haystack)
         questions = [q.text for q in sample.questions] + OPEN_QUESTIONS
@@ -323,7 +488,12 @@ def run(args) -> dict:
         if not energy_path.exists():
             doc = Document(sample.document, f"{index:064x}", f"kjv-{args.length}-{index}")
             torch.save(tail_query_energy(engine, engine.document_tokens(doc).ids), energy_path)
-        todo = {k: f for k, f in layouts(engine, torch.load(energy_path)).items() if k in LAYOUTS}
+        bases_path = args.scratch / f"{args.preset}-calibration-bases.pt"
+        if not bases_path.exists():
+            calib = read_document(str(DATA / "gpl-3.txt")).text
+            torch.save(calibration_bases(engine, engine.tokenizer(calib)["input_ids"]), bases_path)
+        bases = torch.load(bases_path)
+        todo = {k: f for k, f in layouts(engine, torch.load(energy_path), bases).items() if k in wanted}
         if not path.exists():
             t0 = time.perf_counter()
             doc = Document(sample.document, f"{index:064x}", f"kjv-{args.length}-{index}")
@@ -335,6 +505,11 @@ def run(args) -> dict:
             print(f"{key}: prefill + compress {time.perf_counter() - t0:.0f}s", file=sys.stderr)
         cache = load_cache(path)
         cache = cache.with_layers(tuple(cache.layers))  # read every layer once
+        if key not in report.setdefault("entropy", {}):
+            report["entropy"][key] = code_entropy(engine, cache)
+            args.json.write_text(json.dumps(report, indent=1))
+        if all(name in done for name in wanted):
+            continue
         refs = list(answer(engine, cache, questions, 32, decode_config_for(cache)))
         prepared = prepare_questions(engine, cache, questions, 32)
         ref_lp = [teacher_forced_log_probs(engine, cache, ids, r.token_ids) for (_, ids), r in zip(prepared, refs)]
@@ -409,7 +584,46 @@ def alloc_note(rows: dict) -> str:
             f"int4's {int4[2]:.4f} and top-1 {sim[0] / sim[1]:.3f} against {int4[0] / int4[1]:.3f}. The storage "
             "built from it, `int4+alloc` (widths 2–8, every bit spent, float16 ranges, +1 byte per channel and "
             "head), is measured in the tables above. What is left is the bits themselves: entropy coding of the "
-            "codes, or KVTC-style decorrelation across channels (arXiv 2511.01815), not built.")  # fmt: skip
+            "codes, or KVTC-style decorrelation across channels (arXiv 2511.01815).")  # fmt: skip
+
+
+def transform_note(report: dict, rows: dict, storage: dict | None = None) -> str:
+    """What the two remaining ideas measured: PCA decorrelation (`sim: PCA, …`) and entropy coding
+    of int4's codes (`code_entropy`), with the bytes a stored basis would cost. rows: `pooled` per
+    layout; storage: the storage report's results (None: docs/bench/storage.json), for int4's
+    file size at the ablation's length."""
+    cal, own, int4 = (rows.get(n) for n in ("sim: PCA, calibrated basis", "sim: PCA, own basis", "int4"))
+    ent, shape, bar = report.get("entropy", {}), report.get("shape"), rows.get("int4 full-attention layers only")
+    if cal is None or own is None or int4 is None or bar is None or len(ent) < len(report.get("results", {})):
+        return ""
+    if not shape:
+        return ""
+    group = next(iter(report["results"])).rsplit("/", 1)[0]  # preset/length
+    if storage is None:
+        storage = json.loads((ROOT / "docs" / "bench" / "storage.json").read_text())["results"]
+    files = [r["file_bytes"] for k, v in storage.items() if k.startswith(group + "/") for r in v["rows"]
+             if r["kv_dtype"] == "int4"]  # fmt: skip
+    if not files:
+        return ""
+    n = sum(e["codes"] for e in ent.values())
+    hk, hv = (sum(e[s] * e["codes"] for e in ent.values()) / n for s in ("keys", "values"))
+    saved = 1 - (hk + hv) / 8
+    basis = shape["n_layers"] * shape["n_kv_heads"] * 2 * shape["head_dim"] ** 2 * 2
+    return (f" Both were measured. **Decorrelation** (`sim: PCA, …`, the simulation of KVTC's transform coding): "
+            f"with principal components calibrated once per model on another text (the GPL), KL {cal[2]:.4f} "
+            f"against int4's {int4[2]:.4f} (top-1 {cal[0] / cal[1]:.3f}): the GPL's components do not carry over "
+            f"to these documents, and what a component left at 0 bits held is lost. With each layer's own "
+            f"components (the best a basis fitted to the document could do) KL {own[2]:.4f} (top-1 "
+            f"{own[0] / own[1]:.3f}), and that basis would have to be stored: a D×D matrix per "
+            f"layer, KV head, keys and values: {basis:,} bytes in float16 for this model, "
+            f"{basis / (sum(files) / len(files)):.1f}× int4's whole file at {group.split('/')[1]} tokens "
+            f"({sum(files) // len(files):,} bytes). **Entropy coding** of "
+            f"int4's codes (one symbol table per layer and channel, order 0) would need {hk:.2f} bits per key code "
+            f"and {hv:.2f} per value code instead of 4: {saved:.0%} of the codes' bytes, about "
+            f"{(8 - hk - hv) / 2:.2f} bits per number to spend on finer steps, which lowers the rounding error "
+            f"about {2 ** ((8 - hk - hv)):.1f}× — short of the {int4[2] / bar[2]:.0f}× between int4's KL and "
+            f"{bar[2]:.4f}, that of `int4 full-attention layers only`, whose top-1 ({bar[0] / bar[1]:.3f}) "
+            "reached the bar.")  # fmt: skip
 
 
 def finding(report: dict, bar: float) -> list[str]:
@@ -422,7 +636,8 @@ def finding(report: dict, bar: float) -> list[str]:
     kl = {n: rows[n][2] for n in need}  # type: ignore[index]
     top1 = {n: r[0] / r[1] for n, r in rows.items() if r is not None}
     int4_like = [n for n in top1 if n not in ("int8", "int4 full-attention layers only", "int4 keys only",
-                                               "int4 values only", "int4 sliding-window layers only")]  # fmt: skip
+                                               "int4 values only", "int4 sliding-window layers only",
+                                               "sim: PCA, own basis")]  # fmt: skip
     best = max(int4_like, key=lambda n: top1[n])
     finer = min((n for n in int4_like if n in rows and rows[n] is not None), key=lambda n: rows[n][2])  # type: ignore[index]
     full_only = "int4 full-attention layers only"
@@ -435,7 +650,9 @@ def finding(report: dict, bar: float) -> list[str]:
         + (f"none reaches top-1 {bar}: the best is" if top1[best] < bar else f"top-1 {bar} is reached by")
         + f" `{best}` at {top1[best]:.3f} (int8: {top1.get('int8', float('nan')):.3f}). The 15 sliding-window "
         "layers store the document's last 512 tokens whole and their keys need about int8's precision, so 1/20 "
-        "at the bar needs close to int8's fidelity at int4's bytes there." + alloc_note(rows),  # type: ignore[arg-type]
+        "at the bar needs close to int8's fidelity at int4's bytes there."
+        + alloc_note(rows)  # type: ignore[arg-type]
+        + transform_note(report, rows),
     ]
 
 
@@ -448,6 +665,7 @@ def main() -> int:
     ap.add_argument("--scratch", type=Path, default=ROOT / "build" / "storage-ablation")
     ap.add_argument("--json", type=Path, default=ROOT / "docs" / "bench" / "storage-ablation.json")
     ap.add_argument("--from-json", action="store_true", help="only rewrite docs/storage.md from the JSONs")
+    ap.add_argument("--only", action="append", default=[], metavar="LAYOUT", help="run only these layouts (repeatable)")
     args = ap.parse_args()
     if not args.from_json:
         run(args)

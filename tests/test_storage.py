@@ -536,3 +536,51 @@ def test__positions_at_the_int16_boundary__written_and_read_back_exactly(tmp_pat
     for a, b in zip(loaded.layers, layers):
         assert torch.equal(a.positions, b.positions)
         assert int(a.positions.max()) == n_context - 1
+
+
+def _script(name: str):
+    """A module of scripts/ (the reports are scripts, not package code)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test__storage_ablation__pca_round_spends_the_bits_where_the_error_falls_most():
+    """`sim: PCA`'s bit allocation, worked by hand: component 0 spans ±16, component 1 ±1 (each
+    64-token group holds the whole ramp), component 2 is 0. With 3 bits + 0.5 for the ranges per
+    component (9 per token), the marginal gains per bit order the steps c0 0→2, 2→3, 3→4, 4→5,
+    c1 0→2, c0 5→6 (total cost 6.5 + 2.5 = 9), then c1 2→3 would need 10: bits (6, 2, 0). A
+    component at 0 bits is stored as 0; the others round within half a step."""
+    abl = _script("storage_ablation")
+    ramp = torch.linspace(-1, 1, 64).repeat(2)  # [128]
+    c = torch.stack([16 * ramp, ramp, torch.zeros(128)], -1)[None]  # [1, 128, 3]
+    out, bits = abl.pca_round(c, torch.ones(1, 3), budget=3.0)
+    assert bits.tolist() == [[6, 2, 0]], bits
+    assert bool((out[0, :, 2] == 0).all())
+    err = (out - c).abs()[0].amax(0)
+    assert float(err[0]) <= 32 / 63 / 2 + 1e-5 and float(err[1]) <= 2 / 3 / 2 + 1e-6, err
+
+
+def test__storage_ablation__transform_note_states_what_each_idea_measured():
+    """The note's arithmetic, by hand: codes at 3.5 and 3.0 bits save 1 − 6.5/8 = 19% and free
+    (8 − 6.5)/2 = 0.75 bits per number, error ÷ 2^1.5 = 2.8; int4's KL 0.0027 over the bar row's
+    0.0005 is 5×; the basis 18 layers × 1 KV head × 2 × 256² × 2 bytes = 4,718,592."""
+    abl = _script("storage_ablation")
+    report = {"results": {"g/32000/0": {}}, "entropy": {"g/32000/0": {"keys": 3.5, "values": 3.0, "codes": 100}},
+              "shape": {"n_layers": 18, "n_kv_heads": 1, "head_dim": 256}}  # fmt: skip
+    rows = {"sim: PCA, calibrated basis": (100, 122, 0.0080), "sim: PCA, own basis": (120, 122, 0.0026),
+            "int4": (117, 122, 0.0027), "int4 full-attention layers only": (120, 122, 0.0005)}  # fmt: skip
+    storage = {"g/32000/0": {"rows": [{"kv_dtype": "int4", "file_bytes": 5_000_000}]}}
+    note = abl.transform_note(report, rows, storage)
+    for part in ("KL 0.0080 against int4's 0.0027", "KL 0.0026 (top-1 0.984)", "4,718,592 bytes",
+                 "0.9× int4's whole file at 32000 tokens (5,000,000 bytes)",
+                 "3.50 bits per key code and 3.00 per value code",
+                 "19% of the codes' bytes", "about 0.75 bits per number", "about 2.8×", "short of the 5×"):  # fmt: skip
+        assert part in note, (part, note)
+    assert abl.transform_note({**report, "entropy": {}}, rows, storage) == ""  # not measured: nothing said

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from ..core.cache import AnyCache, CompressedKVCache, full_kv_bytes
+from ..core.config import PrefillConfig
 from .format import _load, all_segments, verify_file
 
 INT_FIELDS = ("format_version", "n_layers", "n_kv_heads", "head_dim", "n_context_tokens")
@@ -48,7 +49,8 @@ def describe(path: str | Path) -> dict:
         **{k: v for k, v in meta.items() if k not in JSON_FIELDS},
         **{k: json.loads(meta[k]) for k in ("config", "budgets", "layer_windows")},
     }
-    info["layer_budgets"] = info["config"].get("layer_budgets", "uniform")  # the config names it only when adaptive
+    # the config names layer_budgets only when it is not the default
+    info["layer_budgets"] = info["config"].get("layer_budgets", PrefillConfig.layer_budgets)
     if "kv_storage" in meta:  # as the reader understood it (a float file's sink count reads as 0)
         info["kv_storage"] = cache.info.storage.to_dict()
         sink_dtypes = sorted({str(spec[0]).removeprefix("torch.") for part in parts

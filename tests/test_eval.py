@@ -244,7 +244,7 @@ RECORD_KEYS = {
     "context_tokens", "n_context_tokens", "task", "sample", "seed", "question_index", "question", "expected",
     "needle_depths", "method", "label", "budget", "observation", "pool_kernel", "kept_tokens", "stored_tokens",
     "sparse", "topk", "page_size", "n_score_dims", "answer", "token_ids", "n_answer_tokens", "stop_reason", "score",
-    "correct", "agreement", "prefill_s", "decode_s", "top1_agreement", "kl", "ref_logprob", "generated",
+    "correct", "agreement", "prefill_s", "decode_s", "score_s", "top1_agreement", "kl", "ref_logprob", "generated",
 }  # fmt: skip
 SUMMARY_KEYS = {"context_tokens", "task", "label", "method", "budget", "observation", "pool_kernel", "score",
                 "score_ci", "correct_rate", "correct_ci", "agreement", "top1_agreement", "top1_agreement_ci", "kl",
@@ -290,9 +290,9 @@ def test__cli_eval__tiny_model_end_to_end_json_schema(rocketkv_bin, tiny_model_d
     assert all(rec["sparse"] == (rec["method"] not in ("full", "snapkv", "sink_recent")) for rec in records)
     for rec in records:  # teacher-forced scores of the full-attention answer under every other method
         if rec["method"] == "full":
-            assert rec["top1_agreement"] is None and rec["generated"]
+            assert rec["top1_agreement"] is None and rec["generated"] and rec["score_s"] is None
         else:
-            assert 0 <= rec["top1_agreement"] <= 1 and rec["kl"] >= -1e-6
+            assert 0 <= rec["top1_agreement"] <= 1 and rec["kl"] >= -1e-6 and rec["score_s"] > 0
             if not rec["generated"]:  # agreed everywhere: its greedy answer is full attention's
                 assert rec["agreement"] == 1.0 and rec["top1_agreement"] == 1.0
     summary = report["summary"]

@@ -403,7 +403,9 @@ def _answer_run(engine: Engine, stored: CompressedKVCache, run: Run, sample: Sam
     in one forward over its own cache (`Decoder.score`: stage 2 exactly as decode applies it):
     top-1 agreement per answer token, KL(full ‖ run) per position, the answer's log-probability.
     When it agrees at every token (and on stopping), its greedy answer is the reference's; only
-    otherwise is it generated, for the substring score."""
+    otherwise is it generated, for the substring score. Times in seconds: `prefill_s`/`decode_s`
+    the answer's (for a reference answer taken over, its scoring time and 0), `score_s` the
+    teacher-forced scoring's (None for the `full` run, which is not scored)."""
     n_ctx = stored.n_context_tokens
     if run.method == "hsa" and run.budget is not None:
         decode = decode_config_for(stored, True, **stage2_only_budgets(n_ctx, cfg.plan_new_tokens, run.budget,
@@ -423,12 +425,13 @@ def _answer_run(engine: Engine, stored: CompressedKVCache, run: Run, sample: Sam
     for qi, (question, (text, ids)) in enumerate(zip(sample.questions, prepared)):
         forced: dict = {"top1_agreement": None, "kl": None, "ref_logprob": None, "generated": True}
         ref = reference.get(qi)
-        ans = None
+        ans, score_s = None, None
         if ref is not None and run.method != "full":
             t0 = time.perf_counter()
             forced, same = _teacher_forced(engine, decoder, ids, ref)
+            score_s = time.perf_counter() - t0
             if same:  # its greedy answer is the reference's; the time is its teacher-forced scoring
-                ans = dataclasses.replace(ref["answer"], prefill_s=time.perf_counter() - t0, decode_s=0.0)
+                ans = dataclasses.replace(ref["answer"], prefill_s=score_s, decode_s=0.0)
         if ans is None:
             ans = generate_answer(engine, decoder, text, ids, max_new, engine.prompt.stop_strings)
             decoder.reset()
@@ -446,7 +449,7 @@ def _answer_run(engine: Engine, stored: CompressedKVCache, run: Run, sample: Sam
             "n_score_dims": decode.n_score_dims, "answer": ans.text, "token_ids": list(ans.token_ids),
             "n_answer_tokens": ans.n_answer_tokens, "stop_reason": ans.stop_reason, "score": score,
             "correct": score == 1.0, "agreement": None, **forced, "prefill_s": round(ans.prefill_s, 4),
-            "decode_s": round(ans.decode_s, 4),
+            "decode_s": round(ans.decode_s, 4), "score_s": None if score_s is None else round(score_s, 4),
         })  # fmt: skip
     return out
 

@@ -271,9 +271,9 @@ def test__fixed_width_blocks__all_ones_codes_round_trip(width, n):
 @pytest.mark.parametrize("width", range(1, 9))
 @pytest.mark.parametrize("n", [1, 8, 13, 67])
 def test__fixed_width_unpack__equals_a_bit_by_bit_reader(width, n):
-    """`_unpack_fixed` (uint8 arithmetic, a code cut from one or two bytes) against the format's
-    definition read one bit at a time in Python: code i is bits i·width … of the little-endian
-    stream, least significant first. Random bytes, so every bit pattern of a byte occurs."""
+    """`_unpack_fixed` against the format's definition read one bit at a time in Python: code i
+    is bits i·width … of the little-endian stream, least significant first. Random bytes, so
+    every bit pattern of a byte occurs."""
     data = torch.randint(0, 256, (-(-n * width // 8),), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
     bits = [(int(byte) >> k) & 1 for byte in data for k in range(8)]
     expected = [sum(bits[i * width + k] << k for k in range(width)) for i in range(n)]

@@ -76,3 +76,21 @@ def test__known_failures_are_rocketkv_errors(rk, doc, tmp_path, tiny_model_dir):
     bad.write_bytes(b"not a cache at all")
     with pytest.raises(CacheFormatError):
         rk.open(bad)
+
+
+def test__another_preset_than_the_cache_was_built_with__refused_before_loading(rk, doc, tmp_path):
+    """`check_model_choice`: a preset named with --model that is not the cache's preset is
+    refused from the file's header; the cache's own preset, no choice, or a model directory
+    (checked by digests once loaded) pass."""
+    import dataclasses
+
+    from rocketkv_cli.engine.api import check_model_choice
+
+    done = rk.ingest(str(doc), output=tmp_path / "d.kv", token_budget=64, max_new_tokens=4)
+    info = done.cache.info
+    as_gemma = done.cache.with_info(info.with_(identity=dataclasses.replace(info.identity, model_id="gemma-3-270m")))
+    with pytest.raises(CacheFormatError, match="d.kv was built for model gemma-3-270m, not smollm2-135m"):
+        check_model_choice(as_gemma, "smollm2-135m", tmp_path / "d.kv")
+    for model in (None, "gemma-3-270m", str(tmp_path / "some-model-dir")):
+        check_model_choice(as_gemma, model, tmp_path / "d.kv")
+    check_model_choice(done.cache, "smollm2-135m", tmp_path / "d.kv")  # built from a directory: its digests decide

@@ -515,8 +515,29 @@ def test__unknown_weights__usage_error_before_the_model_loads(rocketkv_bin, env,
         (["chat", "-"], "DOC cannot be -"),
         (["ask", "DOC", "q?", "--dense", "--hsa"], "--dense and --hsa contradict each other"),
         (["chat", "DOC", "--dense", "--hsa"], "--dense and --hsa contradict each other"),
+        (["ingest", "DOC", "--dtype", "int8"], "'int8' is not one of auto, float32, bfloat16, float16"),
+        (["ingest", "DOC", "--device", "tpu"], "'tpu' is not cpu, cuda, cuda:N or auto"),
+        (["ask", "DOC", "q?", "--temperature", "inf"], "inf is not a finite number ≥ 0"),
+        (["ask", "DOC", "q?", "--temperature", "nan"], "nan is not a finite number ≥ 0"),
+        (["ask", "DOC", "q?", "--top-p", "0"], "0.0 is not in (0, 1]"),
+        (["ingest", "DOC", "-o", "-"], "-o -: a cache is a file, not a stream to stdout"),
+        (["ask", "--cache", "-", "q?"], "--cache -: a cache cannot come from stdin"),
     ],
-    ids=["encoding", "errors", "two-stdins", "chat-stdin-doc", "ask-dense-hsa", "chat-dense-hsa"],
+    ids=[
+        "encoding",
+        "errors",
+        "two-stdins",
+        "chat-stdin-doc",
+        "ask-dense-hsa",
+        "chat-dense-hsa",
+        "dtype",
+        "device",
+        "temperature-inf",
+        "temperature-nan",
+        "top-p-0",
+        "output-stdout",
+        "cache-stdin",
+    ],
 )
 def test__option_values_no_input_could_satisfy__exit_2_before_the_model_loads(rocketkv_bin, env, doc, tmp_path,
                                                                               args, says):  # fmt: skip
@@ -539,3 +560,56 @@ def test__stage2_override_the_cache_cannot_take__refused_before_the_model_loads(
     # --model names nothing: the refusal must come from the file's budgets, before any model load
     r = run(rocketkv_bin, env, "ask", "--cache", kv, "q?", *args, "--model", tmp_path / "no-such-model")
     assert says in assert_one_line_error(r) and "no-such-model" not in r.stderr
+
+
+def test__questions_on_stdin_that_are_not_utf8__refused_like_a_questions_file(rocketkv_bin, env, kv, tmp_path):
+    """`--questions-file -` decodes stdin strictly, as `--questions-file PATH` reads a file: bytes
+    that are not UTF-8 are an error (exit 1), not questions made of replacement characters."""
+    junk = bytes([0xF8, 0x88, 0x80, 0x10, 0xFF, 0x0A]) * 3
+    (tmp_path / "junk.bin").write_bytes(junk)
+    r = subprocess.run([rocketkv_bin, "ask", "--cache", str(kv), "--questions-file", "-"], input=junk,
+                       capture_output=True, env=env, timeout=300)  # fmt: skip
+    res = subprocess.CompletedProcess(r.args, r.returncode, r.stdout.decode(), r.stderr.decode())
+    assert "cannot read questions from stdin: 'utf-8' codec can't decode" in assert_one_line_error(res)
+    by_path = run(rocketkv_bin, env, "ask", "--cache", kv, "--questions-file", tmp_path / "junk.bin")
+    assert "cannot read questions file" in assert_one_line_error(by_path)
+
+
+def test__rebuild_hint__names_the_document_by_its_absolute_path_from_any_directory(rocketkv_bin, env, tiny_model_dir,
+                                                                                  tmp_path):  # fmt: skip
+    """A cache records its document's absolute path: the "rebuild it with" command a damaged file
+    prints works from any directory (quoted for the shell: this name has a space)."""
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir()
+    elsewhere.mkdir()
+    (work / "my doc.txt").write_text("The code is 4172. " * 40)
+    r = run(rocketkv_bin, env, "ingest", "my doc.txt", "-o", "d.kv", "--model", tiny_model_dir, "--budget", "64",
+            cwd=work)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    data = bytearray((work / "d.kv").read_bytes())
+    data[-100] ^= 0xFF  # a byte of the payload: the header still reads, the digest does not match
+    (work / "d.kv").write_bytes(bytes(data))
+    r = run(rocketkv_bin, env, "inspect", work / "d.kv", cwd=elsewhere)
+    line = assert_one_line_error(r)
+    assert f"rebuild it with: rocketkv ingest '{work / 'my doc.txt'}' -o {work / 'd.kv'} --force" in line, line
+
+
+def test__a_questions_file_without_questions__says_so(rocketkv_bin, env, kv, tmp_path):
+    """A questions file given but empty (or blank lines only) is named in the error, exit 1; no
+    questions at all stays a usage error (exit 2)."""
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    r = run(rocketkv_bin, env, "ask", "--cache", kv, "--questions-file", tmp_path / "empty.txt")
+    assert f"no questions in {tmp_path / 'empty.txt'}" in assert_one_line_error(r)
+    assert "no questions in stdin" in assert_one_line_error(
+        run(rocketkv_bin, env, "ask", "--cache", kv, "--questions-file", "-", stdin="")
+    )
+    assert run(rocketkv_bin, env, "ask", "--cache", kv).returncode == 2
+
+
+def test__cli_dtype_names__are_the_loaders():
+    """`--dtype` is checked at parse time against cli/'s own list (cli/ imports no torch): it must
+    name exactly what `model.loading` loads, and auto."""
+    from rocketkv_cli.cli.common import MODEL_DTYPES
+    from rocketkv_cli.model.loading import DTYPES
+
+    assert sorted(MODEL_DTYPES) == sorted(["auto", *DTYPES])

@@ -10,6 +10,7 @@ Streaming writes each piece of an answer as it is decoded (on a terminal by defa
 from __future__ import annotations
 
 import json
+import math
 import sys
 from typing import Annotated, Optional
 
@@ -31,13 +32,32 @@ StreamOpt = Annotated[
     typer.Option("--stream/--no-stream", show_default=False,
                  help="Print answers as they are decoded (default: when stdout is a terminal; not with json)."),
 ]  # fmt: skip
+
+
+def _check_temperature(value: float) -> float:
+    """--temperature is checked as it is parsed (exit 2, before any model loads)."""
+    if not math.isfinite(value) or value < 0:
+        raise typer.BadParameter(f"{value} is not a finite number ≥ 0")
+    return value
+
+
+def _check_top_p(value: float) -> float:
+    """--top-p is checked as it is parsed (exit 2, before any model loads)."""
+    if not 0 < value <= 1:  # NaN fails both comparisons
+        raise typer.BadParameter(f"{value} is not in (0, 1]")
+    return value
+
+
 TemperatureOpt = Annotated[
     float,
-    typer.Option("--temperature", "-t", min=0.0, metavar="T", help="Sampling temperature; 0 = greedy (exact)."),
-]
+    typer.Option("--temperature", "-t", metavar="T", callback=_check_temperature,
+                 help="Sampling temperature; 0 = greedy (exact)."),
+]  # fmt: skip
 TopPOpt = Annotated[
-    float, typer.Option("--top-p", min=0.0, max=1.0, metavar="P", help="Nucleus sampling: keep tokens up to mass P.")
-]
+    float,
+    typer.Option("--top-p", metavar="P", callback=_check_top_p,
+                 help="Nucleus sampling: keep tokens up to mass P, 0 < P ≤ 1."),
+]  # fmt: skip
 CiteOpt = Annotated[
     bool, typer.Option("--cite", help="After each answer, the source passages it drew on most (lines, characters).")
 ]

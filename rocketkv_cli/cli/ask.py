@@ -75,7 +75,10 @@ def read_questions(positional: list[str], questions_file: Optional[str], doc_is_
         if questions_file == "-":
             if doc_is_stdin:
                 raise UsageError("the document and the questions cannot both come from stdin")
-            text = sys.stdin.buffer.read().decode("utf-8-sig", errors="replace")
+            try:
+                text = sys.stdin.buffer.read().decode("utf-8-sig")
+            except UnicodeDecodeError as exc:  # as a questions file given by path is refused
+                raise InputError(f"cannot read questions from stdin: {exc}") from None
         else:
             try:
                 text = Path(questions_file).read_text(encoding="utf-8-sig")
@@ -100,10 +103,11 @@ def open_cache(cache: Path, model: Optional[str], device: str, dtype: Optional[s
     check_cache_file(cache)  # a missing or unreadable path fails before torch is imported
     timings = timings or Timings()
     with timings.span("imports (torch, transformers)"), starting():
-        from ..engine.api import check_cite, check_decode_options, decode_weights_for, read_cache
+        from ..engine.api import check_cite, check_decode_options, check_model_choice, decode_weights_for, read_cache
 
     with timings.span("cache read + verify"):
         stored = read_cache(cache)
+    check_model_choice(stored, model, cache)
     check_cite(stored, cite, segments)
     check_decode_options(stored, **(decode_options or {}))
     ident = stored.info.identity
@@ -184,6 +188,9 @@ def ask_command(
         raise usage_error("QUESTION...", "missing: give --cache FILE.kv QUESTION..., or DOC QUESTION...")
     doc, rest = (None, args) if cache is not None else (args[0], args[1:])
     questions = read_questions(rest, questions_file, doc == "-")
+    if not questions and questions_file is not None:  # given, but it holds no question
+        where = "stdin" if questions_file == "-" else questions_file
+        raise InputError(f"no questions in {where}", "write one question per line")
     if not questions:
         raise usage_error("QUESTION...", "missing: pass questions as arguments or with --questions-file")
     fmt, stream = resolve_format(fmt, json_out, stream, len(questions), cite)

@@ -135,11 +135,29 @@ ModelOpt = Annotated[
         help="Preset (gemma-3-270m, smollm2-135m), model dir, .gguf file, or cached hub id.",
     ),  # fmt: skip
 ]
-DeviceOpt = Annotated[str, typer.Option(metavar="DEVICE", help="cpu, cuda, cuda:N or auto.")]
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")  # model.loading.DTYPES and auto (cli/ loads no torch)
+
+
+def _check_device(value: str) -> str:
+    """--device is checked as it is parsed (exit 2, before any model loads)."""
+    if not re.fullmatch(r"cpu|auto|cuda(:\d+)?", value):
+        raise typer.BadParameter(f"{value!r} is not cpu, cuda, cuda:N or auto")
+    return value
+
+
+def _check_dtype(value: Optional[str]) -> Optional[str]:
+    """--dtype is checked as it is parsed (exit 2, before any model loads)."""
+    if value is not None and value not in MODEL_DTYPES:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(MODEL_DTYPES)}")
+    return value
+
+
+DeviceOpt = Annotated[str, typer.Option(metavar="DEVICE", callback=_check_device, help="cpu, cuda, cuda:N or auto.")]
 DtypeOpt = Annotated[
     Optional[str],
-    typer.Option(metavar="DTYPE", help="auto, float32, bfloat16 or float16 (ask: default = the cache's)."),
-]
+    typer.Option(metavar="DTYPE", callback=_check_dtype,
+                 help="auto, float32, bfloat16 or float16 (ask: default = the cache's)."),
+]  # fmt: skip
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or logs on stderr.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON object per line on stdout.")]
 TrustOpt = Annotated[bool, typer.Option(help="Allow model code from the model directory (off by default).")]

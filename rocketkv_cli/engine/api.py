@@ -25,8 +25,8 @@ from pathlib import Path
 from ..core.cache import AnyCache, CompressedKVCache, SegmentedKVCache
 from ..core.config import DEFAULT_MAX_NEW_TOKENS, PrefillConfig, default_kv_dtype, with_preset_defaults
 from ..core.quant import KVStorage
-from ..errors import InputError, UsageError
-from ..model.loading import DEFAULT_MODEL, configure_transformers, load_model
+from ..errors import CacheFormatError, InputError, UsageError
+from ..model.loading import DEFAULT_MODEL, PRESETS, configure_transformers, load_model
 from ..store.checkpoints import Checkpoints
 from ..store.describe import describe as store_describe
 from ..store.describe import kept_tokens_per_layer as kept_tokens_per_layer
@@ -109,6 +109,19 @@ def check_decode_options(cache: AnyCache, dense: bool = False, hsa: bool = False
         decode_config_for(first, sparse=not dense, topk=topk, page_size=page_size, n_score_dims=n_score_dims)
     except ValueError as exc:
         raise InputError(f"invalid option: {exc}") from None  # depends on the cache's budgets: exit 1
+
+
+def check_model_choice(cache: AnyCache, model: str | None, path: str | Path) -> None:
+    """Refuse, before it loads, a preset `model` other than the preset `cache` was built with
+    (a model directory or hub id is checked by its digests once loaded: `Engine.check`).
+
+    Raises:
+        CacheFormatError: both are presets and they differ.
+    """
+    built = cache.info.identity.model_id
+    if model is not None and model != built and model in PRESETS and built in PRESETS:
+        hint = f"drop --model (or give --model {built}), or rebuild it with --model {model}"
+        raise CacheFormatError(f"{path} was built for model {built}, not {model}", hint)
 
 
 def check_cite(cache: AnyCache, cite: int, segments: int = 1) -> None:
@@ -375,6 +388,7 @@ __all__ = [
     "abandoned_ingests",
     "check_cache_file",
     "check_decode_options",
+    "check_model_choice",
     "check_output",
     "default_output",
     "AnswerStream",

@@ -21,6 +21,7 @@ How often the cited passage holds a planted fact is measured by scripts/citation
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +58,7 @@ def check_citable(cache: CompressedKVCache) -> None:
     if cache.token_ids is None or cache.token_offsets is None or cache.token_lines is None:
         raise InputError(
             "this cache has no token offsets to cite from (written by an older rocketkv)",
-            f"rebuild it: rocketkv ingest {cache.info.document_source or 'DOC'} -o FILE.kv --force",
+            f"rebuild it: rocketkv ingest {shlex.quote(cache.info.document_source or '') or 'DOC'} -o FILE.kv --force",
         )
 
 

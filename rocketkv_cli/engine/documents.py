@@ -75,7 +75,8 @@ class TextStream:
         self.bytes_read = 0
         self.has_text = False
         self._digest = hashlib.sha256()
-        self.source = "-" if path == "-" else str(Path(path)).encode("utf-8", "backslashreplace").decode("utf-8")
+        # absolute: the path is shown and offered back in "rebuild it with" hints, from any directory
+        self.source = "-" if path == "-" else str(Path(path).absolute()).encode("utf-8", "backslashreplace").decode()
 
     @property
     def sha256(self) -> str:

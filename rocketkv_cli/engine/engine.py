@@ -14,6 +14,7 @@ No argument parsing or printing here; progress goes through callbacks.
 from __future__ import annotations
 
 import contextlib
+import shlex
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -157,7 +158,8 @@ class Engine:
         """
         label = cache.info.identity.mismatch(self.identity)
         if label is not None:
-            rebuild = (f"rebuild it with: rocketkv ingest {cache.info.document_source or 'DOC'} -o {path} "
+            doc = shlex.quote(cache.info.document_source) if cache.info.document_source else "DOC"
+            rebuild = (f"rebuild it with: rocketkv ingest {doc} -o {shlex.quote(str(path))} "
                        f"--model {self.loaded.model_id} --force")  # fmt: skip
             built = cache.info.identity.model_id
             raise CacheFormatError(f"{path} was built for {label} (model {built}), not this one", rebuild)

@@ -13,7 +13,7 @@ import stat
 import struct
 from pathlib import Path
 
-from ..errors import CacheFormatError, OutputError
+from ..errors import CacheFormatError, OutputError, UsageError
 from ..store.atomic import check_target, probe_writable, remove_stale_temp_files
 from ..store.folders import AbandonedCheckpoints, abandoned_checkpoints
 from .documents import TextStream
@@ -51,6 +51,8 @@ def check_output(output: str | Path, force: bool, document: str | None = None) -
     output as a Path. Raises OutputError."""
     text = str(output)
     target = Path(output)
+    if text == "-":
+        raise UsageError("-o -: a cache is a file, not a stream to stdout", "name the file, e.g. -o doc.kv")
     if isinstance(output, str) and text.endswith(("/", os.sep)) and not target.is_dir():
         raise OutputError(f"-o {text} names a directory (it ends with /), and there is none",
                           f"create it (mkdir -p {text}) and give a file name in it, e.g. -o {text}DOC.kv")  # fmt: skip
@@ -68,6 +70,8 @@ def check_output(output: str | Path, force: bool, document: str | None = None) -
 def check_cache_file(path: str | Path) -> None:
     """Refuse, with the reason, a cache path that is not a readable regular file (missing, a
     directory, a FIFO or device, no permission) before anything reads it. Raises CacheFormatError."""
+    if str(path) == "-":
+        raise UsageError("--cache -: a cache cannot come from stdin", "give the .kv file's path")
     p = Path(path)
     build = f"build one with: rocketkv ingest DOC -o {path}"
     try:

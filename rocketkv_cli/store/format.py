@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import shlex
 import struct
 from pathlib import Path
 from typing import Any
@@ -102,7 +103,8 @@ def payload_digest(tensors: dict[str, torch.Tensor]) -> str:
 def rebuild_hint(meta: dict, path: Path) -> str:
     """The command that rebuilds a (damaged) cache, naming its document when the metadata says."""
     source = meta.get("document_source") if isinstance(meta.get("document_source"), str) else None
-    return f"rebuild it with: rocketkv ingest {source or 'DOC'} -o {path} --force"
+    doc = shlex.quote(source) if source else "DOC"
+    return f"rebuild it with: rocketkv ingest {doc} -o {shlex.quote(str(path))} --force"
 
 
 # -- reading ------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -65,9 +66,9 @@ LAYOUTS = {  # name: what it is (and, for a layout int4's bytes would not hold, 
     "by Σ_h ‖W_o[:, h, c]‖² over the head's GQA group times the token groups' mean range²",
     "sim: PCA, calibrated basis": "int4's bytes; keys before RoPE and values each rotated into the model's "
     "principal components (calibrated once on another text, the GPL; not stored in the file), each component "
-    "0–8 bits in 64-token groups, allocated by its weighted variance (KVTC, arXiv 2511.01815 §3)",
+    "0 or 2–8 bits in 64-token groups, allocated by its weighted mean squared error (KVTC, arXiv 2511.01815 §3)",
     "sim: PCA, own basis": "the row above with each layer's basis taken from the cache's own tokens "
-    "(an upper bound: a D×D basis per layer and head would have to be stored)",
+    "(fitted in-sample; a D×D basis per layer and head would have to be stored)",
 }
 ALLOC_BITS = (2, 3, 4, 5, 6, 8)  # the widths "sim: key bits by query energy" may give a channel
 PCA_BITS = (0, 2, 3, 4, 5, 6, 7, 8)  # the widths a principal component may get (0: not stored, its mean)
@@ -610,24 +611,27 @@ def transform_note(report: dict, rows: dict, storage: dict | None = None) -> str
     saved = 1 - (hk + hv) / 8
     basis = shape["n_layers"] * shape["n_kv_heads"] * 2 * shape["head_dim"] ** 2 * 2
     return (f" Both were measured. **Decorrelation** (`sim: PCA, …`, the simulation of KVTC's transform coding): "
-            f"with principal components calibrated once per model on another text (the GPL), KL {cal[2]:.4f} "
-            f"against int4's {int4[2]:.4f} (top-1 {cal[0] / cal[1]:.3f}): the GPL's components do not carry over "
-            f"to these documents, and what a component left at 0 bits held is lost. With each layer's own "
-            f"components (the best a basis fitted to the document could do) KL {own[2]:.4f} (top-1 "
-            f"{own[0] / own[1]:.3f}), and that basis would have to be stored: a D×D matrix per "
-            f"layer, KV head, keys and values: {basis:,} bytes in float16 for this model, "
+            f"with principal components calibrated once per model on one other text (the GPL), KL {cal[2]:.4f} "
+            f"against int4's {int4[2]:.4f} (top-1 {cal[0] / cal[1]:.3f}): that basis did not carry over to these "
+            f"documents (what a component left at 0 bits holds is lost; a broader calibration set is untried). "
+            f"With each layer's components fitted to its own tokens (in-sample, so at best what a stored basis "
+            f"could do with this allocation) KL {own[2]:.4f} (top-1 {own[0] / own[1]:.3f}), and that basis would "
+            f"have to be stored: as a full float16 D×D matrix per "
+            f"layer, KV head, keys and values: {basis:,} bytes for this model, "
             f"{basis / (sum(files) / len(files)):.1f}× int4's whole file at {group.split('/')[1]} tokens "
             f"({sum(files) // len(files):,} bytes). **Entropy coding** of "
             f"int4's codes (one symbol table per layer and channel, order 0) would need {hk:.2f} bits per key code "
             f"and {hv:.2f} per value code instead of 4: {saved:.0%} of the codes' bytes, about "
-            f"{(8 - hk - hv) / 2:.2f} bits per number to spend on finer steps, which lowers the rounding error "
-            f"about {2 ** ((8 - hk - hv)):.1f}× — short of the {int4[2] / bar[2]:.0f}× between int4's KL and "
+            f"{(8 - hk - hv) / 2:.2f} bits per number to spend on finer steps, which lowers the mean squared "
+            f"rounding error about {2 ** ((8 - hk - hv)):.1f}× — short of the {int4[2] / bar[2]:.0f}× "
+            f"(about {math.log(int4[2] / bar[2], 4):.1f} bits per number) between int4's KL and "
             f"{bar[2]:.4f}, that of `int4 full-attention layers only`, whose top-1 ({bar[0] / bar[1]:.3f}) "
             "reached the bar.")  # fmt: skip
 
 
-def finding(report: dict, bar: float) -> list[str]:
-    """The 'what would close the Gemma gap' note, its numbers taken from the ablation's rows."""
+def finding(report: dict, bar: float, storage: dict | None = None) -> list[str]:
+    """The 'what would close the Gemma gap' note, its numbers taken from the ablation's rows
+    (storage: the storage report's results, for int4's file size; None: docs/bench/storage.json)."""
     rows = {name: pooled(report, name) for name in LAYOUTS}
     need = ("int4", "int4 keys only", "int4 values only", "int4 full-attention layers only",
             "int4 sliding-window layers only")  # fmt: skip
@@ -652,7 +656,7 @@ def finding(report: dict, bar: float) -> list[str]:
         "layers store the document's last 512 tokens whole and their keys need about int8's precision, so 1/20 "
         "at the bar needs close to int8's fidelity at int4's bytes there."
         + alloc_note(rows)  # type: ignore[arg-type]
-        + transform_note(report, rows),
+        + transform_note(report, rows, storage),
     ]
 
 
@@ -665,7 +669,14 @@ def main() -> int:
     ap.add_argument("--scratch", type=Path, default=ROOT / "build" / "storage-ablation")
     ap.add_argument("--json", type=Path, default=ROOT / "docs" / "bench" / "storage-ablation.json")
     ap.add_argument("--from-json", action="store_true", help="only rewrite docs/storage.md from the JSONs")
-    ap.add_argument("--only", action="append", default=[], metavar="LAYOUT", help="run only these layouts (repeatable)")
+    ap.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        choices=list(LAYOUTS),
+        metavar="LAYOUT",
+        help="run only these layouts (repeatable)",
+    )
     args = ap.parse_args()
     if not args.from_json:
         run(args)

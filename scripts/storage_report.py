@@ -178,7 +178,7 @@ def page(report: dict) -> str:
 
     lines += section(ablation)
     lines += ["## Default and targets", "", *verdicts(by_group, report.get("load")), "", *NOTES, *alloc_bullet(by_group),
-              *finding(ablation, AGREEMENT_BAR), ""]  # fmt: skip
+              *finding(ablation, AGREEMENT_BAR, report.get("results")), ""]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -521,7 +521,7 @@ def test__unknown_weights__usage_error_before_the_model_loads(rocketkv_bin, env,
         (["ask", "DOC", "q?", "--temperature", "nan"], "nan is not a finite number ≥ 0"),
         (["ask", "DOC", "q?", "--top-p", "0"], "0.0 is not in (0, 1]"),
         (["ingest", "DOC", "-o", "-"], "-o -: a cache is a file, not a stream to stdout"),
-        (["ask", "--cache", "-", "q?"], "--cache -: a cache cannot come from stdin"),
+        (["ask", "--cache", "-", "q?"], "a cache cannot come from stdin (-)"),
     ],
     ids=[
         "encoding",
@@ -613,3 +613,14 @@ def test__cli_dtype_names__are_the_loaders():
     from rocketkv_cli.model.loading import DTYPES
 
     assert sorted(MODEL_DTYPES) == sorted(["auto", *DTYPES])
+
+
+def test__a_cache_file_named_dash__is_read_as_a_file(rocketkv_bin, env, kv, tmp_path):
+    """`-` is refused as a cache (stdin cannot hold one), but a file that is named `-` (given as
+    `./-`, which the option parser shortens to `-`) is still a cache file."""
+    import shutil
+
+    shutil.copy(kv, tmp_path / "-")
+    r = run(rocketkv_bin, env, "inspect", "./-", cwd=tmp_path)
+    assert r.returncode == 0 and "storage" in r.stdout, r.stderr
+    assert "cannot come from stdin" in assert_one_line_error(run(rocketkv_bin, env, "inspect", "-"), code=2)

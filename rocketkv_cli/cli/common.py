@@ -140,7 +140,7 @@ MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")  # model.loading.DTYPE
 
 def _check_device(value: str) -> str:
     """--device is checked as it is parsed (exit 2, before any model loads)."""
-    if not re.fullmatch(r"cpu|auto|cuda(:\d+)?", value):
+    if not re.fullmatch(r"cpu|auto|cuda(:[0-9]+)?", value):
         raise typer.BadParameter(f"{value!r} is not cpu, cuda, cuda:N or auto")
     return value
 

@@ -56,9 +56,10 @@ def check_citable(cache: CompressedKVCache) -> None:
     """Raises InputError when `cache` has no token offsets to cite from (a file written before
     rocketkv stored them)."""
     if cache.token_ids is None or cache.token_offsets is None or cache.token_lines is None:
+        source = cache.info.document_source
         raise InputError(
             "this cache has no token offsets to cite from (written by an older rocketkv)",
-            f"rebuild it: rocketkv ingest {shlex.quote(cache.info.document_source or '') or 'DOC'} -o FILE.kv --force",
+            f"rebuild it: rocketkv ingest {shlex.quote(source) if source else 'DOC'} -o FILE.kv --force",
         )
 
 

@@ -76,7 +76,7 @@ class TextStream:
         self.has_text = False
         self._digest = hashlib.sha256()
         # absolute: the path is shown and offered back in "rebuild it with" hints, from any directory
-        self.source = "-" if path == "-" else str(Path(path).absolute()).encode("utf-8", "backslashreplace").decode()
+        self.source = "-" if path == "-" else os.path.abspath(path).encode("utf-8", "backslashreplace").decode()
 
     @property
     def sha256(self) -> str:

@@ -48,7 +48,7 @@ def check_output(output: str | Path, force: bool, document: str | None = None) -
     `store.atomic.check_target` refuses, a name ending in `/` (a directory), the document
     itself, or a directory this process cannot create files in (checked by creating one).
     Stale temporary files of killed runs in that directory are removed on the way. Returns the
-    output as a Path. Raises OutputError."""
+    output as a Path. Raises OutputError; UsageError for `-` (a cache is not written to stdout)."""
     text = str(output)
     target = Path(output)
     if text == "-":
@@ -69,9 +69,10 @@ def check_output(output: str | Path, force: bool, document: str | None = None) -
 
 def check_cache_file(path: str | Path) -> None:
     """Refuse, with the reason, a cache path that is not a readable regular file (missing, a
-    directory, a FIFO or device, no permission) before anything reads it. Raises CacheFormatError."""
-    if str(path) == "-":
-        raise UsageError("--cache -: a cache cannot come from stdin", "give the .kv file's path")
+    directory, a FIFO or device, no permission) before anything reads it. Raises CacheFormatError;
+    UsageError for `-` (stdin) when no file has that name."""
+    if str(path) == "-" and not os.path.lexists("-"):  # a file named - (./-) is still read
+        raise UsageError("a cache cannot come from stdin (-)", "give the .kv file's path")
     p = Path(path)
     build = f"build one with: rocketkv ingest DOC -o {path}"
     try:

@@ -30,14 +30,14 @@ NO_TORCH = {"cli"}  # the CLI parses and prints: no tensor math
 
 def modules() -> list[tuple[str, Path]]:
     found = [(p.relative_to(PACKAGE).parts[0], p) for p in sorted(PACKAGE.rglob("*.py")) if len(p.parts) > 0]
-    found += [("kernels", p) for p in sorted((ROOT / "kernels").glob("*.py"))]
+    found += [("kernels", p) for p in sorted((ROOT / "rocketkv_kernels").glob("*.py"))]
     return [(part.removesuffix(".py"), p) for part, p in found]
 
 
 def imports(path: Path, package: str) -> set[str]:
     """Absolute names imported by `path`; relative imports resolved inside rocketkv_cli."""
     tree = ast.parse(path.read_text(), str(path))
-    rel = path.relative_to(ROOT / "kernels" if package == "kernels" else PACKAGE).with_suffix("")
+    rel = path.relative_to(ROOT / "rocketkv_kernels" if package == "kernels" else PACKAGE).with_suffix("")
     here = (["rocketkv_cli", "kernels"] if package == "kernels" else ["rocketkv_cli"]) + list(rel.parts)[:-1]
     if path.name == "__init__.py":
         here = here + [rel.parts[-2]] if len(rel.parts) > 1 else here

@@ -74,24 +74,20 @@ ALLOC_BITS = (2, 3, 4, 5, 6, 8)  # the widths "sim: key bits by query energy" ma
 PCA_BITS = (0, 2, 3, 4, 5, 6, 7, 8)  # the widths a principal component may get (0: not stored, its mean)
 
 
-def calibration_bases(engine, ids: list[int], skip: int = 4) -> list:
-    """Per layer (key mean `[Hkv, D]`, key basis `[Hkv, D, D]`, value mean, value basis): the
-    principal components (columns, by falling variance) of the pre-RoPE keys (after the key norm)
-    and the values of an exact forward of `ids`, its first `skip` tokens (the sinks) left out.
-    Captured with forward hooks on `k_proj`/`v_proj`, like `tail_query_energy`."""
+def projection_outputs(engine, ids: list[int], names: tuple[str, ...]) -> dict[tuple[int, str], object]:
+    """Outputs `[S, H·D]` of each attention block's projections `names` (e.g. "q_proj") during an
+    exact forward of `ids`, keyed by (layer, name): forward hooks, an experiment's instrument
+    coupled to the presets' transformers modules."""
     import torch
 
     from rocketkv_cli.model.hf import empty_cache, rocketkv_attention
 
     model, shape = engine.model, engine.shape
-    blocks = sorted((m for m in model.modules() if hasattr(m, "k_proj") and hasattr(m, "layer_idx")),
-                    key=lambda b: b.layer_idx)  # fmt: skip
+    blocks = [m for m in model.modules() if hasattr(m, "layer_idx") and all(hasattr(m, n) for n in names)]
     rows: dict[tuple[int, str], list] = {}
-    hooks = []
-    for b in blocks:
-        for name in ("k_proj", "v_proj"):
-            hooks.append(getattr(b, name).register_forward_hook(
-                lambda m, i, o, key=(b.layer_idx, name): rows.setdefault(key, []).append(o[0])))  # fmt: skip
+    hooks = [getattr(b, name).register_forward_hook(
+                 lambda m, i, o, key=(b.layer_idx, name): rows.setdefault(key, []).append(o[0]))
+             for b in blocks for name in names]  # fmt: skip
     try:
         cache = empty_cache(model, shape, len(ids))
         with torch.no_grad(), rocketkv_attention(model, cache, shape):
@@ -99,21 +95,43 @@ def calibration_bases(engine, ids: list[int], skip: int = 4) -> list:
     finally:
         for h in hooks:
             h.remove()
+    return {key: torch.cat(parts, 0).float() for key, parts in rows.items()}
+
+
+def attention_blocks(engine) -> list:
+    """The model's attention blocks (modules with a `layer_idx` and `q_proj`), by layer."""
+    blocks = (m for m in engine.model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx"))
+    return sorted(blocks, key=lambda b: b.layer_idx)
+
+
+def principal_components(x) -> tuple:
+    """(mean `[Hkv, D]`, basis `[Hkv, D, D]`, columns by falling variance) of `x` `[Hkv, S, D]`, float32."""
+    import torch
+
+    x = x.double()
+    mean = x.mean(1)
+    cov = (x - mean[:, None]).transpose(1, 2) @ (x - mean[:, None]) / max(1, x.shape[1])
+    return mean.float(), torch.linalg.eigh(cov)[1].flip(-1).float()  # eigh: ascending
+
+
+def calibration_bases(engine, ids: list[int], skip: int = 4) -> list:
+    """Per layer (key mean `[Hkv, D]`, key basis `[Hkv, D, D]`, value mean, value basis): the
+    principal components of the pre-RoPE keys (after the key norm) and the values of an exact
+    forward of `ids`, its first `skip` tokens (the sinks) left out."""
+    import torch
+
+    shape = engine.shape
+    rows = projection_outputs(engine, ids, ("k_proj", "v_proj"))
     out = []
-    for b in blocks:
-        parts = []
+    for b in attention_blocks(engine):
+        parts: tuple = ()
         for name in ("k_proj", "v_proj"):
-            x = torch.cat(rows[(b.layer_idx, name)], 0).float()[skip:]  # [S, Hkv·D]
-            x = x.view(x.shape[0], shape.n_kv_heads, shape.head_dim)
+            x = rows[(b.layer_idx, name)][skip:].view(-1, shape.n_kv_heads, shape.head_dim)  # [S, Hkv, D]
             if name == "k_proj" and hasattr(b, "k_norm"):
                 with torch.no_grad():
                     x = b.k_norm(x).float()
-            x = x.transpose(0, 1).double()  # [Hkv, S, D]
-            mean = x.mean(1)
-            cov = (x - mean[:, None]).transpose(1, 2) @ (x - mean[:, None]) / x.shape[1]
-            _, vecs = torch.linalg.eigh(cov)  # ascending
-            parts += [mean.float(), vecs.flip(-1).float()]
-        out.append(tuple(parts))
+            parts += principal_components(x.transpose(0, 1))
+        out.append(parts)
     return out
 
 
@@ -203,19 +221,13 @@ def pca_layer(layer, freqs, basis, key_w, value_w, sinks: int = 4):
 
 def own_basis(layer, freqs, sinks: int = 4):
     """`calibration_bases`'s tuple for one layer from its own kept tokens (after the sinks)."""
-    import torch
 
     from rocketkv_cli.core.quant import rope_rotate
 
     k, v, pos = layer.keys[0].float(), layer.values[0].float(), layer.positions[0]
     a = min(sinks, k.shape[1])
     kp = rope_rotate(k[:, a:], pos[:, a:], freqs.float(), inverse=True) if freqs is not None else k[:, a:]
-    out = []
-    for x in (kp.double(), v[:, a:].double()):
-        mean = x.mean(1)
-        cov = (x - mean[:, None]).transpose(1, 2) @ (x - mean[:, None]) / max(1, x.shape[1])
-        out += [mean.float(), torch.linalg.eigh(cov)[1].flip(-1).float()]
-    return tuple(out)
+    return principal_components(kp) + principal_components(v[:, a:])
 
 
 def tail_query_energy(engine, ids: list[int], window: int = 32) -> list:
@@ -227,24 +239,13 @@ def tail_query_energy(engine, ids: list[int], window: int = 32) -> list:
     import torch
 
     from rocketkv_cli.core.quant import rope_rotate
-    from rocketkv_cli.model.hf import empty_cache, rocketkv_attention
 
-    model, shape = engine.model, engine.shape
-    blocks = [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")]
-    rows: dict[int, list] = {}
-    hooks = [b.q_proj.register_forward_hook(lambda m, i, o, idx=b.layer_idx: rows.setdefault(idx, []).append(o[0]))
-             for b in blocks]  # fmt: skip
-    try:
-        cache = empty_cache(model, shape, len(ids))
-        with torch.no_grad(), rocketkv_attention(model, cache, shape):
-            engine._prefill_chunks(cache, ids, 0, 1024, lambda done, total: None)
-    finally:
-        for h in hooks:
-            h.remove()
+    shape = engine.shape
+    rows = projection_outputs(engine, ids, ("q_proj",))
     out = []
-    for b in sorted(blocks, key=lambda b: b.layer_idx):
+    for b in attention_blocks(engine):
         i = b.layer_idx
-        q = torch.cat(rows[i], 0)[-window:].float()  # [W, H·D]
+        q = rows[(i, "q_proj")][-window:]  # [W, H·D]
         h, d = q.shape[1] // shape.head_dim, shape.head_dim
         q = q.view(-1, h, d)
         if hasattr(b, "q_norm"):

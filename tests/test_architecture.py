@@ -19,12 +19,13 @@ MAY_IMPORT = {
     "store": {"core"},
     "engine": {"core", "ops", "model", "store"},
     "eval": {"core", "ops", "model", "store", "engine"},
-    "cli": {"engine", "eval", "core", "entry"},  # entry: the signal state of the console script
+    "serve": {"core", "engine"},  # the warm server, above the Python API
+    "cli": {"engine", "eval", "core", "entry", "serve"},  # entry: the signal state of the console script
     "kernels": set(),
 }
 # third-party packages only one sub-package may import
 OWNED = {"transformers": "model", "safetensors": "store", "triton": "kernels", "typer": "cli", "rich": "cli",
-         "ray": "engine"}  # fmt: skip
+         "ray": "engine", "starlette": "serve", "uvicorn": "serve"}  # fmt: skip
 NO_TORCH = {"cli"}  # the CLI parses and prints: no tensor math
 
 

@@ -24,6 +24,7 @@ from .eval import eval_command
 from .ingest import ingest_command
 from .inspect import inspect_command
 from .models import models_command
+from .serve import serve_command
 from .summarize import summarize_command
 
 app = typer.Typer(
@@ -96,6 +97,7 @@ COMMANDS = [
     ("models", models_command, "List or remove converted models (disk used)."),
     ("bench", bench, "Measure speed, file size and memory vs full attention."),
     ("eval", eval_command, "Score accuracy on generated long-context tasks."),
+    ("serve", serve_command, "Keep models and caches loaded in a local server that ask uses."),
     ("batch", batch_command, "Answer a manifest of documents and questions (JSONL in, JSONL out)."),
 ]
 for _name, _fn, _short in COMMANDS:

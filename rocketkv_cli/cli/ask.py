@@ -34,12 +34,15 @@ from .common import (
     ErrorsOpt,
     JsonOpt,
     ModelOpt,
+    NoServerOpt,
     PageSizeOpt,
     QuietOpt,
     ScoreDimsOpt,
     SegmentOpt,
     SegmentsOpt,
     SegmentTokensOpt,
+    ServerOpt,
+    ThreadsOpt,
     Timings,
     TopkOpt,
     TrustOpt,
@@ -52,7 +55,9 @@ from .common import (
     prefill_config,
     setup,
     starting,
+    threads_note,
 )  # fmt: skip
+from .remote import ask_remote, server_for
 
 DenseOpt = Annotated[
     bool,
@@ -174,6 +179,9 @@ def ask_command(
     dtype: DtypeOpt = None,
     weights: WeightsOpt = None,
     trust_remote_code: TrustOpt = False,
+    threads: ThreadsOpt = None,
+    server: ServerOpt = None,
+    no_server: NoServerOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show a timing breakdown on stderr.")] = False,
@@ -181,7 +189,8 @@ def ask_command(
     """Answer questions from a saved cache (or from DOC, ingested in memory first).
 
     Each question is answered on its own. On a terminal the answers are printed as they are
-    decoded; several questions are shown as Q:/A: records (see --format).
+    decoded; several questions are shown as Q:/A: records (see --format). With --cache, a running
+    `rocketkv serve` answers (the model and cache stay loaded there); --no-server answers here.
     """
     args = list(args or [])  # usage errors first: before the engine (torch) is imported
     if cache is None and not args:
@@ -197,9 +206,23 @@ def ask_command(
     if dense and hsa:  # before the model loads (the API checks it too)
         raise usage_error("--hsa", "--dense and --hsa contradict each other: give one of them")
     timings = Timings()
-    setup(quiet)
+    setup(quiet, threads)
     if note := sampling_note(temperature, seed):
         log(note)
+    options = {"max_new_tokens": max_new_tokens, "dense": dense, "hsa": hsa, "topk": topk, "page_size": page_size,
+               "n_score_dims": n_score_dims, "segments": segments, "segment": segment, "temperature": temperature,
+               "top_p": top_p, "seed": seed, "cite": passages if cite else 0}  # fmt: skip
+    remote = server_for(server, no_server) if doc is None else None
+    if remote is not None:
+        assert cache is not None  # doc is None: --cache was given
+        cache_budget_note(budget, cache)
+        ask_remote(remote, cache, questions, {**options, "model": model, "device": device, "dtype": dtype,
+                                               "weights": weights, "trust_remote_code": trust_remote_code},
+                   AnswerPrinter(fmt, stream), timings)  # fmt: skip
+        if verbose:
+            log(f"answered by the server at {remote.url}")
+            log(timings.summary())
+        return
     if doc is None:
         assert cache is not None  # one of the two, checked above
         cache_budget_note(budget, cache)
@@ -218,10 +241,8 @@ def ask_command(
         stored = ingest(rk, document, cfg, segment_tokens=segment_tokens).cache
         source = doc
     printer = AnswerPrinter(fmt, stream)
-    answers = rk.ask(stored, questions, max_new_tokens=max_new_tokens, dense=dense, hsa=hsa, topk=topk,
-                     page_size=page_size, n_score_dims=n_score_dims, segments=segments, segment=segment,
-                     temperature=temperature, top_p=top_p, seed=seed, on_text=printer.piece,
-                     cite=passages if cite else 0, log=log)  # fmt: skip
+    answers = rk.ask(stored, questions, on_text=printer.piece, log=log, **options)
     print_answers(answers, questions, source, printer, timings)
     if verbose:
+        log(threads_note())
         log(timings.summary())

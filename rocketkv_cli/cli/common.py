@@ -36,7 +36,7 @@ from ..entry import EXIT_CODES, MESSAGES, Terminated, install, mark_reported, re
 from ..errors import InputError, RocketKVError, UsageError
 
 err = Console(stderr=True, highlight=False)
-_state = {"quiet": False}
+_state: dict = {"quiet": False, "threads": None}
 
 
 def log(message: str) -> None:
@@ -161,6 +161,18 @@ DtypeOpt = Annotated[
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or logs on stderr.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON object per line on stdout.")]
 TrustOpt = Annotated[bool, typer.Option(help="Allow model code from the model directory (off by default).")]
+ThreadsOpt = Annotated[
+    Optional[int],
+    typer.Option("--threads", min=1, metavar="N",
+                 help="Threads to compute with (default: $ROCKETKV_THREADS, else the cores this process may use)."),
+]  # fmt: skip
+ServerOpt = Annotated[
+    Optional[str],
+    typer.Option("--server", metavar="URL",
+                 help="Answer through this rocketkv server (unix:/path or http://host:port; default: "
+                      "$ROCKETKV_SERVER, else the one on $ROCKETKV_HOME/serve.sock if it is running)."),
+]  # fmt: skip
+NoServerOpt = Annotated[bool, typer.Option("--no-server", help="Answer in this process even if a server is running.")]
 
 
 def process_age_s() -> float | None:
@@ -197,10 +209,21 @@ class Timings:
         return f"timing: {parts}" + (f"; wall {total:.2f}s" if total is not None else "")
 
 
-def setup(quiet: bool) -> None:
-    """Per-command start: quiet or not. Nothing heavy is imported here, so that the checks that
-    follow (options, documents, paths) answer in a fraction of a second."""
+def setup(quiet: bool, threads: int | None = None) -> None:
+    """Per-command start: quiet or not, and torch's threads (`--threads`, else `$ROCKETKV_THREADS`, else
+    the cores this process may use: `engine.threads`), applied when the model loads. Nothing heavy
+    is imported here, so that the checks that follow (options, documents, paths) answer in a
+    fraction of a second. Raises UsageError for a thread count < 1."""
+    from ..engine.threads import resolve_threads
+
     _state["quiet"] = quiet
+    _state["threads"] = resolve_threads(threads)
+
+
+def threads_note() -> str:
+    """ "threads: 2 (the cores this process may use …)" for `--verbose`."""
+    n, source = _state.get("threads") or (None, "torch's default")
+    return f"threads: {n} ({source})"
 
 
 @contextlib.contextmanager
@@ -220,8 +243,11 @@ def load_engine(model: Optional[str], device: str, dtype: str, trust_remote_code
     with starting():
         from ..engine.api import DEFAULT_MODEL, RocketKV, configure
 
+    from ..engine.threads import apply, resolve_threads
+
     quiet = _state["quiet"]
     configure(quiet, progress_bars=err.is_terminal and not quiet)
+    apply((_state.get("threads") or resolve_threads())[0])
     model = model or DEFAULT_MODEL
     t0 = time.perf_counter()
     with (

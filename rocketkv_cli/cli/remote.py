@@ -1,0 +1,63 @@
+"""Answering through a running `rocketkv serve` (imports no torch): the questions go to the server,
+the pieces and records come back and are printed exactly as an in-process answer is
+(`AnswerPrinter`, the same stderr lines), and errors are raised as the same types, so the output,
+the `--json` records and the exit codes do not depend on where the answer was computed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+from ..serve.client import Server, events, locate
+from .answers import AnswerPrinter
+from .common import Timings, log
+
+
+def server_for(url: str | None, no_server: bool) -> Server | None:
+    """The server to answer through, or None (in this process). Raises ServerError for a `--server`
+    that does not answer, UsageError for a malformed URL."""
+    return locate(url, no_server)
+
+
+def answer_log_of(record: dict) -> str:
+    """The stderr line after an answer, from its `--json` record (as `answers.answer_log`)."""
+    seed = f", seed {record['sampling']['seed']}" if "sampling" in record else ""
+    seconds = record["prefill_s"] + record["decode_s"]
+    return (f"answered in {seconds:.2f}s ({record['n_answer_tokens']} tokens, stop: {record['stop_reason']}"
+            f"{seed})")  # fmt: skip
+
+
+def ask_remote(server: Server, cache: Path, questions: list[str], options: dict, printer: AnswerPrinter,
+               timings: Timings | None = None) -> None:  # fmt: skip
+    """Answer `questions` from `cache` on `server` and print them as `ask` does.
+
+    options: `RocketKV.ask`'s keyword options and the model choice (model, device, dtype, weights,
+    trust_remote_code). Raises the server's error as its rocketkv type; ServerError when the
+    server goes away before the last answer."""
+    from ..engine.preflight import check_cache_file  # torch-free: a missing file fails as it would here
+
+    check_cache_file(cache)
+    body = {"cache": os.path.abspath(cache), "display": str(cache), "questions": questions, **options}
+    done = 0
+    printer.start(questions[0])
+    for event in events(server, "/v1/rocketkv/ask", body):
+        kind = event.get("event")
+        if kind == "piece":
+            printer.piece(event["text"])
+        elif kind == "log":
+            log(event["message"])
+        elif kind == "answer":
+            record = event["record"]
+            citations = None if event.get("citations") is None else [
+                SimpleNamespace(**c) for c in event["citations"]]  # fmt: skip
+            printer.finish(record["answer"], record, citations)
+            log(answer_log_of(record))
+            if timings is not None:
+                n = record["n_answer_tokens"]
+                per = f" ({1e3 * record['decode_s'] / (n - 1):.0f} ms/token)" if n > 1 else ""
+                timings.add(f"question {done + 1} prefill (server)", record["prefill_s"])
+                timings.add(f"decode {n} tokens{per} (server)", record["decode_s"])
+            done += 1
+            if done < len(questions):
+                printer.start(questions[done])

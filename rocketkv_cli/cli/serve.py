@@ -1,0 +1,122 @@
+"""`rocketkv serve`: start a warm local server (models and caches stay loaded; `ask` uses it by
+itself), or show (`status`) or stop (`stop`) the running one. docs/serve.md."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..serve.client import Server, ServerError, default_socket, health, parse_url, post
+from ..serve.config import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_QUEUE, ServeConfig, default_memory_budget
+from .answers import usage_error
+from .common import JsonOpt, QuietOpt, ThreadsOpt, log, setup
+
+ACTIONS = ("start", "status", "stop")
+
+
+def _where(socket: Optional[Path], host: Optional[str], port: Optional[int], api_key: Optional[str]) -> Server:
+    if host is not None or port is not None:
+        return parse_url(f"http://{host or '127.0.0.1'}:{port or 8790}", api_key)
+    return Server(path=str(socket or default_socket()), api_key=api_key)
+
+
+def _status(where: Server, json_out: bool) -> None:
+    info = health(where)
+    if info is None:
+        raise ServerError(f"no rocketkv server is running on {where.url}", "start one with `rocketkv serve`")
+    if json_out:
+        typer.echo(json.dumps(info))
+        return
+    typer.echo(f"running: pid {info['pid']} on {info['url']}, threads {info['threads']}, up {info['uptime_s']:.0f}s, "
+               f"{info['served']} requests served, {info['active']} in flight")  # fmt: skip
+    typer.echo(f"models: {', '.join(info['models']) or '-'}")
+    typer.echo(f"caches: {', '.join(info['caches']) or '-'} ({info['used_bytes'] / 1e6:.1f} MB of "
+               f"{info['memory_budget_bytes'] / 1e9:.1f} GB)")  # fmt: skip
+
+
+def _stop(where: Server) -> None:
+    if health(where) is None:
+        raise ServerError(f"no rocketkv server is running on {where.url}")
+    status, _ = post(where, "/v1/rocketkv/shutdown", {})
+    if status != 200:
+        raise ServerError(f"the server at {where.url} refused to stop (HTTP {status})", "check ROCKETKV_API_KEY")
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and health(where, timeout=0.5) is not None:
+        time.sleep(0.1)
+    log(f"stopped the server on {where.url}")
+
+
+ActionArg = Annotated[str, typer.Argument(metavar="[start|status|stop]", help="What to do (default: start).")]
+SocketOpt = Annotated[
+    Optional[Path], typer.Option(metavar="PATH", help="Unix socket (default: $ROCKETKV_HOME/serve.sock).")
+]
+HostOpt = Annotated[
+    Optional[str],
+    typer.Option(metavar="HOST", help="Listen on TCP instead (a host other than loopback needs --api-key)."),
+]
+PortOpt = Annotated[
+    Optional[int], typer.Option(metavar="PORT", help="TCP port (with --host; default 8790, 0 = any free one).")
+]
+ApiKeyOpt = Annotated[
+    Optional[str],
+    typer.Option(metavar="KEY", envvar="ROCKETKV_API_KEY", show_envvar=False,
+                 help="Require 'Authorization: Bearer KEY' (also $ROCKETKV_API_KEY)."),
+]  # fmt: skip
+AllowDirOpt = Annotated[
+    Optional[list[Path]],
+    typer.Option("--allow-dir", metavar="DIR",
+                 help="Serve caches and documents only from these folders (repeatable; TCP default: the "
+                      "current folder)."),
+]  # fmt: skip
+IdleOpt = Annotated[float, typer.Option(metavar="SECONDS", help="Exit after this long without a request (0: never).")]
+MemoryOpt = Annotated[
+    Optional[float],
+    typer.Option(metavar="GB", help="Memory for warm models and caches (default: half the machine's)."),
+]
+QueueOpt = Annotated[int, typer.Option(min=1, metavar="N", help="Requests in flight before new ones get 503.")]
+
+
+def serve_command(
+    action: ActionArg = "start",
+    socket: SocketOpt = None,
+    host: HostOpt = None,
+    port: PortOpt = None,
+    api_key: ApiKeyOpt = None,
+    allow_dir: AllowDirOpt = None,
+    idle_timeout: IdleOpt = DEFAULT_IDLE_TIMEOUT_S,
+    memory_gb: MemoryOpt = None,
+    max_queue: QueueOpt = DEFAULT_MAX_QUEUE,
+    threads: ThreadsOpt = None,
+    json_out: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Keep models and caches loaded in a local server that `ask` uses by itself.
+
+    Listens on a Unix socket only this user can open ($ROCKETKV_HOME/serve.sock), or with --host
+    on TCP. `rocketkv serve status` shows the running server, `rocketkv serve stop` stops it; it
+    also exits by itself after --idle-timeout. API: docs/serve.md (OpenAI chat completions too).
+    """
+    if action not in ACTIONS:
+        raise usage_error("ACTION", f"use start, status or stop, not {action!r}")
+    setup(quiet, threads)
+    if host is None and port is not None:
+        host = "127.0.0.1"
+    if action != "start":
+        where = _where(socket, host, port, api_key)
+        _status(where, json_out) if action == "status" else _stop(where)
+        return
+    from ..engine.threads import resolve_threads
+
+    roots = tuple(allow_dir) if allow_dir else ((Path.cwd(),) if host is not None else None)
+    cfg = ServeConfig(socket=None if host is not None else (socket or default_socket()), host=host,
+                      port=None if host is None else (8790 if port is None else port), api_key=api_key,
+                      allow_dirs=roots, idle_timeout_s=idle_timeout, threads=resolve_threads(threads)[0],
+                      memory_budget=default_memory_budget() if memory_gb is None else int(memory_gb * 1e9),
+                      max_queue=max_queue)  # fmt: skip
+    from ..serve.server import serve  # torch and the model stack: only once the options are checked
+
+    serve(cfg, log)

@@ -1,0 +1,330 @@
+"""The HTTP API of `rocketkv serve` (Starlette, served by uvicorn): docs/serve.md.
+
+    GET  /health                    liveness and what is warm (no key needed)
+    GET  /v1/models                 the warm caches as OpenAI models (`kv:<path>`)
+    POST /v1/chat/completions       OpenAI chat completions over a cache (SSE with "stream": true)
+    POST /v1/rocketkv/ask           rocketkv's own protocol (NDJSON events; what `rocketkv ask` uses)
+    POST /v1/ingest                 ingest a document into a .kv file (progress as SSE)
+    POST /v1/rocketkv/shutdown      stop the server
+
+Every request passes `Guard` first: the Bearer key when the server has one, the body size limit,
+and the bounded queue (503 with Retry-After beyond it). Every refusal is a JSON error object
+(`{"error": {"message", "type", "hint", ...}}`) and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .. import __version__
+from .jobs import AskRequest, BadRequest, IngestRequest, Job, answer_job, ingest_job
+from .warm import Warm
+
+ERROR_STATUS = {"UsageError": 400, "InputError": 400, "BudgetError": 400, "CacheFormatError": 422,
+                "ModelLoadError": 500, "OutputError": 409}  # fmt: skip
+FINISH = {"length": "length"}  # every other stop reason (eos, stop string, repetition) is "stop"
+
+
+@dataclass
+class ServeState:
+    """The server's settings and counters. `roots`: the allowed folders (None: any path); `active`:
+    requests being answered or waiting for the decode lock; `last_activity`: monotonic seconds."""
+
+    warm: Warm
+    roots: tuple[Path, ...] | None
+    api_key: str | None
+    url: str
+    threads: int
+    idle_timeout_s: float
+    max_queue: int
+    max_body_bytes: int
+    max_tokens_limit: int
+    started: float = field(default_factory=time.monotonic)
+    last_activity: float = field(default_factory=time.monotonic)
+    active: int = 0
+    served: int = 0
+    stop: asyncio.Event | None = None
+
+    def health(self) -> dict:
+        return {"service": "rocketkv", "status": "ok", "version": __version__, "pid": os.getpid(), "url": self.url,
+                "threads": self.threads, "uptime_s": round(time.monotonic() - self.started, 1),
+                "active": self.active, "served": self.served, "max_queue": self.max_queue,
+                "idle_timeout_s": self.idle_timeout_s, **self.warm.describe()}  # fmt: skip
+
+
+def error_response(exc: BadRequest) -> JSONResponse:
+    headers = {"Retry-After": "1"} if exc.status == 503 else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+class Guard:
+    """ASGI middleware: authentication, body size, the queue bound, and the activity counters."""
+
+    def __init__(self, app, state: ServeState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = self.state
+        refusal = self.refuse(scope)
+        if refusal is not None:
+            await error_response(refusal)(scope, receive, send)
+            return
+        counted = scope["method"] == "POST" and scope["path"] != "/v1/rocketkv/shutdown"
+        if counted:
+            state.active += 1
+            state.last_activity = time.monotonic()
+        try:
+            await self.app(scope, _limited(receive, state.max_body_bytes), send)
+        finally:
+            if counted:
+                state.active -= 1
+                state.served += 1
+                state.last_activity = time.monotonic()
+
+    def refuse(self, scope) -> BadRequest | None:
+        state = self.state
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if state.api_key is not None and scope["path"] != "/health":
+            given = headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+                return BadRequest(401, "missing or wrong API key", "InputError",
+                                  "send Authorization: Bearer KEY (ROCKETKV_API_KEY for rocketkv ask)")  # fmt: skip
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > state.max_body_bytes):
+            return BadRequest(413, f"request body over {state.max_body_bytes} bytes")
+        if scope["method"] == "POST" and scope["path"] != "/v1/rocketkv/shutdown" and state.active > state.max_queue:
+            return BadRequest(503, f"the server is busy ({state.active} requests in flight)", "RocketKVError",
+                              "try again in a moment")  # fmt: skip
+        return None
+
+
+def _limited(receive, limit: int):
+    """`receive` that stops a chunked body (no Content-Length) at `limit` bytes."""
+    seen = [0]
+
+    async def wrapped():
+        message = await receive()
+        if message["type"] == "http.request":
+            seen[0] += len(message.get("body", b""))
+            if seen[0] > limit:
+                raise BadRequest(413, f"request body over {limit} bytes")
+        return message
+
+    return wrapped
+
+
+async def _json_body(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError):
+        raise BadRequest(400, "the request body is not JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest(400, "the request body must be a JSON object")
+    return body
+
+
+async def _first_event(job: Job, request: Request) -> dict | None:
+    """Wait for the job's first event (the model may load first), cancelling it if the client goes."""
+    while True:
+        try:
+            return await asyncio.wait_for(job.queue.get(), timeout=0.5)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                job.cancelled.set()
+                raise
+
+
+def _status_of(event: dict) -> BadRequest:
+    kind = str(event.get("type", "RocketKVError"))
+    code = event.get("code")
+    status = code if isinstance(code, int) else ERROR_STATUS.get(kind, 500)
+    return BadRequest(status, str(event.get("message")), kind, event.get("hint"))
+
+
+async def _events(job: Job, first: dict | None) -> AsyncIterator[dict]:
+    """The job's events from `first` on; the job is cancelled when the consumer stops early."""
+    finished = False
+    try:
+        event = first
+        while event is not None:
+            yield event
+            event = await job.queue.get()
+        finished = True
+    finally:
+        if not finished:
+            job.cancelled.set()
+
+
+async def _start(request: Request, work, *args) -> tuple[Job, dict | None]:
+    job = Job(asyncio.get_running_loop())
+    job.run(work, *args)
+    first = await _first_event(job, request)
+    if first is not None and first.get("event") == "error":
+        raise _status_of(first)
+    return job, first
+
+
+def build_app(state: ServeState) -> Guard:
+    """The ASGI application for `state` (Starlette routes inside `Guard`)."""
+
+    async def health(request: Request) -> Response:
+        return JSONResponse(state.health())
+
+    async def models(request: Request) -> Response:
+        data = [{"id": f"kv:{p}", "object": "model", "created": 0, "owned_by": "rocketkv"} for p in state.warm.caches]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def ask(request: Request) -> Response:
+        req = AskRequest.parse(await _json_body(request), state.roots, state.max_tokens_limit)
+        job, first = await _start(request, answer_job, state.warm, req)
+
+        async def lines() -> AsyncIterator[bytes]:
+            async for event in _events(job, first):
+                yield (json.dumps(event, ensure_ascii=False) + "\n").encode()
+            yield b'{"event": "done"}\n'
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    async def chat_completions(request: Request) -> Response:
+        body = await _json_body(request)
+        req = AskRequest.parse(openai_to_ask(body, state.max_tokens_limit), state.roots, state.max_tokens_limit)
+        job, first = await _start(request, answer_job, state.warm, req)
+        ident, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body["model"]
+        if not body.get("stream"):
+            text, record = [], None
+            async for event in _events(job, first):
+                if event["event"] == "piece":
+                    text.append(event["text"])
+                elif event["event"] == "answer":
+                    record = event["record"]
+                elif event["event"] == "error":
+                    raise _status_of(event)
+            if record is None:
+                raise BadRequest(500, "the answer was not completed", "RocketKVError")
+            return JSONResponse(completion(ident, created, model, record))
+
+        async def sse() -> AsyncIterator[bytes]:
+            def chunk(delta: dict, finish: str | None) -> bytes:
+                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+                data = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
+                        "choices": [choice]}  # fmt: skip
+                return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+            yield chunk({"role": "assistant", "content": ""}, None)
+            async for event in _events(job, first):
+                if event["event"] == "piece":
+                    yield chunk({"content": event["text"]}, None)
+                elif event["event"] == "answer":
+                    yield chunk({}, FINISH.get(event["record"]["stop_reason"], "stop"))
+                elif event["event"] == "error":
+                    err = {"error": {k: event.get(k) for k in ("message", "type", "hint")}}
+                    yield f"data: {json.dumps(err, ensure_ascii=False)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    async def ingest(request: Request) -> Response:
+        req = IngestRequest.parse(await _json_body(request), state.roots)
+        job, first = await _start(request, ingest_job, state.warm, req)
+
+        async def sse() -> AsyncIterator[bytes]:
+            async for event in _events(job, first):
+                yield f"event: {event['event']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    async def shutdown(request: Request) -> Response:
+        if state.stop is not None:
+            state.stop.set()
+        return JSONResponse({"stopping": True, "pid": os.getpid()})
+
+    async def refused(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, BadRequest)  # registered for BadRequest only
+        return error_response(exc)
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 404)
+        return error_response(BadRequest(status, f"no such endpoint: {request.method} {request.url.path}"))
+
+    app = Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/rocketkv/ask", ask, methods=["POST"]),
+            Route("/v1/ingest", ingest, methods=["POST"]),
+            Route("/v1/rocketkv/shutdown", shutdown, methods=["POST"]),
+        ],
+        exception_handlers={BadRequest: refused, 404: not_found, 405: not_found},
+    )
+    return Guard(app, state)
+
+
+def openai_to_ask(body: dict, max_tokens_limit: int) -> dict:
+    """An OpenAI chat-completions body as an `AskRequest` body. The document is the cache named by
+    `model` = `kv:<absolute path>`, or by the extra field `cache` (then `model` may name the model).
+    The question is the last user message (earlier turns are not replayed: each request is answered
+    from the document alone, as `rocketkv ask` answers). `temperature` defaults to 0 (greedy, rocketkv's
+    default), not OpenAI's 1. Raises BadRequest."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest(400, "missing field 'model'", hint="use model 'kv:/path/to/doc.kv'")
+    cache = body.get("cache")
+    if cache is None:
+        if not model.startswith("kv:"):
+            raise BadRequest(400, f"model {model!r} names no cache", hint="use model 'kv:/path/to/doc.kv'")
+        cache, named_model = model.removeprefix("kv:"), None
+    else:
+        named_model = None if model.startswith("kv:") or model == "rocketkv" else model
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest(400, "'messages' must be a non-empty list")
+    users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+    if not users:
+        raise BadRequest(400, "no user message to answer")
+    content = users[-1].get("content")
+    if isinstance(content, list):  # content parts: the text ones, joined
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    if not isinstance(content, str):
+        raise BadRequest(400, "the user message's content must be text")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > max_tokens_limit:
+        raise BadRequest(400, f"max_tokens {max_tokens} is over this server's limit {max_tokens_limit}", "UsageError")
+    n = body.get("n", 1)
+    if n != 1:
+        raise BadRequest(400, "only n = 1 is supported", "UsageError")
+    return {
+        "cache": cache,
+        "questions": [content],
+        "model": named_model,
+        "max_new_tokens": max_tokens,
+        "temperature": body.get("temperature", 0.0),
+        "top_p": body.get("top_p", 1.0),
+        "seed": body.get("seed"),
+    }
+
+
+def completion(ident: str, created: int, model: str, record: dict) -> dict:
+    """An OpenAI `chat.completion` object for one answer's `--json` record."""
+    prompt, answer = record["n_question_tokens"], record["n_answer_tokens"]
+    return {"id": ident, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": record["answer"]},
+                         "finish_reason": FINISH.get(record["stop_reason"], "stop")}],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": answer,
+                      "total_tokens": prompt + answer}}  # fmt: skip

@@ -1,0 +1,241 @@
+"""The client side of `rocketkv serve`: find a running server and talk to it. Standard library
+only (`http.client` over a Unix domain socket or TCP), so that a command answered by a warm
+server never imports torch or transformers: `rocketkv ask` with a server running starts in a
+fraction of a second.
+
+Where the server is (`locate`): `--server URL` (`unix:/path/to/socket` or `http://host:port`),
+else `$ROCKETKV_SERVER`, else the default socket `$ROCKETKV_HOME/serve.sock` when a server answers
+there. A socket file that nobody listens on (left by a killed server) counts as no server.
+The API key for a TCP server comes from `$ROCKETKV_API_KEY`.
+
+The native protocol (`POST /v1/rocketkv/ask`): a JSON body, and a response of newline-delimited
+JSON events, one per line (docs/serve.md): `{"event": "piece", "text": ...}` while an answer is
+decoded, `{"event": "answer", "record": {...}}` when it is done, `{"event": "log", ...}`,
+`{"event": "error", "type": ..., "message": ..., "hint": ...}`, and `{"event": "done"}` last. An
+error is re-raised here as the same `rocketkv_cli.errors` type, so the command prints the same
+one line and exits with the same code as it would without a server.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from .. import errors
+from ..errors import InputError, RocketKVError
+
+SOCKET_NAME = "serve.sock"
+HEALTH_TIMEOUT_S = 2.0  # a warm server answers /health in milliseconds; a busy one still answers (async)
+UNIX_PATH_MAX = 107  # bytes in sockaddr_un.sun_path, less the terminating NUL (Linux)
+
+
+def home() -> Path:
+    """`$ROCKETKV_HOME` or `~/.cache/rocketkv` (as `model.loading.rocketkv_home`, torch-free)."""
+    env = os.environ.get("ROCKETKV_HOME")
+    return Path(env) if env else Path.home() / ".cache" / "rocketkv"
+
+
+def default_socket() -> Path:
+    """The default server socket: `$ROCKETKV_HOME/serve.sock`."""
+    return home() / SOCKET_NAME
+
+
+class ServerError(RocketKVError):
+    """The server could not be reached, answered something that is not rocketkv's protocol, or
+    stopped before the answer was complete."""
+
+
+@dataclass(frozen=True)
+class Server:
+    """Where a server listens: a Unix socket `path`, or TCP `host`:`port`; `api_key`: the Bearer
+    token sent with every request (None: none)."""
+
+    path: str | None = None
+    host: str | None = None
+    port: int | None = None
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.host is None):
+            raise ValueError("a server is a socket path or a host, not both")
+        if self.path is not None and len(os.fsencode(self.path)) > UNIX_PATH_MAX:
+            raise InputError(f"socket path {self.path} is longer than {UNIX_PATH_MAX} bytes",
+                             "set ROCKETKV_HOME to a shorter folder")  # fmt: skip
+
+    @property
+    def url(self) -> str:
+        return f"unix:{self.path}" if self.path is not None else f"http://{self.host}:{self.port}"
+
+    def connection(self, timeout: float | None) -> http.client.HTTPConnection:
+        if self.path is not None:
+            return _UnixConnection(self.path, timeout)
+        assert self.host is not None and self.port is not None  # __post_init__: one of the two
+        return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+
+    def headers(self) -> dict[str, str]:
+        base = {"Content-Type": "application/json", "Accept": "application/x-ndjson"}
+        if self.api_key:
+            base["Authorization"] = f"Bearer {self.api_key}"
+        return base
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    """HTTP over a Unix domain socket (the Host header says `localhost`)."""
+
+    def __init__(self, path: str, timeout: float | None):
+        super().__init__("localhost", timeout=timeout)
+        self.unix_path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.unix_path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def parse_url(url: str, api_key: str | None = None) -> Server:
+    """`unix:/path`, a bare socket path, or `http://host:port` as a `Server`. Raises UsageError."""
+    if url.startswith("unix:"):
+        return Server(path=url.removeprefix("unix:"), api_key=api_key)
+    if url.startswith("/") or url.startswith("."):
+        return Server(path=url, api_key=api_key)
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
+        raise errors.UsageError(f"--server {url}: give unix:/path/to/socket or http://host:port")
+    try:
+        port = parts.port or 80
+    except ValueError:
+        raise errors.UsageError(f"--server {url}: the port is not a number in 1-65535") from None
+    return Server(host=parts.hostname, port=port, api_key=api_key)
+
+
+def health(server: Server, timeout: float = HEALTH_TIMEOUT_S) -> dict | None:
+    """The server's `/health` object, or None when nothing answers there (no socket, connection
+    refused: a stale socket of a killed server, a time-out)."""
+    try:
+        conn = server.connection(timeout)
+        conn.request("GET", "/health", headers=server.headers())
+        response = conn.getresponse()
+        body = response.read()
+        conn.close()
+    except (OSError, http.client.HTTPException):
+        return None
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    return data if response.status == 200 and isinstance(data, dict) and data.get("service") == "rocketkv" else None
+
+
+def locate(url: str | None, no_server: bool) -> Server | None:
+    """The server to use, or None (answer in this process).
+
+    `no_server`: None. `url` (or `$ROCKETKV_SERVER`): that server, which must answer (raises
+    ServerError otherwise: the user asked for it). Otherwise the default socket when a server
+    answers on it; None when there is none or it is stale (a killed server's socket file)."""
+    if no_server:
+        return None
+    api_key = os.environ.get("ROCKETKV_API_KEY") or None
+    named = url or os.environ.get("ROCKETKV_SERVER") or None
+    if named:
+        server = parse_url(named, api_key)
+        if health(server) is None:
+            raise ServerError(f"no rocketkv server answers at {server.url}",
+                              "start one with `rocketkv serve`, or answer here without --server")  # fmt: skip
+        return server
+    path = default_socket()
+    if not path.exists():
+        return None
+    server = Server(path=str(path), api_key=api_key)
+    return server if health(server) is not None else None
+
+
+def _raise_error(event: dict) -> None:
+    """Re-raise an error event as its `rocketkv_cli.errors` type (RocketKVError if unknown)."""
+    kind = getattr(errors, str(event.get("type", "")), None)
+    if not (isinstance(kind, type) and issubclass(kind, RocketKVError)):
+        kind = RocketKVError
+    raise kind(str(event.get("message", "the server failed")), event.get("hint") or None)
+
+
+def _error_body(status: int, body: bytes) -> dict:
+    try:
+        data = json.loads(body)
+        if isinstance(data, dict) and isinstance(data.get("error"), dict):
+            return data["error"]
+    except ValueError:
+        pass
+    return {"type": "ServerError", "message": f"the server answered HTTP {status}"}
+
+
+def events(server: Server, path: str, body: dict) -> Iterator[dict]:
+    """POST `body` to `path` and yield the response's NDJSON events until `done` (not yielded).
+
+    Raises:
+        the error event's type (InputError, CacheFormatError, ...) for an error the server reports;
+        ServerError when the connection fails or ends before `done` (a server killed mid-answer).
+    """
+    try:
+        conn = server.connection(timeout=None)  # an answer may take long; a dead server closes the socket
+        conn.request("POST", path, body=json.dumps(body).encode(), headers=server.headers())
+    except (OSError, http.client.HTTPException) as exc:
+        raise ServerError(f"cannot reach the rocketkv server at {server.url}: {exc}",
+                          "start it again with `rocketkv serve`, or pass --no-server") from None  # fmt: skip
+    try:
+        response = conn.getresponse()  # the server has the request: a failure from here on is a lost answer
+        if response.status != 200:
+            error = _error_body(response.status, response.read())
+            error.setdefault("type", "ServerError")
+            _raise_error(error)
+        while True:
+            line = response.readline()
+            if not line:
+                break
+            event = json.loads(line)
+            if event.get("event") == "done":
+                return
+            if event.get("event") == "error":
+                _raise_error(event)
+            yield event
+    except (OSError, http.client.HTTPException, ValueError):
+        pass  # the connection broke or the stream is cut: reported below
+    finally:
+        conn.close()
+    raise ServerError(f"the rocketkv server at {server.url} stopped before the answer was complete",
+                      "run the command again (with --no-server to answer without it)")  # fmt: skip
+
+
+def get(server: Server, path: str, timeout: float = HEALTH_TIMEOUT_S) -> tuple[int, dict]:
+    """GET `path`: (HTTP status, JSON object). Raises ServerError when nothing answers."""
+    return _simple(server, "GET", path, None, timeout)
+
+
+def post(server: Server, path: str, body: dict, timeout: float = HEALTH_TIMEOUT_S) -> tuple[int, dict]:
+    """POST a JSON `body` to `path`: (HTTP status, JSON object). Raises ServerError when nothing answers."""
+    return _simple(server, "POST", path, body, timeout)
+
+
+def _simple(server: Server, method: str, path: str, body: dict | None, timeout: float) -> tuple[int, dict]:
+    try:
+        conn = server.connection(timeout)
+        conn.request(method, path, body=None if body is None else json.dumps(body).encode(), headers=server.headers())
+        response = conn.getresponse()
+        raw = response.read()
+        conn.close()
+    except (OSError, http.client.HTTPException) as exc:
+        raise ServerError(f"cannot reach the rocketkv server at {server.url}: {exc}") from None
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        data = {}
+    return response.status, data if isinstance(data, dict) else {}

@@ -1,0 +1,262 @@
+"""The server's work, run in a worker thread under the decode lock (`Warm.lock`): answering
+questions from a cache and ingesting a document. Each job reports through `Job.emit` as events
+(dicts) that the HTTP layer (`app.py`) turns into NDJSON lines, OpenAI chunks or SSE.
+
+The requests are frozen dataclasses checked on construction (`AskRequest.parse`,
+`IngestRequest.parse`): every field's type and range, and every path inside the server's allowed
+roots with symlinks resolved. A bad request raises `BadRequest` (HTTP 4xx) before any work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..engine.api import (
+    DEFAULT_MODEL,
+    RocketKV,
+    check_cite,
+    check_decode_options,
+    check_model_choice,
+    decode_weights_for,
+)
+from ..errors import CacheFormatError, RocketKVError
+from .warm import ModelKey, Warm
+
+MAX_QUESTIONS = 1000
+
+
+class BadRequest(Exception):
+    """A request refused before any work: HTTP `status`, error `type` (a rocketkv_cli.errors name
+    where the CLI would raise that type), a one-line `message` and a `hint`."""
+
+    def __init__(self, status: int, message: str, kind: str = "InputError", hint: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.hint = status, message, kind, hint
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "hint": self.hint, "param": None,
+                          "code": self.status}}  # fmt: skip
+
+
+class Cancelled(Exception):
+    """The client went away: the job stops at the next piece of text."""
+
+
+def _field(body: dict, name: str, kind: type | tuple[type, ...], default: Any = None, *, required: bool = False):
+    if name not in body or body[name] is None:
+        if required:
+            raise BadRequest(400, f"missing field {name!r}")
+        return default
+    value = body[name]
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind in (int, float, (int, float))):
+        raise BadRequest(400, f"field {name!r} has the wrong type ({type(value).__name__})")
+    return value
+
+
+def _positive(body: dict, name: str, limit: int | None = None) -> int | None:
+    value = _field(body, name, int)
+    if value is not None and (value < 1 or (limit is not None and value > limit)):
+        bound = f" and ≤ {limit}" if limit is not None else ""
+        raise BadRequest(400, f"field {name!r} must be ≥ 1{bound}, got {value}", "UsageError")
+    return value
+
+
+def allowed_path(raw: str, roots: tuple[Path, ...] | None, what: str) -> Path:
+    """`raw` (an absolute path) resolved, symlinks included, and inside one of `roots` (None: any).
+    Raises BadRequest (400 a relative path, 403 outside the roots)."""
+    if not raw or "\x00" in raw or not Path(raw).is_absolute():
+        raise BadRequest(400, f"{what} must be an absolute path, got {raw!r}")
+    resolved = Path(raw).resolve()
+    if roots is not None and not any(resolved == root or root in resolved.parents for root in roots):
+        raise BadRequest(403, f"{raw} is outside the server's allowed folders",
+                         hint="start the server with --allow-dir for its folder")  # fmt: skip
+    return resolved
+
+
+@dataclass(frozen=True)
+class AskRequest:
+    """Questions for one cache. `path`: the resolved file; `display`: how the client named it (used
+    in messages and `--json` records, as the CLI would); the rest: `RocketKV.ask`'s options and the
+    model choice of `rocketkv ask`."""
+
+    path: Path
+    display: str
+    questions: tuple[str, ...]
+    options: dict
+    model: str | None
+    device: str
+    dtype: str | None
+    weights: str | None
+    trust_remote_code: bool
+
+    @classmethod
+    def parse(cls, body: dict, roots: tuple[Path, ...] | None, max_tokens_limit: int) -> AskRequest:
+        """Raises BadRequest for a field of the wrong type or out of range, or a path not allowed."""
+        raw = _field(body, "cache", str, required=True)
+        questions = _field(body, "questions", list, required=True)
+        if not questions or len(questions) > MAX_QUESTIONS or not all(isinstance(q, str) for q in questions):
+            raise BadRequest(400, f"'questions' must be 1-{MAX_QUESTIONS} strings")
+        if any(not q.strip() for q in questions):
+            raise BadRequest(400, "empty question", hint="give each question some text")
+        temperature = float(_field(body, "temperature", (int, float), 0.0))
+        top_p = float(_field(body, "top_p", (int, float), 1.0))
+        if not math.isfinite(temperature) or temperature < 0:
+            raise BadRequest(400, f"temperature {temperature} is not a finite number ≥ 0", "UsageError")
+        if not 0 < top_p <= 1:
+            raise BadRequest(400, f"top_p {top_p} is not in (0, 1]", "UsageError")
+        seed = _field(body, "seed", int)
+        if seed is not None and seed < 0:
+            raise BadRequest(400, f"seed must be ≥ 0, got {seed}", "UsageError")
+        options = {
+            "max_new_tokens": _positive(body, "max_new_tokens", max_tokens_limit),
+            "dense": bool(_field(body, "dense", bool, False)),
+            "hsa": bool(_field(body, "hsa", bool, False)),
+            "topk": _field(body, "topk", int),
+            "page_size": _field(body, "page_size", int),
+            "n_score_dims": _field(body, "n_score_dims", int),
+            "segments": _positive(body, "segments") or 1,
+            "segment": _field(body, "segment", int),
+            "temperature": temperature,
+            "top_p": top_p,
+            "seed": seed,
+            "cite": _field(body, "cite", int, 0),
+        }
+        return cls(
+            path=allowed_path(raw, roots, "'cache'"),
+            display=_field(body, "display", str, raw),
+            questions=tuple(questions),
+            options=options,
+            model=_field(body, "model", str),
+            device=_field(body, "device", str, "auto"),
+            dtype=_field(body, "dtype", str),
+            weights=_field(body, "weights", str),
+            trust_remote_code=bool(_field(body, "trust_remote_code", bool, False)),
+        )
+
+
+@dataclass(frozen=True)
+class IngestRequest:
+    """A document to ingest into `output` (both resolved and allowed), with `token_budget` (None:
+    the preset's default), `model` (None: the default model) and `force` (replace `output`)."""
+
+    document: Path
+    output: Path
+    force: bool
+    token_budget: int | None
+    model: str | None
+
+    @classmethod
+    def parse(cls, body: dict, roots: tuple[Path, ...] | None) -> IngestRequest:
+        """Raises BadRequest for a field of the wrong type or a path not allowed."""
+        return cls(
+            document=allowed_path(_field(body, "document", str, required=True), roots, "'document'"),
+            output=allowed_path(_field(body, "output", str, required=True), roots, "'output'"),
+            force=bool(_field(body, "force", bool, False)),
+            token_budget=_positive(body, "token_budget"),
+            model=_field(body, "model", str),
+        )
+
+
+class Job:
+    """One request's work: events go from the worker thread to the request's asyncio queue;
+    `cancelled` is set when the client goes away."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue[dict | None] = asyncio.Queue()
+        self.cancelled = threading.Event()
+
+    def emit(self, event: dict | None) -> None:
+        """Hand `event` to the HTTP side (None ends the stream)."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    def check(self) -> None:
+        if self.cancelled.is_set():
+            raise Cancelled()
+
+    def run(self, work, *args) -> None:
+        """Start `work(job, *args)` in a thread; its errors become an `error` event, then None."""
+
+        def target() -> None:
+            try:
+                work(self, *args)
+            except Cancelled:
+                pass
+            except BadRequest as exc:
+                self.emit({"event": "error", **exc.body()["error"]})
+            except RocketKVError as exc:
+                self.emit({"event": "error", "type": type(exc).__name__, "message": exc.message, "hint": exc.hint})
+            except Exception as exc:  # an unexpected failure: one line for the client, the trace on the server
+                traceback.print_exc()
+                self.emit({"event": "error", "type": "RocketKVError", "message": f"the server failed: {exc!r}"})
+            finally:
+                self.emit(None)
+
+        threading.Thread(target=target, name="rocketkv-job", daemon=True).start()
+
+
+def _open(warm: Warm, req: AskRequest):
+    """The cache and the model for `req`, checked as `rocketkv ask` checks them."""
+    try:
+        stored = warm.cache(req.path)
+    except FileNotFoundError:
+        raise BadRequest(404, f"{req.display} does not exist", hint="check the path") from None
+    except CacheFormatError as exc:  # the message names the resolved path: show the client's
+        raise CacheFormatError(exc.message.replace(str(req.path), req.display), exc.hint) from None
+    check_model_choice(stored, req.model, req.display)
+    check_cite(stored, req.options["cite"], req.options["segments"])
+    opts = req.options
+    check_decode_options(stored, dense=opts["dense"], hsa=opts["hsa"], topk=opts["topk"],
+                         page_size=opts["page_size"], n_score_dims=opts["n_score_dims"])  # fmt: skip
+    key = ModelKey(req.model or stored.info.identity.model_id, req.device, req.dtype or stored.info.dtype,
+                   req.weights or decode_weights_for(stored), req.trust_remote_code)  # fmt: skip
+    rk = warm.model(key)
+    warm.check(rk, key, req.path, stored, req.display)
+    return rk, stored
+
+
+def answer_job(job: Job, warm: Warm, req: AskRequest) -> None:
+    """Answer `req`'s questions one at a time under the decode lock: `piece` events as text is
+    decoded, an `answer` event (the `--json` record; citations with unrounded weights) per answer."""
+    with warm.lock:
+        job.check()
+        rk, stored = _open(warm, req)
+
+        def piece(text: str) -> None:
+            job.check()
+            job.emit({"event": "piece", "text": text})
+
+        answers = rk.ask(stored, list(req.questions), on_text=piece,
+                         log=lambda message: job.emit({"event": "log", "message": message}),
+                         **req.options)  # fmt: skip
+        for ans in answers:
+            citations = None if ans.citations is None else [
+                {"start": c.start, "end": c.end, "first_line": c.first_line, "last_line": c.last_line,
+                 "weight": c.weight, "text": c.text} for c in ans.citations]  # fmt: skip
+            job.emit({"event": "answer", "record": ans.to_dict(cache=req.display), "citations": citations})
+            job.check()
+
+
+def ingest_job(job: Job, warm: Warm, req: IngestRequest) -> None:
+    """Ingest `req.document` into `req.output` under the decode lock: `progress` events (tokens
+    done, total), then `written` with the file's path, bytes and seconds."""
+    with warm.lock:
+        job.check()
+        key = ModelKey(req.model or DEFAULT_MODEL, "auto", "auto", None, False)
+        rk: RocketKV = warm.model(key)
+
+        def progress(done: int, total: int) -> None:
+            job.check()
+            job.emit({"event": "progress", "done": done, "total": total})
+
+        fields: dict = {} if req.token_budget is None else {"token_budget": req.token_budget}
+        made = rk.ingest(str(req.document), output=req.output, force=req.force, progress=progress, **fields)
+        assert made.path is not None  # an output was given
+        job.emit({"event": "written", "path": str(made.path), "bytes": made.path.stat().st_size,
+                  "seconds": round(made.seconds, 3)})  # fmt: skip

@@ -1,0 +1,131 @@
+"""Start the server: bind its socket (a Unix socket with mode 0600, or TCP), run uvicorn on it until
+`/v1/rocketkv/shutdown`, a signal, or the idle timeout, then remove the socket.
+
+One server per socket: the server holds an exclusive `flock` on `<socket>.lock` for its whole life.
+A socket file whose lock is free was left by a server that died (SIGKILL, a crash): it is stale and
+is replaced. The kernel releases the lock of a killed process, so no pid guessing is needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import uvicorn
+
+from ..engine.api import configure
+from ..engine.threads import apply
+from ..errors import InputError
+from .app import ServeState, build_app
+from .config import ServeConfig
+from .warm import Warm
+
+Log = Callable[[str], None]
+
+
+def _lock(path: Path) -> int:
+    """Take `<socket>.lock` (exclusive, non-blocking). Raises InputError when a server holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = path.with_name(path.name + ".lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise InputError(f"a rocketkv server is already running on {path}",
+                         "see `rocketkv serve status`, or stop it with `rocketkv serve stop`") from None  # fmt: skip
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def bind_unix(path: Path) -> tuple[socket.socket, int]:
+    """A listening Unix socket at `path` (mode 0600 from the start), and the lock's descriptor.
+    A stale socket file (its server is gone: the lock was free) is replaced. Raises InputError."""
+    lock_fd = _lock(path)
+    try:
+        if path.is_symlink() or path.exists():
+            path.unlink()  # stale: the server that made it no longer holds the lock
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # no window in which another user could connect
+        try:
+            sock.bind(str(path))
+        finally:
+            os.umask(old)
+        sock.listen(128)
+    except OSError as exc:
+        os.close(lock_fd)
+        raise InputError(f"cannot listen on {path}: {exc.strerror or exc}") from None
+    return sock, lock_fd
+
+
+def bind_tcp(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: a free one). Raises InputError."""
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(info[0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+        sock.listen(128)
+    except OSError as exc:
+        raise InputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def serve(cfg: ServeConfig, log: Log) -> None:
+    """Run the server in the foreground until it is stopped (shutdown request, SIGINT/SIGTERM) or
+    idle for `cfg.idle_timeout_s`. Raises InputError when the socket cannot be had."""
+    apply(cfg.threads)
+    configure(quiet=True, progress_bars=False)
+    lock_fd = None
+    if cfg.socket is not None:
+        sock, lock_fd = bind_unix(cfg.socket)
+        url = cfg.url
+    else:
+        assert cfg.host is not None and cfg.port is not None  # ServeConfig: a socket or a host and port
+        sock = bind_tcp(cfg.host, cfg.port)
+        url = f"http://{cfg.host}:{sock.getsockname()[1]}"
+    identity = os.stat(cfg.socket).st_ino if cfg.socket is not None else None
+    state = ServeState(warm=Warm(cfg.memory_budget, cfg.threads), roots=cfg.allow_dirs, api_key=cfg.api_key,
+                       url=url, threads=cfg.threads, idle_timeout_s=cfg.idle_timeout_s, max_queue=cfg.max_queue,
+                       max_body_bytes=cfg.max_body_bytes, max_tokens_limit=cfg.max_tokens_limit)  # fmt: skip
+    server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning", access_log=False, lifespan="off",
+                                           timeout_graceful_shutdown=3))  # fmt: skip
+
+    async def main() -> None:
+        state.stop = asyncio.Event()
+
+        async def watch() -> None:
+            while not state.stop.is_set():  # type: ignore[union-attr]
+                await asyncio.sleep(0.2)
+                idle = time.monotonic() - state.last_activity
+                if cfg.idle_timeout_s and state.active == 0 and idle > cfg.idle_timeout_s:
+                    log(f"idle for {cfg.idle_timeout_s:.0f}s: stopping")
+                    break
+            server.should_exit = True
+
+        watcher = asyncio.create_task(watch())
+        log(f"serving on {url} (threads {cfg.threads}, memory budget {cfg.memory_budget / 2**30:.1f} GiB, "
+            f"idle timeout {cfg.idle_timeout_s:.0f}s); stop with `rocketkv serve stop`")  # fmt: skip
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            watcher.cancel()
+
+    try:
+        asyncio.run(main())
+    finally:
+        sock.close()
+        if cfg.socket is not None:
+            try:
+                if os.stat(cfg.socket).st_ino == identity:  # still ours: remove it
+                    cfg.socket.unlink()
+            except OSError:
+                pass
+        if lock_fd is not None:
+            os.close(lock_fd)

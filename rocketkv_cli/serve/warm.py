@@ -1,0 +1,127 @@
+"""What a server keeps warm: loaded models and opened `.kv` caches, least recently used first out,
+bounded by a memory budget (bytes), and the decode lock that lets one answer run at a time.
+
+A cache is keyed by its resolved path and remembered with the file's identity (device, inode,
+size, modification time in ns, change time in ns): a file replaced on disk (an `ingest --force`,
+a copy over it) differs in at least one of them and is read again, never answered from the bytes
+of the old file. The check is one `stat` per request.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..core.cache import AnyCache
+from ..engine.api import RocketKV, read_cache
+
+FileIdentity = tuple[int, int, int, int, int]
+
+
+def file_identity(path: Path) -> FileIdentity:
+    """(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns) of `path`. Raises OSError."""
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+@dataclass(frozen=True)
+class ModelKey:
+    """What makes two loaded models the same: the name given to `RocketKV.load` and its options."""
+
+    model: str
+    device: str
+    dtype: str
+    weights: str | None
+    trust_remote_code: bool
+
+
+@dataclass
+class _WarmCache:
+    identity: FileIdentity
+    cache: AnyCache
+    n_bytes: int
+    checked_for: set[ModelKey]
+
+
+def _model_bytes(rk: RocketKV) -> int:
+    model = rk.engine.loaded.model
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+class Warm:
+    """Models and caches kept loaded, bounded by `memory_budget` bytes (the cache files' sizes
+    plus the models' parameter bytes). The entry in use is never evicted, so one model and one
+    cache larger than the budget still work (alone). `lock` serialises decodes: the server runs
+    one answer at a time with all its threads, so concurrent clients never oversubscribe the
+    cores."""
+
+    def __init__(self, memory_budget: int, threads: int | None = None):
+        if memory_budget < 1:
+            raise ValueError(f"memory_budget must be ≥ 1 byte, got {memory_budget}")
+        self.memory_budget = memory_budget
+        self.threads = threads
+        self.models: OrderedDict[ModelKey, tuple[RocketKV, int]] = OrderedDict()
+        self.caches: OrderedDict[Path, _WarmCache] = OrderedDict()
+        self.lock = threading.Lock()
+        self.reloads = 0  # caches read again because their file changed (for /health and tests)
+
+    def used_bytes(self) -> int:
+        return sum(n for _, n in self.models.values()) + sum(c.n_bytes for c in self.caches.values())
+
+    def _evict(self, keep_model: ModelKey | None = None, keep_cache: Path | None = None) -> None:
+        while self.used_bytes() > self.memory_budget:
+            cache = next((p for p in self.caches if p != keep_cache), None)
+            if cache is not None:
+                del self.caches[cache]
+                continue
+            model = next((k for k in self.models if k != keep_model), None)
+            if model is None:
+                return
+            del self.models[model]
+
+    def cache(self, path: Path) -> AnyCache:
+        """The cache at `path` (resolved), read and validated on first use or when the file changed.
+        Raises CacheFormatError (a damaged file), InputError/OSError (a missing one)."""
+        identity = file_identity(path)
+        warm = self.caches.get(path)
+        if warm is not None and warm.identity == identity:
+            self.caches.move_to_end(path)
+            return warm.cache
+        if warm is not None:
+            self.reloads += 1
+            del self.caches[path]
+        cache = read_cache(path)
+        if file_identity(path) != identity:  # replaced while it was read: read the new one next time
+            return cache
+        self.caches[path] = _WarmCache(identity, cache, identity[2], set())
+        self._evict(keep_cache=path)
+        return cache
+
+    def model(self, key: ModelKey, log=lambda message: None) -> RocketKV:
+        """The model for `key`, loaded on first use. Raises ModelLoadError."""
+        if key in self.models:
+            self.models.move_to_end(key)
+            return self.models[key][0]
+        rk = RocketKV.load(key.model, device=key.device, dtype=key.dtype, trust_remote_code=key.trust_remote_code,
+                           log=log, weights=key.weights)  # fmt: skip
+        self.models[key] = (rk, _model_bytes(rk))
+        self._evict(keep_model=key)
+        return rk
+
+    def check(self, rk: RocketKV, key: ModelKey, path: Path, cache: AnyCache, display: str) -> None:
+        """`rk.check(cache)` once per (model, cache file). Raises CacheFormatError."""
+        warm = self.caches.get(path)
+        if warm is not None and warm.cache is cache and key in warm.checked_for:
+            return
+        rk.check(cache, display)
+        if warm is not None and warm.cache is cache:
+            warm.checked_for.add(key)
+
+    def describe(self) -> dict:
+        """What is warm, for `/health`."""
+        return {"models": [k.model for k in self.models], "caches": [str(p) for p in self.caches],
+                "used_bytes": self.used_bytes(), "memory_budget_bytes": self.memory_budget,
+                "reloads": self.reloads}  # fmt: skip

@@ -1,0 +1,342 @@
+"""`rocketkv serve`: the real server process (on a Unix socket and on a loopback port), the installed
+`rocketkv` as the client in subprocesses, and the official `openai` client. A saved tiny model keeps
+each answer to milliseconds; the real presets are covered by the benchmark (docs/serve.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import run_in_terminal, strip_ansi, text_of_bytes
+
+from rocketkv_cli.serve.client import Server, events, health
+
+QUESTIONS = ["What is the secret code?", "Which word comes first?", "river stone?", "north light", "seven"]
+TIMING_KEYS = ("prefill_s", "decode_s")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    home = tmp_path_factory.mktemp("serve-home")
+    return {**os.environ, "ROCKETKV_HOME": str(home), "HF_HUB_OFFLINE": "1", "ROCKETKV_THREADS": "1"}
+
+
+def run(rocketkv_bin, env, *args, stdin=None, timeout=300):
+    return subprocess.run([rocketkv_bin, *map(str, args)], capture_output=True, text=True, env=env, input=stdin,
+                          timeout=timeout)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def caches(rocketkv_bin, env, tiny_model_dir, tmp_path_factory):
+    """Two caches of different documents (a: the one the tests ask, b: to replace it on disk)."""
+    folder = tmp_path_factory.mktemp("serve-docs")
+    made = []
+    for name, seed in (("a", 0), ("b", 7)):
+        doc = folder / f"{name}.txt"
+        doc.write_text(text_of_bytes(700, seed=seed) + f"\nThe secret code is {4242 + seed}.\n")
+        out = folder / f"{name}.kv"
+        r = run(rocketkv_bin, env, "ingest", doc, "-o", out, "--model", tiny_model_dir, "--budget", "64")
+        assert r.returncode == 0, r.stderr
+        made.append(out)
+    return made
+
+
+class Served:
+    """A `rocketkv serve` process; stopped (SIGKILL if it must) when the test ends."""
+
+    def __init__(self, rocketkv_bin, env, *args):
+        self.proc = subprocess.Popen([rocketkv_bin, "serve", *map(str, args)], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+        self.stderr_lines: list[str] = []
+        self.url = None
+        threading.Thread(target=self._read, daemon=True).start()
+        deadline = time.monotonic() + 120
+        while self.url is None:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"server did not start: {self.proc.poll()} {''.join(self.stderr_lines)}")
+            time.sleep(0.05)
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.stderr_lines.append(line)
+            if m := re.search(r"serving on (\S+)", line):
+                self.url = m.group(1)
+
+    @property
+    def server(self) -> Server:
+        if self.url.startswith("unix:"):
+            return Server(path=self.url.removeprefix("unix:"))
+        host, port = self.url.removeprefix("http://").rsplit(":", 1)
+        return Server(host=host, port=int(port))
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def served(rocketkv_bin, env):
+    started = []
+
+    def start(*args, environ=None):
+        s = Served(rocketkv_bin, environ or env, *args)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+def without_timings(stdout: str) -> list[dict]:
+    rows = [json.loads(line) for line in stdout.splitlines()]
+    return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in rows]
+
+
+def test__ask_uses_the_running_server_and_answers_byte_identically(rocketkv_bin, env, caches, served):
+    cache = caches[0]
+    local = run(rocketkv_bin, env, "ask", "--cache", cache, "--no-server", *QUESTIONS)
+    local_json = run(rocketkv_bin, env, "ask", "--cache", cache, "--no-server", "--json", "--cite", *QUESTIONS[:2])
+    assert local.returncode == 0 and local_json.returncode == 0, local.stderr + local_json.stderr
+    s = served("--idle-timeout", "0")
+    sock = Path(env["ROCKETKV_HOME"]) / "serve.sock"
+    assert s.url == f"unix:{sock}"
+    assert stat.S_IMODE(sock.stat().st_mode) == 0o600  # only this user can connect
+    for _ in range(2):  # the first request loads the model and the cache, the second finds them warm
+        remote = run(rocketkv_bin, env, "ask", "--cache", cache, *QUESTIONS)
+        assert remote.returncode == 0, remote.stderr
+        assert remote.stdout == local.stdout
+    remote_json = run(rocketkv_bin, env, "ask", "--cache", cache, "--json", "--cite", *QUESTIONS[:2])
+    assert without_timings(remote_json.stdout) == without_timings(local_json.stdout)
+    info = health(s.server)
+    assert info["served"] == 3 and info["caches"] == [str(cache.resolve())], info
+    one = run(rocketkv_bin, env, "ask", "--cache", cache, "--format", "lines", "--stream", QUESTIONS[0])
+    one_local = run(rocketkv_bin, env, "ask", "--cache", cache, "--no-server", "--format", "lines", "--stream",
+                    QUESTIONS[0])  # fmt: skip
+    assert one.stdout == one_local.stdout and one.returncode == 0
+
+
+def test__errors_are_the_same_one_line_with_and_without_the_server(rocketkv_bin, env, caches, served, tmp_path):
+    served("--idle-timeout", "0")
+    bad = tmp_path / "bad.kv"
+    bad.write_bytes(b"\x00" * 64)
+    cases = [
+        ("--cache", tmp_path / "missing.kv", "q?"),
+        ("--cache", bad, "q?"),
+        ("--cache", caches[0], "--segment", "3", "q?"),
+        ("--cache", caches[0], "--topk", "0", "q?"),
+    ]
+    for args in cases:
+        here = run(rocketkv_bin, env, "ask", "--no-server", *args)
+        there = run(rocketkv_bin, env, "ask", *args)
+        assert (there.returncode, there.stdout) == (here.returncode, here.stdout), (args, there.stderr)
+        assert here.returncode in (1, 2) and "Traceback" not in there.stderr
+        error = [line for line in there.stderr.splitlines() if line.startswith("Error:")]
+        assert error == [line for line in here.stderr.splitlines() if line.startswith("Error:")], args
+
+
+def test__a_server_named_with_server_must_answer(rocketkv_bin, env, caches, tmp_path):
+    r = run(rocketkv_bin, env, "ask", "--cache", caches[0], "--server", f"unix:{tmp_path}/none.sock", "q?")
+    assert r.returncode == 1 and "no rocketkv server answers at unix:" in r.stderr and "Traceback" not in r.stderr
+    r = run(rocketkv_bin, env, "ask", "--cache", caches[0], "--server", "ftp://x", "q?")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test__the_client_path_imports_neither_torch_nor_transformers(env, caches, served):
+    served("--idle-timeout", "0")
+    code = ("import sys\nfrom rocketkv_cli.cli import app\n"
+            f"try:\n    app(args=['ask', '--cache', {str(caches[0])!r}, 'q?'])\nexcept SystemExit as e:\n"
+            "    assert e.code in (0, None), e.code\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
+
+
+def test__openai_client_over_tcp_streaming_and_not(rocketkv_bin, env, caches, served, tmp_path):
+    openai = pytest.importorskip("openai")
+    local = run(rocketkv_bin, env, "ask", "--cache", caches[0], "--no-server", "--json", QUESTIONS[0])
+    expected = json.loads(local.stdout)["answer"]
+    s = served("--host", "127.0.0.1", "--port", "0", "--allow-dir", caches[0].parent, "--idle-timeout", "0")
+    client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
+    model = f"kv:{caches[0]}"
+    done = client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTIONS[0]}])
+    assert done.choices[0].message.content == expected
+    assert done.choices[0].finish_reason in ("stop", "length") and done.usage.completion_tokens >= 1
+    pieces = client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTIONS[0]}],
+                                            stream=True)  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in pieces) == expected
+    listed = [m.id for m in client.models.list()]
+    assert model.replace(str(caches[0]), str(caches[0].resolve())) in listed
+    outside = tmp_path / "elsewhere.kv"
+    outside.write_bytes(caches[0].read_bytes())
+    with pytest.raises(openai.PermissionDeniedError, match="outside the server's allowed folders"):
+        client.chat.completions.create(model=f"kv:{outside}", messages=[{"role": "user", "content": "q"}])
+    with pytest.raises(openai.BadRequestError, match="names no cache"):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "q"}])
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model=f"kv:{caches[0].parent}/nope.kv",
+                                       messages=[{"role": "user", "content": "q"}])  # fmt: skip
+    assert health(s.server)["status"] == "ok"  # refusals leave it serving
+
+
+def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches, served):
+    import http.client
+
+    s = served("--host", "127.0.0.1", "--port", "0", "--api-key", "k" * 16, "--idle-timeout", "0")
+    host, port = s.url.removeprefix("http://").rsplit(":", 1)
+
+    def send(method, path, body=b"", key="k" * 16, headers=None):
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        hdrs = {"Authorization": f"Bearer {key}", **(headers or {})}
+        conn.request(method, path, body=body, headers=hdrs)
+        r = conn.getresponse()
+        data = r.read()
+        conn.close()
+        return r.status, json.loads(data)
+
+    cases = [
+        (("POST", "/v1/rocketkv/ask", b"{not json"), 400),
+        (("POST", "/v1/rocketkv/ask", b"[1]"), 400),
+        (("POST", "/v1/rocketkv/ask", json.dumps({"cache": "rel.kv", "questions": ["q"]}).encode()), 400),
+        (("POST", "/v1/rocketkv/ask", json.dumps({"cache": str(caches[0]), "questions": []}).encode()), 400),
+        (
+            (
+                "POST",
+                "/v1/rocketkv/ask",
+                json.dumps({"cache": str(caches[0]), "questions": ["q"], "temperature": -1}).encode(),
+            ),
+            400,
+        ),  # fmt: skip
+        (("POST", "/v1/rocketkv/ask", json.dumps({"cache": "/etc/passwd", "questions": ["q"]}).encode()), 403),
+        (("POST", "/v1/rocketkv/ask", b"x" * (2 << 20)), 413),
+        (("GET", "/v1/nothing-here", b""), 404),
+        (
+            (
+                "POST",
+                "/v1/chat/completions",
+                json.dumps(
+                    {"model": f"kv:{caches[0]}", "messages": [{"role": "user", "content": "q"}], "max_tokens": 10**9}
+                ).encode(),
+            ),
+            400,
+        ),  # fmt: skip
+    ]
+    for (method, path, body), status in cases:
+        got, data = send(method, path, body)
+        assert got == status, (path, body[:80], got, data)
+        assert isinstance(data["error"]["message"], str) and data["error"]["message"]
+    assert send("GET", "/v1/models", key="wrong-key-123")[0] == 401
+    assert health(Server(host=host, port=int(port)))["status"] == "ok"
+
+
+def test__a_public_host_needs_an_api_key(rocketkv_bin, env):
+    r = run(rocketkv_bin, env, "serve", "--host", "0.0.0.0", "--port", "0")
+    assert r.returncode == 2 and "--api-key" in r.stderr and "Traceback" not in r.stderr
+
+
+def test__concurrent_clients_get_the_in_process_answers(rocketkv_bin, env, caches, served):
+    expected = {}
+    for q in QUESTIONS:
+        r = run(rocketkv_bin, env, "ask", "--cache", caches[0], "--no-server", "--json", q)
+        expected[q] = json.loads(r.stdout)["answer"]
+    s = served("--idle-timeout", "0", "--max-queue", "64")
+    failures: list[str] = []
+
+    def client(k: int) -> None:
+        for i in range(50):
+            q = QUESTIONS[(k + i) % len(QUESTIONS)]
+            got = [e for e in events(s.server, "/v1/rocketkv/ask", {"cache": str(caches[0]), "questions": [q]})
+                   if e["event"] == "answer"]  # fmt: skip
+            if [e["record"]["answer"] for e in got] != [expected[q]]:
+                failures.append(f"client {k} question {i}: {got}")
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not failures, failures[:3]
+    assert health(s.server)["served"] == 400
+
+
+def test__a_cache_replaced_on_disk_is_read_again(rocketkv_bin, env, caches, served, tmp_path):
+    live = tmp_path / "live.kv"
+    live.write_bytes(caches[0].read_bytes())
+    served("--idle-timeout", "0")
+    first = run(rocketkv_bin, env, "ask", "--cache", live, QUESTIONS[0])
+    assert first.returncode == 0
+    os.replace(_copy(caches[1], tmp_path / "new.kv"), live)  # as an ingest --force replaces it
+    after = run(rocketkv_bin, env, "ask", "--cache", live, QUESTIONS[0])
+    fresh = run(rocketkv_bin, env, "ask", "--cache", live, "--no-server", QUESTIONS[0])
+    assert after.stdout == fresh.stdout and after.returncode == 0
+    old = run(rocketkv_bin, env, "ask", "--cache", caches[0], "--no-server", QUESTIONS[0])
+    assert old.stdout == first.stdout  # the first answer was from the first file
+    status = run(rocketkv_bin, env, "serve", "status", "--json")
+    assert json.loads(status.stdout)["reloads"] == 1
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    dst.write_bytes(src.read_bytes())
+    return dst
+
+
+def test__killed_server_one_line_then_stale_socket_replaced(rocketkv_bin, env, caches, served):
+    s = served("--idle-timeout", "0")
+    client = subprocess.Popen([rocketkv_bin, "ask", "--cache", str(caches[0]), "--stream", QUESTIONS[0]],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while health(s.server)["active"] == 0 and client.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)  # until the request is in (the first one loads the model, then decodes)
+    s.proc.send_signal(signal.SIGKILL)
+    out, err = client.communicate(timeout=120)
+    if client.returncode == 0:
+        pytest.skip("the answer finished before the kill")  # a fast machine: nothing to observe
+    assert client.returncode == 1, err
+    assert "Traceback" not in err
+    assert [line for line in err.splitlines() if line.startswith("Error:")] == [
+        f"Error: the rocketkv server at {s.url} stopped before the answer was complete — run the command again "
+        "(with --no-server to answer without it)"
+    ]
+    sock = Path(env["ROCKETKV_HOME"]) / "serve.sock"
+    assert sock.exists()  # left behind by the killed server
+    fallback = run(rocketkv_bin, env, "ask", "--cache", caches[0], QUESTIONS[0])
+    assert fallback.returncode == 0, fallback.stderr  # a stale socket is no server: answered here
+    again = served("--idle-timeout", "0")
+    assert again.url == s.url and health(again.server) is not None
+
+
+def test__status_stop_and_idle_timeout(rocketkv_bin, env, served):
+    none = run(rocketkv_bin, env, "serve", "status")
+    assert none.returncode == 1 and "no rocketkv server is running" in none.stderr
+    s = served("--idle-timeout", "0")
+    status = run(rocketkv_bin, env, "serve", "status")
+    assert status.returncode == 0 and f"pid {s.proc.pid}" in status.stdout
+    twice = run(rocketkv_bin, env, "serve", "--idle-timeout", "0")
+    assert twice.returncode == 1 and "already running" in twice.stderr
+    stop = run(rocketkv_bin, env, "serve", "stop")
+    assert stop.returncode == 0, stop.stderr
+    assert s.proc.wait(timeout=30) == 0
+    assert not (Path(env["ROCKETKV_HOME"]) / "serve.sock").exists()
+    idle = served("--idle-timeout", "1")
+    assert idle.proc.wait(timeout=60) == 0
+    assert any("idle for 1s" in line for line in idle.stderr_lines)
+
+
+def test__ask_through_the_server_in_a_terminal(rocketkv_bin, env, caches, served):
+    local = run(rocketkv_bin, env, "ask", "--cache", caches[0], "--no-server", QUESTIONS[0])
+    served("--idle-timeout", "0")
+    code, shown = run_in_terminal([rocketkv_bin, "ask", "--cache", str(caches[0]), QUESTIONS[0]], env)
+    assert code == 0, shown
+    text = strip_ansi(shown).replace("\r\n", "\n")
+    assert local.stdout.strip() in text and "Traceback" not in text

@@ -340,3 +340,18 @@ def test__ask_through_the_server_in_a_terminal(rocketkv_bin, env, caches, served
     assert code == 0, shown
     text = strip_ansi(shown).replace("\r\n", "\n")
     assert local.stdout.strip() in text and "Traceback" not in text
+
+
+def test__chat_from_a_pipe_uses_the_server_with_the_same_output(rocketkv_bin, env, caches, served):
+    questions = "\n".join(QUESTIONS[:3]) + "\n"
+    local = run(rocketkv_bin, env, "chat", "--cache", caches[0], "--no-server", stdin=questions)
+    local_bad = run(rocketkv_bin, env, "chat", "--cache", caches[0], "--no-server", "--segment", "3", stdin="q\n")
+    s = served("--idle-timeout", "0")
+    remote = run(rocketkv_bin, env, "chat", "--cache", caches[0], stdin=questions)
+    assert remote.returncode == local.returncode == 0, remote.stderr
+    assert remote.stdout == local.stdout and local.stdout.count("Q: ") == 3
+    bad = run(rocketkv_bin, env, "chat", "--cache", caches[0], "--segment", "3", stdin="q\n")
+    assert (bad.returncode, bad.stdout) == (local_bad.returncode, local_bad.stdout) and bad.returncode == 1
+    errors = [line for line in bad.stderr.splitlines() if line.startswith("Error:")]
+    assert errors == [line for line in local_bad.stderr.splitlines() if line.startswith("Error:")], bad.stderr
+    assert health(s.server)["served"] == 5  # remote: 1 check + 3 questions, then the refused check

@@ -11,6 +11,7 @@ and the exit code is 1.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -19,6 +20,7 @@ import typer
 from ..core.config import DEFAULT_TOKEN_BUDGET
 from ..entry import handled
 from ..errors import RocketKVError, UsageError
+from ..serve.client import home
 from .answers import (
     AnswerPrinter,
     CiteOpt,
@@ -40,10 +42,13 @@ from .common import (
     ErrorsOpt,
     JsonOpt,
     ModelOpt,
+    NoServerOpt,
     QuietOpt,
     SegmentOpt,
     SegmentsOpt,
     SegmentTokensOpt,
+    ServerOpt,
+    ThreadsOpt,
     TrustOpt,
     WeightsOpt,
     cache_budget_note,
@@ -56,6 +61,7 @@ from .common import (
     prefill_config,
     setup,
 )  # fmt: skip
+from .remote import RemoteChat, Turn, server_for
 
 PROMPT = "> "
 
@@ -104,6 +110,19 @@ class Prompt:
                 pass  # a read-only home only loses the history
 
 
+def local_turns(session, source: str) -> Callable[[str], Turn]:
+    """`Turn`s of a local `Session` (what `RemoteChat.turn` gives for a server)."""
+
+    def turn(question: str) -> Turn:
+        stream = session.stream(question)
+        yield from stream
+        answer = stream.answer
+        assert answer is not None  # set when the iteration ends
+        return answer.text, answer.to_dict(cache=source), answer.citations, answer_log(answer)
+
+    return turn
+
+
 def chat_command(
     document: Annotated[
         Optional[str],
@@ -131,15 +150,18 @@ def chat_command(
     dtype: DtypeOpt = None,
     trust_remote_code: TrustOpt = False,
     weights: WeightsOpt = None,
+    threads: ThreadsOpt = None,
+    server: ServerOpt = None,
+    no_server: NoServerOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Ask questions one after another from a prompt; the model and cache load once.
 
     Ctrl-C cancels the answer being printed, Ctrl-D quits. Questions can also come from a pipe,
-    one per line.
+    one per line. With --cache, a running `rocketkv serve` answers (--no-server: this process).
     """
-    setup(quiet)
+    setup(quiet, threads)
     if (document is None) == (cache is None):
         raise UsageError("give either --cache FILE.kv or DOC", "e.g. rocketkv chat --cache book.kv")
     if document == "-":
@@ -148,7 +170,28 @@ def chat_command(
         raise UsageError("--dense and --hsa contradict each other", "give one of them")
     if note := sampling_note(temperature, seed):
         log(note)
-    if cache is not None:
+    options = {"max_new_tokens": max_new_tokens, "dense": dense, "hsa": hsa, "temperature": temperature,
+               "top_p": top_p, "seed": seed, "segments": segments, "segment": segment,
+               "cite": passages if cite else 0}  # fmt: skip
+    remote = server_for(server, no_server) if cache is not None else None
+    turn: Callable[[str], Turn]
+    if remote is not None:
+        assert cache is not None  # remote only with --cache
+        cache_budget_note(budget, cache)
+        turn = RemoteChat(
+            remote,
+            cache,
+            {
+                **options,
+                "model": model,
+                "device": device,
+                "dtype": dtype,
+                "weights": weights,
+                "trust_remote_code": trust_remote_code,
+            },
+        ).turn
+        source = str(cache)
+    elif cache is not None:
         cache_budget_note(budget, cache)
         rk, stored = open_cache(cache, model, device, dtype, trust_remote_code, weights, cite=passages if cite else 0,
                                 segments=segments, decode_options={"dense": dense, "hsa": hsa})  # fmt: skip
@@ -163,11 +206,8 @@ def chat_command(
         rk = load_engine(model, device, dtype or "auto", trust_remote_code, weights)
         stored = ingest(rk, stream, cfg, segment_tokens=segment_tokens).cache
         source = document
-    from ..engine.api import home
-
-    session = rk.session(stored, max_new_tokens=max_new_tokens, dense=dense, hsa=hsa, temperature=temperature,
-                         top_p=top_p, seed=seed, segments=segments, segment=segment,
-                         cite=passages if cite else 0, log=log)  # fmt: skip
+    if remote is None:
+        turn = local_turns(rk.session(stored, log=log, **options), source)
     prompt = Prompt(home() / "chat_history")
     interactive = prompt.interactive
     fmt = "json" if json_out else ("text" if interactive else "qa")
@@ -194,12 +234,15 @@ def chat_command(
         try:
             check_question_text(question)
             printer.start(question)
-            stream = session.stream(question)
-            for piece in stream:
-                printer.piece(piece)
-            assert stream.answer is not None  # set when the iteration ends
-            printer.finish(stream.answer.text, stream.answer.to_dict(cache=source), stream.answer.citations)
-            log(answer_log(stream.answer))
+            pieces = turn(question)
+            while True:
+                try:
+                    printer.piece(next(pieces))
+                except StopIteration as end:
+                    text, record, citations, line = end.value
+                    break
+            printer.finish(text, record, citations)
+            log(line)
         except KeyboardInterrupt:
             handled()  # this Ctrl-C only cancelled the answer: the session goes on
             printer.interrupted()

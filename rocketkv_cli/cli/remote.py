@@ -6,6 +6,7 @@ the `--json` records and the exit codes do not depend on where the answer was co
 from __future__ import annotations
 
 import os
+from collections.abc import Generator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -61,3 +62,37 @@ def ask_remote(server: Server, cache: Path, questions: list[str], options: dict,
             done += 1
             if done < len(questions):
                 printer.start(questions[done])
+
+
+Turn = Generator[str, None, tuple[str, dict, list | None, str]]  # pieces; then (text, record, citations, log line)
+
+
+class RemoteChat:
+    """`rocketkv chat`'s questions answered by a server, one request each. The options are checked
+    once on construction, as a local session checks them before the prompt appears."""
+
+    def __init__(self, server: Server, cache: Path, options: dict):
+        from ..engine.preflight import check_cache_file
+
+        check_cache_file(cache)
+        self.server = server
+        self.body = {"cache": os.path.abspath(cache), "display": str(cache), **options}
+        for _ in events(server, "/v1/rocketkv/ask", {**self.body, "questions": [], "check_only": True}):
+            pass  # "checked": the cache, the model and the options passed the session's checks
+
+    def turn(self, question: str) -> Turn:
+        """The answer's pieces as they are decoded; returns (text, record, citations, log line).
+        Closing the generator early (Ctrl-C) closes the connection, which cancels the answer there."""
+        result = None
+        for event in events(self.server, "/v1/rocketkv/ask", {**self.body, "questions": [question]}):
+            if event.get("event") == "piece":
+                yield event["text"]
+            elif event.get("event") == "log":
+                log(event["message"])
+            elif event.get("event") == "answer":
+                record = event["record"]
+                citations = None if event.get("citations") is None else [
+                    SimpleNamespace(**c) for c in event["citations"]]  # fmt: skip
+                result = (record["answer"], record, citations, answer_log_of(record))
+        assert result is not None  # events() returns only after "done", which follows the answer
+        return result

@@ -191,7 +191,7 @@ def build_app(state: ServeState) -> Guard:
         return JSONResponse({"object": "list", "data": data})
 
     async def ask(request: Request) -> Response:
-        req = AskRequest.parse(await _json_body(request), state.roots, state.max_tokens_limit)
+        req = AskRequest.parse(await _json_body(request), state.roots, None)  # as the CLI: the context bounds it
         job, first = await _start(request, answer_job, state.warm, req)
 
         async def lines() -> AsyncIterator[bytes]:

@@ -89,6 +89,7 @@ class AskRequest:
     display: str
     questions: tuple[str, ...]
     options: dict
+    check_only: bool
     model: str | None
     device: str
     dtype: str | None
@@ -96,11 +97,15 @@ class AskRequest:
     trust_remote_code: bool
 
     @classmethod
-    def parse(cls, body: dict, roots: tuple[Path, ...] | None, max_tokens_limit: int) -> AskRequest:
-        """Raises BadRequest for a field of the wrong type or out of range, or a path not allowed."""
+    def parse(cls, body: dict, roots: tuple[Path, ...] | None, max_tokens_limit: int | None) -> AskRequest:
+        """`max_tokens_limit`: the most answer tokens a request may ask for (None: the context's bound).
+        Raises BadRequest for a field of the wrong type or out of range, or a path not allowed."""
         raw = _field(body, "cache", str, required=True)
         questions = _field(body, "questions", list, required=True)
-        if not questions or len(questions) > MAX_QUESTIONS or not all(isinstance(q, str) for q in questions):
+        check_only = bool(_field(body, "check_only", bool, False))
+        if (not questions and not check_only) or len(questions) > MAX_QUESTIONS:
+            raise BadRequest(400, f"'questions' must be 1-{MAX_QUESTIONS} strings")
+        if not all(isinstance(q, str) for q in questions):
             raise BadRequest(400, f"'questions' must be 1-{MAX_QUESTIONS} strings")
         if any(not q.strip() for q in questions):
             raise BadRequest(400, "empty question", hint="give each question some text")
@@ -132,6 +137,7 @@ class AskRequest:
             display=_field(body, "display", str, raw),
             questions=tuple(questions),
             options=options,
+            check_only=check_only,
             model=_field(body, "model", str),
             device=_field(body, "device", str, "auto"),
             dtype=_field(body, "dtype", str),
@@ -227,6 +233,10 @@ def answer_job(job: Job, warm: Warm, req: AskRequest) -> None:
     with warm.lock:
         job.check()
         rk, stored = _open(warm, req)
+        if req.check_only:  # what `rocketkv chat` asks before its prompt: every option checked as a session does
+            rk.session(stored, **req.options)
+            job.emit({"event": "checked"})
+            return
 
         def piece(text: str) -> None:
             job.check()

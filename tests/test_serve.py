@@ -355,3 +355,58 @@ def test__chat_from_a_pipe_uses_the_server_with_the_same_output(rocketkv_bin, en
     errors = [line for line in bad.stderr.splitlines() if line.startswith("Error:")]
     assert errors == [line for line in local_bad.stderr.splitlines() if line.startswith("Error:")], bad.stderr
     assert health(s.server)["served"] == 5  # remote: 1 check + 3 questions, then the refused check
+
+
+def _send(server: Server, path: str, body: dict, timeout: float = 300):
+    """The request sent, its response not read yet (the server answers once the work has started)."""
+    conn = server.connection(timeout)
+    conn.request("POST", path, body=json.dumps(body).encode(), headers=server.headers())
+    return conn
+
+
+def _post(server: Server, path: str, body: dict, timeout: float = 300):
+    conn = _send(server, path, body, timeout)
+    return conn, conn.getresponse()
+
+
+def test__ingest_endpoint_streams_progress_and_writes_the_file(rocketkv_bin, env, tiny_model_dir, served, tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text(text_of_bytes(900, seed=3) + "\nThe secret code is 5151.\n")
+    s = served("--host", "127.0.0.1", "--port", "0", "--allow-dir", tmp_path, "--idle-timeout", "0")
+    conn, response = _post(s.server, "/v1/ingest", {"document": str(doc), "output": str(tmp_path / "d.kv"),
+                                                     "model": str(tiny_model_dir), "token_budget": 64})  # fmt: skip
+    assert response.status == 200 and response.getheader("content-type").startswith("text/event-stream")
+    frames = [json.loads(line.removeprefix("data: ")) for line in response.read().decode().splitlines()
+              if line.startswith("data: ")]  # fmt: skip
+    conn.close()
+    assert frames[-1]["event"] == "written" and frames[-1]["bytes"] == (tmp_path / "d.kv").stat().st_size
+    progress = [f for f in frames if f["event"] == "progress"]
+    assert progress and progress[-1]["done"] >= 900
+    inspect = run(rocketkv_bin, env, "inspect", tmp_path / "d.kv", "--json")
+    assert inspect.returncode == 0 and json.loads(inspect.stdout)["n_context_tokens"] >= 900
+    conn, refused = _post(s.server, "/v1/ingest", {"document": str(doc), "output": "/tmp/outside-allowed.kv"})
+    assert refused.status == 403 and "outside" in json.loads(refused.read())["error"]["message"]
+    conn, again = _post(s.server, "/v1/ingest", {"document": str(doc), "output": str(tmp_path / "d.kv"),
+                                                  "model": str(tiny_model_dir)})  # fmt: skip
+    assert again.status == 409 and "--force" in json.dumps(json.loads(again.read()))  # exists: not replaced
+
+
+def test__a_full_queue_gets_503_and_a_client_that_leaves_cancels(env, caches, served):
+    s = served("--idle-timeout", "0", "--max-queue", "1")
+    many = {"cache": str(caches[0]), "questions": QUESTIONS * 10}
+    first = _send(s.server, "/v1/rocketkv/ask", many)  # answering (holds the decode lock) ...
+    second = _send(s.server, "/v1/rocketkv/ask", many)  # ... and waiting behind it
+    deadline = time.monotonic() + 60
+    while health(s.server)["active"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    conn, busy = _post(s.server, "/v1/rocketkv/ask", {"cache": str(caches[0]), "questions": ["q"]})
+    assert busy.status == 503 and busy.getheader("retry-after") == "1"
+    assert json.loads(busy.read())["error"]["message"].startswith("the server is busy")
+    second.close()  # the waiting client goes away: its request must not be answered
+    first.getresponse().read()
+    first.close()
+    deadline = time.monotonic() + 120
+    while health(s.server)["active"] > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    info = health(s.server)
+    assert info["cancelled"] == 1 and info["active"] == 0, info

@@ -62,7 +62,8 @@ class ServeState:
         return {"service": "rocketkv", "status": "ok", "version": __version__, "pid": os.getpid(), "url": self.url,
                 "threads": self.threads, "uptime_s": round(time.monotonic() - self.started, 1),
                 "active": self.active, "served": self.served, "max_queue": self.max_queue,
-                "idle_timeout_s": self.idle_timeout_s, **self.warm.describe()}  # fmt: skip
+                "idle_timeout_s": self.idle_timeout_s, "cancelled": Job.cancelled_total,
+                **self.warm.describe()}  # fmt: skip
 
 
 def error_response(exc: BadRequest) -> JSONResponse:

@@ -173,6 +173,8 @@ class Job:
     """One request's work: events go from the worker thread to the request's asyncio queue;
     `cancelled` is set when the client goes away."""
 
+    cancelled_total = 0  # jobs stopped because their client went away (for /health and tests)
+
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.queue: asyncio.Queue[dict | None] = asyncio.Queue()
@@ -193,7 +195,7 @@ class Job:
             try:
                 work(self, *args)
             except Cancelled:
-                pass
+                Job.cancelled_total += 1
             except BadRequest as exc:
                 self.emit({"event": "error", **exc.body()["error"]})
             except RocketKVError as exc:

@@ -49,13 +49,19 @@ def summarize_command(
     dtype: DtypeOpt = None,
     weights: WeightsOpt = None,
     trust_remote_code: TrustOpt = False,
+    extractive: Annotated[
+        bool, typer.Option("--extractive", help="Extract the most central sentences; the model writes nothing.")
+    ] = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Summarize a document (or a saved cache's document).
 
     A document longer than the context is summarized segment by segment (each partial summary is
-    shown on stderr), then the summaries are summarized as one text.
+    shown on stderr), then the summaries are summarized as one text. A degenerate summary (an echo
+    of the prompt, a repeated sentence, under 15 words, a bare reference) is asked for once more
+    in another framing, then replaced by the part's most central sentences, extracted verbatim;
+    --json's `mode` says which ("abstractive", "abstractive-retry", "extractive").
     """
     setup(quiet)
     if (document is None) == (cache is None):
@@ -74,17 +80,25 @@ def summarize_command(
     partials = []
 
     def on_partial(event) -> None:
-        partials.append({"level": event.level, "segment": event.index, "summary": event.text})
-        log(f"summary of part {event.index + 1}/{event.total} (level {event.level}): {event.text}")
+        partials.append({"level": event.level, "segment": event.index, "summary": event.text, "mode": event.mode})
+        note = "" if event.mode == "abstractive" else f" [{event.mode}]"
+        log(f"summary of part {event.index + 1}/{event.total} (level {event.level}){note}: {event.text}")
 
     printer = AnswerPrinter(fmt, stream)
     t0 = time.perf_counter()
     final = rk.summarize(stored, max_new_tokens=max_new_tokens, dense=dense, config=cfg, on_partial=on_partial,
-                         on_text=printer.piece)  # fmt: skip
+                         extractive=extractive)  # fmt: skip
     elapsed = time.perf_counter() - t0
+    mode = getattr(final, "mode", "abstractive")
     row = {"summary": final.text, "source": source, "n_answer_tokens": final.n_answer_tokens,
-           "stop_reason": final.stop_reason, "summarize_s": round(elapsed, 3)}  # fmt: skip
+           "stop_reason": final.stop_reason, "summarize_s": round(elapsed, 3), "mode": mode}  # fmt: skip
     if partials:
         row["partial_summaries"] = partials
+    for reason in getattr(final, "rejected", ()):
+        log(f"summary: the model's output was degenerate ({reason})")
+    if mode == "extractive":
+        why = "--extractive" if extractive else "the model's output was degenerate"
+        log(f"summary: extracted sentences ({why})")
+    printer.piece(final.text)  # whole: a summary is shown only once it has passed the checks
     printer.finish(final.text, row)
     log(f"summarized in {elapsed:.1f}s ({final.n_answer_tokens} tokens, stop: {final.stop_reason})")

@@ -366,12 +366,16 @@ class RocketKV:
         config: PrefillConfig | None = None,
         on_partial: Callable[[PartialSummary], None] = lambda event: None,
         on_text: TextCallback | None = None,
+        extractive: bool = False,
     ) -> Answer:
         """A summary of the cache's document; hierarchical for a segmented cache (each segment,
-        then the summaries, ingested in memory with `config`). on_text(piece): the final
-        summary's text as it is decoded (as in `ask`). Raises BudgetError."""
+        then the summaries, ingested in memory with `config`); never a degenerate one (a
+        `summaries.Summary`: its `mode` says whether the model wrote it or sentences were
+        extracted; `extractive`: extract without the model writing). on_text(piece): the final
+        summary's text once it passed the checks. Raises BudgetError, InputError."""
         cfg = config or PrefillConfig(max_new_tokens=max_new_tokens)
-        return summarize(self.engine, cache, cfg, max_new_tokens, not dense, on_partial, on_text=on_text)
+        return summarize(self.engine, cache, cfg, max_new_tokens, not dense, on_partial, on_text=on_text,
+                         extractive=extractive)  # fmt: skip
 
 
 def _scratch_checkpoints() -> Checkpoints:

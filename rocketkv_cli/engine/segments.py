@@ -28,14 +28,14 @@ from ..errors import BudgetError, CacheFormatError, InputError, UsageError
 from ..model.hf import empty_cache, forward_tokens, rocketkv_attention
 from ..model.templates import read_prompt
 from ..store.checkpoints import Checkpoints
-from .answer import GREEDY, Answer, Answerer, Sampling, TextCallback, answer, decode_config_for
+from .answer import GREEDY, Answer, Sampling, TextCallback, answer, decode_config_for
 from .documents import Document, TextPieces, TextStream, segment_texts, tokenize
 from .engine import Engine, TokenProgress
 from .selectors import pool_kernel_of
+from .summaries import Summary, extracted, summarize_part
 
 SEGMENT_SLACK_TOKENS = 16  # joint tokenization of a segment may differ from the per-line count
 MIN_SEGMENT_TEXT_TOKENS = 64
-SUMMARY_STOP_STRINGS = ("\n\n\n",)  # summaries are paragraphs: only a long gap ends one early
 
 
 @dataclass(frozen=True)
@@ -342,12 +342,14 @@ def answer_segmented(
 
 @dataclass(frozen=True)
 class PartialSummary:
-    """Progress event of a hierarchical summary: the summary of segment `index` of `total` at `level`."""
+    """Progress event of a hierarchical summary: the summary of segment `index` of `total` at
+    `level`, made in `mode` (see `summaries.MODES`)."""
 
     level: int
     index: int
     total: int
     text: str
+    mode: str = "abstractive"
 
 
 def summarize(
@@ -360,40 +362,44 @@ def summarize(
     prompt: str | None = None,
     level: int = 0,
     on_text: TextCallback | None = None,
-) -> Answer:
-    """Summary of a stored document; hierarchical when it is segmented.
+    extractive: bool = False,
+    source: str | None = None,
+) -> Summary:
+    """Summary of a stored document; hierarchical when it is segmented. Never a degenerate one.
 
     A one-segment cache is summarized in the framing chosen by docs/framings.md: a base model
     (plain framing) continues the document with `prompts/summarize_plain.txt`; a chat model is
     asked the summary prompt (`prompts/summarize.txt`, or `prompt`) as a question (stop strings
-    SUMMARY_STOP_STRINGS). A segmented one: each segment is summarized (reported through
+    `summaries.SUMMARY_STOP_STRINGS`). A degenerate result is asked for once more in another framing, then
+    replaced by extracted sentences (`summaries.summarize_part`; `extractive`: extract at once,
+    no model writing). A segmented one: each segment is summarized (reported through
     `on_partial`), the summaries are joined in order into a new text, which is ingested in memory
     with `cfg` and summarized with `summarize_parts.txt`, recursively while it is still longer
-    than the context. `on_text` streams the final summary (see `Answerer.stream`). Returns the
-    final summary's `Answer`.
+    than the context (`extractive`: the sentences are extracted from the joined summaries, with
+    nothing ingested). `source`: the text an extractive fallback picks from (default: the
+    cache's own). `on_text` is given the final summary once it has passed the checks (one piece).
+    Returns the final summary (`Summary.mode` says how it was made).
     Raises:
         BudgetError: summaries that do not shrink (the recursion would never end).
+        InputError: extraction from a cache without token ids.
     """
-    stops = SUMMARY_STOP_STRINGS if engine.prompt.stop_strings else ()
-    after = engine.prompt.summary_after
-
-    def one(part: CompressedKVCache, text: str, stream: TextCallback | None = None) -> Answer:
-        decode = decode_config_for(part, sparse)
-        if after is not None:
-            ids = tokenize(engine.tokenizer, after, False)
-            answerer = Answerer(engine, part, max_new_tokens, decode, engine.prompt.summary_stops,
-                                question_tokens=len(ids))  # fmt: skip
-            return answerer.ask(text, ids, stream)
-        return next(answer(engine, part, [text], max_new_tokens, decode, stop_strings=stops, on_text=stream))
-
     if isinstance(stored, CompressedKVCache):
-        return one(stored, prompt or read_prompt("summarize.txt"), on_text)
+        final = summarize_part(engine, stored, prompt or read_prompt("summarize.txt"), max_new_tokens, sparse,
+                               extractive, source)  # fmt: skip
+        if on_text is not None:
+            on_text(final.text)
+        return final
     n = len(stored.segments)
     partials = []
     for j, part in enumerate(stored.segments):
-        text = one(part, read_prompt("summarize.txt")).text
-        partials.append(text)
-        on_partial(PartialSummary(level=level, index=j, total=n, text=text))
+        written = summarize_part(engine, part, read_prompt("summarize.txt"), max_new_tokens, sparse, extractive)
+        partials.append(written.text)
+        on_partial(PartialSummary(level=level, index=j, total=n, text=written.text, mode=written.mode))
+    if extractive:
+        final = extracted("\n\n".join(partials), read_prompt("summarize_parts.txt"))
+        if on_text is not None:
+            on_text(final.text)
+        return final
     joined = "\n\n".join(f"Part {j + 1} of {n}: {text}" for j, text in enumerate(partials))
     combined = ingest_stream(engine, TextPieces(joined, f"summaries (level {level + 1})"), cfg)
     if isinstance(combined, SegmentedKVCache) and len(combined.segments) >= n:
@@ -402,4 +408,4 @@ def summarize(
             "lower --max-new-tokens",
         )
     return summarize(engine, combined, cfg, max_new_tokens, sparse, on_partial, read_prompt("summarize_parts.txt"),
-                     level + 1, on_text)  # fmt: skip
+                     level + 1, on_text, source="\n\n".join(partials))  # fmt: skip

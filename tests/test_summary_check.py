@@ -21,8 +21,15 @@ FIFTEEN = "Naomi and Ruth walked from Moab to Bethlehem at the start of the barl
         ("Summary:", ["echo of the prompt", "under 15 words"]),  # a 1-word line echoed as a whole line
         # a 7-word prompt sentence inside a longer text (3+ words: contained counts)
         (f"{FIFTEEN}. Question: {QUESTION}", ["echo of the prompt"]),
-        # the whole KJV's summary in issue 37: not a prompt line, but 9 words
-        ("The following is a summary of the following:", ["under 15 words"]),
+        # the whole KJV's summary in issue 37: not a prompt line, but its content words (following,
+        # summary, following) are all words of the prompts; 9 words
+        ("The following is a summary of the following:", ["echo of the prompt", "under 15 words"]),
+        # issue 16's GPL summary: content words document above summary document above summary document
+        # above, 8 of 8 in the prompts (summary: of PLAIN; document, above: of QUESTION); 18 words
+        (
+            "The document above is a summary of the document above. It is a summary of the document above.",
+            ["echo of the prompt"],
+        ),
         ("2Jn1:1", ["under 15 words", "bare reference"]),
         ("1 Cor 15:1-14", ["under 15 words", "bare reference"]),
         ("Ruth1:1; Ruth1:2.\nRuth1:3", ["under 15 words", "bare reference"]),
@@ -34,6 +41,14 @@ FIFTEEN = "Naomi and Ruth walked from Moab to Bethlehem at the start of the barl
 )
 def test__degenerate_reasons__echo_length_reference(summary, reasons):
     assert sc.degenerate_reasons(summary, [PLAIN, QUESTION]) == reasons
+
+
+def test__degenerate_reasons__echo_when_half_the_content_words_are_the_prompts():
+    padding = " of the and to in on at by for with as from into the of and to in on"  # 20 stopwords
+    # content words: document, summary (prompt words), naomi, ruth: 2 of 4 = 0.5, an echo
+    assert sc.degenerate_reasons("document summary Naomi Ruth" + padding, [PLAIN, QUESTION]) == ["echo of the prompt"]
+    # 2 of 5 = 0.4: not one
+    assert sc.degenerate_reasons("document summary Naomi Ruth Boaz" + padding, [PLAIN, QUESTION]) == []
 
 
 def test__degenerate_reasons__repeated_sentence_and_line():

@@ -11,7 +11,9 @@ Rules (`check_summary` applies all three):
 
 - degenerate (`degenerate_reasons`): an echo of the instruction or of a framing line (a sentence
   or line of the summary equals, once normalised, a line or sentence of the prompt texts given,
-  or the summary contains a prompt line of 3 or more words); a sentence repeated (two sentences
+  or the summary contains a prompt line of 3 or more words, or at least `ECHO_SHARE` of its
+  content words — see grounding — are words of the prompts: "The document above is a summary of
+  the document above."); a sentence repeated (two sentences
   or lines of 2+ words with the same normalised text, or a run of `LOOP_WORDS` words that occurs
   twice without overlapping: a loop inside one sentence); under `MIN_WORDS` words; or a bare
   reference (nothing but references and punctuation).
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 
 MIN_WORDS = 15
 LOOP_WORDS = 8
+ECHO_SHARE = 0.5
 MIN_GROUNDED_SHARE = 0.90
 TOP_NAMES = 20
 MIN_NAMES = 5
@@ -97,10 +100,14 @@ def degenerate_reasons(summary: str, prompts: Iterable[str]) -> list[str]:
     "bare reference".
     """
     reasons = []
+    prompts = list(prompts)
     units = _units(summary)
     lines = prompt_lines(prompts)
     whole = f" {normalise(summary)} "
-    if any(u in lines for u in units) or any(len(p.split()) >= 3 and f" {p} " in whole for p in lines):
+    vocabulary = set(content_words(re.sub(r"\{[a-z_]+\}", " ", "\n".join(prompts))))
+    words = content_words(summary)
+    if (any(u in lines for u in units) or any(len(p.split()) >= 3 and f" {p} " in whole for p in lines)
+            or (words and sum(w in vocabulary for w in words) >= ECHO_SHARE * len(words))):  # fmt: skip
         reasons.append("echo of the prompt")
     counts = Counter(u for u in units if len(u.split()) >= 2)
     if any(n > 1 for n in counts.values()) or _repeats_a_run(normalise(summary).split()):

@@ -61,7 +61,8 @@ def summarize_command(
     shown on stderr), then the summaries are summarized as one text. A degenerate summary (an echo
     of the prompt, a repeated sentence, under 15 words, a bare reference) is asked for once more
     in another framing, then replaced by the part's most central sentences, extracted verbatim;
-    --json's `mode` says which ("abstractive", "abstractive-retry", "extractive").
+    --json's `mode` says which ("abstractive", "abstractive-retry", "extractive") and `rejected`
+    why each rejected output was degenerate.
     """
     setup(quiet)
     if (document is None) == (cache is None):
@@ -91,7 +92,8 @@ def summarize_command(
     elapsed = time.perf_counter() - t0
     mode = getattr(final, "mode", "abstractive")
     row = {"summary": final.text, "source": source, "n_answer_tokens": final.n_answer_tokens,
-           "stop_reason": final.stop_reason, "summarize_s": round(elapsed, 3), "mode": mode}  # fmt: skip
+           "stop_reason": final.stop_reason, "summarize_s": round(elapsed, 3), "mode": mode,
+           "rejected": list(getattr(final, "rejected", ()))}  # fmt: skip
     if partials:
         row["partial_summaries"] = partials
     for reason in getattr(final, "rejected", ()):

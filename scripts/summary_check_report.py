@@ -1,0 +1,183 @@
+#!/usr/bin/env python
+"""Checks `rocketkv summarize` on real documents (issue 37); writes docs/summaries.md and its JSON.
+
+Usage: OMP_NUM_THREADS=1 python scripts/summary_check_report.py [--presets gemma-3-270m,smollm2-135m]
+       [--documents gpl,ruth,jonah] [--runs model,extractive] [--quick] [--out PAGE] [--json FILE]
+
+Documents: the GPL v3 (`gpl-3.txt`) and two books of the KJV sliced from `kjv.txt` at run time
+(`book`: every line that starts with the book's reference prefix and a chapter number, e.g.
+"Ruth1:1 …" for Ruth, "Jonah1:1 …" for Jonah), both from shared/data beside the repository
+(`--data`). Each document is summarized by the installed CLI in a subprocess, once per preset and
+run: "model" (`rocketkv summarize DOC --json`: the model writes, with the retry and extractive
+fallback of a degenerate result) and "extractive" (`--extractive`). Each summary is checked with
+`rocketkv_cli/engine/summary_check.py` (the rules are in its docstring) against the document's
+text and every prompt in prompts/. `--quick` (a smoke run, about 2 minutes on 2 cores): the GPL,
+gemma-3-270m, the model run, written under build/summary-check-quick/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from rocketkv_cli.engine.summary_check import check_summary  # noqa: E402  (standard library only)
+
+DATA = ROOT.parent / "shared" / "data"  # beside the clone (CI), else ROCKETKV_SHARED_DATA or /work/shared/data
+if not DATA.is_dir():
+    DATA = Path(os.environ.get("ROCKETKV_SHARED_DATA", "/work/shared/data"))
+BOOKS = {"ruth": "Ruth", "jonah": "Jonah"}  # document name → the KJV file's reference prefix
+DOCUMENTS = ("gpl", "ruth", "jonah")
+RUNS = {"model": [], "extractive": ["--extractive"]}
+
+
+def book(kjv: str, prefix: str) -> str:
+    """The lines of `kjv` that start with `prefix` and a chapter number ("Ruth1:1 Now it came…")."""
+    lines = [line for line in kjv.splitlines(keepends=True) if re.match(rf"{re.escape(prefix)}\d+:\d+ ", line)]
+    if not lines:
+        raise SystemExit(f"error: no line of the KJV starts with {prefix}<chapter>:<verse>")
+    return "".join(lines)
+
+
+def documents(data: Path, names: list[str]) -> dict[str, str]:
+    """Text of each named document (`gpl`, or a book of BOOKS)."""
+    out = {}
+    for name in names:
+        if name == "gpl":
+            out[name] = (data / "gpl-3.txt").read_text(encoding="utf-8")
+        elif name in BOOKS:
+            out[name] = book((data / "kjv.txt").read_text(encoding="utf-8"), BOOKS[name])
+        else:
+            raise SystemExit(f"error: unknown document {name!r}; choose from {', '.join(DOCUMENTS)}")
+    return out
+
+
+def rocketkv_bin() -> str:
+    """The installed console script beside this Python (a virtual environment's), else on PATH."""
+    beside = Path(sys.executable).parent / "rocketkv"
+    return str(beside) if beside.exists() else "rocketkv"
+
+
+def summarize(path: Path, preset: str, run: str, max_new_tokens: int) -> tuple[dict, float]:
+    """The `summarize --json` record of one run, and its wall time in seconds."""
+    cmd = [rocketkv_bin(), "summarize", str(path), "--model", preset, "--json", "--quiet",
+           "--max-new-tokens", str(max_new_tokens), *RUNS[run]]  # fmt: skip
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if r.returncode != 0:
+        raise SystemExit(f"error: {' '.join(cmd)} exited {r.returncode}: {r.stderr.strip()[-500:]}")
+    return json.loads(r.stdout), time.perf_counter() - t0
+
+
+def prompt_texts() -> list[str]:
+    """Every prompt of prompts/ (a summary that repeats any of their lines is an echo)."""
+    return [p.read_text(encoding="utf-8") for p in sorted((ROOT / "prompts").glob("*.txt"))]
+
+
+def record(name: str, preset: str, run: str, row: dict, source: str, wall_s: float) -> dict:
+    """One report row: the CLI's record, the check's, and the table's columns."""
+    check = check_summary(row["summary"], source, prompt_texts())
+    partial_modes = [p["mode"] for p in row.get("partial_summaries", [])]
+    return {"document": name, "preset": preset, "run": run, "mode": row["mode"], "rejected": row["rejected"],
+            "summary": row["summary"],
+            "words": len(row["summary"].split()), "partial_modes": partial_modes, "wall_s": round(wall_s, 1),
+            "summarize_s": row["summarize_s"], "check": check.to_dict()}  # fmt: skip
+
+
+def table(records: list[dict]) -> str:
+    """The Markdown table of the records."""
+    rows = ["| document | preset | run | mode | words | degenerate? | grounding | coverage | pass |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for r in records:
+        c = r["check"]
+        degenerate = ", ".join(c["degenerate"]) or "no"
+        missing = f" (absent: {', '.join(c['missing_names'])})" if c["missing_names"] else ""
+        grounded = f"{c['grounding']:.2f} {'✓' if c['grounding_passed'] else '✗'}{missing}"
+        covered = f"{len(c['named'])}/{c['names_required']} {'✓' if c['coverage_passed'] else '✗'}"
+        rows.append(f"| {r['document']} | {r['preset']} | {r['run']} | {r['mode']} | {r['words']} | {degenerate} | "
+                    f"{grounded} | {covered} | {'yes' if c['passed'] else 'no'} |")  # fmt: skip
+    return "\n".join(rows) + "\n"
+
+
+def render(records: list[dict], command: str, quick: bool) -> str:
+    """The page: what was run, the rules, the table, each summary."""
+    head = "QUICK SMOKE RUN (not evidence)\n\n" if quick else ""
+    n_pass = sum(r["check"]["passed"] for r in records)
+    out = [f"# Summaries: are they degenerate, grounded, covering?\n\n{head}Written by `{command}` on "
+           f"{date.today().isoformat()}: {n_pass} of {len(records)} summaries pass all three checks.\n",
+           "Rules (`rocketkv_cli/engine/summary_check.py`, whose docstring is the definition):\n",
+           "- **degenerate**: an echo of a prompt line (normalised), a sentence or line repeated (or an "
+           "8-word run inside one), under 15 words, or a bare verse reference. `rocketkv summarize` "
+           "never prints one: it asks once more in another framing (`abstractive-retry`), then prints the "
+           "part's 3-5 most central sentences, verbatim (`extractive`).",
+           "- **grounding**: at least 90% of the summary's content words (stopwords removed) occur in the "
+           "document, and every proper name it uses (a capitalised word not at a sentence start) occurs "
+           "there spelled the same.",
+           "- **coverage**: it names at least min(5, n) of the document's 20 most frequent proper names "
+           "(capitalised in ≥ 90% of their occurrences, and not only at sentence starts).\n",
+           "Runs: `model` is `rocketkv summarize DOC --json` (the model writes; the mode says whether its "
+           "first output, its retry or extracted sentences were printed); `extractive` adds `--extractive`. "
+           "Ruth and Jonah are the KJV's lines of that book (`Ruth1:1 …`), sliced at run time.\n",
+           table(records), "## The summaries\n"]  # fmt: skip
+    for r in records:
+        parts = f"; parts: {', '.join(r['partial_modes'])}" if r["partial_modes"] else ""
+        names = ", ".join(r["check"]["named"]) or "none"
+        rejected = f"; rejected: {'; '.join(r['rejected'])}" if r["rejected"] else ""
+        out.append(f"- {r['document']}, {r['preset']}, {r['run']} ({r['mode']}{parts}{rejected}; names: {names}; "
+                   f"{r['wall_s']} s): {json.dumps(r['summary'], ensure_ascii=False)}")  # fmt: skip
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    """Run the summaries, check them, write the page and the JSON, print the table."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--presets", default=None, help="comma-separated presets (default gemma-3-270m)")
+    ap.add_argument("--documents", default=None, help=f"comma-separated, of {','.join(DOCUMENTS)} (default all)")
+    ap.add_argument("--runs", default=None, help="model,extractive (default both)")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--data", type=Path, default=DATA, help="the folder of gpl-3.txt and kjv.txt")
+    ap.add_argument("--quick", action="store_true", help="the GPL, gemma-3-270m, the model run")
+    ap.add_argument("--out", type=Path, default=None, help="the page (default docs/summaries.md)")
+    ap.add_argument("--json", type=Path, default=None, help="the records (default docs/bench/summaries.json)")
+    args = ap.parse_args()
+    quick_dir = ROOT / "build" / "summary-check-quick"
+    presets = (args.presets or "gemma-3-270m").split(",")
+    names = (args.documents or ("gpl" if args.quick else ",".join(DOCUMENTS))).split(",")
+    runs = (args.runs or ("model" if args.quick else "model,extractive")).split(",")
+    if bad := [r for r in runs if r not in RUNS]:
+        ap.error(f"unknown run {bad[0]!r}; choose from model, extractive")
+    out = args.out or (quick_dir / "summaries.md" if args.quick else ROOT / "docs" / "summaries.md")
+    json_path = args.json or (
+        quick_dir / "summaries.json" if args.quick else ROOT / "docs" / "bench" / "summaries.json"
+    )
+    texts = documents(args.data, names)
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, text in texts.items():
+            path = Path(tmp) / f"{name}.txt"
+            path.write_text(text, encoding="utf-8")
+            for preset in presets:
+                for run in runs:
+                    row, wall_s = summarize(path, preset, run, args.max_new_tokens)
+                    records.append(record(name, preset, run, row, text, wall_s))
+                    print(f"{name} {preset} {run}: {row['mode']} in {wall_s:.0f}s", file=sys.stderr)
+    command = "python scripts/summary_check_report.py " + " ".join(sys.argv[1:])
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps({"command": command.strip(), "date": date.today().isoformat(),
+                                     "records": records}, ensure_ascii=False, indent=1) + "\n")  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render(records, command.strip(), args.quick), encoding="utf-8")
+    print(table(records), end="")
+
+
+if __name__ == "__main__":
+    main()

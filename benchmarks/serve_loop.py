@@ -4,15 +4,18 @@ side in one run: what a user scripting questions waits for per question.
     python benchmarks/serve_loop.py                       # both presets, the GPL (8K tokens), 100 questions
     python benchmarks/serve_loop.py --smoke               # SmolLM2, a 600-token slice, 3 questions (CI)
 
-Per preset: the document is ingested once (kept in --workdir, reused by a rerun), then
-1. `--in-process` questions are asked as today, one fresh `rocketkv ask --no-server` process each;
-2. a server is started on a socket in --workdir, warmed with one question, and `--questions`
-   questions are asked by fresh `rocketkv ask --server unix:...` processes (the client imports no
-   torch); the first-token latency is timed from the request to the first piece of text, with the
-   client library in this process;
-3. the answers to the questions asked both ways are compared (greedy: they must be identical).
-Each process's wall time is taken around `subprocess.run`. Results go to --out as JSON (a preset
-already there is skipped unless --force, so an interrupted run resumes) and print as a table.
+Per preset: the document is ingested once (kept in --workdir, reused by a rerun), a server is
+started on a socket in --workdir and warmed with one question, then question by question
+(interleaved, so that a machine whose load changes slows every way alike):
+1. a fresh `rocketkv ask --server unix:...` process (the client imports no torch), `--questions`;
+2. the same question in a fresh `rocketkv ask --no-server` process, as today, for the first
+   `--in-process` questions; greedy answers must be identical to the server's;
+3. with `--llama-cpp PYTHON`, a fresh llama.cpp process that loads its state file of the same
+   framed document and decodes as many tokens as rocketkv's answer had, `--llama-questions`.
+The first-token latency is timed from the request to the first piece of text, with the client
+library in this process. Each process's wall time is taken around `subprocess.run`. Results go
+to --out as JSON (a preset already there is skipped unless --force, so an interrupted run
+resumes) and print as a table.
 """
 
 from __future__ import annotations
@@ -84,58 +87,96 @@ def first_token_s(socket: Path, cache: Path, question: str, max_new: int) -> flo
     return first if first is not None else float("nan")
 
 
-def run_preset(preset: str, doc: Path, work: Path, n_server: int, n_local: int, max_new: int, env: dict) -> dict:
+class LlamaCpp:
+    """llama.cpp's way on the same framed document: its state file saved once (`llamacpp_child.py`),
+    then one fresh process per question that loads the model and the state file, evaluates the
+    question and decodes as many tokens as rocketkv's answer to that question had."""
+
+    def __init__(self, python: str, preset: str, doc: Path, work: Path, env: dict):
+        from rocketkv_cli.engine.api import RocketKV
+        from rocketkv_cli.engine.threads import resolve_threads
+        from rocketkv_cli.model.loading import gguf_path
+
+        self.python, self.env = python, env
+        self.prompt = RocketKV.load(preset).engine.prompt
+        self.gguf, self.threads = str(gguf_path(preset)), str(resolve_threads()[0])
+        self.child = str(REPO / "rocketkv_cli" / "eval" / "llamacpp_child.py")
+        framed = work / f"{preset}-llama-doc.txt"
+        framed.write_text(self.prompt.document_text(doc.read_text(encoding="utf-8")), encoding="utf-8")
+        self.question = work / "llama-question.txt"
+        self.question.write_text(self.prompt.question_text(QUESTIONS[0]), encoding="utf-8")
+        argv = [python, self.child, self.gguf, str(framed), str(self.question), str(work), self.threads, "1"]
+        self.made = json.loads(timed(argv, env)[1].stdout.strip().splitlines()[-1])
+
+    def ask(self, question: str, n_new: int) -> float:
+        """Wall seconds of a fresh llama.cpp process answering `question` with `n_new` tokens."""
+        self.question.write_text(self.prompt.question_text(question), encoding="utf-8")
+        n_ctx = self.made["llama_cpp_n_ctx"] + n_new + 256  # room for a longer question than the first
+        argv = [self.python, self.child, "answer", self.gguf, self.made["llama_cpp_state_file"], str(self.question),
+                str(n_ctx), self.threads, str(n_new)]  # fmt: skip
+        return timed(argv, self.env)[0]
+
+
+def run_preset(preset: str, doc: Path, work: Path, args, env: dict) -> dict:
+    """One preset's loops, interleaved question by question (server, in-process, llama.cpp), so that
+    a machine whose load changes during the run slows the three alike."""
     cache = work / f"{preset}.kv"
     if not cache.exists():
         timed([rocketkv(), "ingest", str(doc), "-o", str(cache), "--model", preset, "--force", "--quiet"], env)
     info = json.loads(timed([rocketkv(), "inspect", str(cache), "--json"], env)[1].stdout)
-    ask = [rocketkv(), "ask", "--cache", str(cache), "--max-new-tokens", str(max_new), "--json", "--quiet"]
-    local_s, local_answers = [], []
-    for i in range(n_local):
-        seconds, done = timed([*ask, "--no-server", QUESTIONS[i % len(QUESTIONS)]], env)
-        local_s.append(seconds)
-        local_answers.append(json.loads(done.stdout)["answer"])
+    llama = LlamaCpp(args.llama_cpp, preset, doc, work, env) if args.llama_cpp else None
+    ask = [rocketkv(), "ask", "--cache", str(cache), "--max-new-tokens", str(args.max_new_tokens), "--json", "--quiet"]
     socket = work / "serve.sock"
     proc = start_server(socket, env)
+    row: dict = {"in_process_s": [], "server_s": [], "answer_tokens": [], "llama_cpp_s": []}
+    same = 0
     try:
         timed([*ask, "--server", f"unix:{socket}", QUESTIONS[0]], env)  # loads the model and the cache
-        server_s, server_answers, tokens = [], [], []
-        for i in range(n_server):
-            seconds, done = timed([*ask, "--server", f"unix:{socket}", QUESTIONS[i % len(QUESTIONS)]], env)
+        for i in range(args.questions):
+            question = QUESTIONS[i % len(QUESTIONS)]
+            seconds, done = timed([*ask, "--server", f"unix:{socket}", question], env)
             record = json.loads(done.stdout)
-            server_s.append(seconds)
-            server_answers.append(record["answer"])
-            tokens.append(record["n_answer_tokens"])
-        ttft = [first_token_s(socket, cache, QUESTIONS[i % len(QUESTIONS)], max_new) for i in range(3)]
+            row["server_s"].append(seconds)
+            row["answer_tokens"].append(record["n_answer_tokens"])
+            if i < args.in_process:
+                seconds, local = timed([*ask, "--no-server", question], env)
+                row["in_process_s"].append(seconds)
+                same += json.loads(local.stdout)["answer"] == record["answer"]
+            if llama is not None and i < args.llama_questions:
+                row["llama_cpp_s"].append(llama.ask(question, record["n_answer_tokens"]))
+        ttft = [first_token_s(socket, cache, QUESTIONS[i % len(QUESTIONS)], args.max_new_tokens) for i in range(5)]
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    same = sum(a == b for a, b in zip(local_answers, server_answers))
     return {
         "preset": preset,
         "document": doc.name,
-        "context_tokens": info.get("n_context_tokens") or info.get("context_tokens"),
-        "max_new_tokens": max_new,
-        "in_process_s": local_s,
-        "server_s": server_s,
-        "answer_tokens": tokens,
+        "context_tokens": info.get("n_context_tokens"),
+        "max_new_tokens": args.max_new_tokens,
+        **row,
         "first_token_s": ttft,
-        "identical_answers": f"{same}/{min(n_local, n_server)}",
+        "identical_answers": f"{same}/{len(row['in_process_s'])}",
+        "llama_cpp_state_file_bytes": llama.made["llama_cpp_state_file_bytes"] if llama else None,
         "threads": env.get("ROCKETKV_THREADS", "default"),
-        "date": time.strftime("%Y-%m-%d"),
+        "load_average_at_end": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
     }
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| preset | questions (in-process / server) | in-process s/question | server s/question | speedup | "
-            "answer tokens (mean) | first token s (median) | identical answers |\n"
-            "|---|---|---|---|---|---|---|---|")  # fmt: skip
+    head = ("| preset | questions (in-process / server / llama.cpp) | in-process s/question | server s/question | "
+            "speedup | llama.cpp s/question | server vs llama.cpp | answer tokens (mean) | first token s (median) | "
+            "identical answers |\n|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     lines = [head]
     for r in rows:
         local, served = statistics.mean(r["in_process_s"]), statistics.mean(r["server_s"])
-        lines.append(f"| {r['preset']} | {len(r['in_process_s'])} / {len(r['server_s'])} | {local:.2f} | "
-                     f"{served:.2f} | {local / served:.1f}× | {statistics.mean(r['answer_tokens']):.1f} | "
-                     f"{statistics.median(r['first_token_s']):.3f} | {r['identical_answers']} |")  # fmt: skip
+        llama = statistics.mean(r["llama_cpp_s"]) if r.get("llama_cpp_s") else None
+        lines.append(f"| {r['preset']} | {len(r['in_process_s'])} / {len(r['server_s'])} / "
+                     f"{len(r.get('llama_cpp_s') or [])} | {local:.2f} | {served:.2f} | {local / served:.1f}× | "
+                     f"{'-' if llama is None else f'{llama:.2f}'} | "
+                     f"{'-' if llama is None else f'{llama / served:.2f}×'} | "
+                     f"{statistics.mean(r['answer_tokens']):.1f} | {statistics.median(r['first_token_s']):.3f} | "
+                     f"{r['identical_answers']} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -150,6 +191,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench" / "serve-loop.json")
     parser.add_argument("--force", action="store_true", help="measure presets already in --out again")
     parser.add_argument("--smoke", action="store_true", help="SmolLM2, a 600-token slice, 3 questions (CI)")
+    parser.add_argument("--llama-cpp", metavar="PYTHON",
+                        help="a Python with llama-cpp-python: the same loop as fresh llama.cpp processes")  # fmt: skip
+    parser.add_argument("--llama-questions", type=int, default=20, help="asked by fresh llama.cpp processes")
     args = parser.parse_args()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     presets = args.preset or ["gemma-3-270m", "smollm2-135m"]
@@ -160,6 +204,7 @@ def main() -> None:
         slice_ = args.workdir / "slice.txt"
         slice_.write_text(re.sub(r"\s+", " ", args.doc.read_text())[:2500])
         args.doc, presets, args.questions, args.in_process, args.max_new_tokens = slice_, ["smollm2-135m"], 3, 1, 8
+        args.llama_cpp = None
         args.out = args.workdir / "serve-loop.json"
     args.workdir.mkdir(parents=True, exist_ok=True)
     done = json.loads(args.out.read_text()) if args.out.exists() else {}
@@ -167,8 +212,7 @@ def main() -> None:
         if preset in done and not args.force:
             print(f"{preset}: in {args.out} already (--force to measure again)", file=sys.stderr)
             continue
-        done[preset] = run_preset(preset, args.doc, args.workdir, args.questions, args.in_process,
-                                  args.max_new_tokens, env)  # fmt: skip
+        done[preset] = run_preset(preset, args.doc, args.workdir, args, env)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(done, indent=1) + "\n")
     print(table([done[p] for p in presets if p in done]))

@@ -188,7 +188,8 @@ def build_app(state: ServeState) -> Guard:
         return JSONResponse(state.health())
 
     async def models(request: Request) -> Response:
-        data = [{"id": f"kv:{p}", "object": "model", "created": 0, "owned_by": "rocketkv"} for p in state.warm.caches]
+        warm = state.warm.describe()["caches"]
+        data = [{"id": f"kv:{p}", "object": "model", "created": 0, "owned_by": "rocketkv"} for p in warm]
         return JSONResponse({"object": "list", "data": data})
 
     async def ask(request: Request) -> Response:

@@ -121,7 +121,9 @@ class Warm:
             warm.checked_for.add(key)
 
     def describe(self) -> dict:
-        """What is warm, for `/health`."""
-        return {"models": [k.model for k in self.models], "caches": [str(p) for p in self.caches],
-                "used_bytes": self.used_bytes(), "memory_budget_bytes": self.memory_budget,
-                "reloads": self.reloads}  # fmt: skip
+        """What is warm, for `/health` (read from the event loop while a job may change it: snapshots
+        taken by `list`, which does not let another thread run while it copies)."""
+        models, caches = list(self.models.items()), list(self.caches.items())
+        used = sum(n for _, (_, n) in models) + sum(c.n_bytes for _, c in caches)
+        return {"models": [k.model for k, _ in models], "caches": [str(p) for p, _ in caches], "used_bytes": used,
+                "memory_budget_bytes": self.memory_budget, "reloads": self.reloads}  # fmt: skip

@@ -191,6 +191,12 @@ def test__extract_sentences__skips_short_and_repeated_sentences():
     assert sc.extract_sentences("Cat mat. Dog.", 3) == ["Cat mat.", "Dog."]  # too few of 6+ words: all of them
 
 
+def test__extract_sentences__a_paragraph_without_full_stops_is_cut_at_60_words():
+    listing = " ".join(f"item{i} river" for i in range(40))  # letter words: item (digits split it), river: 80
+    (out,) = sc.extract_sentences(listing)
+    assert out == " ".join(f"item{i} river" for i in range(30)) + " …"  # 60 letter words: 30 pairs
+
+
 def test__extract_sentences__three_to_five_by_default():
     many = " ".join(f"Sentence number {i} tells of the river and the stone {i}." for i in range(200))
     assert len(sc.extract_sentences(many)) == 5  # 200 / 25 = 8, kept at most 5

@@ -88,3 +88,12 @@ def test__cli__partial_summaries_carry_their_mode(rocketkv_bin, tiny_model_dir):
     row = json.loads(r.stdout)
     assert len(row["partial_summaries"]) >= 3 and {p["mode"] for p in row["partial_summaries"]} == {"extractive"}
     assert row["mode"] == "extractive" and "[extractive]" in r.stderr
+
+
+def test__cli__a_document_without_words__one_line_error(rocketkv_bin, tiny_model_dir, tmp_path):
+    numbers = tmp_path / "numbers.txt"
+    numbers.write_text("12345 67890 2024\n" * 20)
+    r = run(rocketkv_bin, "summarize", numbers, "--model", tiny_model_dir, "--max-new-tokens", "8", "--extractive")
+    errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
+    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stdout == "", r.stderr
+    assert len(errors) == 1 and "no sentence to extract a summary from" in errors[0], r.stderr

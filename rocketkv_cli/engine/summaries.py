@@ -64,8 +64,15 @@ def part_text(engine: Engine, part: CompressedKVCache) -> str:
 
 def extracted(text: str, question: str, rejected: tuple[str, ...] = ()) -> Summary:
     """The extractive summary of `text`: its central sentences joined by spaces (the "Part j of
-    n: " labels of joined summaries, `PART_LABEL`, are not part of any sentence)."""
+    n: " labels of joined summaries, `PART_LABEL`, are not part of any sentence).
+
+    Raises:
+        InputError: a text without a word (nothing the summary could be made of).
+    """
     sentences = extract_sentences(PART_LABEL.sub("", text))
+    if not sentences:
+        raise InputError("the document has no sentence to extract a summary from (it holds no words)",
+                         "summarize a text document")  # fmt: skip
     return Summary(question=question, text=" ".join(sentences), n_question_tokens=0, n_answer_tokens=0,
                    stop_reason=EXTRACTED_STOP_REASON, token_ids=(), prefill_s=0.0, decode_s=0.0, mode="extractive",
                    rejected=rejected)  # fmt: skip

@@ -280,8 +280,10 @@ def extract_sentences(text: str, n: int | None = None) -> list[str]:
     Centrality (TF-IDF): each sentence is a vector of its content words' counts times
     idf(w) = ln(1 + N/df(w)) (N sentences, df = sentences holding w); its score is the cosine
     with the whole text's vector (the sum of all sentences'). Candidates have 6–60 words (all
-    sentences when fewer than n do); a sentence equal to an earlier one is skipped; ties go to
-    the earlier sentence. n defaults to N/25 rounded, kept within 3–5.
+    sentences when fewer than n do; one chosen then with more than 60 words — a paragraph without
+    full stops, such as a list or code — keeps its first 60 words and " …"); a sentence equal to
+    an earlier one is skipped; ties go to the earlier sentence. n defaults to N/25 rounded, kept
+    within 3–5.
     """
     sentences = split_sentences(text)
     if not sentences:
@@ -307,4 +309,10 @@ def extract_sentences(text: str, n: int | None = None) -> list[str]:
     sized = [i for i in candidates if 6 <= len(_LETTERS.findall(sentences[i])) <= 60]
     pool = sized if len(sized) >= k else candidates
     best = sorted(pool, key=lambda i: (-score(counts[i]), i))[:k]
-    return [sentences[i] for i in sorted(best)]
+    return [_cut(sentences[i]) for i in sorted(best)]
+
+
+def _cut(sentence: str, max_words: int = 60) -> str:
+    """`sentence` up to the end of its `max_words`-th letter word and " …" when it has more."""
+    words = list(_LETTERS.finditer(sentence))
+    return sentence if len(words) <= max_words else sentence[: words[max_words - 1].end()] + " …"

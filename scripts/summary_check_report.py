@@ -3,6 +3,7 @@
 
 Usage: OMP_NUM_THREADS=1 python scripts/summary_check_report.py [--presets gemma-3-270m,smollm2-135m]
        [--documents gpl,ruth,jonah] [--runs model,extractive] [--quick] [--out PAGE] [--json FILE]
+       [--from-json]
 
 Documents: the GPL v3 (`gpl-3.txt`) and two books of the KJV sliced from `kjv.txt` at run time
 (`book`: every line that starts with the book's reference prefix and a chapter number, e.g.
@@ -108,14 +109,15 @@ def table(records: list[dict]) -> str:
     return "\n".join(rows) + "\n"
 
 
-def render(records: list[dict], command: str, quick: bool) -> str:
+def render(records: list[dict], command: str, quick: bool, day: str) -> str:
     """The page: what was run, the rules, the table, each summary."""
     head = "QUICK SMOKE RUN (not evidence)\n\n" if quick else ""
     n_pass = sum(r["check"]["passed"] for r in records)
     out = [f"# Summaries: are they degenerate, grounded, covering?\n\n{head}Written by `{command}` on "
-           f"{date.today().isoformat()}: {n_pass} of {len(records)} summaries pass all three checks.\n",
+           f"{day} (times: 2 shared CPU cores, one thread): {n_pass} of {len(records)} summaries pass all three checks.\n",
            "Rules (`rocketkv_cli/engine/summary_check.py`, whose docstring is the definition):\n",
-           "- **degenerate**: an echo of a prompt line (normalised), a sentence or line repeated (or an "
+           "- **degenerate**: an echo of a prompt line (normalised) or half its content words the prompts', a sentence or "
+           "line repeated (or an "
            "8-word run inside one), under 15 words, or a bare verse reference. `rocketkv summarize` "
            "never prints one: it asks once more in another framing (`abstractive-retry`), then prints the "
            "part's 3-5 most central sentences, verbatim (`extractive`).",
@@ -124,6 +126,10 @@ def render(records: list[dict], command: str, quick: bool) -> str:
            "there spelled the same.",
            "- **coverage**: it names at least min(5, n) of the document's 20 most frequent proper names "
            "(capitalised in ≥ 90% of their occurrences, and not only at sentence starts).\n",
+           "Grounding and coverage are by words: a sentence recombined from the document's own words "
+           "(a wrong fact told in its vocabulary) is fully grounded, so read the summaries below too. "
+           "Extracted summaries are grounded by construction; their coverage depends on which sentences "
+           "are central.\n",
            "Runs: `model` is `rocketkv summarize DOC --json` (the model writes; the mode says whether its "
            "first output, its retry or extracted sentences were printed); `extractive` adds `--extractive`. "
            "Ruth and Jonah are the KJV's lines of that book (`Ruth1:1 …`), sliced at run time.\n",
@@ -146,6 +152,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--data", type=Path, default=DATA, help="the folder of gpl-3.txt and kjv.txt")
     ap.add_argument("--quick", action="store_true", help="the GPL, gemma-3-270m, the model run")
+    ap.add_argument("--from-json", action="store_true", help="rewrite the page from --json without running")
     ap.add_argument("--out", type=Path, default=None, help="the page (default docs/summaries.md)")
     ap.add_argument("--json", type=Path, default=None, help="the records (default docs/bench/summaries.json)")
     args = ap.parse_args()
@@ -159,6 +166,11 @@ def main() -> None:
     json_path = args.json or (
         quick_dir / "summaries.json" if args.quick else ROOT / "docs" / "bench" / "summaries.json"
     )
+    if args.from_json:
+        saved = json.loads(json_path.read_text(encoding="utf-8"))
+        out.write_text(render(saved["records"], saved["command"], args.quick, saved["date"]), encoding="utf-8")
+        print(table(saved["records"]), end="")
+        return
     texts = documents(args.data, names)
     records = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -175,7 +187,7 @@ def main() -> None:
     json_path.write_text(json.dumps({"command": command.strip(), "date": date.today().isoformat(),
                                      "records": records}, ensure_ascii=False, indent=1) + "\n")  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(records, command.strip(), args.quick), encoding="utf-8")
+    out.write_text(render(records, command.strip(), args.quick, date.today().isoformat()), encoding="utf-8")
     print(table(records), end="")
 
 

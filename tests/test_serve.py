@@ -410,3 +410,18 @@ def test__a_full_queue_gets_503_and_a_client_that_leaves_cancels(env, caches, se
         time.sleep(0.05)
     info = health(s.server)
     assert info["cancelled"] == 1 and info["active"] == 0, info
+
+
+@pytest.mark.parametrize("extra", [[], ["--extractive"]], ids=["model", "extractive"])
+def test__summarize_uses_the_server_with_the_same_output(rocketkv_bin, env, caches, served, extra):
+    local = run(rocketkv_bin, env, "summarize", "--cache", caches[0], "--no-server", "--json", *extra)
+    assert local.returncode == 0, local.stderr
+    s = served("--idle-timeout", "0")
+    remote = run(rocketkv_bin, env, "summarize", "--cache", caches[0], "--json", *extra)
+    assert remote.returncode == 0, remote.stderr
+    drop = lambda out: {k: v for k, v in json.loads(out).items() if k != "summarize_s"}  # noqa: E731
+    assert drop(remote.stdout) == drop(local.stdout)
+    text = run(rocketkv_bin, env, "summarize", "--cache", caches[0], *extra)
+    text_local = run(rocketkv_bin, env, "summarize", "--cache", caches[0], "--no-server", *extra)
+    assert text.stdout == text_local.stdout and text.returncode == 0
+    assert health(s.server)["served"] == 2

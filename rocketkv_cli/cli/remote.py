@@ -10,7 +10,7 @@ from collections.abc import Generator
 from pathlib import Path
 from types import SimpleNamespace
 
-from ..serve.client import Server, events, locate
+from ..serve.client import Server, ServerError, events, locate
 from .answers import AnswerPrinter
 from .common import Timings, log
 
@@ -94,5 +94,25 @@ class RemoteChat:
                 citations = None if event.get("citations") is None else [
                     SimpleNamespace(**c) for c in event["citations"]]  # fmt: skip
                 result = (record["answer"], record, citations, answer_log_of(record))
-        assert result is not None  # events() returns only after "done", which follows the answer
+        if result is None:
+            raise ServerError(f"the server at {self.server.url} sent no answer", "run the command again")
         return result
+
+
+def summarize_remote(server: Server, cache: Path, options: dict, on_partial) -> SimpleNamespace:
+    """A summary of `cache` made by `server`; `on_partial(event)` per partial summary (an object with
+    level, index, total, text, mode, as `engine.segments.PartialSummary`). Returns the final summary
+    (text, n_answer_tokens, stop_reason, mode, rejected). Raises the server's error as its type."""
+    from ..engine.preflight import check_cache_file
+
+    check_cache_file(cache)
+    body = {"cache": os.path.abspath(cache), "display": str(cache), **options}
+    final = None
+    for event in events(server, "/v1/rocketkv/summarize", body):
+        if event.get("event") == "partial":
+            on_partial(SimpleNamespace(**{k: v for k, v in event.items() if k != "event"}))
+        elif event.get("event") == "summary":
+            final = SimpleNamespace(**{k: v for k, v in event.items() if k != "event"})
+    if final is None:
+        raise ServerError(f"the server at {server.url} sent no summary", "run the command again")
+    return final

@@ -19,8 +19,11 @@ from .common import (
     ErrorsOpt,
     JsonOpt,
     ModelOpt,
+    NoServerOpt,
     QuietOpt,
     SegmentTokensOpt,
+    ServerOpt,
+    ThreadsOpt,
     TrustOpt,
     WeightsOpt,
     ingest,
@@ -30,6 +33,7 @@ from .common import (
     prefill_config,
     setup,
 )  # fmt: skip
+from .remote import server_for, summarize_remote
 
 
 def summarize_command(
@@ -52,6 +56,9 @@ def summarize_command(
     extractive: Annotated[
         bool, typer.Option("--extractive", help="Extract the most central sentences; the model writes nothing.")
     ] = False,
+    threads: ThreadsOpt = None,
+    server: ServerOpt = None,
+    no_server: NoServerOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -62,14 +69,18 @@ def summarize_command(
     of the prompt, a repeated sentence, under 15 words, a bare reference) is asked for once more
     in another framing, then replaced by the part's most central sentences, extracted verbatim;
     --json's `mode` says which ("abstractive", "abstractive-retry", "extractive") and `rejected`
-    why each rejected output was degenerate.
+    why each rejected output was degenerate. With --cache, a running `rocketkv serve` summarizes.
     """
-    setup(quiet)
+    setup(quiet, threads)
     if (document is None) == (cache is None):
         raise UsageError("give either DOC or --cache FILE.kv", "e.g. rocketkv summarize book.txt")
     fmt, stream = resolve_format("auto", json_out, stream, 1)
     cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens)
-    if cache is not None:
+    remote = server_for(server, no_server) if cache is not None else None
+    if remote is not None:
+        rk = stored = None
+        source = str(cache)
+    elif cache is not None:
         rk, stored = open_cache(cache, model, device, dtype, trust_remote_code, weights)
         source = str(cache)
     else:
@@ -87,8 +98,16 @@ def summarize_command(
 
     printer = AnswerPrinter(fmt, stream)
     t0 = time.perf_counter()
-    final = rk.summarize(stored, max_new_tokens=max_new_tokens, dense=dense, config=cfg, on_partial=on_partial,
-                         extractive=extractive)  # fmt: skip
+    if remote is not None:
+        assert cache is not None  # a server only with --cache
+        final = summarize_remote(remote, cache, {"max_new_tokens": max_new_tokens, "token_budget": budget,
+                                                 "dense": dense, "extractive": extractive, "model": model,
+                                                 "device": device, "dtype": dtype, "weights": weights,
+                                                 "trust_remote_code": trust_remote_code}, on_partial)  # fmt: skip
+    else:
+        assert rk is not None  # loaded above when no server answers
+        final = rk.summarize(stored, max_new_tokens=max_new_tokens, dense=dense, config=cfg, on_partial=on_partial,
+                             extractive=extractive)  # fmt: skip
     elapsed = time.perf_counter() - t0
     mode = getattr(final, "mode", "abstractive")
     row = {"summary": final.text, "source": source, "n_answer_tokens": final.n_answer_tokens,

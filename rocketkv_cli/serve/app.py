@@ -4,6 +4,7 @@
     GET  /v1/models                 the warm caches as OpenAI models (`kv:<path>`)
     POST /v1/chat/completions       OpenAI chat completions over a cache (SSE with "stream": true)
     POST /v1/rocketkv/ask           rocketkv's own protocol (NDJSON events; what `rocketkv ask` uses)
+    POST /v1/rocketkv/summarize     a cache's summary (NDJSON events; what `rocketkv summarize` uses)
     POST /v1/ingest                 ingest a document into a .kv file (progress as SSE)
     POST /v1/rocketkv/shutdown      stop the server
 
@@ -30,7 +31,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import __version__
-from .jobs import AskRequest, BadRequest, IngestRequest, Job, answer_job, ingest_job
+from .jobs import (
+    AskRequest,
+    BadRequest,
+    IngestRequest,
+    Job,
+    SummarizeRequest,
+    answer_job,
+    ingest_job,
+    summarize_job,
+)
 from .warm import Warm
 
 ERROR_STATUS = {"UsageError": 400, "InputError": 400, "BudgetError": 400, "CacheFormatError": 422,
@@ -172,6 +182,17 @@ async def _events(job: Job, first: dict | None) -> AsyncIterator[dict]:
             job.cancelled.set()
 
 
+def _ndjson(job: Job, first: dict | None) -> StreamingResponse:
+    """The job's events as NDJSON lines, `{"event": "done"}` last (rocketkv's own protocol)."""
+
+    async def lines() -> AsyncIterator[bytes]:
+        async for event in _events(job, first):
+            yield (json.dumps(event, ensure_ascii=False) + "\n").encode()
+        yield b'{"event": "done"}\n'
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
 async def _start(request: Request, work, *args) -> tuple[Job, dict | None]:
     job = Job(asyncio.get_running_loop())
     job.run(work, *args)
@@ -195,13 +216,12 @@ def build_app(state: ServeState) -> Guard:
     async def ask(request: Request) -> Response:
         req = AskRequest.parse(await _json_body(request), state.roots, None)  # as the CLI: the context bounds it
         job, first = await _start(request, answer_job, state.warm, req)
+        return _ndjson(job, first)
 
-        async def lines() -> AsyncIterator[bytes]:
-            async for event in _events(job, first):
-                yield (json.dumps(event, ensure_ascii=False) + "\n").encode()
-            yield b'{"event": "done"}\n'
-
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
+    async def summarize(request: Request) -> Response:
+        req = SummarizeRequest.parse(await _json_body(request), state.roots)
+        job, first = await _start(request, summarize_job, state.warm, req)
+        return _ndjson(job, first)
 
     async def chat_completions(request: Request) -> Response:
         body = await _json_body(request)
@@ -270,6 +290,7 @@ def build_app(state: ServeState) -> Guard:
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/rocketkv/ask", ask, methods=["POST"]),
+            Route("/v1/rocketkv/summarize", summarize, methods=["POST"]),
             Route("/v1/ingest", ingest, methods=["POST"]),
             Route("/v1/rocketkv/shutdown", shutdown, methods=["POST"]),
         ],

@@ -255,6 +255,51 @@ def answer_job(job: Job, warm: Warm, req: AskRequest) -> None:
             job.check()
 
 
+@dataclass(frozen=True)
+class SummarizeRequest:
+    """A summary of one cache (`rocketkv summarize --cache`): the cache as in `AskRequest`, the
+    summary's token limit, the token budget for the summaries ingested in memory (segmented
+    caches), `dense`, `extractive`, and the model choice."""
+
+    ask: AskRequest
+    max_new_tokens: int
+    token_budget: int
+    extractive: bool
+
+    @classmethod
+    def parse(cls, body: dict, roots: tuple[Path, ...] | None) -> SummarizeRequest:
+        """Raises BadRequest for a field of the wrong type or out of range, or a path not allowed."""
+        ask = AskRequest.parse({**body, "questions": [], "check_only": True}, roots, None)
+        return cls(ask=ask, max_new_tokens=_positive(body, "max_new_tokens") or 256,
+                   token_budget=_positive(body, "token_budget") or 512,
+                   extractive=bool(_field(body, "extractive", bool, False)))  # fmt: skip
+
+
+def summarize_job(job: Job, warm: Warm, req: SummarizeRequest) -> None:
+    """Summarize under the decode lock: a `partial` event per partial summary (segmented caches),
+    then `summary` (text, tokens, stop reason, mode, rejected)."""
+    from ..core.config import PrefillConfig
+
+    with warm.lock:
+        job.check()
+        rk, stored = _open(warm, req.ask)
+
+        def on_partial(event) -> None:
+            job.check()
+            job.emit({"event": "partial", "level": event.level, "index": event.index, "total": event.total,
+                      "text": event.text, "mode": event.mode})  # fmt: skip
+
+        try:
+            cfg = PrefillConfig(token_budget=req.token_budget, max_new_tokens=req.max_new_tokens)
+        except ValueError as exc:
+            raise BadRequest(400, f"invalid option: {exc}", "UsageError") from None
+        final = rk.summarize(stored, max_new_tokens=req.max_new_tokens, dense=req.ask.options["dense"], config=cfg,
+                             on_partial=on_partial, extractive=req.extractive)  # fmt: skip
+        job.emit({"event": "summary", "text": final.text, "n_answer_tokens": final.n_answer_tokens,
+                  "stop_reason": final.stop_reason, "mode": getattr(final, "mode", "abstractive"),
+                  "rejected": list(getattr(final, "rejected", ()))})  # fmt: skip
+
+
 def ingest_job(job: Job, warm: Warm, req: IngestRequest) -> None:
     """Ingest `req.document` into `req.output` under the decode lock: `progress` events (tokens
     done, total), then `written` with the file's path, bytes and seconds."""

@@ -193,12 +193,13 @@ def test__openai_client_over_tcp_streaming_and_not(rocketkv_bin, env, caches, se
 def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches, served):
     import http.client
 
-    s = served("--host", "127.0.0.1", "--port", "0", "--api-key", "k" * 16, "--idle-timeout", "0")
+    s = served("--host", "127.0.0.1", "--port", "0", "--api-key", "k" * 16, "--idle-timeout", "0", "--allow-dir",
+               caches[0].parent)  # fmt: skip
     host, port = s.url.removeprefix("http://").rsplit(":", 1)
 
     def send(method, path, body=b"", key="k" * 16, headers=None):
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
-        hdrs = {"Authorization": f"Bearer {key}", **(headers or {})}
+        hdrs = {"Authorization": f"Bearer {key}", "Content-Type": "application/json", **(headers or {})}
         conn.request(method, path, body=body, headers=hdrs)
         r = conn.getresponse()
         data = r.read()
@@ -237,12 +238,28 @@ def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches,
         assert got == status, (path, body[:80], got, data)
         assert isinstance(data["error"]["message"], str) and data["error"]["message"]
     assert send("GET", "/v1/models", key="wrong-key-123")[0] == 401
+    assert send("POST", "/v1/rocketkv/shutdown", b"{}", key="wrong-key-123")[0] == 401
+    ask = json.dumps({"cache": str(caches[0]), "questions": ["q"]}).encode()
+    assert send("POST", "/v1/rocketkv/ask", ask, headers={"Content-Type": "text/plain"})[0] == 415  # a web page's
+    assert send("POST", "/v1/rocketkv/ask", ask, headers={"Host": "evil.example:80"})[0] == 403  # DNS rebinding
+    for field in ({"model": "/tmp/elsewhere-model"}, {"trust_remote_code": True}):
+        got, data = send("POST", "/v1/rocketkv/ask", json.dumps({"cache": str(caches[0]), "questions": ["q"],
+                                                                **field}).encode())  # fmt: skip
+        assert got == 403, (field, data)
     assert health(Server(host=host, port=int(port)))["status"] == "ok"
 
 
 def test__a_public_host_needs_an_api_key(rocketkv_bin, env):
     r = run(rocketkv_bin, env, "serve", "--host", "0.0.0.0", "--port", "0")
     assert r.returncode == 2 and "--api-key" in r.stderr and "Traceback" not in r.stderr
+
+
+def test__a_socket_path_that_names_a_file_is_refused_and_kept(rocketkv_bin, env, tmp_path):
+    doc = tmp_path / "doc.kv"
+    doc.write_bytes(b"precious")
+    r = run(rocketkv_bin, env, "serve", "--socket", doc, "--idle-timeout", "0")
+    assert r.returncode == 1 and "is not a socket" in r.stderr and "Traceback" not in r.stderr
+    assert doc.read_bytes() == b"precious"
 
 
 def test__concurrent_clients_get_the_in_process_answers(rocketkv_bin, env, caches, served):
@@ -254,6 +271,12 @@ def test__concurrent_clients_get_the_in_process_answers(rocketkv_bin, env, cache
     failures: list[str] = []
 
     def client(k: int) -> None:
+        try:
+            ask_all(k)
+        except Exception as exc:  # a failure in a thread must fail the test
+            failures.append(f"client {k}: {exc!r}")
+
+    def ask_all(k: int) -> None:
         for i in range(50):
             q = QUESTIONS[(k + i) % len(QUESTIONS)]
             got = [e for e in events(s.server, "/v1/rocketkv/ask", {"cache": str(caches[0]), "questions": [q]})
@@ -372,7 +395,8 @@ def _post(server: Server, path: str, body: dict, timeout: float = 300):
 def test__ingest_endpoint_streams_progress_and_writes_the_file(rocketkv_bin, env, tiny_model_dir, served, tmp_path):
     doc = tmp_path / "doc.txt"
     doc.write_text(text_of_bytes(900, seed=3) + "\nThe secret code is 5151.\n")
-    s = served("--host", "127.0.0.1", "--port", "0", "--allow-dir", tmp_path, "--idle-timeout", "0")
+    s = served("--host", "127.0.0.1", "--port", "0", "--allow-dir", tmp_path, "--allow-dir", tiny_model_dir,
+               "--idle-timeout", "0")  # fmt: skip
     conn, response = _post(s.server, "/v1/ingest", {"document": str(doc), "output": str(tmp_path / "d.kv"),
                                                      "model": str(tiny_model_dir), "token_budget": 64})  # fmt: skip
     assert response.status == 200 and response.getheader("content-type").startswith("text/event-stream")
@@ -406,7 +430,7 @@ def test__a_full_queue_gets_503_and_a_client_that_leaves_cancels(env, caches, se
     first.getresponse().read()
     first.close()
     deadline = time.monotonic() + 120
-    while health(s.server)["active"] > 0 and time.monotonic() < deadline:
+    while (health(s.server)["active"] > 0 or health(s.server)["cancelled"] < 1) and time.monotonic() < deadline:
         time.sleep(0.05)
     info = health(s.server)
     assert info["cancelled"] == 1 and info["active"] == 0, info

@@ -10,6 +10,7 @@ import typer
 
 from ..core.config import DEFAULT_TOKEN_BUDGET
 from ..errors import InputError, UsageError
+from ..serve.client import MAX_QUESTIONS
 from .answers import (
     AnswerPrinter,
     CiteOpt,
@@ -212,7 +213,7 @@ def ask_command(
     options = {"max_new_tokens": max_new_tokens, "dense": dense, "hsa": hsa, "topk": topk, "page_size": page_size,
                "n_score_dims": n_score_dims, "segments": segments, "segment": segment, "temperature": temperature,
                "top_p": top_p, "seed": seed, "cite": passages if cite else 0}  # fmt: skip
-    remote = server_for(server, no_server) if doc is None else None
+    remote = server_for(server, no_server or len(questions) > MAX_QUESTIONS) if doc is None else None
     if remote is not None:
         assert cache is not None  # doc is None: --cache was given
         cache_budget_note(budget, cache)

@@ -21,6 +21,15 @@ def server_for(url: str | None, no_server: bool) -> Server | None:
     return locate(url, no_server)
 
 
+def model_for_server(options: dict) -> dict:
+    """`options` with a `model` that names an existing path made absolute (the server resolves
+    paths from its own folder, not the client's)."""
+    model = options.get("model")
+    if model and os.path.exists(model):
+        return {**options, "model": os.path.abspath(model)}
+    return options
+
+
 def answer_log_of(record: dict) -> str:
     """The stderr line after an answer, from its `--json` record (as `answers.answer_log`)."""
     seed = f", seed {record['sampling']['seed']}" if "sampling" in record else ""
@@ -39,7 +48,7 @@ def ask_remote(server: Server, cache: Path, questions: list[str], options: dict,
     from ..engine.preflight import check_cache_file  # torch-free: a missing file fails as it would here
 
     check_cache_file(cache)
-    body = {"cache": os.path.abspath(cache), "display": str(cache), "questions": questions, **options}
+    body = {"cache": os.path.abspath(cache), "display": str(cache), "questions": questions, **model_for_server(options)}
     done = 0
     printer.start(questions[0])
     for event in events(server, "/v1/rocketkv/ask", body):
@@ -76,7 +85,7 @@ class RemoteChat:
 
         check_cache_file(cache)
         self.server = server
-        self.body = {"cache": os.path.abspath(cache), "display": str(cache), **options}
+        self.body = {"cache": os.path.abspath(cache), "display": str(cache), **model_for_server(options)}
         for _ in events(server, "/v1/rocketkv/ask", {**self.body, "questions": [], "check_only": True}):
             pass  # "checked": the cache, the model and the options passed the session's checks
 
@@ -106,7 +115,7 @@ def summarize_remote(server: Server, cache: Path, options: dict, on_partial) -> 
     from ..engine.preflight import check_cache_file
 
     check_cache_file(cache)
-    body = {"cache": os.path.abspath(cache), "display": str(cache), **options}
+    body = {"cache": os.path.abspath(cache), "display": str(cache), **model_for_server(options)}
     final = None
     for event in events(server, "/v1/rocketkv/summarize", body):
         if event.get("event") == "partial":

@@ -13,7 +13,7 @@ import typer
 from ..serve.client import Server, ServerError, default_socket, health, parse_url, post
 from ..serve.config import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_QUEUE, ServeConfig, default_memory_budget
 from .answers import usage_error
-from .common import JsonOpt, QuietOpt, ThreadsOpt, log, setup
+from .common import JsonOpt, QuietOpt, ThreadsOpt, TrustOpt, log, setup
 
 ACTIONS = ("start", "status", "stop")
 
@@ -45,7 +45,10 @@ def _stop(where: Server) -> None:
     if status != 200:
         raise ServerError(f"the server at {where.url} refused to stop (HTTP {status})", "check ROCKETKV_API_KEY")
     deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and health(where, timeout=0.5) is not None:
+    while health(where, timeout=0.5) is not None:
+        if time.monotonic() > deadline:
+            raise ServerError(f"the server at {where.url} is still running 15 s after it was asked to stop",
+                              "it may be finishing an answer: try again, or send it SIGTERM")  # fmt: skip
         time.sleep(0.1)
     log(f"stopped the server on {where.url}")
 
@@ -91,6 +94,7 @@ def serve_command(
     memory_gb: MemoryOpt = None,
     max_queue: QueueOpt = DEFAULT_MAX_QUEUE,
     threads: ThreadsOpt = None,
+    trust_remote_code: TrustOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -116,7 +120,7 @@ def serve_command(
                       port=None if host is None else (8790 if port is None else port), api_key=api_key,
                       allow_dirs=roots, idle_timeout_s=idle_timeout, threads=resolve_threads(threads)[0],
                       memory_budget=default_memory_budget() if memory_gb is None else int(memory_gb * 1e9),
-                      max_queue=max_queue)  # fmt: skip
+                      max_queue=max_queue, trust_remote_code=trust_remote_code)  # fmt: skip
     from ..serve.server import serve  # torch and the model stack: only once the options are checked
 
     serve(cfg, log)

@@ -20,12 +20,19 @@ from ..errors import UsageError
 
 def _cgroup_quota_cpus() -> float | None:
     """CPUs allowed by the cgroup quota (may be fractional), or None when unlimited or unknown."""
+    own = ""
     try:
-        with open("/sys/fs/cgroup/cpu.max", encoding="ascii") as f:
-            quota, period = f.read().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
+        with open("/proc/self/cgroup", encoding="utf-8") as f:  # v2: "0::/path/of/this/process"
+            own = next((line.split(":", 2)[2].strip() for line in f if line.startswith("0::")), "")
+    except (OSError, IndexError):
         pass
+    for folder in dict.fromkeys((f"/sys/fs/cgroup{own}".rstrip("/"), "/sys/fs/cgroup")):
+        try:
+            with open(f"{folder}/cpu.max", encoding="ascii") as f:
+                quota, period = f.read().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        except (OSError, ValueError):
+            continue
     try:
         with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", encoding="ascii") as f:
             quota_us = int(f.read())

@@ -62,6 +62,8 @@ class ServeState:
     max_queue: int
     max_body_bytes: int
     max_tokens_limit: int
+    trust_remote_code: bool = False
+    host: str | None = None  # TCP: the host given (Host headers must name it or loopback); None: a Unix socket
     started: float = field(default_factory=time.monotonic)
     last_activity: float = field(default_factory=time.monotonic)
     active: int = 0
@@ -116,10 +118,18 @@ class Guard:
             if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
                 return BadRequest(401, "missing or wrong API key", "InputError",
                                   "send Authorization: Bearer KEY (ROCKETKV_API_KEY for rocketkv ask)")  # fmt: skip
+        if state.host is not None:  # a web page's request through DNS rebinding names its own host
+            host = headers.get("host", "")
+            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+            if name.strip("[]") not in {state.host.strip("[]"), "localhost", "127.0.0.1", "::1"}:
+                return BadRequest(403, f"Host {host!r} is not this server's", "InputError")
+        if scope["method"] == "POST" and not headers.get("content-type", "").startswith("application/json"):
+            return BadRequest(415, "send the body as Content-Type: application/json", "InputError")
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > state.max_body_bytes):
             return BadRequest(413, f"request body over {state.max_body_bytes} bytes")
-        if scope["method"] == "POST" and scope["path"] != "/v1/rocketkv/shutdown" and state.active > state.max_queue:
+        busy = max(state.active, Job.live)  # a left client's job may still wait for the lock: it counts
+        if scope["method"] == "POST" and scope["path"] != "/v1/rocketkv/shutdown" and busy > state.max_queue:
             return BadRequest(503, f"the server is busy ({state.active} requests in flight)", "RocketKVError",
                               "try again in a moment")  # fmt: skip
         return None
@@ -150,15 +160,19 @@ async def _json_body(request: Request) -> dict:
     return body
 
 
-async def _first_event(job: Job, request: Request) -> dict | None:
-    """Wait for the job's first event (the model may load first), cancelling it if the client goes."""
+class ClientGone(Exception):
+    """The client disconnected before its response started: the job is cancelled, nothing is sent."""
+
+
+async def _next_event(job: Job, request: Request) -> dict | None:
+    """The job's next event; cancels the job and raises ClientGone if the client goes meanwhile."""
     while True:
         try:
             return await asyncio.wait_for(job.queue.get(), timeout=0.5)
         except asyncio.TimeoutError:
             if await request.is_disconnected():
                 job.cancelled.set()
-                raise
+                raise ClientGone() from None
 
 
 def _status_of(event: dict) -> BadRequest:
@@ -196,7 +210,7 @@ def _ndjson(job: Job, first: dict | None) -> StreamingResponse:
 async def _start(request: Request, work, *args) -> tuple[Job, dict | None]:
     job = Job(asyncio.get_running_loop())
     job.run(work, *args)
-    first = await _first_event(job, request)
+    first = await _next_event(job, request)
     if first is not None and first.get("event") == "error":
         raise _status_of(first)
     return job, first
@@ -214,29 +228,33 @@ def build_app(state: ServeState) -> Guard:
         return JSONResponse({"object": "list", "data": data})
 
     async def ask(request: Request) -> Response:
-        req = AskRequest.parse(await _json_body(request), state.roots, None)  # as the CLI: the context bounds it
+        req = AskRequest.parse(
+            await _json_body(request), state.roots, None, state.trust_remote_code
+        )  # as the CLI: the context bounds it
         job, first = await _start(request, answer_job, state.warm, req)
         return _ndjson(job, first)
 
     async def summarize(request: Request) -> Response:
-        req = SummarizeRequest.parse(await _json_body(request), state.roots)
+        req = SummarizeRequest.parse(await _json_body(request), state.roots, state.trust_remote_code)
         job, first = await _start(request, summarize_job, state.warm, req)
         return _ndjson(job, first)
 
     async def chat_completions(request: Request) -> Response:
         body = await _json_body(request)
-        req = AskRequest.parse(openai_to_ask(body, state.max_tokens_limit), state.roots, state.max_tokens_limit)
+        req = AskRequest.parse(openai_to_ask(body, state.max_tokens_limit), state.roots, state.max_tokens_limit,
+                               state.trust_remote_code)  # fmt: skip
         job, first = await _start(request, answer_job, state.warm, req)
         ident, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body["model"]
         if not body.get("stream"):
-            text, record = [], None
-            async for event in _events(job, first):
+            text, record, event = [], None, first
+            while event is not None:  # drained here, watching for a client that leaves (it cancels)
                 if event["event"] == "piece":
                     text.append(event["text"])
                 elif event["event"] == "answer":
                     record = event["record"]
                 elif event["event"] == "error":
                     raise _status_of(event)
+                event = await _next_event(job, request)
             if record is None:
                 raise BadRequest(500, "the answer was not completed", "RocketKVError")
             return JSONResponse(completion(ident, created, model, record))
@@ -276,6 +294,9 @@ def build_app(state: ServeState) -> Guard:
             state.stop.set()
         return JSONResponse({"stopping": True, "pid": os.getpid()})
 
+    async def gone(request: Request, exc: Exception) -> Response:
+        return Response(status_code=499)  # nobody reads it: the client closed the connection
+
     async def refused(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, BadRequest)  # registered for BadRequest only
         return error_response(exc)
@@ -294,7 +315,7 @@ def build_app(state: ServeState) -> Guard:
             Route("/v1/ingest", ingest, methods=["POST"]),
             Route("/v1/rocketkv/shutdown", shutdown, methods=["POST"]),
         ],
-        exception_handlers={BadRequest: refused, 404: not_found, 405: not_found},
+        exception_handlers={BadRequest: refused, ClientGone: gone, 404: not_found, 405: not_found},
     )
     return Guard(app, state)
 
@@ -323,7 +344,10 @@ def openai_to_ask(body: dict, max_tokens_limit: int) -> dict:
         raise BadRequest(400, "no user message to answer")
     content = users[-1].get("content")
     if isinstance(content, list):  # content parts: the text ones, joined
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        if not all(isinstance(p, str) for p in parts):
+            raise BadRequest(400, "a text part's 'text' must be a string")
+        content = "".join(str(p) for p in parts)
     if not isinstance(content, str):
         raise BadRequest(400, "the user message's content must be text")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))

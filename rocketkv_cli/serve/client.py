@@ -22,16 +22,19 @@ import http.client
 import json
 import os
 import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from .. import errors
+from .. import __version__, errors
 from ..errors import InputError, RocketKVError
 
 SOCKET_NAME = "serve.sock"
 HEALTH_TIMEOUT_S = 2.0  # a warm server answers /health in milliseconds; a busy one still answers (async)
+MAX_QUESTIONS = 1000  # per request; `ask` with more answers in its own process
+BUSY_WAIT_S = 600.0  # how long a client waits for a busy server (503) before it reports it
 UNIX_PATH_MAX = 107  # bytes in sockaddr_un.sun_path, less the terminating NUL (Linux)
 
 
@@ -122,14 +125,15 @@ def parse_url(url: str, api_key: str | None = None) -> Server:
 def health(server: Server, timeout: float = HEALTH_TIMEOUT_S) -> dict | None:
     """The server's `/health` object, or None when nothing answers there (no socket, connection
     refused: a stale socket of a killed server, a time-out)."""
+    conn = server.connection(timeout)
     try:
-        conn = server.connection(timeout)
         conn.request("GET", "/health", headers=server.headers())
         response = conn.getresponse()
         body = response.read()
-        conn.close()
     except (OSError, http.client.HTTPException):
         return None
+    finally:
+        conn.close()
     try:
         data = json.loads(body)
     except ValueError:
@@ -154,10 +158,16 @@ def locate(url: str | None, no_server: bool) -> Server | None:
                               "start one with `rocketkv serve`, or answer here without --server")  # fmt: skip
         return server
     path = default_socket()
-    if not path.exists():
+    try:
+        if os.stat(path).st_uid != os.getuid():  # another user's socket: never send them our questions
+            return None
+    except OSError:
         return None
     server = Server(path=str(path), api_key=api_key)
-    return server if health(server) is not None else None
+    info = health(server)
+    if info is None or info.get("version") != __version__:  # an older server left running: answer here
+        return None
+    return server
 
 
 def _raise_error(event: dict) -> None:
@@ -178,6 +188,42 @@ def _error_body(status: int, body: bytes) -> dict:
     return {"type": "ServerError", "message": f"the server answered HTTP {status}"}
 
 
+def _retry_after(value: str | None) -> float:
+    """Seconds to wait from a Retry-After header (1 s when absent or not a number; at most 10 s)."""
+    try:
+        return min(10.0, max(0.1, float(value or 1)))
+    except ValueError:
+        return 1.0
+
+
+def _lost(server: Server) -> ServerError:
+    return ServerError(f"the rocketkv server at {server.url} stopped before the answer was complete",
+                       "run the command again (with --no-server to answer without it)")  # fmt: skip
+
+
+def _send(server: Server, path: str, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """POST `body`; while the server answers 503 (busy), wait as Retry-After says and send again, up to
+    BUSY_WAIT_S (in the process the question would have waited for the cores too). Raises ServerError."""
+    deadline = time.monotonic() + BUSY_WAIT_S
+    while True:
+        try:
+            conn = server.connection(timeout=None)  # an answer may take long; a dead server closes the socket
+            conn.request("POST", path, body=json.dumps(body).encode(), headers=server.headers())
+        except (OSError, http.client.HTTPException) as exc:
+            raise ServerError(f"cannot reach the rocketkv server at {server.url}: {exc}",
+                              "start it again with `rocketkv serve`, or pass --no-server") from None  # fmt: skip
+        try:
+            response = conn.getresponse()  # the server has the request: a failure from here on is a lost answer
+        except (OSError, http.client.HTTPException):
+            conn.close()
+            raise _lost(server) from None
+        if response.status != 503 or time.monotonic() > deadline:
+            return conn, response
+        response.read()
+        conn.close()
+        time.sleep(_retry_after(response.getheader("Retry-After")))
+
+
 def events(server: Server, path: str, body: dict) -> Iterator[dict]:
     """POST `body` to `path` and yield the response's NDJSON events until `done` (not yielded).
 
@@ -185,14 +231,8 @@ def events(server: Server, path: str, body: dict) -> Iterator[dict]:
         the error event's type (InputError, CacheFormatError, ...) for an error the server reports;
         ServerError when the connection fails or ends before `done` (a server killed mid-answer).
     """
+    conn, response = _send(server, path, body)
     try:
-        conn = server.connection(timeout=None)  # an answer may take long; a dead server closes the socket
-        conn.request("POST", path, body=json.dumps(body).encode(), headers=server.headers())
-    except (OSError, http.client.HTTPException) as exc:
-        raise ServerError(f"cannot reach the rocketkv server at {server.url}: {exc}",
-                          "start it again with `rocketkv serve`, or pass --no-server") from None  # fmt: skip
-    try:
-        response = conn.getresponse()  # the server has the request: a failure from here on is a lost answer
         if response.status != 200:
             error = _error_body(response.status, response.read())
             error.setdefault("type", "ServerError")
@@ -211,8 +251,7 @@ def events(server: Server, path: str, body: dict) -> Iterator[dict]:
         pass  # the connection broke or the stream is cut: reported below
     finally:
         conn.close()
-    raise ServerError(f"the rocketkv server at {server.url} stopped before the answer was complete",
-                      "run the command again (with --no-server to answer without it)")  # fmt: skip
+    raise _lost(server)
 
 
 def get(server: Server, path: str, timeout: float = HEALTH_TIMEOUT_S) -> tuple[int, dict]:
@@ -226,14 +265,15 @@ def post(server: Server, path: str, body: dict, timeout: float = HEALTH_TIMEOUT_
 
 
 def _simple(server: Server, method: str, path: str, body: dict | None, timeout: float) -> tuple[int, dict]:
+    conn = server.connection(timeout)
     try:
-        conn = server.connection(timeout)
         conn.request(method, path, body=None if body is None else json.dumps(body).encode(), headers=server.headers())
         response = conn.getresponse()
         raw = response.read()
-        conn.close()
     except (OSError, http.client.HTTPException) as exc:
         raise ServerError(f"cannot reach the rocketkv server at {server.url}: {exc}") from None
+    finally:
+        conn.close()
     try:
         data = json.loads(raw)
     except ValueError:

@@ -53,6 +53,7 @@ class ServeConfig:
     idle_timeout_s: exit after this many seconds without a request (0: never). memory_budget: bytes
     of warm models and caches. max_queue: requests in flight beyond which new ones get 503.
     max_body_bytes, max_tokens_limit: per-request limits. threads: torch's threads.
+    trust_remote_code: whether a request may ask to run a model directory's own code (off: refused).
 
     Raises:
         UsageError: a value no server could take (a public host without a key, a port out of range, …).
@@ -69,6 +70,7 @@ class ServeConfig:
     max_queue: int = DEFAULT_MAX_QUEUE
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_tokens_limit: int = DEFAULT_MAX_TOKENS
+    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         if (self.socket is None) == (self.host is None):
@@ -81,7 +83,7 @@ class ServeConfig:
                                  "or listen on 127.0.0.1 (the default with --port)")  # fmt: skip
         if self.api_key is not None and len(self.api_key) < 8:
             raise UsageError("--api-key must be at least 8 characters")
-        if self.idle_timeout_s < 0:
+        if not self.idle_timeout_s >= 0:  # NaN fails too
             raise UsageError(f"--idle-timeout must be ≥ 0 (0: never), got {self.idle_timeout_s}")
         for name in ("memory_budget", "threads", "max_queue", "max_body_bytes", "max_tokens_limit"):
             if getattr(self, name) < 1:

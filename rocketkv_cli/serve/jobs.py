@@ -26,9 +26,10 @@ from ..engine.api import (
     decode_weights_for,
 )
 from ..errors import CacheFormatError, RocketKVError
+from .client import MAX_QUESTIONS
 from .warm import ModelKey, Warm
 
-MAX_QUESTIONS = 1000
+_live_lock = threading.Lock()
 
 
 class BadRequest(Exception):
@@ -79,6 +80,24 @@ def allowed_path(raw: str, roots: tuple[Path, ...] | None, what: str) -> Path:
     return resolved
 
 
+def model_choice(body: dict, roots: tuple[Path, ...] | None) -> str | None:
+    """The `model` field: a preset or hub id as given; a path (a model directory, a .gguf file)
+    resolved and inside the allowed roots like any other path. Raises BadRequest."""
+    model = _field(body, "model", str)
+    if model is None or not (model.startswith(("/", ".")) or model.endswith(".gguf")):
+        return model
+    return str(allowed_path(model, roots, "'model'"))
+
+
+def trusted(body: dict, allowed: bool) -> bool:
+    """`trust_remote_code` of a request: refused (403) unless the server was started with it."""
+    wanted = bool(_field(body, "trust_remote_code", bool, False))
+    if wanted and not allowed:
+        raise BadRequest(403, "this server does not run code from model folders",
+                         hint="start it with `rocketkv serve --trust-remote-code`")  # fmt: skip
+    return wanted
+
+
 @dataclass(frozen=True)
 class AskRequest:
     """Questions for one cache. `path`: the resolved file; `display`: how the client named it (used
@@ -97,8 +116,10 @@ class AskRequest:
     trust_remote_code: bool
 
     @classmethod
-    def parse(cls, body: dict, roots: tuple[Path, ...] | None, max_tokens_limit: int | None) -> AskRequest:
-        """`max_tokens_limit`: the most answer tokens a request may ask for (None: the context's bound).
+    def parse(cls, body: dict, roots: tuple[Path, ...] | None, max_tokens_limit: int | None,
+              trust_allowed: bool = False) -> AskRequest:  # fmt: skip
+        """`max_tokens_limit`: the most answer tokens a request may ask for (None: the context's bound);
+        `trust_allowed`: whether the server runs model code (`serve --trust-remote-code`).
         Raises BadRequest for a field of the wrong type or out of range, or a path not allowed."""
         raw = _field(body, "cache", str, required=True)
         questions = _field(body, "questions", list, required=True)
@@ -138,11 +159,11 @@ class AskRequest:
             questions=tuple(questions),
             options=options,
             check_only=check_only,
-            model=_field(body, "model", str),
+            model=model_choice(body, roots),
             device=_field(body, "device", str, "auto"),
             dtype=_field(body, "dtype", str),
             weights=_field(body, "weights", str),
-            trust_remote_code=bool(_field(body, "trust_remote_code", bool, False)),
+            trust_remote_code=trusted(body, trust_allowed),
         )
 
 
@@ -160,12 +181,15 @@ class IngestRequest:
     @classmethod
     def parse(cls, body: dict, roots: tuple[Path, ...] | None) -> IngestRequest:
         """Raises BadRequest for a field of the wrong type or a path not allowed."""
+        output = _field(body, "output", str, required=True)
+        if not output.endswith(".kv"):  # the server writes caches, never another kind of file
+            raise BadRequest(400, f"'output' must name a .kv file, got {output!r}")
         return cls(
             document=allowed_path(_field(body, "document", str, required=True), roots, "'document'"),
             output=allowed_path(_field(body, "output", str, required=True), roots, "'output'"),
             force=bool(_field(body, "force", bool, False)),
             token_budget=_positive(body, "token_budget"),
-            model=_field(body, "model", str),
+            model=model_choice(body, roots),
         )
 
 
@@ -174,6 +198,7 @@ class Job:
     `cancelled` is set when the client goes away."""
 
     cancelled_total = 0  # jobs stopped because their client went away (for /health and tests)
+    live = 0  # job threads not yet ended (waiting for the lock or working): the queue bound counts them
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
@@ -204,8 +229,12 @@ class Job:
                 traceback.print_exc()
                 self.emit({"event": "error", "type": "RocketKVError", "message": f"the server failed: {exc!r}"})
             finally:
+                with _live_lock:
+                    Job.live -= 1
                 self.emit(None)
 
+        with _live_lock:
+            Job.live += 1
         threading.Thread(target=target, name="rocketkv-job", daemon=True).start()
 
 
@@ -267,9 +296,9 @@ class SummarizeRequest:
     extractive: bool
 
     @classmethod
-    def parse(cls, body: dict, roots: tuple[Path, ...] | None) -> SummarizeRequest:
+    def parse(cls, body: dict, roots: tuple[Path, ...] | None, trust_allowed: bool = False) -> SummarizeRequest:
         """Raises BadRequest for a field of the wrong type or out of range, or a path not allowed."""
-        ask = AskRequest.parse({**body, "questions": [], "check_only": True}, roots, None)
+        ask = AskRequest.parse({**body, "questions": [], "check_only": True}, roots, None, trust_allowed)
         return cls(ask=ask, max_new_tokens=_positive(body, "max_new_tokens") or 256,
                    token_budget=_positive(body, "token_budget") or 512,
                    extractive=bool(_field(body, "extractive", bool, False)))  # fmt: skip

@@ -12,6 +12,7 @@ import asyncio
 import fcntl
 import os
 import socket
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +33,10 @@ def _lock(path: Path) -> int:
     """Take `<socket>.lock` (exclusive, non-blocking). Raises InputError when a server holds it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     lock_path = path.with_name(path.name + ".lock")
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)  # never through a planted link
+    except OSError as exc:
+        raise InputError(f"cannot open {lock_path}: {exc.strerror or exc}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -50,6 +54,8 @@ def bind_unix(path: Path) -> tuple[socket.socket, int]:
     lock_fd = _lock(path)
     try:
         if path.is_symlink() or path.exists():
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):  # a mix-up (--socket doc.kv): never delete a file
+                raise InputError(f"{path} exists and is not a socket", "give --socket a new path")
             path.unlink()  # stale: the server that made it no longer holds the lock
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)  # no window in which another user could connect
@@ -58,8 +64,10 @@ def bind_unix(path: Path) -> tuple[socket.socket, int]:
         finally:
             os.umask(old)
         sock.listen(128)
-    except OSError as exc:
+    except (OSError, InputError) as exc:
         os.close(lock_fd)
+        if isinstance(exc, InputError):
+            raise
         raise InputError(f"cannot listen on {path}: {exc.strerror or exc}") from None
     return sock, lock_fd
 
@@ -69,10 +77,14 @@ def bind_tcp(host: str, port: int) -> socket.socket:
     try:
         info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(info[0], socket.SOCK_STREAM)
+    except OSError as exc:
+        raise InputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(info[4])
         sock.listen(128)
     except OSError as exc:
+        sock.close()
         raise InputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     return sock
 
@@ -92,6 +104,7 @@ def serve(cfg: ServeConfig, log: Log) -> None:
         url = f"http://{cfg.host}:{sock.getsockname()[1]}"
     identity = os.stat(cfg.socket).st_ino if cfg.socket is not None else None
     state = ServeState(warm=Warm(cfg.memory_budget, cfg.threads), roots=cfg.allow_dirs, api_key=cfg.api_key,
+                       trust_remote_code=cfg.trust_remote_code, host=cfg.host,
                        url=url, threads=cfg.threads, idle_timeout_s=cfg.idle_timeout_s, max_queue=cfg.max_queue,
                        max_body_bytes=cfg.max_body_bytes, max_tokens_limit=cfg.max_tokens_limit)  # fmt: skip
     server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning", access_log=False, lifespan="off",

@@ -93,11 +93,12 @@ class LlamaCpp:
     question and decodes as many tokens as rocketkv's answer to that question had."""
 
     def __init__(self, python: str, preset: str, doc: Path, work: Path, env: dict):
-        from rocketkv_cli.engine.api import RocketKV
+        from rocketkv_cli.engine.api import RocketKV, configure
         from rocketkv_cli.engine.threads import resolve_threads
         from rocketkv_cli.model.loading import gguf_path
 
         self.python, self.env = python, env
+        configure(quiet=True, progress_bars=False)
         self.prompt = RocketKV.load(preset).engine.prompt
         self.gguf, self.threads = str(gguf_path(preset)), str(resolve_threads()[0])
         self.child = str(REPO / "rocketkv_cli" / "eval" / "llamacpp_child.py")
@@ -188,13 +189,17 @@ def main() -> None:
     parser.add_argument("--in-process", type=int, default=10, help="asked in fresh processes without a server")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/rocketkv-serve-loop"))
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "bench" / "serve-loop.json")
+    parser.add_argument("--out", type=Path, help="default: docs/bench/serve-loop-{N-thread,default-threads}.json")
     parser.add_argument("--force", action="store_true", help="measure presets already in --out again")
     parser.add_argument("--smoke", action="store_true", help="SmolLM2, a 600-token slice, 3 questions (CI)")
     parser.add_argument("--llama-cpp", metavar="PYTHON",
                         help="a Python with llama-cpp-python: the same loop as fresh llama.cpp processes")  # fmt: skip
     parser.add_argument("--llama-questions", type=int, default=20, help="asked by fresh llama.cpp processes")
     args = parser.parse_args()
+    threads = os.environ.get("ROCKETKV_THREADS")
+    args.out = args.out or REPO / "docs" / "bench" / (
+        f"serve-loop-{threads}-thread.json" if threads else "serve-loop-default-threads.json"
+    )
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     presets = args.preset or ["gemma-3-270m", "smollm2-135m"]
     if args.smoke:

@@ -1,4 +1,4 @@
-"""The installed `rocketkv` CLI, run in subprocesses against a saved tiny model (README: Command line contract)."""
+"""The installed `rocketkv` CLI, run in subprocesses against a saved tiny model (docs/usage.md: Command line)."""
 
 import json
 import os
@@ -480,7 +480,7 @@ def test__weights_int8__recorded_in_the_cache_and_used_by_ask(rocketkv_bin, env,
     """`ingest --weights int8` records the weights that prefilled the cache (`inspect` shows
     them); `ask` then loads the same format without being told (integer weights change what
     stage 1 kept), and `--weights float` overrides it."""
-    from rocketkv_cli.engine.api import read_cache
+    from rocketkv_cli.api.rocketkv import read_cache
 
     out = tmp_path / "int8.kv"
     r = run(rocketkv_bin, env, "ingest", doc, "-o", out, "--model", tiny_model_dir, "--budget", "64",
@@ -609,7 +609,7 @@ def test__a_questions_file_without_questions__says_so(rocketkv_bin, env, kv, tmp
 def test__cli_dtype_names__are_the_loaders():
     """`--dtype` is checked at parse time against cli/'s own list (cli/ imports no torch): it must
     name exactly what `model.loading` loads, and auto."""
-    from rocketkv_cli.cli.common import MODEL_DTYPES
+    from rocketkv_cli.cli.options import MODEL_DTYPES
     from rocketkv_cli.model.loading import DTYPES
 
     assert sorted(MODEL_DTYPES) == sorted(["auto", *DTYPES])

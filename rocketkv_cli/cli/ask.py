@@ -27,13 +27,28 @@ from .answers import (
     usage_error,
 )
 from .common import (
+    Timings,
+    cache_budget_note,
+    ingest,
+    load_engine,
+    log,
+    open_stream,
+    prefill_config,
+    setup,
+    starting,
+    threads_note,
+)
+from .options import (
     CacheOpt,
+    DenseOpt,
     DeviceOpt,
     DocBudgetOpt,
     DtypeOpt,
     EncodingOpt,
     ErrorsOpt,
+    HsaOpt,
     JsonOpt,
+    MaxNewOpt,
     ModelOpt,
     NoServerOpt,
     PageSizeOpt,
@@ -44,34 +59,11 @@ from .common import (
     SegmentTokensOpt,
     ServerOpt,
     ThreadsOpt,
-    Timings,
     TopkOpt,
     TrustOpt,
     WeightsOpt,
-    cache_budget_note,
-    ingest,
-    load_engine,
-    log,
-    open_stream,
-    prefill_config,
-    setup,
-    starting,
-    threads_note,
-)  # fmt: skip
+)
 from .remote import ask_remote, server_for
-
-DenseOpt = Annotated[
-    bool,
-    typer.Option(
-        "--dense",
-        help="Exact attention over the stored cache (no stage-2 sparsity; a --store-budget file: over the "
-        "question's working set).",
-    ),
-]
-HsaOpt = Annotated[bool, typer.Option("--hsa", help="Stage-2 HSA even where exact attention is faster here.")]
-MaxNewOpt = Annotated[
-    Optional[int], typer.Option(min=1, metavar="N", help="Answer length limit in tokens (default: the cache's plan).")
-]
 
 
 def read_questions(positional: list[str], questions_file: Optional[str], doc_is_stdin: bool) -> list[str]:
@@ -109,7 +101,7 @@ def open_cache(cache: Path, model: Optional[str], device: str, dtype: Optional[s
     check_cache_file(cache)  # a missing or unreadable path fails before torch is imported
     timings = timings or Timings()
     with timings.span("imports (torch, transformers)"), starting():
-        from ..engine.api import check_cite, check_decode_options, check_model_choice, decode_weights_for, read_cache
+        from ..api.rocketkv import check_cite, check_decode_options, check_model_choice, decode_weights_for, read_cache
 
     with timings.span("cache read + verify"):
         stored = read_cache(cache)

@@ -10,23 +10,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.text import Text
 
 from ..errors import UsageError
-from .common import (
-    BudgetOpt,
-    DeviceOpt,
-    DtypeOpt,
-    KvDtypeOpt,
-    ModelOpt,
-    QuietOpt,
-    SegmentTokensOpt,
-    TrustOpt,
-    _state,
-    err,
-    fail,
-    log,
-    prefill_config,
-    setup,
-    storage,
-)  # fmt: skip
+from .common import _state, err, fail, log, prefill_config, setup, storage
+from .options import BudgetOpt, DeviceOpt, DtypeOpt, KvDtypeOpt, ModelOpt, QuietOpt, SegmentTokensOpt, TrustOpt
 
 
 class _Rates(ProgressColumn):
@@ -109,8 +94,8 @@ def batch_command(
     settings match); results are written one JSON line per answer as they finish. Rerun the same
     command after an interruption: answered rows are skipped, failed rows are retried.
     """
-    from ..engine.api import DEFAULT_MODEL, configure
-    from ..engine.batch import BatchSettings, run_batch
+    from ..api.rocketkv import DEFAULT_MODEL, configure
+    from ..batch.run import BatchSettings, run_batch
 
     setup(quiet)
     configure(quiet, progress_bars=err.is_terminal and not quiet)  # transformers offline and silent (one worker too)

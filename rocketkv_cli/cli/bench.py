@@ -11,24 +11,8 @@ import typer
 from rich.console import Console
 
 from ..errors import InputError, UsageError
-from .common import (
-    BudgetOpt,
-    DeviceOpt,
-    DtypeOpt,
-    KvDtypeOpt,
-    ModelOpt,
-    QuietOpt,
-    WeightsOpt,
-    default_kjv,
-    err,
-    load_engine,
-    log,
-    prefill_config,
-    print_row,
-    setup,
-    steps_bar,
-    storage,
-)
+from .common import default_kjv, err, load_engine, log, prefill_config, print_row, setup, steps_bar, storage
+from .options import BudgetOpt, DeviceOpt, DtypeOpt, KvDtypeOpt, ModelOpt, QuietOpt, WeightsOpt
 
 if TYPE_CHECKING:
     from ..core.config import PrefillConfig
@@ -76,7 +60,7 @@ def bench(
 
     from rich.table import Table
 
-    from ..engine.api import DEFAULT_MODEL
+    from ..api.rocketkv import DEFAULT_MODEL
     from ..engine.documents import read_document
     from ..eval.bench import (
         QUESTION,

@@ -32,15 +32,19 @@ from .answers import (
     check_question_text,
     sampling_note,
 )
-from .ask import DenseOpt, HsaOpt, MaxNewOpt, open_cache
-from .common import (
+from .ask import open_cache
+from .common import cache_budget_note, err, fail, ingest, load_engine, log, open_stream, prefill_config, setup
+from .options import (
     CacheOpt,
+    DenseOpt,
     DeviceOpt,
     DocBudgetOpt,
     DtypeOpt,
     EncodingOpt,
     ErrorsOpt,
+    HsaOpt,
     JsonOpt,
+    MaxNewOpt,
     ModelOpt,
     NoServerOpt,
     QuietOpt,
@@ -51,16 +55,7 @@ from .common import (
     ThreadsOpt,
     TrustOpt,
     WeightsOpt,
-    cache_budget_note,
-    err,
-    fail,
-    ingest,
-    load_engine,
-    log,
-    open_stream,
-    prefill_config,
-    setup,
-)  # fmt: skip
+)
 from .remote import RemoteChat, Turn, server_for
 
 PROMPT = "> "

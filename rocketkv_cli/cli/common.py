@@ -1,7 +1,8 @@
-"""Shared pieces of the command line: the stderr console, error mapping, option types, helpers.
+"""Shared pieces of the command line: the stderr console, error mapping, progress, helpers (the
+option types are in `options.py`).
 
 One module per command beside this one; each parses, calls the Python API
-(`rocketkv_cli.engine.api`), prints, and maps errors. No tensor math or orchestration here.
+(`rocketkv_cli.api.rocketkv`), prints, and maps errors. No tensor math or orchestration here.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Optional
 
 import typer
 from rich.console import Console
@@ -126,55 +127,6 @@ def command(fn):
     return wrapper
 
 
-ModelOpt = Annotated[
-    Optional[str],
-    typer.Option(
-        "--model",
-        "-m",
-        metavar="MODEL",
-        help="Preset (gemma-3-270m, smollm2-135m), model dir, .gguf file, or cached hub id.",
-    ),  # fmt: skip
-]
-MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")  # model.loading.DTYPES and auto (cli/ loads no torch)
-
-
-def _check_device(value: str) -> str:
-    """--device is checked as it is parsed (exit 2, before any model loads)."""
-    if not re.fullmatch(r"cpu|auto|cuda(:[0-9]+)?", value):
-        raise typer.BadParameter(f"{value!r} is not cpu, cuda, cuda:N or auto")
-    return value
-
-
-def _check_dtype(value: Optional[str]) -> Optional[str]:
-    """--dtype is checked as it is parsed (exit 2, before any model loads)."""
-    if value is not None and value not in MODEL_DTYPES:
-        raise typer.BadParameter(f"{value!r} is not one of {', '.join(MODEL_DTYPES)}")
-    return value
-
-
-DeviceOpt = Annotated[str, typer.Option(metavar="DEVICE", callback=_check_device, help="cpu, cuda, cuda:N or auto.")]
-DtypeOpt = Annotated[
-    Optional[str],
-    typer.Option(metavar="DTYPE", callback=_check_dtype,
-                 help="auto, float32, bfloat16 or float16 (ask: default = the cache's)."),
-]  # fmt: skip
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or logs on stderr.")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON object per line on stdout.")]
-TrustOpt = Annotated[bool, typer.Option(help="Allow model code from the model directory (off by default).")]
-ThreadsOpt = Annotated[
-    Optional[int],
-    typer.Option("--threads", min=1, metavar="N",
-                 help="Threads to compute with (default: $ROCKETKV_THREADS, else the cores this process may use)."),
-]  # fmt: skip
-ServerOpt = Annotated[
-    Optional[str],
-    typer.Option("--server", metavar="URL",
-                 help="Answer through this rocketkv server (unix:/path or http://host:port; default: "
-                      "$ROCKETKV_SERVER, else the one on $ROCKETKV_HOME/serve.sock if it is running)."),
-]  # fmt: skip
-NoServerOpt = Annotated[bool, typer.Option("--no-server", help="Answer in this process even if a server is running.")]
-
-
 def process_age_s() -> float | None:
     """Seconds since this process started (Linux `/proc`), or None where that is unknown."""
     try:
@@ -241,7 +193,7 @@ def load_engine(model: Optional[str], device: str, dtype: str, trust_remote_code
     """`RocketKV.load` (None: the default model) with transformers offline and silent, a spinner
     on a terminal and a timing line on stderr."""
     with starting():
-        from ..engine.api import DEFAULT_MODEL, RocketKV, configure
+        from ..api.rocketkv import DEFAULT_MODEL, RocketKV, configure
 
     from ..engine.threads import apply, resolve_threads
 
@@ -423,8 +375,12 @@ def prefill_config(**kw):
             kw["pool_kernel_size"] = int(pool)
         except ValueError:
             raise UsageError(f"--pool-kernel-size must be an odd integer or 'auto', got {pool!r}") from None
+    from ..methods import method_class
+
     try:
-        return PrefillConfig(**{k: v for k, v in kw.items() if v is not None})
+        cfg = PrefillConfig(**{k: v for k, v in kw.items() if v is not None})
+        method_class(cfg)  # a registered stage-1 method (rocketkv_cli.methods), before any model loads
+        return cfg
     except ValueError as exc:
         raise UsageError(f"invalid option: {exc}") from None  # `command` shows the options' names
 
@@ -440,54 +396,3 @@ OPTION_NAMES = {"token_budget": "--budget", "store_budget": "--store-budget", "m
 def option_names(message: str) -> str:
     """`message` with configuration field names replaced by the command-line options that set them."""
     return re.sub(r"(?<![\w-])(" + "|".join(OPTION_NAMES) + r")(?![\w-])", lambda m: OPTION_NAMES[m.group(1)], message)
-
-
-def _check_weights(value: Optional[str]) -> Optional[str]:
-    """--weights is checked as it is parsed (exit 2, before any model loads)."""
-    from ..core.config import WEIGHT_FORMATS
-
-    if value is not None and value not in WEIGHT_FORMATS:
-        raise typer.BadParameter(f"{value!r} is not one of {', '.join(WEIGHT_FORMATS)}")
-    return value
-
-
-WeightsOpt = Annotated[
-    Optional[str],
-    typer.Option(callback=_check_weights, help="Weights for decode on CPU: float, head-bf16 (float layers, bfloat16 LM "
-                 "head ranking), bf16, int8 or int4 (int8/int4 also prefill). Default: the model's measured choice; "
-                 "ask: the cache's int8/int4."),
-]  # fmt: skip
-
-KvDtypeOpt = Annotated[
-    Optional[str],
-    typer.Option(help="Stored keys/values: int8, int4, float32, bfloat16, float16, or auto (as the model "
-                 "computes them); integers take +rope (keys quantized before RoPE) and +sinksN (N float16 sink "
-                 "tokens, default 4); int4 takes +alloc (each key channel 2-8 bits, 4 on average, by the "
-                 "document's queries). Default: int4 for smollm2-135m, int8 otherwise "
-                 "(measured: docs/storage.md)."),
-]  # fmt: skip
-DocBudgetOpt = Annotated[  # ask/chat: applies to a DOC ingested in memory; a cache keeps its own budget
-    Optional[int],
-    typer.Option("--budget", "-b", metavar="T",
-                 help="Token budget when DOC is ingested in memory (default 512; a cache keeps its own)."),
-]  # fmt: skip
-BudgetOpt = Annotated[int, typer.Option("--budget", "-b", help="Token budget t per KV head per layer (tokens).")]
-TopkOpt = Annotated[Optional[int], typer.Option(min=1, help="Override: tokens attended exactly per decode step.")]
-PageSizeOpt = Annotated[Optional[int], typer.Option(min=1, help="Override: tokens per key min/max page.")]
-ScoreDimsOpt = Annotated[Optional[int], typer.Option(min=1, help="Override: head dims used for page scores.")]
-EncodingOpt = Annotated[str, typer.Option(help="Text encoding of the document.")]
-CacheOpt = Annotated[  # readable=False: an unreadable file gets rocketkv's one-line error, not a usage box
-    Optional[Path],
-    typer.Option("--cache", "-c", readable=False, metavar="FILE.kv", help="A .kv file from `rocketkv ingest`."),
-]
-ErrorsOpt = Annotated[str, typer.Option(help="Decoding errors in the document: strict, replace or ignore.")]
-SegmentTokensOpt = Annotated[
-    Optional[int],
-    typer.Option(min=64, help="Tokens per segment for documents longer than the context (default: all that fit)."),
-]
-SegmentsOpt = Annotated[
-    int, typer.Option("--segments", min=1, help="Segmented caches: answer from the N segments that best match.")
-]
-SegmentOpt = Annotated[
-    Optional[int], typer.Option("--segment", min=0, help="Segmented caches: answer from segment J (no routing).")
-]

@@ -16,21 +16,10 @@ from rich.table import Table
 
 from ..engine.documents import read_document
 from ..errors import InputError, OutputError, UsageError
-from .common import (
-    DeviceOpt,
-    DtypeOpt,
-    KvDtypeOpt,
-    ModelOpt,
-    QuietOpt,
-    WeightsOpt,
-    default_kjv,
-    err,
-    load_engine,
-    log,
-    setup,
-    steps_bar,
-    storage,
-)
+from ..eval.names import DEFAULT_METHODS, eval_methods
+from ..methods import registry
+from .common import default_kjv, err, load_engine, log, setup, steps_bar, storage
+from .options import DeviceOpt, DtypeOpt, KvDtypeOpt, ModelOpt, QuietOpt, WeightsOpt
 
 
 def _ints(name: str, text: str, allow_auto: bool = False) -> tuple[int, ...]:
@@ -80,11 +69,11 @@ def eval_command(
     methods: Annotated[
         str,
         typer.Option(
-            help="Comma-separated: full, rocketkv, snapkv (stage 1 only), hsa (stage 2 only), sink_recent, "
-            "reconstruct (context reconstruction), reselect (store budget, per-question re-selection), "
-            "reconstruct_reselect, adaptive and reconstruct_adaptive (adaptive layer budgets); or all."
+            help="Comma-separated: full, rocketkv, snapkv (stage 1 only), hsa (stage 2 only), then each stage-1 "
+            f"method ({', '.join(registry())}; X_reselect: store budget, per-question re-selection; X_adaptive: "
+            f"adaptive layer budgets): {', '.join(eval_methods())}; 'default' ({', '.join(DEFAULT_METHODS)}) or all."
         ),  # fmt: skip
-    ] = "all",
+    ] = "default",
     tasks: Annotated[
         str,
         typer.Option(
@@ -127,15 +116,15 @@ def eval_command(
     """Score full attention, rocketkv and baselines on generated long-context tasks (docs/accuracy.md)."""
     import tempfile
 
-    from ..engine.api import DEFAULT_MODEL
+    from ..api.rocketkv import DEFAULT_MODEL
     from ..eval.bench import machine_info
-    from ..eval.runner import METHODS, OBSERVATIONS, EvalConfig, run_eval
+    from ..eval.runner import OBSERVATIONS, EvalConfig, run_eval
     from ..eval.tasks import NEEDS_HAYSTACK_TEXT, TASKS
 
     setup(quiet)
     task_list = _names(tasks, TASKS)
-    method_list = _names(methods, METHODS)
-    if stage2 == "exact" and methods.strip() == "all":  # stage 2 alone has no meaning without stage 2
+    method_list = DEFAULT_METHODS if methods.strip() == "default" else _names(methods, eval_methods())
+    if stage2 == "exact" and methods.strip() in ("all", "default"):  # stage 2 alone has no meaning without stage 2
         method_list = tuple(m for m in method_list if m != "hsa")
     try:
         cfg = EvalConfig(

@@ -7,7 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import (
+from ..methods import registry
+from .common import ingest, load_engine, log, open_stream, prefill_config, report_abandoned, setup, storage
+from .options import (
     BudgetOpt,
     DeviceOpt,
     DtypeOpt,
@@ -23,15 +25,7 @@ from .common import (
     TopkOpt,
     TrustOpt,
     WeightsOpt,
-    ingest,
-    load_engine,
-    log,
-    open_stream,
-    prefill_config,
-    report_abandoned,
-    setup,
-    storage,
-)  # fmt: skip
+)
 
 
 def ingest_command(
@@ -51,8 +45,9 @@ def ingest_command(
     observation: Annotated[
         Optional[str],
         typer.Option(
-            help="'tail' (document end), 'probe' (+ a generic probe text) or 'reconstruct' (the "
-            "model re-reading the document; ~5x the ingest time). Default: tail; the model's own where measured."
+            help="Stage-1 method: "
+            + "; ".join(f"'{c.observation}': {c.summary}" for c in registry().values() if c.observation)
+            + ". Default: tail; the model's own where measured (docs/stage1-methods.md)."
         ),  # fmt: skip
     ] = None,
     store_budget: Annotated[
@@ -109,7 +104,7 @@ def ingest_command(
     target = check_output(output if output is not None else default_output(document), force, document)
     report_abandoned(target.parent, skip=target)
     rk = load_engine(model, device, dtype or "auto", trust_remote_code, weights)
-    from ..engine.api import pending_checkpoints
+    from ..api.rocketkv import pending_checkpoints
 
     count, folder = pending_checkpoints(target)
     if count:
@@ -118,7 +113,7 @@ def ingest_command(
     size = target.stat().st_size
     log(f"wrote {target} ({size / 1e6:.1f} MB)")
     if json_out:
-        from ..engine.api import kept_tokens_per_layer
+        from ..api.rocketkv import kept_tokens_per_layer
 
         cache = done.cache
         row = {"cache": str(target), "n_context_tokens": cache.n_context_tokens, "n_segments": cache.n_segments,

@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from .common import JsonOpt, report_abandoned
+from .common import report_abandoned
+from .options import JsonOpt
 
 
 def inspect_command(
@@ -22,7 +23,7 @@ def inspect_command(
     from ..engine.preflight import check_cache_file
 
     check_cache_file(cache)  # a missing or unreadable path fails before torch is imported
-    from ..engine.api import describe
+    from ..api.rocketkv import describe
 
     report_abandoned(cache.parent)
     info = describe(cache)

@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import JsonOpt, log, setup
+from .common import log, setup
+from .options import JsonOpt
 
 
 def human_bytes(n: int) -> str:
@@ -41,7 +42,7 @@ def models_command(
     They live in $ROCKETKV_HOME (default ~/.cache/rocketkv): models/ holds the safetensors copies
     loaded on every run, downloads/ the GGUF files they were made from.
     """
-    from ..engine.api import home, remove_models, stored_models
+    from ..api.rocketkv import home, remove_models, stored_models
 
     setup(quiet)
     if remove:

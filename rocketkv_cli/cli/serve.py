@@ -13,7 +13,8 @@ import typer
 from ..serve.client import Server, ServerError, default_socket, health, parse_url, post
 from ..serve.config import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_QUEUE, ServeConfig, default_memory_budget
 from .answers import usage_error
-from .common import JsonOpt, QuietOpt, ThreadsOpt, TrustOpt, log, setup
+from .common import log, setup
+from .options import JsonOpt, QuietOpt, ThreadsOpt, TrustOpt
 
 ACTIONS = ("start", "status", "stop")
 

@@ -9,10 +9,12 @@ import typer
 
 from ..errors import UsageError
 from .answers import AnswerPrinter, StreamOpt, resolve_format
-from .ask import DenseOpt, open_cache
-from .common import (
+from .ask import open_cache
+from .common import ingest, load_engine, log, open_stream, prefill_config, setup
+from .options import (
     BudgetOpt,
     CacheOpt,
+    DenseOpt,
     DeviceOpt,
     DtypeOpt,
     EncodingOpt,
@@ -26,13 +28,7 @@ from .common import (
     ThreadsOpt,
     TrustOpt,
     WeightsOpt,
-    ingest,
-    load_engine,
-    log,
-    open_stream,
-    prefill_config,
-    setup,
-)  # fmt: skip
+)
 from .remote import server_for, summarize_remote
 
 

@@ -6,22 +6,15 @@ and bytes, in name order) checked on exactly those bytes before any tensor is us
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import torch
 
 from ..core.cache import AnyCache, CacheInfo, CompressedKVCache, LayerKV, SegmentedKVCache
 from ..errors import CacheFormatError
-from .format import (
-    CacheFile,
-    is_count,
-    parse_budgets,
-    payload_digest,
-    positions_ok,
-    segment_info,
-    tensor_from,
-    token_ids_ok,
-)  # fmt: skip
+from .header import CacheFile, is_count, tensor_from
+from .metadata import parse_budgets, positions_ok, segment_info, token_ids_ok
 
 SEGMENT_FIELDS = ("n_context_tokens", "start_token", "budgets", "ids_sha256")
 
@@ -60,6 +53,16 @@ def read_legacy(f: CacheFile, header: dict, info: CacheInfo, rebuild: str) -> An
     if version == 1:
         return parts[0]
     return SegmentedKVCache(info=info, segments=tuple(parts))
+
+
+def payload_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """The v1/v2 payload digest: sha256 over every tensor's name, dtype, shape and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).reshape(-1).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 def _segment_entries(meta: dict, version: int, n_ctx: int, path: str, rebuild: str) -> list[dict]:

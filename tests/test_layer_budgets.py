@@ -96,9 +96,9 @@ def test__adaptive_ingest__same_total_as_uniform_split_by_the_selectors_scores(e
     assert {uniform.layers[i].n_kept_tokens for i in full} == {p}
     assert sum(counts) == len(full) * p and len(set(counts)) > 1, counts
     # each layer keeps what SnapKV++ selection keeps at that layer's count, from the same scores
-    from rocketkv_cli.engine.selectors import selector_for
+    from rocketkv_cli.methods import method_for
 
-    selector = selector_for(cfg)
+    selector = method_for(cfg)
     for i, c in zip(full, counts):
         expect = selector.select(prefill.layers[i], c)  # [1, Hkv, c]
         assert torch.equal(cache.layers[i].positions, expect), i

@@ -93,7 +93,7 @@ def test__working_set_keeps_the_key_the_question_attends_to(engine, stored):
     """A key planted in the middle of the stored set of the first full-attention layer along the
     question's queries (layer 0's queries do not depend on the context) is in every KV head's
     working set, though the tail window alone would not choose it."""
-    from rocketkv_cli.engine.segments import question_queries
+    from rocketkv_cli.api.segments import question_queries
 
     question = "where is the stone?"
     i = _full_layers(engine)[0]
@@ -225,12 +225,13 @@ def test__reconstruction__re_read_stays_within_the_models_positions():
 
 
 def test__reconstruct_observation__ingests_and_keeps_the_highest_scored_keys(tmp_path):
-    from rocketkv_cli.engine.selectors import ReconstructionSelector, selector_for
+    from rocketkv_cli.methods import method_for
+    from rocketkv_cli.methods.reconstruct import Reconstruction
 
     engine = make_engine("gemma3_text")  # sliding-window layers too
     cfg = PrefillConfig(token_budget=32, max_new_tokens=8, window_size=8, pool_kernel_size=1,
                         observation="reconstruct", n_first_tokens=4)  # fmt: skip
-    assert isinstance(selector_for(cfg), ReconstructionSelector)
+    assert isinstance(method_for(cfg), Reconstruction)
     doc = Document(text_of_bytes(500, seed=5), "0" * 64, "d.txt")
     tokens = engine.document_tokens(doc)
     prefill = engine.prefill(tokens.ids, cfg.window_size, chunk_tokens=128, reconstruct=True)
@@ -252,7 +253,7 @@ def test__reconstruct_observation__ingests_and_keeps_the_highest_scored_keys(tmp
 
 def test__segmented_store_budget__merged_segments_reselect_the_chosen_segments_working_sets(engine):
     from rocketkv_cli.engine.documents import TextPieces
-    from rocketkv_cli.engine.segments import answer_segmented, ingest_stream, merge_segments
+    from rocketkv_cli.api.segments import answer_segmented, ingest_stream, merge_segments
 
     stored = ingest_stream(engine, TextPieces(text_of_bytes(1500, seed=6), "book.txt"), CFG, segment_tokens=400)
     assert len(stored.segments) >= 3
@@ -315,7 +316,7 @@ def test__api_ingest__takes_the_presets_defaults_unless_given(monkeypatch):
     """The Python API fills fields it is not given from `PRESET_PREFILL_DEFAULTS` of its model
     (here a tiny model registered as a preset for the test), and never a field it is given."""
     from rocketkv_cli.core import config
-    from rocketkv_cli.engine.api import RocketKV
+    from rocketkv_cli.api.rocketkv import RocketKV
 
     engine = make_engine("llama")
     rk = RocketKV(engine)

@@ -10,9 +10,13 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-OBSERVATIONS = ("tail", "probe", "reconstruct")
+from ..errors import UsageError
+
+# (selection, observation or None = any) of every registered stage-1 method, in registration
+# order: `rocketkv_cli.methods.register` adds to it (the package imports its methods with itself),
+# and `PrefillConfig` refuses a configuration that names no method
+STAGE1_METHODS: list[tuple[str, str | None]] = []
 LAYER_BUDGETS = ("uniform", "adaptive")  # how stage 1 splits the prompt budget over full-attention layers
-SELECTIONS = ("snapkv", "sink_recent")
 DEFAULT_TOKEN_BUDGET = 512
 DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_WINDOW_SIZE = 32
@@ -55,6 +59,22 @@ PRESET_PREFILL_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+def check_stage1_method(selection: str, observation: str) -> None:
+    """Refuse a (selection, observation) pair that no registered stage-1 method answers to.
+
+    Raises:
+        ValueError: an unknown selection, or an observation that no method of it takes (the
+            message lists the valid values).
+    """
+    matches = [o for s, o in STAGE1_METHODS if s == selection]
+    if not matches:
+        raise ValueError(f"selection must be one of {tuple(dict.fromkeys(s for s, _ in STAGE1_METHODS))}, "
+                         f"got {selection!r}")  # fmt: skip
+    if None not in matches and observation not in matches:
+        observations = tuple(o for _, o in STAGE1_METHODS if o is not None)
+        raise ValueError(f"observation must be one of {observations}, got {observation!r}")
+
+
 def _positive(name: str, value: int | None, allow_none: bool = True) -> None:
     if value is None and allow_none:
         return
@@ -70,11 +90,12 @@ class PrefillConfig:
     max_new_tokens: answer length the budget plans for (S = n + max_new_tokens).
     window_size: W, observation-window queries used to score (and always kept).
     pool_kernel_size: odd max-pool kernel in tokens, or 0 for the `auto` rule by length.
-    observation: "tail" (the document's last W queries), "probe" (those plus a generic
-        question-like probe text from `prompts/`, scored then dropped) or "reconstruct" (the
-        queries of the model re-reading the whole document after a "repeat the text" prompt,
-        teacher-forced over the full cache: context reconstruction, KVzip §3; measured 2.5–2.8×
-        the tail window's ingest time, docs/performance.md "Ingest").
+    selection, observation: together they name the stage-1 method (`rocketkv_cli.methods`,
+        one class per method, e.g. selection "snapkv" with observation "tail" (the document's
+        last W queries), "probe" (those plus a generic probe text) or "reconstruct" (the model
+        re-reading the document, KVzip §3); selection "sink_recent", a baseline keeping the
+        first `n_sink_tokens` tokens plus the most recent ones, any observation). Only their
+        form is checked here; `methods.method_class` refuses a name no method registered.
     store_budget: a token budget (≥ token_budget) for what the file keeps: it stores the prompt
         budget derived from this budget instead of from t (None = t). Each question then
         re-selects its working set of t's prompt budget from the stored tokens, with its own
@@ -82,8 +103,6 @@ class PrefillConfig:
         budget, decode traffic stays with the token budget.
     prompt_budget, topk, page_size, n_score_dims: overrides of the derived values (None = derive).
     chunk_tokens: prefill chunk length in tokens (bounds activation memory).
-    selection: "snapkv" (SnapKV++, docs/algorithm.md §2) or "sink_recent" (a baseline for `rocketkv eval`:
-        the first `n_sink_tokens` tokens plus the most recent ones, same kept count, no scoring).
     n_sink_tokens: attention-sink tokens kept at the start by "sink_recent".
     n_first_tokens: leading framed tokens SnapKV++ always keeps (attention sinks, the framing, the
         document's first tokens: titles, instructions); 0 in files written before it existed.
@@ -109,8 +128,7 @@ class PrefillConfig:
     layer_budgets: str = "uniform"
 
     def __post_init__(self) -> None:
-        if self.selection not in SELECTIONS:
-            raise ValueError(f"selection must be one of {SELECTIONS}, got {self.selection!r}")
+        check_stage1_method(self.selection, self.observation)
         for name in ("n_sink_tokens", "n_first_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -137,8 +155,6 @@ class PrefillConfig:
         k = self.pool_kernel_size
         if isinstance(k, bool) or not isinstance(k, int) or k < 0 or (k > 0 and k % 2 == 0):
             raise ValueError(f"pool_kernel_size must be an odd positive integer or 0 (auto), got {k!r}")
-        if self.observation not in OBSERVATIONS:
-            raise ValueError(f"observation must be one of {OBSERVATIONS}, got {self.observation!r}")
         if self.page_size is not None and self.page_size > (self.topk or self.token_budget // 2 or 1):
             raise ValueError(f"page_size must not exceed topk (tokens attended per step), got {self.page_size}")
         if self.prompt_budget is not None and self.prompt_budget < self.window_size:
@@ -163,6 +179,11 @@ class PrefillConfig:
         if self.layer_budgets == "uniform":
             del d["layer_budgets"]
         return d
+
+    def pool_kernel(self, n_context_tokens: int) -> int:
+        """The max-pool kernel in tokens for a document of `n_context_tokens`: `pool_kernel_size`,
+        or the `auto` rule by length when it is 0 (`auto_pool_kernel_size`)."""
+        return self.pool_kernel_size or auto_pool_kernel_size(n_context_tokens)
 
     def stored_tokens(self, n_context_tokens: int, prompt_budget: int) -> int:
         """Tokens per KV head per layer the file keeps for a document of `n_context_tokens`,
@@ -300,6 +321,25 @@ class DecodeConfig:
     def uses_hsa(self, n_context_tokens: int) -> bool:
         """Whether a layer whose stored context holds `n_context_tokens` is attended with HSA."""
         return self.sparse and n_context_tokens > max(self.topk, self.min_hsa_tokens)
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    """The user's choice of decode attention, checked here once for every caller (the CLI before
+    any model loads, `RocketKV.ask`/`session`, the server): `dense` = exact attention over the
+    stored cache; `hsa` = stage-2 HSA even where the device's measured crossover says exact
+    attention is faster; neither = the crossover decides (`DecodeConfig.min_hsa_tokens`).
+
+    Raises:
+        UsageError: both `dense` and `hsa`.
+    """
+
+    dense: bool = False
+    hsa: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dense and self.hsa:
+            raise UsageError("--dense and --hsa contradict each other", "give one of them")
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 - `Engine.prefill(doc_ids, …)`: the document's exact prefill, in chunks (keys cached after RoPE,
   the observation window's queries captured), then `Engine.compress(prefill, cfg)`: stage 1 per
-  full-attention layer through a selector (`selectors.py`). One prefill can be compressed for
+  full-attention layer through its stage-1 method (`rocketkv_cli.methods`). One prefill can be compressed for
   many configurations (eval); `Engine.ingest` is both for one.
 - `Decoder(engine, cache, …)`: static buffers over one compressed cache (context + a
   preallocated per-question tail), with `prefill(question ids)` and `decode_one_token(token)` at
@@ -25,8 +25,10 @@ from .. import ops
 from ..core.cache import CacheInfo, CompressedKVCache, LayerKV, ModelIdentity, SegmentInfo
 from ..core.config import DecodeConfig, PrefillConfig, Reselection, auto_pool_kernel_size, resolve_budgets
 from ..core.quant import KVStorage, resolved
-from ..core.stage1 import allocate_layer_budgets, gather_tokens
+from ..core.stage1 import gather_tokens
 from ..errors import BudgetError, CacheFormatError, InputError
+from ..methods import LayerPrefill, method_for
+from ..methods.layer_budgets import layer_budgets
 from ..model.hf import (
     ModelShape,
     Reconstruction,
@@ -43,7 +45,6 @@ from ..model.step import DecodeStep, decode_step_for
 from ..model.templates import PromptFormat, prompt_format, read_prompt
 from ..model.weights import decode_step
 from .documents import Document, DocumentTokens, tokenize, tokenize_document
-from .selectors import LayerPrefill, Selector, pool_kernel_of, selector_for
 
 QUESTION_RESERVE_TOKENS = 256  # room kept for a question when checking a document against the context
 TokenProgress = Callable[[int, int], None]  # (tokens done, tokens total)
@@ -282,9 +283,10 @@ class Engine:
     ) -> CompressedKVCache:
         """Stage 1 over one prefill: each full-attention layer keeps `prompt_budget` tokens per KV
         head (more with `cfg.store_budget`: each question then re-selects its working set, see
-        `Decoder`; all when the document is shorter) chosen by `cfg`'s selector; sliding-window layers
-        keep their window (RocketKV §3.2; docs/algorithm.md). The kept keys/values are then held as
-        `storage` stores them (`auto`: as computed), so a cache in memory answers exactly as the
+        `Decoder`; all when the document is shorter) chosen by `cfg`'s stage-1 method
+        (`rocketkv_cli.methods`); sliding-window layers keep their window (RocketKV §3.2;
+        docs/algorithm.md). The kept keys/values are then held as `storage` stores them (`auto`:
+        as computed), so a cache in memory answers exactly as the
         same cache read back from its file. `tokens`: the document's token ids and offsets, kept
         with the cache.
 
@@ -303,9 +305,9 @@ class Engine:
                 f"{budgets.prompt_budget} tokens, below the observation window ({cfg.window_size})",
                 "raise --budget or lower --max-new-tokens",
             )
-        selector = selector_for(cfg)
+        method = method_for(cfg)
         n_stored = cfg.stored_tokens(n, budgets.prompt_budget)  # the file's tokens per KV head (≥ the working set)
-        stored_per_layer = self._layer_budgets(prefill, cfg, selector, n_stored)  # {layer index: tokens per KV head}
+        stored_per_layer = layer_budgets(prefill.layers, cfg, method, n_stored)  # {layer index: tokens per KV head}
         storage = resolved(storage, self.dtype_name)
         layers = []
         for i, layer in enumerate(prefill.layers):
@@ -318,12 +320,12 @@ class Engine:
                 k, v, p = (t.contiguous() for t in tensors)
                 layers.append(LayerKV(k, v, p).to_storage(storage, self.rope_freqs[i], weights))
                 continue
-            kept = selector.select(layer, stored_per_layer.get(i, n_stored))  # [1, Hkv, that layer's count]
+            kept = method.select(layer, stored_per_layer.get(i, n_stored))  # [1, Hkv, that layer's count]
             k, v, p = (gather_tokens(t, kept) for t in tensors)
             layers.append(LayerKV(k, v, p).to_storage(storage, self.rope_freqs[i], weights))
         info = CacheInfo(
             identity=self.identity, dtype=self.dtype_name, n_context_tokens=n, document_sha256=document_sha256,
-            document_source=document_source, config=cfg, budgets=budgets, pool_kernel_size=pool_kernel_of(cfg, n),
+            document_source=document_source, config=cfg, budgets=budgets, pool_kernel_size=cfg.pool_kernel(n),
             segment=segment, storage=storage, weights=self.cache_weights,
         )  # fmt: skip
         if tokens is None:
@@ -332,20 +334,16 @@ class Engine:
         offsets, lines = _tensor_or_none(tokens.offsets, torch.int64), _tensor_or_none(tokens.lines, torch.int32)
         return CompressedKVCache(info, tuple(layers), ids, offsets, lines)
 
-    @staticmethod
-    def _layer_budgets(prefill: Prefill, cfg: PrefillConfig, selector: Selector, n_stored: int) -> dict[int, int]:
-        """Tokens per KV head each full-attention layer stores: `n_stored` everywhere for uniform
-        layer budgets (an empty map), else the same total split by `allocate_layer_budgets` over the
-        selector's scores (docs/algorithm.md §2, step 5)."""
-        full = {i: layer for i, layer in enumerate(prefill.layers) if isinstance(layer, LayerPrefill)}
-        if cfg.layer_budgets == "uniform" or not full or prefill.n_context_tokens <= n_stored:
-            return {}
-        scores = [selector.scores(layer) for layer in full.values()]
-        if any(s is None for s in scores):
-            raise ValueError("adaptive layer budgets need a selector that scores tokens")
-        counts = allocate_layer_budgets([s for s in scores if s is not None], n_stored, cfg.window_size,
-                                            cfg.n_first_tokens)  # fmt: skip
-        return dict(zip(full, counts))
+    def prefill_for(self, ids: list[int], cfg: PrefillConfig, progress: TokenProgress = lambda d, t: None) -> Prefill:
+        """`prefill` of framed document `ids` with what `cfg`'s stage-1 method needs captured
+        (its `capture`: the probe text's queries, or the re-reading pass), in `cfg.chunk_tokens` chunks.
+
+        Raises:
+            ValueError: `cfg` names no registered stage-1 method (`methods.method_class`).
+        """
+        capture = method_for(cfg).capture
+        return self.prefill(ids, cfg.window_size, capture == "probe", cfg.chunk_tokens, progress,
+                            capture == "reconstruct")  # fmt: skip
 
     def ingest_tokens(
         self,
@@ -357,9 +355,9 @@ class Engine:
         progress: TokenProgress = lambda done, total: None,
         storage: KVStorage = KVStorage(),
     ) -> CompressedKVCache:
-        """`prefill` then `compress` for one configuration. Raises BudgetError as `compress`."""
-        prefill = self.prefill(tokens.ids, cfg.window_size, cfg.observation == "probe", cfg.chunk_tokens, progress,
-                               cfg.observation == "reconstruct")  # fmt: skip
+        """`prefill_for` then `compress` for one configuration. Raises BudgetError as `compress`,
+        ValueError as `prefill_for`."""
+        prefill = self.prefill_for(tokens.ids, cfg, progress)
         return self.compress(prefill, cfg, document_sha256, document_source, segment, storage, tokens)
 
     def ingest(

@@ -35,6 +35,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,11 +47,11 @@ from ..engine.answer import generate as generate_answer
 from ..engine.documents import Document, tokenize
 from ..engine.engine import QUESTION_RESERVE_TOKENS, Decoder, Engine
 from ..errors import BudgetError
+from ..methods import Stage1Method, method_for, registry
 from ..store.format import load_cache, save_cache
+from .names import DEFAULT_METHODS, eval_methods
 from .tasks import NEEDS_HAYSTACK_TEXT, TASKS, Sample, generate
 
-METHODS = ("full", "rocketkv", "snapkv", "hsa", "sink_recent", "reconstruct", "reselect", "reconstruct_reselect",
-           "adaptive", "reconstruct_adaptive")  # fmt: skip
 OBSERVATIONS = ("tail", "probe", "wide")  # stage-1 observation windows compared by the ablation
 FULL_TOKEN_BUDGET = 1 << 30  # a budget above any document: stage 1 keeps everything
 REPORT_FORMAT = "rocketkv.eval"
@@ -62,7 +63,7 @@ Progress = Callable[[int, int, str], None]  # (steps done, steps total, what is 
 class EvalConfig:
     """What one `rocketkv eval` run measures. Lengths and budgets in tokens.
 
-    context_tokens: document lengths. budgets: token budgets t. methods: subset of METHODS.
+    context_tokens: document lengths. budgets: token budgets t. methods: subset of `eval_methods()`.
     tasks: subset of eval_tasks.TASKS. samples: samples per task and length. seed: generator seed.
     observations: stage-1 observation windows for rocketkv ("tail" = last `window_size` document
         queries; "probe" = those plus prompts/probe.txt, scored then dropped; "wide" = the last
@@ -81,7 +82,7 @@ class EvalConfig:
 
     context_tokens: tuple[int, ...] = (4096,)
     budgets: tuple[int, ...] = (128, 256, 512, 1024)
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[str, ...] = DEFAULT_METHODS
     tasks: tuple[str, ...] = TASKS
     samples: int = 4
     seed: int = 0
@@ -99,7 +100,7 @@ class EvalConfig:
     stage2: str = "hsa"
 
     def __post_init__(self) -> None:
-        for name, allowed in (("methods", METHODS), ("tasks", TASKS), ("observations", OBSERVATIONS)):
+        for name, allowed in (("methods", eval_methods()), ("tasks", TASKS), ("observations", OBSERVATIONS)):
             values = getattr(self, name)
             if not values or len(set(values)) != len(values) or any(v not in allowed for v in values):
                 raise ValueError(f"{name} must be distinct values from {', '.join(allowed)}, got {','.join(values)}")
@@ -176,46 +177,39 @@ def plan(cfg: EvalConfig) -> tuple[dict[str, PrefillConfig], list[Run]]:
                 runs.append(Run(m, t, obs, kernel, key, label))
         if "hsa" in cfg.methods:
             runs.append(Run("hsa", t, None, None, "full", "hsa"))
-        if "reconstruct" in cfg.methods:
-            caches[f"t{t}-reconstruct"] = PrefillConfig(
-                token_budget=t, observation="reconstruct", pool_kernel_size=cfg.reconstruct_pool_kernel, **base
-            )
-            runs.append(Run("reconstruct", t, "reconstruct", cfg.reconstruct_pool_kernel, f"t{t}-reconstruct",
-                            "reconstruct"))  # fmt: skip
-        if "reconstruct_adaptive" in cfg.methods:
-            key = f"t{t}-reconstruct-adaptive"
-            caches[key] = PrefillConfig(token_budget=t, observation="reconstruct", layer_budgets="adaptive",
-                                        pool_kernel_size=cfg.reconstruct_pool_kernel, **base)  # fmt: skip
-            runs.append(Run("reconstruct_adaptive", t, "reconstruct", cfg.reconstruct_pool_kernel, key,
-                            "reconstruct_adaptive"))  # fmt: skip
-        if "adaptive" in cfg.methods:
-            obs, kernel = variants[0]
-            key = f"t{t}-{obs}-{pool_label(kernel)}-adaptive"
-            caches[key] = dataclasses.replace(caches.get(f"t{t}-{obs}-{pool_label(kernel)}") or PrefillConfig(
-                token_budget=t, max_new_tokens=cfg.plan_new_tokens, chunk_tokens=cfg.chunk_tokens,
-                window_size=cfg.wide_window_size if obs == "wide" else cfg.window_size,
-                observation="probe" if obs == "probe" else "tail", pool_kernel_size=kernel,
-            ), layer_budgets="adaptive")  # fmt: skip
-            runs.append(Run("adaptive", t, obs, kernel, key, "adaptive"))
-        if "reconstruct_reselect" in cfg.methods:
-            caches[f"t{t}-reconstruct-reselect"] = PrefillConfig(
-                token_budget=t, store_budget=cfg.store_factor * t, observation="reconstruct",
-                pool_kernel_size=cfg.reconstruct_pool_kernel, **base,
-            )  # fmt: skip
-            runs.append(Run("reconstruct_reselect", t, "reconstruct", cfg.reconstruct_pool_kernel,
-                            f"t{t}-reconstruct-reselect", "reconstruct_reselect"))  # fmt: skip
-        if "reselect" in cfg.methods:
-            kernel = cfg.pool_kernels[0]
-            caches[f"t{t}-reselect"] = PrefillConfig(
-                token_budget=t, store_budget=cfg.store_factor * t, observation="tail", pool_kernel_size=kernel, **base
-            )
-            runs.append(Run("reselect", t, "tail", kernel, f"t{t}-reselect", "reselect"))
-        if "sink_recent" in cfg.methods:
-            caches[f"t{t}-sink"] = PrefillConfig(
-                token_budget=t, selection="sink_recent", n_sink_tokens=cfg.n_sink_tokens, **base
-            )
-            runs.append(Run("sink_recent", t, None, None, f"t{t}-sink", "sink_recent"))
+        for name, cls in registry().items():
+            _plan_method(cfg, t, name, cls, caches, runs, base, variants[0])
     return caches, runs
+
+
+def _plan_method(cfg: EvalConfig, t: int, name: str, cls: type[Stage1Method], caches: dict, runs: list,
+                 base: dict, first_variant: tuple[str, int]) -> None:  # fmt: skip
+    """Add the caches and runs of registered method `name` at budget t: the method itself (not for
+    the tail window: "rocketkv" above), then its "_adaptive" and "_reselect" variants when asked."""
+    prefix = "" if name == "tail" else f"{name}_"
+    obs, kernel = first_variant
+    if name == "tail":  # the first (observation, kernel) variant of the rocketkv runs
+        window = cfg.wide_window_size if obs == "wide" else cfg.window_size
+        fields: dict[str, Any] = dict(window_size=window, observation="probe" if obs == "probe" else "tail",
+                                      pool_kernel_size=kernel)  # fmt: skip
+    else:
+        fields = cls.config_fields() | {k: getattr(cfg, v) for k, v in cls.eval_options.items()}
+    label_obs: str | None = obs if name == "tail" else fields.get("observation")
+    label_kernel: int | None = fields.get("pool_kernel_size")
+    stem = f"t{t}-{obs}-{pool_label(kernel)}" if name == "tail" else f"t{t}-{cls.eval_key or name}"
+    if name != "tail" and name in cfg.methods:
+        caches[stem] = PrefillConfig(token_budget=t, **{**base, **fields})
+        runs.append(Run(name, t, label_obs, label_kernel, stem, name))
+    if f"{prefix}adaptive" in cfg.methods:
+        caches[f"{stem}-adaptive"] = PrefillConfig(token_budget=t, layer_budgets="adaptive", **{**base, **fields})
+        runs.append(Run(f"{prefix}adaptive", t, label_obs, label_kernel, f"{stem}-adaptive", f"{prefix}adaptive"))
+    if f"{prefix}reselect" in cfg.methods:
+        if name == "tail":
+            fields = dict(observation="tail", pool_kernel_size=cfg.pool_kernels[0])
+            label_obs, label_kernel = "tail", cfg.pool_kernels[0]
+        key = f"t{t}-reselect" if name == "tail" else f"{stem}-reselect"
+        caches[key] = PrefillConfig(token_budget=t, store_budget=cfg.store_factor * t, **{**base, **fields})
+        runs.append(Run(f"{prefix}reselect", t, label_obs, label_kernel, key, f"{prefix}reselect"))
 
 
 def stage2_only_budgets(n_context_tokens: int, max_new_tokens: int, token_budget: int, head_dim: int) -> dict:
@@ -279,8 +273,8 @@ def compress_variants(
     if n > limit:
         raise BudgetError(f"document is {n} tokens; this model's context fits {limit}", "use shorter documents")
     window = max(c.window_size for c in cfgs)
-    probe = any(c.observation == "probe" for c in cfgs)
-    reconstruct = any(c.observation == "reconstruct" for c in cfgs)
+    captures = {method_for(c).capture for c in cfgs}  # what the configs' stage-1 methods need captured
+    probe, reconstruct = "probe" in captures, "reconstruct" in captures
     prefill = engine.prefill(doc_ids, window, probe, cfgs[0].chunk_tokens, progress, reconstruct)
     return [engine.compress(prefill, c, document.sha256, document.source, storage=storage) for c in cfgs]
 
@@ -411,12 +405,13 @@ def _answer_run(engine: Engine, stored: CompressedKVCache, run: Run, sample: Sam
         decode = decode_config_for(stored, True, **stage2_only_budgets(n_ctx, cfg.plan_new_tokens, run.budget,
                                                                          engine.shape.head_dim))  # fmt: skip
     else:
-        sparse = cfg.stage2 == "hsa" and run.method not in ("full", "snapkv", "sink_recent")
+        exact = run.method in ("full", "snapkv") or getattr(registry().get(run.method), "eval_exact", False)
+        sparse = cfg.stage2 == "hsa" and not exact
         decode = decode_config_for(stored, sparse=sparse)
     max_new = cfg.max_new_tokens or sample.max_new_tokens
     full_kept = [lay.n_kept_tokens for lay, s in zip(stored.layers, engine.shape.layers) if s.sliding_window is None]
     stored_tokens = round(sum(full_kept) / len(full_kept))  # per layer and KV head (adaptive budgets: the mean)
-    reselects = run.method in ("reselect", "reconstruct_reselect")
+    reselects = run.method.endswith("reselect")
     kept = min(stored_tokens, stored.info.budgets.prompt_budget) if reselects else stored_tokens
     prepared = prepare_questions(engine, stored, [q.text for q in sample.questions], max_new)
     decoder = Decoder(engine, stored, max(QUESTION_RESERVE_TOKENS, max(len(i) for _, i in prepared)) + max_new + 2,

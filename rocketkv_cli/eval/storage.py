@@ -67,8 +67,7 @@ def storage_rows(
     """One row per storage type (bytes, tokens, fractions in [0, 1]). The first row is float32,
     the reference of the others' fidelity. Raises BudgetError as `Engine.ingest`."""
     tokens = engine.document_tokens(document)
-    prefill = engine.prefill(tokens.ids, cfg.window_size, cfg.observation == "probe", cfg.chunk_tokens,
-                             reconstruct=cfg.observation == "reconstruct")  # fmt: skip
+    prefill = engine.prefill_for(tokens.ids, cfg)
     shape = engine.shape
     bf16_full = full_kv_bytes(len(tokens.ids), [s.sliding_window for s in shape.layers], shape.n_kv_heads,
                               shape.head_dim, 2)  # fmt: skip
@@ -122,8 +121,7 @@ def load_first_token_seconds(engine: Engine, document: Document, cfg: PrefillCon
     each time every file in turn (load and verify, model check, question prefill, one token).
     Returns {storage name: [seconds per round]}. Raises BudgetError as `Engine.ingest`."""
     tokens = engine.document_tokens(document)
-    prefill = engine.prefill(tokens.ids, cfg.window_size, cfg.observation == "probe", cfg.chunk_tokens,
-                             reconstruct=cfg.observation == "reconstruct")  # fmt: skip
+    prefill = engine.prefill_for(tokens.ids, cfg)
     paths = {}
     for name in kv_dtypes:
         cache = engine.compress(prefill, cfg, document.sha256, document.source, storage=KVStorage.parse(name),

@@ -240,7 +240,7 @@ def load_model(
     local_only = {"local_files_only": True, "trust_remote_code": trust_remote_code}
     try:
         cfg_model_type = _config_model_type(where)
-        from .hf import SUPPORTED_MODEL_TYPES
+        from .cache_layer import SUPPORTED_MODEL_TYPES
 
         if cfg_model_type is not None and cfg_model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelLoadError(

@@ -42,7 +42,7 @@ def main() -> int:
     if not args.cache.is_file():
         ap.error(f"{args.cache}: no such file")
     torch.set_num_threads(args.threads)
-    from rocketkv_cli.engine.api import RocketKV, read_cache
+    from rocketkv_cli.api.rocketkv import RocketKV, read_cache
     from rocketkv_cli.eval.bench import machine_info, rocketkv_answer_s
 
     model_id = read_cache(args.cache).info.identity.model_id

@@ -40,8 +40,8 @@ def main() -> int:
     if not args.document.is_file():
         ap.error(f"{args.document}: no such file")
     torch.set_num_threads(args.threads)
+    from rocketkv_cli.api.rocketkv import RocketKV
     from rocketkv_cli.core.cache import CompressedKVCache
-    from rocketkv_cli.engine.api import RocketKV
     from rocketkv_cli.eval.bench import machine_info
 
     rk = RocketKV.load(args.model, device="cpu")

@@ -92,7 +92,7 @@ class LlamaCpp:
     question and decodes as many tokens as rocketkv's answer to that question had."""
 
     def __init__(self, python: str, preset: str, doc: Path, work: Path, env: dict):
-        from rocketkv_cli.engine.api import RocketKV, configure
+        from rocketkv_cli.api.rocketkv import RocketKV, configure
         from rocketkv_cli.engine.threads import resolve_threads
         from rocketkv_cli.model.loading import gguf_path
 

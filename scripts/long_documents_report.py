@@ -168,9 +168,9 @@ def segment_cuts(engine, text: str, segment_tokens: int | None) -> list[dict]:
     """The segments `rocketkv ingest` (default settings) cuts `text` into: [{"text", "start_token",
     "n_tokens"}] (start_token: offset of the first document token in the whole document's tokens,
     as `inspect` reports it; n_tokens: framed tokens of the segment's prefill)."""
+    from rocketkv_cli.api.segments import SEGMENT_SLACK_TOKENS, frame_tokens, segment_limit
     from rocketkv_cli.core.config import PrefillConfig, with_preset_defaults
     from rocketkv_cli.engine.documents import Document, segment_texts
-    from rocketkv_cli.engine.segments import SEGMENT_SLACK_TOKENS, frame_tokens, segment_limit
 
     cfg = with_preset_defaults(PrefillConfig(), engine.loaded.model_id, ())
     frame = frame_tokens(engine)
@@ -187,7 +187,7 @@ def ceiling(result: dict, args, work: Path) -> dict:
     """Step 6 for one preset's result: each needle's own segment ingested alone, pruned with the
     defaults and unpruned; every needle question asked of both. Adds `seg_default_*` and `full_*`
     to each needle and returns the run's record (segments, seconds, the commands)."""
-    from rocketkv_cli.engine.api import RocketKV
+    from rocketkv_cli.api.rocketkv import RocketKV
 
     preset = result["preset"]
     engine = RocketKV.load(preset).engine  # its tokenizer rebuilds the document, its limits cut it

@@ -19,10 +19,10 @@ NAMES = ["Lisbon", "Nairobi", "Osaka", "Quito", "Tbilisi", "Hobart", "Reykjavik"
 
 
 def main() -> None:
+    from rocketkv_cli.api.segments import ingest_stream, lexical_scores, segment_scores
     from rocketkv_cli.core.config import PrefillConfig
     from rocketkv_cli.engine.documents import TextStream, tokenize
     from rocketkv_cli.engine.engine import Engine
-    from rocketkv_cli.engine.segments import ingest_stream, lexical_scores, segment_scores
     from rocketkv_cli.model.loading import load_model
     from rocketkv_cli.store.format import load_cache, save_segmented
 

@@ -58,7 +58,7 @@ def ingest_times(model: str, n_chars: int) -> dict:
     reconstruction, alternated twice (the better of each), in this process."""
     import torch
 
-    from rocketkv_cli.engine.api import RocketKV
+    from rocketkv_cli.api.rocketkv import RocketKV
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     rk = RocketKV.load(model, weights="float")  # as docs/stage1-methods.md was measured

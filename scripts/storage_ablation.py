@@ -457,10 +457,10 @@ def layouts(engine, energy: list | None = None, bases: list | None = None) -> di
 def run(args) -> dict:
     import torch
 
+    from rocketkv_cli.api.rocketkv import RocketKV
     from rocketkv_cli.core.config import PrefillConfig, with_preset_defaults
     from rocketkv_cli.core.quant import KVStorage
     from rocketkv_cli.engine.answer import answer, decode_config_for, prepare_questions
-    from rocketkv_cli.engine.api import RocketKV
     from rocketkv_cli.engine.documents import Document, read_document
     from rocketkv_cli.eval.storage import teacher_forced_log_probs
     from rocketkv_cli.eval.tasks import generate

@@ -48,8 +48,8 @@ OPEN_QUESTIONS = [
 def run(args) -> dict:
     import torch
 
+    from rocketkv_cli.api.rocketkv import RocketKV
     from rocketkv_cli.core.config import PrefillConfig, with_preset_defaults
-    from rocketkv_cli.engine.api import RocketKV
     from rocketkv_cli.engine.documents import Document, read_document
     from rocketkv_cli.eval.storage import Probe, load_first_token_seconds, storage_rows
     from rocketkv_cli.eval.tasks import generate

@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from rocketkv_cli.engine.summary_check import check_summary  # noqa: E402  (standard library only)
+from rocketkv_cli.api.summary_check import check_summary  # noqa: E402  (standard library only)
 
 DATA = ROOT.parent / "shared" / "data"  # beside the clone (CI), else ROCKETKV_SHARED_DATA or /work/shared/data
 if not DATA.is_dir():

@@ -43,10 +43,10 @@ BAR = 0.98
 def run(args) -> dict:
     import torch
 
+    from rocketkv_cli.api.rocketkv import RocketKV
     from rocketkv_cli.core.config import PrefillConfig, default_kv_dtype, with_preset_defaults
     from rocketkv_cli.core.quant import KVStorage
     from rocketkv_cli.engine.answer import answer, decode_config_for, prepare_questions
-    from rocketkv_cli.engine.api import RocketKV
     from rocketkv_cli.engine.documents import Document, read_document
     from rocketkv_cli.eval.runner import match_fraction, token_agreement
     from rocketkv_cli.eval.storage import teacher_forced_log_probs

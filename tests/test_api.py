@@ -84,7 +84,7 @@ def test__another_preset_than_the_cache_was_built_with__refused_before_loading(r
     (checked by digests once loaded) pass."""
     import dataclasses
 
-    from rocketkv_cli.engine.api import check_model_choice
+    from rocketkv_cli.api.rocketkv import check_model_choice
 
     done = rk.ingest(str(doc), output=tmp_path / "d.kv", token_budget=64, max_new_tokens=4)
     info = done.cache.info

@@ -17,15 +17,18 @@ MAY_IMPORT = {
     "ops": {"core", "kernels"},
     "model": {"core", "ops"},
     "store": {"core"},
-    "engine": {"core", "ops", "model", "store"},
-    "eval": {"core", "ops", "model", "store", "engine"},
-    "serve": {"core", "engine"},  # the warm server, above the Python API
-    "cli": {"engine", "eval", "core", "entry", "serve"},  # entry: the signal state of the console script
+    "methods": {"core", "ops"},  # stage-1 methods: one class per file, registered by name
+    "engine": {"core", "ops", "model", "store", "methods"},
+    "api": {"core", "model", "store", "engine"},  # the answering service and the Python API
+    "batch": {"core", "api"},  # batch jobs (local pool, Ray), above the Python API
+    "eval": {"core", "ops", "model", "store", "methods", "engine"},
+    "serve": {"core", "engine", "api"},  # the warm server, above the Python API
+    "cli": {"api", "batch", "engine", "eval", "core", "methods", "entry", "serve"},  # entry: the signal state
     "kernels": set(),
 }
 # third-party packages only one sub-package may import
 OWNED = {"transformers": "model", "safetensors": "store", "triton": "kernels", "typer": "cli", "rich": "cli",
-         "ray": "engine", "starlette": "serve", "uvicorn": "serve"}  # fmt: skip
+         "ray": "batch", "starlette": "serve", "uvicorn": "serve"}  # fmt: skip
 NO_TORCH = {"cli"}  # the CLI parses and prints: no tensor math
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import run_in_terminal, strip_ansi, text_of_bytes
 
+from rocketkv_cli.batch.manifest import BadRow, Results, Row, parse_row, read_manifest
 from rocketkv_cli.cli.batch import with_bare_ray
-from rocketkv_cli.engine.manifest import BadRow, Results, Row, parse_row, read_manifest
 
 ASK_KEYS = {"question", "answer", "cache", "n_question_tokens", "n_answer_tokens", "stop_reason", "prefill_s",
             "decode_s"}  # fmt: skip
@@ -329,9 +329,9 @@ def test__cache_key__uniform_storage_keys_as_before_format_v5_and_alloc_differs(
     import torch
     from conftest import make_engine
 
+    from rocketkv_cli.api.rocketkv import RocketKV
+    from rocketkv_cli.batch.tasks import BatchSettings, cache_key
     from rocketkv_cli.core.quant import KVStorage
-    from rocketkv_cli.engine.api import RocketKV
-    from rocketkv_cli.engine.batch import BatchSettings, cache_key
 
     rk = RocketKV(make_engine("llama", torch.float32))
     settings = BatchSettings(model="tiny", storage=KVStorage("int4"))

@@ -147,10 +147,10 @@ def test__no_pickle_in_the_package():
 
 
 def test__trust_remote_code_off_by_default():
+    from rocketkv_cli.api.rocketkv import RocketKV
     from rocketkv_cli.cli.ask import ask_command
     from rocketkv_cli.cli.ingest import ingest_command
     from rocketkv_cli.cli.summarize import summarize_command
-    from rocketkv_cli.engine.api import RocketKV
     from rocketkv_cli.model.loading import load_model
 
     for fn in (load_model, RocketKV.load, ingest_command, ask_command, summarize_command):
@@ -286,9 +286,9 @@ def fuzz_files(tmp_path_factory):
     with allocated key bits (format v5: per-channel widths and a bit stream), three
     segments stored as int8, the v1 and v2 files of rocketkv 0.1.0, and the v3 files written
     before v4."""
+    from rocketkv_cli.api.segments import ingest_stream
     from rocketkv_cli.core.quant import KVStorage
     from rocketkv_cli.engine.documents import TextPieces
-    from rocketkv_cli.engine.segments import ingest_stream
 
     folder = tmp_path_factory.mktemp("fuzz-files")
     engine = make_engine("llama", torch.float32)

@@ -12,11 +12,11 @@ import pytest
 import torch
 from conftest import make_engine, text_of_bytes
 
+from rocketkv_cli.api.segments import ingest_stream
 from rocketkv_cli.core.config import PrefillConfig
 from rocketkv_cli.core.quant import KVStorage, decode_layer, encode_layer, hadamard
 from rocketkv_cli.engine.answer import answer, decode_config_for
 from rocketkv_cli.engine.documents import Document, TextPieces
-from rocketkv_cli.engine.segments import ingest_stream
 from rocketkv_cli.errors import CacheFormatError
 from rocketkv_cli.store.format import load_cache, metadata_digest, save_cache
 
@@ -394,8 +394,8 @@ def test__v3_storage_without_sinks__reads_as_no_sinks(tmp_path):
 
 
 def test__storage_default__the_measured_choice_per_preset_and_an_explicit_one_wins():
+    from rocketkv_cli.batch.tasks import BatchSettings
     from rocketkv_cli.core.config import default_kv_dtype
-    from rocketkv_cli.engine.batch import BatchSettings
 
     # docs/storage.md: int4 meets the agreement bar on SmolLM2 (int4+alloc too, a lower KL, but it opens
     # 1.2x slower), not on Gemma; unmeasured models get int8

@@ -6,7 +6,7 @@ docstring, so a change of rule fails here.
 
 import pytest
 
-from rocketkv_cli.engine import summary_check as sc
+from rocketkv_cli.api import summary_check as sc
 
 PLAIN = "The following is a document.\n\n{document}\n\nSummary:"
 QUESTION = "Summarize the document above in a few sentences."

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from rocketkv_cli import RocketKV
-from rocketkv_cli.engine.summaries import Summary
-from rocketkv_cli.engine.summary_check import degenerate_reasons, extract_sentences
+from rocketkv_cli.api.summaries import Summary
+from rocketkv_cli.api.summary_check import degenerate_reasons, extract_sentences
 
 HARBOR = Path(__file__).parent / "data" / "harbor.txt"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import SHARED_DATA
 
-from rocketkv_cli.engine.summary_check import check_summary, extract_sentences
+from rocketkv_cli.api.summary_check import check_summary, extract_sentences
 
 pytestmark = pytest.mark.real_model
 

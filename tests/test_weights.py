@@ -295,8 +295,8 @@ def test__refined_head__tied_head_shares_the_embedding_and_weights_bytes_counts_
 def test__default_weights__a_preset_default_applies_when_none_are_named(tiny_model_dir, monkeypatch):
     """`RocketKV.load` without `weights` loads the model's measured default
     (`PRESET_WEIGHTS_DEFAULTS`), float for any other model; a named format always wins."""
+    from rocketkv_cli.api.rocketkv import RocketKV
     from rocketkv_cli.core import config
-    from rocketkv_cli.engine.api import RocketKV
 
     assert config.default_weights("some/other-model") == "float"
     monkeypatch.setitem(config.PRESET_WEIGHTS_DEFAULTS, str(tiny_model_dir), "bf16")
@@ -313,8 +313,8 @@ def test__decode_weights_for__integer_prefill_is_kept_float_and_bf16_take_the_de
     """A cache prefilled with integer weights is answered with them (they changed what stage 1
     kept); float and bf16 prefill alike (bf16 multiplies prefill's long inputs by the float
     weights), so their caches take the model's default decode weights (None)."""
+    from rocketkv_cli.api.rocketkv import RocketKV, decode_weights_for
     from rocketkv_cli.core.config import PrefillConfig
-    from rocketkv_cli.engine.api import RocketKV, decode_weights_for
     from rocketkv_cli.engine.documents import Document
 
     rk = RocketKV.load(str(tiny_model_dir), device="cpu", weights=fmt)

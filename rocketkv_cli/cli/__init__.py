@@ -1,5 +1,5 @@
 """The `rocketkv` command line: one small module per command, each parsing its options, calling
-the Python API (`rocketkv_cli.engine.api`), printing, and mapping errors (`common.command`).
+the Python API (`rocketkv_cli.api.rocketkv`), printing, and mapping errors (`common.command`).
 
 stdout carries results only (`--json`: one JSON object per line); stderr carries progress, logs and
 hints. Exit codes: 0 ok, 1 known failure (one line), 2 usage error, 130 interrupted (143 SIGTERM).

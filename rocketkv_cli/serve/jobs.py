@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..engine.api import (
+from ..api.rocketkv import (
     DEFAULT_MODEL,
     RocketKV,
     check_cite,

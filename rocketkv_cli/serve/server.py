@@ -19,7 +19,7 @@ from pathlib import Path
 
 import uvicorn
 
-from ..engine.api import configure
+from ..api.rocketkv import configure
 from ..engine.threads import apply
 from ..errors import InputError
 from .app import ServeState, build_app

@@ -15,8 +15,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..api.rocketkv import RocketKV, read_cache
 from ..core.cache import AnyCache
-from ..engine.api import RocketKV, read_cache
 
 FileIdentity = tuple[int, int, int, int, int]
 

@@ -24,14 +24,13 @@ import torch
 from ..core.cache import CacheInfo, CompressedKVCache, LayerKV, SegmentedKVCache, SegmentInfo
 from ..core.config import PrefillConfig, resolve_budgets
 from ..core.quant import KVStorage, resolved
+from ..engine.answer import GREEDY, Answer, Sampling, TextCallback, answer, decode_config_for
+from ..engine.documents import Document, TextPieces, TextStream, segment_texts, tokenize
+from ..engine.engine import Engine, TokenProgress
 from ..errors import BudgetError, CacheFormatError, InputError, UsageError
 from ..model.hf import empty_cache, forward_tokens, rocketkv_attention
 from ..model.templates import read_prompt
 from ..store.checkpoints import Checkpoints
-from .answer import GREEDY, Answer, Sampling, TextCallback, answer, decode_config_for
-from .documents import Document, TextPieces, TextStream, segment_texts, tokenize
-from .engine import Engine, TokenProgress
-from .selectors import pool_kernel_of
 from .summaries import Summary, extracted, summarize_part
 
 SEGMENT_SLACK_TOKENS = 16  # joint tokenization of a segment may differ from the per-line count
@@ -144,7 +143,7 @@ def _checkpointed(engine: Engine, checkpoints: Checkpoints | None, index: int, i
     n = len(ids)
     expected = CacheInfo(identity=engine.identity, dtype=engine.dtype_name, n_context_tokens=n, document_sha256=ids_sha,
                          document_source=source, config=cfg, budgets=resolve_budgets(cfg, n, engine.shape.head_dim),
-                         pool_kernel_size=pool_kernel_of(cfg, n), segment=where,
+                         pool_kernel_size=cfg.pool_kernel(n), segment=where,
                          storage=resolved(storage, engine.dtype_name), weights=engine.cache_weights)  # fmt: skip
     return checkpoints.load(index, expected)
 
@@ -320,7 +319,7 @@ def answer_segmented(
         InputError: an empty question or a bad segment index. BudgetError: a question that does
         not fit. ValueError: overrides that make no valid stage-2 configuration.
     """
-    from .answer import prepare_questions
+    from ..engine.answer import prepare_questions
 
     jobs = []
     for question in questions:

@@ -23,21 +23,30 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.cache import AnyCache, CompressedKVCache, SegmentedKVCache
-from ..core.config import DEFAULT_MAX_NEW_TOKENS, PrefillConfig, default_kv_dtype, with_preset_defaults
+from ..core.config import (
+    DEFAULT_MAX_NEW_TOKENS,
+    AttentionChoice,
+    PrefillConfig,
+    default_kv_dtype,
+    with_preset_defaults,
+)
 from ..core.quant import KVStorage
-from ..errors import CacheFormatError, InputError, UsageError
-from ..model.loading import DEFAULT_MODEL, PRESETS, configure_transformers, load_model
+from ..engine.answer import Answer, Sampling, TextCallback, answer, decode_config_for, hsa_min_tokens
+from ..engine.cite import Citation
+from ..engine.documents import TextPieces, TextStream
+from ..engine.engine import Engine, TokenProgress
+from ..engine.home import StoredModel, home, remove_models, stored_models
+from ..engine.preflight import abandoned_ingests, check_cache_file, check_output, default_output, open_document
+from ..errors import InputError
+from ..model.loading import DEFAULT_MODEL, load_model
 from ..store.checkpoints import Checkpoints
-from ..store.describe import describe as store_describe
 from ..store.describe import kept_tokens_per_layer as kept_tokens_per_layer
 from ..store.folders import make_scratch_dir
-from ..store.format import load_cache, save_cache, verify_file
-from .answer import Answer, Sampling, TextCallback, answer, decode_config_for, hsa_min_tokens
-from .cite import Citation, check_citable
-from .documents import TextPieces, TextStream
-from .engine import Engine, TokenProgress
-from .home import StoredModel, home, remove_models, stored_models
-from .preflight import abandoned_ingests, check_cache_file, check_output, default_output, open_document
+from ..store.format import save_cache, verify_file
+from .checks import check_cite, check_decode_options, check_model_choice, check_questions, describe, read_cache
+from .checks import configure as configure
+from .checks import decode_weights_for as decode_weights_for
+from .checks import pending_checkpoints as pending_checkpoints
 from .segments import PartialSummary, SegmentDone, answer_segmented, ingest_stream, summarize
 from .session import AnswerStream, Session
 
@@ -51,100 +60,6 @@ class Ingested:
     cache: AnyCache
     path: Path | None
     seconds: float
-
-
-def configure(quiet: bool, progress_bars: bool) -> None:
-    """Offline, quiet model loading (no hub access; transformers' own bars only if `progress_bars`)."""
-    configure_transformers(quiet, progress_bars)
-
-
-def check_questions(questions: Iterable[str]) -> list[str]:
-    """The questions of a batch row: each a non-empty, UTF-8-encodable string, at least one.
-
-    Raises InputError with one-line messages (empty question, not UTF-8, none given)."""
-    qs = list(questions)
-    if any(not isinstance(q, str) or not q.strip() for q in qs):
-        raise InputError("empty question", "give each question some text")
-    for q in qs:
-        try:
-            q.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InputError("a question is not valid UTF-8 text", "check the question's encoding") from None
-    if not qs:
-        raise InputError("no question given", "pass questions as arguments or with --questions-file")
-    return qs
-
-
-def decode_weights_for(cache: AnyCache) -> str | None:
-    """The weights to answer from `cache` with when the user names none: the cache's own when it
-    was prefilled with integer weights (int8/int4 change what stage 1 kept), else None (the
-    model's measured default: float and bf16 prefill alike, `model.weights.Bf16Linear`)."""
-    return cache.info.weights if cache.info.weights in ("int8", "int4") else None
-
-
-def read_cache(path: str | Path) -> AnyCache:
-    """Load and validate a `.kv` file without a model. Raises CacheFormatError."""
-    check_cache_file(path)
-    return load_cache(path)
-
-
-def describe(path: str | Path) -> dict:
-    """What a `.kv` file holds (for `inspect`), validated; no model is loaded. Raises CacheFormatError."""
-    check_cache_file(path)
-    return store_describe(path)
-
-
-def check_decode_options(cache: AnyCache, dense: bool = False, hsa: bool = False, topk: int | None = None,
-                         page_size: int | None = None, n_score_dims: int | None = None) -> None:  # fmt: skip
-    """Refuse stage-2 overrides that `cache`'s budgets make invalid (a page larger than top-k, a
-    non-positive count), before any model loads: `RocketKV.ask` would refuse them only after.
-
-    Raises:
-        UsageError: dense and hsa together. InputError: an override `DecodeConfig` rejects.
-    """
-    if dense and hsa:
-        raise UsageError("--dense and --hsa contradict each other", "give one of them")
-    first = cache.segments[0] if isinstance(cache, SegmentedKVCache) else cache
-    try:
-        decode_config_for(first, sparse=not dense, topk=topk, page_size=page_size, n_score_dims=n_score_dims)
-    except ValueError as exc:
-        raise InputError(f"invalid option: {exc}") from None  # depends on the cache's budgets: exit 1
-
-
-def check_model_choice(cache: AnyCache, model: str | None, path: str | Path) -> None:
-    """Refuse, before it loads, a preset `model` other than the preset `cache` was built with
-    (a model directory or hub id is checked by its digests once loaded: `Engine.check`).
-
-    Raises:
-        CacheFormatError: both are presets and they differ.
-    """
-    built = cache.info.identity.model_id
-    if model is not None and model != built and model in PRESETS and built in PRESETS:
-        hint = f"drop --model (or give --model {built}), or rebuild it with --model {model}"
-        raise CacheFormatError(f"{path} was built for model {built}, not {model}", hint)
-
-
-def check_cite(cache: AnyCache, cite: int, segments: int = 1) -> None:
-    """Refuse `cite` passages that `cache` cannot give (before any model loads).
-
-    Raises:
-        InputError: a negative count; a cache without token offsets (older files); a segmented
-        cache answered from several segments at once.
-    """
-    if isinstance(cite, bool) or not isinstance(cite, int) or cite < 0:
-        raise UsageError(f"--cite must be a count of passages ≥ 0, got {cite!r}")
-    if not cite:
-        return
-    if isinstance(cache, SegmentedKVCache) and segments > 1:
-        raise InputError("--cite needs one segment per answer", "drop --segments, or give --segment J")
-    for part in cache.segments if isinstance(cache, SegmentedKVCache) else (cache,):
-        check_citable(part)
-
-
-def pending_checkpoints(output: Path) -> tuple[int, Path]:
-    """(count, folder) of checkpointed segments an earlier, interrupted ingest into `output` left."""
-    checkpoints = Checkpoints(output)
-    return checkpoints.count(), checkpoints.dir
 
 
 class RocketKV:
@@ -349,8 +264,7 @@ class RocketKV:
     def _overrides(self, dense: bool, hsa: bool, topk: int | None, page_size: int | None,
                    n_score_dims: int | None) -> dict[str, int | None]:  # fmt: skip
         """Stage-2 overrides, with the device's HSA crossover unless `hsa`. Raises InputError."""
-        if dense and hsa:
-            raise UsageError("--dense and --hsa contradict each other", "give one of them")
+        AttentionChoice(dense=dense, hsa=hsa)  # the one check of the pair (UsageError)
         crossover = 0 if hsa else hsa_min_tokens(self.engine.loaded.device.type)
         return {"topk": topk, "page_size": page_size, "n_score_dims": n_score_dims, "min_hsa_tokens": crossover}
 

@@ -7,8 +7,8 @@ import dataclasses
 from collections.abc import Callable, Generator, Iterator
 
 from ..core.cache import AnyCache, CompressedKVCache, SegmentedKVCache
-from .answer import Answer, Answerer, Sampling, TextCallback, decode_config_for
-from .engine import Engine
+from ..engine.answer import Answer, Answerer, Sampling, TextCallback, decode_config_for
+from ..engine.engine import Engine
 from .segments import merge_segments, route
 
 Log = Callable[[str], None]

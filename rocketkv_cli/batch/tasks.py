@@ -1,12 +1,13 @@
-"""`rocketkv batch`: many documents and questions with one model load per worker (docs/batch.md).
+"""`rocketkv batch`, one row's work: many documents and questions with one model load per worker
+(docs/batch.md).
 
 Per manifest row: the document is ingested once into the build cache `DIR/<key>.kv`, the key
 being a sha256 of the document's bytes, the model's identity and the ingest settings (a file that
 exists and matches is reused), then its questions are answered from it and its summary made. Each
 result is a JSON line in a `manifest.Results` file, written as it finishes; a failing row becomes
-one error line with the one-line message `rocketkv ingest` / `ask` would print. Rows run in this
-process (`workers=1`), in `workers` local processes (`batch_pool`), or on a Ray cluster
-(`batch_ray`). Nothing here parses arguments or prints; progress and logs go through callbacks.
+one error line with the one-line message `rocketkv ingest` / `ask` would print. `run.py` hands
+the tasks to this process, a local pool (`pool.py`) or Ray (`ray_pool.py`). Nothing here parses
+arguments or prints; progress and logs go through callbacks.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..api.rocketkv import AnyCache, RocketKV, open_document
 from ..core.cache import SegmentedKVCache
 from ..core.config import PrefillConfig, default_kv_dtype
 from ..core.quant import KVStorage, resolved
-from ..errors import CacheFormatError, InputError, OutputError, RocketKVError, UsageError
-from .api import AnyCache, RocketKV, open_document
-from .manifest import BadRow, Results, Row, error_row, question_key, read_manifest, summary_key
+from ..errors import CacheFormatError, InputError, RocketKVError
+from .manifest import BadRow, Results, Row, error_row, question_key, summary_key
 
 Log = Callable[[str], None]
 
@@ -287,72 +288,3 @@ class Tracker:
                 del self.left[task_index]
                 self.state.documents_done += 1
         self.on_progress(self.state)
-
-
-def run_batch(
-    manifest: Path,
-    output: Path | None,
-    cache_dir: Path,
-    settings: BatchSettings,
-    workers: int | None = None,
-    ray_address: str | None = None,
-    on_progress: Callable[[BatchProgress], None] = lambda state: None,
-    log: Log = lambda message: None,
-) -> BatchReport:
-    """Run every row of `manifest` not yet answered in `output` (None: stdout, no resume).
-
-    workers: model copies: local processes (None: 1), or Ray actors with `ray_address` (an
-    address, `auto` for a running cluster, or `local` to start one for this run; None: the
-    cluster's CPUs divided by `settings.threads`).
-    Raises:
-        InputError: an unreadable manifest, Ray missing or unreachable. OutputError: the results
-        file or cache folder cannot be written. ModelLoadError: the model does not load.
-    """
-    if workers is not None and workers < 1:
-        raise UsageError(f"--workers must be at least 1, got {workers}")
-    rows = read_manifest(manifest)
-    if output is not None and output.exists() and os.path.samefile(output, manifest):
-        raise OutputError(f"-o {output} is the manifest itself", "choose another results file")
-    cache_dir = cache_dir.resolve()
-    results = Results(output)
-    try:
-        done = results.open(rows)
-        if sum(results.dropped.values()):
-            log(f"repaired {output}: dropped " + ", ".join(f"{n} {k} lines" for k, n in results.dropped.items() if n))
-        tasks = plan(rows, done)
-        tracker = Tracker(results, tasks, on_progress)
-        for row in rows:
-            if isinstance(row, BadRow):
-                tracker.write(None, error_row(row.id, row.line, row.error))
-        skipped = sum(isinstance(r, Row) for r in rows) - len(tasks)
-        if skipped:
-            log(f"skipping {skipped} rows already answered in {output}")
-        if tasks:
-            _make_dir(cache_dir)
-            if ray_address is not None:
-                from .batch_ray import run_on_ray
-
-                run_on_ray(ray_address, tasks, cache_dir, settings, workers, tracker, log)
-            elif (workers or 1) == 1:
-                rk = load_worker(settings)
-                for i, task in enumerate(tasks):
-                    for line in run_task(rk, task, cache_dir, settings, log):
-                        tracker.write(i, line)
-            else:
-                from .batch_pool import run_in_pool
-
-                run_in_pool(tasks, cache_dir, settings, workers or 1, tracker, log)
-        on_progress(tracker.state)
-    finally:
-        results.close()
-    return BatchReport(n_rows=len(rows), n_skipped=skipped, n_written=tracker.written,
-                       n_errors=tracker.state.errors, dropped=dict(results.dropped))  # fmt: skip
-
-
-def _make_dir(cache_dir: Path) -> None:
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OutputError(f"cannot create the cache folder {cache_dir}: {exc.strerror}", "pass --cache-dir") from None
-    if not os.access(cache_dir, os.W_OK):
-        raise OutputError(f"cannot write to the cache folder {cache_dir}", "pass a writable --cache-dir")

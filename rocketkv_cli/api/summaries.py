@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from functools import cache
 
 from ..core.cache import CompressedKVCache
+from ..engine.answer import Answer, Answerer, answer, decode_config_for
+from ..engine.documents import Document, tokenize
+from ..engine.engine import Engine
 from ..errors import InputError
 from ..model.templates import read_prompt
-from .answer import Answer, Answerer, answer, decode_config_for
-from .documents import Document, tokenize
-from .engine import Engine
 from .summary_check import degenerate_reasons, extract_sentences
 
 SUMMARY_STOP_STRINGS = ("\n\n\n",)  # summaries are paragraphs: only a long gap ends one early

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..api.checks import check_questions
 from ..errors import InputError, OutputError
-from .api import check_questions
 
 ROW_FIELDS = ("id", "document", "text", "questions", "summary")
 RowId = str | int

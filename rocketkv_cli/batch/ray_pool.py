@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InputError, ModelLoadError, RocketKVError
 
 if TYPE_CHECKING:
-    from .batch import BatchSettings, Log, Task, Tracker
+    from .tasks import BatchSettings, Log, Task, Tracker
 
 
 FATAL = "__rocketkv_fatal__"  # an actor's line saying its model did not load
@@ -34,8 +34,8 @@ class RowActor:
     [result line JSON]}`, every result line of those tasks (see `batch.run_task`)."""
 
     def __init__(self, settings: BatchSettings, cache_dir: str):
-        from .api import configure
-        from .batch import load_worker
+        from ..api.rocketkv import configure
+        from .tasks import load_worker
 
         configure(quiet=True, progress_bars=False)
         self.settings, self.cache_dir = settings, Path(cache_dir)
@@ -46,7 +46,7 @@ class RowActor:
             self.fatal = str(exc)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
-        from .batch import Task, run_task
+        from .tasks import Task, run_task
 
         if self.rk is None:
             return {"index": [int(i) for i in batch["index"]][:1], "line": [json.dumps({FATAL: self.fatal})]}

@@ -19,15 +19,15 @@ from ..errors import ModelLoadError, RocketKVError
 from .manifest import error_row
 
 if TYPE_CHECKING:
-    from .batch import BatchSettings, Log, Task, Tracker
+    from .tasks import BatchSettings, Log, Task, Tracker
 
 POLL_S = 0.5
 
 
 def _worker(worker_id: int, settings: BatchSettings, workers: int, cache_dir: Path, tasks, results, parent: int):
     """A worker process: load the model, then run tasks until the `None` sentinel or the parent is gone."""
-    from .api import configure
-    from .batch import Task, load_worker, run_task
+    from ..api.rocketkv import configure
+    from .tasks import Task, load_worker, run_task
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

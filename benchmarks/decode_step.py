@@ -65,7 +65,7 @@ def main() -> int:
     if direct is None:
         ap.error(f"{model_id}: its architecture has no direct decode step")
     from rocketkv_cli.engine.answer import decode_config_for
-    from rocketkv_cli.engine.engine import Decoder
+    from rocketkv_cli.engine.decoder import Decoder
     from rocketkv_cli.model import hf
     from rocketkv_cli.store.format import load_cache
 

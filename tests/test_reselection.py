@@ -13,8 +13,8 @@ from conftest import make_engine, text_of_bytes
 from rocketkv_cli.core.cache import CompressedKVCache, LayerKV
 from rocketkv_cli.core.config import PrefillConfig
 from rocketkv_cli.engine.answer import Answerer, decode_config_for
+from rocketkv_cli.engine.decoder import Decoder, reselection_for
 from rocketkv_cli.engine.documents import Document
-from rocketkv_cli.engine.engine import Decoder, reselection_for
 
 CFG = PrefillConfig(token_budget=32, max_new_tokens=8, window_size=8, pool_kernel_size=5, store_budget=128)
 DOC = Document(text_of_bytes(600, seed=4), "0" * 64, "d.txt")
@@ -252,8 +252,8 @@ def test__reconstruct_observation__ingests_and_keeps_the_highest_scored_keys(tmp
 
 
 def test__segmented_store_budget__merged_segments_reselect_the_chosen_segments_working_sets(engine):
-    from rocketkv_cli.engine.documents import TextPieces
     from rocketkv_cli.api.segments import answer_segmented, ingest_stream, merge_segments
+    from rocketkv_cli.engine.documents import TextPieces
 
     stored = ingest_stream(engine, TextPieces(text_of_bytes(1500, seed=6), "book.txt"), CFG, segment_tokens=400)
     assert len(stored.segments) >= 3
@@ -315,8 +315,8 @@ def test__preset_defaults__fill_only_the_fields_the_user_did_not_set():
 def test__api_ingest__takes_the_presets_defaults_unless_given(monkeypatch):
     """The Python API fills fields it is not given from `PRESET_PREFILL_DEFAULTS` of its model
     (here a tiny model registered as a preset for the test), and never a field it is given."""
-    from rocketkv_cli.core import config
     from rocketkv_cli.api.rocketkv import RocketKV
+    from rocketkv_cli.core import config
 
     engine = make_engine("llama")
     rk = RocketKV(engine)

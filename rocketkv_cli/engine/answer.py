@@ -23,7 +23,8 @@ from ..core.config import DecodeConfig
 from ..errors import BudgetError, InputError
 from ..model.hf import AttentionMass, attention_mass
 from .cite import Citation, baseline_mass, check_citable, cite, token_scores
-from .engine import QUESTION_RESERVE_TOKENS, Decoder, Engine
+from .decoder import Decoder
+from .engine import QUESTION_RESERVE_TOKENS, Engine
 from .stopping import AnswerTokens
 
 __all__ = ["Answer", "Answerer", "Sampling", "answer", "decode_config_for", "generate"]

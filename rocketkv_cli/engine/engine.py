@@ -13,17 +13,15 @@ No argument parsing or printing here; progress goes through callbacks.
 
 from __future__ import annotations
 
-import contextlib
 import shlex
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 
-from .. import ops
 from ..core.cache import CacheInfo, CompressedKVCache, LayerKV, ModelIdentity, SegmentInfo
-from ..core.config import DecodeConfig, PrefillConfig, Reselection, auto_pool_kernel_size, resolve_budgets
+from ..core.config import PrefillConfig, resolve_budgets
 from ..core.quant import KVStorage, resolved
 from ..core.stage1 import gather_tokens
 from ..errors import BudgetError, CacheFormatError, InputError
@@ -33,7 +31,6 @@ from ..model.hf import (
     ModelShape,
     Reconstruction,
     RocketCache,
-    RocketLayer,
     empty_cache,
     forward_tokens,
     model_shape,
@@ -43,7 +40,6 @@ from ..model.hf import (
 from ..model.loading import LoadedModel, chat_template_digest, model_digest, stop_token_ids, tokenizer_digest
 from ..model.step import DecodeStep, decode_step_for
 from ..model.templates import PromptFormat, prompt_format, read_prompt
-from ..model.weights import decode_step
 from .documents import Document, DocumentTokens, tokenize, tokenize_document
 
 QUESTION_RESERVE_TOKENS = 256  # room kept for a question when checking a document against the context
@@ -384,18 +380,6 @@ class Engine:
         return self.ingest_tokens(tokens, cfg, document.sha256, document.source, progress=progress, storage=storage)
 
 
-def reselection_for(cache: CompressedKVCache) -> Reselection | None:
-    """The per-question re-selection a cache asks for: None unless it was stored with a store
-    budget (`ingest --store-budget`); layers holding no more than its prompt budget are left
-    whole. Pooling follows the `auto` rule on the stored count (pooling runs over stored tokens,
-    which are sparser than the document's)."""
-    cfg, prompt_budget = cache.info.config, cache.info.budgets.prompt_budget
-    if cfg.store_budget is None:
-        return None
-    kernel = auto_pool_kernel_size(max(layer.n_kept_tokens for layer in cache.layers))
-    return Reselection(prompt_budget, cfg.window_size, kernel, cfg.n_first_tokens)  # select_kept_tokens fits them
-
-
 def _tensor_or_none(values: list[int] | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if values is None else torch.tensor(values, dtype=dtype)
 
@@ -405,113 +389,3 @@ def _last_tokens(kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], n_tokens: 
     keep = min(n_tokens, kv[0].shape[2])
     k, v, p = (t[:, :, -keep:].clone() for t in kv)
     return LayerKV(k, v, p)
-
-
-class Decoder:
-    """Answering state over one compressed cache: static KV buffers holding the stored context
-    followed by a preallocated tail of `tail_tokens` (question + answer), and the two verbs.
-
-    `prefill(ids)` runs a question's tokens with exact attention over context + themselves at
-    positions n, n+1, …; `decode_one_token(token)` runs one generated token at the next position
-    with stage-2 HSA (`decode`; None = exact attention). `reset()` drops the tail: the stored
-    context is never written, so one question cannot change another's answer.
-    """
-
-    def __init__(
-        self,
-        engine: Engine,
-        cache: CompressedKVCache,
-        tail_tokens: int,
-        decode: DecodeConfig | None,
-        reselect: bool = True,
-    ):
-        dev, dtype = engine.loaded.device, engine.loaded.dtype
-        layers = [RocketLayer(layer.keys.to(dev, dtype), layer.values.to(dev, dtype), layer.positions.to(dev),
-                              tail_tokens) for layer in cache.layers]  # fmt: skip
-        self.engine, self.decode = engine, decode
-        self.reselection = reselection_for(cache) if reselect else None
-        self.cache = RocketCache(layers)
-        self.n_context_tokens = cache.n_context_tokens
-        self.position = self.n_context_tokens  # RoPE position of the next token
-        self._token = torch.zeros(1, 1, dtype=torch.long, device=dev)  # [1, 1] static input
-        self._position = torch.zeros(1, dtype=torch.long, device=dev)  # [1]
-
-    @contextlib.contextmanager
-    def attention(self) -> Iterator[None]:
-        """rocketkv's attention over this decoder's cache (around a question's prefill + decode)."""
-        with rocketkv_attention(self.engine.model, self.cache, self.engine.shape, decode=self.decode):
-            yield
-
-    def prefill(self, ids: list[int]) -> torch.Tensor:
-        """Run `ids` at the next positions; returns the last position's logits `[1, V]` float32.
-
-        The first prefill after the stored context (a question) attends the whole stored context
-        exactly; with `reselection` set, each full-attention layer then narrows its context to the
-        question's working set (`select_working_set`) for the decode steps that follow."""
-        positions = torch.arange(self.position, self.position + len(ids), device=self._position.device)
-        if self.reselection is None or self.position != self.n_context_tokens:  # not a question's first prefill
-            logits = forward_tokens(self.engine.model, self.cache, self.engine.ids(ids), positions)
-        else:
-            with rocketkv_attention(self.engine.model, self.cache, self.engine.shape, decode=self.decode,
-                                    capture_from=self.position) as session:  # fmt: skip
-                logits = forward_tokens(self.engine.model, self.cache, self.engine.ids(ids), positions)
-            self.select_working_set(session.captured, self.reselection)
-        self.position += len(ids)
-        return logits
-
-    def select_working_set(self, captured: dict[int, list[torch.Tensor]], plan: Reselection) -> None:
-        """Per-question re-selection (docs/algorithm.md §4): in each full-attention layer whose
-        stored context holds more than `plan.prompt_budget` tokens, score the stored keys by the
-        attention the question's queries give them (`captured[layer]`: `[1, H, T, D]` pieces),
-        max-pool, keep the top `plan.prompt_budget` per KV head (the stored first and last tokens
-        included) and narrow the layer to them (`RocketLayer.select_context`)."""
-        for i, spec in enumerate(self.engine.shape.layers):
-            layer = self.cache.layers[i]
-            if spec.sliding_window is not None or layer.n_context <= plan.prompt_budget or i not in captured:
-                continue
-            queries = torch.cat(captured[i], dim=2)  # [1, H, T, D]
-            keys = layer.keys[:, :, : layer.n_context]  # [1, Hkv, S, D]
-            scores = ops.question_scores(queries, keys, spec.scaling, spec.softcap)  # [1, Hkv, S]
-            kept = ops.snapkv_select(scores, plan.prompt_budget, plan.window_size, plan.pool_kernel_size,
-                                     plan.n_first_tokens)  # [1, Hkv, prompt_budget]  # fmt: skip
-            layer.select_context(kept)
-
-    def decode_one_token(self, token: int) -> torch.Tensor:
-        """Run one token at the next position; returns its logits `[1, V]` float32."""
-        self._token.fill_(token)
-        self._position.fill_(self.position)
-        with decode_step():
-            if self.engine.step is not None:
-                logits = self.engine.step(self.cache, self._token, self._position)
-            else:
-                logits = forward_tokens(self.engine.model, self.cache, self._token, self._position)
-        self.position += 1
-        return logits
-
-    def score(self, ids: list[int], answer: list[int]) -> torch.Tensor:
-        """Teacher forcing: the logits `[len(answer), V]` float32 that predict each token of
-        `answer` after the question `ids` and the answer's earlier tokens. The question is
-        prefilled as `prefill` does it (it also chooses a re-selected working set), then the
-        answer's tokens run in one forward, each position attending with stage 2 and the decode
-        weights (`decode_step`) exactly as the decode step at that position would, so the logits
-        equal step-by-step decode (`tests/test_decode.py`). Leaves the tokens in the tail;
-        `reset()` drops them."""
-        with self.attention():
-            first = self.prefill(ids)  # [1, V]
-        if len(answer) == 1:
-            return first
-        rest = answer[:-1]
-        positions = torch.arange(self.position, self.position + len(rest), device=self._position.device)
-        with (
-            rocketkv_attention(self.engine.model, self.cache, self.engine.shape, decode=self.decode,
-                               hsa_from=self.position),
-            decode_step(),
-        ):  # fmt: skip
-            logits = forward_tokens(self.engine.model, self.cache, self.engine.ids(rest), positions, len(rest))
-        self.position += len(rest)
-        return torch.cat([first, logits.view(len(rest), -1)], dim=0)
-
-    def reset(self) -> None:
-        """Back to the stored context (the tail's tokens are forgotten)."""
-        self.cache.crop_to_context()
-        self.position = self.n_context_tokens

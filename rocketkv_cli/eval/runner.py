@@ -44,8 +44,9 @@ from ..core.config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_WINDOW_SIZE, PrefillCo
 from ..core.quant import KVStorage
 from ..engine.answer import decode_config_for, prepare_questions
 from ..engine.answer import generate as generate_answer
+from ..engine.decoder import Decoder
 from ..engine.documents import Document, tokenize
-from ..engine.engine import QUESTION_RESERVE_TOKENS, Decoder, Engine
+from ..engine.engine import QUESTION_RESERVE_TOKENS, Engine
 from ..errors import BudgetError
 from ..methods import Stage1Method, method_for, registry
 from ..store.format import load_cache, save_cache

@@ -24,8 +24,9 @@ from ..core.cache import CompressedKVCache, full_kv_bytes
 from ..core.config import PrefillConfig
 from ..core.quant import KVStorage
 from ..engine.answer import answer, decode_config_for, prepare_questions
+from ..engine.decoder import Decoder
 from ..engine.documents import Document
-from ..engine.engine import QUESTION_RESERVE_TOKENS, Decoder, Engine
+from ..engine.engine import QUESTION_RESERVE_TOKENS, Engine
 from ..store.format import load_cache, save_cache
 from .runner import match_fraction, token_agreement
 

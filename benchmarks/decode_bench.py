@@ -115,7 +115,7 @@ def decode_step_s(model, shape, cache, decode, n_positions: int, steps: int, war
         for i in range(warmup + steps):
             sync(device)
             t0 = time.perf_counter()
-            forward_tokens(model, cache, ids, n_positions + i)
+            forward_tokens(model, cache, ids, torch.tensor([n_positions + i], device=device))
             sync(device)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)

@@ -291,7 +291,7 @@ DESIGN = """\
 
 ### Why BM25 and not the stored keys (measured)
 
-`python scripts/routing_experiment.py --model M` plants 8 needles in a 30K-token KJV slice cut
+`python scripts/routing_experiment.py --model M` (measured with scripts/routing_experiment.py at commit db7884c; retired since) plants 8 needles in a 30K-token KJV slice cut
 into 8 segments of 4,096 tokens and ranks the segments for each needle's question two ways: BM25
 over the segments' words, and the question's own queries (a question-only forward pass, each
 full-attention layer's queries at the question's tokens) against each segment's kept keys (the

@@ -23,7 +23,8 @@ MAY_IMPORT = {
     "batch": {"core", "api"},  # batch jobs (local pool, Ray), above the Python API
     "eval": {"core", "ops", "model", "store", "methods", "engine"},
     "serve": {"core", "engine", "api"},  # the warm server, above the Python API
-    "cli": {"api", "batch", "engine", "eval", "core", "methods", "entry", "serve"},  # entry: the signal state
+    # cli: signals, the process's signal state; entry, the console script (only `python -m rocketkv_cli.cli`)
+    "cli": {"api", "batch", "engine", "eval", "core", "methods", "signals", "entry", "serve"},
     "kernels": set(),
 }
 # third-party packages only one sub-package may import
@@ -77,6 +78,87 @@ def test__imports_follow_the_architecture(package, path):
         if sub in ("errors", "__version__") or package not in MAY_IMPORT or sub == package:
             continue
         assert sub in allowed, f"{path.relative_to(ROOT)} imports {name}: {package}/ may import only {sorted(allowed)}"
+
+
+def module_name(package: str, path: Path) -> str:
+    """The dotted name of a module of the package (`rocketkv_kernels/x.py` is `rocketkv_cli.kernels.x`)."""
+    rel = path.relative_to(ROOT / "rocketkv_kernels" if package == "kernels" else PACKAGE).with_suffix("")
+    parts = ["rocketkv_cli"] + (["kernels"] if package == "kernels" else []) + list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(found: list[tuple[str, Path]]) -> dict[str, set[str]]:
+    """module → the package's modules it imports, from every import statement (module level, inside
+    functions, under TYPE_CHECKING). `from pkg import name` imports the module `pkg.name` when
+    there is one, else `pkg`; a name that is no module resolves to its longest module prefix. An
+    import of one of the module's own parent packages (`from .. import __version__`) is no edge:
+    Python imports them before the module anyway."""
+    names = {module_name(pkg, p): (pkg, p) for pkg, p in found}
+
+    def resolve(dotted: str) -> str | None:
+        parts = dotted.split(".")
+        while parts and ".".join(parts) not in names:
+            parts.pop()
+        return ".".join(parts) or None
+
+    graph: dict[str, set[str]] = {}
+    for name, (pkg, path) in names.items():
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {resolve(a.name) for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = here[: len(here) - node.level + 1] if node.level else []
+                mod = ".".join(base + ([node.module] if node.module else []))
+                targets |= {f"{mod}.{a.name}" if f"{mod}.{a.name}" in names else resolve(mod) for a in node.names}
+        parents = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+        graph[name] = {t for t in targets if t is not None and t != name and t not in parents}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph` as [a, b, …, a], or None (depth-first search, three colours)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test__no_import_cycles():
+    """No module of the package imports, directly or through others, a module that imports it."""
+    cycle = find_cycle(import_graph(modules()))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test__a_cycle_is_caught():
+    """The cycle finder itself: two probe modules that import each other are named."""
+    a, b = PACKAGE / "core" / "_probe_cycle_a.py", PACKAGE / "core" / "_probe_cycle_b.py"
+    a.write_text("def f():\n    from . import _probe_cycle_b\n")
+    b.write_text("from ._probe_cycle_a import f\n")
+    try:
+        graph = import_graph(modules())
+        cycle = find_cycle({name: graph[name] for name in graph if name.startswith("rocketkv_cli.core.")})
+        probes = ["rocketkv_cli.core._probe_cycle_a", "rocketkv_cli.core._probe_cycle_b"]
+        assert cycle == [*probes, probes[0]], cycle
+    finally:
+        a.unlink()
+        b.unlink()
 
 
 def test__rules_see_every_sub_package():

@@ -535,9 +535,9 @@ def test__interrupt_that_a_library_swallowed__still_exits_as_the_interrupt():
     exits 130 silently while it parses; others return 0): the one line and 130, not the raw code."""
     script = (
         "import torch, rocketkv_cli.cli as cli\n"
-        "from rocketkv_cli import entry\n"
+        "from rocketkv_cli import entry, signals\n"
         "def app(args):\n"
-        "    entry._received.append(2)  # SIGINT, received and swallowed\n"
+        "    signals._received.append(2)  # SIGINT, received and swallowed\n"
         "    raise SystemExit(0)\n"
         "cli.app = app\n"
         "entry.main()\n"

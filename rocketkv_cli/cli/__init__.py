@@ -103,10 +103,3 @@ COMMANDS = [
 for _name, _fn, _short in COMMANDS:
     app.command(name=_name, short_help=_short, cls=Command)(command(_fn))
 
-
-def run() -> None:
-    """The command line with rocketkv's signal handling (the console script itself is
-    `rocketkv_cli.entry:main`, which installs that handling before this module is imported)."""
-    from ..entry import main as entry_main
-
-    entry_main()

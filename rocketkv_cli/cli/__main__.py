@@ -1,5 +1,6 @@
-"""`python -m rocketkv_cli.cli`: the same as the `rocketkv` command."""
+"""`python -m rocketkv_cli.cli`: the same as the `rocketkv` command (`entry.main`: the signal
+handling first, then this package)."""
 
-from . import run
+from ..entry import main
 
-run()
+main()

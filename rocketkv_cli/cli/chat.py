@@ -18,9 +18,9 @@ from typing import Annotated, Optional
 import typer
 
 from ..core.config import DEFAULT_TOKEN_BUDGET
-from ..entry import handled
 from ..errors import RocketKVError, UsageError
 from ..serve.client import home
+from ..signals import handled
 from .answers import (
     AnswerPrinter,
     CiteOpt,

@@ -33,8 +33,8 @@ from rich.progress import (
 )
 from rich.text import Text
 
-from ..entry import EXIT_CODES, MESSAGES, Terminated, install, mark_reported, received
 from ..errors import InputError, RocketKVError, UsageError
+from ..signals import EXIT_CODES, MESSAGES, Terminated, install, mark_reported, received
 
 err = Console(stderr=True, highlight=False)
 _state: dict = {"quiet": False, "threads": None}
@@ -84,7 +84,7 @@ def stdout_usable() -> bool:
 def command(fn):
     """Wrap a command body: known errors → one line + exit 1 (usage errors 2); Ctrl-C → 130; SIGTERM → 143.
 
-    Signals are handled by `rocketkv_cli.entry` (installed before the heavy imports); an
+    Signals are handled by `rocketkv_cli.signals` (installed before the heavy imports); an
     unexpected error after a signal was received is reported as that signal (an interrupted
     import can resurface as an ImportError much later)."""
 

@@ -1,0 +1,72 @@
+"""Signal state of the `rocketkv` process, standard library only: the SIGINT and SIGTERM handlers
+(`install`, raising KeyboardInterrupt or `Terminated`), the signals received (`received`,
+`handled`) and the one-line exit for them (`exit_for_signal`: 130 or 143).
+
+The console script (`entry.py`) installs the handlers before the heavy imports; `cli/common.py`
+reads the state so that an interrupt that a library turned into another exception on its way up
+(an import interrupted half-way resurfaces later as an ImportError) still exits as an interrupt,
+not as an "unexpected" error.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+EXIT_CODES: dict[int, int] = {signal.SIGINT: 130, signal.SIGTERM: 143}
+MESSAGES: dict[int, str] = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
+_received: list[int] = []  # signal numbers received by this process, in order
+_reported: list[int] = []  # signals whose one-line message was printed (here or by `cli.common`)
+
+
+class Terminated(BaseException):
+    """Raised by the SIGTERM handler so that cleanup (`finally`) runs before exit 143. A
+    BaseException, like KeyboardInterrupt, so that `except Exception` blocks do not swallow it."""
+
+
+def _on_signal(signum: int, frame) -> None:  # pragma: no cover - exercised through subprocess tests
+    _received.append(signum)
+    if signum == signal.SIGTERM:
+        raise Terminated()
+    raise KeyboardInterrupt()
+
+
+def install() -> None:
+    """Handle SIGINT and SIGTERM by raising (KeyboardInterrupt, `Terminated`) and recording them.
+
+    A signal that was ignored when the process started (a background job started with SIGINT
+    ignored, `nohup`) stays ignored, as the shell intended. Idempotent."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(signum) not in (signal.SIG_IGN, None):
+            signal.signal(signum, _on_signal)
+
+
+def received() -> int | None:
+    """The first SIGINT/SIGTERM this process received (a signal number), or None."""
+    return _received[0] if _received else None
+
+
+def handled() -> None:
+    """Forget the signals received so far: the command dealt with them (`chat` cancels an answer on
+    Ctrl-C and goes on), so they must not turn its later exit into an interrupt's."""
+    _received.clear()
+
+
+def mark_reported(signum: int) -> None:
+    """Note that the message for `signum` was printed (so that it is printed once)."""
+    _reported.append(signum)
+
+
+def exit_for_signal(signum: int) -> None:
+    """Print the one-line message for `signum` on stderr unless it was printed already, and exit
+    with its code (no Rich needed)."""
+    for other in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not interrupt the exit itself
+        signal.signal(other, signal.SIG_IGN)
+    if not _reported:
+        try:
+            sys.stderr.write(f"Error: {MESSAGES[signum]}\n")
+            sys.stderr.flush()
+        except (OSError, ValueError, AttributeError):  # stderr closed: the exit code still says it
+            pass
+        mark_reported(signum)
+    raise SystemExit(EXIT_CODES[signum])

@@ -96,7 +96,7 @@ def check_cache_file(path: str | Path) -> None:
         raise CacheFormatError(f"no permission to read cache {path}", "check the file's permissions") from None
     except OSError as exc:
         raise CacheFormatError(f"cannot read cache {path}: {exc.strerror}") from None
-    # the safetensors framing, checked here without torch (as `store.format.parse_header` checks it
+    # the safetensors framing, checked here without torch (as `store.header.parse_header` checks it
     # again): a text file given as a cache is refused at once, not after the seconds of an import
     hint = "give a .kv file written by: rocketkv ingest DOC -o FILE.kv"
     if _looks_like_text(head):

@@ -178,3 +178,54 @@ def test__a_forbidden_import_is_caught():
             test__imports_follow_the_architecture("core", bad)
     finally:
         bad.unlink()
+
+
+# scripts/ (reports) and benchmarks/ (timings) use the package through its layers (docs/architecture.md)
+SCRIPTS_MAY_IMPORT = {"api", "batch", "core", "engine", "eval", "methods", "model", "serve", "store"}
+BENCHMARKS_MAY_IMPORT = SCRIPTS_MAY_IMPORT | {"ops", "kernels"}
+SCRIPTS_NOT_THIRD_PARTY = {"transformers", "safetensors", "triton"}  # the layers that own them are in between
+TOOLS = [(d, p) for d in ("scripts", "benchmarks") for p in sorted((ROOT / d).glob("*.py"))]
+
+
+@pytest.mark.parametrize("folder, path", TOOLS, ids=[f"{d}/{p.name}" for d, p in TOOLS])
+def test__scripts_and_benchmarks_import_only_public_layers(folder, path):
+    """Every import statement of scripts/ and benchmarks/: no private name, no `cli` (reports run the
+    installed CLI in a subprocess), reports no `ops`, `kernels` or the third-party packages a layer
+    owns, and each imported module and name exists (a module moved by a refactor fails here, not in
+    a report run months later)."""
+    import importlib
+    import importlib.util
+
+    allowed = SCRIPTS_MAY_IMPORT if folder == "scripts" else BENCHMARKS_MAY_IMPORT
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found = [(a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found = [(node.module or "", [a.name for a in node.names])]
+        else:
+            continue
+        for module, names in found:
+            where, parts = f"{folder}/{path.name} imports {module}", module.split(".")
+            if folder == "scripts":
+                assert parts[0] not in SCRIPTS_NOT_THIRD_PARTY, f"{where}: only through the package's layers"
+            if parts[0] != "rocketkv_cli":
+                continue
+            assert not [n for n in parts[1:] + names if n.startswith("_") and n != "__version__"], f"{where}: private"
+            if len(parts) > 1 and parts[1] not in ("errors", "__version__"):
+                assert parts[1] in allowed, f"{where}: {folder}/ may import only {sorted(allowed)}"
+            mod = importlib.import_module(module)
+            for name in names:
+                is_module = hasattr(mod, "__path__") and importlib.util.find_spec(f"{module}.{name}") is not None
+                assert hasattr(mod, name) or is_module, f"{where}: it has no {name} (moved?)"
+
+
+def test__a_forbidden_script_import_is_caught(tmp_path):
+    """The scripts' checker itself: a report importing a kernel, a private name or a moved module fails."""
+    for text, match in (("from rocketkv_cli.kernels import sparse_attention\n", "may import only"),
+                        ("from rocketkv_cli.core.quant import _no_such\n", "private"),
+                        ("from rocketkv_cli.core.config import no_such_name\n", "no no_such_name"),
+                        ("import transformers\n", "layers")):  # fmt: skip
+        bad = tmp_path / "report.py"
+        bad.write_text(text)
+        with pytest.raises(AssertionError, match=match):
+            test__scripts_and_benchmarks_import_only_public_layers("scripts", bad)

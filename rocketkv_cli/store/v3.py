@@ -1,11 +1,13 @@
 """Formats v3 and v4: every cache as segments (one or more), keys/values in their storage form (a
 float dtype, or int8/int4 codes with group scales; v4: plus float16 sink tokens), positions (v3:
 int32; v4: int16 where every position fits it, else int32), and per-token ids, character
-offsets and lines (v4: lines as runs). This module writes v4 and reads both. Each segment's
-tensors occupy two contiguous byte ranges — its KV, then its tokens — each with its own sha256 in
-the metadata, so a reader verifies exactly the bytes it reads, when it reads them: `ask` on a book
-reads the token ranges (for routing) and the KV of the segments it answers from only. The layout
-is plain safetensors (8-byte aligned, no holes: each range is padded with a small `pad` tensor).
+offsets and lines (v4: lines as runs). This module defines the layout and writes v4 (v5 for
+allocated key bits); `v3_read.py` reads v3–v5. Each segment's tensors occupy two contiguous byte
+ranges — its KV, then its tokens — each with its own sha256 in the metadata, so a reader
+verifies exactly the bytes it reads, when it reads them: `ask` on a book reads the token ranges
+(for routing) and the KV of the segments it answers from only. The layout is plain safetensors
+(8-byte aligned, no holes: each range is padded with a small `pad` tensor), written by hand:
+docs/file-format.md says why not through the `safetensors` library.
 """
 
 from __future__ import annotations

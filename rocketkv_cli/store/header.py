@@ -137,6 +137,7 @@ def parse_header(f: CacheFile, rebuild: str) -> dict:
 
 
 def is_count(x: Any) -> bool:
+    """A non-negative int (not a bool), as header and metadata counts must be."""
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 

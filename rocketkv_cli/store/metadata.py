@@ -29,6 +29,7 @@ BUDGET_FIELDS = ("prompt_budget", "capacity_budget", "topk", "page_size", "n_sco
 
 
 def now() -> str:
+    """The current UTC time, ISO 8601 to the second (`created_at`)."""
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
@@ -177,4 +178,5 @@ def token_ids_ok(ids: torch.Tensor | None, info: CacheInfo, required: bool) -> b
 
 
 def all_segments(cache: AnyCache) -> tuple[CompressedKVCache, ...]:
+    """The segments of `cache` in order: itself when it has one."""
     return cache.segments if isinstance(cache, SegmentedKVCache) else (cache,)

@@ -47,8 +47,9 @@ from .checks import check_cite, check_decode_options, check_model_choice, check_
 from .checks import configure as configure
 from .checks import decode_weights_for as decode_weights_for
 from .checks import pending_checkpoints as pending_checkpoints
-from .segments import PartialSummary, SegmentDone, answer_segmented, ingest_stream, summarize
+from .segments import SegmentDone, answer_segmented, ingest_stream
 from .session import AnswerStream, Session
+from .summaries import PartialSummary, summarize
 
 Log = Callable[[str], None]
 

@@ -1,5 +1,6 @@
 """Documents longer than the model's context: segmented ingest (checkpointed and resumable),
-routing each question to the segments that hold its answer, and hierarchical summaries.
+routing each question to the segments that hold its answer (hierarchical summaries over the
+segments: `summaries.summarize`).
 
 Design (README "How it works"): the document is cut at line ends into segments that each fit the
 context; each segment is prefilled on its own at RoPE positions 0 … n_j−1 and pruned with
@@ -29,9 +30,7 @@ from ..engine.documents import Document, TextPieces, TextStream, segment_texts, 
 from ..engine.engine import Engine, TokenProgress
 from ..errors import BudgetError, CacheFormatError, InputError, UsageError
 from ..model.hf import empty_cache, forward_tokens, rocketkv_attention
-from ..model.templates import read_prompt
 from ..store.checkpoints import Checkpoints
-from .summaries import Summary, extracted, summarize_part
 
 SEGMENT_SLACK_TOKENS = 16  # joint tokenization of a segment may differ from the per-line count
 MIN_SEGMENT_TEXT_TOKENS = 64
@@ -337,74 +336,3 @@ def answer_segmented(
             yield dataclasses.replace(ans, segments=tuple(chosen))
 
     return answers()
-
-
-@dataclass(frozen=True)
-class PartialSummary:
-    """Progress event of a hierarchical summary: the summary of segment `index` of `total` at
-    `level`, made in `mode` (see `summaries.MODES`)."""
-
-    level: int
-    index: int
-    total: int
-    text: str
-    mode: str = "abstractive"
-
-
-def summarize(
-    engine: Engine,
-    stored: CompressedKVCache | SegmentedKVCache,
-    cfg: PrefillConfig,
-    max_new_tokens: int,
-    sparse: bool = True,
-    on_partial: Callable[[PartialSummary], None] = lambda event: None,
-    prompt: str | None = None,
-    level: int = 0,
-    on_text: TextCallback | None = None,
-    extractive: bool = False,
-    source: str | None = None,
-) -> Summary:
-    """Summary of a stored document; hierarchical when it is segmented. Never a degenerate one.
-
-    A one-segment cache is summarized in the framing chosen by docs/framings.md: a base model
-    (plain framing) continues the document with `prompts/summarize_plain.txt`; a chat model is
-    asked the summary prompt (`prompts/summarize.txt`, or `prompt`) as a question (stop strings
-    `summaries.SUMMARY_STOP_STRINGS`). A degenerate result is asked for once more in another framing, then
-    replaced by extracted sentences (`summaries.summarize_part`; `extractive`: extract at once,
-    no model writing). A segmented one: each segment is summarized (reported through
-    `on_partial`), the summaries are joined in order into a new text, which is ingested in memory
-    with `cfg` and summarized with `summarize_parts.txt`, recursively while it is still longer
-    than the context (`extractive`: the sentences are extracted from the joined summaries, with
-    nothing ingested). `source`: the text an extractive fallback picks from (default: the
-    cache's own). `on_text` is given the final summary once it has passed the checks (one piece).
-    Returns the final summary (`Summary.mode` says how it was made).
-    Raises:
-        BudgetError: summaries that do not shrink (the recursion would never end).
-        InputError: extraction from a cache without token ids.
-    """
-    if isinstance(stored, CompressedKVCache):
-        final = summarize_part(engine, stored, prompt or read_prompt("summarize.txt"), max_new_tokens, sparse,
-                               extractive, source)  # fmt: skip
-        if on_text is not None:
-            on_text(final.text)
-        return final
-    n = len(stored.segments)
-    partials = []
-    for j, part in enumerate(stored.segments):
-        written = summarize_part(engine, part, read_prompt("summarize.txt"), max_new_tokens, sparse, extractive)
-        partials.append(written.text)
-        on_partial(PartialSummary(level=level, index=j, total=n, text=written.text, mode=written.mode))
-    if extractive:
-        final = extracted("\n\n".join(partials), read_prompt("summarize_parts.txt"))
-        if on_text is not None:
-            on_text(final.text)
-        return final
-    joined = "\n\n".join(f"Part {j + 1} of {n}: {text}" for j, text in enumerate(partials))
-    combined = ingest_stream(engine, TextPieces(joined, f"summaries (level {level + 1})"), cfg)
-    if isinstance(combined, SegmentedKVCache) and len(combined.segments) >= n:
-        raise BudgetError(
-            f"the summaries of {n} parts do not fit in fewer parts; the summary would never finish",
-            "lower --max-new-tokens",
-        )
-    return summarize(engine, combined, cfg, max_new_tokens, sparse, on_partial, read_prompt("summarize_parts.txt"),
-                     level + 1, on_text, source="\n\n".join(partials))  # fmt: skip

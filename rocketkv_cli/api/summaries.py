@@ -1,4 +1,7 @@
-"""One summary of one stored part, never a degenerate one: the model writes it, is asked once more
+"""Summaries of a stored document, never a degenerate one; hierarchical over a segmented cache
+(`summarize`: each segment, then the joined summaries, ingested in memory, recursively).
+
+One summary of one stored part (`summarize_part`): the model writes it, is asked once more
 in another framing when the result is degenerate (`summary_check.degenerate_reasons`), and the
 part's most central sentences are extracted when that is degenerate too.
 
@@ -6,7 +9,7 @@ Modes (`Summary.mode`): "abstractive" (the first framing's text, unchanged), "ab
 (`prompts/summarize_retry.txt` asked as a question in the cache's question framing: for the base
 model, which is first asked to continue the document after "Summary:", this is the question
 framing; for a chat model, a reworded request) and "extractive" (`summary_check.extract_sentences`
-over the part's text, decoded from its stored token ids). `segments.summarize` runs it for every
+over the part's text, decoded from its stored token ids). `summarize` runs it for every
 part and for the final condensation. No printing here.
 """
 
@@ -14,15 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
-from ..core.cache import CompressedKVCache
-from ..engine.answer import Answer, Answerer, answer, decode_config_for
-from ..engine.documents import Document, tokenize
+from ..core.cache import CompressedKVCache, SegmentedKVCache
+from ..core.config import PrefillConfig
+from ..engine.answer import Answer, Answerer, TextCallback, answer, decode_config_for
+from ..engine.documents import Document, TextPieces, tokenize
 from ..engine.engine import Engine
-from ..errors import InputError
+from ..errors import BudgetError, InputError
 from ..model.templates import read_prompt
+from .segments import ingest_stream
 from .summary_check import degenerate_reasons, extract_sentences
 
 SUMMARY_STOP_STRINGS = ("\n\n\n",)  # summaries are paragraphs: only a long gap ends one early
@@ -30,7 +36,7 @@ MODES = ("abstractive", "abstractive-retry", "extractive")
 PROMPT_FILES = ("summarize.txt", "summarize_parts.txt", "summarize_plain.txt", "summarize_retry.txt",
                 "plain.txt", "chat.txt")  # fmt: skip
 EXTRACTED_STOP_REASON = "extracted"
-PART_LABEL = re.compile(r"(?m)^Part \d+ of \d+: ")  # how `segments.summarize` labels the joined summaries
+PART_LABEL = re.compile(r"(?m)^Part \d+ of \d+: ")  # how `summarize` labels the joined summaries
 
 
 @dataclass(frozen=True)
@@ -123,3 +129,74 @@ def summarize_part(
             return Summary(**fields, mode=mode, rejected=tuple(rejected))
         rejected.append(f"{mode}: {', '.join(reasons)}")
     return extracted(source if source is not None else part_text(engine, part), prompt, tuple(rejected))
+
+
+@dataclass(frozen=True)
+class PartialSummary:
+    """Progress event of a hierarchical summary: the summary of segment `index` of `total` at
+    `level`, made in `mode` (see `summaries.MODES`)."""
+
+    level: int
+    index: int
+    total: int
+    text: str
+    mode: str = "abstractive"
+
+
+def summarize(
+    engine: Engine,
+    stored: CompressedKVCache | SegmentedKVCache,
+    cfg: PrefillConfig,
+    max_new_tokens: int,
+    sparse: bool = True,
+    on_partial: Callable[[PartialSummary], None] = lambda event: None,
+    prompt: str | None = None,
+    level: int = 0,
+    on_text: TextCallback | None = None,
+    extractive: bool = False,
+    source: str | None = None,
+) -> Summary:
+    """Summary of a stored document; hierarchical when it is segmented. Never a degenerate one.
+
+    A one-segment cache is summarized in the framing chosen by docs/framings.md: a base model
+    (plain framing) continues the document with `prompts/summarize_plain.txt`; a chat model is
+    asked the summary prompt (`prompts/summarize.txt`, or `prompt`) as a question (stop strings
+    `summaries.SUMMARY_STOP_STRINGS`). A degenerate result is asked for once more in another framing, then
+    replaced by extracted sentences (`summaries.summarize_part`; `extractive`: extract at once,
+    no model writing). A segmented one: each segment is summarized (reported through
+    `on_partial`), the summaries are joined in order into a new text, which is ingested in memory
+    with `cfg` and summarized with `summarize_parts.txt`, recursively while it is still longer
+    than the context (`extractive`: the sentences are extracted from the joined summaries, with
+    nothing ingested). `source`: the text an extractive fallback picks from (default: the
+    cache's own). `on_text` is given the final summary once it has passed the checks (one piece).
+    Returns the final summary (`Summary.mode` says how it was made).
+    Raises:
+        BudgetError: summaries that do not shrink (the recursion would never end).
+        InputError: extraction from a cache without token ids.
+    """
+    if isinstance(stored, CompressedKVCache):
+        final = summarize_part(engine, stored, prompt or read_prompt("summarize.txt"), max_new_tokens, sparse,
+                               extractive, source)  # fmt: skip
+        if on_text is not None:
+            on_text(final.text)
+        return final
+    n = len(stored.segments)
+    partials = []
+    for j, part in enumerate(stored.segments):
+        written = summarize_part(engine, part, read_prompt("summarize.txt"), max_new_tokens, sparse, extractive)
+        partials.append(written.text)
+        on_partial(PartialSummary(level=level, index=j, total=n, text=written.text, mode=written.mode))
+    if extractive:
+        final = extracted("\n\n".join(partials), read_prompt("summarize_parts.txt"))
+        if on_text is not None:
+            on_text(final.text)
+        return final
+    joined = "\n\n".join(f"Part {j + 1} of {n}: {text}" for j, text in enumerate(partials))
+    combined = ingest_stream(engine, TextPieces(joined, f"summaries (level {level + 1})"), cfg)
+    if isinstance(combined, SegmentedKVCache) and len(combined.segments) >= n:
+        raise BudgetError(
+            f"the summaries of {n} parts do not fit in fewer parts; the summary would never finish",
+            "lower --max-new-tokens",
+        )
+    return summarize(engine, combined, cfg, max_new_tokens, sparse, on_partial, read_prompt("summarize_parts.txt"),
+                     level + 1, on_text, source="\n\n".join(partials))  # fmt: skip

@@ -110,7 +110,7 @@ class RemoteChat:
 
 def summarize_remote(server: Server, cache: Path, options: dict, on_partial) -> SimpleNamespace:
     """A summary of `cache` made by `server`; `on_partial(event)` per partial summary (an object with
-    level, index, total, text, mode, as `api.segments.PartialSummary`). Returns the final summary
+    level, index, total, text, mode, as `api.summaries.PartialSummary`). Returns the final summary
     (text, n_answer_tokens, stop_reason, mode, rejected). Raises the server's error as its type."""
     from ..engine.preflight import check_cache_file
 

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..core.config import DEFAULT_TOKEN_BUDGET
+from ..core.config import AttentionChoice
 from ..errors import InputError, UsageError
 from ..serve.client import MAX_QUESTIONS
 from .answers import (
@@ -26,18 +26,7 @@ from .answers import (
     sampling_note,
     usage_error,
 )
-from .common import (
-    Timings,
-    cache_budget_note,
-    ingest,
-    load_engine,
-    log,
-    open_stream,
-    prefill_config,
-    setup,
-    starting,
-    threads_note,
-)
+from .common import Timings, cache_budget_note, log, setup, threads_note
 from .options import (
     CacheOpt,
     DenseOpt,
@@ -64,6 +53,7 @@ from .options import (
     WeightsOpt,
 )
 from .remote import ask_remote, server_for
+from .sources import DocumentReading, ModelChoice, open_source
 
 
 def read_questions(positional: list[str], questions_file: Optional[str], doc_is_stdin: bool) -> list[str]:
@@ -90,31 +80,29 @@ def read_questions(positional: list[str], questions_file: Optional[str], doc_is_
     return questions
 
 
-def open_cache(cache: Path, model: Optional[str], device: str, dtype: Optional[str], trust_remote_code: bool,
-               weights: Optional[str] = None, timings: Timings | None = None, cite: int = 0,
-               segments: int = 1, decode_options: dict | None = None):  # fmt: skip
-    """Validate the file (and that it can give `cite` citations, and that `decode_options`, the
-    stage-2 overrides, suit its budgets), load the model it was built with (or `model`), check
-    they match."""
-    from ..engine.preflight import check_cache_file
+def questions_of(args: Optional[list[str]], cache: Optional[Path], questions_file: Optional[str]):
+    """(DOC or None, questions) from the arguments: the usage errors come first, before the engine
+    (torch) is imported. Raises typer.BadParameter (exit 2), UsageError, InputError."""
+    args = list(args or [])
+    if cache is None and not args:
+        raise usage_error("QUESTION...", "missing: give --cache FILE.kv QUESTION..., or DOC QUESTION...")
+    doc, rest = (None, args) if cache is not None else (args[0], args[1:])
+    questions = read_questions(rest, questions_file, doc == "-")
+    if not questions and questions_file is not None:  # given, but it holds no question
+        where = "stdin" if questions_file == "-" else questions_file
+        raise InputError(f"no questions in {where}", "write one question per line")
+    if not questions:
+        raise usage_error("QUESTION...", "missing: pass questions as arguments or with --questions-file")
+    return doc, questions
 
-    check_cache_file(cache)  # a missing or unreadable path fails before torch is imported
-    timings = timings or Timings()
-    with timings.span("imports (torch, transformers)"), starting():
-        from ..api.rocketkv import check_cite, check_decode_options, check_model_choice, decode_weights_for, read_cache
 
-    with timings.span("cache read + verify"):
-        stored = read_cache(cache)
-    check_model_choice(stored, model, cache)
-    check_cite(stored, cite, segments)
-    check_decode_options(stored, **(decode_options or {}))
-    ident = stored.info.identity
-    with timings.span("model load"):
-        rk = load_engine(model or ident.model_id, device, dtype or stored.info.dtype, trust_remote_code,
-                         weights or decode_weights_for(stored))  # fmt: skip
-    with timings.span("model identity check"):
-        rk.check(stored, str(cache))
-    return rk, stored
+def check_attention(dense: bool, hsa: bool) -> None:
+    """`--dense` with `--hsa`: the API's refusal (`AttentionChoice`) shown as a usage error of --hsa
+    (exit 2), before the model loads."""
+    try:
+        AttentionChoice(dense=dense, hsa=hsa)
+    except UsageError as exc:
+        raise usage_error("--hsa", f"{exc.message}: {exc.hint}") from None
 
 
 def print_answers(answers, questions: list[str], source: str, printer: AnswerPrinter,
@@ -185,19 +173,9 @@ def ask_command(
     decoded; several questions are shown as Q:/A: records (see --format). With --cache, a running
     `rocketkv serve` answers (the model and cache stay loaded there); --no-server answers here.
     """
-    args = list(args or [])  # usage errors first: before the engine (torch) is imported
-    if cache is None and not args:
-        raise usage_error("QUESTION...", "missing: give --cache FILE.kv QUESTION..., or DOC QUESTION...")
-    doc, rest = (None, args) if cache is not None else (args[0], args[1:])
-    questions = read_questions(rest, questions_file, doc == "-")
-    if not questions and questions_file is not None:  # given, but it holds no question
-        where = "stdin" if questions_file == "-" else questions_file
-        raise InputError(f"no questions in {where}", "write one question per line")
-    if not questions:
-        raise usage_error("QUESTION...", "missing: pass questions as arguments or with --questions-file")
+    doc, questions = questions_of(args, cache, questions_file)  # usage errors first: before torch is imported
     fmt, stream = resolve_format(fmt, json_out, stream, len(questions), cite)
-    if dense and hsa:  # before the model loads (the API checks it too)
-        raise usage_error("--hsa", "--dense and --hsa contradict each other: give one of them")
+    check_attention(dense, hsa)
     timings = Timings()
     setup(quiet, threads)
     if note := sampling_note(temperature, seed):
@@ -205,37 +183,17 @@ def ask_command(
     options = {"max_new_tokens": max_new_tokens, "dense": dense, "hsa": hsa, "topk": topk, "page_size": page_size,
                "n_score_dims": n_score_dims, "segments": segments, "segment": segment, "temperature": temperature,
                "top_p": top_p, "seed": seed, "cite": passages if cite else 0}  # fmt: skip
-    remote = server_for(server, no_server or len(questions) > MAX_QUESTIONS) if doc is None else None
-    if remote is not None:
-        assert cache is not None  # doc is None: --cache was given
-        cache_budget_note(budget, cache)
-        ask_remote(remote, cache, questions, {**options, "model": model, "device": device, "dtype": dtype,
-                                               "weights": weights, "trust_remote_code": trust_remote_code},
-                   AnswerPrinter(fmt, stream), timings)  # fmt: skip
-        if verbose:
-            log(f"answered by the server at {remote.url}")
-            log(timings.summary())
-        return
-    if doc is None:
-        assert cache is not None  # one of the two, checked above
-        cache_budget_note(budget, cache)
-        rk, stored = open_cache(cache, model, device, dtype, trust_remote_code, weights, timings,
-                                cite=passages if cite else 0, segments=segments,
-                                decode_options={"dense": dense, "hsa": hsa, "topk": topk, "page_size": page_size,
-                                                "n_score_dims": n_score_dims})  # fmt: skip
-        source = str(cache)
-    else:
-        cfg = prefill_config(
-            token_budget=DEFAULT_TOKEN_BUDGET if budget is None else budget,
-            max_new_tokens=128 if max_new_tokens is None else max_new_tokens,
-        )
-        document = open_stream(doc, encoding, errors)
-        rk = load_engine(model, device, dtype or "auto", trust_remote_code, weights)
-        stored = ingest(rk, document, cfg, segment_tokens=segment_tokens).cache
-        source = doc
+    choice = ModelChoice(model, device, dtype, weights, trust_remote_code)
     printer = AnswerPrinter(fmt, stream)
-    answers = rk.ask(stored, questions, on_text=printer.piece, log=log, **options)
-    print_answers(answers, questions, source, printer, timings)
+    remote = server_for(server, no_server or len(questions) > MAX_QUESTIONS) if doc is None else None
+    if remote is not None and cache is not None:  # doc is None: --cache was given
+        cache_budget_note(budget, cache)
+        ask_remote(remote, cache, questions, {**options, **choice.for_server()}, printer, timings)
+    else:
+        reading = DocumentReading(encoding, errors, segment_tokens)
+        rk, stored, source = open_source(doc, cache, choice, budget, options, reading, timings)
+        print_answers(rk.ask(stored, questions, on_text=printer.piece, log=log, **options), questions, source,
+                      printer, timings)  # fmt: skip
     if verbose:
-        log(threads_note())
+        log(f"answered by the server at {remote.url}" if remote is not None else threads_note())
         log(timings.summary())

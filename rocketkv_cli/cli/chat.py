@@ -17,7 +17,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..core.config import DEFAULT_TOKEN_BUDGET
+from ..core.config import AttentionChoice
 from ..errors import RocketKVError, UsageError
 from ..serve.client import home
 from ..signals import handled
@@ -32,8 +32,7 @@ from .answers import (
     check_question_text,
     sampling_note,
 )
-from .ask import open_cache
-from .common import cache_budget_note, err, fail, ingest, load_engine, log, open_stream, prefill_config, setup
+from .common import cache_budget_note, err, fail, log, setup
 from .options import (
     CacheOpt,
     DenseOpt,
@@ -57,6 +56,7 @@ from .options import (
     WeightsOpt,
 )
 from .remote import RemoteChat, Turn, server_for
+from .sources import DocumentReading, ModelChoice, open_source
 
 PROMPT = "> "
 
@@ -161,49 +161,29 @@ def chat_command(
         raise UsageError("give either --cache FILE.kv or DOC", "e.g. rocketkv chat --cache book.kv")
     if document == "-":
         raise UsageError("chat reads its questions from stdin, so DOC cannot be -", "ingest it first: rocketkv ingest")
-    if dense and hsa:  # before the model loads (the API checks it too)
-        raise UsageError("--dense and --hsa contradict each other", "give one of them")
+    AttentionChoice(dense=dense, hsa=hsa)  # the API's check (UsageError), before the model loads
     if note := sampling_note(temperature, seed):
         log(note)
     options = {"max_new_tokens": max_new_tokens, "dense": dense, "hsa": hsa, "temperature": temperature,
                "top_p": top_p, "seed": seed, "segments": segments, "segment": segment,
                "cite": passages if cite else 0}  # fmt: skip
+    choice = ModelChoice(model, device, dtype, weights, trust_remote_code)
     remote = server_for(server, no_server) if cache is not None else None
     turn: Callable[[str], Turn]
-    if remote is not None:
-        assert cache is not None  # remote only with --cache
+    if remote is not None and cache is not None:  # a server only with --cache
         cache_budget_note(budget, cache)
-        turn = RemoteChat(
-            remote,
-            cache,
-            {
-                **options,
-                "model": model,
-                "device": device,
-                "dtype": dtype,
-                "weights": weights,
-                "trust_remote_code": trust_remote_code,
-            },
-        ).turn
-        source = str(cache)
-    elif cache is not None:
-        cache_budget_note(budget, cache)
-        rk, stored = open_cache(cache, model, device, dtype, trust_remote_code, weights, cite=passages if cite else 0,
-                                segments=segments, decode_options={"dense": dense, "hsa": hsa})  # fmt: skip
-        source = str(cache)
+        turn, source = RemoteChat(remote, cache, {**options, **choice.for_server()}).turn, str(cache)
     else:
-        assert document is not None  # one of the two, checked above
-        cfg = prefill_config(
-            token_budget=DEFAULT_TOKEN_BUDGET if budget is None else budget,
-            max_new_tokens=128 if max_new_tokens is None else max_new_tokens,
-        )
-        stream = open_stream(document, encoding, errors)
-        rk = load_engine(model, device, dtype or "auto", trust_remote_code, weights)
-        stored = ingest(rk, stream, cfg, segment_tokens=segment_tokens).cache
-        source = document
-    if remote is None:
+        reading = DocumentReading(encoding, errors, segment_tokens)
+        rk, stored, source = open_source(document, cache, choice, budget, options, reading)
         turn = local_turns(rk.session(stored, log=log, **options), source)
-    prompt = Prompt(home() / "chat_history")
+    if converse(Prompt(home() / "chat_history"), turn, source, json_out):
+        raise typer.Exit(1)
+
+
+def converse(prompt: Prompt, turn: Callable[[str], Turn], source: str, json_out: bool) -> bool:
+    """Read questions from `prompt` and answer each with `turn` until the end of the input (Ctrl-D).
+    Returns True when a question piped in could not be answered (the exit code is then 1)."""
     interactive = prompt.interactive
     fmt = "json" if json_out else ("text" if interactive else "qa")
     printer = AnswerPrinter(fmt, stream=not json_out and (interactive or sys.stdout.isatty()),
@@ -226,25 +206,31 @@ def chat_command(
         if not question:
             continue
         prompt.remember()
-        try:
-            check_question_text(question)
-            printer.start(question)
-            pieces = turn(question)
-            while True:
-                try:
-                    printer.piece(next(pieces))
-                except StopIteration as end:
-                    text, record, citations, line = end.value
-                    break
-            printer.finish(text, record, citations)
-            log(line)
-        except KeyboardInterrupt:
-            handled()  # this Ctrl-C only cancelled the answer: the session goes on
-            printer.interrupted()
-            log("answer cancelled")
-        except RocketKVError as exc:  # this question only: the session goes on
-            printer.interrupted()
-            fail(str(exc))
-            failed = True
-    if failed and not interactive:
-        raise typer.Exit(1)
+        failed = not answer_turn(printer, turn, question) or failed
+    return failed and not interactive
+
+
+def answer_turn(printer: AnswerPrinter, turn: Callable[[str], Turn], question: str) -> bool:
+    """One question answered and printed as it is decoded. Returns False when it could not be
+    answered (one error line on stderr); Ctrl-C cancels only this answer."""
+    try:
+        check_question_text(question)
+        printer.start(question)
+        pieces = turn(question)
+        while True:
+            try:
+                printer.piece(next(pieces))
+            except StopIteration as end:
+                text, record, citations, line = end.value
+                break
+        printer.finish(text, record, citations)
+        log(line)
+    except KeyboardInterrupt:
+        handled()  # this Ctrl-C only cancelled the answer: the session goes on
+        printer.interrupted()
+        log("answer cancelled")
+    except RocketKVError as exc:  # this question only: the session goes on
+        printer.interrupted()
+        fail(str(exc))
+        return False
+    return True

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated, Optional
+from collections.abc import Callable
+from typing import Annotated, Any, Optional
 
 import typer
 
 from ..errors import UsageError
 from .answers import AnswerPrinter, StreamOpt, resolve_format
-from .ask import open_cache
-from .common import ingest, load_engine, log, open_stream, prefill_config, setup
+from .common import log, prefill_config, setup
 from .options import (
     BudgetOpt,
     CacheOpt,
@@ -30,6 +30,7 @@ from .options import (
     WeightsOpt,
 )
 from .remote import server_for, summarize_remote
+from .sources import DocumentReading, ModelChoice, ingest_in_memory, open_cache
 
 
 def summarize_command(
@@ -72,39 +73,44 @@ def summarize_command(
         raise UsageError("give either DOC or --cache FILE.kv", "e.g. rocketkv summarize book.txt")
     fmt, stream = resolve_format("auto", json_out, stream, 1)
     cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens)
+    choice = ModelChoice(model, device, dtype, weights, trust_remote_code)
     remote = server_for(server, no_server) if cache is not None else None
-    if remote is not None:
-        rk = stored = None
-        source = str(cache)
-    elif cache is not None:
-        rk, stored = open_cache(cache, model, device, dtype, trust_remote_code, weights)
-        source = str(cache)
+    partials: list[dict] = []
+    on_partial = partial_logger(partials)
+    if remote is not None and cache is not None:  # a server only with --cache
+        source, t0 = str(cache), time.perf_counter()
+        final = summarize_remote(remote, cache, {"max_new_tokens": max_new_tokens, "token_budget": budget,
+                                                 "dense": dense, "extractive": extractive, **choice.for_server()},
+                                 on_partial)  # fmt: skip
     else:
-        assert document is not None  # checked above: exactly one of DOC and --cache
-        document_stream = open_stream(document, encoding, errors)
-        rk = load_engine(model, device, dtype or "auto", trust_remote_code, weights)
-        stored = ingest(rk, document_stream, cfg, segment_tokens=segment_tokens).cache
-        source = document
-    partials = []
+        if cache is not None:
+            (rk, stored), source = open_cache(cache, choice), str(cache)
+        else:
+            assert document is not None  # checked above: exactly one of DOC and --cache
+            reading = DocumentReading(encoding, errors, segment_tokens)
+            (rk, stored), source = ingest_in_memory(document, choice, cfg, reading), document
+        t0 = time.perf_counter()
+        final = rk.summarize(stored, max_new_tokens=max_new_tokens, dense=dense, config=cfg, on_partial=on_partial,
+                             extractive=extractive)  # fmt: skip
+    print_summary(final, source, time.perf_counter() - t0, partials, extractive, AnswerPrinter(fmt, stream))
+
+
+def partial_logger(partials: list[dict]) -> Callable[[Any], None]:
+    """`on_partial` for `RocketKV.summarize`: each partial summary logged on stderr and kept in
+    `partials` (for the `--json` record)."""
 
     def on_partial(event) -> None:
         partials.append({"level": event.level, "segment": event.index, "summary": event.text, "mode": event.mode})
         note = "" if event.mode == "abstractive" else f" [{event.mode}]"
         log(f"summary of part {event.index + 1}/{event.total} (level {event.level}){note}: {event.text}")
 
-    printer = AnswerPrinter(fmt, stream)
-    t0 = time.perf_counter()
-    if remote is not None:
-        assert cache is not None  # a server only with --cache
-        final = summarize_remote(remote, cache, {"max_new_tokens": max_new_tokens, "token_budget": budget,
-                                                 "dense": dense, "extractive": extractive, "model": model,
-                                                 "device": device, "dtype": dtype, "weights": weights,
-                                                 "trust_remote_code": trust_remote_code}, on_partial)  # fmt: skip
-    else:
-        assert rk is not None  # loaded above when no server answers
-        final = rk.summarize(stored, max_new_tokens=max_new_tokens, dense=dense, config=cfg, on_partial=on_partial,
-                             extractive=extractive)  # fmt: skip
-    elapsed = time.perf_counter() - t0
+    return on_partial
+
+
+def print_summary(final, source: str, elapsed: float, partials: list[dict], extractive: bool,
+                  printer: AnswerPrinter) -> None:  # fmt: skip
+    """The summary on stdout (whole: shown only once it has passed the checks; `--json`: its
+    record), why the model's outputs were rejected and how long it took on stderr."""
     mode = getattr(final, "mode", "abstractive")
     row = {"summary": final.text, "source": source, "n_answer_tokens": final.n_answer_tokens,
            "stop_reason": final.stop_reason, "summarize_s": round(elapsed, 3), "mode": mode,
@@ -116,6 +122,6 @@ def summarize_command(
     if mode == "extractive":
         why = "--extractive" if extractive else "the model's output was degenerate"
         log(f"summary: extracted sentences ({why})")
-    printer.piece(final.text)  # whole: a summary is shown only once it has passed the checks
+    printer.piece(final.text)
     printer.finish(final.text, row)
     log(f"summarized in {elapsed:.1f}s ({final.n_answer_tokens} tokens, stop: {final.stop_reason})")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -56,24 +57,60 @@ def bench(
     quiet: QuietOpt = False,
 ) -> None:
     """Measure ingest, file size, time to first token, decode latency and memory vs full attention."""
-    import tempfile
-
-    from rich.table import Table
-
     from ..api.rocketkv import DEFAULT_MODEL
-    from ..engine.documents import read_document
-    from ..eval.bench import (
-        QUESTION,
-        attention_crossover,
-        bench_one,
-        build_document,
-        crossover_tokens,
-        llama_cpp_row,
-        machine_info,
-    )  # fmt: skip
-    from ..eval.storage import Probe, storage_rows
+    from ..core.config import default_kv_dtype
+    from ..eval.bench import crossover_tokens, machine_info
 
     setup(quiet)
+    plan = bench_plan(context_tokens, source, budget, kv_dtypes, kv_dtype, crossover, steps, memory, fresh_ask,
+                      llama_cpp)  # fmt: skip
+    src, text, cfg = plan.source, plan.text, plan.cfg
+    kv_dtype = kv_dtype or default_kv_dtype(model or DEFAULT_MODEL)
+    rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", False, weights)
+    cfg, engine = bench_config(cfg, rk.model_id), rk.engine
+    room = rk.engine.context_limit(128)  # the answer plan and a question
+    if max(plan.lengths) > room:
+        raise InputError(f"--context-tokens {max(plan.lengths)} exceeds what {rk.model_id} fits ({room})")
+    rows, cross = measure(engine, text, cfg, plan, storage(kv_dtype), budget)
+    if not quiet:
+        show_tables(rows, cross, f"rocketkv bench: {engine.loaded.model_id}, budget {budget}, "
+                    f"{machine_info()['threads']} threads", bool(plan.storages))  # fmt: skip
+    if json_path is not None:
+        report = {"machine": machine_info(), "model": engine.loaded.model_id, "device": str(engine.loaded.device),
+                  "dtype": str(engine.loaded.dtype).removeprefix("torch."), "config": cfg.to_dict(),
+                  "source": str(src), "head_dim": engine.shape.head_dim, "n_kv_heads": engine.shape.n_kv_heads,
+                  "layer_windows": [spec.sliding_window for spec in engine.shape.layers], "rows": rows,
+                  "attention_crossover": cross, "hsa_crossover_tokens": crossover_tokens(cross) if cross else None,
+                  "weights": engine.loaded.weights, "kv_dtype": kv_dtype}  # fmt: skip
+        write_report(json_path, report)
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    """What `bench` measures: document lengths (tokens), the source text, the stage-1 settings
+    (before the model's measured defaults are filled in: `bench_config`), extra storage types,
+    kept-token sizes of the attention crossover, decode steps timed, the optional phases."""
+
+    lengths: list[int]
+    source: Path
+    text: str
+    cfg: PrefillConfig
+    storages: list[str]
+    sizes: list[int]
+    steps: int
+    memory: bool
+    fresh_ask: bool
+    llama_cpp: Optional[str]
+
+
+def bench_plan(context_tokens: str, source: Optional[Path], budget: int, kv_dtypes: str, kv_dtype: Optional[str],
+               crossover: str, steps: int, memory: bool, fresh_ask: bool,
+               llama_cpp: Optional[str]) -> BenchPlan:  # fmt: skip
+    """The options as a `BenchPlan` (with the source text read), checked before the model loads.
+    Raises UsageError (a length list that is not integers ≥ 64, an unknown storage type, a
+    malformed --crossover), InputError (no source text, or an unreadable one)."""
+    from ..engine.documents import read_document
+
     try:
         lengths = [int(x) for x in context_tokens.split(",") if x.strip()]
     except ValueError:
@@ -88,44 +125,63 @@ def bench(
     storages = [x.strip() for x in kv_dtypes.split(",") if x.strip()]
     for name in [*storages, kv_dtype or "auto"]:
         storage(name)  # an unknown name fails before the model loads
-    from ..core.config import default_kv_dtype
-
-    kv_dtype = kv_dtype or default_kv_dtype(model or DEFAULT_MODEL)
-    rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", False, weights)
-    cfg = bench_config(cfg, rk.model_id)
-    engine = rk.engine
-    room = rk.engine.context_limit(128)  # the answer plan and a question
-    if max(lengths) > room:
-        raise InputError(f"--context-tokens {max(lengths)} exceeds what {rk.model_id} fits ({room})")
-    rows = []
     sizes = _ints("crossover", crossover)
-    phases = 3 + memory + fresh_ask + bool(llama_cpp)  # bench_one's logged phases per length
+    return BenchPlan(lengths, src, text, cfg, storages, sizes, steps, memory, fresh_ask, llama_cpp)
+
+
+def measure(engine, text: str, cfg: PrefillConfig, plan: BenchPlan, kv_storage, budget: int):
+    """Run `plan` on `engine` over documents cut from `text`: one JSON line on stdout per length as
+    it is done, a bar on stderr. Returns (rows, crossover rows)."""
+    import tempfile
+
+    from ..eval.bench import QUESTION, attention_crossover, bench_one, build_document, llama_cpp_row
+    from ..eval.storage import Probe, storage_rows
+
+    rows: list[dict] = []
+    cross: list[dict] = []
+    phases = 3 + plan.memory + plan.fresh_ask + bool(plan.llama_cpp)  # bench_one's logged phases per length
     with tempfile.TemporaryDirectory(prefix="rocketkv-bench-") as tmp, steps_bar() as bar:
-        task = bar.add_task("bench", total=len(lengths) * phases + bool(sizes))
+        task = bar.add_task("bench", total=len(plan.lengths) * phases + bool(plan.sizes))
 
         def on_phase(message: str) -> None:
             log(message)
             bar.update(task, description=message)
             bar.advance(task)
 
-        for n in lengths:
-            row = bench_one(engine, text, n, cfg, Path(tmp), steps=steps, measure_memory=memory, log=on_phase,
-                            fresh_ask=fresh_ask, storage=storage(kv_dtype))  # fmt: skip
-            if llama_cpp:
-                on_phase(f"{n} tokens: llama.cpp's state-file path ({llama_cpp})")
-                row.update(llama_cpp_row(engine, build_document(engine, text, n), QUESTION, llama_cpp, Path(tmp)))
-            if storages:
-                row["storage"] = storage_rows(engine, build_document(engine, text, n), cfg, storages,
+        for n in plan.lengths:
+            row = bench_one(engine, text, n, cfg, Path(tmp), steps=plan.steps, measure_memory=plan.memory,
+                            log=on_phase, fresh_ask=plan.fresh_ask, storage=kv_storage)  # fmt: skip
+            if plan.llama_cpp:
+                on_phase(f"{n} tokens: llama.cpp's state-file path ({plan.llama_cpp})")
+                row.update(llama_cpp_row(engine, build_document(engine, text, n), QUESTION, plan.llama_cpp, Path(tmp)))
+            if plan.storages:
+                row["storage"] = storage_rows(engine, build_document(engine, text, n), cfg, plan.storages,
                                               [Probe(QUESTION)], Path(tmp), log=log)  # fmt: skip
             rows.append(row)
             print_row(bar, json.dumps({"model": engine.loaded.model_id, **row}))
-        cross = []
-        if sizes:
-            on_phase(f"one layer's HSA vs exact attention at {', '.join(map(str, sizes))} kept tokens")
-            cross = attention_crossover(engine, tuple(sizes), budget)
-    table = Table(
-        title=f"rocketkv bench: {engine.loaded.model_id}, budget {budget}, {machine_info()['threads']} threads"
-    )
+        if plan.sizes:
+            on_phase(f"one layer's HSA vs exact attention at {', '.join(map(str, plan.sizes))} kept tokens")
+            cross = attention_crossover(engine, tuple(plan.sizes), budget)
+    return rows, cross
+
+
+def show_tables(rows: list[dict], cross: list[dict], title: str, storages: bool) -> None:
+    """The results as tables on stderr (wider than the terminal if need be, so that no column is cut)."""
+    Console(stderr=True, width=max(err.width, 170), highlight=False).print(_main_table(rows, title))
+    for r in rows:
+        if "llama_cpp_error" in r:
+            err.print(f"rocketkv: llama.cpp at {r['context_tokens']} tokens did not run: {r['llama_cpp_error']}",
+                      markup=False, soft_wrap=True)  # fmt: skip
+    if storages:
+        Console(stderr=True, width=max(err.width, 120), highlight=False).print(_storage_table(rows))
+    if cross:
+        Console(stderr=True, width=max(err.width, 100), highlight=False).print(_crossover_table(cross))
+
+
+def _main_table(rows: list[dict], title: str):
+    from rich.table import Table
+
+    table = Table(title=title)
     for col in ("context", "ingest s", "file/full KV", "TTFT file s", "TTFT full s", "decode ms HSA",
                 "decode ms exact", "decode ms full", "HSA ×exact", "HSA ×full", "of ideal", "fresh ask s",
                 "llama.cpp ms", "llama.cpp fresh s", "peak RSS ask/full"):  # fmt: skip
@@ -141,30 +197,15 @@ def bench(
             f"{r['llama_cpp_fresh_wall_s']:.2f}" if "llama_cpp_fresh_wall_s" in r else "-",
             f"{r['peak_rss_ratio']:.2f}" if "peak_rss_ratio" in r else "-",
         )  # fmt: skip
-    if not quiet:
-        Console(stderr=True, width=max(err.width, 170), highlight=False).print(table)
-        for r in rows:
-            if "llama_cpp_error" in r:
-                err.print(
-                    f"rocketkv: llama.cpp at {r['context_tokens']} tokens did not run: {r['llama_cpp_error']}",
-                    markup=False,
-                    soft_wrap=True,
-                )
-        if storages:
-            Console(stderr=True, width=max(err.width, 120), highlight=False).print(_storage_table(rows))
-        if cross:
-            Console(stderr=True, width=max(err.width, 100), highlight=False).print(_crossover_table(cross))
-    if json_path is not None:
-        report = {"machine": machine_info(), "model": engine.loaded.model_id, "device": str(engine.loaded.device),
-                  "dtype": str(engine.loaded.dtype).removeprefix("torch."), "config": cfg.to_dict(),
-                  "source": str(src), "head_dim": engine.shape.head_dim, "n_kv_heads": engine.shape.n_kv_heads,
-                  "layer_windows": [spec.sliding_window for spec in engine.shape.layers], "rows": rows,
-                  "attention_crossover": cross, "hsa_crossover_tokens": crossover_tokens(cross) if cross else None,
-                  "weights": engine.loaded.weights, "kv_dtype": kv_dtype}  # fmt: skip
-        partial = json_path.with_name(f".{json_path.name}.tmp")
-        partial.write_text(json.dumps(report, indent=2))
-        os.replace(partial, json_path)  # an old report is replaced whole or not at all
-        log(f"wrote {json_path}")
+    return table
+
+
+def write_report(json_path: Path, report: dict) -> None:
+    """`report` as JSON at `json_path`, replacing an old report whole or not at all."""
+    partial = json_path.with_name(f".{json_path.name}.tmp")
+    partial.write_text(json.dumps(report, indent=2))
+    os.replace(partial, json_path)
+    log(f"wrote {json_path}")
 
 
 def _storage_table(rows: list[dict]):

@@ -11,7 +11,7 @@ Documents: the GPL v3 (`gpl-3.txt`) and two books of the KJV sliced from `kjv.tx
 (`--data`). Each document is summarized by the installed CLI in a subprocess, once per preset and
 run: "model" (`rocketkv summarize DOC --json`: the model writes, with the retry and extractive
 fallback of a degenerate result) and "extractive" (`--extractive`). Each summary is checked with
-`rocketkv_cli/engine/summary_check.py` (the rules are in its docstring) against the document's
+`rocketkv_cli/api/summary_check.py` (the rules are in its docstring) against the document's
 text and every prompt in prompts/. `--quick` (a smoke run, about 2 minutes on 2 cores): the GPL,
 gemma-3-270m, the model run, written under build/summary-check-quick/.
 """
@@ -115,7 +115,7 @@ def render(records: list[dict], command: str, quick: bool, day: str) -> str:
     n_pass = sum(r["check"]["passed"] for r in records)
     out = [f"# Summaries: are they degenerate, grounded, covering?\n\n{head}Written by `{command}` on "
            f"{day} (times: 2 shared CPU cores, one thread): {n_pass} of {len(records)} summaries pass all three checks.\n",
-           "Rules (`rocketkv_cli/engine/summary_check.py`, whose docstring is the definition):\n",
+           "Rules (`rocketkv_cli/api/summary_check.py`, whose docstring is the definition):\n",
            "- **degenerate**: an echo of a prompt line (normalised) or half its content words the prompts', a sentence or "
            "line repeated (or an "
            "8-word run inside one), under 15 words, or a bare verse reference. `rocketkv summarize` "

@@ -1,4 +1,4 @@
-"""The summary check (`engine/summary_check.py`, issue 37): hand-written inputs, hand-worked results.
+"""The summary check (`api/summary_check.py`, issue 37): hand-written inputs, hand-worked results.
 
 Each expected value below is worked out in the comment beside it from the rules in the module's
 docstring, so a change of rule fails here.

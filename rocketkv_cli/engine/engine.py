@@ -4,8 +4,8 @@
   the observation window's queries captured), then `Engine.compress(prefill, cfg)`: stage 1 per
   full-attention layer through its stage-1 method (`rocketkv_cli.methods`). One prefill can be compressed for
   many configurations (eval); `Engine.ingest` is both for one.
-- `Decoder(engine, cache, …)`: static buffers over one compressed cache (context + a
-  preallocated per-question tail), with `prefill(question ids)` and `decode_one_token(token)` at
+- `Decoder(engine, cache, …)` (`decoder.py`): static buffers over one compressed cache (context +
+  a preallocated per-question tail), with `prefill(question ids)` and `decode_one_token(token)` at
   explicit RoPE positions n, n+1, … and `reset()` back to the stored context.
 
 No argument parsing or printing here; progress goes through callbacks.

@@ -25,13 +25,13 @@ any other process on the same 2 cores and decode runs 10-30x slower (seen here).
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
-import subprocess
 import sys
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+
+from rocketkv_cli.eval.reports import kept_run, read_json, write_json, write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 ROCKETKV = str(Path(sys.executable).parent / "rocketkv")
@@ -63,16 +63,11 @@ def run(model: str, n: int, common: list[str], json_dir: Path, tasks: tuple[str,
     parts = []
     for task in tasks:
         out = json_dir / f"accuracy-{file_label(model)}-{task}.json"
-        if not runs and not out.exists():
-            raise SystemExit(f"{out} is missing (run without --from-json and --cost to make it)")
-        if not (resume and out.exists()):
-            cmd = [ROCKETKV, "eval", "--model", model, "--context-tokens", str(n), "--tasks", task, *common,
-                   "--json", str(out)]  # fmt: skip
-            print("$", " ".join(["rocketkv", *cmd[1:]]), file=sys.stderr)
-            done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
-            if done.returncode != 0:  # its one-line error is on stderr above
-                raise SystemExit(f"rocketkv eval failed (exit {done.returncode}) on {task}; rerun to resume")
-        parts.append(json.loads(out.read_text()))
+        cmd = [ROCKETKV, "eval", "--model", model, "--context-tokens", str(n), "--tasks", task, *common, "--json",
+               str(out)]  # fmt: skip
+        if not resume and runs:
+            out.unlink(missing_ok=True)
+        parts.append(kept_run(out, cmd, runs, cwd=ROOT))
     return merge(parts)
 
 
@@ -241,11 +236,7 @@ def measure_cost(model: str, n: int, json_dir: Path) -> dict:
     out = json_dir / f"accuracy-cost-{file_label(model)}.json"
     cmd = [ROCKETKV, "eval", "--model", model, "--context-tokens", str(n), "--tasks", ",".join(COST_TASKS), *COMMON,
            "--samples", "1", "--json", str(out)]  # fmt: skip
-    print("$", " ".join(["rocketkv", *cmd[1:]]), file=sys.stderr)
-    done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
-    if done.returncode != 0:
-        raise SystemExit(f"rocketkv eval failed (exit {done.returncode}) measuring the cost of {model}")
-    return json.loads(out.read_text())
+    return kept_run(out, cmd, cwd=ROOT)
 
 
 def cost_lines(costs: dict[str, dict], floors: dict[str, list[list[dict]]] | None = None) -> list[str]:
@@ -433,21 +424,21 @@ def main() -> int:
             parser.error(f"no per-task accuracy JSON in {json_dir} yet (run without --from-json and --cost)")
         if not args.samples:
             first = json_dir / f"accuracy-{file_label(next(iter(presets)))}-{tasks[0]}.json"
-            samples = json.loads(first.read_text())["config"]["samples"]
+            samples = read_json(first)["config"]["samples"]
     costs = {}
     for model, n in ({} if args.quick else FULL).items():
         kept = json_dir / f"accuracy-cost-{file_label(model)}.json"
         if args.cost and not args.from_json and not kept.exists():
             costs[model] = measure_cost(model, n, json_dir)
         elif kept.exists():
-            costs[model] = json.loads(kept.read_text())
+            costs[model] = read_json(kept)
     floors: dict[str, list[list[dict]]] = {}
     for model, n in ({} if args.quick else FULL).items():
         one = json_dir / f"reconstruction-ingest-{file_label(model)}-{n}.json"
         together = sorted(json_dir.glob(f"reconstruction-ingest-{file_label(model)}-{n}-concurrent-*.json"))
-        floors[model] = [[json.loads(one.read_text())]] if one.exists() else []
+        floors[model] = [[read_json(one)]] if one.exists() else []
         if together:
-            floors[model].append([json.loads(p.read_text()) for p in together])
+            floors[model].append([read_json(p) for p in together])
     floors = {m: f for m, f in floors.items() if f}
     if args.cost and args.from_json and not costs:
         parser.error("--cost --from-json: no docs/bench/accuracy-cost-*.json yet")
@@ -456,13 +447,13 @@ def main() -> int:
         common = [*(QUICK_COMMON if args.quick else COMMON), "--samples", str(samples), *shlex.split(args.eval_args)]
         reports[model] = run(model, n, common, json_dir, tasks, resume=not args.quick or args.from_json,
                              runs=not (args.from_json or args.cost))  # fmt: skip
-        (json_dir / f"accuracy-{file_label(model)}.json").write_text(json.dumps(reports[model], indent=1))
+        write_json(json_dir / f"accuracy-{file_label(model)}.json", reports[model])
     partial = None
     if not args.quick and (presets.keys() != FULL.keys() or tasks != TASKS or samples < 20):
         partial = (f"**Partial report**: presets {', '.join(presets)}; tasks {', '.join(tasks)}; {samples} samples "
                    f"per task (the full report: both presets, all {len(TASKS)} tasks, 20 samples). Intervals are "
                    "wide at this size and the defaults below are not changed from it.")  # fmt: skip
-    (out_dir / "accuracy.md").write_text(page(reports, args.quick, partial, costs, floors))
+    write_text(out_dir / "accuracy.md", page(reports, args.quick, partial, costs, floors))
     print(out_dir / "accuracy.md")
     return 0
 

@@ -16,10 +16,10 @@ process, but a busy machine still adds noise.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 from pathlib import Path
+
+from rocketkv_cli.eval.reports import kept_run, replace_section, write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 ROCKETKV = str(Path(sys.executable).parent / "rocketkv")
@@ -31,16 +31,13 @@ TARGET_MS = {"smollm2-135m": (7800, 15.0), "gemma-3-270m": (32000, 25.0)}
 
 
 def run(model: str, fmt: str, lengths: str, out: Path, llama_cpp: str | None, quick: bool) -> dict:
-    if out.exists():
-        return json.loads(out.read_text())
+    """One `rocketkv bench` run of a preset and compute format (a kept JSON is reused: it resumes)."""
     cmd = [ROCKETKV, "bench", "--model", model, "--context-tokens", lengths, *FORMATS[fmt], "--json", str(out)]
     if quick:
         cmd += ["--steps", "4", "--no-memory", "--crossover", "1024,4096"]
     if llama_cpp and fmt == "float32":
         cmd += ["--llama-cpp", llama_cpp]
-    print("$", " ".join(["rocketkv", *cmd[1:]]), file=sys.stderr)
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    return json.loads(out.read_text())
+    return kept_run(out, cmd, cwd=ROOT)
 
 
 def ms(row: dict, key: str) -> str:
@@ -105,16 +102,6 @@ def targets(all_reports: dict[str, dict[str, dict]]) -> list[str]:
 START, END = "<!-- performance-report:start -->", "<!-- performance-report:end -->"
 
 
-def with_section(page: str, section: str) -> str:
-    """`page` with the text between the report's markers replaced by `section` (inserted after
-    the title when the page has no markers yet); the hand-written sections around it are kept."""
-    block = f"{START}\n{section.strip()}\n{END}"
-    if START in page and END in page:
-        return page[: page.index(START)] + block + page[page.index(END) + len(END) :]
-    title, _, rest = page.partition("\n")
-    return f"{title}\n\n{block}\n{rest}"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short, few steps (a smoke run, not for the docs)")
@@ -122,6 +109,7 @@ def main() -> int:
     parser.add_argument("--llama-cpp", help="a Python interpreter with llama-cpp-python installed")
     parser.add_argument("--formats", nargs="+", default=list(FORMATS))
     parser.add_argument("--presets", nargs="+", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--out", type=Path, help="the page to write (default: docs/performance.md)")
     args = parser.parse_args()
     bench_dir = ROOT / ("build/perf-quick" if args.quick else "docs/bench")
     bench_dir.mkdir(parents=True, exist_ok=True)
@@ -135,6 +123,8 @@ def main() -> int:
                 continue
             all_reports.setdefault(model, {})[fmt] = run(model, fmt, "1024" if args.quick else lengths, out,
                                                          args.llama_cpp, args.quick)  # fmt: skip
+    if not all_reports:
+        raise SystemExit(f"no {bench_dir}/perf-*.json yet (run without --from-json to make them)")
     machine = next(iter(next(iter(all_reports.values())).values()))["machine"]
     lines = [
         "## Current measurements", "",
@@ -156,8 +146,9 @@ def main() -> int:
         lines += [f"### {model}", "", *table(reports), "", "One full-attention layer's attention, HSA vs exact:", "",
                   *crossover(reports), ""]  # fmt: skip
     lines += ["### Targets", "", *targets(all_reports), ""]
-    page = ROOT / ("build/perf-quick" if args.quick else "docs") / "performance.md"
-    page.write_text(with_section(page.read_text() if page.exists() else "# Performance\n", "\n".join(lines)))
+    page = args.out or ROOT / ("build/perf-quick" if args.quick else "docs") / "performance.md"
+    old = page.read_text() if page.exists() else "# Performance\n"
+    write_text(page, replace_section(old, START, END, "\n".join(lines)))
     print(f"wrote {page}", file=sys.stderr)
     return 0
 

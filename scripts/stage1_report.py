@@ -20,11 +20,12 @@ import argparse
 import datetime as dt
 import json
 import os
-import subprocess
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+
+from rocketkv_cli.eval.reports import kept_run, read_json, write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 ROCKETKV = str(Path(sys.executable).parent / "rocketkv")
@@ -42,15 +43,15 @@ BUDGETS = (256, 512)
 METHODS = ("full", "rocketkv", "adaptive", "reconstruct", "reconstruct_adaptive", "reselect", "reconstruct_reselect")
 KJV = ROOT.parent / "shared" / "data" / "kjv.txt"
 GPL = ROOT.parent / "shared" / "data" / "gpl-3.txt"
+HAND_WRITTEN = "\n## Adding a method"  # the page's hand-written sections start here
 
 
-def run_eval(model: str, n: int, factor: int, samples: int, out: Path, methods: tuple[str, ...],
-             stage2: str = "hsa") -> None:  # fmt: skip
-    cmd = [ROCKETKV, "eval", "--model", model, "--context-tokens", str(n), "--budgets", ",".join(map(str, BUDGETS)),
-           "--methods", ",".join(methods), "--store-factor", str(factor), "--tasks", TASKS, "--samples",
-           str(samples), "--haystack", str(KJV), "--json", str(out), "--stage2", stage2]  # fmt: skip
-    print("$", " ".join(["rocketkv", *cmd[1:]]), file=sys.stderr)
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+def eval_cmd(model: str, out: Path, methods: tuple[str, ...], samples: int | None = None, stage2: str = "hsa") -> list:
+    """The `rocketkv eval` command of one part, writing `out`."""
+    n, factor, default_samples = PRESETS[model]
+    return [ROCKETKV, "eval", "--model", model, "--context-tokens", str(n), "--budgets", ",".join(map(str, BUDGETS)),
+            "--methods", ",".join(methods), "--store-factor", str(factor), "--tasks", TASKS, "--samples",
+            str(samples or default_samples), "--haystack", str(KJV), "--json", str(out), "--stage2", stage2]  # fmt: skip
 
 
 def ingest_times(model: str, n_chars: int) -> dict:
@@ -274,34 +275,30 @@ def main() -> int:
     parser.add_argument("--from-json", action="store_true", help="render from docs/bench/stage1-*.json only")
     parser.add_argument("--presets", default=",".join(PRESETS), help="comma-separated presets")
     parser.add_argument("--parts", default="c,d", help="adaptive-budget parts to run when missing (c: HSA, d: exact)")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "stage1-methods.md", help="the page to write")
     args = parser.parse_args()
     bench = ROOT / "docs" / "bench"
-    bench.mkdir(parents=True, exist_ok=True)
     reports, times, adaptive = {}, {}, {}
     for model in args.presets.split(","):
-        n, factor, samples = PRESETS[model]
-        parts = []
-        for part, methods in PARTS.items():
-            out = bench / f"stage1-{model}-{part}.json"
-            if not out.exists():
-                if args.from_json:
-                    raise SystemExit(f"--from-json: {out} is missing")
-                run_eval(model, n, factor, samples, out, methods)
-            parts.append(json.loads(out.read_text()))
+        outs = {bench / f"stage1-{model}-{part}.json": methods for part, methods in PARTS.items()}
+        parts = [
+            kept_run(out, eval_cmd(model, out, methods), not args.from_json, cwd=ROOT) for out, methods in outs.items()
+        ]
         reports[model] = merge(parts)
         timing = bench / f"stage1-{model}-ingest.json"
         if not timing.exists() and not args.from_json:
-            timing.write_text(json.dumps(ingest_times(model, 12000 if model == "smollm2-135m" else 35000)))
+            write_text(timing, json.dumps(ingest_times(model, 12000 if model == "smollm2-135m" else 35000)))
         if timing.exists():
-            times[model] = json.loads(timing.read_text())
+            times[model] = read_json(timing)
         for part, stage2 in ADAPTIVE_PARTS.items():
             out = bench / f"stage1-{model}-{part}.json"
-            if not out.exists() and not args.from_json and part in args.parts:
-                run_eval(model, n, factor, ADAPTIVE_SAMPLES, out, ADAPTIVE[model], stage2)
-            if out.exists():
-                adaptive.setdefault(model, {})[stage2] = json.loads(out.read_text())
-    (ROOT / "docs" / "stage1-methods.md").write_text(page(reports, times, adaptive))
-    print(ROOT / "docs" / "stage1-methods.md")
+            if out.exists() or (not args.from_json and part in args.parts):
+                cmd = eval_cmd(model, out, ADAPTIVE[model], ADAPTIVE_SAMPLES, stage2)
+                adaptive.setdefault(model, {})[stage2] = kept_run(out, cmd, cwd=ROOT)
+    old = args.out.read_text() if args.out.exists() else ""
+    hand_written = old[old.index(HAND_WRITTEN) :] if HAND_WRITTEN in old else ""  # kept below the generated part
+    write_text(args.out, page(reports, times, adaptive) + hand_written)
+    print(args.out)
     return 0
 
 

@@ -1,0 +1,143 @@
+"""The report library (`rocketkv_cli/eval/reports.py`) and the smoke runs of scripts/ and benchmarks/
+(each remaining script runs here in seconds, so none rots unseen), and their share of the code."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rocketkv_cli.eval.reports import (
+    Results,
+    kept_run,
+    mean_interval,
+    rate,
+    read_json,
+    read_jsonl,
+    replace_section,
+    report_timer,
+    table,
+    write_json,
+    write_jsonl,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test__table__renders_header_rule_and_rows_and_refuses_a_short_row():
+    lines = table(["task", "score"], [("a", 1), ("b|c", 0.5)], align="-r")
+    assert lines == ["| task | score |", "| --- | ---: |", "| a | 1 |", "| b\\|c | 0.5 |"]
+    with pytest.raises(ValueError, match="a row of 1 cells in a table of 2 columns"):
+        table(["task", "score"], [("a",)])
+
+
+def test__intervals__wilson_for_rates_bootstrap_for_means():
+    assert rate(8, 10) == "8/10 = 0.80 [0.49, 0.94]"  # Wilson 95%, by hand: 0.490, 0.943
+    assert rate(0, 0) == "-" and mean_interval([]) == "-"
+    assert mean_interval([2.0]) == "2.000 [2.000, 2.000]"
+    text = mean_interval([1.0, 2.0, 3.0, 4.0])
+    mean, lo, hi = (float(x) for x in text.replace("[", "").replace("]", "").replace(",", "").split())
+    assert mean == 2.5 and 1.0 <= lo < 2.5 < hi <= 4.0 and text == mean_interval([1.0, 2.0, 3.0, 4.0])
+
+
+def test__json_files__written_atomically_and_read_back(tmp_path):
+    path = write_json(tmp_path / "sub" / "r.json", {"a": [1, 2]}, end="\n")
+    assert path.read_text() == json.dumps({"a": [1, 2]}, indent=1) + "\n" and read_json(path) == {"a": [1, 2]}
+    assert read_json(tmp_path / "missing.json", {}) == {} and read_jsonl(tmp_path / "missing.jsonl") == []
+    write_jsonl(tmp_path / "r.jsonl", [{"x": "é"}, {"x": 2}])
+    assert read_jsonl(tmp_path / "r.jsonl") == [{"x": "é"}, {"x": 2}]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["r.json", "r.jsonl", "sub"]  # no temporary left
+
+
+def test__results__an_interrupted_run_resumes_where_it_stopped(tmp_path):
+    """Units are kept as they finish; a new run (a new process) skips them; another config refuses."""
+    path = tmp_path / "results.json"
+    first = Results(path, config={"budget": 512})
+    first.put(("rocketkv", 512, 0), {"score": 1.0})
+    first.put("doc-b", {"score": 0.0})
+    again = Results(path, config={"budget": 512})
+    assert ("rocketkv", 512, 0) in again and again.get("doc-b") == {"score": 0.0} and len(again) == 2
+    assert again.todo([("rocketkv", 512, 0), ("rocketkv", 512, 1), "doc-b"]) == [("rocketkv", 512, 1)]
+    assert list(again.items())[0] == ("rocketkv/512/0", {"score": 1.0})
+    with pytest.raises(ValueError, match="delete it to start over"):
+        Results(path, config={"budget": 256})
+    assert len(Results(path, config={"budget": 256}, fresh=True)) == 0
+
+
+def test__kept_run__runs_only_what_is_missing(tmp_path):
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "-c", f"open({str(out)!r}, 'w').write('[1]')"]
+    assert kept_run(out, cmd) == [1]
+    assert kept_run(out, [sys.executable, "-c", "raise SystemExit(3)"]) == [1]  # kept: not run again
+    with pytest.raises(SystemExit, match="missing"):
+        kept_run(tmp_path / "other.json", cmd, runs=False)
+    with pytest.raises(SystemExit, match="exit 3"):
+        kept_run(tmp_path / "other.json", [sys.executable, "-c", "raise SystemExit(3)"])
+
+
+def test__replace_section_and_timer():
+    page = "# T\n\nhand\n<s>\nold\n<e>\ntail\n"
+    assert replace_section(page, "<s>", "<e>", "new\n") == "# T\n\nhand\n<s>\nnew\n<e>\ntail\n"
+    assert replace_section("# T\nrest", "<s>", "<e>", "x") == "# T\n\n<s>\nx\n<e>\nrest"
+    err = io.StringIO()
+    with report_timer("demo", err) as timing:
+        pass
+    assert timing["seconds"] >= 0 and err.getvalue().startswith("demo: ") and "s wall time" in err.getvalue()
+
+
+def _lines(folder: str) -> int:
+    return sum(p.read_text().count("\n") for p in (ROOT / folder).rglob("*.py"))  # what `wc -l` counts
+
+
+def test__scripts_and_benchmarks_stay_under_a_fifth_of_the_code():
+    """Reports are thin (issue 35): scripts/ + benchmarks/ under 20% of the .py lines of the package,
+    its kernels and themselves (`find D -name '*.py' | xargs cat | wc -l` for each)."""
+    tools = _lines("scripts") + _lines("benchmarks")
+    share = tools / (tools + _lines("rocketkv_cli") + _lines("rocketkv_kernels"))
+    assert share < 0.20, f"scripts/ + benchmarks/ are {share:.1%} of the code: move shared code to eval/reports.py"
+
+
+# (script, arguments, the committed page it re-renders from its committed JSON, lines that may differ)
+RENDERS = [
+    ("accuracy_report.py", ["--from-json", "--out-dir", "{docs}"], "accuracy.md", ()),
+    ("citation_report.py", ["--from-json", "--out", "{page}"], "citations.md", ()),
+    ("framing_report.py", ["--from-json", "--out", "{page}"], "framings.md", (2,)),  # docs/algorithm.md's length
+    ("long_documents_report.py", ["--from-json", "--out", "{page}"], "long-documents.md", ()),
+    ("stage1_report.py", ["--from-json", "--out", "{page}"], "stage1-methods.md", (2,)),  # the date it ran
+    ("storage_report.py", ["--from-json", "--out", "{page}"], "storage.md", ()),
+    ("summary_check_report.py", ["--from-json", "--out", "{page}"], "summaries.md", ()),
+]
+
+
+@pytest.mark.parametrize("script, args, name, may_differ", RENDERS, ids=[r[0] for r in RENDERS])
+def test__report_smoke__renders_its_committed_page_from_its_committed_json(tmp_path, script, args, name, may_differ):
+    """The rendering half of each report (`--from-json`): the page it writes from docs/bench/ is
+    the committed page (the measuring half needs the presets and minutes to hours)."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    if script == "accuracy_report.py":  # it also rewrites its merged JSON: a copy of the kept ones
+        (docs / "bench").mkdir()
+        for p in [*(ROOT / "docs" / "bench").glob("accuracy-*"), *(ROOT / "docs" / "bench").glob("reconstruction-*")]:
+            (docs / "bench" / p.name).write_bytes(p.read_bytes())
+    page = docs / name
+    page.write_text((ROOT / "docs" / name).read_text())  # pages that keep hand-written parts read them here
+    argv = [a.format(docs=docs, page=page) for a in args]
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *argv], capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    want, got = (ROOT / "docs" / name).read_text().splitlines(), page.read_text().splitlines()
+    assert len(got) == len(want), (len(got), len(want))
+    assert [i for i, (a, b) in enumerate(zip(want, got)) if a != b and i not in may_differ] == []
+
+
+def test__decode_bench_smoke__runs_on_cpu():
+    """benchmarks/decode_bench.py --smoke (a tiny Llama on CPU, ~10 s): it rotted unseen once."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_bench.py"), "--smoke"], capture_output=True,
+                       text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "full attention (SDPA)" in r.stdout and "speedup" in r.stdout, r.stdout[-2000:]

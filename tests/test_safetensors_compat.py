@@ -110,3 +110,17 @@ def test__safe_open__reads_a_sliding_window_model_file_as_rocketkv_does(tmp_path
 @pytest.mark.parametrize("name", sorted(p.name for p in DATA.glob("*.kv")))
 def test__safe_open__reads_the_files_of_every_older_version_as_rocketkv_does(name):
     assert_same_as_the_loader(DATA / name)
+
+
+def test__library_writer__lays_the_same_tensors_out_otherwise(llama, tmp_path):
+    """Why rocketkv writes the bytes itself (docs/file-format.md): `safetensors.torch.save` of the
+    very tensors and metadata of a file orders them by dtype over the whole file, so a segment's
+    KV is no longer one contiguous range and the bytes differ. Should a safetensors version keep
+    rocketkv's order, this fails, and the writer may go through the library."""
+    from safetensors.torch import save
+
+    text = "".join(text_of_bytes(40 + i, i) + "\n" for i in range(20))
+    stored = ingest_stream(llama, TextPieces(text, "book.txt"), CFG, segment_tokens=300, storage=KVStorage("int4"))
+    path = save_cache(stored, tmp_path / "book.kv")
+    tensors, meta = library_tensors(path)
+    assert save(tensors, meta) != path.read_bytes()

@@ -28,8 +28,8 @@ from rocketkv_cli.core.quant import (
 )
 from rocketkv_cli.engine.answer import answer, decode_config_for
 from rocketkv_cli.engine.documents import Document
-from rocketkv_cli.methods import LayerPrefill
 from rocketkv_cli.errors import CacheFormatError
+from rocketkv_cli.methods import LayerPrefill
 from rocketkv_cli.store import v3
 from rocketkv_cli.store.format import load_cache, metadata_digest, save_cache
 

@@ -5,7 +5,7 @@ GPU compiler rejects (tl.dot shape rules, type mismatches, shared-memory limits)
 builds each kernel, for representative shapes and dtypes, down to a cubin for sm_90 (H100/H200)
 with the ptxas shipped in the triton wheel. Uses Triton's `ASTSource`/`triton.compile` (3.x API).
 
-    env -u TRITON_INTERPRET python benchmarks/compile_check.py [--arch 90]
+    env -u TRITON_INTERPRET python benchmarks/compile_check.py [--arch 90] [--smoke]
 """
 
 from __future__ import annotations
@@ -87,10 +87,15 @@ def cases():
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability, e.g. 80, 90")
-    target = GPUTarget("cuda", p.parse_args().arch, 32)
-    failed = 0
+    p.add_argument("--smoke", action="store_true", help="one shape and dtype per kernel (CI)")
+    args = p.parse_args()
+    target = GPUTarget("cuda", args.arch, 32)
+    failed, seen = 0, set()
     t0 = time.perf_counter()
     for label, fn, types, consts in cases():
+        if args.smoke and fn in seen:
+            continue
+        seen.add(fn)
         try:
             build(fn, types, consts, target)
         except Exception as exc:  # report every failing kernel, not only the first

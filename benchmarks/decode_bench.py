@@ -19,13 +19,14 @@ fraction of the device's peak. `--smoke` runs the same code on a tiny model on C
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from rocketkv_cli.eval.reports import write_json
 
 # peak HBM bandwidth, bytes/s, by device-name fragment (datasheets); --peak-gbps overrides
 PEAK_BW = {"H200": 4.8e12, "H100 SXM": 3.35e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H100": 3.35e12,
@@ -256,8 +257,7 @@ def main() -> int:
         print(f"  N_sel {r['n_sel']:6d}: {r['us']:9.1f} us, {r['gbps']:8.1f} GB/s, {frac}")
         results["sparse_kernel"].append(r)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        write_json(args.json, results, indent=2, end="\n")
     return 0
 
 

@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from rocketkv_cli.eval.reports import read_json, write_json
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -216,14 +218,14 @@ def main() -> None:
         args.llama_cpp = None
         args.out = args.workdir / "serve-loop.json"
     args.workdir.mkdir(parents=True, exist_ok=True)
-    done = json.loads(args.out.read_text()) if args.out.exists() else {}
+    done = read_json(args.out, {})
     for preset in presets:
         if preset in done and not args.force:
             print(f"{preset}: in {args.out} already (--force to measure again)", file=sys.stderr)
             continue
         done[preset] = run_preset(preset, args.doc, args.workdir, args, env)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(done, indent=1) + "\n")
+        write_json(args.out, done, end="\n")
     print(table([done[p] for p in presets if p in done]))
     if args.smoke:
         row = done[presets[0]]

@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from rocketkv_cli.eval.reports import write_text
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("ROCKETKV_SHARED_DATA", ROOT.parent / "shared" / "data"))
 VOLATILE = {
@@ -166,22 +168,22 @@ def main() -> int:
     ap.add_argument("--rocketkv", default=shutil.which("rocketkv") or "rocketkv")
     ap.add_argument("--models", type=Path, default=ROOT / "build" / "snapshot-models")
     ap.add_argument("--quick", action="store_true", help="tiny models only (seconds, not minutes)")
+    ap.add_argument("--smoke", action="store_true", help="one tiny model ingest, work beside --out (CI)")
     args = ap.parse_args()
-    tmp = ROOT / "build" / "snapshot-work"
+    tmp = args.out.parent / "snapshot-work" if args.smoke else ROOT / "build" / "snapshot-work"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     args.models.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     rows = []
-    for name, argv in cases(tmp, args.models, args.quick):
+    for name, argv in cases(tmp, args.models, args.quick or args.smoke)[: 1 if args.smoke else None]:
         t0 = time.perf_counter()
         r = subprocess.run([args.rocketkv, *argv], capture_output=True, text=True, env=env)
         print(f"{name}: exit {r.returncode} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
         lines = [scrub(json.loads(x)) for x in r.stdout.splitlines() if x.strip()]
         rows.append({"case": name, "exit": r.returncode, "stdout": lines,
                      "error": [x for x in r.stderr.splitlines() if x.startswith("Error:")]})  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
+    write_text(args.out, "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
     print(f"wrote {args.out} ({len(rows)} commands)", file=sys.stderr)
     return 0
 

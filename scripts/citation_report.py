@@ -20,10 +20,11 @@ answers' accuracy. About 30 minutes on 2 cores for the default runs.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
+
+from rocketkv_cli.eval.reports import read_jsonl, write_jsonl, write_text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from framing_report import ROOT, documents  # noqa: E402
@@ -124,15 +125,14 @@ def main() -> None:
     docs = documents(args.max_chars)
     log = lambda message: print(message, file=sys.stderr, flush=True)
     if args.from_json:
-        rows = [json.loads(line) for line in args.json.read_text().splitlines()]
+        rows = read_jsonl(args.json)
     else:
         rows = []
         for spec in args.runs.split(","):
             model, budget = spec.rsplit(":", 1)
             rows += run(model, budget, docs, log)
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    args.out.write_text(report(rows, docs))
+        write_jsonl(args.json, rows)
+    write_text(args.out, report(rows, docs))
     log(f"wrote {args.out} and {args.json}")
 
 

@@ -38,6 +38,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from rocketkv_cli.eval.reports import read_jsonl, write_jsonl, write_text
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
 STOP_WORDS = set(
@@ -332,12 +334,11 @@ def main() -> None:
     docs = documents(args.max_chars)
     log = lambda message: print(message, file=sys.stderr, flush=True)
     if args.from_json:
-        rows = [json.loads(line) for line in args.json.read_text().splitlines()]
+        rows = read_jsonl(args.json)
     else:
         rows = [row for model in args.models.split(",") for row in run_model(model, docs, log)]
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    args.out.write_text(report(rows, docs))
+        write_jsonl(args.json, rows)
+    write_text(args.out, report(rows, docs))
     log(f"wrote {args.out} and {args.json}")
 
 

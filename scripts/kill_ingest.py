@@ -34,6 +34,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from rocketkv_cli.eval.reports import write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
@@ -215,8 +217,7 @@ def main() -> int:
     record = {"runs": rows, "n_segments": n_segments, "uncut_s": round(uncut_s, 2), "work_s": round(work_s, 2),
               "seed": args.seed,
               "segment_tokens": SEGMENT_TOKENS, "failures": failures, "command": command}  # fmt: skip
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(record, indent=1) + "\n")
+    write_json(args.json, record, end="\n")
     print(f"wrote {args.json}: {len(rows)} runs, {record['failures']} failed", file=sys.stderr)
     return 1 if record["failures"] else 0
 

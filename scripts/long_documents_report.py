@@ -39,6 +39,8 @@ import threading
 import time
 from pathlib import Path
 
+from rocketkv_cli.eval.reports import read_json, write_json, write_text
+
 ROOT = Path(__file__).resolve().parents[1]
 KJV = ROOT.parent / "shared" / "data" / "kjv.txt"
 DEPTHS = (0.1, 0.5, 0.9)
@@ -433,9 +435,9 @@ def main() -> None:
     args = ap.parse_args()
     command = "python scripts/long_documents_report.py " + " ".join(sys.argv[1:])
     if args.from_json:
-        data = json.loads(args.json.read_text())
+        data = read_json(args.json)
     elif args.ceiling:
-        data = json.loads(args.json.read_text())
+        data = read_json(args.json)
         args.workdir.mkdir(parents=True, exist_ok=True)
         if command.strip() not in data["command"]:
             data["command"] = [*(data["command"] if isinstance(data["command"], list) else [data["command"]]),
@@ -445,19 +447,18 @@ def main() -> None:
                 continue
             print(f"== {label(result)}: ceiling", file=sys.stderr, flush=True)
             result["ceiling"] = ceiling(result, args, args.workdir)
-            args.json.write_text(json.dumps(data, indent=1))  # after each preset: a crash keeps the rest
+            write_json(args.json, data)  # after each preset: a crash keeps the rest
     else:
         args.workdir.mkdir(parents=True, exist_ok=True)
-        old = json.loads(args.json.read_text()) if args.append and args.json.exists() else None
+        old = read_json(args.json) if args.append else None
         commands = (old["command"] if isinstance(old["command"], list) else [old["command"]]) if old else []
         results = list(old["results"]) if old else []
         for preset in args.presets.split(","):
             print(f"== {preset}", file=sys.stderr, flush=True)
             results.append(preset_report(preset, args, args.workdir))
             data = {"command": commands + [command.strip()], "results": results}
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(data, indent=1))  # after each preset: a crash keeps the rest
-    args.out.write_text(render(data["results"], data["command"]))
+            write_json(args.json, data)  # after each preset: a crash keeps the rest
+    write_text(args.out, render(data["results"], data["command"]))
     print(args.out)
 
 

@@ -19,9 +19,10 @@ the sliding-window model.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
+
+from rocketkv_cli.eval.reports import read_json, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = ["What is the lighthouse keeper's code?", "When does the ferry leave?"]
@@ -51,7 +52,7 @@ def main() -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "fixtures.json"
-    record = json.loads(path.read_text()) if path.exists() else {}
+    record = read_json(path, {})
     cfg = PrefillConfig(token_budget=64, max_new_tokens=MAX_NEW_TOKENS, window_size=8, pool_kernel_size=7)
     made = {}
     engine = make_engine("gemma3_text", torch.float32)
@@ -80,7 +81,7 @@ def main() -> int:
         record[name] = {"arch": arch, "segmented": len(parts) > 1, "answers": [
             [list(a.token_ids) for a in answer(engine, part, QUESTIONS, MAX_NEW_TOKENS, None)] for part in parts
         ]}  # fmt: skip
-    (args.out / "fixtures.json").write_text(json.dumps(record, indent=1) + "\n")
+    write_json(args.out / "fixtures.json", record, end="\n")
     print(f"wrote {', '.join(record)} and fixtures.json in {args.out}", file=sys.stderr)
     return 0
 

@@ -16,12 +16,13 @@ the same), and the load timing is redone side by side when it lacks one of LOAD_
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from rocketkv_cli.eval.reports import read_json, write_json, write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("ROCKETKV_SHARED_DATA", ROOT.parent / "shared" / "data"))
@@ -55,7 +56,7 @@ def run(args) -> dict:
     from rocketkv_cli.eval.tasks import generate
 
     torch.set_num_threads(args.threads)
-    report = json.loads(args.json.read_text()) if args.json.exists() else {"results": {}}
+    report = read_json(args.json, {"results": {}})
     haystack = read_document(str(DATA / "kjv.txt")).text
     for preset in args.presets:
         rk = RocketKV.load(preset, device="cpu", weights="float")  # storage alone varies
@@ -87,7 +88,7 @@ def run(args) -> dict:
                     rows = sorted(before["rows"] + rows[1:], key=lambda r: order.get(r["kv_dtype"], len(DTYPES)))
                 report["results"][key] = {"rows": rows, "seconds": time.perf_counter() - t0 + (before or {}).get(
                                           "seconds", 0), "questions": [p.text for p in probes]}  # fmt: skip
-                args.json.write_text(json.dumps(report, indent=1))
+                write_json(args.json, report)
                 print(f"{key}: {time.perf_counter() - t0:.0f}s", file=sys.stderr)
             key = f"{preset}/{n}"
             if args.load_rounds and set(LOAD_DTYPES) - set(report.setdefault("load", {}).get(key, {})):
@@ -97,7 +98,7 @@ def run(args) -> dict:
                     report["load"][key] = load_first_token_seconds(
                         engine, doc, with_preset_defaults(PrefillConfig(), preset, set()), LOAD_DTYPES,
                         sample.questions[0].text, Path(tmp), args.load_rounds)  # fmt: skip
-                args.json.write_text(json.dumps(report, indent=1))
+                write_json(args.json, report)
                 print(f"{key}: load + first token measured", file=sys.stderr)
     return report
 
@@ -193,7 +194,7 @@ def accuracy_section() -> list[str]:
            "| storage | method | score (95% CI) | top-1 vs full | KL vs full | samples |",
            "| --- | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for path in runs:
-        report = json.loads(path.read_text())
+        report = read_json(path)
         for row in report["summary"]:
             if row["task"] != "mean":
                 continue
@@ -336,8 +337,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "storage.md")
     ap.add_argument("--from-json", action="store_true", help="only rewrite the page from the JSON")
     args = ap.parse_args()
-    report = json.loads(args.json.read_text()) if args.from_json else run(args)
-    args.out.write_text(page(report, args.out.read_text() if args.out.exists() else ""))
+    report = read_json(args.json) if args.from_json else run(args)
+    write_text(args.out, page(report, args.out.read_text() if args.out.exists() else ""))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

@@ -141,3 +141,38 @@ def test__decode_bench_smoke__runs_on_cpu():
                        text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert "full attention (SDPA)" in r.stdout and "speedup" in r.stdout, r.stdout[-2000:]
+
+
+def _run(path: str, *args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run([sys.executable, str(ROOT / path), *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)  # fmt: skip
+
+
+def test__make_cache_fixtures_smoke__records_the_answers_tests_data_holds(tmp_path):
+    """scripts/make_cache_fixtures.py into a temporary folder (~10 s): the current version's files
+    answer as tests/data/fixtures.json records."""
+    r = _run("scripts/make_cache_fixtures.py", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    made, kept = read_json(tmp_path / "fixtures.json"), read_json(ROOT / "tests" / "data" / "fixtures.json")
+    assert made and all((tmp_path / name).is_file() for name in made)
+    assert {k: v for k, v in made.items() if k in kept} == {k: kept[k] for k in made if k in kept}
+
+
+def test__answers_snapshot_smoke__records_one_ingest(tmp_path):
+    """scripts/answers_snapshot.py --smoke (a tiny model's ingest through the installed CLI)."""
+    out = tmp_path / "snap.jsonl"
+    r = _run("scripts/answers_snapshot.py", "--smoke", "--out", str(out), "--models", str(tmp_path / "models"),
+             env={"ROCKETKV_HOME": str(tmp_path / "home")})  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = read_jsonl(out)
+    assert row["case"] == "llama-ingest" and row["exit"] == 0 and row["stdout"][0]["n_segments"] == 1, row
+
+
+def test__compile_check_smoke__compiles_each_kernel_once_for_sm90():
+    """benchmarks/compile_check.py --smoke: each Triton kernel built once down to sm_90 on the CPU
+    (~8 s; the full run, every shape and dtype, takes minutes: benchmarks/gpu_check.sh --smoke)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_check.py"), "--smoke"], capture_output=True,
+                       text=True, env=env, timeout=300)  # fmt: skip
+    assert r.returncode == 0 and "OK: 0 failures" in r.stdout, (r.stdout[-3000:], r.stderr[-3000:])

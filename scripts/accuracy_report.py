@@ -31,7 +31,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
-from rocketkv_cli.eval.reports import kept_run, read_json, write_json, write_text
+from rocketkv_cli.eval.reports import kept_run, read_json, report_timer, table, write_json, write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 ROCKETKV = str(Path(sys.executable).parent / "rocketkv")
@@ -114,12 +114,10 @@ def main_table(report: dict, what: str) -> list[str]:
                                 "reselect", "reconstruct_reselect")]  # fmt: skip
     cols = [c for c in cols if any(k[1:] == c for k in cells)]
     head = ["task"] + [label.split("[")[0] if t is None else f"{label.split('[')[0]} t={t}" for label, t in cols]
-    lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * len(cols)]
-    for task in [*cfg["tasks"], "mean"]:
-        vals = [ci(cells[(task, *c)], what) if (task, *c) in cells else "-" for c in cols]
-        name = f"**{task}**" if task == "mean" else task
-        lines.append(f"| {name} | " + " | ".join(vals) + " |")
-    return lines
+    rows = [[f"**{task}**" if task == "mean" else task,
+             *(ci(cells[(task, *c)], what) if (task, *c) in cells else "-" for c in cols)]
+            for task in [*cfg["tasks"], "mean"]]  # fmt: skip
+    return table(head, rows, "-" + "r" * len(cols))
 
 
 def two_level(report: dict) -> list[str]:
@@ -459,4 +457,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with report_timer(Path(__file__).name):
+        sys.exit(main())

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from rocketkv_cli.eval.reports import read_jsonl, write_jsonl, write_text
+from rocketkv_cli.eval.reports import read_jsonl, report_timer, write_jsonl, write_text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from framing_report import ROOT, documents  # noqa: E402
@@ -137,4 +137,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with report_timer(Path(__file__).name):
+        main()

@@ -38,7 +38,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from rocketkv_cli.eval.reports import read_jsonl, write_jsonl, write_text
+from rocketkv_cli.eval.reports import read_jsonl, report_timer, write_jsonl, write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
@@ -343,4 +343,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with report_timer(Path(__file__).name):
+        main()

@@ -34,7 +34,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from rocketkv_cli.eval.reports import write_json
+from rocketkv_cli.eval.reports import report_timer, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -263,4 +263,5 @@ def markdown(record: dict) -> list[str]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with report_timer(Path(__file__).name):
+        sys.exit(main())

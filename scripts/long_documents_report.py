@@ -39,7 +39,7 @@ import threading
 import time
 from pathlib import Path
 
-from rocketkv_cli.eval.reports import read_json, write_json, write_text
+from rocketkv_cli.eval.reports import read_json, report_timer, write_json, write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 KJV = ROOT.parent / "shared" / "data" / "kjv.txt"
@@ -463,4 +463,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with report_timer(Path(__file__).name):
+        main()

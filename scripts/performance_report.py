@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from rocketkv_cli.eval.reports import kept_run, replace_section, write_text
+from rocketkv_cli.eval.reports import kept_run, replace_section, report_timer, table, write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 ROCKETKV = str(Path(sys.executable).parent / "rocketkv")
@@ -44,10 +44,13 @@ def ms(row: dict, key: str) -> str:
     return f"{row[key] * 1e3:.1f}" if row.get(key) is not None else "-"
 
 
-def table(reports: dict[str, dict]) -> list[str]:
-    lines = ["| format | context | decode ms HSA | exact (pruned) | full cache | HSA × exact | fresh ask s | TTFT file s "
-             "| file / full KV | llama.cpp ms | llama.cpp TTFT s | llama.cpp fresh s | llama.cpp state MB |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+COLUMNS = ["format", "context", "decode ms HSA", "exact (pruned)", "full cache", "HSA × exact", "fresh ask s",
+           "TTFT file s", "file / full KV", "llama.cpp ms", "llama.cpp TTFT s", "llama.cpp fresh s", "llama.cpp state MB"]  # fmt: skip
+
+
+def decode_table(reports: dict[str, dict]) -> list[str]:
+    """One row per compute format and length: decode ms, fresh ask and TTFT, file size, llama.cpp's."""
+    rows = []
     for fmt, rep in reports.items():
         for r in rep["rows"]:
             fresh = f"{r['fresh_ask_wall_s']:.2f}" if "fresh_ask_wall_s" in r else "-"
@@ -58,17 +61,14 @@ def table(reports: dict[str, dict]) -> list[str]:
                      ms(r, "decode_step_full_s"), f"{r['hsa_vs_exact_pruned']:.2f}", fresh,
                      f"{r['ttft_from_file_s']:.2f}", f"{r['file_vs_full_kv']:.3f}", ms(r, "llama_cpp_decode_step_s"),
                      ttft, lfresh, state]  # fmt: skip
-            lines.append("| " + " | ".join(cells) + " |")
-    return lines
+            rows.append(cells)
+    return table(COLUMNS, rows, "-" + "r" * (len(COLUMNS) - 1))
 
 
 def crossover(reports: dict[str, dict]) -> list[str]:
-    lines = ["| format | stored tokens | HSA ms | exact ms | HSA speed-up |", "| --- | ---: | ---: | ---: | ---: |"]
-    for fmt, rep in reports.items():
-        for c in rep.get("attention_crossover", []):
-            lines.append(f"| {fmt} | {c['kept_tokens']} | {c['hsa_s'] * 1e3:.3f} | {c['exact_s'] * 1e3:.3f} | "
-                         f"{c['hsa_speedup']:.2f} |")  # fmt: skip
-    return lines
+    rows = [[fmt, c["kept_tokens"], f"{c['hsa_s'] * 1e3:.3f}", f"{c['exact_s'] * 1e3:.3f}", f"{c['hsa_speedup']:.2f}"]
+            for fmt, rep in reports.items() for c in rep.get("attention_crossover", [])]  # fmt: skip
+    return table(["format", "stored tokens", "HSA ms", "exact ms", "HSA speed-up"], rows, "-rrrr")
 
 
 def targets(all_reports: dict[str, dict[str, dict]]) -> list[str]:
@@ -143,7 +143,7 @@ def main() -> int:
         "what a fresh ask does with llama.cpp (import, model load, state file, question, 32 tokens).", "",
     ]  # fmt: skip
     for model, reports in all_reports.items():
-        lines += [f"### {model}", "", *table(reports), "", "One full-attention layer's attention, HSA vs exact:", "",
+        lines += [f"### {model}", "", *decode_table(reports), "", "One full-attention layer's attention, HSA vs exact:", "",
                   *crossover(reports), ""]  # fmt: skip
     lines += ["### Targets", "", *targets(all_reports), ""]
     page = args.out or ROOT / ("build/perf-quick" if args.quick else "docs") / "performance.md"
@@ -154,4 +154,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with report_timer(Path(__file__).name):
+        sys.exit(main())

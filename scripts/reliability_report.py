@@ -13,6 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from rocketkv_cli.eval.reports import report_timer
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
@@ -78,4 +80,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with report_timer(Path(__file__).name):
+        sys.exit(main())

@@ -25,7 +25,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from rocketkv_cli.eval.reports import kept_run, read_json, write_text
+from rocketkv_cli.eval.reports import kept_run, read_json, report_timer, table, write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 ROCKETKV = str(Path(sys.executable).parent / "rocketkv")
@@ -95,7 +95,7 @@ def pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}"
 
 
-def table(report: dict) -> list[str]:
+def methods_table(report: dict) -> list[str]:
     cells = {(r["task"], r["label"], r["budget"]): r for r in report["summary"]}
     stored: dict[tuple, list[int]] = defaultdict(list)
     for rec in report["records"]:
@@ -103,21 +103,17 @@ def table(report: dict) -> list[str]:
     tasks = [*report["config"]["tasks"], "mean"]
     cols = [("full", None)] + [(m, t) for t in report["config"]["budgets"] for m in METHODS if m != "full"]
     cols = [c for c in cols if any((task, *c) in cells for task in tasks)]
-    lines = ["| task | " + " | ".join(m if t is None else f"{m} t={t}" for m, t in cols) + " |",
-             "| --- |" + " ---: |" * len(cols)]  # fmt: skip
-    for task in tasks:
-        vals = []
-        for c in cols:
-            r = cells.get((task, *c))
-            if r is None:
-                vals.append("-")
-                continue
-            lo, hi = r["score_ci"]
-            agree = "" if r["top1_agreement"] is None else f" ({pct(r['top1_agreement'])})"
-            vals.append(f"{pct(r['score'])} [{pct(lo)}–{pct(hi)}]{agree}")
-        lines.append(f"| {'**mean**' if task == 'mean' else task} | " + " | ".join(vals) + " |")
+
+    def cell(r: dict | None) -> str:
+        if r is None:
+            return "-"
+        agree = "" if r["top1_agreement"] is None else f" ({pct(r['top1_agreement'])})"
+        return f"{pct(r['score'])} [{pct(r['score_ci'][0])}–{pct(r['score_ci'][1])}]{agree}"
+
+    rows = [[f"**{task}**" if task == "mean" else task, *(cell(cells.get((task, *c))) for c in cols)] for task in tasks]
     sizes = [str(round(sum(stored[c]) / len(stored[c]))) if stored[c] else "-" for c in cols]
-    lines.append("| stored tokens | " + " | ".join(sizes) + " |")
+    head = ["task", *(m if t is None else f"{m} t={t}" for m, t in cols)]
+    lines = table(head, [*rows, ["stored tokens", *sizes]], align="-" + "r" * len(cols))
     return lines
 
 
@@ -142,7 +138,7 @@ def adaptive_section(adaptive: dict[str, dict[str, dict]]) -> list[str]:
             cfg = report["config"]
             lines += [f"### {model}, {cfg['context_tokens'][0]} tokens, {cfg['samples']} samples per task, "
                       f"`--kv-dtype {cfg['kv_dtype']}`, {decoded[stage2]} ({report['elapsed_s'] / 60:.0f} min)", "",
-                      *table(report), ""]  # fmt: skip
+                      *methods_table(report), ""]  # fmt: skip
     lines += ["Default rule: adaptive layer budgets replace uniform ones for the preset's observation when, at the "
               f"default budget (t=512), the mean score is higher by {pct(MARGIN)} points and the top-1 agreement is "
               "not lower, decoded as `ask` decodes on a CPU (exact attention) where that run exists, else with "
@@ -204,7 +200,7 @@ def page(reports: dict[str, dict], times: dict[str, dict], adaptive: dict[str, d
     for model, report in reports.items():
         cfg = report["config"]
         lines += [f"## {model}, {cfg['context_tokens'][0]} tokens, {cfg['samples']} samples per task, store budget "
-                  f"{cfg['store_factor']}·t ({report['elapsed_s'] / 60:.0f} min)", "", *table(report), ""]  # fmt: skip
+                  f"{cfg['store_factor']}·t ({report['elapsed_s'] / 60:.0f} min)", "", *methods_table(report), ""]  # fmt: skip
         if model in times:
             t = times[model]
             lines += [f"Ingest cost, same document ({t['n_context_tokens']} tokens of the GPL, t=512, side by side "
@@ -303,4 +299,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with report_timer(Path(__file__).name):
+        sys.exit(main())

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rocketkv_cli.eval.reports import read_json, write_json, write_text
+from rocketkv_cli.eval.reports import read_json, report_timer, table, write_json, write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("ROCKETKV_SHARED_DATA", ROOT.parent / "shared" / "data"))
@@ -149,16 +149,12 @@ def page(report: dict, old: str = "") -> str:
         by_group.setdefault(f"{preset}/{n}", []).append(res)
     for group, results in by_group.items():
         preset, n = group.split("/")
+        rows = [[r["kv_dtype"], f"{r['bytes_per_token']:,.0f}", f"1/{1 / r['file_vs_bf16_full_kv']:.1f}",
+                 f"{r['top1']:.3f} ({r['top1_ci'][0]:.3f}–{r['top1_ci'][1]:.3f}, {r['steps']} tokens)",
+                 f"{r['mean_kl']:.4f}", f"{r['greedy']:.3f}", f"{r['facts']:.2f}"]
+                for r in (pooled(results, i) for i in range(len(results[0]["rows"])))]  # fmt: skip
         lines += [f"## {preset}, {n} tokens ({len(results)} document{'s' * (len(results) > 1)})", "",
-                  "| storage | bytes / token | file / bf16 full KV | top-1 vs float32 (95% CI) | KL | greedy | facts |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
-        for i in range(len(results[0]["rows"])):
-            row = pooled(results, i)
-            lo, hi = row["top1_ci"]
-            lines.append(f"| {row['kv_dtype']} | {row['bytes_per_token']:,.0f} | 1/{1 / row['file_vs_bf16_full_kv']:.1f} "
-                         f"| {row['top1']:.3f} ({lo:.3f}–{hi:.3f}, {row['steps']} tokens) | {row['mean_kl']:.4f} "
-                         f"| {row['greedy']:.3f} | {row['facts']:.2f} |")  # fmt: skip
-        lines.append("")
+                  *table(COLUMNS, rows, "-rrrrrr"), ""]  # fmt: skip
     if report.get("load"):
         lines += ["## Load and first token", "",
                   "Seconds from opening the file to the first answer token (load and verify every byte, model",
@@ -190,20 +186,17 @@ def accuracy_section() -> list[str]:
            "`rocketkv eval --model smollm2-135m --context-tokens 4096 --budgets 512 --methods full,reconstruct "
            "--tasks niah_noise,multikey,niah_text --samples 6 --kv-dtype D` for each storage D (same seed, so the "
            "same documents and questions; every method's cache stored as D). Mean score over the tasks with its "
-           "95% bootstrap interval; *top-1* and *KL* against full attention with the same storage.", "",
-           "| storage | method | score (95% CI) | top-1 vs full | KL vs full | samples |",
-           "| --- | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+           "95% bootstrap interval; *top-1* and *KL* against full attention with the same storage.", ""]  # fmt: skip
+    rows = []
     for path in runs:
         report = read_json(path)
-        for row in report["summary"]:
-            if row["task"] != "mean":
-                continue
+        for row in (r for r in report["summary"] if r["task"] == "mean"):
             lo, hi = row["score_ci"]
-            top1 = "—" if row["top1_agreement"] is None else f"{row['top1_agreement']:.3f}"
-            kl = "—" if row["kl"] is None else f"{row['kl']:.4f}"
-            label = row["label"] + (f" t={row['budget']}" if row["budget"] else "")
-            out.append(f"| {report['config']['kv_dtype']} | {label} | {row['score']:.2f} ({lo:.2f}–{hi:.2f}) | {top1} "
-                       f"| {kl} | {row['n']} |")  # fmt: skip
+            rows.append([report["config"]["kv_dtype"], row["label"] + (f" t={row['budget']}" if row["budget"] else ""),
+                         f"{row['score']:.2f} ({lo:.2f}–{hi:.2f})",
+                         "—" if row["top1_agreement"] is None else f"{row['top1_agreement']:.3f}",
+                         "—" if row["kl"] is None else f"{row['kl']:.4f}", row["n"]])  # fmt: skip
+    out += table(["storage", "method", "score (95% CI)", "top-1 vs full", "KL vs full", "samples"], rows, "--rrrr")
     return [*out, ""]
 
 
@@ -260,6 +253,7 @@ def kept(old: str, start: str, stops: tuple[str, ...]) -> list[str]:
     return lines[first:end]
 
 
+COLUMNS = ["storage", "bytes / token", "file / bf16 full KV", "top-1 vs float32 (95% CI)", "KL", "greedy", "facts"]
 AGREEMENT_BAR = 0.98  # teacher-forced top-1 agreement a storage needs against float32 to be a default
 SAME_SIZE = 0.01  # storages within this fraction of the smallest one's bytes per token are the same size
 LOAD_SLACK = 0.10  # … and may replace it only if their load + first token is at most this much slower
@@ -344,4 +338,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with report_timer(Path(__file__).name):
+        sys.exit(main())

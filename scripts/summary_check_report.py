@@ -29,6 +29,8 @@ import time
 from datetime import date
 from pathlib import Path
 
+from rocketkv_cli.eval.reports import report_timer
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from rocketkv_cli.api.summary_check import check_summary  # noqa: E402  (standard library only)
@@ -192,4 +194,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with report_timer(Path(__file__).name):
+        main()

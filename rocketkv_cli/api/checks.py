@@ -6,7 +6,6 @@ was built for; and reading or describing a `.kv` file without a model. Each rais
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from pathlib import Path
 
 from ..core.cache import AnyCache, SegmentedKVCache
@@ -14,6 +13,7 @@ from ..core.config import AttentionChoice
 from ..engine.answer import decode_config_for
 from ..engine.cite import check_citable
 from ..engine.preflight import check_cache_file
+from ..engine.preflight import check_questions as check_questions  # defined torch-free, re-exported
 from ..errors import CacheFormatError, InputError, UsageError
 from ..model.loading import PRESETS, configure_transformers
 from ..store.checkpoints import Checkpoints
@@ -24,23 +24,6 @@ from ..store.format import load_cache
 def configure(quiet: bool, progress_bars: bool) -> None:
     """Offline, quiet model loading (no hub access; transformers' own bars only if `progress_bars`)."""
     configure_transformers(quiet, progress_bars)
-
-
-def check_questions(questions: Iterable[str]) -> list[str]:
-    """The questions of a batch row: each a non-empty, UTF-8-encodable string, at least one.
-
-    Raises InputError with one-line messages (empty question, not UTF-8, none given)."""
-    qs = list(questions)
-    if any(not isinstance(q, str) or not q.strip() for q in qs):
-        raise InputError("empty question", "give each question some text")
-    for q in qs:
-        try:
-            q.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InputError("a question is not valid UTF-8 text", "check the question's encoding") from None
-    if not qs:
-        raise InputError("no question given", "pass questions as arguments or with --questions-file")
-    return qs
 
 
 def decode_weights_for(cache: AnyCache) -> str | None:

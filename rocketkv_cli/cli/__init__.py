@@ -102,4 +102,3 @@ COMMANDS = [
 ]
 for _name, _fn, _short in COMMANDS:
     app.command(name=_name, short_help=_short, cls=Command)(command(_fn))
-

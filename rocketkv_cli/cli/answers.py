@@ -16,8 +16,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..errors import InputError
-
 FORMATS = ("auto", "text", "qa", "lines", "json")
 INDENT = "   "
 
@@ -170,11 +168,3 @@ def answer_log(ans) -> str:
     seed = f", seed {ans.sampling.seed}" if ans.sampling is not None else ""
     seconds = ans.prefill_s + ans.decode_s
     return f"answered in {seconds:.2f}s ({ans.n_answer_tokens} tokens, stop: {ans.stop_reason}{seed})"
-
-
-def check_question_text(question: str) -> None:
-    """Raises InputError for a question that cannot be encoded as UTF-8 (lone surrogates)."""
-    try:
-        question.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InputError("a question is not valid UTF-8 text", "check the question's encoding") from None

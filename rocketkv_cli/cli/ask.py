@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..core.config import AttentionChoice
+from ..engine.preflight import check_questions
 from ..errors import InputError, UsageError
 from ..serve.client import MAX_QUESTIONS
 from .answers import (
@@ -21,7 +22,6 @@ from .answers import (
     TemperatureOpt,
     TopPOpt,
     answer_log,
-    check_question_text,
     resolve_format,
     sampling_note,
     usage_error,
@@ -73,11 +73,7 @@ def read_questions(positional: list[str], questions_file: Optional[str], doc_is_
             except (OSError, UnicodeDecodeError) as exc:
                 raise InputError(f"cannot read questions file {questions_file}: {exc}") from None
         questions += [line.strip() for line in text.split("\n") if line.strip()]  # only \n ends a question
-    if any(not q.strip() for q in questions):
-        raise InputError("empty question", "give each question some text")
-    for q in questions:
-        check_question_text(q)
-    return questions
+    return check_questions(questions) if questions else questions  # none: `questions_of` says why
 
 
 def questions_of(args: Optional[list[str]], cache: Optional[Path], questions_file: Optional[str]):

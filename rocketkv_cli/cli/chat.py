@@ -18,6 +18,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..core.config import AttentionChoice
+from ..engine.preflight import check_questions
 from ..errors import RocketKVError, UsageError
 from ..serve.client import home
 from ..signals import handled
@@ -29,7 +30,6 @@ from .answers import (
     TemperatureOpt,
     TopPOpt,
     answer_log,
-    check_question_text,
     sampling_note,
 )
 from .common import cache_budget_note, err, fail, log, setup
@@ -68,7 +68,7 @@ class Prompt:
     def __init__(self, history: Path):
         self.interactive = sys.stdin.isatty()
         self.history = history
-        if hasattr(sys.stdin, "reconfigure"):  # undecodable bytes reach check_question_text, not a traceback
+        if hasattr(sys.stdin, "reconfigure"):  # undecodable bytes reach check_questions, not a traceback
             sys.stdin.reconfigure(errors="surrogateescape")
         self.readline = None
         if self.interactive and sys.stdout.isatty():
@@ -214,7 +214,7 @@ def answer_turn(printer: AnswerPrinter, turn: Callable[[str], Turn], question: s
     """One question answered and printed as it is decoded. Returns False when it could not be
     answered (one error line on stderr); Ctrl-C cancels only this answer."""
     try:
-        check_question_text(question)
+        check_questions([question])  # the API's check (InputError: not UTF-8)
         printer.start(question)
         pieces = turn(question)
         while True:

@@ -176,3 +176,26 @@ def test__compile_check_smoke__compiles_each_kernel_once_for_sm90():
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compile_check.py"), "--smoke"], capture_output=True,
                        text=True, env=env, timeout=300)  # fmt: skip
     assert r.returncode == 0 and "OK: 0 failures" in r.stdout, (r.stdout[-3000:], r.stderr[-3000:])
+
+
+def test__kill_ingest_smoke__its_section_renders_from_the_committed_runs():
+    """The rendering half of scripts/kill_ingest.py (the runs take 10-15 minutes: 50 SIGKILLs):
+    its section of docs/reliability.md from docs/bench/kill_ingest.json, as the page holds it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kill_ingest", ROOT / "scripts" / "kill_ingest.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    section = "\n".join(mod.markdown(read_json(ROOT / "docs" / "bench" / "kill_ingest.json")))
+    assert section.strip() and section.strip() in (ROOT / "docs" / "reliability.md").read_text()
+
+
+def test__reliability_report_smoke__renders_the_first_case(tmp_path):
+    """scripts/reliability_report.py --smoke (~8 s): the first case through the installed CLI, as a
+    row of the page (tests/test_reliability.py asserts every case)."""
+    page = tmp_path / "reliability.md"
+    r = _run("scripts/reliability_report.py", "--smoke", "--output", str(page))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line for line in page.read_text().splitlines() if line.startswith("| ") and "`rocketkv " in line]
+    assert len(rows) == 1 and rows[0].endswith("| ok |"), rows

@@ -417,7 +417,8 @@ def test__preflight_and_command_line_import_no_torch():
     """What runs before the model loads imports no torch (errors come in a fraction of a second)."""
     modules = ("rocketkv_cli.entry", "rocketkv_cli.cli", "rocketkv_cli.engine.preflight", "rocketkv_cli.store.atomic",
                "rocketkv_cli.store.folders", "rocketkv_cli.core.config", "rocketkv_cli.engine.documents",
-               "rocketkv_cli.engine.threads", "rocketkv_cli.api.summary_check")  # fmt: skip
+               "rocketkv_cli.engine.threads", "rocketkv_cli.api.summary_check",
+               "rocketkv_cli.batch.manifest")  # fmt: skip
     heavy = "('torch', 'transformers')"
     code = f"import sys; import {', '.join(modules)}; print(sorted(m for m in {heavy} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -114,56 +114,18 @@ def eval_command(
     quiet: QuietOpt = False,
 ) -> None:
     """Score full attention, rocketkv and baselines on generated long-context tasks (docs/accuracy.md)."""
-    import tempfile
-
     from ..api.rocketkv import DEFAULT_MODEL
     from ..eval.bench import machine_info
-    from ..eval.runner import OBSERVATIONS, EvalConfig, run_eval
-    from ..eval.tasks import NEEDS_HAYSTACK_TEXT, TASKS
 
     setup(quiet)
-    task_list = _names(tasks, TASKS)
-    method_list = DEFAULT_METHODS if methods.strip() == "default" else _names(methods, eval_methods())
-    if stage2 == "exact" and methods.strip() in ("all", "default"):  # stage 2 alone has no meaning without stage 2
-        method_list = tuple(m for m in method_list if m != "hsa")
-    try:
-        cfg = EvalConfig(
-            context_tokens=_ints("context-tokens", context_tokens), budgets=_ints("budgets", budgets),
-            methods=method_list, tasks=task_list, samples=samples, seed=seed,
-            observations=_names(observations, OBSERVATIONS), pool_kernels=_ints("pool-kernels", pool_kernels, True),
-            window_size=window_size, wide_window_size=wide_window_size, max_new_tokens=max_new_tokens,
-            store_factor=store_factor, reconstruct_pool_kernel=reconstruct_pool_kernel,
-            kv_dtype=storage(kv_dtype).name if kv_dtype is not None else None, stage2=stage2,
-        )  # fmt: skip
-    except ValueError as exc:
-        raise UsageError(f"invalid option: {exc}") from None
-    if json_path is not None and json_path.is_dir():
-        raise OutputError(f"--json {json_path} is a directory", "give a file name")
-    if json_path is not None and not (json_path.parent if str(json_path.parent) else Path(".")).is_dir():
-        raise OutputError(f"--json directory {json_path.parent} does not exist", f"mkdir -p {json_path.parent}")
-    haystack_text, haystack_path = None, haystack or default_kjv()
-    if any(t in NEEDS_HAYSTACK_TEXT for t in cfg.tasks):
-        if haystack_path is not None:  # an explicit --haystack that is missing fails here
-            haystack_text = read_document(str(haystack_path)).text
-        else:
-            kept = tuple(t for t in cfg.tasks if t not in NEEDS_HAYSTACK_TEXT)
-            if not kept:
-                raise InputError("niah_text needs real text and none was found", "pass --haystack FILE")
-            log("skipping niah_text: no real text found (pass --haystack FILE, e.g. ../shared/data/kjv.txt)")
-            cfg = dataclasses.replace(cfg, tasks=kept)
+    numbers = {"samples": samples, "seed": seed, "window_size": window_size, "wide_window_size": wide_window_size,
+               "max_new_tokens": max_new_tokens, "store_factor": store_factor,
+               "reconstruct_pool_kernel": reconstruct_pool_kernel}  # fmt: skip
+    cfg = eval_config(methods, tasks, stage2, context_tokens, budgets, observations, pool_kernels, kv_dtype, numbers)
+    check_report_path(json_path)
+    cfg, haystack_text, haystack_path = with_haystack(cfg, haystack)
     engine = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", False, weights).engine
-    with steps_bar() as bar, tempfile.TemporaryDirectory(prefix="rocketkv-eval-") as tmp:
-        task = bar.add_task("eval", total=None)
-
-        started = time.perf_counter()
-
-        def on_progress(done: int, total: int, what: str) -> None:
-            bar.update(task, completed=done, total=total, description=what)
-            if bar.disable and what.endswith(": prefill"):  # no live bar (a log file): one line per sample
-                left = (time.perf_counter() - started) / done * (total - done) if done else None
-                log(f"{done}/{total} steps; {what}" + (f"; ETA {left / 60:.0f} min" if left is not None else ""))
-
-        report = run_eval(engine, cfg, Path(tmp), haystack_text, on_progress)
+    report = run_with_progress(engine, cfg, haystack_text)
     report["config"]["haystack"] = str(haystack_path) if haystack_text is not None else None
     report["versions"] = machine_info()
     report["date"] = time.strftime("%Y-%m-%d")  # the run's day, for pages rendered later from the JSON
@@ -180,3 +142,73 @@ def eval_command(
         tmp_json.write_text(json.dumps(report, indent=1, ensure_ascii=False))
         os.replace(tmp_json, json_path)  # an old report is replaced whole or not at all
         log(f"wrote {json_path}")
+
+
+def eval_config(methods: str, tasks: str, stage2: str, context_tokens: str, budgets: str, observations: str,
+                pool_kernels: str, kv_dtype: Optional[str], numbers: dict):  # fmt: skip
+    """The options as an `EvalConfig` (`numbers`: its integer fields as given), checked before the
+    model loads. Raises UsageError naming the option."""
+    from ..eval.runner import OBSERVATIONS, EvalConfig
+    from ..eval.tasks import TASKS
+
+    task_list = _names(tasks, TASKS)
+    method_list = DEFAULT_METHODS if methods.strip() == "default" else _names(methods, eval_methods())
+    if stage2 == "exact" and methods.strip() in ("all", "default"):  # stage 2 alone has no meaning without stage 2
+        method_list = tuple(m for m in method_list if m != "hsa")
+    try:
+        return EvalConfig(
+            context_tokens=_ints("context-tokens", context_tokens), budgets=_ints("budgets", budgets),
+            methods=method_list, tasks=task_list, observations=_names(observations, OBSERVATIONS),
+            pool_kernels=_ints("pool-kernels", pool_kernels, True),
+            kv_dtype=storage(kv_dtype).name if kv_dtype is not None else None, stage2=stage2, **numbers,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise UsageError(f"invalid option: {exc}") from None
+
+
+def check_report_path(json_path: Optional[Path]) -> None:
+    """Refuse a `--json` path that cannot be written (a directory, a missing folder) before the run.
+    Raises OutputError."""
+    if json_path is not None and json_path.is_dir():
+        raise OutputError(f"--json {json_path} is a directory", "give a file name")
+    if json_path is not None and not (json_path.parent if str(json_path.parent) else Path(".")).is_dir():
+        raise OutputError(f"--json directory {json_path.parent} does not exist", f"mkdir -p {json_path.parent}")
+
+
+def with_haystack(cfg, haystack: Optional[Path]):
+    """(cfg, haystack text or None, its path) for niah_text: `--haystack`, else shared/data/kjv.txt;
+    without either, niah_text is skipped (a line on stderr). Raises InputError when niah_text was
+    the only task, or for an unreadable `--haystack`."""
+    from ..eval.tasks import NEEDS_HAYSTACK_TEXT
+
+    haystack_text, haystack_path = None, haystack or default_kjv()
+    if any(t in NEEDS_HAYSTACK_TEXT for t in cfg.tasks):
+        if haystack_path is not None:  # an explicit --haystack that is missing fails here
+            haystack_text = read_document(str(haystack_path)).text
+        else:
+            kept = tuple(t for t in cfg.tasks if t not in NEEDS_HAYSTACK_TEXT)
+            if not kept:
+                raise InputError("niah_text needs real text and none was found", "pass --haystack FILE")
+            log("skipping niah_text: no real text found (pass --haystack FILE, e.g. ../shared/data/kjv.txt)")
+            cfg = dataclasses.replace(cfg, tasks=kept)
+    return cfg, haystack_text, haystack_path
+
+
+def run_with_progress(engine, cfg, haystack_text: Optional[str]) -> dict:
+    """`run_eval` with a bar on stderr (or, without a live bar, a line per sample with its ETA).
+    Returns the report."""
+    import tempfile
+
+    from ..eval.runner import run_eval
+
+    with steps_bar() as bar, tempfile.TemporaryDirectory(prefix="rocketkv-eval-") as tmp:
+        task = bar.add_task("eval", total=None)
+        started = time.perf_counter()
+
+        def on_progress(done: int, total: int, what: str) -> None:
+            bar.update(task, completed=done, total=total, description=what)
+            if bar.disable and what.endswith(": prefill"):  # no live bar (a log file): one line per sample
+                left = (time.perf_counter() - started) / done * (total - done) if done else None
+                log(f"{done}/{total} steps; {what}" + (f"; ETA {left / 60:.0f} min" if left is not None else ""))
+
+        return run_eval(engine, cfg, Path(tmp), haystack_text, on_progress)

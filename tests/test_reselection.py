@@ -13,8 +13,9 @@ from conftest import make_engine, text_of_bytes
 from rocketkv_cli.core.cache import CompressedKVCache, LayerKV
 from rocketkv_cli.core.config import PrefillConfig
 from rocketkv_cli.engine.answer import Answerer, decode_config_for
-from rocketkv_cli.engine.decoder import Decoder, reselection_for
+from rocketkv_cli.engine.decoder import Decoder
 from rocketkv_cli.engine.documents import Document
+from rocketkv_cli.methods.reselect import reselection_for
 
 CFG = PrefillConfig(token_budget=32, max_new_tokens=8, window_size=8, pool_kernel_size=5, store_budget=128)
 DOC = Document(text_of_bytes(600, seed=4), "0" * 64, "d.txt")

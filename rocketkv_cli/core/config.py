@@ -342,29 +342,6 @@ class AttentionChoice:
             raise UsageError("--dense and --hsa contradict each other", "give one of them")
 
 
-@dataclass(frozen=True)
-class Reselection:
-    """Per-question re-selection (two-level budgets; docs/algorithm.md §4): the file stores more
-    tokens than one question's working set, and each question chooses its `prompt_budget` tokens
-    per KV head from them by SnapKV++ with its own queries as the observation window. The stored
-    first `n_first_tokens` and last `window_size` tokens stay in every working set, as at ingest.
-    pool_kernel_size: odd, in stored tokens (1 = no pooling). All in tokens.
-    """
-
-    prompt_budget: int
-    window_size: int
-    pool_kernel_size: int
-    n_first_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("prompt_budget", "window_size", "pool_kernel_size"):
-            _positive(name, getattr(self, name), allow_none=False)
-        if self.pool_kernel_size % 2 == 0:
-            raise ValueError(f"pool_kernel_size must be odd, got {self.pool_kernel_size}")
-        if isinstance(self.n_first_tokens, bool) or not isinstance(self.n_first_tokens, int) or self.n_first_tokens < 0:
-            raise ValueError(f"n_first_tokens must be a non-negative integer, got {self.n_first_tokens!r}")
-
-
 def with_preset_defaults(cfg: PrefillConfig, model_id: str, explicit: Iterable[str]) -> PrefillConfig:
     """`cfg` with the measured stage-1 defaults of preset `model_id` (`PRESET_PREFILL_DEFAULTS`)
     in every field not named in `explicit` (the fields the user set). Other models: `cfg`.

@@ -1,8 +1,8 @@
 """The decode side of the engine: `Decoder(engine, cache, …)` holds static KV buffers over one
 compressed cache (the stored context followed by a preallocated per-question tail) and the two
 verbs of the field, `prefill(question ids)` and `decode_one_token(token)`, at explicit RoPE
-positions n, n+1, …; `reset()` goes back to the stored context. `reselection_for` says whether a
-cache asks for per-question re-selection (`ingest --store-budget`).
+positions n, n+1, …; `reset()` goes back to the stored context. A cache stored with a store
+budget (`ingest --store-budget`) gets per-question re-selection (`methods/reselect.py`).
 
 No argument parsing or printing here.
 """
@@ -15,26 +15,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import ops
 from ..core.cache import CompressedKVCache
-from ..core.config import DecodeConfig, Reselection, auto_pool_kernel_size
+from ..core.config import DecodeConfig
+from ..methods.reselect import Reselection, reselection_for
 from ..model.hf import RocketCache, RocketLayer, forward_tokens, rocketkv_attention
 from ..model.weights import decode_step
 
 if TYPE_CHECKING:
     from .engine import Engine
-
-
-def reselection_for(cache: CompressedKVCache) -> Reselection | None:
-    """The per-question re-selection a cache asks for: None unless it was stored with a store
-    budget (`ingest --store-budget`); layers holding no more than its prompt budget are left
-    whole. Pooling follows the `auto` rule on the stored count (pooling runs over stored tokens,
-    which are sparser than the document's)."""
-    cfg, prompt_budget = cache.info.config, cache.info.budgets.prompt_budget
-    if cfg.store_budget is None:
-        return None
-    kernel = auto_pool_kernel_size(max(layer.n_kept_tokens for layer in cache.layers))
-    return Reselection(prompt_budget, cfg.window_size, kernel, cfg.n_first_tokens)  # select_kept_tokens fits them
 
 
 class Decoder:
@@ -101,10 +89,7 @@ class Decoder:
                 continue
             queries = torch.cat(captured[i], dim=2)  # [1, H, T, D]
             keys = layer.keys[:, :, : layer.n_context]  # [1, Hkv, S, D]
-            scores = ops.question_scores(queries, keys, spec.scaling, spec.softcap)  # [1, Hkv, S]
-            kept = ops.snapkv_select(scores, plan.prompt_budget, plan.window_size, plan.pool_kernel_size,
-                                     plan.n_first_tokens)  # [1, Hkv, prompt_budget]  # fmt: skip
-            layer.select_context(kept)
+            layer.select_context(plan.select(queries, keys, spec.scaling, spec.softcap))  # [1, Hkv, prompt_budget]
 
     def decode_one_token(self, token: int) -> torch.Tensor:
         """Run one token at the next position; returns its logits `[1, V]` float32."""

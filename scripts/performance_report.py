@@ -109,16 +109,16 @@ def main() -> int:
     parser.add_argument("--llama-cpp", help="a Python interpreter with llama-cpp-python installed")
     parser.add_argument("--formats", nargs="+", default=list(FORMATS))
     parser.add_argument("--presets", nargs="+", default=list(RUNS), choices=list(RUNS))
-    parser.add_argument("--out", type=Path, help="the page to write (default: docs/performance.md)")
+    parser.add_argument("--out", type=Path, help="the page to write, its JSON in bench/ beside it (default: docs/)")
+    parser.add_argument("--model", help="with --quick: this model (e.g. a tiny directory: the CI smoke) only")
     args = parser.parse_args()
-    bench_dir = ROOT / ("build/perf-quick" if args.quick else "docs/bench")
-    bench_dir.mkdir(parents=True, exist_ok=True)
+    bench_dir = args.out.parent / "bench" if args.out else ROOT / ("build/perf-quick" if args.quick else "docs/bench")
     all_reports: dict[str, dict[str, dict]] = {}
-    for model, lengths in RUNS.items():
-        if model not in args.presets and not args.from_json:
+    for model, lengths in ({args.model: "1024"} if args.model and args.quick else RUNS).items():
+        if model not in args.presets and not args.from_json and not args.model:
             continue
         for fmt in args.formats:
-            out = bench_dir / f"perf-{model}-{fmt}.json"
+            out = bench_dir / f"perf-{Path(model).name}-{fmt}.json"
             if args.from_json and not out.exists():
                 continue
             all_reports.setdefault(model, {})[fmt] = run(model, fmt, "1024" if args.quick else lengths, out,
@@ -146,7 +146,7 @@ def main() -> int:
         lines += [f"### {model}", "", *decode_table(reports), "", "One full-attention layer's attention, HSA vs exact:", "",
                   *crossover(reports), ""]  # fmt: skip
     lines += ["### Targets", "", *targets(all_reports), ""]
-    page = args.out or ROOT / ("build/perf-quick" if args.quick else "docs") / "performance.md"
+    page = args.out or (bench_dir if args.quick else ROOT / "docs") / "performance.md"
     old = page.read_text() if page.exists() else "# Performance\n"
     write_text(page, replace_section(old, START, END, "\n".join(lines)))
     print(f"wrote {page}", file=sys.stderr)

@@ -199,3 +199,15 @@ def test__reliability_report_smoke__renders_the_first_case(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [line for line in page.read_text().splitlines() if line.startswith("| ") and "`rocketkv " in line]
     assert len(rows) == 1 and rows[0].endswith("| ok |"), rows
+
+
+def test__performance_report_smoke__benches_a_tiny_model_into_the_page(tiny_model_dir, tmp_path):
+    """scripts/performance_report.py --quick --model DIR --formats float32 (~15 s: one `rocketkv
+    bench` run, the whole chain from the CLI to the page): the page's tables hold its row."""
+    page = tmp_path / "performance.md"
+    r = _run("scripts/performance_report.py", "--quick", "--model", str(tiny_model_dir), "--formats", "float32",
+             "--out", str(page), env={"ROCKETKV_HOME": str(tmp_path / "home")})  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "bench" / f"perf-{tiny_model_dir.name}-float32.json").is_file()
+    text = page.read_text()
+    assert "<!-- performance-report:start -->" in text and "| float32 | 1024 |" in text, text[-2000:]

@@ -171,6 +171,7 @@ def kept_run(out: Path, cmd: Sequence[str], runs: bool = True, cwd: Path | None 
         if not runs:
             raise SystemExit(f"{out} is missing (run without --from-json to make it)")
         print("$", " ".join([Path(cmd[0]).name, *cmd[1:]]), file=sys.stderr)
+        out.parent.mkdir(parents=True, exist_ok=True)
         done = subprocess.run(list(cmd), cwd=cwd, stdout=subprocess.DEVNULL)
         if done.returncode != 0:
             raise SystemExit(f"{Path(cmd[0]).name} {cmd[1]} failed (exit {done.returncode}); rerun to resume")

@@ -30,6 +30,15 @@ def model_for_server(options: dict) -> dict:
     return options
 
 
+def cache_fields(cache: Path) -> dict:
+    """The `cache` and `display` fields of a request, the file checked first as `ask` checks it
+    here (torch-free: a missing or unreadable file fails as it would in this process)."""
+    from ..engine.preflight import check_cache_file
+
+    check_cache_file(cache)
+    return {"cache": os.path.abspath(cache), "display": str(cache)}
+
+
 def answer_log_of(record: dict) -> str:
     """The stderr line after an answer, from its `--json` record (as `answers.answer_log`)."""
     seed = f", seed {record['sampling']['seed']}" if "sampling" in record else ""
@@ -45,10 +54,7 @@ def ask_remote(server: Server, cache: Path, questions: list[str], options: dict,
     options: `RocketKV.ask`'s keyword options and the model choice (model, device, dtype, weights,
     trust_remote_code). Raises the server's error as its rocketkv type; ServerError when the
     server goes away before the last answer."""
-    from ..engine.preflight import check_cache_file  # torch-free: a missing file fails as it would here
-
-    check_cache_file(cache)
-    body = {"cache": os.path.abspath(cache), "display": str(cache), "questions": questions, **model_for_server(options)}
+    body = {**cache_fields(cache), "questions": questions, **model_for_server(options)}
     done = 0
     printer.start(questions[0])
     for event in events(server, "/v1/rocketkv/ask", body):
@@ -81,11 +87,9 @@ class RemoteChat:
     once on construction, as a local session checks them before the prompt appears."""
 
     def __init__(self, server: Server, cache: Path, options: dict):
-        from ..engine.preflight import check_cache_file
-
-        check_cache_file(cache)
+        fields = cache_fields(cache)
         self.server = server
-        self.body = {"cache": os.path.abspath(cache), "display": str(cache), **model_for_server(options)}
+        self.body = {**fields, **model_for_server(options)}
         for _ in events(server, "/v1/rocketkv/ask", {**self.body, "questions": [], "check_only": True}):
             pass  # "checked": the cache, the model and the options passed the session's checks
 
@@ -112,10 +116,7 @@ def summarize_remote(server: Server, cache: Path, options: dict, on_partial) -> 
     """A summary of `cache` made by `server`; `on_partial(event)` per partial summary (an object with
     level, index, total, text, mode, as `api.summaries.PartialSummary`). Returns the final summary
     (text, n_answer_tokens, stop_reason, mode, rejected). Raises the server's error as its type."""
-    from ..engine.preflight import check_cache_file
-
-    check_cache_file(cache)
-    body = {"cache": os.path.abspath(cache), "display": str(cache), **model_for_server(options)}
+    body = {**cache_fields(cache), **model_for_server(options)}
     final = None
     for event in events(server, "/v1/rocketkv/summarize", body):
         if event.get("event") == "partial":

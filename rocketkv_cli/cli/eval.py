@@ -148,7 +148,7 @@ def eval_config(methods: str, tasks: str, stage2: str, context_tokens: str, budg
                 pool_kernels: str, kv_dtype: Optional[str], numbers: dict):  # fmt: skip
     """The options as an `EvalConfig` (`numbers`: its integer fields as given), checked before the
     model loads. Raises UsageError naming the option."""
-    from ..eval.runner import OBSERVATIONS, EvalConfig
+    from ..eval.plan import OBSERVATIONS, EvalConfig
     from ..eval.tasks import TASKS
 
     task_list = _names(tasks, TASKS)

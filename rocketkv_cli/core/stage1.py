@@ -367,29 +367,6 @@ def allocate_layer_budgets(
     return out
 
 
-def sink_recent_select(
-    n_tokens: int, prompt_budget: int, n_sink_tokens: int, n_kv_heads: int, device: torch.device | str = "cpu"
-) -> torch.Tensor:
-    """Indices a sink + recent-window baseline keeps (StreamingLLM-style, no scoring).
-
-    The first `n_sink_tokens` tokens (at most half the budget) plus the most recent ones, so that
-    `prompt_budget` tokens are kept; the same set for every KV head.
-    Args:
-        n_tokens: S, document tokens. prompt_budget, n_sink_tokens: tokens.
-    Returns:
-        `[1, Hkv, min(S, prompt_budget)]` int64, ascending.
-    """
-    if n_tokens <= prompt_budget:
-        kept = torch.arange(n_tokens, device=device)
-    else:
-        sinks = min(n_sink_tokens, prompt_budget // 2)
-        recent = torch.arange(n_tokens - (prompt_budget - sinks), n_tokens, device=device)
-        kept = torch.cat([torch.arange(sinks, device=device), recent])
-    out = kept.expand(1, n_kv_heads, kept.shape[0]).contiguous()  # [1, Hkv, N]
-    assert out.shape == (1, n_kv_heads, min(n_tokens, prompt_budget))
-    return out
-
-
 def gather_tokens(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """Gather per-KV-head tokens.
 

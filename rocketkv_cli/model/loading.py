@@ -261,7 +261,8 @@ def load_tokenizer(where: str, trust_remote_code: bool = False) -> Any:
 
     `AutoTokenizer` builds the model's own tokenizer class; for a directory with a `tokenizer.json`
     the same tokenizer read directly (`_direct_tokenizer`) loads faster (Gemma 3: 3.8-4.1 s →
-    1.0-1.4 s on 2 cores, `benchmarks/tokenizer_load.py`). The direct load is used only once it has been shown
+    1.0-1.4 s on 2 cores, `benchmarks/tokenizer_load.py` at commit 50e17b4). The direct load is used
+    only once it has been shown
     equal (`tokenizer_fingerprint`) to `AutoTokenizer`'s for this version of the files and of
     transformers and tokenizers: the first load makes both and compares them, and the verdict is
     remembered in the rocketkv home (`DigestCache`); a tokenizer that differs keeps `AutoTokenizer`.

@@ -375,12 +375,8 @@ def prefill_config(**kw):
             kw["pool_kernel_size"] = int(pool)
         except ValueError:
             raise UsageError(f"--pool-kernel-size must be an odd integer or 'auto', got {pool!r}") from None
-    from ..methods import method_class
-
     try:
-        cfg = PrefillConfig(**{k: v for k, v in kw.items() if v is not None})
-        method_class(cfg)  # a registered stage-1 method (rocketkv_cli.methods), before any model loads
-        return cfg
+        return PrefillConfig(**{k: v for k, v in kw.items() if v is not None})
     except ValueError as exc:
         raise UsageError(f"invalid option: {exc}") from None  # `command` shows the options' names
 

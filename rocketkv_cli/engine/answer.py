@@ -20,11 +20,12 @@ import torch
 
 from ..core.cache import CompressedKVCache
 from ..core.config import DecodeConfig
-from ..errors import BudgetError, InputError
+from ..errors import BudgetError
 from ..model.hf import AttentionMass, attention_mass
 from .cite import Citation, baseline_mass, check_citable, cite, token_scores
 from .decoder import Decoder
 from .engine import QUESTION_RESERVE_TOKENS, Engine
+from .preflight import check_questions
 from .stopping import AnswerTokens
 
 __all__ = ["Answer", "Answerer", "Sampling", "answer", "decode_config_for", "generate"]
@@ -140,10 +141,8 @@ def prepare_questions(
         InputError: an empty question. BudgetError: a question that does not fit the context.
     """
     room = engine.shape.max_context_tokens - cache.n_context_tokens - max_new_tokens
-    prepared = []
-    for question in questions:
-        if not question.strip():
-            raise InputError("empty question", "give a question with text")
+    prepared, qs = [], list(questions)
+    for question in check_questions(qs) if qs else []:  # empty, not UTF-8: InputError
         ids = engine.question_ids(question)
         if len(ids) > room:
             raise BudgetError(

@@ -25,7 +25,8 @@ from ..api.rocketkv import (
     check_model_choice,
     decode_weights_for,
 )
-from ..errors import CacheFormatError, RocketKVError
+from ..engine.preflight import check_questions
+from ..errors import CacheFormatError, InputError, RocketKVError
 from .client import MAX_QUESTIONS
 from .warm import ModelKey, Warm
 
@@ -128,8 +129,11 @@ class AskRequest:
             raise BadRequest(400, f"'questions' must be 1-{MAX_QUESTIONS} strings")
         if not all(isinstance(q, str) for q in questions):
             raise BadRequest(400, f"'questions' must be 1-{MAX_QUESTIONS} strings")
-        if any(not q.strip() for q in questions):
-            raise BadRequest(400, "empty question", hint="give each question some text")
+        if questions:
+            try:
+                check_questions(questions)  # the CLI's own check, so the same one-line error
+            except InputError as exc:
+                raise BadRequest(400, exc.message, hint=exc.hint) from None
         temperature = float(_field(body, "temperature", (int, float), 0.0))
         top_p = float(_field(body, "top_p", (int, float), 1.0))
         if not math.isfinite(temperature) or temperature < 0:

@@ -290,7 +290,7 @@ def cost_lines(costs: dict[str, dict], floors: dict[str, list[list[dict]]] | Non
     if floors:
         lines += ["", "The floor: one ingest of each document (its prefill and one selection) with the `tail` "
                   "window, and with the context-reconstruction re-read that the `reconstruct` observation adds "
-                  "(`python benchmarks/reconstruction_ingest.py DOC --no-reference` (measured with "
+                  "(`benchmarks/reconstruction_ingest.py DOC --no-reference` (measured with "
                   "benchmarks/reconstruction_ingest.py at commit db7884c; retired since), a KJV slice of the report's "
                   "length, median of its rounds; JSON `docs/bench/reconstruction-ingest-<preset>-<tokens>*.json`). "
                   "Each sample is a different document, so neither is shared between samples; the other 36 "

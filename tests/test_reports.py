@@ -90,23 +90,22 @@ def test__replace_section_and_timer():
     assert timing["seconds"] >= 0 and err.getvalue().startswith("demo: ") and "s wall time" in err.getvalue()
 
 
-def _lines(folder: str) -> int:
-    return sum(p.read_text().count("\n") for p in (ROOT / folder).rglob("*.py"))  # what `wc -l` counts
+def _lines(folder: str, pattern: str = "*") -> int:
+    """`wc -l` of the files under `folder` (`find D -type f | xargs cat | wc -l`), caches left out."""
+    files = [p for p in (ROOT / folder).rglob(pattern) if p.is_file() and "__pycache__" not in p.parts]
+    return sum(p.read_bytes().count(b"\n") for p in files)
 
 
 def test__scripts_and_benchmarks_stay_under_a_fifth_of_the_code():
-    """Reports are thin (issue 35): scripts/ + benchmarks/ under 20% of the .py lines of the package,
-    its kernels and themselves (`find D -name '*.py' | xargs cat | wc -l` for each)."""
-    tools = _lines("scripts") + _lines("benchmarks")
-    share = tools / (tools + _lines("rocketkv_cli") + _lines("rocketkv_kernels"))
-    assert share < 0.20, f"scripts/ + benchmarks/ are {share:.1%} of the code: move shared code to eval/reports.py"
+    """Reports are thin (issue 35, by its own measure): every file of scripts/ and benchmarks/ (.py
+    and .sh) under 20% of the package's .py lines (the issue's 41% was (4172 + 1023) / 12669)."""
+    share = (_lines("scripts") + _lines("benchmarks")) / _lines("rocketkv_cli", "*.py")
+    assert share < 0.20, f"scripts/ + benchmarks/ are {share:.1%} of the package: move shared code to eval/reports.py"
 
 
 # (script, arguments, the committed page it re-renders from its committed JSON, lines that may differ)
 RENDERS = [
     ("accuracy_report.py", ["--from-json", "--out-dir", "{docs}"], "accuracy.md", ()),
-    ("citation_report.py", ["--from-json", "--out", "{page}"], "citations.md", ()),
-    ("framing_report.py", ["--from-json", "--out", "{page}"], "framings.md", (2,)),  # docs/algorithm.md's length
     ("long_documents_report.py", ["--from-json", "--out", "{page}"], "long-documents.md", ()),
     ("stage1_report.py", ["--from-json", "--out", "{page}"], "stage1-methods.md", (2,)),  # the date it ran
     ("storage_report.py", ["--from-json", "--out", "{page}"], "storage.md", ()),

@@ -95,7 +95,7 @@ class LlamaCpp:
 
     def __init__(self, python: str, preset: str, doc: Path, work: Path, env: dict):
         from rocketkv_cli.api.rocketkv import RocketKV, configure
-        from rocketkv_cli.engine.threads import resolve_threads
+        from rocketkv_cli.api.threads import resolve_threads
         from rocketkv_cli.model.loading import gguf_path
 
         self.python, self.env = python, env

@@ -170,9 +170,10 @@ def segment_cuts(engine, text: str, segment_tokens: int | None) -> list[dict]:
     """The segments `rocketkv ingest` (default settings) cuts `text` into: [{"text", "start_token",
     "n_tokens"}] (start_token: offset of the first document token in the whole document's tokens,
     as `inspect` reports it; n_tokens: framed tokens of the segment's prefill)."""
+    from rocketkv_cli.api.documents import segment_texts
     from rocketkv_cli.api.segments import SEGMENT_SLACK_TOKENS, frame_tokens, segment_limit
     from rocketkv_cli.core.config import PrefillConfig, with_preset_defaults
-    from rocketkv_cli.engine.documents import Document, segment_texts
+    from rocketkv_cli.engine.inputs import Document
 
     cfg = with_preset_defaults(PrefillConfig(), engine.loaded.model_id, ())
     frame = frame_tokens(engine)

@@ -43,11 +43,12 @@ def main() -> int:
     import torch
     from conftest import make_engine
 
+    from rocketkv_cli.api.documents import TextPieces
     from rocketkv_cli.api.segments import ingest_stream
     from rocketkv_cli.core.config import PrefillConfig
     from rocketkv_cli.core.quant import KVStorage
     from rocketkv_cli.engine.answer import answer
-    from rocketkv_cli.engine.documents import Document, TextPieces
+    from rocketkv_cli.engine.inputs import Document
     from rocketkv_cli.store.format import FORMAT_VERSION, all_segments, load_cache, save_cache, version_for
 
     args.out.mkdir(parents=True, exist_ok=True)

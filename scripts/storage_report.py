@@ -49,9 +49,10 @@ OPEN_QUESTIONS = [
 def run(args) -> dict:
     import torch
 
+    from rocketkv_cli.api.documents import read_document
     from rocketkv_cli.api.rocketkv import RocketKV
     from rocketkv_cli.core.config import PrefillConfig, with_preset_defaults
-    from rocketkv_cli.engine.documents import Document, read_document
+    from rocketkv_cli.engine.inputs import Document
     from rocketkv_cli.eval.storage import Probe, load_first_token_seconds, storage_rows
     from rocketkv_cli.eval.tasks import generate
 

@@ -20,11 +20,11 @@ MAY_IMPORT = {
     "methods": {"core", "ops"},  # stage-1 methods: one class per file, registered by name
     "engine": {"core", "ops", "model", "store", "methods"},
     "api": {"core", "model", "store", "engine"},  # the answering service and the Python API
-    "batch": {"core", "api", "engine"},  # batch jobs (local pool, Ray), above the Python API
+    "batch": {"core", "api"},  # batch jobs (local pool, Ray), above the Python API
     "eval": {"core", "ops", "model", "store", "methods", "engine"},
-    "serve": {"core", "engine", "api"},  # the warm server, above the Python API
+    "serve": {"core", "api"},  # the warm server, above the Python API
     # cli: signals, the process's signal state; entry, the console script (only `python -m rocketkv_cli.cli`)
-    "cli": {"api", "batch", "engine", "eval", "core", "methods", "signals", "entry", "serve"},
+    "cli": {"api", "batch", "eval", "core", "methods", "signals", "entry", "serve"},
     "kernels": set(),
 }
 # third-party packages only one sub-package may import

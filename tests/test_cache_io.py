@@ -11,7 +11,7 @@ from conftest import make_engine, text_of_bytes
 from safetensors.torch import save_file
 
 from rocketkv_cli.core.config import PrefillConfig
-from rocketkv_cli.engine.documents import Document
+from rocketkv_cli.engine.inputs import Document
 from rocketkv_cli.errors import CacheFormatError, OutputError
 from rocketkv_cli.store.format import FORMAT_VERSION, load_cache, metadata_digest, payload_digest, save_cache
 

@@ -122,7 +122,7 @@ def test__text_file_as_cache__refused_before_torch_with_a_hint(rocketkv_bin, env
     ],
 )
 def test__text_file_as_cache__recognised_as_text_even_when_a_character_is_cut(tmp_path, content, text):
-    from rocketkv_cli.engine.preflight import check_cache_file
+    from rocketkv_cli.api.preflight import check_cache_file
     from rocketkv_cli.errors import CacheFormatError
 
     path = tmp_path / "doc.txt"

@@ -151,7 +151,7 @@ def test__teacher_forced_logits__equal_step_by_step_decode(arch, weights):
     from rocketkv_cli.core.config import PrefillConfig
     from rocketkv_cli.engine.answer import decode_config_for
     from rocketkv_cli.engine.decoder import Decoder
-    from rocketkv_cli.engine.documents import Document
+    from rocketkv_cli.engine.inputs import Document
     from rocketkv_cli.model.weights import quantize_weights
 
     engine = make_engine(arch)  # float64: the two paths' only difference is batched vs single matmuls

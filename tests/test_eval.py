@@ -13,7 +13,7 @@ from conftest import byte_tokenizer, make_engine, same_layer, text_of_bytes
 
 from rocketkv_cli.core.config import PrefillConfig
 from rocketkv_cli.engine.answer import answer, decode_config_for
-from rocketkv_cli.engine.documents import Document
+from rocketkv_cli.engine.inputs import Document
 from rocketkv_cli.eval.plan import FULL_TOKEN_BUDGET, EvalConfig, plan, stage2_only_budgets
 from rocketkv_cli.eval.runner import compress_variants, match_fraction, run_eval, token_agreement
 from rocketkv_cli.eval.tasks import DEPTH_RANGE, TASKS, generate

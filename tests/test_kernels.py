@@ -357,7 +357,7 @@ def test__ingest_and_answer__triton_backend_equals_torch(monkeypatch, arch):
 
     from rocketkv_cli.core.config import PrefillConfig
     from rocketkv_cli.engine.answer import answer, decode_config_for
-    from rocketkv_cli.engine.documents import Document
+    from rocketkv_cli.engine.inputs import Document
 
     engine = make_engine(arch, dtype=torch.float32)
     engine.stop_ids = set()

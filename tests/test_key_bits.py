@@ -27,7 +27,7 @@ from rocketkv_cli.core.quant import (
     encode_layer,
 )
 from rocketkv_cli.engine.answer import answer, decode_config_for
-from rocketkv_cli.engine.documents import Document
+from rocketkv_cli.engine.inputs import Document
 from rocketkv_cli.errors import CacheFormatError
 from rocketkv_cli.methods import LayerPrefill
 from rocketkv_cli.store import v3

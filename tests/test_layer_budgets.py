@@ -14,7 +14,7 @@ from rocketkv_cli.core.config import PrefillConfig, resolve_budgets
 from rocketkv_cli.core.stage1 import allocate_layer_budgets
 from rocketkv_cli.engine.answer import decode_config_for
 from rocketkv_cli.engine.decoder import Decoder
-from rocketkv_cli.engine.documents import Document
+from rocketkv_cli.engine.inputs import Document
 from rocketkv_cli.store.format import load_cache, save_cache
 
 CFG = PrefillConfig(token_budget=48, max_new_tokens=8, window_size=8, pool_kernel_size=5, n_first_tokens=4)

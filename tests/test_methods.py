@@ -13,7 +13,7 @@ import torch
 from conftest import make_engine, text_of_bytes
 
 from rocketkv_cli.core.config import PrefillConfig
-from rocketkv_cli.engine.documents import Document
+from rocketkv_cli.engine.inputs import Document
 from rocketkv_cli.eval.names import eval_methods
 from rocketkv_cli.methods import LayerPrefill, Stage1Method, method_for, register, registry, unregister
 

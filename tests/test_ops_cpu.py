@@ -123,7 +123,7 @@ def test__ingest_with_context_reconstruction__keeps_what_the_reference_keeps(mon
     """End to end on a tiny model: the cache built through the fast path keeps the same tokens
     as the one built with `ROCKETKV_KERNELS=torch` (the reference), with the same keys."""
     from rocketkv_cli.core.config import PrefillConfig
-    from rocketkv_cli.engine.documents import Document
+    from rocketkv_cli.engine.inputs import Document
 
     engine = make_engine("llama", torch.float32)
     doc = Document(text_of_bytes(900, seed=5), "0" * 64, "d.txt")

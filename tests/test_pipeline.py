@@ -8,7 +8,7 @@ from conftest import ARCHS, make_engine, text_of_bytes
 
 from rocketkv_cli.core.config import PrefillConfig
 from rocketkv_cli.engine.answer import answer, decode_config_for
-from rocketkv_cli.engine.documents import Document
+from rocketkv_cli.engine.inputs import Document
 from rocketkv_cli.store.format import load_cache, save_cache
 
 N_NEW = 12

@@ -14,7 +14,7 @@ from rocketkv_cli.core.cache import CompressedKVCache, LayerKV
 from rocketkv_cli.core.config import PrefillConfig
 from rocketkv_cli.engine.answer import Answerer, decode_config_for
 from rocketkv_cli.engine.decoder import Decoder
-from rocketkv_cli.engine.documents import Document
+from rocketkv_cli.engine.inputs import Document
 from rocketkv_cli.methods.reselect import reselection_for
 
 CFG = PrefillConfig(token_budget=32, max_new_tokens=8, window_size=8, pool_kernel_size=5, store_budget=128)
@@ -253,8 +253,8 @@ def test__reconstruct_observation__ingests_and_keeps_the_highest_scored_keys(tmp
 
 
 def test__segmented_store_budget__merged_segments_reselect_the_chosen_segments_working_sets(engine):
+    from rocketkv_cli.api.documents import TextPieces
     from rocketkv_cli.api.segments import answer_segmented, ingest_stream, merge_segments
-    from rocketkv_cli.engine.documents import TextPieces
 
     stored = ingest_stream(engine, TextPieces(text_of_bytes(1500, seed=6), "book.txt"), CFG, segment_tokens=400)
     assert len(stored.segments) >= 3

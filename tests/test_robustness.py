@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rocketkv_cli.core.config import PrefillConfig
-from rocketkv_cli.engine.documents import Document
+from rocketkv_cli.engine.inputs import Document
 from rocketkv_cli.errors import CacheFormatError
 from rocketkv_cli.store.format import load_cache, metadata_digest, read_metadata, save_cache
 
@@ -286,9 +286,9 @@ def fuzz_files(tmp_path_factory):
     with allocated key bits (format v5: per-channel widths and a bit stream), three
     segments stored as int8, the v1 and v2 files of rocketkv 0.1.0, and the v3 files written
     before v4."""
+    from rocketkv_cli.api.documents import TextPieces
     from rocketkv_cli.api.segments import ingest_stream
     from rocketkv_cli.core.quant import KVStorage
-    from rocketkv_cli.engine.documents import TextPieces
 
     folder = tmp_path_factory.mktemp("fuzz-files")
     engine = make_engine("llama", torch.float32)
@@ -415,9 +415,9 @@ def test__eight_readers_fifty_runs_while_a_writer_replaces_the_file__identical_a
 
 def test__preflight_and_command_line_import_no_torch():
     """What runs before the model loads imports no torch (errors come in a fraction of a second)."""
-    modules = ("rocketkv_cli.entry", "rocketkv_cli.cli", "rocketkv_cli.engine.preflight", "rocketkv_cli.store.atomic",
-               "rocketkv_cli.store.folders", "rocketkv_cli.core.config", "rocketkv_cli.engine.documents",
-               "rocketkv_cli.engine.threads", "rocketkv_cli.api.summary_check",
+    modules = ("rocketkv_cli.entry", "rocketkv_cli.cli", "rocketkv_cli.api.preflight", "rocketkv_cli.store.atomic",
+               "rocketkv_cli.store.folders", "rocketkv_cli.core.config", "rocketkv_cli.api.documents",
+               "rocketkv_cli.engine.inputs", "rocketkv_cli.api.threads", "rocketkv_cli.api.summary_check",
                "rocketkv_cli.batch.manifest")  # fmt: skip
     heavy = "('torch', 'transformers')"
     code = f"import sys; import {', '.join(modules)}; print(sorted(m for m in {heavy} if m in sys.modules))"

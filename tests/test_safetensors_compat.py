@@ -11,11 +11,12 @@ import torch
 from conftest import make_engine, text_of_bytes
 from safetensors import safe_open
 
+from rocketkv_cli.api.documents import TextPieces
 from rocketkv_cli.api.segments import ingest_stream
 from rocketkv_cli.core.cache import CompressedKVCache
 from rocketkv_cli.core.config import PrefillConfig
 from rocketkv_cli.core.quant import KVStorage
-from rocketkv_cli.engine.documents import Document, TextPieces
+from rocketkv_cli.engine.inputs import Document
 from rocketkv_cli.store.format import all_segments, load_cache, read_metadata, save_cache
 from rocketkv_cli.store.v3 import line_runs, lines_from_runs
 

@@ -19,6 +19,7 @@ from conftest import byte_tokenizer, make_engine, same_layer, text_of_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rocketkv_cli.api.documents import TextPieces, TextStream, segment_texts, token_counts
 from rocketkv_cli.api.segments import (
     frame_tokens,
     ingest_stream,
@@ -31,7 +32,7 @@ from rocketkv_cli.api.segments import (
 from rocketkv_cli.core.cache import CompressedKVCache, LayerKV, SegmentedKVCache
 from rocketkv_cli.core.config import PrefillConfig
 from rocketkv_cli.engine.answer import answer, decode_config_for
-from rocketkv_cli.engine.documents import Document, TextPieces, TextStream, segment_texts, token_counts
+from rocketkv_cli.engine.inputs import Document
 from rocketkv_cli.errors import CacheFormatError
 from rocketkv_cli.store.checkpoints import Checkpoints
 from rocketkv_cli.store.format import load_cache, read_metadata

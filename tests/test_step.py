@@ -7,7 +7,7 @@ from conftest import ARCHS, make_engine, text_of_bytes
 from rocketkv_cli.core.config import PrefillConfig
 from rocketkv_cli.engine.answer import decode_config_for
 from rocketkv_cli.engine.decoder import Decoder
-from rocketkv_cli.engine.documents import Document
+from rocketkv_cli.engine.inputs import Document
 from rocketkv_cli.model.step import SUPPORTED_STEP_TYPES, decode_step_for
 from rocketkv_cli.model.weights import quantize_weights
 

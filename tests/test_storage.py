@@ -12,11 +12,12 @@ import pytest
 import torch
 from conftest import make_engine, text_of_bytes
 
+from rocketkv_cli.api.documents import TextPieces
 from rocketkv_cli.api.segments import ingest_stream
 from rocketkv_cli.core.config import PrefillConfig
 from rocketkv_cli.core.quant import KVStorage, decode_layer, encode_layer, hadamard
 from rocketkv_cli.engine.answer import answer, decode_config_for
-from rocketkv_cli.engine.documents import Document, TextPieces
+from rocketkv_cli.engine.inputs import Document
 from rocketkv_cli.errors import CacheFormatError
 from rocketkv_cli.store.format import load_cache, metadata_digest, save_cache
 

@@ -315,7 +315,7 @@ def test__decode_weights_for__integer_prefill_is_kept_float_and_bf16_take_the_de
     weights), so their caches take the model's default decode weights (None)."""
     from rocketkv_cli.api.rocketkv import RocketKV, decode_weights_for
     from rocketkv_cli.core.config import PrefillConfig
-    from rocketkv_cli.engine.documents import Document
+    from rocketkv_cli.engine.inputs import Document
 
     rk = RocketKV.load(str(tiny_model_dir), device="cpu", weights=fmt)
     cache = rk.engine.ingest(Document("word " * 200, "0" * 64, "doc"), PrefillConfig(token_budget=64))

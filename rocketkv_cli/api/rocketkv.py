@@ -33,10 +33,7 @@ from ..core.config import (
 from ..core.quant import KVStorage
 from ..engine.answer import Answer, Sampling, TextCallback, answer, decode_config_for, hsa_min_tokens
 from ..engine.cite import Citation
-from ..engine.documents import TextPieces, TextStream
 from ..engine.engine import Engine, TokenProgress
-from ..engine.home import StoredModel, home, remove_models, stored_models
-from ..engine.preflight import abandoned_ingests, check_cache_file, check_output, default_output, open_document
 from ..errors import InputError
 from ..model.loading import DEFAULT_MODEL, load_model
 from ..store.checkpoints import Checkpoints
@@ -47,6 +44,9 @@ from .checks import check_cite, check_decode_options, check_model_choice, check_
 from .checks import configure as configure
 from .checks import decode_weights_for as decode_weights_for
 from .checks import pending_checkpoints as pending_checkpoints
+from .documents import TextPieces, TextStream
+from .home import StoredModel, home, remove_models, stored_models
+from .preflight import abandoned_ingests, check_cache_file, check_output, default_output, open_document
 from .segments import SegmentDone, answer_segmented, ingest_stream
 from .session import AnswerStream, Session
 from .summaries import PartialSummary, summarize

@@ -26,11 +26,12 @@ from ..core.cache import CacheInfo, CompressedKVCache, LayerKV, SegmentedKVCache
 from ..core.config import PrefillConfig, resolve_budgets
 from ..core.quant import KVStorage, resolved
 from ..engine.answer import GREEDY, Answer, Sampling, TextCallback, answer, decode_config_for
-from ..engine.documents import Document, TextPieces, TextStream, segment_texts, tokenize
 from ..engine.engine import Engine, TokenProgress
+from ..engine.inputs import Document, tokenize
 from ..errors import BudgetError, CacheFormatError, InputError, UsageError
 from ..model.hf import empty_cache, forward_tokens, rocketkv_attention
 from ..store.checkpoints import Checkpoints
+from .documents import TextPieces, TextStream, segment_texts
 
 SEGMENT_SLACK_TOKENS = 16  # joint tokenization of a segment may differ from the per-line count
 MIN_SEGMENT_TEXT_TOKENS = 64

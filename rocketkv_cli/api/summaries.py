@@ -24,10 +24,11 @@ from functools import cache
 from ..core.cache import CompressedKVCache, SegmentedKVCache
 from ..core.config import PrefillConfig
 from ..engine.answer import Answer, Answerer, TextCallback, answer, decode_config_for
-from ..engine.documents import Document, TextPieces, tokenize
 from ..engine.engine import Engine
+from ..engine.inputs import Document, tokenize
 from ..errors import BudgetError, InputError
 from ..model.templates import read_prompt
+from .documents import TextPieces
 from .segments import ingest_stream
 from .summary_check import degenerate_reasons, extract_sentences
 

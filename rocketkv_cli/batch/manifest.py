@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..engine.preflight import check_questions
+from ..api.preflight import check_questions
 from ..errors import InputError, OutputError
 
 ROW_FIELDS = ("id", "document", "text", "questions", "summary")

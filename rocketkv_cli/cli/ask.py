@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..api.preflight import check_questions
 from ..core.config import AttentionChoice
-from ..engine.preflight import check_questions
 from ..errors import InputError, UsageError
 from ..serve.client import MAX_QUESTIONS
 from .answers import (

@@ -109,7 +109,7 @@ def bench_plan(context_tokens: str, source: Optional[Path], budget: int, kv_dtyp
     """The options as a `BenchPlan` (with the source text read), checked before the model loads.
     Raises UsageError (a length list that is not integers ≥ 64, an unknown storage type, a
     malformed --crossover), InputError (no source text, or an unreadable one)."""
-    from ..engine.documents import read_document
+    from ..api.documents import read_document
 
     try:
         lengths = [int(x) for x in context_tokens.split(",") if x.strip()]

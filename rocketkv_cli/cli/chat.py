@@ -17,8 +17,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..api.preflight import check_questions
 from ..core.config import AttentionChoice
-from ..engine.preflight import check_questions
 from ..errors import RocketKVError, UsageError
 from ..serve.client import home
 from ..signals import handled

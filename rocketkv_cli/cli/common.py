@@ -163,10 +163,10 @@ class Timings:
 
 def setup(quiet: bool, threads: int | None = None) -> None:
     """Per-command start: quiet or not, and torch's threads (`--threads`, else `$ROCKETKV_THREADS`, else
-    the cores this process may use: `engine.threads`), applied when the model loads. Nothing heavy
+    the cores this process may use: `api.threads`), applied when the model loads. Nothing heavy
     is imported here, so that the checks that follow (options, documents, paths) answer in a
     fraction of a second. Raises UsageError for a thread count < 1."""
-    from ..engine.threads import resolve_threads
+    from ..api.threads import resolve_threads
 
     _state["quiet"] = quiet
     _state["threads"] = resolve_threads(threads)
@@ -195,7 +195,7 @@ def load_engine(model: Optional[str], device: str, dtype: str, trust_remote_code
     with starting():
         from ..api.rocketkv import DEFAULT_MODEL, RocketKV, configure
 
-    from ..engine.threads import apply, resolve_threads
+    from ..api.threads import apply, resolve_threads
 
     quiet = _state["quiet"]
     configure(quiet, progress_bars=err.is_terminal and not quiet)
@@ -268,7 +268,7 @@ def print_row(bar: Progress, line: str) -> None:
 
 def open_stream(doc_path: str, encoding: str, errors: str = "strict"):
     """The document as a validated stream (fails before any model loads)."""
-    from ..engine.preflight import open_document
+    from ..api.preflight import open_document
 
     return open_document(doc_path, encoding, errors)
 
@@ -313,7 +313,7 @@ def report_abandoned(directory: Path, skip: Optional[Path] = None) -> None:
     """One line on stderr per checkpoint folder in `directory` left by an ingest that is not
     running (killed, crashed, interrupted), with how to resume it or remove it (`skip`: the
     target whose own checkpoints the current ingest resumes from)."""
-    from ..engine.preflight import abandoned_ingests
+    from ..api.preflight import abandoned_ingests
 
     for found in abandoned_ingests(directory):
         if skip is not None and found.target == skip:

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..engine.documents import read_document
+from ..api.documents import read_document
 from ..errors import InputError, OutputError, UsageError
 from ..eval.names import DEFAULT_METHODS, eval_methods
 from ..methods import registry

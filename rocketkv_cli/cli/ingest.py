@@ -87,7 +87,7 @@ def ingest_command(
     A document longer than the model's context is ingested in segments, each checkpointed beside
     the output: an interrupted ingest continues where it stopped when the same command is rerun.
     """
-    from ..engine.preflight import check_output, default_output  # no torch: these answer at once
+    from ..api.preflight import check_output, default_output  # no torch: these answer at once
 
     setup(quiet)
     options = dict(

@@ -20,7 +20,7 @@ def inspect_command(
 
     Checkpoint folders of unfinished ingests beside it are reported on stderr, with how to
     resume or remove them."""
-    from ..engine.preflight import check_cache_file
+    from ..api.preflight import check_cache_file
 
     check_cache_file(cache)  # a missing or unreadable path fails before torch is imported
     from ..api.rocketkv import describe

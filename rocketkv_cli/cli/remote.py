@@ -33,7 +33,7 @@ def model_for_server(options: dict) -> dict:
 def cache_fields(cache: Path) -> dict:
     """The `cache` and `display` fields of a request, the file checked first as `ask` checks it
     here (torch-free: a missing or unreadable file fails as it would in this process)."""
-    from ..engine.preflight import check_cache_file
+    from ..api.preflight import check_cache_file
 
     check_cache_file(cache)
     return {"cache": os.path.abspath(cache), "display": str(cache)}

@@ -115,7 +115,7 @@ def serve_command(
         where = _where(socket, host, port, api_key)
         _status(where, json_out) if action == "status" else _stop(where)
         return
-    from ..engine.threads import resolve_threads
+    from ..api.threads import resolve_threads
 
     roots = tuple(allow_dir) if allow_dir else ((Path.cwd(),) if host is not None else None)
     cfg = ServeConfig(socket=None if host is not None else (socket or default_socket()), host=host,

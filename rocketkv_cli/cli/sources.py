@@ -48,7 +48,7 @@ def open_cache(cache: Path, choice: ModelChoice, timings: Timings | None = None,
     stage-2 overrides, suit its budgets), load the model it was built with (or `choice.model`),
     check they match. Returns (RocketKV, cache). Raises CacheFormatError, InputError, UsageError,
     ModelLoadError."""
-    from ..engine.preflight import check_cache_file
+    from ..api.preflight import check_cache_file
 
     check_cache_file(cache)  # a missing or unreadable path fails before torch is imported
     timings = timings or Timings()

@@ -25,7 +25,7 @@ from ..model.hf import AttentionMass, attention_mass
 from .cite import Citation, baseline_mass, check_citable, cite, token_scores
 from .decoder import Decoder
 from .engine import QUESTION_RESERVE_TOKENS, Engine
-from .preflight import check_questions
+from .inputs import check_questions
 from .stopping import AnswerTokens
 
 __all__ = ["Answer", "Answerer", "Sampling", "answer", "decode_config_for", "generate"]

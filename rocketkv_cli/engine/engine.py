@@ -40,7 +40,7 @@ from ..model.hf import (
 from ..model.loading import LoadedModel, chat_template_digest, model_digest, stop_token_ids, tokenizer_digest
 from ..model.step import DecodeStep, decode_step_for
 from ..model.templates import PromptFormat, prompt_format, read_prompt
-from .documents import Document, DocumentTokens, tokenize, tokenize_document
+from .inputs import Document, DocumentTokens, tokenize, tokenize_document
 
 QUESTION_RESERVE_TOKENS = 256  # room kept for a question when checking a document against the context
 TokenProgress = Callable[[int, int], None]  # (tokens done, tokens total)

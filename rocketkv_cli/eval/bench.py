@@ -27,8 +27,8 @@ from ..core.config import PrefillConfig
 from ..core.quant import KVStorage
 from ..engine.answer import decode_config_for
 from ..engine.decoder import Decoder
-from ..engine.documents import Document, tokenize
 from ..engine.engine import Engine
+from ..engine.inputs import Document, tokenize
 from ..model.hf import PlainDecoder
 from ..model.weights import weights_bytes
 from ..store.format import load_cache, save_cache

@@ -27,8 +27,8 @@ from ..core.quant import KVStorage
 from ..engine.answer import decode_config_for, prepare_questions
 from ..engine.answer import generate as generate_answer
 from ..engine.decoder import Decoder
-from ..engine.documents import Document, tokenize
 from ..engine.engine import QUESTION_RESERVE_TOKENS, Engine
+from ..engine.inputs import Document, tokenize
 from ..errors import BudgetError
 from ..methods import method_for, registry
 from ..store.format import load_cache, save_cache

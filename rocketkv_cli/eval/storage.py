@@ -25,8 +25,8 @@ from ..core.config import PrefillConfig
 from ..core.quant import KVStorage
 from ..engine.answer import answer, decode_config_for, prepare_questions
 from ..engine.decoder import Decoder
-from ..engine.documents import Document
 from ..engine.engine import QUESTION_RESERVE_TOKENS, Engine
+from ..engine.inputs import Document
 from ..store.format import load_cache, save_cache
 from .runner import match_fraction, token_agreement
 

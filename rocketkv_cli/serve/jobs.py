@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..api.preflight import check_questions
 from ..api.rocketkv import (
     DEFAULT_MODEL,
     RocketKV,
@@ -25,7 +26,6 @@ from ..api.rocketkv import (
     check_model_choice,
     decode_weights_for,
 )
-from ..engine.preflight import check_questions
 from ..errors import CacheFormatError, InputError, RocketKVError
 from .client import MAX_QUESTIONS
 from .warm import ModelKey, Warm

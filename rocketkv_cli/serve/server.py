@@ -20,7 +20,7 @@ from pathlib import Path
 import uvicorn
 
 from ..api.rocketkv import configure
-from ..engine.threads import apply
+from ..api.threads import apply
 from ..errors import InputError
 from .app import ServeState, build_app
 from .config import ServeConfig

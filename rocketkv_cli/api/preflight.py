@@ -1,8 +1,9 @@
 """Checks made before anything heavy is imported or loaded: documents, output paths, cache paths,
 and what killed ingests left behind. No torch here (the command line calls these first, so a bad
-path or document is refused in a fraction of a second, before the model loads).
+path or document is refused in a fraction of a second, before the model loads). The question
+check, `check_questions`, is the engine's (`engine/inputs.py`, also torch-free) and is re-exported here.
 
-The Python API (`api.py`) re-exports every function of this module.
+`api/rocketkv.py` re-exports every function of this module.
 """
 
 from __future__ import annotations
@@ -11,33 +12,15 @@ import os
 import shlex
 import stat
 import struct
-from collections.abc import Iterable
 from pathlib import Path
 
-from ..errors import CacheFormatError, InputError, OutputError, UsageError
+from ..engine.inputs import check_questions as check_questions  # the one question check, torch-free
+from ..errors import CacheFormatError, OutputError, UsageError
 from ..store.atomic import check_target, probe_writable, remove_stale_temp_files
 from ..store.folders import AbandonedCheckpoints, abandoned_checkpoints
 from .documents import TextStream
 
 MAX_HEADER_BYTES = 100 << 20  # a safetensors header's bound, as `store.format` (torch-free here)
-
-
-def check_questions(questions: Iterable[str]) -> list[str]:
-    """The questions of an `ask`, a `chat` line or a batch row, checked here once for every
-    caller: each a non-empty, UTF-8-encodable string, at least one.
-
-    Raises InputError with one-line messages (empty question, not UTF-8, none given)."""
-    qs = list(questions)
-    if any(not isinstance(q, str) or not q.strip() for q in qs):
-        raise InputError("empty question", "give each question some text")
-    for q in qs:
-        try:
-            q.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InputError("a question is not valid UTF-8 text", "check the question's encoding") from None
-    if not qs:
-        raise InputError("no question given", "pass questions as arguments or with --questions-file")
-    return qs
 
 
 def open_document(path: str, encoding: str = "utf-8", errors: str = "strict") -> TextStream:

@@ -1,16 +1,17 @@
-"""Reading documents (files or stdin) as streams of text, and text into token ids. No torch here."""
+"""Reading documents (files or stdin) as streams of text (`TextStream`, `read_document`,
+`TextPieces`) and cutting them into segments of a token budget (`segment_texts`). No torch here.
+The engine takes the result as an `engine.inputs.Document` or text."""
 
 from __future__ import annotations
 
-import bisect
 import codecs
 import hashlib
 import os
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
+from ..engine.inputs import Document
 from ..errors import InputError, UsageError
 
 READ_BLOCK_BYTES = 1 << 20
@@ -21,15 +22,6 @@ def _looks_like_cache(head: bytes, path: str) -> bool:
     """A file's first bytes are a safetensors header (8-byte length, then a JSON object) written by
     rocketkv, or by anything when the name ends in .kv: a cache given where a document goes."""
     return len(head) > 10 and head[8:10] == b'{"' and (b'"rocketkv.kv_cache"' in head or path.endswith(".kv"))
-
-
-@dataclass(frozen=True)
-class Document:
-    """A decoded document: its text, the sha256 of its bytes, and where it came from."""
-
-    text: str
-    sha256: str
-    source: str
 
 
 class TextStream:
@@ -162,11 +154,6 @@ def read_document(path: str, encoding: str = "utf-8", errors: str = "strict") ->
     return Document(text=text, sha256=stream.sha256, source=stream.source)
 
 
-def tokenize(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    """Token ids of `text` (the engine works on ids only)."""
-    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-
-
 def token_counts(tokenizer, pieces: list[str]) -> list[int]:
     """Token count of each string of `pieces` (one batched tokenizer call; no special tokens)."""
     if not pieces:
@@ -232,43 +219,3 @@ class TextPieces:
         if not self.text.strip():
             what = "whitespace only" if self.text else "empty"
             raise InputError(f"document {self.source} is {what}", "give a document with text")
-
-
-@dataclass(frozen=True)
-class DocumentTokens:
-    """A framed document's token ids and, per token, where it starts in the source document.
-
-    ids: token ids (framing included). offsets: each token's first character in the source
-    document (-1 for framing and special tokens). lines: its 1-based line there (0 for those).
-    offsets/lines are None when the tokenizer cannot report character offsets (a slow tokenizer).
-    """
-
-    ids: list[int]
-    offsets: list[int] | None
-    lines: list[int] | None
-
-
-def tokenize_document(tokenizer, framing: str, text: str, add_special_tokens: bool, char_start: int = 0,
-                      line_start: int = 1) -> DocumentTokens:  # fmt: skip
-    """Token ids of `framing + text` with each token's character offset and line in the source.
-
-    char_start/line_start: where `text` begins in the source document (a segment of a book), in
-    characters (0-based) and lines (1-based). Offsets come from the tokenizer's offset mapping.
-    """
-    framed = framing + text
-    try:
-        enc = tokenizer(framed, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
-    except (NotImplementedError, TypeError, ValueError):
-        return DocumentTokens(list(tokenizer(framed, add_special_tokens=add_special_tokens)["input_ids"]), None, None)
-    ids = list(enc["input_ids"])
-    newlines = [i for i, ch in enumerate(text) if ch == "\n"]
-    offsets, lines = [], []
-    for start, end in enc["offset_mapping"]:
-        at = start - len(framing)
-        if end <= start or at < 0:  # framing, BOS and other special tokens
-            offsets.append(-1)
-            lines.append(0)
-            continue
-        offsets.append(char_start + at)
-        lines.append(line_start + bisect.bisect_left(newlines, at))
-    return DocumentTokens(ids, offsets, lines)

@@ -11,12 +11,12 @@ from pathlib import Path
 from ..core.cache import AnyCache, SegmentedKVCache
 from ..core.config import AttentionChoice
 from ..engine.answer import decode_config_for
-from ..engine.cite import check_citable
 from ..errors import CacheFormatError, InputError, UsageError
 from ..model.loading import PRESETS, configure_transformers
 from ..store.checkpoints import Checkpoints
 from ..store.describe import describe as store_describe
 from ..store.format import load_cache
+from .citations import check_citable
 from .preflight import check_cache_file
 from .preflight import check_questions as check_questions  # defined torch-free, re-exported
 

@@ -32,7 +32,6 @@ from ..core.config import (
 )
 from ..core.quant import KVStorage
 from ..engine.answer import Answer, Sampling, TextCallback, answer, decode_config_for, hsa_min_tokens
-from ..engine.cite import Citation
 from ..engine.engine import Engine, TokenProgress
 from ..errors import InputError
 from ..model.loading import DEFAULT_MODEL, load_model
@@ -44,6 +43,7 @@ from .checks import check_cite, check_decode_options, check_model_choice, check_
 from .checks import configure as configure
 from .checks import decode_weights_for as decode_weights_for
 from .checks import pending_checkpoints as pending_checkpoints
+from .citations import Citation, citer
 from .documents import TextPieces, TextStream
 from .home import StoredModel, home, remove_models, stored_models
 from .preflight import abandoned_ingests, check_cache_file, check_output, default_output, open_document
@@ -191,7 +191,7 @@ class RocketKV:
         (`Sampling`; temperature 0 = greedy, the default). on_text(piece): called with the text
         of the answer being decoded as it becomes final (the pieces of one answer joined equal
         its `text`). cite: the number of source passages to cite per answer
-        (`Answer.citations`, `engine/cite.py`). Every question is checked before any is answered.
+        (`Answer.citations`, `api/citations.py`). Every question is checked before any is answered.
         Raises:
             InputError: an empty question, a bad override, sampling option or segment; `cite`
             for a cache without token offsets, or with segments > 1. BudgetError: a question that
@@ -211,7 +211,8 @@ class RocketKV:
             decode = decode_config_for(cache, sparse=not dense, **overrides)
         except ValueError as exc:
             raise InputError(f"invalid option: {exc}") from None  # may depend on the cache's budgets: exit 1
-        return answer(self.engine, cache, qs, max_new, decode, sampling=sampling, on_text=on_text, cite=cite)
+        return answer(self.engine, cache, qs, max_new, decode, sampling=sampling, on_text=on_text,
+                      cite=citer(self.engine.tokenizer, cache, cite))  # fmt: skip
 
     def session(
         self,

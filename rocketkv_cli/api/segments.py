@@ -31,6 +31,7 @@ from ..engine.inputs import Document, tokenize
 from ..errors import BudgetError, CacheFormatError, InputError, UsageError
 from ..model.hf import empty_cache, forward_tokens, rocketkv_attention
 from ..store.checkpoints import Checkpoints
+from .citations import citer
 from .documents import TextPieces, TextStream, segment_texts
 
 SEGMENT_SLACK_TOKENS = 16  # joint tokenization of a segment may differ from the per-line count
@@ -333,7 +334,7 @@ def answer_segmented(
         for i, ((question, chosen, part), decode) in enumerate(zip(jobs, decodes)):
             log(f"question {i + 1}: answering from segment{'s' * (len(chosen) > 1)} {', '.join(map(str, chosen))}")
             ans = next(answer(engine, part, [question], max_new_tokens, decode, sampling=sampling, on_text=on_text,
-                              cite=cite))  # fmt: skip
+                              cite=citer(engine.tokenizer, part, cite)))  # fmt: skip
             yield dataclasses.replace(ans, segments=tuple(chosen))
 
     return answers()

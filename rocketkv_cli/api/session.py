@@ -9,6 +9,7 @@ from collections.abc import Callable, Generator, Iterator
 from ..core.cache import AnyCache, CompressedKVCache, SegmentedKVCache
 from ..engine.answer import Answer, Answerer, Sampling, TextCallback, decode_config_for
 from ..engine.engine import Engine
+from .citations import citer
 from .segments import merge_segments, route
 
 Log = Callable[[str], None]
@@ -52,7 +53,8 @@ class Session:
         if self._answerer is None or self._answerer[0] != chosen:
             assert isinstance(part, CompressedKVCache)  # a segmented cache was merged above
             decode = decode_config_for(part, self.sparse, **self.overrides)
-            answerer = Answerer(self.engine, part, self.max_new_tokens, decode, sampling=self.sampling, cite=self.cite)
+            answerer = Answerer(self.engine, part, self.max_new_tokens, decode, sampling=self.sampling,
+                                cite=citer(self.engine.tokenizer, part, self.cite))  # fmt: skip
             self._answerer = (chosen, answerer)
         return self._answerer
 

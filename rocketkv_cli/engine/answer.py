@@ -15,6 +15,7 @@ import secrets
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,7 +23,7 @@ from ..core.cache import CompressedKVCache
 from ..core.config import DecodeConfig
 from ..errors import BudgetError
 from ..model.hf import AttentionMass, attention_mass
-from .cite import Citation, baseline_mass, check_citable, cite, token_scores
+from .attribution import Citer, baseline_mass, token_scores
 from .decoder import Decoder
 from .engine import QUESTION_RESERVE_TOKENS, Engine
 from .inputs import check_questions
@@ -77,7 +78,8 @@ class Answer:
     stop_reason: "eos", "stop_string", "repetition" (output that started looping is cut) or
     "length". segments: for a segmented cache, the segments it was answered from. sampling: the
     sampling settings with the seed used (None = greedy). citations: the passages of the source
-    the answer drew on most, best first (`cite.py`; None unless asked for).
+    the answer drew on most, best first (`api.citations.Citation`s, made by the `Citer` the
+    answer loop was given; None unless asked for).
     """
 
     question: str
@@ -90,7 +92,7 @@ class Answer:
     decode_s: float
     segments: tuple[int, ...] | None = None
     sampling: Sampling | None = None
-    citations: tuple[Citation, ...] | None = None
+    citations: tuple[Any, ...] | None = None
 
     def to_dict(self, cache: str) -> dict:
         """The `ask --json` record (stable keys; `segments` only for segmented caches, `sampling`
@@ -158,9 +160,8 @@ class Answerer:
     made once; a longer question grows the tail). Each answer starts from the stored context.
 
     decode: stage-2 settings (None = exact attention). stop_strings: None = the framing's.
-    cite: passages to cite per answer (0 = none; see `cite.py`).
-    Raises:
-        InputError: `cite` for a cache without token offsets.
+    cite: turns each answer's attention scores into its citations (`attribution.py`; None = no
+    citations, no attention captured; `api.citations.citer` builds one).
     """
 
     def __init__(
@@ -172,10 +173,8 @@ class Answerer:
         stop_strings: tuple[str, ...] | None = None,
         sampling: Sampling = GREEDY,
         question_tokens: int = QUESTION_RESERVE_TOKENS,
-        cite: int = 0,
+        cite: Citer | None = None,
     ):
-        if cite:
-            check_citable(cache)
         self.cite = cite
         self._baseline: AttentionMass | None = None
         self.engine, self.cache, self.max_new_tokens = engine, cache, max_new_tokens
@@ -196,14 +195,14 @@ class Answerer:
         ids = self.prepare(question) if ids is None else ids
         steps = stream_answer(self.engine, self.decoder, question, ids, self.max_new_tokens, self.stops, self.sampling)
         try:
-            if not self.cite:
+            if self.cite is None:
                 return (yield from steps)
             with attention_mass(self.cache.n_context_tokens, self.engine.loaded.device) as mass:
                 ans = yield from steps
             if self._baseline is None:  # once per cache: what a generic question attends to
                 self._baseline = baseline_mass(self.engine, self.decoder, self.cache)
             scores, share = token_scores(mass, self._baseline)
-            return dataclasses.replace(ans, citations=cite(self.engine.tokenizer, self.cache, scores, share, self.cite))
+            return dataclasses.replace(ans, citations=self.cite(scores, share))
         finally:
             self.decoder.reset()
 
@@ -221,13 +220,13 @@ def answer(
     stop_strings: tuple[str, ...] | None = None,
     sampling: Sampling = GREEDY,
     on_text: TextCallback | None = None,
-    cite: int = 0,
+    cite: Citer | None = None,
 ) -> Iterator[Answer]:
     """Answer each question from `cache`, independently, in order.
 
     decode: stage-2 settings (None = exact attention). stop_strings: None = the prompt's.
     on_text: called with the pieces of the answer being decoded (see `Answerer.stream`).
-    cite: passages to cite per answer (`Answer.citations`).
+    cite: each answer's citations from its attention scores (`Answer.citations`; see `Answerer`).
     All questions are checked before any is answered; the model's buffers are sized once.
     Raises:
         InputError: an empty question. BudgetError: a question that does not fit the context.

@@ -72,7 +72,7 @@ class AttentionMass:
     `[n_positions]` float32 per layer index. queries: "last" (the last query of each forward
     call: the one that predicts the next token) or "all" (every query of each call). The
     weights are exact softmax(q·Kᵀ·scaling) over every cached key the query sees, whatever
-    stage 2 attended. Used by `ask --cite` (engine/cite.py)."""
+    stage 2 attended. Used by `ask --cite` (engine/attribution.py)."""
 
     def __init__(self, n_positions: int, device: torch.device, queries: str = "last"):
         if queries not in ("last", "all"):

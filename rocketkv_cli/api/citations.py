@@ -1,35 +1,30 @@
 """Citations: the passages of the source document an answer drew on most (`ask --cite`).
 
-While an answer is decoded, every full-attention layer adds the attention weights that the query
-producing each answer token gives the stored tokens (`model.hf.AttentionMass`: exact softmax
-weights over every cached key, summed over query heads, by RoPE position). The cache keeps each
-stored token's id, first character and line in the source document (`CompressedKVCache.token_ids`,
-`token_offsets`, `token_lines`; framing tokens have offset -1).
+The answer loop scores every stored token by the attention the answer paid it beyond what a
+generic question pays it (`engine/attribution.py`) and hands the scores to the `citer` built
+here. The cache keeps each stored token's id, first character and line in the source document
+(`CompressedKVCache.token_ids`, `token_offsets`, `token_lines`; framing tokens have offset -1).
 
-Scores (`token_scores`): per layer, the answer's weights are normalised to sum to 1 and divided
-by those a generic question gives (`baseline_mass`: every query of `prompts/probe.txt`, prefilled
-after the document), then averaged over layers: attention *this* answer pays a token beyond what
-any question pays it. Without the baseline, SmolLM2's citations were the same few passages
-whatever the question (docs/citations.md compares the two).
 Passages (`cite`): the document token with the best score (words and numbers only: line breaks
 and punctuation collect attention wherever they are, as attention sinks) picks its line of the
 source; the line, cut to `window_chars` characters around that token when it is longer, is a
 passage; its tokens are then out of the running and the next token picks the next passage.
 Each passage's weight is the share of the answer's attention on the document that falls on it.
-How often the cited passage holds a planted fact was measured by scripts/citation_report.py (commit 275f22f; docs/citations.md).
+How often the cited passage holds a planted fact was measured by scripts/citation_report.py
+(commit 275f22f; docs/citations.md).
 """
 
 from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from ..core.cache import CompressedKVCache
+from ..engine.attribution import Citer
 from ..errors import InputError
-from ..model.hf import AttentionMass, attention_mass
-from ..model.templates import read_prompt
 
 DEFAULT_WINDOW_CHARS = 240
 
@@ -63,38 +58,16 @@ def check_citable(cache: CompressedKVCache) -> None:
         )
 
 
-def baseline_mass(engine, decoder, cache: CompressedKVCache) -> AttentionMass:
-    """The attention a generic question (`prompts/probe.txt`) gives the stored context: every
-    query of its prefill over `decoder` (then reset to the stored context)."""
-    decoder.reset()
-    with attention_mass(cache.n_context_tokens, engine.loaded.device, queries="all") as base:
-        try:
-            with decoder.attention():
-                decoder.prefill(engine.question_ids(read_prompt("probe.txt")))
-        finally:
-            decoder.reset()
-    return base
-
-
-def _normalised(mass: AttentionMass, layers: list[int]) -> torch.Tensor:
-    m = torch.stack([mass.layers[i].float().cpu() for i in layers])  # [L_full, n]
-    return m / m.sum(dim=1, keepdim=True).clamp(min=1e-30)
-
-
-def token_scores(answer: AttentionMass, baseline: AttentionMass | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scores, share) `[n]` each: the ranking score of every stored position (see the module
-    docstring; without a baseline, the mean normalised weight) and the answer's mean normalised
-    weight (for the passages' shares)."""
-    layers = sorted(answer.layers)
-    if not layers:  # no full-attention layer saw the context
-        zero = torch.zeros(answer.n_positions)
-        return zero, zero
-    p = _normalised(answer, layers)
-    share = p.mean(dim=0)
-    if baseline is None or sorted(baseline.layers) != layers:
-        return share, share
-    eps = 0.5 / answer.n_positions  # half a uniform weight: rarely attended tokens do not explode
-    return (p / (_normalised(baseline, layers) + eps)).mean(dim=0), share
+def citer(tokenizer, cache: CompressedKVCache, n_passages: int) -> Citer | None:
+    """The answer loop's `cite` callback (`engine.answer.Answerer`): an answer's scores to its
+    `n_passages` best passages of `cache` (`cite`); None for 0 (no citations, no attention captured).
+    Raises:
+        InputError: `n_passages` > 0 for a cache without token offsets (`check_citable`).
+    """
+    if not n_passages:
+        return None
+    check_citable(cache)
+    return partial(cite, tokenizer, cache, n_passages=n_passages)
 
 
 def _token_texts(tokenizer, ids: list[int]) -> dict[int, str]:
@@ -126,7 +99,7 @@ def cite(
 ) -> tuple[Citation, ...]:
     """The `n_passages` best passages of the source, best first.
 
-    scores, share: `[n_context_tokens]` by position (`token_scores`). rank: "peak" (a passage is
+    scores, share: `[n_context_tokens]` by position (`engine.attribution.token_scores`). rank: "peak" (a passage is
     picked by its best token, as described above) or "sum" (by the total score of its line's
     word tokens; compared in docs/citations.md).
     Raises:

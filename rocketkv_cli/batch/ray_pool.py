@@ -31,7 +31,7 @@ class RowActor:
     """A Ray Data actor: one loaded model, then `__call__` on batches of task rows.
 
     Input batch: `{"index": [int], "task": [Task JSON]}`; output: `{"index": [int], "line":
-    [result line JSON]}`, every result line of those tasks (see `batch.run_task`)."""
+    [result line JSON]}`, every result line of those tasks (see `batch.tasks.run_task`)."""
 
     def __init__(self, settings: BatchSettings, cache_dir: str):
         from ..api.rocketkv import configure

@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from rocketkv_cli.eval.reports import read_json, write_json
+from rocketkv_cli.eval.reports import read_json, table, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -165,21 +165,21 @@ def run_preset(preset: str, doc: Path, work: Path, args, env: dict) -> dict:
     }
 
 
-def table(rows: list[dict]) -> str:
-    head = ("| preset | questions (in-process / server / llama.cpp) | in-process s/question | server s/question | "
-            "speedup | llama.cpp s/question | server vs llama.cpp | answer tokens (mean) | first token s (median) | "
-            "identical answers |\n|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
-    lines = [head]
+def summary(rows: list[dict]) -> str:
+    """The markdown table of the presets' rows (docs/serve.md)."""
+    head = ["preset", "questions (in-process / server / llama.cpp)", "in-process s/question", "server s/question",
+            "speedup", "llama.cpp s/question", "server vs llama.cpp", "answer tokens (mean)", "first token s (median)",
+            "identical answers"]  # fmt: skip
+    cells = []
     for r in rows:
         local, served = statistics.mean(r["in_process_s"]), statistics.mean(r["server_s"])
         llama = statistics.mean(r["llama_cpp_s"]) if r.get("llama_cpp_s") else None
-        lines.append(f"| {r['preset']} | {len(r['in_process_s'])} / {len(r['server_s'])} / "
-                     f"{len(r.get('llama_cpp_s') or [])} | {local:.2f} | {served:.2f} | {local / served:.1f}× | "
-                     f"{'-' if llama is None else f'{llama:.2f}'} | "
-                     f"{'-' if llama is None else f'{llama / served:.2f}×'} | "
-                     f"{statistics.mean(r['answer_tokens']):.1f} | {statistics.median(r['first_token_s']):.3f} | "
-                     f"{r['identical_answers']} |")  # fmt: skip
-    return "\n".join(lines)
+        counts = " / ".join(str(len(r.get(k) or [])) for k in ("in_process_s", "server_s", "llama_cpp_s"))
+        cells.append([r["preset"], counts, f"{local:.2f}", f"{served:.2f}", f"{local / served:.1f}×",
+                      "-" if llama is None else f"{llama:.2f}", "-" if llama is None else f"{llama / served:.2f}×",
+                      f"{statistics.mean(r['answer_tokens']):.1f}", f"{statistics.median(r['first_token_s']):.3f}",
+                      r["identical_answers"]])  # fmt: skip
+    return "\n".join(table(head, cells))
 
 
 def main() -> None:
@@ -226,7 +226,7 @@ def main() -> None:
         done[preset] = run_preset(preset, args.doc, args.workdir, args, env)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         write_json(args.out, done, end="\n")
-    print(table([done[p] for p in presets if p in done]))
+    print(summary([done[p] for p in presets if p in done]))
     if args.smoke:
         row = done[presets[0]]
         if row["identical_answers"] != "1/1":

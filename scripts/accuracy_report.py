@@ -1,25 +1,17 @@
 #!/usr/bin/env python
 """Regenerate docs/accuracy.md: run `rocketkv eval` on both presets and choose ingest's defaults.
 
-Usage: python scripts/accuracy_report.py [--quick] [--from-json] [--out-dir DIR] [--samples N]
+Usage: python scripts/accuracy_report.py [--quick] [--from-json] [--cost] [--out-dir DIR] [--samples N]
        python scripts/accuracy_report.py --quick --model DIR --context-tokens N --eval-args "..."  # a smoke test
-Runs the installed CLI once per preset and task (SmolLM2 at ~4K tokens, Gemma at ~8K, 20 samples
-per task, budgets 128–1024, methods full / rocketkv with each observation window / snapkv / hsa /
-sink_recent / reconstruct / reselect) and keeps each run's JSON (`docs/bench/accuracy-<preset>-<task>.json`): an
-interrupted report resumes at the first missing one when rerun, so it can run in the background.
-Every method scores full attention's answer teacher-forced (top-1 agreement, KL, log-prob) and
-generates only where it disagrees, which was meant to fit a preset in an hour on an idle 2-core CPU; it does not: `--cost` measured
-about 8-9 hours per preset (docs/accuracy.md, "What the full report costs"). Rates
-carry Wilson intervals, means bootstrap intervals (95%). `--quick` is a smoke run of the whole
-chain (SmolLM2 only, 1K tokens, one sample, one budget) under build/accuracy-quick/: not evidence;
-with `--model`, `--context-tokens` and `--eval-args` (passed on to `rocketkv eval`) it runs on any
-model, which is how the test suite runs it on a tiny one (tests/test_eval.py).
-`--cost` runs the full report's `rocketkv eval` on one sample of two tasks per preset (a
-one-question and a four-question task) into `docs/bench/accuracy-cost-<preset>.json` and adds
-"What the full report costs" to the page: the measured seconds per sample, split into the
-sample's prefill + stage-1 caches and the answers, projected to the full report's 140 samples.
-Run it on an otherwise idle machine, or with OMP_NUM_THREADS=1: torch's two threads spin against
-any other process on the same 2 cores and decode runs 10-30x slower (seen here).
+Runs the installed CLI once per preset and task (SmolLM2 at ~4K tokens, Gemma at ~8K, 20 samples per
+task, budgets 128–1024, every method) and keeps each run's JSON (`docs/bench/accuracy-<preset>-<task>.json`):
+a rerun resumes at the first missing one. Every method scores full attention's answer teacher-forced
+(top-1 agreement, KL) and generates only where it disagrees; rates carry Wilson intervals, means
+bootstrap intervals (95%). `--quick`: a smoke run of the whole chain under build/accuracy-quick/ (not
+evidence; with `--model`, `--context-tokens`, `--eval-args` on any model: tests/test_eval.py). `--cost`:
+one sample of a one-question and a four-question task per preset (`docs/bench/accuracy-cost-<preset>.json`),
+projected to the full report's 140 samples ("What the full report costs": about 8-9 hours per preset).
+Use OMP_NUM_THREADS=1 when anything else runs: torch's two threads spin against it (10-30x slower).
 """
 
 from __future__ import annotations
@@ -31,7 +23,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
-from rocketkv_cli.eval.reports import kept_run, read_json, report_timer, table, write_json, write_text
+from rocketkv_cli.eval import reports as lib
+from rocketkv_cli.eval.reports import interval, kept, kept_run, read_json, read_text, report_timer, table
 
 ROOT = Path(__file__).resolve().parents[1]
 ROCKETKV = str(Path(sys.executable).parent / "rocketkv")
@@ -45,7 +38,6 @@ TASKS = ("niah_noise", "niah_text", "multikey", "multivalue", "multiquery", "vt"
 COST_TASKS = ("niah_noise", "multiquery")  # one question, four questions: what --cost samples
 COST_STANDS_FOR = {"niah_noise": 6, "multiquery": 1}  # tasks of the report each cost task stands for (by questions)
 FULL_SAMPLES = 20  # per task in the full report
-BUDGET_MINUTES = 60  # what a preset's report was to take on 2 cores
 DEFAULT_VARIANT = ("tail", "63")  # ingest's defaults before this report: --observation tail --pool-kernel-size 63
 MARGIN = 0.02  # a variant must beat the current default by 2 points of mean score to replace it
 NEAR_FULL = 0.05  # a budget is "close to full attention" within 5 points of its mean score
@@ -86,12 +78,6 @@ def merge(parts: list[dict]) -> dict:
     return report
 
 
-def ci(row: dict, key: str) -> str:
-    """`value [low–high]` in percent, for a summary row's mean and its interval."""
-    lo, hi = row.get(f"{key}_ci") or (None, None)
-    return f"{pct(row[key])} [{pct(lo)}–{pct(hi)}]" if lo is not None else pct(row[key])
-
-
 def pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}"
 
@@ -115,7 +101,7 @@ def main_table(report: dict, what: str) -> list[str]:
     cols = [c for c in cols if any(k[1:] == c for k in cells)]
     head = ["task"] + [label.split("[")[0] if t is None else f"{label.split('[')[0]} t={t}" for label, t in cols]
     rows = [[f"**{task}**" if task == "mean" else task,
-             *(ci(cells[(task, *c)], what) if (task, *c) in cells else "-" for c in cols)]
+             *(interval(r[what], r.get(f"{what}_ci")) if (r := cells.get((task, *c))) else "-" for c in cols)]
             for task in [*cfg["tasks"], "mean"]]  # fmt: skip
     return table(head, rows, "-" + "r" * len(cols))
 
@@ -125,23 +111,24 @@ def two_level(report: dict) -> list[str]:
     store budget's file, t's working set), each as mean score (top-1 agreement) and kept tokens."""
     cells, cfg = rows_of(report), report["config"]
     factor, label = cfg.get("store_factor", 2), default_label(report)
-    kept = defaultdict(list)
+    stored = defaultdict(list)
     for r in report["records"]:
-        kept[(r["label"], r["budget"])].append(r.get("stored_tokens", r["kept_tokens"]))
-    lines = [f"| t | rocketkv t | rocketkv {factor}t (same file as reselect) | reselect t (file of {factor}t, "
-             "working set of t) | reconstruct t |", "| ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+        stored[(r["label"], r["budget"])].append(r.get("stored_tokens", r["kept_tokens"]))
 
     def cell(lab: str, t: int) -> str:
         row = cells.get(("mean", lab, t))
         if row is None:
             return "-"
-        files = kept.get((lab, t), [0])
+        files = stored.get((lab, t), [0])
         return f"{pct(row['score'])} ({pct(row['top1_agreement'])}); {round(sum(files) / len(files))} stored"
 
-    for t in cfg["budgets"]:
-        lines.append(f"| {t} | {cell(label, t)} | {cell(label, factor * t)} | {cell('reselect', t)} | "
-                     f"{cell('reconstruct', t)} |")  # fmt: skip
-    return lines
+    head = ["t", "rocketkv t", f"rocketkv {factor}t (same file as reselect)",
+            f"reselect t (file of {factor}t, working set of t)", "reconstruct t"]  # fmt: skip
+    rows = [
+        [t, cell(label, t), cell(label, factor * t), cell("reselect", t), cell("reconstruct", t)]
+        for t in cfg["budgets"]
+    ]
+    return table(head, rows, "rrrrr")
 
 
 def variants(report: dict) -> list[tuple[str, str]]:
@@ -156,20 +143,18 @@ def ablation(reports: dict[str, dict]) -> tuple[list[str], dict]:
     for model, report in reports.items():
         cells, budgets = rows_of(report), report["config"]["budgets"]
         lines += [f"**{model}**, {report['config']['context_tokens'][0]} tokens — mean score % (teacher-forced "
-                  "top-1 agreement % with full attention) over tasks", "",
-                  "| observation | pool kernel | " + " | ".join(f"t={t}" for t in budgets) + " | mean |",
-                  "| --- | --- |" + " ---: |" * (len(budgets) + 1)]  # fmt: skip
+                  "top-1 agreement % with full attention) over tasks", ""]  # fmt: skip
+        rows = []
         for obs, kernel in variants(report):
             label = f"rocketkv[{obs},{kernel}]" if len(variants(report)) > 1 else "rocketkv"
-            got = [cells.get(("mean", label, t)) for t in budgets]
-            got = [g for g in got if g is not None]
-            for g in got:
-                overall[(obs, kernel)].append((g["score"], g["top1_agreement"] or 0.0))
+            got = [g for t in budgets if (g := cells.get(("mean", label, t))) is not None]
+            overall[(obs, kernel)] += [(g["score"], g["top1_agreement"] or 0.0) for g in got]
             mean_s = sum(g["score"] for g in got) / len(got)
             mean_a = sum(g["top1_agreement"] or 0.0 for g in got) / len(got)
             vals = [f"{pct(g['score'])} ({pct(g['top1_agreement'])})" for g in got]
-            lines.append(f"| {obs} | {kernel} | " + " | ".join(vals) + f" | {pct(mean_s)} ({pct(mean_a)}) |")
-        lines.append("")
+            rows.append([obs, kernel, *vals, f"{pct(mean_s)} ({pct(mean_a)})"])
+        lines += [*table(["observation", "pool kernel", *(f"t={t}" for t in budgets), "mean"], rows,
+                         "--" + "r" * (len(budgets) + 1)), ""]  # fmt: skip
     means = {v: (sum(s for s, _ in xs) / len(xs), sum(a for _, a in xs) / len(xs)) for v, xs in overall.items()}
     return lines, means
 
@@ -228,43 +213,15 @@ def choose(means: dict, reports: dict[str, dict]) -> list[str]:
     return out
 
 
-def measure_cost(model: str, n: int, json_dir: Path) -> dict:
-    """One sample of each COST_TASKS task through the full report's `rocketkv eval` (COMMON);
-    the report JSON, kept as `accuracy-cost-<model>.json`."""
-    out = json_dir / f"accuracy-cost-{file_label(model)}.json"
-    cmd = [ROCKETKV, "eval", "--model", model, "--context-tokens", str(n), "--tasks", ",".join(COST_TASKS), *COMMON,
-           "--samples", "1", "--json", str(out)]  # fmt: skip
-    return kept_run(out, cmd, cwd=ROOT)
-
-
-def cost_lines(costs: dict[str, dict], floors: dict[str, list[list[dict]]] | None = None) -> list[str]:
-    """The "What the full report costs" section: per preset, the measured seconds per sample (prefill
-    with every stage-1 cache, then the answers of every run), each cost task's sample weighted by the
-    report's tasks it stands for (`COST_STANDS_FOR`: six one-question tasks, one four-question
-    task), and the full report projected from them; with `floors` (preset → measurements, each a
-    list of `benchmarks/reconstruction_ingest.py --json` outputs at the report's length that ran at
-    the same time: one, or one per concurrent process), what one document's ingest costs with and
-    without the context-reconstruction re-read, times the report's samples."""
+def cost_lines(costs: dict[str, dict], floors: dict[str, list[list[dict]]] | None = None, old: str = "") -> list[str]:
+    """ "What the full report costs": per preset the measured seconds per sample (prefill + every cache,
+    then every run's answers), each cost task weighted by the tasks it stands for (`COST_STANDS_FOR`),
+    projected to the full report; with `floors` (preset → runs side by side, each run a list of the
+    retired benchmarks/reconstruction_ingest.py's outputs, one per concurrent process) one document's
+    ingest with and without the reconstruction re-read. The prose is kept from the previous page `old`."""
     n_full = FULL_SAMPLES * len(TASKS)
-    lines = ["## What the full report costs", "",
-             f"The full report is {len(TASKS)} tasks × {FULL_SAMPLES} samples = {n_full} documents per preset, each "
-             "prefilled once and compressed for every stage-1 cache of the method list (`--methods all`, 3 "
-             "observation windows, 4 budgets), then answered by every run. `python scripts/accuracy_report.py "
-             "--cost` runs exactly that configuration on one sample of "
-             + " and ".join(f"`{t}`" for t in COST_TASKS) + " per preset (JSON: "
-             "`docs/bench/accuracy-cost-<preset>.json`); the seconds per sample weight "
-             + " and ".join(f"`{t}` by {COST_STANDS_FOR[t]}" for t in COST_TASKS)
-             + ", the report's tasks each stands for (six ask one question, one asks four). One sample each "
-             "makes this a rough measure (below the table: how much the same work varied between samples). "
-             "*Prefill + caches*: the document's prefill, the "
-             "context-reconstruction re-read and every cache's selection, saving and loading; *answers*: "
-             "every run's teacher-forced scoring and, where it disagrees with full attention, its own "
-             "generation. *Two processes*: each core running half the samples on one thread, the most two "
-             "cores give (shown when the measurement itself ran on one thread).", "",
-             "| preset, tokens | date, CPU | threads | caches / runs per sample | prefill + caches | answers | "
-             f"per sample | {n_full} samples | two processes |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
-    spread = []
+    lines = ["## What the full report costs", "", *kept(old, "The full report is ", ("",)), ""]
+    spread, rows = [], []
     for model, rep in costs.items():
         by_task: dict[str, list[dict]] = defaultdict(list)
         for x in rep["samples"]:
@@ -280,36 +237,31 @@ def cost_lines(costs: dict[str, dict], floors: dict[str, list[list[dict]]] | Non
         threads = rep["versions"]["threads"]
         full_h = n_full * total / 3600
         two = f"{full_h / 2:.1f} h" if threads == 1 else "-"
-        lines.append(f"| {model}, {rep['config']['context_tokens'][0]} | {rep.get('date') or '-'}, "
-                     f"{rep['versions'].get('cpu', '-')} | {threads} | {rep['samples'][0]['n_caches']} / {n_runs} | "
-                     f"{pre:.0f} s | {total - pre:.0f} s | {total:.0f} s | {full_h:.1f} h | {two} |")  # fmt: skip
+        rows.append([f"{model}, {rep['config']['context_tokens'][0]}", f"{rep.get('date') or '-'}, "
+                     f"{rep['versions'].get('cpu', '-')}", threads, f"{rep['samples'][0]['n_caches']} / {n_runs}",
+                     f"{pre:.0f} s", f"{total - pre:.0f} s", f"{total:.0f} s", f"{full_h:.1f} h", two])  # fmt: skip
         pre_s = [x["prefill_s"] + x["save_load_s"] for x in rep["samples"]]
         spread.append(f"{model} {min(pre_s):.0f}–{max(pre_s):.0f} s")
+    lines += table(["preset, tokens", "date, CPU", "threads", "caches / runs per sample", "prefill + caches", "answers",
+                    "per sample", f"{n_full} samples", "two processes"], rows, "--" + "r" * 7)  # fmt: skip
     lines += ["", "Prefill + caches (the same work for every sample of a preset) between its samples: "
               + ", ".join(spread) + "."]  # fmt: skip
     if floors:
-        lines += ["", "The floor: one ingest of each document (its prefill and one selection) with the `tail` "
-                  "window, and with the context-reconstruction re-read that the `reconstruct` observation adds "
-                  "(`benchmarks/reconstruction_ingest.py DOC --no-reference` (measured with "
-                  "benchmarks/reconstruction_ingest.py at commit db7884c; retired since), a KJV slice of the report's "
-                  "length, median of its rounds; JSON `docs/bench/reconstruction-ingest-<preset>-<tokens>*.json`). "
-                  "Each sample is a different document, so neither is shared between samples; the other 36 "
-                  "caches and every answer come on top.", "",
-                  "| preset, tokens | CPU | processes × threads | ingest (tail) | ingest (reconstruct) | "
-                  f"{n_full} samples, tail | {n_full} samples, reconstruct |",
-                  "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+        lines += ["", *kept(old, "The floor: one ingest", ("",)), ""]
+        rows = []
         for model, measurements in floors.items():
             for runs in measurements:
                 k = len(runs)  # concurrent processes: each sample costs its time over k
                 tail = sum(r["median_s"]["tail window"] for r in runs) / k / k
                 recon = sum(r["median_s"]["reconstruct, fast path"] for r in runs) / k / k
                 cpu = runs[0].get("machine", {}).get("cpu", "-")
-                lines.append(f"| {model}, {runs[0]['context_tokens']} | {cpu} | {k} × {runs[0]['threads']} | "
-                             f"{tail:.1f} s | {recon:.1f} s | {n_full * tail / 60:.0f} min | "
-                             f"{n_full * recon / 60:.0f} min |")  # fmt: skip
-        lines += ["", "With k processes at once, a cell is the mean of the processes' medians divided by k: the "
-                  "seconds per sample the machine delivers."]  # fmt: skip
-    lines += ["", f"The report was designed for {BUDGET_MINUTES} minutes per preset on a 2-core CPU.", ""]
+                rows.append([f"{model}, {runs[0]['context_tokens']}", cpu, f"{k} × {runs[0]['threads']}",
+                             f"{tail:.1f} s", f"{recon:.1f} s", f"{n_full * tail / 60:.0f} min",
+                             f"{n_full * recon / 60:.0f} min"])  # fmt: skip
+        lines += table(["preset, tokens", "CPU", "processes × threads", "ingest (tail)", "ingest (reconstruct)",
+                        f"{n_full} samples, tail", f"{n_full} samples, reconstruct"], rows, "--" + "r" * 5)  # fmt: skip
+        lines += ["", *kept(old, "With k processes at once", ("",))]
+    lines += ["", *kept(old, "The report was designed for", ("",)), ""]
     return lines
 
 
@@ -320,7 +272,8 @@ def run_date(reports: dict[str, dict]) -> str:
 
 
 def page(reports: dict[str, dict], quick: bool, partial: str | None = None, costs: dict | None = None,
-         floors: dict | None = None) -> str:  # fmt: skip
+         floors: dict | None = None, old: str = "") -> str:  # fmt: skip
+    """The page from the reports; its prose (tasks, methods, the cost notes) is kept from the previous page `old`."""
     any_report = next(iter(reports.values()))
     v = any_report["versions"]
     lines = ["# Accuracy: rocketkv vs full attention and baselines", ""]
@@ -328,32 +281,12 @@ def page(reports: dict[str, dict], quick: bool, partial: str | None = None, cost
         lines += ["**QUICK SMOKE RUN (`--quick`): one sample per task — not evidence for anything.**", ""]
     if partial:
         lines += [partial, ""]
-    lines += ["The stage-1 methods added after this report's last run (context reconstruction, per-question "
-              "re-selection) and the per-preset defaults chosen from them are measured in "
-              "[docs/stage1-methods.md](stage1-methods.md) (`python scripts/stage1_report.py`).", ""]  # fmt: skip
+    lines += [*kept(old, "The stage-1 methods added after", ("",)), ""]
     lines += [
         "Generated by `python scripts/accuracy_report.py` (which runs `rocketkv eval`; the JSON with every answer "
         f"is in `docs/bench/accuracy-<preset>.json`) on {run_date(reports)}: rocketkv {v['rocketkv']}, torch {v['torch']}, transformers "
         f"{v['transformers']}, {v['threads']} threads, {v['cpu']}.", "",
-        "Tasks are RULER-style and generated locally (docs/accuracy.md): `niah_noise` (one needle in a noise haystack), "
-        "`niah_text` (one needle in King James Bible text), `multikey` (a needle among 3 distractor needles), "
-        "`multivalue` (4 values for one key), `multiquery` (4 needles, 4 separate questions against one saved "
-        "cache), `vt` (variable tracking over 4 hops), `fwe` (three most frequent coded words). Needles sit "
-        "between 10% and 90% of the document. **Score** = share of expected values found in the answer "
-        "(case-insensitive substring, RULER's string_match_all); **top-1 agreement** = full attention's greedy "
-        "answer fed token by token to the method's own cache (stage 2 applied at each step as decode applies it): "
-        "the share of tokens where the method's next-token choice is the same; **KL** = KL(full ‖ method) of "
-        "the next-token distributions along that answer. A method generates its own answer (for the score) only "
-        "where it disagrees somewhere.", "",
-        "Methods, each answered from its saved `.kv` file (ingest → file → ask): `full` (nothing pruned, exact "
-        "attention); `rocketkv` (SnapKV++ then HSA); `snapkv` (the same stage-1 cache, exact attention: stage 1 "
-        "only); `hsa` (nothing pruned, HSA at the budget: stage 2 only); `sink_recent` (first 4 tokens + the most "
-        "recent, as many as rocketkv keeps, exact attention); `reconstruct` (stage 1 scored by context "
-        "reconstruction, KVzip-style, then HSA); `reselect` (the file keeps what SnapKV++ keeps at twice the "
-        "budget, each question re-selects t's working set with its own queries, then HSA). t is the token budget "
-        "(docs/algorithm.md §1). "
-        "On CPU, `ask` runs the `snapkv` row at these sizes: layers storing up to 4096 tokens are attended "
-        "exactly there, below HSA's measured crossover (docs/performance.md, \"Where stage 2 pays\").", "",
+        *kept(old, "Tasks are RULER-style"),
     ]  # fmt: skip
     for model, report in reports.items():
         n = report["config"]["context_tokens"][0]
@@ -380,7 +313,7 @@ def page(reports: dict[str, dict], quick: bool, partial: str | None = None, cost
                                     "full report):", ""] if partial else []),
               *choose(means, reports), ""]  # fmt: skip
     if costs:
-        lines += cost_lines(costs, floors)
+        lines += cost_lines(costs, floors, old)
     return "\n".join(lines)
 
 
@@ -425,11 +358,11 @@ def main() -> int:
             samples = read_json(first)["config"]["samples"]
     costs = {}
     for model, n in ({} if args.quick else FULL).items():
-        kept = json_dir / f"accuracy-cost-{file_label(model)}.json"
-        if args.cost and not args.from_json and not kept.exists():
-            costs[model] = measure_cost(model, n, json_dir)
-        elif kept.exists():
-            costs[model] = read_json(kept)
+        path = json_dir / f"accuracy-cost-{file_label(model)}.json"  # the full report's eval on one sample each
+        if path.exists() or (args.cost and not args.from_json):
+            cmd = [ROCKETKV, "eval", "--model", model, "--context-tokens", str(n), "--tasks", ",".join(COST_TASKS),
+                   *COMMON, "--samples", "1", "--json", str(path)]  # fmt: skip
+            costs[model] = kept_run(path, cmd, cwd=ROOT)
     floors: dict[str, list[list[dict]]] = {}
     for model, n in ({} if args.quick else FULL).items():
         one = json_dir / f"reconstruction-ingest-{file_label(model)}-{n}.json"
@@ -445,13 +378,14 @@ def main() -> int:
         common = [*(QUICK_COMMON if args.quick else COMMON), "--samples", str(samples), *shlex.split(args.eval_args)]
         reports[model] = run(model, n, common, json_dir, tasks, resume=not args.quick or args.from_json,
                              runs=not (args.from_json or args.cost))  # fmt: skip
-        write_json(json_dir / f"accuracy-{file_label(model)}.json", reports[model])
+        lib.write_json(json_dir / f"accuracy-{file_label(model)}.json", reports[model])
     partial = None
     if not args.quick and (presets.keys() != FULL.keys() or tasks != TASKS or samples < 20):
         partial = (f"**Partial report**: presets {', '.join(presets)}; tasks {', '.join(tasks)}; {samples} samples "
                    f"per task (the full report: both presets, all {len(TASKS)} tasks, 20 samples). Intervals are "
                    "wide at this size and the defaults below are not changed from it.")  # fmt: skip
-    write_text(out_dir / "accuracy.md", page(reports, args.quick, partial, costs, floors))
+    page_path = out_dir / "accuracy.md"
+    lib.write_text(page_path, page(reports, args.quick, partial, costs, floors, read_text(page_path)))
     print(out_dir / "accuracy.md")
     return 0
 

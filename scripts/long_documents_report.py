@@ -39,7 +39,7 @@ import threading
 import time
 from pathlib import Path
 
-from rocketkv_cli.eval.reports import read_json, report_timer, write_json, write_text
+from rocketkv_cli.eval.reports import kept, read_json, read_text, report_timer, table, write_json, write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 KJV = ROOT.parent / "shared" / "data" / "kjv.txt"
@@ -266,121 +266,52 @@ def full_book(preset: str, tok, seconds: float, work: Path) -> dict:
             "peak_rss_bytes": r["peak_rss_bytes"], "exit_code": r["code"]}  # fmt: skip
 
 
-DESIGN = """\
-## Design
-
-- **Reading.** The document is read as a stream of 1 MiB blocks, decoded incrementally and cut at
-  line ends (`ingest.TextStream`); a file is decoded once up front so that a bad byte fails with
-  its offset before the model loads. Only the current segment's text is held in memory.
-- **Segments.** Lines are grouped into segments of at most `--segment-tokens` framed tokens
-  (default: all the context fits after room for a question and the answer: 32,384 tokens on
-  Gemma 3 270M, 7,808 on SmolLM2). Each segment is framed like a whole document, prefilled on its
-  own at RoPE positions 0 … n−1 and pruned with SnapKV++ exactly as a short document would be, so
-  ingest time is linear in the book and the working set is one segment's.
-- **Checkpoints and resume.** Each finished segment is written (atomically) as a one-segment
-  `.kv` file in `.OUT.kv.segments/` beside the output and read back lazily (each segment verified
-  and read into memory when the final file is written; measured before that change, with the
-  checkpoints memory-mapped, the peak RSS grew by the size of the pruned caches, see below). Rerunning the same command reuses every checkpoint whose model, settings
-  and token ids (sha256) match, and prefills the rest; the folder is removed once the final file
-  is written (docs/file-format.md: every segment's pruned KV, its token ids and offsets, its
-  start offset in the book, a digest per segment).
-- **Routing.** A question is answered from the segment whose words (decoded from its stored token
-  ids) match it best by Okapi BM25, falling back to the question's queries scored against the
-  stored keys when no word of the question occurs in the book. The
-  chosen segment's cache is then used exactly as a short document's (`--segment J` forces one,
-  `--segments N` answers over the N best together as parallel context windows).
-- **Summaries.** `summarize` summarizes each segment from its cache, joins the summaries in order
-  and summarizes that text (in segments again if it is still longer than the context).
-
-### Why BM25 and not the stored keys (measured)
-
-`python scripts/routing_experiment.py --model M` (measured with scripts/routing_experiment.py at commit db7884c; retired since) plants 8 needles in a 30K-token KJV slice cut
-into 8 segments of 4,096 tokens and ranks the segments for each needle's question two ways: BM25
-over the segments' words, and the question's own queries (a question-only forward pass, each
-full-attention layer's queries at the question's tokens) against each segment's kept keys (the
-largest logit per layer, head and question token, standardised across segments and averaged:
-`segments.segment_scores`). Top-1 hits out of 8 (chance: 1):
-
-| model | BM25 over words | queries vs stored keys |
-|---|---|---|
-| smollm2-135m | 8/8 | 0/8 |
-| gemma-3-270m | 8/8 | 1/8 |
-
-In an exploratory run (not in the script), other ways of pooling the key scores (joint softmax
-mass over all segments, log-sum-exp, the top 10% of heads) did no better than 4/8 on SmolLM2. The question's queries are computed without the
-document in context, and in models this small they do not single out the needle's keys; the
-words of the question do. BM25 needs the token ids, which cost 4 bytes per token in the file.
-A first version counted token ids rather than words: on the 120K-token SmolLM2 run below it sent
-3 of 15 needle questions to the wrong segment, because a rare name cut into common sub-word
-tokens ("Accra") did not count as rare; counting whole words fixed two of the three.
-"""
-
-
 def label(r: dict) -> str:
     seg = r.get("segment_tokens")
     return r["preset"] + (f", --segment-tokens {seg}" if seg else "")
 
 
-def render(results: list[dict], command: str | list[str]) -> str:
+def hit_rows(r: dict, keys: tuple[str, ...], depths: tuple) -> list[list[str]]:
+    """Per depth (None: all needles) the needles found, for each key of `keys`: `[label, depth, k/n, ...]`."""
+    rows = []
+    for depth in depths:
+        group = [n for n in r["needles"] if depth is None or n["depth"] == depth]
+        hits = [f"{sum(bool(n.get(key)) for n in group)}/{len(group)}" for key in keys]
+        rows.append([label(r), "all" if depth is None else f"{depth:.0%}", *hits])
+    return rows
+
+
+def render(results: list[dict], command: str | list[str], old: str = "") -> str:
+    """The page from the results; its design notes and the prose of its sections are kept from the
+    previous page `old`, as written."""
     commands = command if isinstance(command, list) else [command]
-    out = ["# Documents longer than the context", "", DESIGN,
+    out = ["# Documents longer than the context", "", *kept(old, "## Design", ("## Measurements",)),
            "## Measurements", "",
            "Generated by " + " and ".join(f"`{c}`" for c in commands) + " (numbers from `rocketkv` "
            "subprocesses on this machine, 2 CPU cores, the model computing in float32; the JSON with every answer is "
            "`docs/bench/long-documents.json`). The "
            "document is a slice of `../shared/data/kjv.txt` with needles (\"The special magic number "
            "for NAME is NUMBER.\") planted around 10%, 50% and 90% depth; one cache serves the "
-           "needle questions and the summary.", ""]  # fmt: skip
-    out += ["## Ingest, file size, memory", "",
-            "| preset | document tokens | segments | ingest | tokens/s | peak RSS | file | file / full KV |",
-            "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for r in results:
-        out.append(f"| {label(r)} | {r['document_tokens']:,} | {r['n_segments']} | {r['ingest_s']:.0f} s | "
-                   f"{r['ingest_tokens_per_s']:.0f} | {r['ingest_peak_rss_bytes'] / 2**20:.0f} MiB | "
-                   f"{r['file_bytes'] / 1e6:.0f} MB | {r['file_bytes'] / r['full_kv_bytes']:.2f} |")  # fmt: skip
+           "needle questions and the summary.", "", "## Ingest, file size, memory", ""]  # fmt: skip
+    out += table(["preset", "document tokens", "segments", "ingest", "tokens/s", "peak RSS", "file", "file / full KV"],
+                 [[label(r), f"{r['document_tokens']:,}", r["n_segments"], f"{r['ingest_s']:.0f} s",
+                   f"{r['ingest_tokens_per_s']:.0f}", f"{r['ingest_peak_rss_bytes'] / 2**20:.0f} MiB",
+                   f"{r['file_bytes'] / 1e6:.0f} MB", f"{r['file_bytes'] / r['full_kv_bytes']:.2f}"] for r in results])  # fmt: skip
     checks = [c for r in results for c in r.get("memory_check", [])]
     if checks:
-        out += ["", "Peak RSS of `ingest` with the final code (`/usr/bin/time -f %M rocketkv ingest DOC -m PRESET`; "
-                "the SmolLM2 row above comes from a build that also read the whole output back once "
-                "more through a mapping): the peak grows by about the size of the pruned caches (the file), as the "
-                "bound of one segment's working set plus the pruned caches allows; nothing else grows "
-                "with the book.", "",
-                "| preset | document tokens | segments | peak RSS | file |", "|---|---|---|---|---|"]  # fmt: skip
-        for c in checks:
-            out.append(f"| {c['preset']} | {c['document_tokens']:,} | {c['n_segments']} | "
-                       f"{c['peak_rss_bytes'] / 2**20:.0f} MiB | {c['file_bytes'] / 1e6:.0f} MB |")  # fmt: skip
-    out += ["", "## Needles (default settings: `rocketkv ask --cache FILE QUESTION`)", "",
-            "| preset | depth | found (routed) | routed to the needle's segment | found (own segment given) |",
-            "|---|---|---|---|---|"]  # fmt: skip
-    for r in results:
-        for depth in DEPTHS:
-            group = [n for n in r["needles"] if n["depth"] == depth]
-            k = len(group)
-            hits = [sum(n[key] for n in group) for key in ("routed_hit", "routed_to_own", "own_hit")]
-            out.append(f"| {label(r)} | {depth:.0%} | " + " | ".join(f"{h}/{k}" for h in hits) + " |")
-        n = r["needles"]
-        hits = [sum(x[key] for x in n) for key in ("routed_hit", "routed_to_own", "own_hit")]
-        out.append(f"| {label(r)} | all | " + " | ".join(f"{h}/{len(n)}" for h in hits) + " |")
+        out += ["", *kept(old, "Peak RSS of `ingest` with the final code", ("",)), ""]
+        out += table(["preset", "document tokens", "segments", "peak RSS", "file"],
+                     [[c["preset"], f"{c['document_tokens']:,}", c["n_segments"], f"{c['peak_rss_bytes'] / 2**20:.0f} MiB",
+                       f"{c['file_bytes'] / 1e6:.0f} MB"] for c in checks])  # fmt: skip
+    out += ["", "## Needles (default settings: `rocketkv ask --cache FILE QUESTION`)", ""]
+    out += table(["preset", "depth", "found (routed)", "routed to the needle's segment", "found (own segment given)"],
+                 [row for r in results for row in hit_rows(r, ("routed_hit", "routed_to_own", "own_hit"), (*DEPTHS, None))])  # fmt: skip
     ceilings = [r for r in results if r.get("ceiling")]
     if ceilings:
         out += ["", "## Ceiling: each needle's own segment, pruned and whole", "",
-                "`python scripts/long_documents_report.py --ceiling` (step 6 of the script): every segment "
-                "holding a needle, cut from the same document as `ingest` cuts it, ingested alone with the "
-                "defaults of the ceiling run's day (*default cache*: what a segmented file made that day holds "
-                "for it) and with nothing pruned (*full attention*: `--budget` above its length, `--kv-dtype "
-                "auto`, asked with `--dense`, so exact attention over the whole segment). *Own segment given* "
-                "is the column above, from the run that made the file, with the defaults of that run's day "
-                "(which differ where the defaults have changed since: the two columns may differ by settings, "
-                "not only by chance).", "",
-                "| preset | depth | found (own segment given) | found (default cache) | found (full attention) |",
-                "|---|---|---|---|---|"]  # fmt: skip
-        keys = ("own_hit", "seg_default_hit", "full_hit")
-        for r in ceilings:
-            for depth in (*DEPTHS, None):
-                group = [n for n in r["needles"] if depth is None or n["depth"] == depth]
-                hits = [sum(bool(n.get(key)) for n in group) for key in keys]
-                name = "all" if depth is None else f"{depth:.0%}"
-                out.append(f"| {label(r)} | {name} | " + " | ".join(f"{h}/{len(group)}" for h in hits) + " |")
+                *kept(old, "`python scripts/long_documents_report.py --ceiling`", ("",)), ""]  # fmt: skip
+        out += table(["preset", "depth", "found (own segment given)", "found (default cache)", "found (full attention)"],
+                     [row for r in ceilings for row in hit_rows(r, ("own_hit", "seg_default_hit", "full_hit"), (*DEPTHS, None))])  # fmt: skip
         out.append("")
         for r in ceilings:
             segs = r["ceiling"]["segments"]
@@ -390,9 +321,9 @@ def render(results: list[dict], command: str | list[str]) -> str:
                                    for g in segs) + ".")  # fmt: skip
         for r in ceilings:
             full = [n for n in r["needles"] if n.get("full_hit")]
-            kept = sum(bool(n.get("seg_default_hit")) for n in full)
+            kept_hits = sum(bool(n.get("seg_default_hit")) for n in full)
             extra = sum(bool(n.get("seg_default_hit")) and not n.get("full_hit") for n in r["needles"])
-            out.append(f"- {r['preset']}: the default cache answers {kept} of the {len(full)} needles full attention "
+            out.append(f"- {r['preset']}: the default cache answers {kept_hits} of the {len(full)} needles full attention "
                        f"answers" + (f" (and {extra} it misses)" if extra else "") + ".")  # fmt: skip
         misses = [(r["preset"], n) for r in ceilings for n in r["needles"] if not n.get("full_hit")]
         if misses:
@@ -402,19 +333,13 @@ def render(results: list[dict], command: str | list[str]) -> str:
     for r in results:
         out += [f"**{r['preset']}** ({len(r['partial_summaries'])} partial summaries, {r['summarize_s']:.0f} s):", "",
                 "> " + r["summary"].replace("\n", "\n> "), ""]  # fmt: skip
-    books = [r for r in results if r.get("full_book")]
+    books = [(r, r["full_book"]) for r in results if r.get("full_book")]
     if books:
-        out += ["## The whole book (`rocketkv ingest kjv.txt`, interrupted)", "",
-                "| preset | book tokens | tokens done | tokens/s | projected total | peak RSS so far |",
-                "|---|---|---|---|---|---|"]  # fmt: skip
-        for r in books:
-            b = r["full_book"]
-            projected = f"{b['projected_total_s'] / 60:.0f} min" if b["projected_total_s"] else "-"
-            rss = f"{b['peak_rss_bytes'] / 2**20:.0f} MiB" if b["peak_rss_bytes"] else "-"
-            out.append(
-                f"| {label(r)} | {b['book_tokens']:,} | {b['tokens_done']:,} in {b['segments_done']} segments | "
-                f"{b['tokens_per_s']:.0f} | {projected} | {rss} |"
-            )
+        out += ["## The whole book (`rocketkv ingest kjv.txt`, interrupted)", ""]
+        out += table(["preset", "book tokens", "tokens done", "tokens/s", "projected total", "peak RSS so far"],
+                     [[label(r), f"{b['book_tokens']:,}", f"{b['tokens_done']:,} in {b['segments_done']} segments",
+                       f"{b['tokens_per_s']:.0f}", f"{b['projected_total_s'] / 60:.0f} min" if b["projected_total_s"] else "-",
+                       f"{b['peak_rss_bytes'] / 2**20:.0f} MiB" if b["peak_rss_bytes"] else "-"] for r, b in books])  # fmt: skip
     return "\n".join(out) + "\n"
 
 
@@ -459,7 +384,7 @@ def main() -> None:
             results.append(preset_report(preset, args, args.workdir))
             data = {"command": commands + [command.strip()], "results": results}
             write_json(args.json, data)  # after each preset: a crash keeps the rest
-    write_text(args.out, render(data["results"], data["command"]))
+    write_text(args.out, render(data["results"], data["command"], read_text(args.out)))
     print(args.out)
 
 

@@ -29,7 +29,7 @@ import time
 from datetime import date
 from pathlib import Path
 
-from rocketkv_cli.eval.reports import report_timer
+from rocketkv_cli.eval.reports import kept, read_json, read_text, report_timer, table, write_json, write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -96,46 +96,29 @@ def record(name: str, preset: str, run: str, row: dict, source: str, wall_s: flo
             "summarize_s": row["summarize_s"], "check": check.to_dict()}  # fmt: skip
 
 
-def table(records: list[dict]) -> str:
+def summary_table(records: list[dict]) -> list[str]:
     """The Markdown table of the records."""
-    rows = ["| document | preset | run | mode | words | degenerate? | grounding | coverage | pass |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    rows = []
     for r in records:
         c = r["check"]
-        degenerate = ", ".join(c["degenerate"]) or "no"
         missing = f" (absent: {', '.join(c['missing_names'])})" if c["missing_names"] else ""
-        grounded = f"{c['grounding']:.2f} {'✓' if c['grounding_passed'] else '✗'}{missing}"
-        covered = f"{len(c['named'])}/{c['names_required']} {'✓' if c['coverage_passed'] else '✗'}"
-        rows.append(f"| {r['document']} | {r['preset']} | {r['run']} | {r['mode']} | {r['words']} | {degenerate} | "
-                    f"{grounded} | {covered} | {'yes' if c['passed'] else 'no'} |")  # fmt: skip
-    return "\n".join(rows) + "\n"
+        rows.append([r["document"], r["preset"], r["run"], r["mode"], r["words"], ", ".join(c["degenerate"]) or "no",
+                     f"{c['grounding']:.2f} {'✓' if c['grounding_passed'] else '✗'}{missing}",
+                     f"{len(c['named'])}/{c['names_required']} {'✓' if c['coverage_passed'] else '✗'}",
+                     "yes" if c["passed"] else "no"])  # fmt: skip
+    head = ["document", "preset", "run", "mode", "words", "degenerate?", "grounding", "coverage", "pass"]
+    return table(head, rows)
 
 
-def render(records: list[dict], command: str, quick: bool, day: str) -> str:
-    """The page: what was run, the rules, the table, each summary."""
-    head = "QUICK SMOKE RUN (not evidence)\n\n" if quick else ""
+def render(records: list[dict], command: str, quick: bool, day: str, old: str = "") -> str:
+    """The page: what was run, the rules (kept from the previous page `old` as written), the table, each summary."""
     n_pass = sum(r["check"]["passed"] for r in records)
-    out = [f"# Summaries: are they degenerate, grounded, covering?\n\n{head}Written by `{command}` on "
-           f"{day} (times: 2 shared CPU cores, one thread): {n_pass} of {len(records)} summaries pass all three checks.\n",
-           "Rules (`rocketkv_cli/api/summary_check.py`, whose docstring is the definition):\n",
-           "- **degenerate**: an echo of a prompt line (normalised) or half its content words the prompts', a sentence or "
-           "line repeated (or an "
-           "8-word run inside one), under 15 words, or a bare verse reference. `rocketkv summarize` "
-           "never prints one: it asks once more in another framing (`abstractive-retry`), then prints the "
-           "part's 3-5 most central sentences, verbatim (`extractive`).",
-           "- **grounding**: at least 90% of the summary's content words (stopwords removed) occur in the "
-           "document, and every proper name it uses (a capitalised word not at a sentence start) occurs "
-           "there spelled the same.",
-           "- **coverage**: it names at least min(5, n) of the document's 20 most frequent proper names "
-           "(capitalised in ≥ 90% of their occurrences, and not only at sentence starts).\n",
-           "Grounding and coverage are by words: a sentence recombined from the document's own words "
-           "(a wrong fact told in its vocabulary) is fully grounded, so read the summaries below too. "
-           "Extracted summaries are grounded by construction; their coverage depends on which sentences "
-           "are central.\n",
-           "Runs: `model` is `rocketkv summarize DOC --json` (the model writes; the mode says whether its "
-           "first output, its retry or extracted sentences were printed); `extractive` adds `--extractive`. "
-           "Ruth and Jonah are the KJV's lines of that book (`Ruth1:1 …`), sliced at run time.\n",
-           table(records), "## The summaries\n"]  # fmt: skip
+    out = ["# Summaries: are they degenerate, grounded, covering?", "",
+           *(["QUICK SMOKE RUN (not evidence)", ""] if quick else []),
+           f"Written by `{command}` on {day} (times: 2 shared CPU cores, one thread): {n_pass} of {len(records)} "
+           "summaries pass all three checks.", "",
+           *kept(old, "Rules (`rocketkv_cli/api/summary_check.py`", ("| document",)),
+           *summary_table(records), "", "## The summaries", ""]  # fmt: skip
     for r in records:
         parts = f"; parts: {', '.join(r['partial_modes'])}" if r["partial_modes"] else ""
         names = ", ".join(r["check"]["named"]) or "none"
@@ -169,9 +152,9 @@ def main() -> None:
         quick_dir / "summaries.json" if args.quick else ROOT / "docs" / "bench" / "summaries.json"
     )
     if args.from_json:
-        saved = json.loads(json_path.read_text(encoding="utf-8"))
-        out.write_text(render(saved["records"], saved["command"], args.quick, saved["date"]), encoding="utf-8")
-        print(table(saved["records"]), end="")
+        saved = read_json(json_path)
+        write_text(out, render(saved["records"], saved["command"], args.quick, saved["date"], read_text(out)))
+        print("\n".join(summary_table(saved["records"])))
         return
     texts = documents(args.data, names)
     records = []
@@ -185,12 +168,10 @@ def main() -> None:
                     records.append(record(name, preset, run, row, text, wall_s))
                     print(f"{name} {preset} {run}: {row['mode']} in {wall_s:.0f}s", file=sys.stderr)
     command = "python scripts/summary_check_report.py " + " ".join(sys.argv[1:])
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps({"command": command.strip(), "date": date.today().isoformat(),
-                                     "records": records}, ensure_ascii=False, indent=1) + "\n")  # fmt: skip
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(records, command.strip(), args.quick, date.today().isoformat()), encoding="utf-8")
-    print(table(records), end="")
+    day = date.today().isoformat()
+    write_json(json_path, {"command": command.strip(), "date": day, "records": records}, end="\n", ensure_ascii=False)
+    write_text(out, render(records, command.strip(), args.quick, day, read_text(out)))
+    print("\n".join(summary_table(records)))
 
 
 if __name__ == "__main__":

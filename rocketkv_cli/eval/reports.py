@@ -1,15 +1,15 @@
-"""The report library of scripts/ and benchmarks/: tables, intervals, resumable JSON results, timing.
+"""The report library of scripts/ and benchmarks/: tables, intervals, JSON files, resume, kept prose.
 
-Every report does the same four things around its own measurement: it renders markdown tables,
-states rates and means with 95% intervals, keeps its results in a JSON file that an interrupted
-run resumes from, and says how long it ran. They live here once:
+Every report does the same things around its own measurement: it renders markdown tables, states
+rates and means with their 95% intervals, keeps its results in JSON files that an interrupted run
+resumes from, keeps the hand-written parts of the page it rewrites, and says how long it ran.
+They live here once:
 
-    results = Results(ROOT / "docs" / "bench" / "x.json", config={"budget": 512})
     with report_timer("x"):
-        for doc in docs:
-            if doc.name not in results:
-                results.put(doc.name, measure(doc))   # written atomically after each unit
-    page = table(["doc", "hits"], [(k, rate(r["hits"], r["n"])) for k, r in results.items()])
+        report = kept_run(ROOT / "docs" / "bench" / "x.json", ["rocketkv", "eval", ..., "--json", out])
+        old = read_text(page)                       # the page's hand-written parts are kept
+        lines = [*kept(old, "## Design", ("## ",)), *table(["task", "score"], rows, "-r")]
+        write_text(page, "\n".join(lines))         # atomic: the old page or the new one
 
 Standard library only (the intervals come from `eval/stats.py`), so a report that only renders
 kept JSON (`--from-json`) starts without torch.
@@ -17,7 +17,6 @@ kept JSON (`--from-json`) starts without torch.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -31,8 +30,8 @@ from typing import Any
 
 from rocketkv_cli.eval.stats import bootstrap_mean, wilson
 
-__all__ = ["Results", "kept_run", "mean_interval", "rate", "read_json", "read_jsonl", "replace_section",
-           "report_parser", "report_timer", "table", "write_json", "write_jsonl", "write_text"]  # fmt: skip
+__all__ = ["bootstrap_mean", "interval", "kept", "kept_run", "read_json", "read_jsonl", "read_text", "replace_section",
+           "report_timer", "table", "wilson", "write_json", "write_jsonl", "write_text"]  # fmt: skip
 
 
 def table(header: Sequence[str], rows: Iterable[Sequence[object]], align: str = "") -> list[str]:
@@ -52,21 +51,19 @@ def table(header: Sequence[str], rows: Iterable[Sequence[object]], align: str = 
     return lines
 
 
-def rate(successes: int, n: int, digits: int = 2) -> str:
-    """`k/n = p [lo, hi]`: a rate with its 95% Wilson interval; `-` for n = 0."""
-    if n == 0:
-        return "-"
-    lo, hi = wilson(successes, n)
-    return f"{successes}/{n} = {successes / n:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+def interval(value: float | None, ci: Sequence[float | None] | None = None, digits: int = 0, scale: float = 100.0,
+             paren: bool = False, note: str = "") -> str:  # fmt: skip
+    """`value [lo–hi]`: a rate or mean with its 95% interval `ci` (Wilson for rates, `wilson`;
+    bootstrap for means, `bootstrap_mean`), each number times `scale` (100: percent) with `digits`
+    decimals; `(lo–hi, note)` with `paren`. A missing number is `-`; without `ci`, the value alone."""
 
+    def num(x: float | None) -> str:
+        return "-" if x is None else f"{scale * x:.{digits}f}"
 
-def mean_interval(values: Sequence[float], digits: int = 3, seed: int = 0) -> str:
-    """`mean [lo, hi]`: a mean with its 95% percentile-bootstrap interval (deterministic for a
-    seed); `-` for no values."""
-    if not values:
-        return "-"
-    lo, hi = bootstrap_mean(list(values), seed=seed)
-    return f"{sum(values) / len(values):.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+    if not ci or ci[0] is None:
+        return num(value)
+    inside = f"{num(ci[0])}–{num(ci[1])}" + (f", {note}" if note else "")
+    return f"{num(value)} ({inside})" if paren else f"{num(value)} [{inside}]"
 
 
 def write_text(path: Path, text: str) -> Path:
@@ -86,9 +83,9 @@ def write_text(path: Path, text: str) -> Path:
     return path
 
 
-def write_json(path: Path, data: Any, indent: int | None = 1, end: str = "") -> Path:
-    """`data` as JSON (`json.dumps` with `indent`, then `end`, e.g. a newline), written atomically."""
-    return write_text(path, json.dumps(data, indent=indent) + end)
+def write_json(path: Path, data: Any, indent: int | None = 1, end: str = "", ensure_ascii: bool = True) -> Path:
+    """`data` as JSON (`json.dumps` with `indent`, `ensure_ascii`), then `end` (e.g. a newline), atomically."""
+    return write_text(path, json.dumps(data, indent=indent, ensure_ascii=ensure_ascii) + end)
 
 
 def read_json(path: Path, default: Any = None) -> Any:
@@ -96,6 +93,25 @@ def read_json(path: Path, default: Any = None) -> Any:
     on a damaged file (a report must not silently start over)."""
     path = Path(path)
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else default
+
+
+def read_text(path: Path) -> str:
+    """The text (UTF-8) of `path`, or "" when there is no such file (a page not written yet)."""
+    path = Path(path)
+    return path.read_text(encoding="utf-8") if path.exists() else ""
+
+
+def kept(page: str, start: str, stops: Sequence[str] = ("## ",)) -> list[str]:
+    """The lines of `page` (a page a report rewrites) from the first one starting with `start` up
+    to the next one starting with a prefix in `stops` (`""` stops at a blank line): prose written
+    by hand or measured once, kept as written. [] when no line starts with `start`."""
+    lines = page.splitlines()
+    first = next((i for i, line in enumerate(lines) if line.startswith(start)), None)
+    if first is None:
+        return []
+    end = next((j for j in range(first + 1, len(lines))
+                if any(lines[j].startswith(p) if p else not lines[j] for p in stops)), len(lines))  # fmt: skip
+    return lines[first:end]
 
 
 def write_jsonl(path: Path, rows: Iterable[Any]) -> Path:
@@ -109,54 +125,6 @@ def read_jsonl(path: Path) -> list[Any]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
-def _key(key: str | Sequence[object]) -> str:
-    """A record key as stored: a string as is, a tuple such as (method, budget, sample) joined by '/'."""
-    return key if isinstance(key, str) else "/".join(str(k) for k in key)
-
-
-class Results:
-    """A report's results, one record per unit of work, in a JSON file an interrupted run resumes from.
-
-    The file holds `{"config": ..., "records": {key: record}}`. A key is a string or a tuple
-    (e.g. `(method, budget, sample)`, stored joined by '/'). `put` rewrites the file atomically
-    after each unit, so a run killed at any moment keeps every finished unit, and a rerun skips
-    them (`key in results`). A file made with another `config` is not resumed from: raises
-    `ValueError` naming both (delete the file, or pass the same options), unless `fresh=True`
-    (start over)."""
-
-    def __init__(self, path: Path, config: Any = None, fresh: bool = False) -> None:
-        self.path = Path(path)
-        self.config = config
-        kept = None if fresh else read_json(self.path)
-        if kept is not None and kept.get("config") != config:
-            raise ValueError(f"{self.path} holds results for config {kept.get('config')!r}, not {config!r}: "
-                             "delete it to start over, or rerun with the same options")  # fmt: skip
-        self.records: dict[str, Any] = dict(kept["records"]) if kept else {}
-
-    def __contains__(self, key: str | Sequence[object]) -> bool:
-        return _key(key) in self.records
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def get(self, key: str | Sequence[object], default: Any = None) -> Any:
-        """The record kept for `key`, or `default`."""
-        return self.records.get(_key(key), default)
-
-    def put(self, key: str | Sequence[object], record: Any) -> None:
-        """Keep `record` for `key` and rewrite the file (atomically)."""
-        self.records[_key(key)] = record
-        write_json(self.path, {"config": self.config, "records": self.records})
-
-    def todo(self, keys: Iterable[Any]) -> list[Any]:
-        """The keys not measured yet, in their order: what a resumed run still has to do."""
-        return [k for k in keys if k not in self]
-
-    def items(self) -> Iterator[tuple[str, Any]]:
-        """(stored key, record) pairs in the order they were first put."""
-        return iter(self.records.items())
 
 
 def kept_run(out: Path, cmd: Sequence[str], runs: bool = True, cwd: Path | None = None) -> Any:
@@ -200,11 +168,3 @@ def report_timer(name: str, stream: Any = None) -> Iterator[dict[str, float]]:
     finally:
         out["seconds"] = time.perf_counter() - start
         print(f"{name}: {out['seconds']:.1f} s wall time", file=stream or sys.stderr)
-
-
-def report_parser(doc: str | None, smoke_help: str = "a seconds-long run on tiny inputs (CI; not evidence)"):
-    """An `argparse.ArgumentParser` with the script's docstring as its description and the
-    `--smoke` flag every script and benchmark has (CI runs it, so none rots unseen)."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help=smoke_help)
-    return parser

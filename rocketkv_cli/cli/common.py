@@ -360,6 +360,27 @@ def default_kjv() -> Optional[Path]:
     return None
 
 
+def method_options(pairs: Optional[list[str]]) -> dict[str, int | float | str]:
+    """`--method-option NAME=VALUE` values as a dict, each value an int, a float or else the text.
+    Raises UsageError for an item without `=` or a name given twice."""
+    out: dict[str, int | float | str] = {}
+    for item in pairs or ():
+        name, sep, text = item.partition("=")
+        if not sep or not name.strip():
+            raise UsageError(f"--method-option must be NAME=VALUE, got {item!r}")
+        if name.strip() in out:
+            raise UsageError(f"--method-option {name.strip()} is given twice")
+        value: int | float | str = text
+        for kind in (int, float):
+            try:
+                value = kind(text)
+                break
+            except ValueError:
+                continue
+        out[name.strip()] = value
+    return out
+
+
 def prefill_config(**kw):
     """A `PrefillConfig` from option values (`pool_kernel_size` as text: odd or 'auto').
     Raises InputError naming the invalid value."""
@@ -386,7 +407,8 @@ def prefill_config(**kw):
 OPTION_NAMES = {"token_budget": "--budget", "store_budget": "--store-budget", "max_new_tokens": "--max-new-tokens",
                 "window_size": "--window-size", "pool_kernel_size": "--pool-kernel-size",
                 "prompt_budget": "--prompt-budget", "chunk_tokens": "--chunk-tokens", "n_score_dims": "--n-score-dims",
-                "page_size": "--page-size", "topk": "--topk", "layer_budgets": "--layer-budgets"}  # fmt: skip
+                "page_size": "--page-size", "topk": "--topk", "layer_budgets": "--layer-budgets",
+                "method_options": "--method-option"}  # fmt: skip
 
 
 def option_names(message: str) -> str:

@@ -64,6 +64,13 @@ def ingest_command(
             "layers by where their attention mass is). Default: uniform."
         ),  # fmt: skip
     ] = None,
+    method_option: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            metavar="NAME=VALUE",
+            help='An option of the stage-1 method\'s own (docs/stage1-methods.md, "Adding a method"); repeatable.',
+        ),
+    ] = None,
     prompt_budget: Annotated[Optional[int], typer.Option(help="Override: tokens kept per KV head per layer.")] = None,
     topk: TopkOpt = None,
     page_size: PageSizeOpt = None,
@@ -88,12 +95,14 @@ def ingest_command(
     the output: an interrupted ingest continues where it stopped when the same command is rerun.
     """
     from ..api.preflight import check_output, default_output  # no torch: these answer at once
+    from .common import method_options
 
     setup(quiet)
     options = dict(
         token_budget=budget, max_new_tokens=max_new_tokens, window_size=window_size, pool_kernel_size=pool_kernel_size,
         observation=observation, prompt_budget=prompt_budget, topk=topk, page_size=page_size,
         n_score_dims=n_score_dims, chunk_tokens=chunk_tokens, store_budget=store_budget, layer_budgets=layer_budgets,
+        method_options=method_options(method_option) or None,
     )  # fmt: skip
     explicit = [k for k, v in options.items() if v is not None]  # the preset's measured defaults fill the rest
     cfg = prefill_config(**options)

@@ -15,7 +15,7 @@ from ..errors import UsageError
 # (selection, observation or None = any) of every registered stage-1 method, in registration
 # order: `rocketkv_cli.methods.register` adds to it (the package imports its methods with itself),
 # and `PrefillConfig` refuses a configuration that names no method
-STAGE1_METHODS: list[tuple[str, str | None]] = []
+STAGE1_METHODS: list[tuple[str, str | None, frozenset[str]]] = []  # (…, the method's own option names)
 LAYER_BUDGETS = ("uniform", "adaptive")  # how stage 1 splits the prompt budget over full-attention layers
 DEFAULT_TOKEN_BUDGET = 512
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -59,20 +59,27 @@ PRESET_PREFILL_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def check_stage1_method(selection: str, observation: str) -> None:
-    """Refuse a (selection, observation) pair that no registered stage-1 method answers to.
+def check_stage1_method(selection: str, observation: str, options: Iterable[str] = ()) -> None:
+    """Refuse a (selection, observation) pair that no registered stage-1 method answers to, or
+    `options` (names of `PrefillConfig.method_options`) that the method does not declare.
 
     Raises:
-        ValueError: an unknown selection, or an observation that no method of it takes (the
-            message lists the valid values).
+        ValueError: an unknown selection, an observation that no method of it takes (the message
+            lists the valid values), or an option the method does not have.
     """
-    matches = [o for s, o in STAGE1_METHODS if s == selection]
+    matches = [(o, names) for s, o, names in STAGE1_METHODS if s == selection]
     if not matches:
-        raise ValueError(f"selection must be one of {tuple(dict.fromkeys(s for s, _ in STAGE1_METHODS))}, "
+        raise ValueError(f"selection must be one of {tuple(dict.fromkeys(s for s, _, _ in STAGE1_METHODS))}, "
                          f"got {selection!r}")  # fmt: skip
-    if None not in matches and observation not in matches:
-        observations = tuple(o for _, o in STAGE1_METHODS if o is not None)
+    known = next((names for o, names in matches if o == observation), None)
+    known = known if known is not None else next((names for o, names in matches if o is None), None)
+    if known is None:
+        observations = tuple(o for _, o, _ in STAGE1_METHODS if o is not None)
         raise ValueError(f"observation must be one of {observations}, got {observation!r}")
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"method_options names {', '.join(unknown)}, which this stage-1 method does not have"
+                         + (f" (it has {', '.join(sorted(known))})" if known else " (it has none)"))  # fmt: skip
 
 
 def _positive(name: str, value: int | None, allow_none: bool = True) -> None:
@@ -94,8 +101,11 @@ class PrefillConfig:
         one class per method, e.g. selection "snapkv" with observation "tail" (the document's
         last W queries), "probe" (those plus a generic probe text) or "reconstruct" (the model
         re-reading the document, KVzip §3); selection "sink_recent", a baseline keeping the
-        first `n_sink_tokens` tokens plus the most recent ones, any observation). Only their
-        form is checked here; `methods.method_class` refuses a name no method registered.
+        first `n_sink_tokens` tokens plus the most recent ones, any observation). A pair that
+        no registered method answers to is refused (`check_stage1_method`).
+    method_options: the method's own options that are not fields here, as (name, value) pairs
+        (a dict is accepted and sorted by name; values int, float, str or bool); checked against
+        the options the method declares; recorded in the file's `config` only when given.
     store_budget: a token budget (≥ token_budget) for what the file keeps: it stores the prompt
         budget derived from this budget instead of from t (None = t). Each question then
         re-selects its working set of t's prompt budget from the stored tokens, with its own
@@ -126,9 +136,16 @@ class PrefillConfig:
     n_first_tokens: int = DEFAULT_FIRST_TOKENS
     store_budget: int | None = None
     layer_budgets: str = "uniform"
+    method_options: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
-        check_stage1_method(self.selection, self.observation)
+        options = dict(self.method_options) if isinstance(self.method_options, (dict, list, tuple)) else None
+        if options is None or not all(isinstance(k, str) and k.isidentifier() for k in options):
+            raise ValueError(f"method_options must map option names to values, got {self.method_options!r}")
+        if not all(isinstance(v, (int, float, str, bool)) for v in options.values()):
+            raise ValueError(f"method_options values must be numbers, strings or booleans, got {options!r}")
+        object.__setattr__(self, "method_options", tuple(sorted(options.items())))
+        check_stage1_method(self.selection, self.observation, options)
         for name in ("n_sink_tokens", "n_first_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -178,6 +195,10 @@ class PrefillConfig:
             del d["store_budget"]
         if self.layer_budgets == "uniform":
             del d["layer_budgets"]
+        if self.method_options:
+            d["method_options"] = dict(self.method_options)
+        else:
+            del d["method_options"]
         return d
 
     def pool_kernel(self, n_context_tokens: int) -> int:

@@ -89,7 +89,9 @@ class Stage1Method:
     pass, None for nothing more than the tail window's queries). For `rocketkv eval`:
     `eval_options` maps option fields to the `EvalConfig` fields that set them there, and
     `eval_exact` makes its runs decode with exact attention (a baseline measured without stage 2),
-    `eval_key` names its caches there.
+    `eval_key` names its caches there. Its fields are its options: a field named as a
+    `PrefillConfig` field takes that field's value; any other is the method's own, set through
+    `PrefillConfig.method_options` (`ingest --method-option NAME=VALUE`) and needs a default.
     A method of selection "snapkv" (SnapKV++-style scores) also gets eval's re-selection and
     adaptive-layer-budget variants.
     """
@@ -104,9 +106,20 @@ class Stage1Method:
     eval_key: ClassVar[str | None] = None  # the stem of its eval cache names (None: its name)
 
     @classmethod
+    def own_options(cls) -> frozenset[str]:
+        """The option fields that are not `PrefillConfig` fields: set through its `method_options`."""
+        from ..core.config import PrefillConfig
+
+        shared = {f.name for f in dataclasses.fields(PrefillConfig)}
+        return frozenset(f.name for f in dataclasses.fields(cls) if f.name not in shared)
+
+    @classmethod
     def from_config(cls: type[M], cfg: PrefillConfig) -> M:
-        """This method with its options taken from the `PrefillConfig` fields of the same names."""
-        return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
+        """This method with its options from the configuration: the `PrefillConfig` field of each
+        option's name, else its entry in `cfg.method_options`, else the option's default."""
+        own, given = cls.own_options(), dict(cfg.method_options)
+        return cls(**{f.name: given[f.name] if f.name in own else getattr(cfg, f.name)
+                      for f in dataclasses.fields(cls) if f.name not in own or f.name in given})  # fmt: skip
 
     @classmethod
     def config_fields(cls) -> dict[str, Any]:
@@ -127,9 +140,14 @@ def register(cls: type[M]) -> type[M]:
     """Class decorator: add a stage-1 method to the registry under `cls.name`.
 
     Raises:
-        ValueError: the name is taken by another class, or another class is named by the same
-            `selection` and `observation` values.
+        ValueError: the name is taken by another class, another class is named by the same
+            `selection` and `observation` values, or an option of its own (not a `PrefillConfig`
+            field) has no default.
     """
+    missing = [f.name for f in dataclasses.fields(cls) if f.name in cls.own_options()
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]  # fmt: skip
+    if missing:
+        raise ValueError(f"{cls.__qualname__}'s own options {', '.join(missing)} need defaults")
     for other in _REGISTRY.values():
         if other is not cls and other.name == cls.name:
             raise ValueError(f"stage-1 method {cls.name!r} is already registered ({other.__qualname__})")
@@ -138,7 +156,7 @@ def register(cls: type[M]) -> type[M]:
     from ..core.config import STAGE1_METHODS
 
     _REGISTRY[cls.name] = cls
-    STAGE1_METHODS.append((cls.selection, cls.observation))
+    STAGE1_METHODS.append((cls.selection, cls.observation, cls.own_options()))
     return cls
 
 
@@ -148,7 +166,7 @@ def unregister(name: str) -> None:
 
     cls = _REGISTRY.pop(name, None)
     if cls is not None:
-        STAGE1_METHODS.remove((cls.selection, cls.observation))
+        STAGE1_METHODS.remove((cls.selection, cls.observation, cls.own_options()))
 
 
 def registry() -> dict[str, type[Stage1Method]]:

@@ -139,7 +139,8 @@ def test__a_taken_name_or_configuration__cannot_be_registered_twice(toy):
 @pytest.mark.parametrize(
     "option, message",
     [("foo", "--method-option must be NAME=VALUE, got 'foo'"),
-     ("offset=3", "invalid option: --method-option names offset, which this stage-1 method does not have (it has none)")],
+     ("offset=3", "invalid option: --method-option names offset, which this stage-1 method does not have "
+                  "(it has none)")],
 )  # fmt: skip
 def test__cli_method_option__refused_in_one_line_before_any_model_loads(rocketkv_bin, tmp_path, option, message):
     doc = tmp_path / "doc.txt"

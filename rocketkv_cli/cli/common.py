@@ -34,6 +34,7 @@ from rich.progress import (
 from rich.text import Text
 
 from ..errors import InputError, RocketKVError, UsageError
+from ..methods import method_class
 from ..signals import EXIT_CODES, MESSAGES, Terminated, install, mark_reported, received
 
 err = Console(stderr=True, highlight=False)
@@ -292,8 +293,8 @@ def ingest(rk, document, cfg, output=None, force=False, segment_tokens=None, kv_
         what = "found checkpointed" if event.resumed else "prefilled"
         log(f"segment {event.index}: {what} ({event.n_tokens} tokens; {so_far[0]} so far)")
 
-    # context reconstruction re-reads each segment after its prefill: the bar's second half, and slower
-    label = "prefill + re-read" if cfg.observation == "reconstruct" else "prefill"
+    # a method that re-reads the document (context reconstruction) does so after each prefill: the bar's second half
+    label = "prefill + re-read" if method_class(cfg).capture == "reconstruct" else "prefill"
     with progress_bar() as bar:
         task = bar.add_task(label, total=None)
         done = rk.ingest(document, output=output, force=force, config=cfg, segment_tokens=segment_tokens,

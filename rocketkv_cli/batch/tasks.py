@@ -97,12 +97,11 @@ class Task:
 
 @dataclass
 class BatchProgress:
-    """Counts for a progress bar: documents (rows with work left) and answers (questions and
-    summaries), done and in total; error rows written."""
+    """Counts for a progress bar: documents (rows with work left), done and in total; answers
+    (questions and summaries) done; error rows written."""
 
     documents_total: int = 0
     documents_done: int = 0
-    answers_total: int = 0
     answers_done: int = 0
     errors: int = 0
 

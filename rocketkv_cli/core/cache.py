@@ -209,9 +209,6 @@ class CompressedKVCache:
     def with_info(self, info: CacheInfo) -> CompressedKVCache:
         return CompressedKVCache(info, self.layers, self.token_ids, self.token_offsets, self.token_lines)
 
-    def with_layers(self, layers: tuple[LayerKV, ...]) -> CompressedKVCache:
-        return CompressedKVCache(self.info, layers, self.token_ids, self.token_offsets, self.token_lines)
-
     @property
     def n_context_tokens(self) -> int:
         return self.info.n_context_tokens

@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from rocketkv_cli.eval.reports import kept_run, replace_section, report_timer, table, write_text
+from rocketkv_cli.eval.reports import kept_run, read_text, replace_section, report_timer, table, write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 ROCKETKV = str(Path(sys.executable).parent / "rocketkv")
@@ -147,7 +147,7 @@ def main() -> int:
                   *crossover(reports), ""]  # fmt: skip
     lines += ["### Targets", "", *targets(all_reports), ""]
     page = args.out or (bench_dir if args.quick else ROOT / "docs") / "performance.md"
-    old = page.read_text() if page.exists() else "# Performance\n"
+    old = read_text(page) or "# Performance\n"
     write_text(page, replace_section(old, START, END, "\n".join(lines)))
     print(f"wrote {page}", file=sys.stderr)
     return 0

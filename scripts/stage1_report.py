@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
-from rocketkv_cli.eval.reports import interval, kept, kept_run, read_json, report_timer, table, write_text
+from rocketkv_cli.eval import reports as lib
+from rocketkv_cli.eval.reports import interval, kept, kept_run, read_json, read_text, report_timer, table
 
 ROOT = Path(__file__).resolve().parents[1]
 ROCKETKV = str(Path(sys.executable).parent / "rocketkv")
@@ -268,7 +268,7 @@ def main() -> int:
         reports[model] = merge(parts)
         timing = bench / f"stage1-{model}-ingest.json"
         if not timing.exists() and not args.from_json:
-            write_text(timing, json.dumps(ingest_times(model, 12000 if model == "smollm2-135m" else 35000)))
+            lib.write_json(timing, ingest_times(model, 12000 if model == "smollm2-135m" else 35000), indent=None)
         if timing.exists():
             times[model] = read_json(timing)
         for part, stage2 in ADAPTIVE_PARTS.items():
@@ -276,9 +276,9 @@ def main() -> int:
             if out.exists() or (not args.from_json and part in args.parts):
                 cmd = eval_cmd(model, out, ADAPTIVE[model], ADAPTIVE_SAMPLES, stage2)
                 adaptive.setdefault(model, {})[stage2] = kept_run(out, cmd, cwd=ROOT)
-    old = args.out.read_text() if args.out.exists() else ""
+    old = read_text(args.out)
     hand_written = old[old.index(HAND_WRITTEN) :] if HAND_WRITTEN in old else ""  # kept below the generated part
-    write_text(args.out, page(reports, times, adaptive, old) + hand_written)
+    lib.write_text(args.out, page(reports, times, adaptive, old) + hand_written)
     print(args.out)
     return 0
 

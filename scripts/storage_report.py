@@ -151,15 +151,14 @@ def page(report: dict, old: str = "") -> str:
                   *table(COLUMNS, rows, "-rrrrrr"), ""]  # fmt: skip
     if report.get("load"):
         lines += ["## Load and first token", "",
-                  *kept(old, "Seconds from opening the file", ("",)), "",
-                  "| preset, tokens | " + " | ".join(report["load"][next(iter(report["load"]))]) + " |",
-                  "| --- |" + " ---: |" * len(report["load"][next(iter(report["load"]))])]  # fmt: skip
+                  *kept(old, "Seconds from opening the file", ("",)), ""]  # fmt: skip
+        rows = []
         for group, times in report["load"].items():
             med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
             base = med.get("float32") or next(iter(med.values()))
-            lines.append(f"| {group.replace('/', ', ')} | " + " | ".join(f"{t:.2f} s ({t / base:.2f}×)"
-                                                                     for t in med.values()) + " |")  # fmt: skip
-        lines.append("")
+            rows.append([group.replace("/", ", "), *(f"{t:.2f} s ({t / base:.2f}×)" for t in med.values())])
+        names = list(next(iter(report["load"].values())))
+        lines += [*table(["preset, tokens", *names], rows, "-" + "r" * len(names)), ""]
     lines += accuracy_section(old)
     lines += kept(old, "## Ablation", ("## ",))  # written by scripts/storage_ablation.py at commit db7884c (retired)
     notes = kept(old, "## What the rows show", ("- **Allocated key bits**", "- **What would close"))

@@ -361,27 +361,6 @@ def default_kjv() -> Optional[Path]:
     return None
 
 
-def method_options(pairs: Optional[list[str]]) -> dict[str, int | float | str]:
-    """`--method-option NAME=VALUE` values as a dict, each value an int, a float or else the text.
-    Raises UsageError for an item without `=` or a name given twice."""
-    out: dict[str, int | float | str] = {}
-    for item in pairs or ():
-        name, sep, text = item.partition("=")
-        if not sep or not name.strip():
-            raise UsageError(f"--method-option must be NAME=VALUE, got {item!r}")
-        if name.strip() in out:
-            raise UsageError(f"--method-option {name.strip()} is given twice")
-        value: int | float | str = text
-        for kind in (int, float):
-            try:
-                value = kind(text)
-                break
-            except ValueError:
-                continue
-        out[name.strip()] = value
-    return out
-
-
 def prefill_config(**kw):
     """A `PrefillConfig` from option values (`pool_kernel_size` as text: odd or 'auto').
     Raises InputError naming the invalid value."""

@@ -95,7 +95,7 @@ def ingest_command(
     the output: an interrupted ingest continues where it stopped when the same command is rerun.
     """
     from ..api.preflight import check_output, default_output  # no torch: these answer at once
-    from .common import method_options
+    from .options import method_options
 
     setup(quiet)
     options = dict(

@@ -9,6 +9,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..errors import UsageError
+
 ModelOpt = Annotated[
     Optional[str],
     typer.Option(
@@ -119,3 +121,24 @@ HsaOpt = Annotated[bool, typer.Option("--hsa", help="Stage-2 HSA even where exac
 MaxNewOpt = Annotated[
     Optional[int], typer.Option(min=1, metavar="N", help="Answer length limit in tokens (default: the cache's plan).")
 ]
+
+
+def method_options(pairs: Optional[list[str]]) -> dict[str, int | float | str]:
+    """`--method-option NAME=VALUE` values as a dict, each value an int, a float or else the text.
+    Raises UsageError for an item without `=` or a name given twice."""
+    out: dict[str, int | float | str] = {}
+    for item in pairs or ():
+        name, sep, text = item.partition("=")
+        if not sep or not name.strip():
+            raise UsageError(f"--method-option must be NAME=VALUE, got {item!r}")
+        if name.strip() in out:
+            raise UsageError(f"--method-option {name.strip()} is given twice")
+        value: int | float | str = text
+        for kind in (int, float):
+            try:
+                value = kind(text)
+                break
+            except ValueError:
+                continue
+        out[name.strip()] = value
+    return out

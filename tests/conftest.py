@@ -91,13 +91,13 @@ def tiny_model(arch: str, dtype=torch.float64, seed: int = 0):
     return model
 
 
-def make_engine(arch: str, dtype=torch.float64, seed: int = 0):
-    """A rocketkv Engine over a tiny random model and the byte tokenizer."""
+def make_engine(arch: str, dtype=torch.float64, seed: int = 0, device: str | torch.device = "cpu"):
+    """A rocketkv Engine over a tiny random model and the byte tokenizer, on `device`."""
     from rocketkv_cli.engine.engine import Engine
     from rocketkv_cli.model.loading import LoadedModel
 
-    model = tiny_model(arch, dtype, seed)
-    loaded = LoadedModel(model_id=f"tiny-{arch}", model=model, tokenizer=byte_tokenizer(), device=torch.device("cpu"),
+    model = tiny_model(arch, dtype, seed).to(device)
+    loaded = LoadedModel(model_id=f"tiny-{arch}", model=model, tokenizer=byte_tokenizer(), device=torch.device(device),
                          dtype=dtype)  # fmt: skip
     return Engine(loaded)
 

@@ -352,14 +352,15 @@ def test__dispatch__kernel_exceptions_propagate(monkeypatch, triton_backend):
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])  # GQA group 3; soft-capping and sliding layers
 def test__ingest_and_answer__triton_backend_equals_torch(monkeypatch, arch):
-    """Stage-1 scoring/pooling (pipeline) and the HSA decode step (hf attention) through `ops`."""
+    """Stage-1 scoring/pooling (pipeline) and the HSA decode step (hf attention) through `ops`; the
+    engine runs on the GPU when there is one (where Triton kernels take CUDA tensors only)."""
     from conftest import make_engine, text_of_bytes
 
     from rocketkv_cli.core.config import PrefillConfig
     from rocketkv_cli.engine.answer import answer, decode_config_for
     from rocketkv_cli.engine.inputs import Document
 
-    engine = make_engine(arch, dtype=torch.float32)
+    engine = make_engine(arch, dtype=torch.float32, device=DEVICE)
     engine.stop_ids = set()
     document = Document(text=text_of_bytes(300, seed=2), sha256="0" * 64, source="doc.txt")
     cfg = PrefillConfig(token_budget=32, max_new_tokens=6, window_size=8, pool_kernel_size=5)

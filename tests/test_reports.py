@@ -126,11 +126,14 @@ def test__report_smoke__renders_its_committed_page_from_its_committed_json(tmp_p
 
 
 def test__decode_bench_smoke__runs_on_cpu():
-    """benchmarks/decode_bench.py --smoke (a tiny Llama on CPU, ~10 s): it rotted unseen once."""
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_bench.py"), "--smoke"], capture_output=True,
-                       text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)  # fmt: skip
+    """benchmarks/decode_bench.py --smoke (a tiny Llama on CPU, ~10 s): it rotted unseen once. With a
+    peak bandwidth given, each time is printed beside its floor (bytes read ÷ peak)."""
+    bench = str(ROOT / "benchmarks" / "decode_bench.py")
+    r = subprocess.run([sys.executable, bench, "--smoke", "--peak-gbps", "20"], capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert "full attention (SDPA)" in r.stdout and "speedup" in r.stdout, r.stdout[-2000:]
+    assert r.stdout.count("(floor ") >= 3, r.stdout[-2000:]  # the full step and each budget's
 
 
 def _run(path: str, *args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:

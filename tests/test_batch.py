@@ -20,7 +20,7 @@ from rocketkv_cli.cli.batch import with_bare_ray
 
 ASK_KEYS = {"question", "answer", "cache", "n_question_tokens", "n_answer_tokens", "stop_reason", "prefill_s",
             "decode_s"}  # fmt: skip
-SUMMARY_KEYS = {"summary", "source", "n_answer_tokens", "stop_reason", "summarize_s"}
+SUMMARY_KEYS = {"summary", "source", "n_answer_tokens", "stop_reason", "summarize_s", "mode", "rejected"}
 TIMES = ("prefill_s", "decode_s", "summarize_s")
 OPTS = ["--budget", "64", "--max-new-tokens", "6", "--summary-tokens", "4"]
 

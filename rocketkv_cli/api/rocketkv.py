@@ -49,7 +49,7 @@ from .home import StoredModel, home, remove_models, stored_models
 from .preflight import abandoned_ingests, check_cache_file, check_output, default_output, open_document
 from .segments import SegmentDone, answer_segmented, ingest_stream
 from .session import AnswerStream, Session
-from .summaries import PartialSummary, summarize
+from .summaries import PartialSummary, Summary, summarize
 
 Log = Callable[[str], None]
 
@@ -283,7 +283,7 @@ class RocketKV:
         on_partial: Callable[[PartialSummary], None] = lambda event: None,
         on_text: TextCallback | None = None,
         extractive: bool = False,
-    ) -> Answer:
+    ) -> Summary:
         """A summary of the cache's document; hierarchical for a segmented cache (each segment,
         then the summaries, ingested in memory with `config`); never a degenerate one (a
         `summaries.Summary`: its `mode` says whether the model wrote it or sentences were

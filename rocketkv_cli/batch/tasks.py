@@ -243,10 +243,11 @@ def _summary(rk: RocketKV, row: Row, cache: AnyCache, path: Path, settings: Batc
     t0 = time.perf_counter()
     final = rk.summarize(cache, max_new_tokens=settings.summary_tokens, dense=settings.dense, config=cfg,
                          on_partial=lambda e: partials.append({"level": e.level, "segment": e.index,
-                                                               "summary": e.text}))  # fmt: skip
+                                                               "summary": e.text, "mode": e.mode}))  # fmt: skip
     record: dict[str, Any] = {"id": row.id, "summary": final.text, "source": str(path),
                               "n_answer_tokens": final.n_answer_tokens, "stop_reason": final.stop_reason,
-                              "summarize_s": round(time.perf_counter() - t0, 3)}  # fmt: skip
+                              "summarize_s": round(time.perf_counter() - t0, 3), "mode": final.mode,
+                              "rejected": list(final.rejected)}  # fmt: skip
     if partials:
         record["partial_summaries"] = partials
     return record

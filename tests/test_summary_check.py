@@ -204,3 +204,26 @@ def test__extract_sentences__three_to_five_by_default():
         len(sc.extract_sentences(". ".join(many.split(". ")[:10]) + ".")) == 3
     )  # 10 / 25 rounds to 0, kept at least 3
     assert sc.extract_sentences("") == []
+
+
+STORY = (
+    "Every morning the baker sold bread and cakes to the village by the river. "  # central, no names
+    "Every morning the baker sold bread and cakes to the people of the river village. "
+    "The baker sold bread and cakes by the river every morning of the year. "
+    "Then Mara and Tobin came from Kesh with Olwen to buy bread from the baker. "  # four names
+    "Later Mara met Brannock at the river and they sold cakes together. "  # a fifth name, and Mara again
+    "Mara said the bread of the baker was the best bread by the river. "
+    "Tobin told Olwen that the cakes were sold out by the river. "
+    "Brannock and Kesh and Olwen and Mara and Tobin were all named here once more for counting. "
+)
+
+
+def test__extract_sentences__default_adds_the_sentences_that_name_the_main_names():
+    names = sc.document_names(STORY)
+    assert set(names) >= {"Mara", "Tobin", "Olwen", "Brannock", "Kesh"}  # 5 required
+    central = sc.extract_sentences(STORY, 3)  # exactly 3 when n is given: no coverage step
+    assert not sc.coverage(" ".join(central), STORY).passed
+    out = sc.extract_sentences(STORY)
+    assert sc.coverage(" ".join(out), STORY).passed, out
+    assert set(central) <= set(out) and len(out) == 4  # the central ones stay; one sentence names all five
+    assert out == [s for s in sc.split_sentences(STORY) if s in out]

@@ -77,8 +77,8 @@ def test__cli__json_mode_and_text_note(rocketkv_bin, tiny_model_dir):
     r = run(rocketkv_bin, *common)
     assert r.returncode == 0, r.stderr
     assert r.stdout == expected + "\n"  # stdout is the summary alone; the note is on stderr
-    assert "summary: extracted sentences (the model's output was degenerate)" in r.stderr
-    assert "degenerate (abstractive: under 15 words)" in r.stderr
+    assert "summary: extracted sentences (the model's output was rejected)" in r.stderr
+    assert "rejected (abstractive: under 15 words)" in r.stderr
 
 
 def test__cli__partial_summaries_carry_their_mode(rocketkv_bin, tiny_model_dir):
@@ -97,3 +97,18 @@ def test__cli__a_document_without_words__one_line_error(rocketkv_bin, tiny_model
     errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
     assert r.returncode == 1 and "Traceback" not in r.stderr and r.stdout == "", r.stderr
     assert len(errors) == 1 and "no sentence to extract a summary from" in errors[0], r.stderr
+
+
+def test__rejection_reasons__the_summary_checks_rules_on_a_model_written_summary():
+    from rocketkv_cli.api.summaries import rejection_reasons
+
+    source = HARBOR.read_text()
+    good = " ".join(extract_sentences(source))  # extracted: grounded, and covering by construction
+    assert rejection_reasons(good, source) == []
+    made_up = ("Then Zorblax the Magnificent sailed his quantum submarine to the moons of Neptune, where the "
+               "crew of Zorblax found glowing crystals, silver fish and a silent city under the ice.")  # fmt: skip
+    reasons = rejection_reasons(made_up, source)
+    assert any(r.startswith("not grounded") and "Zorblax" in r for r in reasons), reasons
+    assert any(r.startswith("names 0 of the text's") for r in reasons), reasons
+    assert rejection_reasons(made_up, None) == []  # no source text (an old file): only the degenerate rules
+    assert "under 15 words" in rejection_reasons("Summary.", source)

@@ -2,8 +2,9 @@
 (`summarize`: each segment, then the joined summaries, ingested in memory, recursively).
 
 One summary of one stored part (`summarize_part`): the model writes it, is asked once more
-in another framing when the result is degenerate (`summary_check.degenerate_reasons`), and the
-part's most central sentences are extracted when that is degenerate too.
+in another framing when the result fails the summary check (`rejection_reasons`: degenerate,
+not grounded in the part's text, or naming too few of its main names), and the part's most
+central sentences are extracted when that fails too.
 
 Modes (`Summary.mode`): "abstractive" (the first framing's text, unchanged), "abstractive-retry"
 (`prompts/summarize_retry.txt` asked as a question in the cache's question framing: for the base
@@ -30,7 +31,7 @@ from ..errors import BudgetError, InputError
 from ..model.templates import read_prompt
 from .documents import TextPieces
 from .segments import ingest_stream
-from .summary_check import degenerate_reasons, extract_sentences
+from .summary_check import coverage, degenerate_reasons, extract_sentences, grounding
 
 SUMMARY_STOP_STRINGS = ("\n\n\n",)  # summaries are paragraphs: only a long gap ends one early
 MODES = ("abstractive", "abstractive-retry", "extractive")
@@ -43,7 +44,7 @@ PART_LABEL = re.compile(r"(?m)^Part \d+ of \d+: ")  # how `summarize` labels the
 @dataclass(frozen=True)
 class Summary(Answer):
     """An `Answer` that says how it was made: `mode` (one of MODES) and `rejected` (the reasons
-    each rejected model output was degenerate, in order). An extracted summary has no answer
+    each model output was rejected, in order: `rejection_reasons`). An extracted summary has no answer
     tokens (`n_answer_tokens` 0, `stop_reason` "extracted")."""
 
     mode: str = "abstractive"
@@ -102,6 +103,24 @@ def _write(engine: Engine, part: CompressedKVCache, prompt: str, max_new_tokens:
     return next(answer(engine, part, [prompt], max_new_tokens, decode, stop_strings=stops))
 
 
+def rejection_reasons(summary: str, source: str | None) -> list[str]:
+    """Why a model-written summary of `source` is not printed: the degenerate rules
+    (`summary_check.degenerate_reasons`), then, when the source text is known, grounding (a share
+    of its content words, or a proper name, not in the source: words the model made up) and
+    coverage (fewer of the source's most frequent proper names than `summary_check.coverage`
+    requires) — the rules of the summary check (docs/summaries.md). Empty: print it."""
+    reasons = degenerate_reasons(summary, prompt_texts())
+    if reasons or source is None:
+        return reasons
+    g, c = grounding(summary, source), coverage(summary, source)
+    if not g.passed:
+        names = f"; names not in it: {', '.join(g.missing_names)}" if g.missing_names else ""
+        reasons.append(f"not grounded ({g.share:.2f} of its content words in the text{names})")
+    if not c.passed:
+        reasons.append(f"names {len(c.named)} of the text's {c.required} most frequent names it must")
+    return reasons
+
+
 def summarize_part(
     engine: Engine,
     part: CompressedKVCache,
@@ -111,7 +130,8 @@ def summarize_part(
     extractive: bool = False,
     source: str | None = None,
 ) -> Summary:
-    """The summary of one stored part in the first mode of MODES that is not degenerate.
+    """The summary of one stored part in the first mode of MODES whose output is not rejected
+    (`rejection_reasons`; extraction is never rejected).
 
     prompt: the request (`summarize.txt` for a document or segment, `summarize_parts.txt` for the
     joined summaries). extractive: extract without asking the model. source: the text to extract
@@ -121,10 +141,14 @@ def summarize_part(
     """
     if extractive:
         return extracted(source if source is not None else part_text(engine, part), prompt)
+    try:
+        text = source if source is not None else part_text(engine, part)
+    except InputError:
+        text = None  # an old file without token ids: only the degenerate rules can be applied
     rejected: list[str] = []
     for mode, retry in (("abstractive", False), ("abstractive-retry", True)):
         written = _write(engine, part, prompt, max_new_tokens, sparse, retry)
-        reasons = degenerate_reasons(written.text, prompt_texts())
+        reasons = rejection_reasons(written.text, text)
         if not reasons:
             fields = {f.name: getattr(written, f.name) for f in dataclasses.fields(written)}
             return Summary(**fields, mode=mode, rejected=tuple(rejected))
@@ -159,17 +183,18 @@ def summarize(
 ) -> Summary:
     """Summary of a stored document; hierarchical when it is segmented. Never a degenerate one.
 
-    A one-segment cache is summarized in the framing chosen by docs/framings.md: a base model
-    (plain framing) continues the document with `prompts/summarize_plain.txt`; a chat model is
-    asked the summary prompt (`prompts/summarize.txt`, or `prompt`) as a question (stop strings
-    `summaries.SUMMARY_STOP_STRINGS`). A degenerate result is asked for once more in another framing, then
-    replaced by extracted sentences (`summaries.summarize_part`; `extractive`: extract at once,
-    no model writing). A segmented one: each segment is summarized (reported through
-    `on_partial`), the summaries are joined in order into a new text, which is ingested in memory
-    with `cfg` and summarized with `summarize_parts.txt`, recursively while it is still longer
-    than the context (`extractive`: the sentences are extracted from the joined summaries, with
-    nothing ingested). `source`: the text an extractive fallback picks from (default: the
-    cache's own). `on_text` is given the final summary once it has passed the checks (one piece).
+    A one-segment cache is summarized in the framing chosen by docs/framings.md: a base model (plain
+    framing) continues the document with `prompts/summarize_plain.txt`; a chat model is asked the
+    summary prompt (`prompts/summarize.txt`, or `prompt`) as a question (stop strings
+    `summaries.SUMMARY_STOP_STRINGS`). A rejected result (`rejection_reasons`) is asked for once
+    more in another framing, then replaced by extracted sentences (`summaries.summarize_part`;
+    `extractive`: extract at once, no model writing). A segmented one: each segment is summarized
+    (reported through `on_partial`), the summaries are joined in order into a new text, which is
+    ingested in memory with `cfg` and summarized with `summarize_parts.txt`, recursively while it is
+    still longer than the context (`extractive`: the sentences are extracted from the joined
+    summaries, with nothing ingested). `source`: the text an extractive fallback picks from
+    (default: the cache's own). `on_text` is given the final summary once it has passed the checks
+    (one piece).
     Returns the final summary (`Summary.mode` says how it was made).
     Raises:
         BudgetError: summaries that do not shrink (the recursion would never end).

@@ -283,7 +283,11 @@ def extract_sentences(text: str, n: int | None = None) -> list[str]:
     sentences when fewer than n do; one chosen then with more than 60 words — a paragraph without
     full stops, such as a list or code — keeps its first 60 words and " …"); a sentence equal to
     an earlier one is skipped; ties go to the earlier sentence. n defaults to N/25 rounded, kept
-    within 3–5.
+    within 3–5; then, for the default n only (a given n is exactly n sentences), coverage: while
+    the chosen sentences name fewer than min(MIN_NAMES, names) of the text's `document_names`,
+    the candidate that names the most of those still unnamed is added (ties: the more central,
+    then the earlier), so a summary of a story names its main people and
+    places; at most that many sentences are added.
     """
     sentences = split_sentences(text)
     if not sentences:
@@ -309,6 +313,22 @@ def extract_sentences(text: str, n: int | None = None) -> list[str]:
     sized = [i for i in candidates if 6 <= len(_LETTERS.findall(sentences[i])) <= 60]
     pool = sized if len(sized) >= k else candidates
     best = sorted(pool, key=lambda i: (-score(counts[i]), i))[:k]
+    names = {name.lower() for name in document_names(text)} if n is None else set()
+    required = min(MIN_NAMES, len(names))
+
+    def named(i: int) -> set[str]:
+        return {w.lower() for w, _ in _tokens(_cut(sentences[i])) if w[0].isupper()} & names
+
+    covered = set().union(*(named(i) for i in best)) if best else set()
+    for _ in range(required):
+        if len(covered) >= required:
+            break
+        gain = {i: len(named(i) - covered) for i in pool if i not in best}
+        pick = min(gain, key=lambda i: (-gain[i], -score(counts[i]), i), default=None)
+        if pick is None or gain[pick] == 0:
+            break
+        best.append(pick)
+        covered |= named(pick)
     return [_cut(sentences[i]) for i in sorted(best)]
 
 

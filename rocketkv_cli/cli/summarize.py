@@ -62,11 +62,12 @@ def summarize_command(
     """Summarize a document (or a saved cache's document).
 
     A document longer than the context is summarized segment by segment (each partial summary is
-    shown on stderr), then the summaries are summarized as one text. A degenerate summary (an echo
-    of the prompt, a repeated sentence, under 15 words, a bare reference) is asked for once more
-    in another framing, then replaced by the part's most central sentences, extracted verbatim;
+    shown on stderr), then the summaries are summarized as one text. A summary that fails the
+    summary check (degenerate: an echo of the prompt, a repeated sentence, under 15 words, a bare
+    reference; or not grounded in the text, or naming too few of its main names) is asked for once
+    more in another framing, then replaced by the part's most central sentences, extracted verbatim;
     --json's `mode` says which ("abstractive", "abstractive-retry", "extractive") and `rejected`
-    why each rejected output was degenerate. With --cache, a running `rocketkv serve` summarizes.
+    why each output was rejected. With --cache, a running `rocketkv serve` summarizes.
     """
     setup(quiet, threads)
     if (document is None) == (cache is None):
@@ -118,9 +119,9 @@ def print_summary(final, source: str, elapsed: float, partials: list[dict], extr
     if partials:
         row["partial_summaries"] = partials
     for reason in getattr(final, "rejected", ()):
-        log(f"summary: the model's output was degenerate ({reason})")
+        log(f"summary: the model's output was rejected ({reason})")
     if mode == "extractive":
-        why = "--extractive" if extractive else "the model's output was degenerate"
+        why = "--extractive" if extractive else "the model's output was rejected"
         log(f"summary: extracted sentences ({why})")
     printer.piece(final.text)
     printer.finish(final.text, row)

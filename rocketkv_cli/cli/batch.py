@@ -127,5 +127,9 @@ def batch_command(
     if out is not None:
         typer.echo(str(out))
     if report.n_errors:
-        raise fail(f"{report.n_errors} rows failed (their error lines are in {where}) — fix them and rerun the same "
-                   "command; answered rows are kept")  # fmt: skip
+        rerun = (
+            "rerun the same command; answered rows are kept"
+            if out is not None
+            else "run them again (with -o FILE, a rerun keeps the answered rows and redoes only these)"
+        )
+        raise fail(f"{report.n_errors} rows failed (their error lines are in {where}) — fix them and {rerun}")

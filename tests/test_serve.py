@@ -237,6 +237,9 @@ def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches,
         got, data = send(method, path, body)
         assert got == status, (path, body[:80], got, data)
         assert isinstance(data["error"]["message"], str) and data["error"]["message"]
+    relative = json.dumps({"model": "kv:doc.kv", "messages": [{"role": "user", "content": "q"}]}).encode()
+    got, data = send("POST", "/v1/chat/completions", relative)  # named in the user's terms: the model field
+    assert got == 400 and data["error"]["message"] == "model 'kv:doc.kv' must name the cache by its absolute path"
     assert send("GET", "/v1/models", key="wrong-key-123")[0] == 401
     assert send("POST", "/v1/rocketkv/shutdown", b"{}", key="wrong-key-123")[0] == 401
     ask = json.dumps({"cache": str(caches[0]), "questions": ["q"]}).encode()

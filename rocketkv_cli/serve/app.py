@@ -334,6 +334,10 @@ def openai_to_ask(body: dict, max_tokens_limit: int) -> dict:
         if not model.startswith("kv:"):
             raise BadRequest(400, f"model {model!r} names no cache", hint="use model 'kv:/path/to/doc.kv'")
         cache, named_model = model.removeprefix("kv:"), None
+        if not cache.startswith("/"):  # say it in the user's terms: they named a model, not a 'cache' field
+            raise BadRequest(
+                400, f"model {model!r} must name the cache by its absolute path", hint="use model 'kv:/path/to/doc.kv'"
+            )
     else:
         named_model = None if model.startswith("kv:") or model == "rocketkv" else model
     messages = body.get("messages")

@@ -98,7 +98,7 @@ def test__unknown_storage__refused_before_the_model_loads(rocketkv_bin, env, doc
 def test__text_file_as_cache__refused_before_torch_with_a_hint(rocketkv_bin, env, doc):
     """A document given as --cache is refused by its first bytes, before torch is imported (the
     refusal used to take the seconds of that import), with the command that asks it directly."""
-    from rocketkv_cli.engine import preflight
+    from rocketkv_cli.api import preflight
     from rocketkv_cli.store import format as store_format
 
     assert preflight.MAX_HEADER_BYTES == store_format.MAX_HEADER_BYTES

@@ -31,7 +31,7 @@ from ..errors import BudgetError, InputError
 from ..model.templates import read_prompt
 from .documents import TextPieces
 from .segments import ingest_stream
-from .summary_check import coverage, degenerate_reasons, extract_sentences, grounding
+from .summary_check import coverage, degenerate_reasons, document_names, extract_sentences, grounding
 
 SUMMARY_STOP_STRINGS = ("\n\n\n",)  # summaries are paragraphs: only a long gap ends one early
 MODES = ("abstractive", "abstractive-retry", "extractive")
@@ -70,14 +70,17 @@ def part_text(engine: Engine, part: CompressedKVCache) -> str:
     return engine.tokenizer.decode(part.token_ids[frame:].tolist(), skip_special_tokens=True)
 
 
-def extracted(text: str, question: str, rejected: tuple[str, ...] = ()) -> Summary:
+def extracted(
+    text: str, question: str, rejected: tuple[str, ...] = (), names: tuple[str, ...] | None = None
+) -> Summary:
     """The extractive summary of `text`: its central sentences joined by spaces (the "Part j of
-    n: " labels of joined summaries, `PART_LABEL`, are not part of any sentence).
+    n: " labels of joined summaries, `PART_LABEL`, are not part of any sentence), covering `names`
+    (default: the text's own most frequent names; `summary_check.extract_sentences`).
 
     Raises:
         InputError: a text without a word (nothing the summary could be made of).
     """
-    sentences = extract_sentences(PART_LABEL.sub("", text))
+    sentences = extract_sentences(PART_LABEL.sub("", text), names=names)
     if not sentences:
         raise InputError("the document has no sentence to extract a summary from (it holds no words)",
                          "summarize a text document")  # fmt: skip
@@ -103,19 +106,20 @@ def _write(engine: Engine, part: CompressedKVCache, prompt: str, max_new_tokens:
     return next(answer(engine, part, [prompt], max_new_tokens, decode, stop_strings=stops))
 
 
-def rejection_reasons(summary: str, source: str | None) -> list[str]:
+def rejection_reasons(summary: str, source: str | None, names: tuple[str, ...] | None = None) -> list[str]:
     """Why a model-written summary of `source` is not printed: the degenerate rules
     (`summary_check.degenerate_reasons`), then, when the source text is known, grounding (a share
     of its content words, or a proper name, not in the source: words the model made up) and
     coverage (fewer of the source's most frequent proper names than `summary_check.coverage`
-    requires) — the rules of the summary check (docs/summaries.md). Empty: print it."""
+    requires; `names`: the document's, when `source` is the joined summaries of its parts) — the
+    rules of the summary check (docs/summaries.md). Empty: print it."""
     reasons = degenerate_reasons(summary, prompt_texts())
     if reasons or source is None:
         return reasons
-    g, c = grounding(summary, source), coverage(summary, source)
+    g, c = grounding(summary, source), coverage(summary, source, names)
     if not g.passed:
-        names = f"; names not in it: {', '.join(g.missing_names)}" if g.missing_names else ""
-        reasons.append(f"not grounded ({g.share:.2f} of its content words in the text{names})")
+        missing = f"; names not in it: {', '.join(g.missing_names)}" if g.missing_names else ""
+        reasons.append(f"not grounded ({g.share:.2f} of its content words in the text{missing})")
     if not c.passed:
         reasons.append(f"names {len(c.named)} of the text's {c.required} most frequent names it must")
     return reasons
@@ -129,6 +133,7 @@ def summarize_part(
     sparse: bool = True,
     extractive: bool = False,
     source: str | None = None,
+    names: tuple[str, ...] | None = None,
 ) -> Summary:
     """The summary of one stored part in the first mode of MODES whose output is not rejected
     (`rejection_reasons`; extraction is never rejected).
@@ -140,7 +145,7 @@ def summarize_part(
         InputError: extraction from a cache without token ids.
     """
     if extractive:
-        return extracted(source if source is not None else part_text(engine, part), prompt)
+        return extracted(source if source is not None else part_text(engine, part), prompt, names=names)
     try:
         text = source if source is not None else part_text(engine, part)
     except InputError:
@@ -148,12 +153,12 @@ def summarize_part(
     rejected: list[str] = []
     for mode, retry in (("abstractive", False), ("abstractive-retry", True)):
         written = _write(engine, part, prompt, max_new_tokens, sparse, retry)
-        reasons = rejection_reasons(written.text, text)
+        reasons = rejection_reasons(written.text, text, names)
         if not reasons:
             fields = {f.name: getattr(written, f.name) for f in dataclasses.fields(written)}
             return Summary(**fields, mode=mode, rejected=tuple(rejected))
         rejected.append(f"{mode}: {', '.join(reasons)}")
-    return extracted(source if source is not None else part_text(engine, part), prompt, tuple(rejected))
+    return extracted(source if source is not None else part_text(engine, part), prompt, tuple(rejected), names)
 
 
 @dataclass(frozen=True)
@@ -180,6 +185,7 @@ def summarize(
     on_text: TextCallback | None = None,
     extractive: bool = False,
     source: str | None = None,
+    names: tuple[str, ...] | None = None,
 ) -> Summary:
     """Summary of a stored document; hierarchical when it is segmented. Never a degenerate one.
 
@@ -192,9 +198,10 @@ def summarize(
     (reported through `on_partial`), the summaries are joined in order into a new text, which is
     ingested in memory with `cfg` and summarized with `summarize_parts.txt`, recursively while it is
     still longer than the context (`extractive`: the sentences are extracted from the joined
-    summaries, with nothing ingested). `source`: the text an extractive fallback picks from
-    (default: the cache's own). `on_text` is given the final summary once it has passed the checks
-    (one piece).
+    summaries, with nothing ingested). `names`: the names the final summary must cover (default: the
+    whole document's most frequent, `summary_check.document_names`). `source`: the text an
+    extractive fallback picks from (default: the cache's own). `on_text` is given the final summary
+    once it has passed the checks (one piece).
     Returns the final summary (`Summary.mode` says how it was made).
     Raises:
         BudgetError: summaries that do not shrink (the recursion would never end).
@@ -202,18 +209,23 @@ def summarize(
     """
     if isinstance(stored, CompressedKVCache):
         final = summarize_part(engine, stored, prompt or read_prompt("summarize.txt"), max_new_tokens, sparse,
-                               extractive, source)  # fmt: skip
+                               extractive, source, names)  # fmt: skip
         if on_text is not None:
             on_text(final.text)
         return final
     n = len(stored.segments)
+    if names is None:  # the final summary covers the whole document's main names, not only the parts'
+        try:
+            names = tuple(document_names("\n".join(part_text(engine, part) for part in stored.segments)))
+        except InputError:
+            names = None  # an old file without token ids
     partials = []
     for j, part in enumerate(stored.segments):
         written = summarize_part(engine, part, read_prompt("summarize.txt"), max_new_tokens, sparse, extractive)
         partials.append(written.text)
         on_partial(PartialSummary(level=level, index=j, total=n, text=written.text, mode=written.mode))
     if extractive:
-        final = extracted("\n\n".join(partials), read_prompt("summarize_parts.txt"))
+        final = extracted("\n\n".join(partials), read_prompt("summarize_parts.txt"), names=names)
         if on_text is not None:
             on_text(final.text)
         return final
@@ -225,4 +237,4 @@ def summarize(
             "lower --max-new-tokens",
         )
     return summarize(engine, combined, cfg, max_new_tokens, sparse, on_partial, read_prompt("summarize_parts.txt"),
-                     level + 1, on_text, source="\n\n".join(partials))  # fmt: skip
+                     level + 1, on_text, source="\n\n".join(partials), names=names)  # fmt: skip

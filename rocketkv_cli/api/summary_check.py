@@ -219,13 +219,14 @@ class Coverage:
         return len(self.named) >= self.required
 
 
-def coverage(summary: str, source: str) -> Coverage:
+def coverage(summary: str, source: str, names: Iterable[str] | None = None) -> Coverage:
     """Which of the source's top proper names the summary names (module docstring, "coverage").
 
     A name is named when the summary holds it capitalised (any sentence position, compared
-    lower-cased: "Lord" names "LORD").
+    lower-cased: "Lord" names "LORD"). `names`: the names to look for instead of `source`'s own
+    (the document's, when `source` is only the joined summaries of its parts).
     """
-    names = document_names(source)
+    names = list(names) if names is not None else document_names(source)
     used = {w.lower() for w, _ in _tokens(summary) if w[0].isupper()}
     named = tuple(n for n in names if n.lower() in used)
     return Coverage(tuple(names), named, min(MIN_NAMES, len(names)))
@@ -274,7 +275,7 @@ def split_sentences(text: str) -> list[str]:
     return out
 
 
-def extract_sentences(text: str, n: int | None = None) -> list[str]:
+def extract_sentences(text: str, n: int | None = None, names: Iterable[str] | None = None) -> list[str]:
     """The `n` most central sentences of `text`, in document order, verbatim (`split_sentences`).
 
     Centrality (TF-IDF): each sentence is a vector of its content words' counts times
@@ -286,8 +287,8 @@ def extract_sentences(text: str, n: int | None = None) -> list[str]:
     within 3–5; then, for the default n only (a given n is exactly n sentences), coverage: while
     the chosen sentences name fewer than min(MIN_NAMES, names) of the text's `document_names`,
     the candidate that names the most of those still unnamed is added (ties: the more central,
-    then the earlier), so a summary of a story names its main people and
-    places; at most that many sentences are added.
+    then the earlier; never one that would repeat a sentence or an 8-word run of those chosen), so
+    a summary of a story names its main people and places; at most that many sentences are added.
     """
     sentences = split_sentences(text)
     if not sentences:
@@ -313,17 +314,24 @@ def extract_sentences(text: str, n: int | None = None) -> list[str]:
     sized = [i for i in candidates if 6 <= len(_LETTERS.findall(sentences[i])) <= 60]
     pool = sized if len(sized) >= k else candidates
     best = sorted(pool, key=lambda i: (-score(counts[i]), i))[:k]
-    names = {name.lower() for name in document_names(text)} if n is None else set()
-    required = min(MIN_NAMES, len(names))
+    wanted = list(names) if names is not None else document_names(text)  # `names`: the whole document's
+    targets = {name.lower() for name in wanted} if n is None else set()
+    required = min(MIN_NAMES, len(targets))
 
     def named(i: int) -> set[str]:
-        return {w.lower() for w, _ in _tokens(_cut(sentences[i])) if w[0].isupper()} & names
+        return {w.lower() for w, _ in _tokens(_cut(sentences[i])) if w[0].isupper()} & targets
+
+    def repeats(chosen: list[int]) -> bool:  # the degenerate rule "repeated sentence" on the joined text
+        joined = " ".join(_cut(sentences[i]) for i in sorted(chosen))
+        counts = Counter(u for u in _units(joined) if len(u.split()) >= 2)
+        return any(c > 1 for c in counts.values()) or _repeats_a_run(normalise(joined).split())
 
     covered = set().union(*(named(i) for i in best)) if best else set()
     for _ in range(required):
         if len(covered) >= required:
             break
-        gain = {i: len(named(i) - covered) for i in pool if i not in best}
+        already = repeats(best)  # a candidate may not be the one that makes the summary repeat itself
+        gain = {i: len(named(i) - covered) for i in pool if i not in best and (already or not repeats([*best, i]))}
         pick = min(gain, key=lambda i: (-gain[i], -score(counts[i]), i), default=None)
         if pick is None or gain[pick] == 0:
             break

@@ -1,0 +1,226 @@
+#!/usr/bin/env python
+"""Regenerate docs/frontier.md: the accuracy frontier of store size × answering mode, per preset.
+
+Usage: python scripts/frontier_report.py [--presets P,Q] [--samples N] [--max-minutes M] [--from-json]
+       python scripts/frontier_report.py --quick [--model DIR --context-tokens N --haystack F]  # a smoke run
+Per preset (SmolLM2 at 4096 tokens, Gemma 3 at 8192; 5 tasks × `--samples`), each document is
+prefilled once and compressed to every store (`rocketkv_cli/eval/frontier.py`: everything, 50%, 25%,
+4096, 2048, 1024 tokens per KV head, with the preset's own stage-1 method and storage); each store
+is saved, read back and answered in every mode (exact; HSA at t = 256, 512, 1024; one-shot
+re-selection at t = 512, 1024). One line per finished sample goes to
+`docs/bench/frontier-<preset>.jsonl`, so an interrupted run resumes at the next sample; samples run
+task by task within each index, so a partial run covers every task. `--max-minutes` stops between
+samples (resumable). The page applies the default rule: the smallest file whose score on the tasks
+full attention solves is ≥ 98% of full's and whose top-1 agreement is ≥ 0.98.
+Run one process per preset with OMP_NUM_THREADS=1 when both run (2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from rocketkv_cli.eval import reports as lib
+from rocketkv_cli.eval.reports import bootstrap_mean, interval, read_text, table
+
+ROOT = Path(__file__).resolve().parents[1]
+KJV = ROOT.parent / "shared" / "data" / "kjv.txt"
+PRESETS = {"smollm2-135m": 4096, "gemma-3-270m": 8192}  # preset: context tokens
+TASKS = ("niah_noise", "niah_text", "multikey", "multivalue", "multiquery")
+SAMPLES = 8
+SCORE_BAR, TOP1_BAR = 0.98, 0.98  # the default rule
+SOLVED = 0.5  # a task "full attention solves": its mean score at least this
+# llama.cpp's state file (the full f16 KV cache), bytes per document token, from the files docs/performance.md
+# measured ("Side by side with llama.cpp"): SmolLM2 179.8 MB at 7,800 tokens, Gemma 3 270M 151.2 MB at 8,192
+LLAMACPP_BYTES_PER_TOKEN = {"smollm2-135m": 179.8e6 / 7800, "gemma-3-270m": 151.2e6 / 8192}
+HAND_WRITTEN = "\n## How to read it"  # the page's hand-written part starts here
+
+
+def file_label(model: str) -> str:
+    return Path(model).name if ("/" in model or model.startswith(".")) else model
+
+
+def run_preset(model: str, n: int, samples: int, out: Path, haystack: str, deadline: float, quick: bool) -> None:
+    """Run (or resume) one preset's samples into `out` (JSON lines: a header, then one per sample)."""
+    import torch
+
+    from rocketkv_cli.api.rocketkv import RocketKV, configure
+    from rocketkv_cli.core.config import PRESET_PREFILL_DEFAULTS, default_kv_dtype
+    from rocketkv_cli.engine.inputs import tokenize
+    from rocketkv_cli.eval.bench import machine_info
+    from rocketkv_cli.eval.frontier import FrontierConfig, run_sample
+    from rocketkv_cli.eval.tasks import generate
+
+    configure(True, progress_bars=False)
+    engine = RocketKV.load(model).engine
+    kw = dict(stores=("all", "50%"), hsa_budgets=(64,), reselect_budgets=(64,), window_size=8,
+              plan_new_tokens=3) if quick else {}  # fmt: skip
+    cfg = FrontierConfig(context_tokens=n, tasks=TASKS, samples=samples, kv_dtype=default_kv_dtype(model),
+                         stage1=tuple(PRESET_PREFILL_DEFAULTS.get(model, {}).items()), **kw)  # fmt: skip
+    lines = lib.read_jsonl(out) if out.exists() else []
+    if lines and lines[0].get("digest") != cfg.digest():
+        sys.exit(f"error: {out} was written with another configuration; move it away to start over")
+    if not lines:
+        head = {"format": "rocketkv.frontier", "digest": cfg.digest(), "config": cfg.to_dict(), "model": model,
+                "machine": machine_info(), "date": dt.date.today().isoformat(),
+                "layers": [s.sliding_window for s in engine.shape.layers], "n_kv_heads": engine.shape.n_kv_heads,
+                "head_dim": engine.shape.head_dim}  # fmt: skip
+        lib.write_jsonl(out, [head])
+        lines = [head]
+    done = {(r["timing"]["task"], r["timing"]["sample"]) for r in lines[1:]}
+    count = lambda text: len(tokenize(engine.tokenizer, text, False))  # noqa: E731
+    with tempfile.TemporaryDirectory() as work, torch.inference_mode():
+        for index in range(samples):
+            for task in TASKS:
+                if (task, index) in done:
+                    continue
+                if time.time() > deadline:
+                    print(f"{model}: stopped at the time limit; rerun to resume", file=sys.stderr)
+                    return
+                sample = generate(task, index, cfg.seed, n, count, haystack)
+                row = run_sample(engine, cfg, sample, Path(work), time_decode=len(lines) == 1)
+                with out.open("a") as f:  # one whole line per sample: a killed run loses at most the sample
+                    f.write(json.dumps(row) + "\n")
+                lines.append(row)
+                print(f"{model}: {task} #{index} in {row['timing']['total_s']:.0f} s", file=sys.stderr, flush=True)
+
+
+def summarize(lines: list[dict], model: str) -> dict:
+    """Per point: score on the tasks full solves (and its share of full's), top-1 agreement, KL,
+    stored tokens, file bytes per token, decode ms/token; and the point the default rule picks."""
+    head, rows = lines[0], lines[1:]
+    recs = [r for row in rows for r in row["records"]]
+    full = [r for r in recs if r["label"] == recs[0]["label"]]  # everything, exact: each sample's first
+    by_task: dict[str, list[float]] = defaultdict(list)
+    for r in full:
+        by_task[r["task"]].append(r["score"])
+    solved = sorted(t for t, v in by_task.items() if sum(v) / len(v) >= SOLVED)
+    full_score = _mean([r["score"] for r in full if r["task"] in solved])
+    bytes_per_tok: dict[str, list[float]] = defaultdict(list)
+    for row in rows:
+        n = row["timing"]["n_context_tokens"]
+        for label, s in row["stores"].items():
+            bytes_per_tok[label].append(s["file_bytes"] / n)
+    decode_ms = {k: v for row in rows[:1] for s in row["stores"].values() for k, v in s.get("decode_ms", {}).items()}
+    points: dict[str, list[dict]] = defaultdict(list)
+    for r in recs:
+        points[r["label"]].append(r)
+    bf16 = 2 * 2 * len(head["layers"]) * head["n_kv_heads"] * head["head_dim"]  # K and V, bytes per token
+    out = []
+    for label, rs in points.items():
+        first = rs[0]
+        on_solved = [r["score"] for r in rs if r["task"] in solved]
+        top1 = [r["top1_agreement"] for r in rs if r["top1_agreement"] is not None]
+        kls = [r["kl"] for r in rs if r["kl"] is not None]
+        b = _mean(bytes_per_tok[first["store_label"]])
+        is_full = label == full[0]["label"]
+        out.append({
+            "label": label, "store": first["store"], "stored_tokens": _mean([r["stored_tokens"] for r in rs]), "store_label": first["store_label"], "mode": first["mode"],
+            "budget": first["budget"], "n": len(rs), "score": _mean(on_solved),
+            "score_ci": bootstrap_mean(on_solved) if on_solved else None,
+            "share_of_full": _mean(on_solved) / full_score if full_score else None,
+            "top1": 1.0 if is_full else _mean(top1), "top1_ci": None if is_full else bootstrap_mean(top1),
+            "kl": 0.0 if is_full else _mean(kls), "bytes_per_token": b, "vs_bf16": bf16 / b if b else None,
+            "vs_llamacpp": LLAMACPP_BYTES_PER_TOKEN[model] / b if b and model in LLAMACPP_BYTES_PER_TOKEN else None,
+            "decode_ms": decode_ms.get(label),
+            "all_tasks_score": _mean([r["score"] for r in rs]),
+        })  # fmt: skip
+    out.sort(key=lambda p: (-p["store"], ["exact", "hsa", "reselect"].index(p["mode"]), p["budget"] or 0))
+    passing = [p for p in out if (p["share_of_full"] or 0) >= SCORE_BAR and (p["top1"] or 0) >= TOP1_BAR]
+    chosen = min(passing, key=lambda p: (p["bytes_per_token"], p["decode_ms"] or 0.0)) if passing else None
+    n_samples = len(rows)
+    elapsed = sum(row["timing"]["total_s"] for row in rows)
+    return {"points": out, "solved": solved, "full_score": full_score, "chosen": chosen, "samples": n_samples,
+            "elapsed_s": elapsed, "head": head, "tasks": sorted(by_task)}  # fmt: skip
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def render(results: dict[str, dict], quick: bool) -> str:
+    """The generated part of docs/frontier.md."""
+    lines = ["# The accuracy frontier: how small the stored cache, how each question attends", ""]
+    if quick:
+        lines += ["**QUICK SMOKE RUN on a tiny model: not evidence.**", ""]
+    lines += [
+        "Generated by `python scripts/frontier_report.py` (the JSON lines with every answer: "
+        "`docs/bench/frontier-<preset>.jsonl`). What the rows mean: [How to read it](#how-to-read-it).",
+        "",
+    ]
+    for model, s in results.items():
+        head, m = s["head"], s["head"]["machine"]
+        per_sample = s["elapsed_s"] / max(s["samples"], 1)
+        lines += [f"## {model}, {head['config']['context_tokens']} tokens, {s['samples']} samples "
+                  f"({', '.join(s['tasks'])})", "",
+                  f"{head['date']}: rocketkv {m['rocketkv']}, torch {m['torch']}, {m['threads']} thread(s), "
+                  f"{m['cpu']}; storage {head['config']['kv_dtype']}, stage 1 "
+                  f"{head['config']['stage1'] or 'tail window'}. {s['elapsed_s'] / 60:.0f} min of samples "
+                  f"({per_sample:.0f} s each); {len(head['config']['tasks'])} tasks × {head['config']['samples']} "
+                  f"samples would take {per_sample * len(head['config']['tasks']) * head['config']['samples'] / 60:.0f}"
+                  " min.", "",
+                  f"Tasks full attention solves (mean score ≥ {SOLVED:.0%}): {', '.join(s['solved']) or 'none'}; "
+                  f"full attention scores {interval(s['full_score'])}% on them.", ""]  # fmt: skip
+        rows = []
+        for p in s["points"]:
+            mark = " **← default rule**" if s["chosen"] and p["label"] == s["chosen"]["label"] else ""
+            rows.append([
+                p["store_label"], f"{p['stored_tokens']:,.0f}", p["mode"] + ("" if p["budget"] is None else f" t={p['budget']}") + mark,
+                interval(p["score"], p["score_ci"]), interval(p["share_of_full"]), interval(p["top1"], p["top1_ci"]),
+                f"{p['kl']:.3f}" if p["kl"] is not None else "-", f"{p['bytes_per_token']:,.0f}",
+                f"{p['vs_bf16']:.1f}×" if p["vs_bf16"] else "-",
+                f"{p['vs_llamacpp']:.1f}×" if p["vs_llamacpp"] else "-",
+                f"{p['decode_ms']:.1f}" if p["decode_ms"] is not None else "-",
+            ])  # fmt: skip
+        lines += table(["store", "tokens/head", "answering", "score % (solved tasks)", "% of full", "top-1 %",
+                        "KL (nats)", "file bytes/token", "smaller than bf16 KV", "smaller than llama.cpp",
+                        "decode ms/token"], rows, "lrlrrrrrrrr")  # fmt: skip
+        c = s["chosen"]
+        lines += ["", f"Default rule (score ≥ {SCORE_BAR:.0%} of full's and top-1 ≥ {TOP1_BAR:.2f}, smallest file, "
+                  f"then fastest decode): **{c['label'] if c else 'no point'}**"
+                  + (f" ({c['bytes_per_token']:,.0f} bytes/token)." if c else "."), ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--presets", default=",".join(PRESETS))
+    ap.add_argument("--samples", type=int, default=SAMPLES)
+    ap.add_argument("--max-minutes", type=float, default=None, help="stop between samples after this long")
+    ap.add_argument("--from-json", action="store_true", help="render the page from the JSON lines only")
+    ap.add_argument("--quick", action="store_true", help="a smoke run on a tiny model (not evidence)")
+    ap.add_argument("--model", help="with --quick: a model directory")
+    ap.add_argument("--context-tokens", type=int, default=300)
+    ap.add_argument("--haystack", default=str(KJV))
+    ap.add_argument("--out-dir", default=str(ROOT / "docs"))
+    args = ap.parse_args()
+    out_dir = Path(args.out_dir)
+    (out_dir / "bench").mkdir(parents=True, exist_ok=True)
+    runs = {args.model: args.context_tokens} if args.quick else {p: PRESETS[p] for p in args.presets.split(",")}
+    deadline = time.time() + 60 * args.max_minutes if args.max_minutes else float("inf")
+    haystack = Path(args.haystack).read_text()[:2_000_000] if not args.from_json else ""
+    results = {}
+    with lib.report_timer("frontier report"):
+        for model, n in runs.items():
+            if not args.from_json:
+                out = out_dir / "bench" / f"frontier-{file_label(model)}.jsonl"
+                run_preset(model, n, 1 if args.quick else args.samples, out, haystack, deadline, args.quick)
+        for model in runs if args.quick else PRESETS:  # every preset measured so far, whichever this run was
+            out = out_dir / "bench" / f"frontier-{file_label(model)}.jsonl"
+            lines = lib.read_jsonl(out) if out.exists() else []
+            if len(lines) > 1:
+                results[file_label(model)] = summarize(lines, file_label(model))
+    page_path = out_dir / "frontier.md"
+    old = read_text(page_path) if page_path.exists() else ""
+    kept = old[old.index(HAND_WRITTEN) :] if HAND_WRITTEN in old else ""
+    lib.write_text(page_path, render(results, args.quick) + kept)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""The accuracy frontier (`rocketkv_cli/eval/frontier.py`, `scripts/frontier_report.py`): the grid,
+a point equal to what the product does, and the report's smoke run with its resume."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import make_engine
+
+from rocketkv_cli.core.config import PrefillConfig
+from rocketkv_cli.engine.answer import answer
+from rocketkv_cli.engine.inputs import Document, tokenize
+from rocketkv_cli.eval.frontier import FrontierConfig, grid, reselect_working_set, run_sample, store_tokens
+from rocketkv_cli.eval.tasks import generate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    ("spec", "n", "tokens"),
+    [
+        ("all", 4126, 4126),
+        ("50%", 4126, 2063),
+        ("25%", 4096, 1024),
+        ("4096", 4126, 4096),
+        ("8192", 4126, 4126),
+        ("100%", 10, 10),
+    ],
+)
+def test__store_tokens__all_share_or_count_never_above_the_document(spec, n, tokens):
+    assert store_tokens(spec, n) == tokens
+
+
+@pytest.mark.parametrize("spec", ["", "half", "0", "0%", "150%", "-5", "12.5%"])
+def test__store_tokens__anything_else_is_refused(spec):
+    with pytest.raises(ValueError, match="a store is 'all'"):
+        store_tokens(spec, 4096)
+
+
+def test__reselect_working_set__the_prompt_budget_of_t_by_hand():
+    # S = 4096 + 128 = 4224; c = S/t; r = 0.2 + 0.06·log2(c); prompt budget = floor(S / c^r) − 128
+    assert reselect_working_set(4096, 128, 512) == 1755  # c 8.25, r 0.3827, c^r 2.2425 → 1883 − 128
+    assert reselect_working_set(4096, 128, 1024) == 2545  # c 4.125, r 0.3227, c^r 1.5798 → 2673 − 128
+
+
+def test__grid__smollm2_shape_equal_stores_once_and_modes_only_where_they_prune():
+    cfg = FrontierConfig(context_tokens=4096, tasks=("niah_noise",), samples=1, kv_dtype="int4")
+    labels = [p.label for p in grid(cfg)]
+    assert labels == [
+        "everything = 4096 · exact", "everything = 4096 · hsa@256", "everything = 4096 · hsa@512",
+        "everything = 4096 · hsa@1024", "everything = 4096 · reselect@512", "everything = 4096 · reselect@1024",
+        "50% = 2048 · exact", "50% = 2048 · hsa@256", "50% = 2048 · hsa@512", "50% = 2048 · hsa@1024",
+        "50% = 2048 · reselect@512",  # 1024's working set (2545 tokens) is above the store
+        "25% = 1024 · exact", "25% = 1024 · hsa@256", "25% = 1024 · hsa@512",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("kw", [dict(tasks=()), dict(tasks=("nope",)), dict(stores=("50%",)),
+                                dict(stores=("all", "all")), dict(stores=("all", "half")), dict(samples=0),
+                                dict(hsa_budgets=(1,)), dict(kv_dtype="int3"),
+                                dict(stage1=(("observation", "nope"),))])  # fmt: skip
+def test__frontier_config__bad_values_raise(kw):
+    base = dict(context_tokens=4096, tasks=("niah_noise",), samples=1, kv_dtype="int8")
+    with pytest.raises(ValueError):
+        FrontierConfig(**(base | kw))
+
+
+def test__frontier_point__reselect_equals_the_product_answering_from_a_store_budget_file(tmp_path):
+    """The frontier's "store S · reselect@t" is what `ingest --budget t --store-budget B` then
+    `ask` does (B chosen so that the file stores S): the same answers, token for token."""
+    engine = make_engine("llama")
+    count = lambda text: len(tokenize(engine.tokenizer, text, False))  # noqa: E731
+    sample = generate("multiquery", 0, 0, 600, count, None)
+    doc = Document(sample.document, "0" * 64, "doc")
+    n, t = len(engine.document_ids(doc)), 128
+    product = engine.ingest(doc, PrefillConfig(token_budget=t, store_budget=256, window_size=8, n_first_tokens=4))
+    stored = product.layers[0].n_kept_tokens
+    assert reselect_working_set(n, 128, t) < stored < n  # the file stores more than one question's working set
+    expected = [a.text for a in answer(engine, product, [q.text for q in sample.questions], sample.max_new_tokens,
+                                       None)]  # fmt: skip
+    cfg = FrontierConfig(context_tokens=n, tasks=("multiquery",), samples=1, kv_dtype="int8",
+                         stores=("all", str(stored)), hsa_budgets=(), reselect_budgets=(t,), window_size=8,
+                         stage1=(("n_first_tokens", 4),))  # fmt: skip
+    row = run_sample(engine, cfg, sample, tmp_path)
+    got = [r["answer"] for r in row["records"] if r["label"] == f"{stored} · reselect@{t}"]
+    assert got == expected
+    assert row["stores"][str(stored)]["tokens"] == stored and row["stores"]["everything"]["tokens"] == n
+
+
+def test__frontier_report__quick_run_writes_the_page_and_resumes(tiny_model_dir, tmp_path):
+    """`scripts/frontier_report.py --quick` on a tiny model: one JSON line per sample after a
+    header, the page marked as a smoke run; a rerun resumes (nothing run again); a file written
+    with another configuration is refused in one line."""
+    env = {**os.environ, "ROCKETKV_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    hay = tmp_path / "hay.txt"
+    hay.write_text("The river ran north past the green stone and the seven lanterns.\n" * 200)
+    cmd = [sys.executable, str(ROOT / "scripts" / "frontier_report.py"), "--quick", "--model", str(tiny_model_dir),
+           "--context-tokens", "300", "--haystack", str(hay), "--out-dir", str(tmp_path / "out")]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = (tmp_path / "out" / "bench" / f"frontier-{tiny_model_dir.name}.jsonl").read_text().splitlines()
+    head, rows = json.loads(lines[0]), [json.loads(x) for x in lines[1:]]
+    assert head["format"] == "rocketkv.frontier" and len(rows) == 5
+    tasks = {row["timing"]["task"] for row in rows}
+    assert tasks == {"niah_noise", "niah_text", "multikey", "multivalue", "multiquery"}
+    full = [rec for row in rows for rec in row["records"] if rec["label"] == "everything · exact"]
+    assert full and all(rec["top1_agreement"] is None for rec in full)
+    assert all(rec["top1_agreement"] is not None for row in rows for rec in row["records"] if rec not in full)
+    page = (tmp_path / "out" / "frontier.md").read_text()
+    assert "QUICK SMOKE RUN" in page and "| everything | " in page and "Default rule" in page
+    again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert again.returncode == 0 and " in " not in again.stderr.replace("wall time", ""), again.stderr[-2000:]
+    assert len((tmp_path / "out" / "bench" / f"frontier-{tiny_model_dir.name}.jsonl").read_text().splitlines()) == 6
+    path = tmp_path / "out" / "bench" / f"frontier-{tiny_model_dir.name}.jsonl"
+    path.write_text(json.dumps(head | {"digest": "other"}) + "\n" + "\n".join(lines[1:]) + "\n")
+    refused = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert refused.returncode == 1 and any(x.startswith("error: ") for x in refused.stderr.splitlines()), refused.stderr
+    assert "Traceback" not in refused.stderr

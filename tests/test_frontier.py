@@ -119,3 +119,56 @@ def test__frontier_report__quick_run_writes_the_page_and_resumes(tiny_model_dir,
     refused = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert refused.returncode == 1 and any(x.startswith("error: ") for x in refused.stderr.splitlines()), refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+def _prose_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prose_report", ROOT / "scripts" / "prose_report.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test__prose_questions__every_expected_string_is_in_its_document():
+    """The hand-written expected strings can be right: each question has at least one that the
+    document it is asked about contains (a typo in the set would make a question unanswerable)."""
+    mod = _prose_module()
+    spec = json.loads((ROOT / "tests" / "data" / "prose_questions.json").read_text())
+    data = ROOT.parent / "shared" / "data"
+    if not (data / "kjv.txt").exists():
+        pytest.skip("the shared documents are not on this machine")
+    texts = {doc: mod.document_text(d, data).lower() for doc, d in spec["documents"].items()}
+    assert len(spec["questions"]) >= 20 and set(texts) == {"gpl", "ruth-jonah"}
+    for q in spec["questions"]:
+        assert any(e.lower() in texts[q["doc"]] for e in q["expected"]), q
+    assert texts["ruth-jonah"].splitlines()[0].startswith("ruth1:1 ") and "genesis" not in texts["ruth-jonah"]
+
+
+def test__prose_report__quick_run_on_a_tiny_model_writes_the_page_and_resumes(tiny_model_dir, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "gpl-3.txt").write_text("The GNU General Public License, version 3, 29 June 2007.\n" * 10)
+    (data / "kjv.txt").write_text("Genesis1:1 In the beginning.\nRuth1:2 The man was Elimelech.\n"
+                                  "Jonah1:1 Jonah the son of Amittai.\n")  # fmt: skip
+    env = {**os.environ, "ROCKETKV_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "scripts" / "prose_report.py"), "--quick", "--model", str(tiny_model_dir),
+           "--data", str(data), "--out-dir", str(tmp_path / "out")]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads((tmp_path / "out" / "bench" / f"prose-{tiny_model_dir.name}.json").read_text())
+    assert set(rep["results"]) == {"full/gpl", "full/ruth-jonah", "default/gpl", "default/ruth-jonah"}
+    assert all(len(v["answers"]) == 2 for v in rep["results"].values())
+    page = (tmp_path / "out" / "prose-questions.md").read_text()
+    assert "QUICK SMOKE RUN" in page and "| full |" in page and "| default |" in page
+    again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert again.returncode == 0 and "right" not in again.stderr, again.stderr[-2000:]  # all kept: nothing asked
+    bad = subprocess.run([*cmd, "--setups", "nope"], capture_output=True, text=True, env=env, timeout=600)
+    assert bad.returncode == 2 and "error: unknown setup 'nope'" in bad.stderr, bad.stderr  # a usage error
+
+
+def test__prose_report__right_when_any_expected_string_is_in_the_answer():
+    mod = _prose_module()
+    assert mod.is_right("It was Elimelech, her husband.", ["elimelech"])
+    assert mod.is_right("three years", ["three", "3 years"]) and not mod.is_right("ten years", ["three", "3 years"])

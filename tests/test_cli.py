@@ -454,6 +454,29 @@ def test__ingest_store_budget_and_reconstruct__inspect_and_ask(rocketkv_bin, env
     assert not (tmp_path / "bad.kv").exists()
 
 
+def test__ingest_store_budget_all__keeps_every_token_and_each_question_reselects(rocketkv_bin, env, doc,
+                                                                                 tiny_model_dir, tmp_path):  # fmt: skip
+    """`--store-budget all` stores every token of the document (no question-agnostic pruning),
+    inspect says each question re-selects, ask answers; a store
+    budget that is neither a count nor 'all' is a one-line usage error."""
+    out = tmp_path / "all.kv"
+    r = run(rocketkv_bin, env, "ingest", doc, "-o", out, "--model", tiny_model_dir, "--budget", "64",
+            "--max-new-tokens", "6", "--store-budget", "all", "--observation", "reconstruct")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    info = json.loads(run(rocketkv_bin, env, "inspect", out, "--json").stdout)
+    assert info["config"]["store_budget"] == "all"
+    assert set(info["kept_tokens_per_layer"]) == {int(info["n_context_tokens"])}
+    assert info["budgets"]["prompt_budget"] < int(info["n_context_tokens"])
+    text = run(rocketkv_bin, env, "inspect", out).stdout
+    assert f"re-selects {info['budgets']['prompt_budget']} of the kept tokens" in text, text
+    a = run(rocketkv_bin, env, "ask", "--cache", out, "What is the secret code?", "--json")
+    assert a.returncode == 0 and json.loads(a.stdout)["n_answer_tokens"] >= 1, a.stderr
+    bad = run(rocketkv_bin, env, "ingest", doc, "-o", tmp_path / "bad.kv", "--model", tiny_model_dir,
+              "--store-budget", "half")  # fmt: skip
+    assert "--store-budget must be a token count or 'all', got 'half'" in assert_one_line_error(bad, code=2)
+    assert not (tmp_path / "bad.kv").exists()
+
+
 def test__option_names__fields_become_the_options_typed_and_words_stay_words():
     from rocketkv_cli.cli.common import option_names
     from rocketkv_cli.core.config import PrefillConfig

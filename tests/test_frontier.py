@@ -90,6 +90,25 @@ def test__frontier_point__reselect_equals_the_product_answering_from_a_store_bud
     assert row["stores"][str(stored)]["tokens"] == stored and row["stores"]["everything"]["tokens"] == n
 
 
+def test__frontier_point__everything_reselect_equals_a_store_budget_all_file(tmp_path):
+    """ "everything · reselect@t" is `ingest --budget t --store-budget all` then `ask`: the file
+    keeps every token and the answers are the frontier point's, token for token."""
+    engine = make_engine("llama")
+    count = lambda text: len(tokenize(engine.tokenizer, text, False))  # noqa: E731
+    sample = generate("multikey", 1, 0, 500, count, None)
+    doc = Document(sample.document, "0" * 64, "doc")
+    n, t = len(engine.document_ids(doc)), 128
+    product = engine.ingest(doc, PrefillConfig(token_budget=t, store_budget="all", window_size=8, n_first_tokens=4))
+    assert {layer.n_kept_tokens for layer in product.layers} == {n} and product.info.budgets.prompt_budget < n
+    expected = [a.text for a in answer(engine, product, [q.text for q in sample.questions], sample.max_new_tokens,
+                                       None)]  # fmt: skip
+    cfg = FrontierConfig(context_tokens=n, tasks=("multikey",), samples=1, kv_dtype="int8", stores=("all",),
+                         hsa_budgets=(), reselect_budgets=(t,), window_size=8,
+                         stage1=(("n_first_tokens", 4),))  # fmt: skip
+    row = run_sample(engine, cfg, sample, tmp_path)
+    assert [r["answer"] for r in row["records"] if r["label"] == f"everything · reselect@{t}"] == expected
+
+
 def test__frontier_report__quick_run_writes_the_page_and_resumes(tiny_model_dir, tmp_path):
     """`scripts/frontier_report.py --quick` on a tiny model: one JSON line per sample after a
     header, the page marked as a smoke run; a rerun resumes (nothing run again); a file written

@@ -362,7 +362,8 @@ def default_kjv() -> Optional[Path]:
 
 
 def prefill_config(**kw):
-    """A `PrefillConfig` from option values (`pool_kernel_size` as text: odd or 'auto').
+    """A `PrefillConfig` from option values (`pool_kernel_size` as text: odd or 'auto';
+    `store_budget` as text: a token count or 'all').
     Raises InputError naming the invalid value."""
     from ..core.config import PrefillConfig
 
@@ -376,6 +377,12 @@ def prefill_config(**kw):
             kw["pool_kernel_size"] = int(pool)
         except ValueError:
             raise UsageError(f"--pool-kernel-size must be an odd integer or 'auto', got {pool!r}") from None
+    store = kw.get("store_budget")
+    if store is not None and store != "all":
+        try:
+            kw["store_budget"] = int(store)
+        except ValueError:
+            raise UsageError(f"--store-budget must be a token count or 'all', got {store!r}") from None
     try:
         return PrefillConfig(**{k: v for k, v in kw.items() if v is not None})
     except ValueError as exc:

@@ -51,10 +51,11 @@ def ingest_command(
         ),  # fmt: skip
     ] = None,
     store_budget: Annotated[
-        Optional[int],
+        Optional[str],
         typer.Option(
-            help="Token budget of what the file keeps (>= --budget): each question then "
-            "re-selects its --budget working set from it. Default: --budget."
+            help="Token budget of what the file keeps (>= --budget), or 'all' (every token): each question then "
+            "re-selects its --budget working set from it. Default: --budget; the model's own where measured "
+            "(docs/frontier.md)."
         ),  # fmt: skip
     ] = None,
     layer_budgets: Annotated[

@@ -22,6 +22,7 @@ DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_WINDOW_SIZE = 32
 DEFAULT_POOL_KERNEL_SIZE = 63
 DEFAULT_FIRST_TOKENS = 64  # docs/algorithm.md §2 step 5
+STORE_ALL = "all"  # a store budget that keeps every token (each question re-selects its working set from all)
 WEIGHT_FORMATS = ("float", "head-bf16", "bf16", "int8", "int4")  # decode weight formats (model/weights.py)
 # the weights a model loads with when none are named (`--weights`; `ask` on a cache: the cache's),
 # chosen by measurement (docs/performance.md, "Do the faster formats answer like float32?"): a
@@ -107,7 +108,8 @@ class PrefillConfig:
         (a dict is accepted and sorted by name; values int, float, str or bool); checked against
         the options the method declares; recorded in the file's `config` only when given.
     store_budget: a token budget (≥ token_budget) for what the file keeps: it stores the prompt
-        budget derived from this budget instead of from t (None = t). Each question then
+        budget derived from this budget instead of from t (None = t), or `STORE_ALL` ("all"):
+        every token of the document (no question-agnostic pruning). Each question then
         re-selects its working set of t's prompt budget from the stored tokens, with its own
         queries as the observation window (docs/algorithm.md §4): the file grows with the store
         budget, decode traffic stays with the token budget.
@@ -134,7 +136,7 @@ class PrefillConfig:
     selection: str = "snapkv"
     n_sink_tokens: int = 4
     n_first_tokens: int = DEFAULT_FIRST_TOKENS
-    store_budget: int | None = None
+    store_budget: int | str | None = None
     layer_budgets: str = "uniform"
     method_options: tuple[tuple[str, Any], ...] = ()
 
@@ -152,9 +154,11 @@ class PrefillConfig:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         for name in ("token_budget", "max_new_tokens", "window_size", "chunk_tokens"):
             _positive(name, getattr(self, name), allow_none=False)
-        for name in ("prompt_budget", "topk", "page_size", "n_score_dims", "store_budget"):
+        for name in ("prompt_budget", "topk", "page_size", "n_score_dims"):
             _positive(name, getattr(self, name))
-        if self.store_budget is not None and self.store_budget < self.token_budget:
+        if self.store_budget != STORE_ALL:
+            _positive("store_budget", self.store_budget)  # type: ignore[arg-type]
+        if isinstance(self.store_budget, int) and self.store_budget < self.token_budget:
             raise ValueError(f"store_budget must be at least the token budget ({self.token_budget}), "
                              f"got {self.store_budget}")  # fmt: skip
         if self.store_budget is not None and self.selection != "snapkv":
@@ -209,9 +213,11 @@ class PrefillConfig:
     def stored_tokens(self, n_context_tokens: int, prompt_budget: int) -> int:
         """Tokens per KV head per layer the file keeps for a document of `n_context_tokens`,
         given the working set's `prompt_budget`: the prompt budget derived from `store_budget`
-        (docs/algorithm.md §1), never less than the working set."""
+        (docs/algorithm.md §1), never less than the working set; all of them for `STORE_ALL`."""
         if self.store_budget is None:
             return prompt_budget
+        if self.store_budget == STORE_ALL:
+            return n_context_tokens
         stored = derive_budgets(n_context_tokens, self.max_new_tokens, self.store_budget, 1).prompt_budget
         return max(prompt_budget, stored)
 

@@ -21,7 +21,7 @@ from functools import cached_property
 import torch
 
 from ..core.cache import CacheInfo, CompressedKVCache, LayerKV, ModelIdentity, SegmentInfo
-from ..core.config import PrefillConfig, resolve_budgets
+from ..core.config import STORE_ALL, PrefillConfig, resolve_budgets
 from ..core.quant import KVStorage, resolved
 from ..core.stage1 import gather_tokens
 from ..errors import BudgetError, CacheFormatError, InputError
@@ -332,12 +332,13 @@ class Engine:
 
     def prefill_for(self, ids: list[int], cfg: PrefillConfig, progress: TokenProgress = lambda d, t: None) -> Prefill:
         """`prefill` of framed document `ids` with what `cfg`'s stage-1 method needs captured
-        (its `capture`: the probe text's queries, or the re-reading pass), in `cfg.chunk_tokens` chunks.
+        (its `capture`: the probe text's queries, or the re-reading pass), in `cfg.chunk_tokens` chunks;
+        nothing extra when the file stores every token (`store_budget` "all": nothing is scored).
 
         Raises:
             ValueError: `cfg` names no registered stage-1 method (`methods.method_class`).
         """
-        capture = method_for(cfg).capture
+        capture = None if cfg.store_budget == STORE_ALL else method_for(cfg).capture
         return self.prefill(ids, cfg.window_size, capture == "probe", cfg.chunk_tokens, progress,
                             capture == "reconstruct")  # fmt: skip
 

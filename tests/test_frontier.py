@@ -13,7 +13,14 @@ from conftest import make_engine
 from rocketkv_cli.core.config import PrefillConfig
 from rocketkv_cli.engine.answer import answer
 from rocketkv_cli.engine.inputs import Document, tokenize
-from rocketkv_cli.eval.frontier import FrontierConfig, grid, reselect_working_set, run_sample, store_tokens
+from rocketkv_cli.eval.frontier import (
+    FrontierConfig,
+    grid,
+    reselect_working_set,
+    run_sample,
+    store_tokens,
+    time_points,
+)
 from rocketkv_cli.eval.tasks import generate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,8 +125,10 @@ def test__frontier_report__quick_run_writes_the_page_and_resumes(tiny_model_dir,
     hay.write_text("The river ran north past the green stone and the seven lanterns.\n" * 200)
     cmd = [sys.executable, str(ROOT / "scripts" / "frontier_report.py"), "--quick", "--model", str(tiny_model_dir),
            "--context-tokens", "300", "--haystack", str(hay), "--out-dir", str(tmp_path / "out")]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run([*cmd, "--time"], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
+    timed = json.loads((tmp_path / "out" / "bench" / f"frontier-{tiny_model_dir.name}-timing.json").read_text())
+    assert set(timed["decode_ms"]) >= {"everything · exact"} and all(v > 0 for v in timed["decode_ms"].values())
     lines = (tmp_path / "out" / "bench" / f"frontier-{tiny_model_dir.name}.jsonl").read_text().splitlines()
     head, rows = json.loads(lines[0]), [json.loads(x) for x in lines[1:]]
     assert head["format"] == "rocketkv.frontier" and len(rows) == 5
@@ -130,6 +139,7 @@ def test__frontier_report__quick_run_writes_the_page_and_resumes(tiny_model_dir,
     assert all(rec["top1_agreement"] is not None for row in rows for rec in row["records"] if rec not in full)
     page = (tmp_path / "out" / "frontier.md").read_text()
     assert "QUICK SMOKE RUN" in page and "| everything | " in page and "Default rule" in page
+    assert "timed side by side in one process" in page
     again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert again.returncode == 0 and " in " not in again.stderr.replace("wall time", ""), again.stderr[-2000:]
     assert len((tmp_path / "out" / "bench" / f"frontier-{tiny_model_dir.name}.jsonl").read_text().splitlines()) == 6
@@ -191,3 +201,16 @@ def test__prose_report__right_when_any_expected_string_is_in_the_answer():
     mod = _prose_module()
     assert mod.is_right("It was Elimelech, her husband.", ["elimelech"])
     assert mod.is_right("three years", ["three", "3 years"]) and not mod.is_right("ten years", ["three", "3 years"])
+
+
+def test__time_points__every_named_point_timed_and_an_unknown_one_refused(tmp_path):
+    engine = make_engine("llama")
+    count = lambda text: len(tokenize(engine.tokenizer, text, False))  # noqa: E731
+    sample = generate("niah_noise", 0, 0, 300, count, None)
+    cfg = FrontierConfig(context_tokens=300, tasks=("niah_noise",), samples=1, kv_dtype="int8", stores=("all", "50%"),
+                         hsa_budgets=(64,), reselect_budgets=(), window_size=8)  # fmt: skip
+    labels = ["everything · exact", "50% · hsa@64"]
+    ms = time_points(engine, cfg, sample, labels, tmp_path, rounds=2)
+    assert set(ms) == set(labels) and all(v > 0 for v in ms.values())
+    with pytest.raises(ValueError, match="not points of the grid"):
+        time_points(engine, cfg, sample, ["everything · hsa@9999"], tmp_path)

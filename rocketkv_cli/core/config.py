@@ -216,7 +216,7 @@ class PrefillConfig:
         (docs/algorithm.md §1), never less than the working set; all of them for `STORE_ALL`."""
         if self.store_budget is None:
             return prompt_budget
-        if self.store_budget == STORE_ALL:
+        if not isinstance(self.store_budget, int):  # STORE_ALL
             return n_context_tokens
         stored = derive_budgets(n_context_tokens, self.max_new_tokens, self.store_budget, 1).prompt_budget
         return max(prompt_budget, stored)

@@ -205,12 +205,7 @@ def run_sample(engine: Engine, cfg: FrontierConfig, sample: Sample, workdir: Pat
         prepared = prepare_questions(engine, loaded, [q.text for q in sample.questions], max_new)
         tail = max(QUESTION_RESERVE_TOKENS, max(len(i) for _, i in prepared)) + max_new + 2
         for point in (p for p in points if p.store_label == label):
-            decoder = Decoder(engine, loaded, tail, _decode_config(loaded, point, s, cfg, engine.shape.head_dim),
-                              reselect=False)  # fmt: skip
-            if point.mode == "reselect":
-                kernel = auto_pool_kernel_size(s)
-                working = reselect_working_set(n, cfg.plan_new_tokens, point.budget or 0)
-                decoder.reselection = Reselection(working, cfg.window_size, kernel, loaded.info.config.n_first_tokens)
+            decoder = _point_decoder(engine, loaded, point, n, s, cfg, tail)
             is_full = point.store_spec == "all" and point.mode == "exact"
             for qi, (question, (text, ids)) in enumerate(zip(sample.questions, prepared)):
                 records.append(_answer(engine, decoder, point, is_full, qi, question, text, ids, max_new, reference,
@@ -220,6 +215,49 @@ def run_sample(engine: Engine, cfg: FrontierConfig, sample: Sample, workdir: Pat
     timing = {"task": sample.task, "sample": sample.index, "n_context_tokens": n,
               "prefill_s": round(prefill_s, 3), "total_s": round(time.perf_counter() - t0, 3)}  # fmt: skip
     return {"records": records, "stores": store_info, "timing": timing}
+
+
+def _point_decoder(engine: Engine, cache: CompressedKVCache, point: Point, n: int, stored: int, cfg: FrontierConfig,
+                   tail: int) -> Decoder:  # fmt: skip
+    """A decoder over one store answering as `point` does: exact attention, HSA at the point's
+    budget, or a one-shot re-selection of t's prompt budget (then exact attention over it)."""
+    decoder = Decoder(engine, cache, tail, _decode_config(cache, point, stored, cfg, engine.shape.head_dim),
+                      reselect=False)  # fmt: skip
+    if point.mode == "reselect":
+        working = reselect_working_set(n, cfg.plan_new_tokens, point.budget or 0)
+        decoder.reselection = Reselection(working, cfg.window_size, auto_pool_kernel_size(stored),
+                                          cache.info.config.n_first_tokens)  # fmt: skip
+    return decoder
+
+
+def time_points(engine: Engine, cfg: FrontierConfig, sample: Sample, labels: list[str], workdir: Path,
+                rounds: int = 5) -> dict[str, float]:  # fmt: skip
+    """Milliseconds per decode step of each point named in `labels`, side by side: one prefill of
+    the sample's document, each point's decoder built once, then in each of `rounds` rounds every
+    point times `DECODE_TIMING_STEPS` steps after the first question in turn; the median of its
+    rounds' medians. Raises ValueError naming a label that is not a point of the grid."""
+    points = [p for p in grid(cfg) if p.label in labels]
+    if unknown := set(labels) - {p.label for p in points}:
+        raise ValueError(f"not points of the grid: {sorted(unknown)}")
+    doc = Document(sample.document, hashlib.sha256(sample.document.encode()).hexdigest(), "frontier-timing")
+    n = len(engine.document_ids(doc))
+    stores = {p.store_label: store_tokens(p.store_spec, n) for p in points}
+    caches = compress_variants(engine, doc, [store_config(cfg, s, n) for s in stores.values()],
+                               storage=KVStorage.parse(cfg.kv_dtype))  # fmt: skip
+    ids = engine.question_ids(sample.questions[0].text)
+    tail = max(QUESTION_RESERVE_TOKENS, len(ids)) + DECODE_TIMING_STEPS + 2
+    decoders = {}
+    for (label, s), cache in zip(stores.items(), caches):
+        loaded = load_cache(save_cache(cache, workdir / f"timing-{s}.kv", force=True))
+        if not isinstance(loaded, CompressedKVCache):
+            raise BudgetError("frontier documents fit one segment")
+        for point in (p for p in points if p.store_label == label):
+            decoders[point.label] = _point_decoder(engine, loaded, point, n, s, cfg, tail)
+    times: dict[str, list[float]] = {label: [] for label in decoders}
+    for _ in range(rounds):
+        for label, decoder in decoders.items():
+            times[label].append(_decode_ms(decoder, ids))
+    return {label: sorted(v)[len(v) // 2] for label, v in times.items()}
 
 
 def _decode_config(cache: CompressedKVCache, point: Point, stored: int, cfg: FrontierConfig,

@@ -371,11 +371,19 @@ class AttentionChoice:
 
 def with_preset_defaults(cfg: PrefillConfig, model_id: str, explicit: Iterable[str]) -> PrefillConfig:
     """`cfg` with the measured stage-1 defaults of preset `model_id` (`PRESET_PREFILL_DEFAULTS`)
-    in every field not named in `explicit` (the fields the user set). Other models: `cfg`.
+    in every field not named in `explicit` (the fields the user set). A preset default that does
+    not combine with what the user chose gives way to it (a store budget beside `--layer-budgets
+    adaptive` or a baseline selection, a re-selection budget below the user's token budget). Other
+    models: `cfg`.
 
     Raises:
-        ValueError: the combination is invalid (as `PrefillConfig`).
+        ValueError: the user's own combination is invalid (as `PrefillConfig`).
     """
     given = set(explicit)
     changes = {k: v for k, v in PRESET_PREFILL_DEFAULTS.get(model_id, {}).items() if k not in given}
-    return replace(cfg, **changes) if changes else cfg
+    for name, value in changes.items():
+        try:
+            cfg = replace(cfg, **{name: value})
+        except ValueError:
+            continue  # the user's choice wins over a preset default it rules out
+    return cfg

@@ -91,6 +91,21 @@ def run_preset(model: str, n: int, samples: int, out: Path, haystack: str, deadl
                 print(f"{model}: {task} #{index} in {row['timing']['total_s']:.0f} s", file=sys.stderr, flush=True)
 
 
+def product_settings(point: dict | None) -> dict | None:
+    """The `ingest` settings (PrefillConfig fields) that answer exactly as a point of the grid does,
+    where one exists: everything stored and re-selected per question (`--store-budget all --budget
+    t`), or everything stored and attended exactly (`--store-budget all` with a budget above any
+    document). None for the others (HSA over a stored set, or a pruned store, which `ingest` sizes
+    by a budget rather than a count)."""
+    if point is None or not point["store_label"].startswith("everything"):
+        return None
+    if point["mode"] == "reselect":
+        return {"store_budget": "all", "token_budget": point["budget"]}
+    if point["mode"] == "exact":
+        return {"store_budget": "all", "token_budget": 1 << 30}
+    return None
+
+
 def time_preset(model: str, n: int, lines: list[dict], summary: dict, out: Path, haystack: str, quick: bool) -> None:
     """Time, side by side in one process, the decode step of every point that holds the bar and of
     full attention (`frontier.time_points` on the first niah_noise sample); written to `out`."""
@@ -223,8 +238,15 @@ def render(results: dict[str, dict], quick: bool) -> str:
                   "the report ran (noisy; `--time` times the points that hold the bar side by side)") + "."]  # fmt: skip
         lines += ["", f"Default rule (score ≥ {SCORE_BAR:.0%} of full's and top-1 ≥ {TOP1_BAR:.2f}, smallest file, "
                   f"then fastest decode): **{c['label'] if c else 'no point'}**"
-                  + (f" ({c['bytes_per_token']:,.0f} bytes/token)." if c else "."), ""]  # fmt: skip
+                  + (f" ({c['bytes_per_token']:,.0f} bytes/token)" if c else "")
+                  + (f", which is `ingest` with {_flags(product_settings(c))}." if product_settings(c) else "."),
+                  ""]  # fmt: skip
     return "\n".join(lines)
+
+
+def _flags(settings: dict | None) -> str:
+    names = {"store_budget": "--store-budget", "token_budget": "--budget"}
+    return " ".join(f"`{names[k]} {v}`" for k, v in (settings or {}).items())
 
 
 def main() -> None:

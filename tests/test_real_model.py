@@ -32,11 +32,12 @@ def run(bin_, *args):
 
 
 def test__gemma_preset__planted_fact_survives_pruning(rocketkv_bin, needle_doc):
-    """Stage 1 at t=128 keeps a fact planted mid-document, and `ask` (as it ships on CPU: exact
+    """Stage 1 at t=128 (`--store-budget 128`: pruned before the question, not the default) keeps a
+    fact planted mid-document, and `ask` (as it ships on CPU: exact
     attention over the ~480 stored tokens, below the HSA crossover) answers it. Known and left to
     the stage-2 work: `ask --hsa` (topk 64) on this cache answers 13911."""
     kv = needle_doc.with_suffix(".kv")
-    r = run(rocketkv_bin, "ingest", needle_doc, "-o", kv, "--budget", "128", "--json")
+    r = run(rocketkv_bin, "ingest", needle_doc, "-o", kv, "--budget", "128", "--store-budget", "128", "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     info = json.loads(run(rocketkv_bin, "inspect", kv, "--json").stdout)
     n_ctx = int(info["n_context_tokens"])
@@ -84,7 +85,7 @@ def test__smollm2_preset__the_documents_first_tokens_survive_every_budget():
     filler = (SHARED_DATA / "gpl-3.txt").read_text()[:7000]
     text = "Always answer in lowercase. The password is ZEBRA-42.\n\n" + filler
     rk = RocketKV.load("smollm2-135m", device="cpu")
-    cache = rk.ingest(text=text, token_budget=128).cache
+    cache = rk.ingest(text=text, token_budget=128, store_budget=128).cache  # pruned before the question
     at = text.index("ZEBRA-42")
     offsets = cache.token_offsets.tolist()
     fact = [i for i, o in enumerate(offsets) if at <= o < at + len("ZEBRA-42")]
@@ -130,7 +131,8 @@ def test__smollm2_preset__context_reconstruction_keeps_facts_the_tail_window_dro
     # SmolLM2's measured default is context reconstruction (docs/stage1-methods.md); the tail window is asked for
     for name, extra in (("tail", ["--observation", "tail", "--pool-kernel-size", "63"]), ("reconstruct", [])):
         kv = tmp_path / f"{name}.kv"
-        r = run(rocketkv_bin, "ingest", doc, "-o", kv, "--model", "smollm2-135m", "--budget", "128", *extra)
+        r = run(rocketkv_bin, "ingest", doc, "-o", kv, "--model", "smollm2-135m", "--budget", "128", "--store-budget",
+                "128", *extra)  # fmt: skip
         assert r.returncode == 0, r.stderr[-2000:]
         described = json.loads(run(rocketkv_bin, "inspect", kv, "--json").stdout)
         config, storage = described["config"], described["kv_storage"]

@@ -310,7 +310,23 @@ def test__preset_defaults__fill_only_the_fields_the_user_did_not_set():
                                 ["token_budget", "observation"])  # fmt: skip
     assert (kept.observation, kept.pool_kernel_size) == ("tail", 7)
     assert with_preset_defaults(base, "/some/model/dir", []) is base  # other models: the general defaults
-    assert with_preset_defaults(base, "gemma-3-270m", []) == base
+    assert with_preset_defaults(base, "gemma-3-270m", []) == dataclasses.replace(
+        base, store_budget="all"
+    )  # docs/frontier.md
+    assert smol.store_budget == "all" and with_preset_defaults(base, "gemma-3-270m", ["store_budget"]) == base
+
+
+def test__preset_defaults__a_default_the_users_choice_rules_out_gives_way():
+    """The presets store every token (`store_budget` "all"); a user who asks for adaptive layer
+    budgets or the sink+recent baseline (neither combines with a store budget) gets them, with
+    the file pruned as they asked, instead of an error about an option they never gave."""
+    from rocketkv_cli.core.config import with_preset_defaults
+
+    adaptive = with_preset_defaults(PrefillConfig(layer_budgets="adaptive"), "gemma-3-270m", ["layer_budgets"])
+    assert adaptive.layer_budgets == "adaptive" and adaptive.store_budget is None
+    sink = with_preset_defaults(PrefillConfig(selection="sink_recent"), "smollm2-135m", ["selection"])
+    assert sink.selection == "sink_recent" and sink.store_budget is None
+    assert (sink.observation, sink.pool_kernel_size) == ("reconstruct", 7)  # the defaults that combine still apply
 
 
 def test__api_ingest__takes_the_presets_defaults_unless_given(monkeypatch):

@@ -53,10 +53,16 @@ def default_kv_dtype(model_id: str) -> str:
     return PRESET_KV_DTYPE_DEFAULTS.get(model_id, DEFAULT_KV_DTYPE)
 
 
-# Stage-1 settings chosen per preset by measurement (docs/stage1-methods.md, "Defaults"): they replace
-# PrefillConfig's own defaults for that model only, and never a field the user set.
+# Stage-1 settings chosen per preset by measurement: they replace PrefillConfig's own defaults for that
+# model only, and never a field the user set. The store and the answering budget follow the measured
+# frontier (docs/frontier.md, "Default rule"): the smallest file whose answers keep >= 98% of full
+# attention's score and >= 0.98 of its top-1 choices is, on both presets, every token stored
+# (`store_budget` "all": no question-agnostic pruning) with each question re-selecting its working
+# set of t's prompt budget by its own queries. The observation (SmolLM2: context reconstruction,
+# docs/stage1-methods.md) scores tokens when a user asks for a smaller store (`--store-budget N`).
 PRESET_PREFILL_DEFAULTS: dict[str, dict[str, Any]] = {
-    "smollm2-135m": {"observation": "reconstruct", "pool_kernel_size": 7},
+    "smollm2-135m": {"observation": "reconstruct", "pool_kernel_size": 7, "store_budget": STORE_ALL},
+    "gemma-3-270m": {"store_budget": STORE_ALL},
 }
 
 

@@ -39,7 +39,27 @@ SOLVED = 0.5  # a task "full attention solves": its mean score at least this
 # llama.cpp's state file (the full f16 KV cache), bytes per document token, from the files docs/performance.md
 # measured ("Side by side with llama.cpp"): SmolLM2 179.8 MB at 7,800 tokens, Gemma 3 270M 151.2 MB at 8,192
 LLAMACPP_BYTES_PER_TOKEN = {"smollm2-135m": 179.8e6 / 7800, "gemma-3-270m": 151.2e6 / 8192}
-HAND_WRITTEN = "\n## How to read it"  # the page's hand-written part starts here
+HAND_WRITTEN = "\n## How to read it"
+# the preset's own choice of store and budget is what the frontier decides, not an input to it
+STORE_FIELDS = ("store_budget", "token_budget", "prompt_budget")  # the page's hand-written part starts here
+
+
+def read_lines(path: Path) -> list[dict]:
+    """The report's JSON lines; a last line cut short by a killed run is dropped (and the file
+    rewritten without it), so the run resumes at that sample."""
+    if not path.exists():
+        return []
+    raw = path.read_text().splitlines()
+    lines = []
+    for i, text in enumerate(raw):
+        try:
+            lines.append(json.loads(text))
+        except json.JSONDecodeError:
+            if i != len(raw) - 1:
+                raise
+            print(f"{path}: dropped a last line cut short; its sample runs again", file=sys.stderr)
+            lib.write_jsonl(path, lines)
+    return lines
 
 
 def file_label(model: str) -> str:
@@ -61,9 +81,10 @@ def run_preset(model: str, n: int, samples: int, out: Path, haystack: str, deadl
     engine = RocketKV.load(model).engine
     kw = dict(stores=("all", "50%"), hsa_budgets=(64,), reselect_budgets=(64,), window_size=8,
               plan_new_tokens=3) if quick else {}  # fmt: skip
+    stage1 = {k: v for k, v in PRESET_PREFILL_DEFAULTS.get(model, {}).items() if k not in STORE_FIELDS}
     cfg = FrontierConfig(context_tokens=n, tasks=TASKS, samples=samples, kv_dtype=default_kv_dtype(model),
-                         stage1=tuple(PRESET_PREFILL_DEFAULTS.get(model, {}).items()), **kw)  # fmt: skip
-    lines = lib.read_jsonl(out) if out.exists() else []
+                         stage1=tuple(stage1.items()), **kw)  # fmt: skip
+    lines = read_lines(out)
     if lines and lines[0].get("digest") != cfg.digest():
         sys.exit(f"error: {out} was written with another configuration; move it away to start over")
     if not lines:
@@ -127,8 +148,8 @@ def time_preset(model: str, n: int, lines: list[dict], summary: dict, out: Path,
     with tempfile.TemporaryDirectory() as work, torch.inference_mode():
         rounds = 2 if quick else 5
         ms = time_points(engine, cfg, sample, labels, Path(work), rounds=rounds)
-    lib.write_json(out, {"decode_ms": ms, "rounds": rounds, "machine": machine_info(),
-                         "date": dt.date.today().isoformat()})  # fmt: skip
+    lib.write_json(out, {"digest": lines[0]["digest"], "samples": len(lines) - 1, "decode_ms": ms, "rounds": rounds,
+                         "machine": machine_info(), "date": dt.date.today().isoformat()})  # fmt: skip
 
 
 def summarize(lines: list[dict], model: str, timing: dict | None = None) -> dict:
@@ -266,6 +287,8 @@ def main() -> None:
     ap.add_argument("--haystack", default=str(KJV))
     ap.add_argument("--out-dir", default=str(ROOT / "docs"))
     args = ap.parse_args()
+    if args.time and args.from_json:
+        ap.error("--time runs the model; it does not combine with --from-json")
     out_dir = Path(args.out_dir)
     (out_dir / "bench").mkdir(parents=True, exist_ok=True)
     runs = {args.model: args.context_tokens} if args.quick else {p: PRESETS[p] for p in args.presets.split(",")}
@@ -280,12 +303,18 @@ def main() -> None:
         for model in runs if args.quick else PRESETS:  # every preset measured so far, whichever this run was
             out = out_dir / "bench" / f"frontier-{file_label(model)}.jsonl"
             timed = out_dir / "bench" / f"frontier-{file_label(model)}-timing.json"
-            lines = lib.read_jsonl(out) if out.exists() else []
+            lines = read_lines(out)
             if len(lines) < 2:
                 continue
             if args.time and model in runs:
                 time_preset(model, runs[model], lines, summarize(lines, file_label(model)), timed, haystack, args.quick)
             timing = lib.read_json(timed) if timed.exists() else None
+            if timing is not None and (timing.get("digest"), timing.get("samples")) != (
+                lines[0]["digest"],
+                len(lines) - 1,
+            ):
+                print(f"{timed}: timed for other results; rerun with --time", file=sys.stderr)
+                timing = None
             results[file_label(model)] = summarize(lines, file_label(model), timing)
     page_path = out_dir / "frontier.md"
     old = read_text(page_path) if page_path.exists() else ""

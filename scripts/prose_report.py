@@ -53,6 +53,7 @@ def is_right(answer: str, expected: list[str]) -> bool:
 def run(model: str, setups: list[str], out: Path, data: Path, limit: int | None) -> dict:
     """Ask every question of the set under each setup (finished (setup, document) entries are kept)."""
     from rocketkv_cli.api.rocketkv import RocketKV, configure
+    from rocketkv_cli.core.config import PrefillConfig, with_preset_defaults
     from rocketkv_cli.eval.bench import machine_info
 
     spec = json.loads(QUESTIONS.read_text())
@@ -64,10 +65,11 @@ def run(model: str, setups: list[str], out: Path, data: Path, limit: int | None)
     with tempfile.TemporaryDirectory() as work:
         for setup in setups:
             ingest_kw, ask_kw = SETUPS[setup]
+            wanted = with_preset_defaults(PrefillConfig(**ingest_kw), rk.model_id, ingest_kw).to_dict()
             for doc, dspec in spec["documents"].items():
                 key = f"{setup}/{doc}"
-                if key in done["results"]:
-                    continue
+                if done["results"].get(key, {}).get("config") == wanted:
+                    continue  # measured with the settings this setup has now (the defaults may have changed)
                 qs = [q for q in spec["questions"] if q["doc"] == doc][:limit]
                 path = Path(work) / f"{doc}.txt"
                 path.write_text(document_text(dspec, data))
@@ -75,10 +77,11 @@ def run(model: str, setups: list[str], out: Path, data: Path, limit: int | None)
                 cache = rk.open(ing.path)
                 answers = list(rk.ask(cache, [q["question"] for q in qs], max_new_tokens=48, **ask_kw))
                 done["results"][key] = {
-                    "ingest_s": round(ing.seconds, 1), "file_bytes": Path(ing.path).stat().st_size,
+                    "config": wanted, "date": dt.date.today().isoformat(), "ingest_s": round(ing.seconds, 1), "file_bytes": Path(ing.path).stat().st_size,
                     "answers": [{"question": q["question"], "expected": q["expected"], "answer": a.text,
                                  "right": is_right(a.text, q["expected"])} for q, a in zip(qs, answers)],
                 }  # fmt: skip
+                done["date"] = dt.date.today().isoformat()
                 lib.write_json(out, done)
                 right = sum(a["right"] for a in done["results"][key]["answers"])
                 print(f"{model} {key}: {right}/{len(qs)} right", file=sys.stderr, flush=True)

@@ -11,7 +11,7 @@ import pytest
 from conftest import make_engine
 
 from rocketkv_cli.core.config import PrefillConfig
-from rocketkv_cli.engine.answer import answer
+from rocketkv_cli.engine.answer import answer, decode_config_for
 from rocketkv_cli.engine.inputs import Document, tokenize
 from rocketkv_cli.eval.frontier import (
     FrontierConfig,
@@ -86,8 +86,11 @@ def test__frontier_point__reselect_equals_the_product_answering_from_a_store_bud
     product = engine.ingest(doc, PrefillConfig(token_budget=t, store_budget=256, window_size=8, n_first_tokens=4))
     stored = product.layers[0].n_kept_tokens
     assert reselect_working_set(n, 128, t) < stored < n  # the file stores more than one question's working set
+    # as `ask` decodes on a device whose HSA crossover is 0 (CUDA): the re-selected working set exactly
+    decode = decode_config_for(product, True, exact_working_set=1, min_hsa_tokens=0)
+    assert decode.min_hsa_tokens == product.info.budgets.prompt_budget
     expected = [a.text for a in answer(engine, product, [q.text for q in sample.questions], sample.max_new_tokens,
-                                       None)]  # fmt: skip
+                                       decode)]  # fmt: skip
     cfg = FrontierConfig(context_tokens=n, tasks=("multiquery",), samples=1, kv_dtype="int8",
                          stores=("all", str(stored)), hsa_budgets=(), reselect_budgets=(t,), window_size=8,
                          stage1=(("n_first_tokens", 4),))  # fmt: skip
@@ -107,8 +110,9 @@ def test__frontier_point__everything_reselect_equals_a_store_budget_all_file(tmp
     n, t = len(engine.document_ids(doc)), 128
     product = engine.ingest(doc, PrefillConfig(token_budget=t, store_budget="all", window_size=8, n_first_tokens=4))
     assert {layer.n_kept_tokens for layer in product.layers} == {n} and product.info.budgets.prompt_budget < n
+    decode = decode_config_for(product, True, exact_working_set=1, min_hsa_tokens=0)  # as `ask` on CUDA
     expected = [a.text for a in answer(engine, product, [q.text for q in sample.questions], sample.max_new_tokens,
-                                       None)]  # fmt: skip
+                                       decode)]  # fmt: skip
     cfg = FrontierConfig(context_tokens=n, tasks=("multikey",), samples=1, kv_dtype="int8", stores=("all",),
                          hsa_budgets=(), reselect_budgets=(t,), window_size=8,
                          stage1=(("n_first_tokens", 4),))  # fmt: skip
@@ -214,3 +218,56 @@ def test__time_points__every_named_point_timed_and_an_unknown_one_refused(tmp_pa
     assert set(ms) == set(labels) and all(v > 0 for v in ms.values())
     with pytest.raises(ValueError, match="not points of the grid"):
         time_points(engine, cfg, sample, ["everything · hsa@9999"], tmp_path)
+
+
+def _frontier_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("frontier_report", ROOT / "scripts" / "frontier_report.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test__frontier_summary__solved_tasks_share_of_full_the_bar_and_the_tie_break_by_hand():
+    """The report's arithmetic on made-up results: only the task full attention solves counts for
+    the score; a point passes with ≥ 98% of full's score and top-1 ≥ 0.98; of the passing points
+    the smallest file wins, and between equal files the faster step of the side-by-side timing."""
+    mod = _frontier_module()
+
+    def rec(label, task, score, top1):
+        store, mode = label.split(" · ")
+        return {"label": label, "store_label": store, "store": 10 if store == "everything" else 5,
+                "mode": mode.split("@")[0], "budget": int(mode.split("@")[1]) if "@" in mode else None, "task": task,
+                "score": score, "top1_agreement": top1, "kl": None if top1 is None else 0.1,
+                "stored_tokens": 10 if store == "everything" else 5, "n_context_tokens": 10}  # fmt: skip
+
+    def row(i, a_scores):
+        full, resel, half, hsa = (
+            "everything · exact",
+            "everything · reselect@512",
+            "50% · exact",
+            "everything · hsa@256",
+        )
+        records = [rec(full, "A", 1.0, None), rec(full, "B", 0.0, None), rec(resel, "A", 1.0, 1.0),
+                   rec(resel, "B", 0.0, 1.0), rec(half, "A", a_scores, 0.99), rec(half, "B", 1.0, 0.99),
+                   rec(hsa, "A", 1.0, 0.9), rec(hsa, "B", 0.0, 0.9)]  # fmt: skip
+        stores = {"everything": {"tokens": 10, "file_bytes": 1000}, "50%": {"tokens": 5, "file_bytes": 500}}
+        return {"records": records, "stores": stores, "timing": {"n_context_tokens": 10, "total_s": 1.0}}
+
+    head = {"layers": [None, None], "n_kv_heads": 1, "head_dim": 4, "digest": "d"}
+    lines = [head, row(0, 1.0), row(1, 0.0)]
+    s = mod.summarize(lines, "tiny", {"decode_ms": {"everything · exact": 9.0, "everything · reselect@512": 4.0}})
+    by = {p["label"]: p for p in s["points"]}
+    assert s["solved"] == ["A"] and s["full_score"] == 1.0  # B: full scores 0, it says nothing about loss
+    assert by["50% · exact"]["share_of_full"] == 0.5 and not by["50% · exact"]["passes"]  # B's 1.0 does not count
+    assert by["everything · hsa@256"]["share_of_full"] == 1.0 and not by["everything · hsa@256"]["passes"]  # top-1
+    assert by["everything · reselect@512"]["passes"] and by["everything · exact"]["passes"]
+    assert by["everything · exact"]["bytes_per_token"] == 100 and by["50% · exact"]["bytes_per_token"] == 50
+    assert by["everything · exact"]["vs_bf16"] == 2 * 2 * 2 * 1 * 4 / 100  # K and V, 2 layers, 1 head, dim 4, bf16
+    assert s["chosen"]["label"] == "everything · reselect@512"  # same file as full, the faster step
+    slow = mod.summarize(lines, "tiny", {"decode_ms": {"everything · exact": 3.0, "everything · reselect@512": 4.0}})
+    assert slow["chosen"]["label"] == "everything · exact"
+    assert mod.product_settings(s["chosen"]) == {"store_budget": "all", "token_budget": 512}
+    assert mod.product_settings(by["50% · exact"]) is None and mod.product_settings(by["everything · hsa@256"]) is None

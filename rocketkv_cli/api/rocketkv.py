@@ -268,7 +268,13 @@ class RocketKV:
         """Stage-2 overrides, with the device's HSA crossover unless `hsa`. Raises InputError."""
         AttentionChoice(dense=dense, hsa=hsa)  # the one check of the pair (UsageError)
         crossover = 0 if hsa else hsa_min_tokens(self.engine.loaded.device.type)
-        return {"topk": topk, "page_size": page_size, "n_score_dims": n_score_dims, "min_hsa_tokens": crossover}
+        return {
+            "topk": topk,
+            "page_size": page_size,
+            "n_score_dims": n_score_dims,
+            "min_hsa_tokens": crossover,
+            "exact_working_set": not hsa,
+        }  # a re-selected working set is attended exactly unless --hsa
 
     def _max_new(self, cache: AnyCache, max_new_tokens: int | None) -> int:
         return max_new_tokens or cache.info.config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS

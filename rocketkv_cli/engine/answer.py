@@ -123,13 +123,19 @@ def hsa_min_tokens(device_type: str) -> int:
     return HSA_MIN_TOKENS.get(device_type, 0)
 
 
-def decode_config_for(cache: CompressedKVCache, sparse: bool = True, **overrides: int | None) -> DecodeConfig:
+def decode_config_for(cache: CompressedKVCache, sparse: bool = True, exact_working_set: int | None = 0,
+                      **overrides: int | None) -> DecodeConfig:  # fmt: skip
     """Stage-2 settings from the cache's budgets, with explicit overrides (None = keep).
 
+    exact_working_set: true (a flag typed as the other overrides) for a cache whose questions
+    re-select their working set (a store budget): attend that working set exactly (HSA only above
+    it), the answering mode docs/frontier.md measured, on every device; `ask --hsa` leaves it off.
     Raises ValueError: overrides that do not make a valid `DecodeConfig`."""
     b = cache.info.budgets
     vals = {"topk": b.topk, "page_size": b.page_size, "n_score_dims": b.n_score_dims}
     vals.update({k: v for k, v in overrides.items() if v is not None})
+    if exact_working_set and cache.info.config.store_budget is not None:
+        vals["min_hsa_tokens"] = max(vals.get("min_hsa_tokens") or 0, b.prompt_budget)
     vals["n_score_dims"] = min(vals["n_score_dims"], cache.info.identity.head_dim)
     return DecodeConfig(sparse=sparse, **vals)
 

@@ -96,6 +96,8 @@ class FrontierConfig:
         if min(self.hsa_budgets + self.reselect_budgets, default=2) < 2:
             raise ValueError("budgets must be at least 2 tokens")
         KVStorage.parse(self.kv_dtype)
+        if fixed := {"store_budget", "token_budget", "prompt_budget"} & set(dict(self.stage1)):
+            raise ValueError(f"stage1 must not set {', '.join(sorted(fixed))}: the stores are the grid's")
         PrefillConfig(**dict(self.stage1))  # the stage-1 fields must make a valid config
 
     def to_dict(self) -> dict:

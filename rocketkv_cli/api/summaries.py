@@ -12,14 +12,31 @@ model, which is first asked to continue the document after "Summary:", this is t
 framing; for a chat model, a reworded request) and "extractive" (`summary_check.extract_sentences`
 over the part's text, decoded from its stored token ids). `summarize` runs it for every
 part and for the final condensation. No printing here.
+
+Citations (`summarize(cite=N)`, `summarize --cite`): every summary (each part's and the final one)
+lists the passages of the source document it came from, as `api.citations.Citation`s sorted by
+line (`Summary.citations`, `PartialSummary.citations`):
+
+- extracted sentences cite exactly the text they were extracted from: each sentence is found in
+  the part's decoded text, its first and last document tokens give its characters and lines in
+  the document (`token_offsets`, `token_lines`); a sentence extracted from joined summaries cites
+  the passages of the part summary it came from. Every sentence is cited (N does not apply).
+- a summary the model wrote from a stored part of the document cites the N passages its
+  generation attended to most, as `ask --cite` does (`engine/attribution.py`, `citations.cite`).
+- a summary the model wrote from joined summaries (a condensation) is not attended over the
+  document, so it cites the passages of the part summaries it was written from (of the parts
+  whose text its stored part holds).
+
+A citation's weight is its share of the summary: the attention share for the model's own
+citations; otherwise the share of the summary's characters traced to it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from functools import cache
 
 from ..core.cache import CompressedKVCache, SegmentedKVCache
@@ -29,6 +46,8 @@ from ..engine.engine import Engine
 from ..engine.inputs import Document, tokenize
 from ..errors import BudgetError, InputError
 from ..model.templates import read_prompt
+from .checks import check_cite
+from .citations import Citation, citer
 from .documents import TextPieces
 from .segments import ingest_stream
 from .summary_check import coverage, degenerate_reasons, document_names, extract_sentences, grounding
@@ -49,6 +68,17 @@ class Summary(Answer):
 
     mode: str = "abstractive"
     rejected: tuple[str, ...] = ()
+    spans: Spans = field(default=(), repr=False, compare=False)
+
+
+Spans = tuple[tuple[int, int, Citation], ...]
+"""Where a summary came from: (start, end, citation) per traced piece, [start, end) the characters
+of the summary's text (the whole text for a model-written one) and the citation's weight its
+share of the summary (weights sum to 1; empty: nothing traced or no citations asked for)."""
+
+SourceMap = Callable[[int, int], list[tuple[Citation, float]]]
+"""Characters [a, b) of a text to the passages of the document they came from, each with its
+share (shares sum to 1; empty: none known)."""
 
 
 @cache
@@ -70,6 +100,144 @@ def part_text(engine: Engine, part: CompressedKVCache) -> str:
     return engine.tokenizer.decode(part.token_ids[frame:].tolist(), skip_special_tokens=True)
 
 
+class PartTokens:
+    """A stored part's document tokens and its decoded text (`part_text`), to trace characters of
+    that text back to the tokens they were decoded from.
+
+    Raises:
+        InputError: a cache without token offsets (`citations.check_citable`).
+    """
+
+    def __init__(self, engine: Engine, part: CompressedKVCache):
+        check_cite(part, 1)
+        assert part.token_ids is not None and part.token_offsets is not None and part.token_lines is not None
+        self.tokenizer = engine.tokenizer
+        self.ids: list[int] = part.token_ids.tolist()
+        self.offsets: list[int] = part.token_offsets.tolist()
+        self.lines: list[int] = part.token_lines.tolist()
+        self.frame = len(engine.document_ids(Document("", "", "")))
+        self.text = part_text(engine, part)
+
+    def token_at(self, pos: int) -> int:
+        """The position of the token whose decoded text holds character `pos` of `self.text`
+        (binary search over decoded prefixes: a token may decode to several characters)."""
+        lo, hi = self.frame, len(self.ids) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self.tokenizer.decode(self.ids[self.frame : mid + 1], skip_special_tokens=True)) > pos:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def document_range(self, a: int, b: int) -> tuple[int, int] | None:
+        """(first, last) positions of the document tokens (offset ≥ 0) that characters [a, b) of
+        `self.text` were decoded from; None when none are."""
+        first, last = self.token_at(a), self.token_at(max(a, b - 1))
+        doc = [i for i in range(first, last + 1) if self.offsets[i] >= 0]
+        return (doc[0], doc[-1]) if doc else None
+
+    def end_of(self, last: int) -> int:
+        """The source character after token `last` (the next document token's offset)."""
+        after = next((self.offsets[j] for j in range(last + 1, len(self.ids)) if self.offsets[j] >= 0), None)
+        return after if after is not None else self.offsets[last] + len(self.tokenizer.decode([self.ids[last]]))
+
+    def passage(self, first: int, last: int) -> Citation:
+        """Tokens first … last as a passage of the source (weight 1), as `citations.cite` makes them."""
+        text = " ".join(self.tokenizer.decode(self.ids[first : last + 1], skip_special_tokens=True).split())
+        return Citation(start=self.offsets[first], end=self.end_of(last), first_line=self.lines[first],
+                        last_line=self.lines[last], weight=1.0, text=text)  # fmt: skip
+
+    def source_map(self, origin: SourceMap | None) -> SourceMap:
+        """Characters of `self.text` to passages of the document: the tokens' own passage when
+        their offsets are the document's (`origin` None), else `origin` of the characters
+        [first offset, end) they hold in the text the part was ingested from (joined summaries)."""
+
+        def trace(a: int, b: int) -> list[tuple[Citation, float]]:
+            span = self.document_range(a, b)
+            if span is None:
+                return []
+            if origin is None:
+                return [(self.passage(*span), 1.0)]
+            return origin(self.offsets[span[0]], self.end_of(span[1]))
+
+        return trace
+
+    def whole(self) -> tuple[int, int]:
+        """Characters [start, end) of the source that the part's document tokens cover."""
+        doc = [i for i, off in enumerate(self.offsets) if off >= 0]
+        return (self.offsets[doc[0]], self.end_of(doc[-1])) if doc else (0, 0)
+
+
+def joined_map(parts: Sequence[tuple[str, Spans]], labeled: bool) -> SourceMap:
+    """Characters of the part summaries' joined text to the passages they came from: the text
+    `summarize` ingests ("Part j of n: " labels, `labeled`) or extracts from (no labels), parts
+    separated by a blank line. A range over part j's text [lo, hi) takes each traced piece of that
+    summary it overlaps, weighted by the piece's weight times the share of the piece it overlaps."""
+    starts, pos = [], 0
+    for j, (text, _) in enumerate(parts):
+        pos += (2 if j else 0) + (len(f"Part {j + 1} of {len(parts)}: ") if labeled else 0)
+        starts.append(pos)
+        pos += len(text)
+
+    def trace(a: int, b: int) -> list[tuple[Citation, float]]:
+        hits: list[tuple[Citation, float]] = []
+        for start, (text, spans) in zip(starts, parts):
+            lo, hi = max(a - start, 0), min(b - start, len(text))
+            if lo >= hi:
+                continue
+            for s, e, c in spans:
+                overlap = min(e, hi) - max(s, lo)
+                if overlap > 0:
+                    hits.append((c, c.weight * overlap / max(e - s, 1)))
+        total = sum(w for _, w in hits) or 1.0
+        return [(c, w / total) for c, w in hits]
+
+    return trace
+
+
+def _sentence_pattern(sentence: str) -> re.Pattern[str]:
+    """A sentence as `summary_check.split_sentences` gives it (its lines joined by single spaces;
+    cut ones end with " …") matched in the text it came from, whatever whitespace is there."""
+    return re.compile(r"\s+".join(re.escape(w) for w in sentence.removesuffix(" …").split()))
+
+
+def trace_sentences(sentences: Sequence[str], text: str, source: SourceMap) -> Spans:
+    """The traced pieces of an extracted summary (`" ".join(sentences)`): each sentence found in
+    `text` (in order, as extracted), mapped to its passages by `source`, weighted by its share of
+    the summary's characters. A sentence not found in `text` is not traced."""
+    out, at, cursor = [], 0, 0
+    total = sum(len(s) for s in sentences) or 1
+    for sentence in sentences:
+        pattern = _sentence_pattern(sentence)
+        found = pattern.search(text, cursor) or pattern.search(text)
+        if found is not None:
+            cursor = found.end()
+            for c, w in source(found.start(), found.end()):
+                out.append((at, at + len(sentence), dataclasses.replace(c, weight=w * len(sentence) / total)))
+        at += len(sentence) + 1
+    return tuple(out)
+
+
+def citations_of(spans: Spans, normalise: bool = True) -> tuple[Citation, ...]:
+    """A summary's citations from its traced pieces: one per passage (the same characters of
+    the source), weights summed (and normalised to 1 unless `normalise` is False: attention shares
+    are kept as `ask --cite` shows them), sorted by line (then character)."""
+    merged: dict[tuple[int, int], Citation] = {}
+    for _, _, c in spans:
+        key = (c.start, c.end)
+        had = merged.get(key)
+        merged[key] = c if had is None else dataclasses.replace(had, weight=had.weight + c.weight)
+    total = (sum(c.weight for c in merged.values()) or 1.0) if normalise else 1.0
+    return tuple(sorted((dataclasses.replace(c, weight=c.weight / total) for c in merged.values()),
+                        key=lambda c: (c.first_line, c.start, c.end)))  # fmt: skip
+
+
+def with_citations(summary: Summary, spans: Spans, normalise: bool = True) -> Summary:
+    """`summary` with its traced pieces and its citations (`citations_of`)."""
+    return dataclasses.replace(summary, spans=spans, citations=citations_of(spans, normalise))
+
+
 def extracted(
     text: str, question: str, rejected: tuple[str, ...] = (), names: tuple[str, ...] | None = None
 ) -> Summary:
@@ -80,30 +248,46 @@ def extracted(
     Raises:
         InputError: a text without a word (nothing the summary could be made of).
     """
+    return extracted_summary(extracted_sentences(text, names), question, rejected)
+
+
+def extracted_sentences(text: str, names: tuple[str, ...] | None = None) -> list[str]:
+    """The sentences of `extracted`'s summary of `text`, in order.
+
+    Raises:
+        InputError: a text without a word.
+    """
     sentences = extract_sentences(PART_LABEL.sub("", text), names=names)
     if not sentences:
         raise InputError("the document has no sentence to extract a summary from (it holds no words)",
                          "summarize a text document")  # fmt: skip
+    return sentences
+
+
+def extracted_summary(sentences: list[str], question: str, rejected: tuple[str, ...] = ()) -> Summary:
+    """The `Summary` of extracted `sentences` (joined by spaces; mode "extractive")."""
     return Summary(question=question, text=" ".join(sentences), n_question_tokens=0, n_answer_tokens=0,
                    stop_reason=EXTRACTED_STOP_REASON, token_ids=(), prefill_s=0.0, decode_s=0.0, mode="extractive",
                    rejected=rejected)  # fmt: skip
 
 
 def _write(engine: Engine, part: CompressedKVCache, prompt: str, max_new_tokens: int, sparse: bool,
-           retry: bool) -> Answer:  # fmt: skip
-    """The model's summary of `part` in the first framing (retry False) or the retry framing."""
+           retry: bool, cite: int = 0) -> Answer:  # fmt: skip
+    """The model's summary of `part` in the first framing (retry False) or the retry framing;
+    cite: the number of passages its attention picks (`Answer.citations`, as `ask --cite`)."""
     decode = decode_config_for(part, sparse)
+    citing = citer(engine.tokenizer, part, cite)
     if retry:
         question = read_prompt("summarize_retry.txt")
-        return next(answer(engine, part, [question], max_new_tokens, decode))  # the framing's own stop strings
+        return next(answer(engine, part, [question], max_new_tokens, decode, cite=citing))  # the framing's stops
     after = engine.prompt.summary_after
     if after is not None:
         ids = tokenize(engine.tokenizer, after, False)
         answerer = Answerer(engine, part, max_new_tokens, decode, engine.prompt.summary_stops,
-                            question_tokens=len(ids))  # fmt: skip
+                            question_tokens=len(ids), cite=citing)  # fmt: skip
         return answerer.ask(prompt, ids)
     stops = SUMMARY_STOP_STRINGS if engine.prompt.stop_strings else ()
-    return next(answer(engine, part, [prompt], max_new_tokens, decode, stop_strings=stops))
+    return next(answer(engine, part, [prompt], max_new_tokens, decode, stop_strings=stops, cite=citing))
 
 
 def rejection_reasons(summary: str, source: str | None, names: tuple[str, ...] | None = None) -> list[str]:
@@ -134,43 +318,71 @@ def summarize_part(
     extractive: bool = False,
     source: str | None = None,
     names: tuple[str, ...] | None = None,
+    cite: int = 0,
+    below: Sequence[tuple[str, Spans]] | None = None,
 ) -> Summary:
     """The summary of one stored part in the first mode of MODES whose output is not rejected
     (`rejection_reasons`; extraction is never rejected).
 
     prompt: the request (`summarize.txt` for a document or segment, `summarize_parts.txt` for the
     joined summaries). extractive: extract without asking the model. source: the text to extract
-    from (default: `part_text`).
+    from (default: `part_text`). cite: 0, or the passages cited by a model-written summary of the
+    document (`Summary.citations`, module docstring; extracted summaries cite every sentence).
+    below: None when `part` holds the document itself; else the summaries (text, traced pieces)
+    whose "Part j of n: " joined text `part` was ingested from, and that `source` joins unlabelled.
     Raises:
-        InputError: extraction from a cache without token ids.
+        InputError: extraction from a cache without token ids; `cite` for one without token offsets.
     """
+    tokens = PartTokens(engine, part) if cite else None
+    origin = None if below is None else joined_map(below, labeled=True)
+
+    def extract(rejected: tuple[str, ...] = ()) -> Summary:
+        text = source if source is not None else tokens.text if tokens is not None else part_text(engine, part)
+        sentences = extracted_sentences(text, names)
+        summary = extracted_summary(sentences, prompt, rejected)
+        if tokens is None:
+            return summary
+        traced = joined_map(below or (), labeled=False) if source is not None else tokens.source_map(origin)
+        return with_citations(summary, trace_sentences(sentences, text, traced))
+
     if extractive:
-        return extracted(source if source is not None else part_text(engine, part), prompt, names=names)
+        return extract()
     try:
         text = source if source is not None else part_text(engine, part)
     except InputError:
         text = None  # an old file without token ids: only the degenerate rules can be applied
     rejected: list[str] = []
     for mode, retry in (("abstractive", False), ("abstractive-retry", True)):
-        written = _write(engine, part, prompt, max_new_tokens, sparse, retry)
+        written = _write(engine, part, prompt, max_new_tokens, sparse, retry, cite if origin is None else 0)
         reasons = rejection_reasons(written.text, text, names)
         if not reasons:
             fields = {f.name: getattr(written, f.name) for f in dataclasses.fields(written)}
-            return Summary(**fields, mode=mode, rejected=tuple(rejected))
+            summary = Summary(**fields, mode=mode, rejected=tuple(rejected))
+            if tokens is None:
+                return summary
+            if origin is None:  # written from the document: the passages its attention picked
+                return with_citations(summary, tuple((0, len(summary.text), c) for c in summary.citations or ()),
+                                      normalise=False)  # fmt: skip
+            else:  # written from joined summaries: the passages of those its part holds
+                cited = tuple((0, len(summary.text), dataclasses.replace(c, weight=w))
+                              for c, w in origin(*tokens.whole()))  # fmt: skip
+            return with_citations(summary, cited)
         rejected.append(f"{mode}: {', '.join(reasons)}")
-    return extracted(source if source is not None else part_text(engine, part), prompt, tuple(rejected), names)
+    return extract(tuple(rejected))
 
 
 @dataclass(frozen=True)
 class PartialSummary:
     """Progress event of a hierarchical summary: the summary of segment `index` of `total` at
-    `level`, made in `mode` (see `summaries.MODES`)."""
+    `level`, made in `mode` (see `summaries.MODES`); `citations`: the passages of the document it
+    came from, sorted by line (`Summary.citations`; None unless `summarize(cite=...)`)."""
 
     level: int
     index: int
     total: int
     text: str
     mode: str = "abstractive"
+    citations: tuple[Citation, ...] | None = None
 
 
 def summarize(
@@ -186,6 +398,8 @@ def summarize(
     extractive: bool = False,
     source: str | None = None,
     names: tuple[str, ...] | None = None,
+    cite: int = 0,
+    below: Sequence[tuple[str, Spans]] | None = None,
 ) -> Summary:
     """Summary of a stored document; hierarchical when it is segmented. Never a degenerate one.
 
@@ -201,15 +415,21 @@ def summarize(
     summaries, with nothing ingested). `names`: the names the final summary must cover (default: the
     whole document's most frequent, `summary_check.document_names`). `source`: the text an
     extractive fallback picks from (default: the cache's own). `on_text` is given the final summary
-    once it has passed the checks (one piece).
+    once it has passed the checks (one piece). `cite`: 0, or the number of passages a summary the
+    model wrote from the document cites; every summary, each part's (`PartialSummary.citations`)
+    and the final one (`Summary.citations`), then lists the passages of the document it came from
+    (module docstring). `below`: for the recursion (`summarize_part`).
     Returns the final summary (`Summary.mode` says how it was made).
     Raises:
         BudgetError: summaries that do not shrink (the recursion would never end).
-        InputError: extraction from a cache without token ids.
+        InputError: extraction from a cache without token ids; `cite` for a cache without token
+        offsets (before anything is summarized; `citations.check_citable`). UsageError: a negative `cite`.
     """
+    if below is None:
+        check_cite(stored, cite)
     if isinstance(stored, CompressedKVCache):
         final = summarize_part(engine, stored, prompt or read_prompt("summarize.txt"), max_new_tokens, sparse,
-                               extractive, source, names)  # fmt: skip
+                               extractive, source, names, cite, below)  # fmt: skip
         if on_text is not None:
             on_text(final.text)
         return final
@@ -219,13 +439,20 @@ def summarize(
             names = tuple(document_names("\n".join(part_text(engine, part) for part in stored.segments)))
         except InputError:
             names = None  # an old file without token ids
-    partials = []
+    partials, traced = [], []
     for j, part in enumerate(stored.segments):
-        written = summarize_part(engine, part, read_prompt("summarize.txt"), max_new_tokens, sparse, extractive)
+        written = summarize_part(engine, part, read_prompt("summarize.txt"), max_new_tokens, sparse, extractive,
+                                 cite=cite, below=below)  # fmt: skip
         partials.append(written.text)
-        on_partial(PartialSummary(level=level, index=j, total=n, text=written.text, mode=written.mode))
+        traced.append((written.text, written.spans))
+        on_partial(PartialSummary(level=level, index=j, total=n, text=written.text, mode=written.mode,
+                                  citations=written.citations))  # fmt: skip
     if extractive:
-        final = extracted("\n\n".join(partials), read_prompt("summarize_parts.txt"), names=names)
+        sentences = extracted_sentences("\n\n".join(partials), names)
+        final = extracted_summary(sentences, read_prompt("summarize_parts.txt"))
+        if cite:
+            final = with_citations(final, trace_sentences(sentences, "\n\n".join(partials),
+                                                          joined_map(traced, labeled=False)))  # fmt: skip
         if on_text is not None:
             on_text(final.text)
         return final
@@ -237,4 +464,5 @@ def summarize(
             "lower --max-new-tokens",
         )
     return summarize(engine, combined, cfg, max_new_tokens, sparse, on_partial, read_prompt("summarize_parts.txt"),
-                     level + 1, on_text, source="\n\n".join(partials), names=names)  # fmt: skip
+                     level + 1, on_text, source="\n\n".join(partials), names=names, cite=cite,
+                     below=traced)  # fmt: skip

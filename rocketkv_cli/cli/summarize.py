@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Annotated, Any, Optional
 
 import typer
 
 from ..errors import UsageError
-from .answers import AnswerPrinter, StreamOpt, resolve_format
+from .answers import AnswerPrinter, StreamOpt, resolve_format, where
 from .common import log, prefill_config, setup
 from .options import (
     BudgetOpt,
@@ -32,6 +33,18 @@ from .options import (
 from .remote import server_for, summarize_remote
 from .sources import DocumentReading, ModelChoice, ingest_in_memory, open_cache
 
+SummaryCiteOpt = Annotated[
+    bool,
+    typer.Option("--cite", help="After each part's summary and the final one, the source passages it came from "
+                                "(lines, characters; sorted by line)."),
+]  # fmt: skip
+SummaryPassagesOpt = Annotated[
+    int,
+    typer.Option("--passages", min=1, metavar="N",
+                 help="Passages cited by --cite for a summary the model wrote from the document (extracted "
+                      "sentences cite each sentence's lines)."),
+]  # fmt: skip
+
 
 def summarize_command(
     document: Annotated[
@@ -53,6 +66,8 @@ def summarize_command(
     extractive: Annotated[
         bool, typer.Option("--extractive", help="Extract the most central sentences; the model writes nothing.")
     ] = False,
+    cite: SummaryCiteOpt = False,
+    passages: SummaryPassagesOpt = 3,
     threads: ThreadsOpt = None,
     server: ServerOpt = None,
     no_server: NoServerOpt = False,
@@ -67,45 +82,79 @@ def summarize_command(
     reference; or not grounded in the text, or naming too few of its main names) is asked for once
     more in another framing, then replaced by the part's most central sentences, extracted verbatim;
     --json's `mode` says which ("abstractive", "abstractive-retry", "extractive") and `rejected`
-    why each output was rejected. With --cache, a running `rocketkv serve` summarizes.
+    why each output was rejected. --cite lists the source passages (line ranges) each summary came
+    from (docs/summaries.md, "Citations"). With --cache, a running `rocketkv serve` summarizes.
     """
     setup(quiet, threads)
     if (document is None) == (cache is None):
         raise UsageError("give either DOC or --cache FILE.kv", "e.g. rocketkv summarize book.txt")
-    fmt, stream = resolve_format("auto", json_out, stream, 1)
+    fmt, stream = resolve_format("auto", json_out, stream, 1, cite)
+    n_cite = passages if cite else 0
     cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens)
     choice = ModelChoice(model, device, dtype, weights, trust_remote_code)
     remote = server_for(server, no_server) if cache is not None else None
     partials: list[dict] = []
-    on_partial = partial_logger(partials)
+    on_partial = partial_logger(partials, cite)
+    final: Any  # a `Summary` here, its fields from a server
     if remote is not None and cache is not None:  # a server only with --cache
         source, t0 = str(cache), time.perf_counter()
         final = summarize_remote(remote, cache, {"max_new_tokens": max_new_tokens, "token_budget": budget,
-                                                 "dense": dense, "extractive": extractive, **choice.for_server()},
+                                                 "dense": dense, "extractive": extractive, "cite": n_cite,
+                                                 **choice.for_server()},
                                  on_partial)  # fmt: skip
     else:
         if cache is not None:
-            (rk, stored), source = open_cache(cache, choice), str(cache)
+            (rk, stored), source = open_cache(cache, choice, cite=n_cite), str(cache)  # refused before loading
         else:
             assert document is not None  # checked above: exactly one of DOC and --cache
             reading = DocumentReading(encoding, errors, segment_tokens)
             (rk, stored), source = ingest_in_memory(document, choice, cfg, reading), document
+        from ..api.summaries import summarize  # torch: only once the model is loaded
+
         t0 = time.perf_counter()
-        final = rk.summarize(stored, max_new_tokens=max_new_tokens, dense=dense, config=cfg, on_partial=on_partial,
-                             extractive=extractive)  # fmt: skip
+        final = summarize(rk.engine, stored, cfg, max_new_tokens, not dense, on_partial, extractive=extractive,
+                          cite=n_cite)  # as `rk.summarize`, with citations  # fmt: skip
     print_summary(final, source, time.perf_counter() - t0, partials, extractive, AnswerPrinter(fmt, stream))
 
 
-def partial_logger(partials: list[dict]) -> Callable[[Any], None]:
-    """`on_partial` for `RocketKV.summarize`: each partial summary logged on stderr and kept in
-    `partials` (for the `--json` record)."""
+def partial_logger(partials: list[dict], cite: bool = False) -> Callable[[Any], None]:
+    """`on_partial` for `RocketKV.summarize`: each partial summary logged on stderr (with its
+    "Sources:" when `cite`) and kept in `partials` (for the `--json` record, with `citations`)."""
 
     def on_partial(event) -> None:
-        partials.append({"level": event.level, "segment": event.index, "summary": event.text, "mode": event.mode})
+        record = {"level": event.level, "segment": event.index, "summary": event.text, "mode": event.mode}
+        citations = citations_of(event) if cite else None
+        if citations is not None:
+            record["citations"] = [citation_record(c) for c in citations]
+        partials.append(record)
         note = "" if event.mode == "abstractive" else f" [{event.mode}]"
         log(f"summary of part {event.index + 1}/{event.total} (level {event.level}){note}: {event.text}")
+        if citations is not None:
+            log(sources_text(citations).rstrip("\n"))
 
     return on_partial
+
+
+def citations_of(summary) -> list | None:
+    """The citations of a summary or partial-summary event: `Citation`s in this process, records
+    (dicts) from a server (as objects with the same fields); None when it has none."""
+    found = getattr(summary, "citations", None)
+    if found is None:
+        return None
+    return [SimpleNamespace(**c) if isinstance(c, dict) else c for c in found]
+
+
+def citation_record(c) -> dict:
+    """The `--json` record of a citation (`Citation.to_dict`'s keys: line numbers 1-based,
+    characters [start, end) of the source, weight 0–1 rounded to 4 places)."""
+    return {"start": c.start, "end": c.end, "line": c.first_line, "end_line": c.last_line,
+            "weight": round(c.weight, 4), "text": c.text}  # fmt: skip
+
+
+def sources_text(citations) -> str:
+    """Citations as `ask --cite` prints them under an answer ("Sources:" and one row each)."""
+    rows = [f"  [{i}] {where(c)} ({100 * c.weight:.0f}%): {c.text}\n" for i, c in enumerate(citations, 1)]
+    return "Sources:\n" + "".join(rows) if rows else "Sources: none\n"
 
 
 def print_summary(final, source: str, elapsed: float, partials: list[dict], extractive: bool,
@@ -116,6 +165,9 @@ def print_summary(final, source: str, elapsed: float, partials: list[dict], extr
     row = {"summary": final.text, "source": source, "n_answer_tokens": final.n_answer_tokens,
            "stop_reason": final.stop_reason, "summarize_s": round(elapsed, 3), "mode": mode,
            "rejected": list(getattr(final, "rejected", ()))}  # fmt: skip
+    citations = citations_of(final)
+    if citations is not None:
+        row["citations"] = [citation_record(c) for c in citations]
     if partials:
         row["partial_summaries"] = partials
     for reason in getattr(final, "rejected", ()):
@@ -124,5 +176,5 @@ def print_summary(final, source: str, elapsed: float, partials: list[dict], extr
         why = "--extractive" if extractive else "the model's output was rejected"
         log(f"summary: extracted sentences ({why})")
     printer.piece(final.text)
-    printer.finish(final.text, row)
+    printer.finish(final.text, row, citations)
     log(f"summarized in {elapsed:.1f}s ({final.n_answer_tokens} tokens, stop: {final.stop_reason})")

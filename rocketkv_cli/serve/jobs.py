@@ -310,27 +310,37 @@ class SummarizeRequest:
 
 def summarize_job(job: Job, warm: Warm, req: SummarizeRequest) -> None:
     """Summarize under the decode lock: a `partial` event per partial summary (segmented caches),
-    then `summary` (text, tokens, stop reason, mode, rejected)."""
+    then `summary` (text, tokens, stop reason, mode, rejected; with `cite`, each has `citations`,
+    unrounded weights, as `ask`'s events)."""
+    from ..api.summaries import summarize
     from ..core.config import PrefillConfig
 
     with warm.lock:
         job.check()
         rk, stored = _open(warm, req.ask)
+        cite = req.ask.options["cite"]  # checked by `_open`
+
+        def cited(summary) -> dict:
+            found = getattr(summary, "citations", None)
+            if not cite or found is None:
+                return {}
+            return {"citations": [{"start": c.start, "end": c.end, "first_line": c.first_line, "last_line": c.last_line,
+                                   "weight": c.weight, "text": c.text} for c in found]}  # fmt: skip
 
         def on_partial(event) -> None:
             job.check()
             job.emit({"event": "partial", "level": event.level, "index": event.index, "total": event.total,
-                      "text": event.text, "mode": event.mode})  # fmt: skip
+                      "text": event.text, "mode": event.mode, **cited(event)})  # fmt: skip
 
         try:
             cfg = PrefillConfig(token_budget=req.token_budget, max_new_tokens=req.max_new_tokens)
         except ValueError as exc:
             raise BadRequest(400, f"invalid option: {exc}", "UsageError") from None
-        final = rk.summarize(stored, max_new_tokens=req.max_new_tokens, dense=req.ask.options["dense"], config=cfg,
-                             on_partial=on_partial, extractive=req.extractive)  # fmt: skip
+        final = summarize(rk.engine, stored, cfg, req.max_new_tokens, not req.ask.options["dense"], on_partial,
+                          extractive=req.extractive, cite=cite)  # as `rk.summarize`, with citations  # fmt: skip
         job.emit({"event": "summary", "text": final.text, "n_answer_tokens": final.n_answer_tokens,
                   "stop_reason": final.stop_reason, "mode": getattr(final, "mode", "abstractive"),
-                  "rejected": list(getattr(final, "rejected", ()))})  # fmt: skip
+                  "rejected": list(getattr(final, "rejected", ())), **cited(final)})  # fmt: skip
 
 
 def ingest_job(job: Job, warm: Warm, req: IngestRequest) -> None:

@@ -160,3 +160,19 @@ def test__server__the_same_citations_as_in_process(rocketkv_bin, tiny_model_dir,
     assert all(r.returncode == 0 for r in local + remote), [r.stderr for r in local + remote]
     assert drop(remote[0].stdout) == drop(local[0].stdout) and drop(local[0].stdout)["citations"]
     assert remote[1].stdout == local[1].stdout and "\nSources:\n" in local[1].stdout
+
+
+def test__api_summarize__cite_gives_the_extracted_sentences_lines():
+    """The Python API takes `cite` as the CLI does: each extracted sentence of the summary lies in
+    the lines one of its citations names (checked against the document's own lines)."""
+    from conftest import make_engine
+
+    from rocketkv_cli.api.rocketkv import RocketKV
+
+    rk = RocketKV(make_engine("llama"))
+    cache = rk.ingest(text=HARBOR.read_text(), token_budget=128, max_new_tokens=8).cache
+    summary = rk.summarize(cache, max_new_tokens=8, extractive=True, cite=2)
+    assert summary.mode == "extractive" and summary.citations
+    for sentence in split_sentences(summary.text):
+        assert any(flat(sentence) in lines_of(c.first_line, c.last_line) for c in summary.citations), sentence
+    assert rk.summarize(cache, max_new_tokens=8, extractive=True).citations in (None, ())

@@ -289,15 +289,19 @@ class RocketKV:
         on_partial: Callable[[PartialSummary], None] = lambda event: None,
         on_text: TextCallback | None = None,
         extractive: bool = False,
+        cite: int = 0,
     ) -> Summary:
         """A summary of the cache's document; hierarchical for a segmented cache (each segment,
         then the summaries, ingested in memory with `config`); never a degenerate one (a
         `summaries.Summary`: its `mode` says whether the model wrote it or sentences were
         extracted; `extractive`: extract without the model writing). on_text(piece): the final
-        summary's text once it passed the checks. Raises BudgetError, InputError."""
+        summary's text once it passed the checks. cite: passages of the source to cite per
+        model-written part (`Summary.citations`, and each `PartialSummary`'s; extracted sentences
+        cite all their own lines; 0 = none). Raises BudgetError, InputError (`cite` for a cache
+        without token offsets)."""
         cfg = config or PrefillConfig(max_new_tokens=max_new_tokens)
         return summarize(self.engine, cache, cfg, max_new_tokens, not dense, on_partial, on_text=on_text,
-                         extractive=extractive)  # fmt: skip
+                         extractive=extractive, cite=cite)  # fmt: skip
 
 
 def _scratch_checkpoints() -> Checkpoints:

@@ -310,10 +310,12 @@ def test__preset_defaults__fill_only_the_fields_the_user_did_not_set():
                                 ["token_budget", "observation"])  # fmt: skip
     assert (kept.observation, kept.pool_kernel_size) == ("tail", 7)
     assert with_preset_defaults(base, "/some/model/dir", []) is base  # other models: the general defaults
-    assert with_preset_defaults(base, "gemma-3-270m", []) == dataclasses.replace(
-        base, store_budget="all"
-    )  # docs/frontier.md
-    assert smol.store_budget == "all" and with_preset_defaults(base, "gemma-3-270m", ["store_budget"]) == base
+    gemma = with_preset_defaults(base, "gemma-3-270m", [])  # docs/frontier.md's default rule
+    assert gemma == dataclasses.replace(base, store_budget="all", token_budget=1024)
+    assert smol.store_budget == "all" and smol.token_budget == 256  # the budget the user set stays
+    assert with_preset_defaults(base, "gemma-3-270m", ["store_budget", "token_budget"]) == base
+    small = with_preset_defaults(PrefillConfig(store_budget=512), "gemma-3-270m", ["store_budget"])
+    assert (small.store_budget, small.token_budget) == (512, 512)  # t=1024 would exceed the store: it gives way
 
 
 def test__preset_defaults__a_default_the_users_choice_rules_out_gives_way():

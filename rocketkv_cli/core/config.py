@@ -58,11 +58,12 @@ def default_kv_dtype(model_id: str) -> str:
 # frontier (docs/frontier.md, "Default rule"): the smallest file whose answers keep >= 98% of full
 # attention's score and >= 0.98 of its top-1 choices is, on both presets, every token stored
 # (`store_budget` "all": no question-agnostic pruning) with each question re-selecting its working
-# set of t's prompt budget by its own queries. The observation (SmolLM2: context reconstruction,
+# set of t's prompt budget by its own queries (t as the rule chose it: the faster decode step of those
+# that hold the bar, timed side by side). The observation (SmolLM2: context reconstruction,
 # docs/stage1-methods.md) scores tokens when a user asks for a smaller store (`--store-budget N`).
 PRESET_PREFILL_DEFAULTS: dict[str, dict[str, Any]] = {
     "smollm2-135m": {"observation": "reconstruct", "pool_kernel_size": 7, "store_budget": STORE_ALL},
-    "gemma-3-270m": {"store_budget": STORE_ALL},
+    "gemma-3-270m": {"store_budget": STORE_ALL, "token_budget": 1024},
 }
 
 

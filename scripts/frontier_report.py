@@ -197,7 +197,7 @@ def summarize(lines: list[dict], model: str, timing: dict | None = None) -> dict
     out.sort(key=lambda p: (-p["store"], ["exact", "hsa", "reselect"].index(p["mode"]), p["budget"] or 0))
     for p in out:
         p["passes"] = (p["share_of_full"] or 0) >= SCORE_BAR and (p["top1"] or 0) >= TOP1_BAR
-    passing = [p for p in out if p["passes"]]
+    passing = [p for p in out if p["passes"] and product_settings(p) is not None]  # only what `ingest` can make
     smallest = min((p["bytes_per_token"] for p in passing), default=None)
     cheapest = [p for p in passing if p["bytes_per_token"] == smallest]  # the smallest file; then the fastest step
     chosen = (
@@ -257,8 +257,8 @@ def render(results: dict[str, dict], quick: bool) -> str:
         lines += ["", "decode ms/token: " + (f"timed side by side in one process on {t['date']} (`--time`: {t['rounds']} rounds "
                   f"of 12 steps, {t['machine']['threads']} thread(s), median)" if t else "from the first sample, while "
                   "the report ran (noisy; `--time` times the points that hold the bar side by side)") + "."]  # fmt: skip
-        lines += ["", f"Default rule (score ≥ {SCORE_BAR:.0%} of full's and top-1 ≥ {TOP1_BAR:.2f}, smallest file, "
-                  f"then fastest decode): **{c['label'] if c else 'no point'}**"
+        lines += ["", f"Default rule (score ≥ {SCORE_BAR:.0%} of full's and top-1 ≥ {TOP1_BAR:.2f}, among the points "
+                  f"`ingest` can make; the smallest file, then the fastest decode): **{c['label'] if c else 'no point'}**"
                   + (f" ({c['bytes_per_token']:,.0f} bytes/token)" if c else "")
                   + (f", which is `ingest` with {_flags(product_settings(c))}." if product_settings(c) else "."),
                   ""]  # fmt: skip

@@ -271,3 +271,22 @@ def test__frontier_summary__solved_tasks_share_of_full_the_bar_and_the_tie_break
     assert slow["chosen"]["label"] == "everything · exact"
     assert mod.product_settings(s["chosen"]) == {"store_budget": "all", "token_budget": 512}
     assert mod.product_settings(by["50% · exact"]) is None and mod.product_settings(by["everything · hsa@256"]) is None
+
+
+@pytest.mark.parametrize("preset", ["smollm2-135m", "gemma-3-270m"])
+def test__preset_defaults__are_the_point_the_committed_frontier_chooses(preset):
+    """Defaults follow the measured frontier: the default rule applied to the committed results
+    (docs/bench/frontier-<preset>.jsonl, with its side-by-side timing) picks a point, and `ingest`'s
+    defaults for the preset are exactly that point's settings."""
+    from rocketkv_cli.core.config import with_preset_defaults
+    from rocketkv_cli.eval.reports import read_json, read_jsonl
+
+    mod = _frontier_module()
+    bench = ROOT / "docs" / "bench"
+    lines = read_jsonl(bench / f"frontier-{preset}.jsonl")
+    timed = bench / f"frontier-{preset}-timing.json"
+    summary = mod.summarize(lines, preset, read_json(timed) if timed.exists() else None)
+    settings = mod.product_settings(summary["chosen"])
+    assert settings is not None, summary["chosen"]
+    cfg = with_preset_defaults(PrefillConfig(), preset, [])
+    assert {k: getattr(cfg, k) for k in settings} == settings, (summary["chosen"]["label"], cfg)

@@ -62,7 +62,12 @@ def default_kv_dtype(model_id: str) -> str:
 # that hold the bar, timed side by side). The observation (SmolLM2: context reconstruction,
 # docs/stage1-methods.md) scores tokens when a user asks for a smaller store (`--store-budget N`).
 PRESET_PREFILL_DEFAULTS: dict[str, dict[str, Any]] = {
-    "smollm2-135m": {"observation": "reconstruct", "pool_kernel_size": 7, "store_budget": STORE_ALL},
+    "smollm2-135m": {
+        "observation": "reconstruct",
+        "pool_kernel_size": 7,
+        "store_budget": STORE_ALL,
+        "token_budget": 1024,
+    },
     "gemma-3-270m": {"store_budget": STORE_ALL, "token_budget": 1024},
 }
 

@@ -77,8 +77,10 @@ def _lines(info: dict) -> list[tuple[str, str]]:
          f"{n_full} full-attention layers" + (sliding if n_full < len(windows) else "")),
     ]  # fmt: skip
     if info["config"].get("store_budget") is not None and max(full_kept, default=0) > info["budgets"]["prompt_budget"]:
+        everything = info["config"]["store_budget"] == "all"
+        why = "store budget all: nothing pruned before the question, docs/frontier.md" if everything else "store budget"
         lines.append(("per question", f"re-selects {info['budgets']['prompt_budget']} of the kept tokens per KV head "
-                                      "(store budget)"))  # fmt: skip
+                                      f"with its own queries ({why})"))  # fmt: skip
     lines += [
         ("budgets", ", ".join(f"{k}={v}" for k, v in info["budgets"].items())),
         ("config", ", ".join(f"{k}={v}" for k, v in info["config"].items() if v is not None)),

@@ -192,3 +192,15 @@ def test__presets__the_default_cache_answers_as_the_full_cache(preset, needle_do
         got = [a.text for a in rk.ask(default, questions, max_new_tokens=24)]
         want = [a.text for a in rk.ask(full, questions, max_new_tokens=24, dense=True)]
         assert got == want, (preset, questions, got, want)
+
+
+def test__gemma_preset__ingest_without_options_uses_the_frontiers_point(rocketkv_bin, tmp_path):
+    """`rocketkv ingest DOC` with no options writes the point docs/frontier.md chose for the preset
+    (every token stored, t=1024 re-selected per question); `--budget` given by the user wins."""
+    doc = Path(__file__).parent / "data" / "harbor.txt"
+    for name, extra, budget in (("default", [], 1024), ("given", ["--budget", "256"], 256)):
+        kv = tmp_path / f"{name}.kv"
+        r = run(rocketkv_bin, "ingest", doc, "-o", kv, *extra)
+        assert r.returncode == 0, r.stderr[-2000:]
+        config = json.loads(run(rocketkv_bin, "inspect", kv, "--json").stdout)["config"]
+        assert (config["store_budget"], config["token_budget"]) == ("all", budget), config

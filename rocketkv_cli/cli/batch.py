@@ -77,7 +77,7 @@ def batch_command(
         ),
     ] = None,
     threads: Annotated[Optional[int], typer.Option(min=1, help="Torch threads per worker.")] = None,
-    budget: BudgetOpt = 512,
+    budget: BudgetOpt = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Answer length limit (the budget plans for it).")] = 128,
     summary_tokens: Annotated[int, typer.Option(min=1, help="Summary length limit in tokens.")] = 256,
     segment_tokens: SegmentTokensOpt = None,
@@ -103,8 +103,9 @@ def batch_command(
     folder = cache_dir if cache_dir is not None else manifest.with_name(_stem(manifest) + ".kv-cache")
     from ..core.config import default_kv_dtype, with_preset_defaults
 
+    given = ("max_new_tokens",) + (("token_budget",) if budget is not None else ())  # the model's own t otherwise
     cfg = with_preset_defaults(prefill_config(token_budget=budget, max_new_tokens=max_new_tokens),
-                               model or DEFAULT_MODEL, ("token_budget", "max_new_tokens"))  # fmt: skip
+                               model or DEFAULT_MODEL, given)  # fmt: skip
     try:
         settings = BatchSettings(model=model or DEFAULT_MODEL, device=device, dtype=dtype or "auto", config=cfg,
                                  storage=storage(kv_dtype or default_kv_dtype(model or DEFAULT_MODEL)),

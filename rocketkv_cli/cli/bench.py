@@ -13,7 +13,7 @@ from rich.console import Console
 
 from ..errors import InputError, UsageError
 from .common import default_kjv, err, load_engine, log, prefill_config, print_row, setup, steps_bar, storage
-from .options import BudgetOpt, DeviceOpt, DtypeOpt, KvDtypeOpt, ModelOpt, QuietOpt, WeightsOpt
+from .options import DeviceOpt, DtypeOpt, KvDtypeOpt, ModelOpt, QuietOpt, WeightsOpt
 
 if TYPE_CHECKING:
     from ..core.config import PrefillConfig
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 def bench(
     context_tokens: Annotated[str, typer.Option(help="Comma-separated document lengths in tokens.")] = "4096,8192",
-    budget: BudgetOpt = 512,
+    budget: Annotated[int, typer.Option("--budget", "-b", help="Token budget t per KV head per layer (tokens).")] = 512,
     source: Annotated[
         Optional[Path],
         typer.Option(

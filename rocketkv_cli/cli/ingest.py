@@ -33,7 +33,7 @@ def ingest_command(
     output: Annotated[  # text, not a Path: a trailing / (a directory) must not be lost
         Optional[str], typer.Option("--output", "-o", help="Cache file to write (default: DOC.kv, e.g. a.txt.kv).")
     ] = None,
-    budget: BudgetOpt = 512,
+    budget: BudgetOpt = None,
     max_new_tokens: Annotated[int, typer.Option(help="Answer length the budget plans for, in tokens.")] = 128,
     window_size: Annotated[int, typer.Option(help="Observation window W in tokens.")] = 32,
     pool_kernel_size: Annotated[

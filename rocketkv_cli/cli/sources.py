@@ -70,20 +70,23 @@ def open_cache(cache: Path, choice: ModelChoice, timings: Timings | None = None,
 
 
 def memory_config(budget: Optional[int], max_new_tokens: Optional[int]):
-    """The `PrefillConfig` of a DOC that `ask` or `chat` ingests in memory: budget 512 tokens and
-    answers planned at 128 tokens unless given. Raises UsageError for a bad value."""
+    """The `PrefillConfig` of a DOC that `ask` or `chat` ingests in memory: `ingest`'s budget
+    (`DEFAULT_TOKEN_BUDGET`, the model's own where measured) and answers planned at 128 tokens
+    unless given. Raises UsageError for a bad value."""
     return prefill_config(
         token_budget=DEFAULT_TOKEN_BUDGET if budget is None else budget,
         max_new_tokens=128 if max_new_tokens is None else max_new_tokens,
     )
 
 
-def ingest_in_memory(document: str, choice: ModelChoice, cfg, reading: DocumentReading):
-    """DOC (`-`: stdin) ingested in memory with `cfg` (a `PrefillConfig`) by the model loaded here.
+def ingest_in_memory(document: str, choice: ModelChoice, cfg, reading: DocumentReading,
+                     explicit: tuple[str, ...] = ("token_budget", "max_new_tokens")):  # fmt: skip
+    """DOC (`-`: stdin) ingested in memory with `cfg` (a `PrefillConfig`; the loaded model's
+    measured defaults fill the fields not in `explicit`) by the model loaded here.
     Returns (RocketKV, cache). Raises InputError for a bad document (before the model loads)."""
     stream = open_stream(document, reading.encoding, reading.errors)
     rk = load_engine(choice.model, choice.device, choice.dtype or "auto", choice.trust_remote_code, choice.weights)
-    return rk, ingest(rk, stream, cfg, segment_tokens=reading.segment_tokens).cache
+    return rk, ingest(rk, stream, cfg, segment_tokens=reading.segment_tokens, explicit=explicit).cache
 
 
 def open_source(document: Optional[str], cache: Optional[Path], choice: ModelChoice, budget: Optional[int],
@@ -99,5 +102,7 @@ def open_source(document: Optional[str], cache: Optional[Path], choice: ModelCho
         rk, stored = open_cache(cache, choice, timings, cite=options.get("cite", 0),
                                 segments=options.get("segments", 1), decode_options=decode)  # fmt: skip
         return rk, stored, str(cache)
-    rk, stored = ingest_in_memory(document, choice, memory_config(budget, options.get("max_new_tokens")), reading)
+    given = ("max_new_tokens",) + (("token_budget",) if budget is not None else ())  # else the model's own budget
+    rk, stored = ingest_in_memory(document, choice, memory_config(budget, options.get("max_new_tokens")), reading,
+                                  given)  # fmt: skip
     return rk, stored, document

@@ -221,6 +221,49 @@ def test__time_points__every_named_point_timed_and_an_unknown_one_refused(tmp_pa
         time_points(engine, cfg, sample, ["everything · hsa@9999"], tmp_path)
 
 
+def test__frontier_summary__solved_tasks_share_of_full_the_bar_and_the_tie_break_by_hand():
+    """The report's arithmetic on made-up results: only the task full attention solves counts for
+    the score; a point passes with ≥ 98% of full's score and top-1 ≥ 0.98; of the passing points
+    the smallest file wins, and between equal files the faster step of the side-by-side timing."""
+    mod = _script("frontier_report")
+
+    def rec(label, task, score, top1):
+        store, mode = label.split(" · ")
+        return {"label": label, "store_label": store, "store": 10 if store == "everything" else 5,
+                "mode": mode.split("@")[0], "budget": int(mode.split("@")[1]) if "@" in mode else None, "task": task,
+                "score": score, "top1_agreement": top1, "kl": None if top1 is None else 0.1,
+                "stored_tokens": 10 if store == "everything" else 5, "n_context_tokens": 10}  # fmt: skip
+
+    def row(i, a_scores):
+        full, resel, half, hsa = (
+            "everything · exact",
+            "everything · reselect@512",
+            "50% · exact",
+            "everything · hsa@256",
+        )
+        records = [rec(full, "A", 1.0, None), rec(full, "B", 0.0, None), rec(resel, "A", 1.0, 1.0),
+                   rec(resel, "B", 0.0, 1.0), rec(half, "A", a_scores, 0.99), rec(half, "B", 1.0, 0.99),
+                   rec(hsa, "A", 1.0, 0.9), rec(hsa, "B", 0.0, 0.9)]  # fmt: skip
+        stores = {"everything": {"tokens": 10, "file_bytes": 1000}, "50%": {"tokens": 5, "file_bytes": 500}}
+        return {"records": records, "stores": stores, "timing": {"n_context_tokens": 10, "total_s": 1.0}}
+
+    head = {"layers": [None, None], "n_kv_heads": 1, "head_dim": 4, "digest": "d"}
+    lines = [head, row(0, 1.0), row(1, 0.0)]
+    s = mod.summarize(lines, "tiny", {"decode_ms": {"everything · exact": 9.0, "everything · reselect@512": 4.0}})
+    by = {p["label"]: p for p in s["points"]}
+    assert s["solved"] == ["A"] and s["full_score"] == 1.0  # B: full scores 0, it says nothing about loss
+    assert by["50% · exact"]["share_of_full"] == 0.5 and not by["50% · exact"]["passes"]  # B's 1.0 does not count
+    assert by["everything · hsa@256"]["share_of_full"] == 1.0 and not by["everything · hsa@256"]["passes"]  # top-1
+    assert by["everything · reselect@512"]["passes"] and by["everything · exact"]["passes"]
+    assert by["everything · exact"]["bytes_per_token"] == 100 and by["50% · exact"]["bytes_per_token"] == 50
+    assert by["everything · exact"]["vs_bf16"] == 2 * 2 * 2 * 1 * 4 / 100  # K and V, 2 layers, 1 head, dim 4, bf16
+    assert s["chosen"]["label"] == "everything · reselect@512"  # same file as full, the faster step
+    slow = mod.summarize(lines, "tiny", {"decode_ms": {"everything · exact": 3.0, "everything · reselect@512": 4.0}})
+    assert slow["chosen"]["label"] == "everything · exact"
+    assert mod.product_settings(s["chosen"]) == {"store_budget": "all", "token_budget": 512}
+    assert mod.product_settings(by["50% · exact"]) is None and mod.product_settings(by["everything · hsa@256"]) is None
+
+
 @pytest.mark.parametrize("preset", ["smollm2-135m", "gemma-3-270m"])
 def test__preset_defaults__are_the_point_the_committed_frontier_chooses(preset):
     """Defaults follow the measured frontier: the default rule applied to the committed results

@@ -306,8 +306,8 @@ def test__default_weights__a_preset_default_applies_when_none_are_named(tiny_mod
     assert bf16_model.weights == "float"  # weight-only formats are for a float32 model
 
 
-@pytest.mark.parametrize("fmt, answer_with", [("float", None), ("head-bf16", None), ("bf16", None), ("int8", "int8"),
-                                               ("int4", "int4")])  # fmt: skip
+@pytest.mark.parametrize("fmt, answer_with", [("float", None), ("head-bf16", None), ("head-int4", None), ("bf16", None),
+                                               ("int8", "int8"), ("int4", "int4")])  # fmt: skip
 def test__decode_weights_for__integer_prefill_is_kept_float_and_bf16_take_the_default(tiny_model_dir, fmt,
                                                                                        answer_with):  # fmt: skip
     """A cache prefilled with integer weights is answered with them (they changed what stage 1
@@ -319,7 +319,7 @@ def test__decode_weights_for__integer_prefill_is_kept_float_and_bf16_take_the_de
 
     rk = RocketKV.load(str(tiny_model_dir), device="cpu", weights=fmt)
     cache = rk.engine.ingest(Document("word " * 200, "0" * 64, "doc"), PrefillConfig(token_budget=64))
-    assert cache.info.weights == ("float" if fmt == "head-bf16" else fmt)  # head-bf16 prefills as float does
+    assert cache.info.weights == ("float" if fmt.startswith("head-") else fmt)  # head-* prefill as float does
     assert decode_weights_for(cache) == answer_with
 
 

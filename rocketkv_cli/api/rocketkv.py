@@ -82,7 +82,8 @@ class RocketKV:
         """Load a model offline: a preset (`gemma-3-270m`, `smollm2-135m`), a Hugging Face model
         directory, a `.gguf` file or a hub id already in the local cache. device: cpu, cuda[:N]
         or auto; dtype: auto, float32, bfloat16 or float16; weights: float, head-bf16 (the LM
-        head alone), bf16, int8 or int4 (weight-only linears for CPU decode in a float32 model,
+        head alone), head-int4 (the LM head alone, greedy tokens certified equal to float's),
+        bf16, int8 or int4 (weight-only linears for CPU decode in a float32 model,
         `model/weights.py`), None: the
         model's measured default on a CPU (`core.config.default_weights`). Raises ModelLoadError."""
         loaded = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=log,

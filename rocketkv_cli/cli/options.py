@@ -72,7 +72,8 @@ def _check_weights(value: Optional[str]) -> Optional[str]:
 WeightsOpt = Annotated[
     Optional[str],
     typer.Option(callback=_check_weights, help="Weights for decode on CPU: float, head-bf16 (float layers, bfloat16 LM "
-                 "head ranking), bf16, int8 or int4 (int8/int4 also prefill). Default: the model's measured choice; "
+                 "head ranking), head-int4 (float layers, int4 LM head ranking, greedy tokens certified equal to "
+                 "float's), bf16, int8 or int4 (int8/int4 also prefill). Default: the model's measured choice; "
                  "ask: the cache's int8/int4."),
 ]  # fmt: skip
 

@@ -130,8 +130,8 @@ class CacheInfo:
     budgets in tokens (paper §3.6). pool_kernel_size: the kernel stage 1 used (the `auto` rule
     resolved). document_sha256/source: the document's bytes digest and where it came from.
     storage: how keys/values are stored (`auto` = as the model computed them). weights: the weight
-    format of the model that computed them ("float", "bf16", "int8", "int4"; `head-bf16`
-    prefills as float does and records "float").
+    format of the model that computed them ("float", "bf16", "int8", "int4"; `head-bf16` and
+    `head-int4` prefill as float does and record "float").
     format_version, rocketkv_version, created_at: set when read from (or written to) a file.
     """
 

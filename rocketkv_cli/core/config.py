@@ -23,7 +23,9 @@ DEFAULT_WINDOW_SIZE = 32
 DEFAULT_POOL_KERNEL_SIZE = 63
 DEFAULT_FIRST_TOKENS = 64  # docs/algorithm.md §2 step 5
 STORE_ALL = "all"  # a store budget that keeps every token (each question re-selects its working set from all)
-WEIGHT_FORMATS = ("float", "head-bf16", "bf16", "int8", "int4")  # decode weight formats (model/weights.py)
+WEIGHT_FORMATS = ("float", "head-bf16", "bf16", "int8", "int4", "head-int4")  # decode weight formats (model/weights.py)
+# the formats that convert the LM head alone: they prefill with the float model, so their caches record "float"
+HEAD_WEIGHT_FORMATS = ("head-bf16", "head-int4")
 # the weights a model loads with when none are named (`--weights`; `ask` on a cache: the cache's),
 # chosen by measurement (docs/performance.md, "Do the faster formats answer like float32?"): a
 # weight-only format only for a preset whose answers with it agree with the float32 model's on

@@ -64,7 +64,8 @@ def load_model(
     Args:
         model: preset name, directory, `.gguf` path, or a hub id already in the local HF cache.
         device: cpu, cuda[:N] or auto. dtype: auto (`resolve_dtype`), float32, bfloat16 or float16.
-        weights: "float" (as loaded), "head-bf16" (the LM head alone), or weight-only "bf16",
+        weights: "float" (as loaded), "head-bf16" or "head-int4" (the LM head alone; head-int4's
+            greedy tokens are certified to be float's), or weight-only "bf16",
             "int8" or "int4" linears (CPU; `model.weights`; the model stays float32 under `auto`).
             None: the model's measured default (`core.config.default_weights`) for a float32
             model on the CPU, else "float".

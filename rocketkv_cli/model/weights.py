@@ -12,14 +12,17 @@ output returned in the model's dtype, so a float32 model keeps float32 everywher
 residual stream, attention, softmax). `bf16` keeps the float weights too and prefills with
 them: it changes decode steps only (`decode_step`). `head-bf16` converts the LM head alone,
 as `bf16` does, and keeps every decoder linear in float (Gemma 3 270M's default: its head is
-most of its weights). Embeddings are kept as they are (a lookup reads one row; a tied LM head is
-untied, and its top logits are recomputed in float: `RefinedHead`).
+most of its weights). `head-int4` ranks with an int4 copy of the head instead (a quarter of
+bf16's bytes) and certifies each greedy token to be the float head's (`CertifiedHead`).
+Embeddings are kept as they are (a lookup reads one row; a tied LM head is untied, and its top
+logits are recomputed in float: `RefinedHead`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -191,23 +194,34 @@ class Int4Linear(_PackedLinear):
     def fits(cls, linear: nn.Linear) -> bool:
         return linear.in_features % cls.GROUP == 0 and linear.out_features % 16 == 0
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+        """quantized: `quantize(linear.weight)` when the caller has it (it takes seconds on a big head)."""
         super().__init__(linear)
         if not self.fits(linear):
             raise ValueError(f"int4 needs in_features % {self.GROUP} == 0 and out_features % 16 == 0, "
                              f"got [{linear.out_features}, {linear.in_features}]")  # fmt: skip
         w = linear.weight.detach().float()  # [out, in]
         out, k = w.shape
-        groups = w.view(out, k // self.GROUP, self.GROUP)  # [out, G, GROUP]
-        lo, hi = groups.amin(-1), groups.amax(-1)  # [out, G]
-        scale = ((hi - lo) / 15).clamp_min(1e-8).bfloat16().float()
-        zero = (lo + 8 * scale).bfloat16().float()
-        codes = (torch.round((groups - zero[..., None]) / scale[..., None]) + 8).clamp_(0, 15)
+        codes, scale, zero = quantized or self.quantize(w)
         self.weight_int4: torch.Tensor
         self.scales_zeros: torch.Tensor
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.view(out, k).to(torch.int32), 1)
         self.register_buffer("weight_int4", packed)  # [out, in / 2] uint8, the kernel's layout
         self.register_buffer("scales_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous().bfloat16())
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The codes `[out, in / GROUP, GROUP]` (float, 0–15), scales and zeros `[out, in / GROUP]`
+        (float32 holding bfloat16 values) of float32 weights `w` `[out, in]`, as stored: each row
+        on its own, so a slice of rows gets the rows' own codes (`CertifiedHead` re-derives them
+        in slices). Ŵ = (code − 8) · scale + zero."""
+        out, k = w.shape
+        groups = w.view(out, k // cls.GROUP, cls.GROUP)  # [out, G, GROUP]
+        lo, hi = groups.amin(-1), groups.amax(-1)  # [out, G]
+        scale = ((hi - lo) / 15).clamp_min(1e-8).bfloat16().float()
+        zero = (lo + 8 * scale).bfloat16().float()
+        codes = (torch.round((groups - zero[..., None]) / scale[..., None]) + 8).clamp_(0, 15)
+        return codes, scale, zero
 
     def _product(self, flat: torch.Tensor) -> torch.Tensor:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.to(torch.bfloat16), self.weight_int4, self.GROUP,
@@ -248,10 +262,182 @@ class RefinedHead(nn.Module):
             return F.linear(xf, self.float_weight.float(), bias)
         y = self.approx(x).float()  # [..., V]
         idx = y.topk(min(self.TOPK, y.shape[-1]), dim=-1).indices  # [..., k]
+        return y.scatter(-1, idx, self._exact(xf, idx))
+
+    def _exact(self, xf: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """The float head's logits `[..., k]` of rows `idx` `[..., k]` for inputs `xf` `[..., H]`
+        (float32; equal to `F.linear`'s up to summation order)."""
         exact = (self.float_weight[idx].float() @ xf.unsqueeze(-1)).squeeze(-1)  # [..., k]
         if self.float_bias is not None:
             exact = exact + self.float_bias[idx].float()
-        return y.scatter(-1, idx, exact)
+        return exact
+
+
+_U_BF16 = 2.0**-8  # unit roundoff of bfloat16 (8 significant bits, round to nearest)
+_U_F32 = 2.0**-24
+_C_OUT = _U_BF16 + 2.0**-20  # the int4 head's output rounding, per |logit| (derivation: CertifiedHead)
+_MARGIN = 1 + 2.0**-20  # covers the float32 rounding of the bound's own arithmetic
+
+
+def _gamma(n: int) -> float:
+    """γₙ = n·u / (1 − n·u), u = 2⁻²⁴: a float32 sum of n terms, in any order, is within γₙ·Σ|terms|."""
+    return n * _U_F32 / (1 - n * _U_F32)
+
+
+def _int4_row_bounds(weight: torch.Tensor, quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                     rows_per_chunk: int = 16384) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Per-row coefficients `[V]` (float32, rounded up) of `CertifiedHead`'s error bound for the
+    float weights `weight` `[V, H]` stored by `Int4Linear` as `quantized` (`Int4Linear.quantize`'s
+    codes, scales and zeros): a_r = ‖e_r‖₂ + γ_{H+1}(1 + u)‖Ŵ_r‖₂ (the coefficient of ‖x̃‖₂) and
+    n_r = ‖W_r‖₂ (of ‖x̃ − x‖₂), where e_ri = |Ŵ_ri − W_ri| + u|Ŵ_ri|, Ŵ = (code − 8)·s + z and
+    u = 2⁻⁸: whether the kernel dequantizes in float32 or rounds Ŵ to bfloat16, its weight is
+    within u|Ŵ_ri| of Ŵ_ri. Computed in float32, `rows_per_chunk` rows at a time: (code − 8)·s is
+    exact (4 × 8 significant bits), adding z rounds once (Ŵ' = Ŵ(1 + δ), |δ| ≤ 2⁻²⁴, covered by
+    2⁻²¹|Ŵ'| more in e), and each sum of H squares is within γ_{H+2} of itself, so every norm
+    is multiplied by 1 + 4γ_{H+2} (Higham §3.1)."""
+    n_rows, h = weight.shape
+    codes, scale, zero = quantized  # [V, G, GROUP], [V, G], [V, G]
+    gamma = _gamma(h + 1)
+    up = 1 + 4 * _gamma(h + 2)
+    a, n = torch.empty(n_rows), torch.empty(n_rows)
+    for start in range(0, n_rows, rows_per_chunk):
+        part = slice(start, start + rows_per_chunk)
+        w = weight[part].float()  # [c, H]
+        deq = ((codes[part] - 8) * scale[part][..., None] + zero[part][..., None]).view(w.shape)  # Ŵ' [c, H]
+        e = (deq - w).abs() + (_U_BF16 + 2.0**-21) * deq.abs()  # [c, H]
+        a[part] = (e.norm(dim=1) + gamma * (1 + _U_BF16) * (1 + 2.0**-21) * deq.norm(dim=1)) * up
+        n[part] = w.norm(dim=1) * up
+    return a, n
+
+
+class CertifiedHead(RefinedHead):
+    """An LM head ranked with `Int4Linear` whose greedy token is certified to be the float head's.
+
+    In `decode_step()`, each position's logits `[V]` come from the int4 copy (ẑ), the top `TOPK`
+    are recomputed in float32 (z̄, as `RefinedHead`), and a bound on the int4 copy's error proves
+    that no other row can hold the largest float logit; where it cannot, the rows the bound
+    leaves in doubt are recomputed too, and where those are too many (over `V / 16`) or the top
+    two are within float32 rounding of each other, the position takes the float head whole
+    (`F.linear`). `positions` counts the three outcomes ("topk", "widened", "float"). Outside
+    decode steps, the float head whole. Returns float32 logits `[..., V]`.
+
+    The bound. z_r = W_r·x + b_r is the float logit in exact arithmetic (x float32 `[H]`); the
+    int4 head computes ẑ_r = fl₃₂(bf16(y_r) + b_r), y_r the kernel's float32 sum of Ŵ'_ri·x̃_i,
+    x̃ = bf16(x), Ŵ' its dequantized weights (within u|Ŵ| of Ŵ = (code − 8)·s + z; u = 2⁻⁸).
+    z_r − ẑ_r = (W_r − Ŵ'_r)·x̃ + W_r·(x − x̃) + (Ŵ'_r·x̃ − y_r) + (y_r + b_r − ẑ_r), and by
+    Cauchy–Schwarz and the standard rounding bounds (Higham, Accuracy and Stability of
+    Numerical Algorithms, §3.1):
+      |(W_r − Ŵ'_r)·x̃| ≤ ‖e_r‖₂‖x̃‖₂ with e_ri = |Ŵ_ri − W_ri| + u|Ŵ_ri| ≥ |Ŵ'_ri − W_ri|;
+      |W_r·(x − x̃)| ≤ ‖W_r‖₂‖x − x̃‖₂ (x − x̃ is exact in float32);
+      |Ŵ'_r·x̃ − y_r| ≤ γ_{H+1} Σ|Ŵ'_ri x̃_i| ≤ γ_{H+1}(1 + u)‖Ŵ_r‖₂‖x̃‖₂, γₙ = n·2⁻²⁴/(1 − n·2⁻²⁴);
+      |y_r + b_r − ẑ_r| ≤ u(1 + 2⁻²⁴)|ẑ_r| + u|b_r| + 2·2⁻²⁴|ẑ_r| ≤ c(|ẑ_r| + b_max), c = u + 2⁻²²
+      (the bfloat16 output: |bf16(y) − y| ≤ u|bf16(y)|; then the float32 bias sum).
+    So z_r ≤ U_r = g(ẑ_r) + a_r‖x̃‖₂ + n_r‖x̃ − x‖₂, g(t) = t + c(|t| + b_max) increasing, with
+    the per-row a_r, n_r of `_int4_row_bounds` (computed once; 8 bytes per row). Evaluated in
+    float32 with a 2⁻²⁰ relative margin for its own rounding (`_C_OUT`, `_MARGIN`).
+    The recomputed logits: |z̄_s − z_s| ≤ ε = γ_{H+1}(max_r‖W_r‖₂‖x‖₂ + b_max), for any float32
+    summation order — `F.linear`'s too.
+
+    The certificate. X = the rows recomputed, t = argmax over X of z̄. If z̄_t − z̄_s > 4ε for
+    every other s in X and U_r < z̄_t − 3ε for every r outside X, then z_t − z_r > 2ε for every
+    r ≠ t: every float32 evaluation of the float head picks t, so the greedy token is the float
+    head's. X starts as the approximate top `TOPK`; the rows with U_r ≥ z̄_t − 3ε (found with
+    one pass over ẑ against g⁻¹ of the largest bound, then U_r on those) join it; the maximum
+    over X can only grow, so the condition still holds outside. The bound is a worst case
+    (Cauchy–Schwarz aligns the error with x); on Gemma 3 270M it is ~10 where the int4 copy's
+    real error is ≤ 2, so a global bound (one number per step, the brief's first design)
+    certified 0.35% of positions of real text and the per-row one with widening almost all
+    (docs/performance.md).
+    """
+
+    TOPK = 64
+    WIDEN_FRACTION = 16  # at most V / 16 rows recomputed beyond TOPK, else the float head (cheaper past that)
+
+    def __init__(self, approx: Int4Linear, weight: torch.Tensor, bias: torch.Tensor | None,
+                 quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):  # fmt: skip
+        """approx: the int4 copy of the head `[V, H]` whose float weights are `weight` (and
+        `bias` `[V]`); quantized: `Int4Linear.quantize(weight)` when the caller has it (saves
+        its time: 4 s on Gemma's head)."""
+        super().__init__(approx, weight, bias)
+        n_rows, h = weight.shape
+        self.x_coef: torch.Tensor
+        self.d_coef: torch.Tensor
+        x_coef, d_coef = _int4_row_bounds(weight.detach(), quantized or Int4Linear.quantize(weight.detach().float()))
+        self.register_buffer("x_coef", x_coef)  # [V], a_r
+        self.register_buffer("d_coef", d_coef)  # [V], n_r
+        self.x_coef_max, self.d_coef_max = float(x_coef.max()), float(d_coef.max())
+        self.b_max = 0.0 if bias is None else float(bias.detach().abs().max())
+        self.gamma = _gamma(h + 1)
+        self.positions: dict[str, int] = {"topk": 0, "widened": 0, "float": 0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        if not _DECODE_STEP.get():
+            return self._float_head(xf)  # [..., V], exact
+        flat = xf.reshape(-1, xf.shape[-1])  # [N, H]
+        y = self.approx(x).float().reshape(flat.shape[0], -1)  # [N, V]
+        idx = y.topk(min(self.TOPK, y.shape[-1]), dim=-1).indices  # [N, k]
+        out = y.scatter(-1, idx, self._exact(flat, idx))  # [N, V]
+        for n in range(flat.shape[0]):
+            self.positions[self._certify(flat[n], y[n], idx[n], out[n])] += 1
+        return out.view(*x.shape[:-1], -1)
+
+    def _float_head(self, xf: torch.Tensor) -> torch.Tensor:
+        bias = None if self.float_bias is None else self.float_bias.float()
+        return F.linear(xf, self.float_weight.float(), bias)
+
+    def _certify(self, x: torch.Tensor, y: torch.Tensor, top: torch.Tensor, out: torch.Tensor) -> str:
+        """Certify one position (x `[H]`, its int4 logits y `[V]`, top `[k]` already recomputed in
+        `out` `[V]`); recompute more rows of `out`, or all of it, until certified. Returns the outcome."""
+        norm_rounded, norm_diff = (float(n) for n in self._norms(x))
+        eps = self.gamma * (self.d_coef_max * float(x.double().norm()) + self.b_max)
+        threshold = float(out[top].max()) - 3 * eps
+        widest = (self.x_coef_max * norm_rounded + self.d_coef_max * norm_diff) * _MARGIN**4  # ≥ error_bound's, rounded
+        if not math.isfinite(threshold - widest):  # inf or NaN in x: nothing to certify
+            out.copy_(self._float_head(x))
+            return "float"
+        lowest = self._below(threshold - widest - _C_OUT * self.b_max)
+        doubt = (y >= lowest).nonzero().squeeze(1)  # [m], a superset of the rows with U_r ≥ threshold
+        doubt = doubt[~torch.isin(doubt, top)]
+        upper = y[doubt] + self.error_bound(x, y[doubt], doubt)  # [m]
+        widen = doubt[upper >= threshold]  # [w]
+        if len(widen) > max(self.TOPK, len(y) // self.WIDEN_FRACTION):
+            out.copy_(self._float_head(x))
+            return "float"
+        if len(widen):
+            out[widen] = self._exact(x[None], widen[None])[0]
+        recomputed = out[torch.cat([top, widen])]
+        if len(recomputed) > 1:
+            first, second = recomputed.topk(2).values.tolist()
+            if first - second <= 4 * eps:  # a near-tie float32 rounding could break either way
+                out.copy_(self._float_head(x))
+                return "float"
+        return "widened" if len(widen) else "topk"
+
+    def error_bound(self, x: torch.Tensor, approx: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """A bound `[..., V]` (or `[..., m]` for `rows` `[m]`) on |z_r − ẑ_r|, the float head's
+        logit of row r for input x `[..., H]` against the int4 copy's `approx` (ẑ, float32,
+        `[..., V]` or `[..., m]`): c(|ẑ_r| + b_max) + a_r‖x̃‖₂ + n_r‖x̃ − x‖₂ (class docstring), in
+        float32, rounded up."""
+        norm_rounded, norm_diff = (n[..., None] for n in self._norms(x))  # [..., 1] each
+        x_coef = self.x_coef if rows is None else self.x_coef[rows]
+        d_coef = self.d_coef if rows is None else self.d_coef[rows]
+        return _C_OUT * (approx.abs() + self.b_max) + (x_coef * norm_rounded + d_coef * norm_diff) * _MARGIN
+
+    @staticmethod
+    def _norms(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """‖x̃‖₂ and ‖x̃ − x‖₂ `[...]` (float32, from float64) for x `[..., H]`, x̃ = bf16(x) as the
+        int4 kernel takes it (x − x̃ is exact)."""
+        x64 = x.double()
+        rounded = x.bfloat16().double()
+        return rounded.norm(dim=-1).float(), (rounded - x64).norm(dim=-1).float()
+
+    @staticmethod
+    def _below(target: float) -> float:
+        """A t with h(t') < target for every t' < t, h(t) = t + c|t| (c = `_C_OUT`; increasing):
+        h⁻¹(target), lowered by more than its float rounding."""
+        t = target / (1 + _C_OUT) if target >= 0 else target / (1 - _C_OUT)
+        return t - 2.0**-20 * (abs(t) + 1)
 
 
 def quantize_weights(model: Any, weight_format: str) -> int:
@@ -262,7 +448,9 @@ def quantize_weights(model: Any, weight_format: str) -> int:
     `head-bf16` converts the LM head alone (`Bf16Linear` in a `RefinedHead`): the decoder keeps
     its float weights, and a decode step ranks the vocabulary with the head's bfloat16 copy and
     recomputes the top `RefinedHead.TOPK` logits in float (on Gemma 3 270M the head is 168M of
-    its 268M parameters: 671 of the 1,070 MB a float32 step reads).
+    its 268M parameters: 671 of the 1,070 MB a float32 step reads). `head-int4` does the same with
+    an `Int4Linear` copy in a `CertifiedHead` (greedy tokens proven to be the float head's); a
+    head whose shape the int4 kernel cannot pack (`Int4Linear.fits`) stays float (returns 0).
 
     Returns the number of layers converted. Raises ValueError: an unknown format, a weight-only
     format on a GPU (use `--dtype bfloat16` there), or int4 on a torch without its CPU kernel.
@@ -279,8 +467,14 @@ def quantize_weights(model: Any, weight_format: str) -> int:
             return 0
         model.lm_head = RefinedHead(Bf16Linear(head), head.weight, head.bias)
         return 1
-    if weight_format == "int4" and not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+    if weight_format in ("int4", "head-int4") and not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         raise ValueError(f"int4 weights need torch's CPU int4 kernel (torch 2.6 or newer; this is {torch.__version__})")
+    if weight_format == "head-int4":  # the decoder keeps its float linears; the head ranks in int4, certified
+        if not isinstance(head, nn.Linear) or not Int4Linear.fits(head):
+            return 0
+        quantized = Int4Linear.quantize(head.weight.detach().float())
+        model.lm_head = CertifiedHead(Int4Linear(head, quantized), head.weight, head.bias, quantized)
+        return 1
 
     def convert(linear: nn.Linear) -> nn.Module | None:
         if weight_format == "bf16":

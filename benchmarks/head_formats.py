@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from rocketkv_cli.eval.reports import write_json
-from rocketkv_cli.model.weights import Bf16Linear, CertifiedHead, Int4Linear, RefinedHead, decode_step
+from rocketkv_cli.model.weights import Bf16Linear, CertifiedHead, RefinedHead, decode_step
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TEXT = Path("/work/shared/data/gpl-3.txt")
@@ -65,11 +65,10 @@ def hidden_states(smoke: bool, text: Path, positions: int) -> tuple[str, nn.Line
 def heads(float_head: nn.Linear) -> dict[str, nn.Module]:
     """The three heads over `float_head`'s weights (the tied embedding: no float copy)."""
     weight, bias = float_head.weight, float_head.bias
-    quantized = Int4Linear.quantize(weight.detach().float())
     return {
         "float": float_head,
         "head-bf16": RefinedHead(Bf16Linear(float_head), weight, bias),
-        "head-int4": CertifiedHead(Int4Linear(float_head, quantized), weight, bias, quantized),
+        "head-int4": CertifiedHead(float_head),
     }
 
 

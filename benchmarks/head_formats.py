@@ -62,14 +62,18 @@ def hidden_states(smoke: bool, text: Path, positions: int) -> tuple[str, nn.Line
     return name, model.lm_head, hidden
 
 
-def heads(float_head: nn.Linear) -> dict[str, nn.Module]:
-    """The three heads over `float_head`'s weights (the tied embedding: no float copy)."""
-    weight, bias = float_head.weight, float_head.bias
-    return {
-        "float": float_head,
-        "head-bf16": RefinedHead(Bf16Linear(float_head), weight, bias),
-        "head-int4": CertifiedHead(float_head),
-    }
+def heads(float_head: nn.Linear) -> tuple[dict[str, nn.Module], dict[str, float]]:
+    """The three heads over `float_head`'s weights (the tied embedding: no float copy), and the
+    seconds each took to build (what `--weights` adds to a model's load)."""
+    build = {"float": lambda: float_head, "head-bf16": lambda: RefinedHead(Bf16Linear(float_head), float_head.weight,
+                                                                          float_head.bias),
+             "head-int4": lambda: CertifiedHead(float_head)}  # fmt: skip
+    formats, seconds = {}, {}
+    for name, make in build.items():
+        start = time.perf_counter()
+        formats[name] = make()
+        seconds[name] = time.perf_counter() - start
+    return formats, seconds
 
 
 def time_heads(formats: dict[str, nn.Module], hidden: torch.Tensor, steps: int) -> dict[str, dict[str, float]]:
@@ -124,10 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     positions, steps = (64, 10) if args.smoke else (args.positions, args.steps)
     name, float_head, hidden = hidden_states(args.smoke, args.text, positions)
-    formats = heads(float_head)
+    formats, build_s = heads(float_head)
     result: dict[str, Any] = {"model": name, "text": args.text.name, "threads": args.threads, "steps_timed": steps,
                               "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-                              "commit": commit()}  # fmt: skip
+                              "commit": commit(), "build_s": build_s}  # fmt: skip
     result["ms_per_step"] = time_heads(formats, hidden, steps)
     result.update(greedy_agreement(formats, hidden))
     base = result["ms_per_step"]["float"]["median_ms"]

@@ -25,6 +25,7 @@ from pathlib import Path
 from ..core.cache import AnyCache, CompressedKVCache, SegmentedKVCache
 from ..core.config import (
     DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_SUMMARY_WRITE_FROM,
     AttentionChoice,
     PrefillConfig,
     default_kv_dtype,
@@ -291,6 +292,7 @@ class RocketKV:
         on_text: TextCallback | None = None,
         extractive: bool = False,
         cite: int = 0,
+        write_from: str = DEFAULT_SUMMARY_WRITE_FROM,
     ) -> Summary:
         """A summary of the cache's document; hierarchical for a segmented cache (each segment,
         then the summaries, ingested in memory with `config`); never a degenerate one (a
@@ -298,11 +300,13 @@ class RocketKV:
         extracted; `extractive`: extract without the model writing). on_text(piece): the final
         summary's text once it passed the checks. cite: passages of the source to cite per
         model-written part (`Summary.citations`, and each `PartialSummary`'s; extracted sentences
-        cite all their own lines; 0 = none). Raises BudgetError, InputError (`cite` for a cache
-        without token offsets)."""
+        cite all their own lines; 0 = none). write_from: "sentences" (the model writes from each
+        part's key sentences: extract, then write) or "document" (from the stored part itself;
+        `summaries` module docstring). Raises BudgetError, InputError (`cite` for a cache without
+        token offsets), UsageError (an unknown `write_from`)."""
         cfg = config or PrefillConfig(max_new_tokens=max_new_tokens)
         return summarize(self.engine, cache, cfg, max_new_tokens, not dense, on_partial, on_text=on_text,
-                         extractive=extractive, cite=cite)  # fmt: skip
+                         extractive=extractive, cite=cite, write_from=write_from)  # fmt: skip
 
 
 def _scratch_checkpoints() -> Checkpoints:

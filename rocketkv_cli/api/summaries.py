@@ -6,12 +6,19 @@ in another framing when the result fails the summary check (`rejection_reasons`:
 not grounded in the part's text, or naming too few of its main names), and the part's most
 central sentences are extracted when that fails too.
 
-Modes (`Summary.mode`): "abstractive" (the first framing's text, unchanged), "abstractive-retry"
-(`prompts/summarize_retry.txt` asked as a question in the cache's question framing: for the base
-model, which is first asked to continue the document after "Summary:", this is the question
-framing; for a chat model, a reworded request) and "extractive" (`summary_check.extract_sentences`
-over the part's text, decoded from its stored token ids). `summarize` runs it for every
-part and for the final condensation. No printing here.
+What the model writes from (`write_from`, one of WRITE_FROM): "sentences" (extract, then write:
+the part's most central sentences, `summary_check.extract_sentences`, become a short document of
+their own, ingested in memory with every token stored, and the model summarizes that: a tiny
+model writes best from a short context; `summarize_text`) or "document" (the model attends the
+stored part itself, every token of up to a segment, as `ask` does).
+
+Modes (`Summary.mode`): "written" and "written-retry" (the model's text from the key sentences,
+in the first or the retry framing), "abstractive" (from the stored part, the first framing's
+text, unchanged), "abstractive-retry" (`prompts/summarize_retry.txt` asked as a question in the
+cache's question framing: for the base model, which is first asked to continue the document
+after "Summary:", this is the question framing; for a chat model, a reworded request) and
+"extractive" (`summary_check.extract_sentences` over the part's text, decoded from its stored
+token ids). `summarize` runs it for every part and for the final condensation. No printing here.
 
 Citations (`summarize(cite=N)`, `summarize --cite`): every summary (each part's and the final one)
 lists the passages of the source document it came from, as `api.citations.Citation`s sorted by
@@ -23,6 +30,8 @@ line (`Summary.citations`, `PartialSummary.citations`):
   the passages of the part summary it came from. Every sentence is cited (N does not apply).
 - a summary the model wrote from a stored part of the document cites the N passages its
   generation attended to most, as `ask --cite` does (`engine/attribution.py`, `citations.cite`).
+- a summary the model wrote from key sentences cites the passages those sentences came from
+  (as the extracted sentences would; N does not apply).
 - a summary the model wrote from joined summaries (a condensation) is not attended over the
   document, so it cites the passages of the part summaries it was written from (of the parts
   whose text its stored part holds).
@@ -40,20 +49,21 @@ from dataclasses import dataclass, field
 from functools import cache
 
 from ..core.cache import CompressedKVCache, SegmentedKVCache
-from ..core.config import PrefillConfig
+from ..core.config import DEFAULT_SUMMARY_WRITE_FROM, STORE_ALL, SUMMARY_WRITE_FROM, PrefillConfig
 from ..engine.answer import Answer, Answerer, TextCallback, answer, decode_config_for
 from ..engine.engine import Engine
 from ..engine.inputs import Document, tokenize
-from ..errors import BudgetError, InputError
+from ..errors import BudgetError, InputError, UsageError
 from ..model.templates import read_prompt
 from .checks import check_cite
 from .citations import Citation, citer
-from .documents import TextPieces
-from .segments import ingest_stream
+from .documents import TextPieces, segment_texts
+from .segments import SEGMENT_SLACK_TOKENS, frame_tokens, ingest_stream, segment_limit
 from .summary_check import coverage, degenerate_reasons, document_names, extract_sentences, grounding
 
 SUMMARY_STOP_STRINGS = ("\n\n\n",)  # summaries are paragraphs: only a long gap ends one early
-MODES = ("abstractive", "abstractive-retry", "extractive")
+MODES = ("written", "written-retry", "abstractive", "abstractive-retry", "extractive")
+WRITE_FROM, DEFAULT_WRITE_FROM = SUMMARY_WRITE_FROM, DEFAULT_SUMMARY_WRITE_FROM  # module docstring
 PROMPT_FILES = ("summarize.txt", "summarize_parts.txt", "summarize_plain.txt", "summarize_retry.txt",
                 "plain.txt", "chat.txt")  # fmt: skip
 EXTRACTED_STOP_REASON = "extracted"
@@ -290,6 +300,52 @@ def _write(engine: Engine, part: CompressedKVCache, prompt: str, max_new_tokens:
     return next(answer(engine, part, [prompt], max_new_tokens, decode, stop_strings=stops, cite=citing))
 
 
+def write_from_sentences(engine: Engine, sentences: Sequence[str], prompt: str, max_new_tokens: int,
+                         retry: bool) -> Answer:  # fmt: skip
+    """The model's summary written from `sentences` alone: joined one per line into a short
+    document, ingested in memory with every token stored (`STORE_ALL`), and asked for as `_write`
+    asks a stored part (the first framing, or the retry framing when `retry`), attending it exactly.
+
+    Raises:
+        BudgetError: sentences that do not fit one segment (never for `extract_sentences`' at most
+        ten sentences of at most 60 words).
+    """
+    cfg = PrefillConfig(max_new_tokens=max_new_tokens, store_budget=STORE_ALL)
+    short = ingest_stream(engine, TextPieces("\n".join(sentences), "key sentences"), cfg)
+    if not isinstance(short, CompressedKVCache):
+        raise BudgetError(f"the {len(sentences)} key sentences do not fit one segment", "use --extractive")
+    return _write(engine, short, prompt, max_new_tokens, sparse=False, retry=retry)
+
+
+def summarize_text(engine: Engine, text: str, prompt: str, max_new_tokens: int, names: tuple[str, ...] | None = None,
+                   trace: SourceMap | None = None) -> Summary:  # fmt: skip
+    """Extract, then write: the summary of `text` the model writes from its key sentences
+    (`extracted_sentences(text, names)`, `write_from_sentences`) in the first framing ("written"),
+    else the retry framing ("written-retry"), else those sentences themselves ("extractive"): the
+    first that `rejection_reasons` does not reject against `text` and `names`.
+
+    trace: characters of `text` to the document's passages (`SourceMap`), or None for no
+    citations; a written summary cites the passages of the sentences it was written from (each
+    weighted by its sentence's share of their characters), an extracted one each sentence's own.
+    Raises:
+        InputError: a text without a word.
+    """
+    sentences = extracted_sentences(text, names)
+    spans = None if trace is None else trace_sentences(sentences, text, trace)
+    rejected: list[str] = []
+    for mode, retry in (("written", False), ("written-retry", True)):
+        written = write_from_sentences(engine, sentences, prompt, max_new_tokens, retry)
+        reasons = rejection_reasons(written.text, text, names)
+        if not reasons:
+            fields = {f.name: getattr(written, f.name) for f in dataclasses.fields(written)}
+            summary = Summary(**fields, mode=mode, rejected=tuple(rejected))
+            return summary if spans is None else with_citations(summary, tuple((0, len(summary.text), c)
+                                                                               for _, _, c in spans))  # fmt: skip
+        rejected.append(f"{mode}: {', '.join(reasons)}")
+    summary = extracted_summary(sentences, prompt, tuple(rejected))
+    return summary if spans is None else with_citations(summary, spans)
+
+
 def rejection_reasons(summary: str, source: str | None, names: tuple[str, ...] | None = None) -> list[str]:
     """Why a model-written summary of `source` is not printed: the degenerate rules
     (`summary_check.degenerate_reasons`), then, when the source text is known, grounding (a share
@@ -320,9 +376,12 @@ def summarize_part(
     names: tuple[str, ...] | None = None,
     cite: int = 0,
     below: Sequence[tuple[str, Spans]] | None = None,
+    write_from: str = DEFAULT_WRITE_FROM,
 ) -> Summary:
     """The summary of one stored part in the first mode of MODES whose output is not rejected
-    (`rejection_reasons`; extraction is never rejected).
+    (`rejection_reasons`; extraction is never rejected). write_from: "sentences" (the model writes
+    from the part's key sentences: `summarize_text`) or "document" (from the stored part; a part
+    without token ids, an old file, is always written from the document).
 
     prompt: the request (`summarize.txt` for a document or segment, `summarize_parts.txt` for the
     joined summaries). extractive: extract without asking the model. source: the text to extract
@@ -348,9 +407,14 @@ def summarize_part(
     if extractive:
         return extract()
     try:
-        text = source if source is not None else part_text(engine, part)
+        text = source if source is not None else tokens.text if tokens is not None else part_text(engine, part)
     except InputError:
         text = None  # an old file without token ids: only the degenerate rules can be applied
+    if write_from == "sentences" and text is not None:
+        trace = None
+        if tokens is not None:
+            trace = joined_map(below or (), labeled=False) if source is not None else tokens.source_map(origin)
+        return summarize_text(engine, text, prompt, max_new_tokens, names, trace)
     rejected: list[str] = []
     for mode, retry in (("abstractive", False), ("abstractive-retry", True)):
         written = _write(engine, part, prompt, max_new_tokens, sparse, retry, cite if origin is None else 0)
@@ -385,6 +449,21 @@ class PartialSummary:
     citations: tuple[Citation, ...] | None = None
 
 
+def condense(engine: Engine, partials: Sequence[tuple[str, Spans]], names: tuple[str, ...] | None,
+             max_new_tokens: int, extractive: bool, cite: bool) -> Summary:  # fmt: skip
+    """The final summary of a document from its parts' summaries (text, traced pieces), joined in
+    order: their key sentences (`extracted_sentences` covering `names`, the document's), written
+    up by the model (`summarize_text`) unless `extractive`; with `cite`, traced back through the
+    parts' own citations (`joined_map`)."""
+    joined, request = "\n\n".join(text for text, _ in partials), read_prompt("summarize_parts.txt")
+    trace = joined_map(partials, labeled=False) if cite else None
+    if not extractive:
+        return summarize_text(engine, joined, request, max_new_tokens, names, trace)
+    sentences = extracted_sentences(joined, names)
+    final = extracted_summary(sentences, request)
+    return final if trace is None else with_citations(final, trace_sentences(sentences, joined, trace))
+
+
 def summarize(
     engine: Engine,
     stored: CompressedKVCache | SegmentedKVCache,
@@ -400,6 +479,7 @@ def summarize(
     names: tuple[str, ...] | None = None,
     cite: int = 0,
     below: Sequence[tuple[str, Spans]] | None = None,
+    write_from: str = DEFAULT_WRITE_FROM,
 ) -> Summary:
     """Summary of a stored document; hierarchical when it is segmented. Never a degenerate one.
 
@@ -418,18 +498,24 @@ def summarize(
     once it has passed the checks (one piece). `cite`: 0, or the number of passages a summary the
     model wrote from the document cites; every summary, each part's (`PartialSummary.citations`)
     and the final one (`Summary.citations`), then lists the passages of the document it came from
-    (module docstring). `below`: for the recursion (`summarize_part`).
+    (module docstring). `below`: for the recursion (`summarize_part`). `write_from`: "document" as
+    above; "sentences": extract, then write (module docstring) for every part, and the final
+    summary is written from the key sentences of the parts' summaries joined in order, with
+    nothing ingested but those sentences (`summarize_text`).
     Returns the final summary (`Summary.mode` says how it was made).
     Raises:
         BudgetError: summaries that do not shrink (the recursion would never end).
         InputError: extraction from a cache without token ids; `cite` for a cache without token
-        offsets (before anything is summarized; `citations.check_citable`). UsageError: a negative `cite`.
+        offsets (before anything is summarized; `citations.check_citable`). UsageError: a negative `cite`,
+        an unknown `write_from`.
     """
     if below is None:
         check_cite(stored, cite)
+        if write_from not in WRITE_FROM:
+            raise UsageError(f"write_from must be one of {', '.join(WRITE_FROM)}, got {write_from!r}")
     if isinstance(stored, CompressedKVCache):
         final = summarize_part(engine, stored, prompt or read_prompt("summarize.txt"), max_new_tokens, sparse,
-                               extractive, source, names, cite, below)  # fmt: skip
+                               extractive, source, names, cite, below, write_from)  # fmt: skip
         if on_text is not None:
             on_text(final.text)
         return final
@@ -442,17 +528,13 @@ def summarize(
     partials, traced = [], []
     for j, part in enumerate(stored.segments):
         written = summarize_part(engine, part, read_prompt("summarize.txt"), max_new_tokens, sparse, extractive,
-                                 cite=cite, below=below)  # fmt: skip
+                                 cite=cite, below=below, write_from=write_from)  # fmt: skip
         partials.append(written.text)
         traced.append((written.text, written.spans))
         on_partial(PartialSummary(level=level, index=j, total=n, text=written.text, mode=written.mode,
                                   citations=written.citations))  # fmt: skip
-    if extractive:
-        sentences = extracted_sentences("\n\n".join(partials), names)
-        final = extracted_summary(sentences, read_prompt("summarize_parts.txt"))
-        if cite:
-            final = with_citations(final, trace_sentences(sentences, "\n\n".join(partials),
-                                                          joined_map(traced, labeled=False)))  # fmt: skip
+    if extractive or write_from == "sentences":  # the final summary from the parts' summaries' own sentences
+        final = condense(engine, traced, names, max_new_tokens, extractive, bool(cite))
         if on_text is not None:
             on_text(final.text)
         return final
@@ -465,4 +547,75 @@ def summarize(
         )
     return summarize(engine, combined, cfg, max_new_tokens, sparse, on_partial, read_prompt("summarize_parts.txt"),
                      level + 1, on_text, source="\n\n".join(partials), names=names, cite=cite,
-                     below=traced)  # fmt: skip
+                     below=traced, write_from=write_from)  # fmt: skip
+
+
+def text_map(text: str, start: int = 0, line: int = 1) -> SourceMap:
+    """Characters [a, b) of `text`, a part of a document that starts at its character `start` on
+    its line `line` (1-based), as the one passage they are (characters, lines, the text with its
+    whitespace runs joined by single spaces), share 1."""
+
+    def trace(a: int, b: int) -> list[tuple[Citation, float]]:
+        if b <= a:
+            return []
+        first = line + text.count("\n", 0, a)
+        last = first + text.count("\n", a, b - 1)
+        passage = Citation(start=start + a, end=start + b, first_line=first, last_line=last, weight=1.0,
+                           text=" ".join(text[a:b].split()))  # fmt: skip
+        return [(passage, 1.0)]
+
+    return trace
+
+
+def summarize_document(
+    engine: Engine,
+    text: str,
+    cfg: PrefillConfig,
+    max_new_tokens: int,
+    segment_tokens: int | None = None,
+    on_partial: Callable[[PartialSummary], None] = lambda event: None,
+    on_text: TextCallback | None = None,
+    extractive: bool = False,
+    cite: bool = False,
+) -> Summary:
+    """Summary of a document's `text` that is not stored (nothing of it is prefilled): extract,
+    then write (`write_from` "sentences"), or extract only (`extractive`).
+
+    The document is cut into the parts `ingest` would store (`segment_texts` at `segment_limit`
+    of `cfg` and `segment_tokens`, less the framing); a one-part document is summarized as
+    `summarize_text` does; a longer one part by part (`on_partial`), then the final summary from
+    the key sentences of the parts' summaries joined in order, as `summarize` does for a segmented
+    cache with `write_from` "sentences". `cite`: every summary lists the passages of `text` it came
+    from (characters and 1-based lines of `text`; `text_map`). `on_text`: the final summary's text.
+    Raises:
+        InputError: a text without a word. BudgetError: `segment_tokens` beyond the context.
+    """
+    limit = segment_limit(engine, cfg, segment_tokens) - frame_tokens(engine) - SEGMENT_SLACK_TOKENS
+    parts = list(segment_texts(engine.tokenizer, TextPieces(text, "document"), limit))
+    if not any(part.strip() for part in parts):
+        raise InputError("the document has no sentence to summarize (it holds no words)", "summarize a text document")
+
+    def one(part: str, start: int, line: int, request: str, names: tuple[str, ...] | None) -> Summary:
+        trace = text_map(part, start, line) if cite else None
+        if not extractive:
+            return summarize_text(engine, part, request, max_new_tokens, names, trace)
+        sentences = extracted_sentences(part, names)
+        summary = extracted_summary(sentences, request)
+        return summary if trace is None else with_citations(summary, trace_sentences(sentences, part, trace))
+
+    if len(parts) == 1:
+        final = one(text, 0, 1, read_prompt("summarize.txt"), None)
+    else:
+        names = tuple(document_names(text))
+        traced: list[tuple[str, Spans]] = []
+        start, line = 0, 1
+        for j, part in enumerate(parts):
+            written = one(part, start, line, read_prompt("summarize.txt"), None)
+            start, line = start + len(part), line + part.count("\n")
+            traced.append((written.text, written.spans))
+            on_partial(PartialSummary(level=0, index=j, total=len(parts), text=written.text, mode=written.mode,
+                                      citations=written.citations if cite else None))  # fmt: skip
+        final = condense(engine, traced, names, max_new_tokens, extractive, cite)
+    if on_text is not None:
+        on_text(final.text)
+    return final

@@ -283,7 +283,9 @@ def extract_sentences(text: str, n: int | None = None, names: Iterable[str] | No
     with the whole text's vector (the sum of all sentences'). Candidates have 6–60 words (all
     sentences when fewer than n do; one chosen then with more than 60 words — a paragraph without
     full stops, such as a list or code — keeps its first 60 words and " …"); a sentence equal to
-    an earlier one is skipped; ties go to the earlier sentence. n defaults to N/25 rounded, kept
+    an earlier one is skipped, and so is one that would make the chosen sentences repeat a sentence
+    or an 8-word run (the degenerate rule: KJV verses share whole phrases); ties go to the earlier
+    sentence. n defaults to N/25 rounded, kept
     within 3–5; then, for the default n only (a given n is exactly n sentences), coverage: while
     the chosen sentences name fewer than min(MIN_NAMES, names) of the text's `document_names`,
     the candidate that names the most of those still unnamed is added (ties: the more central,
@@ -313,18 +315,24 @@ def extract_sentences(text: str, n: int | None = None, names: Iterable[str] | No
             candidates.append(i)
     sized = [i for i in candidates if 6 <= len(_LETTERS.findall(sentences[i])) <= 60]
     pool = sized if len(sized) >= k else candidates
-    best = sorted(pool, key=lambda i: (-score(counts[i]), i))[:k]
+
+    def repeats(chosen: list[int]) -> bool:  # the degenerate rule "repeated sentence" on the joined text
+        joined = " ".join(_cut(sentences[i]) for i in sorted(chosen))
+        counts = Counter(u for u in _units(joined) if len(u.split()) >= 2)
+        return any(c > 1 for c in counts.values()) or _repeats_a_run(normalise(joined).split())
+
+    best: list[int] = []
+    for i in sorted(pool, key=lambda i: (-score(counts[i]), i)):  # the most central that repeat nothing chosen
+        if len(best) == k:
+            break
+        if not repeats([*best, i]):
+            best.append(i)
     wanted = list(names) if names is not None else document_names(text)  # `names`: the whole document's
     targets = {name.lower() for name in wanted} if n is None else set()
     required = min(MIN_NAMES, len(targets))
 
     def named(i: int) -> set[str]:
         return {w.lower() for w, _ in _tokens(_cut(sentences[i])) if w[0].isupper()} & targets
-
-    def repeats(chosen: list[int]) -> bool:  # the degenerate rule "repeated sentence" on the joined text
-        joined = " ".join(_cut(sentences[i]) for i in sorted(chosen))
-        counts = Counter(u for u in _units(joined) if len(u.split()) >= 2)
-        return any(c > 1 for c in counts.values()) or _repeats_a_run(normalise(joined).split())
 
     covered = set().union(*(named(i) for i in best)) if best else set()
     for _ in range(required):

@@ -9,9 +9,10 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from ..core.config import DEFAULT_SUMMARY_WRITE_FROM
 from ..errors import UsageError
 from .answers import AnswerPrinter, StreamOpt, resolve_format, where
-from .common import log, prefill_config, setup
+from .common import load_engine, log, open_stream, prefill_config, setup
 from .options import (
     BudgetOpt,
     CacheOpt,
@@ -37,6 +38,24 @@ SummaryCiteOpt = Annotated[
     bool,
     typer.Option("--cite", help="After each part's summary and the final one, the source passages it came from "
                                 "(lines, characters; sorted by line)."),
+]  # fmt: skip
+
+
+def _check_write_from(value: Optional[str]) -> Optional[str]:
+    """--write-from is checked as it is parsed (exit 2, before any model loads)."""
+    from ..core.config import SUMMARY_WRITE_FROM
+
+    if value is not None and value not in SUMMARY_WRITE_FROM:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(SUMMARY_WRITE_FROM)}")
+    return value
+
+
+WriteFromOpt = Annotated[
+    Optional[str],
+    typer.Option("--write-from", callback=_check_write_from, metavar="sentences|document",
+                 help="What the model writes each summary from: sentences (each part's most central sentences, "
+                      "extracted first: a short context) or document (the stored part itself). Default: "
+                      "the measured choice (docs/summaries.md)."),
 ]  # fmt: skip
 SummaryPassagesOpt = Annotated[
     int,
@@ -66,6 +85,7 @@ def summarize_command(
     extractive: Annotated[
         bool, typer.Option("--extractive", help="Extract the most central sentences; the model writes nothing.")
     ] = False,
+    write_from: WriteFromOpt = None,
     cite: SummaryCiteOpt = False,
     passages: SummaryPassagesOpt = 3,
     threads: ThreadsOpt = None,
@@ -81,8 +101,9 @@ def summarize_command(
     summary check (degenerate: an echo of the prompt, a repeated sentence, under 15 words, a bare
     reference; or not grounded in the text, or naming too few of its main names) is asked for once
     more in another framing, then replaced by the part's most central sentences, extracted verbatim;
-    --json's `mode` says which ("abstractive", "abstractive-retry", "extractive") and `rejected`
-    why each output was rejected. --cite lists the source passages (line ranges) each summary came
+    --json's `mode` says which ("written" or "written-retry": the model wrote from the key
+    sentences; "abstractive" or "abstractive-retry": from the stored part; "extractive") and
+    `rejected` why each output was rejected. --cite lists the source passages (line ranges) each summary came
     from (docs/summaries.md, "Citations"). With --cache, a running `rocketkv serve` summarizes.
     """
     setup(quiet, threads)
@@ -90,6 +111,7 @@ def summarize_command(
         raise UsageError("give either DOC or --cache FILE.kv", "e.g. rocketkv summarize book.txt")
     fmt, stream = resolve_format("auto", json_out, stream, 1, cite)
     n_cite = passages if cite else 0
+    write_from = write_from or DEFAULT_SUMMARY_WRITE_FROM
     cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens)
     choice = ModelChoice(model, device, dtype, weights, trust_remote_code)
     remote = server_for(server, no_server) if cache is not None else None
@@ -100,9 +122,21 @@ def summarize_command(
         source, t0 = str(cache), time.perf_counter()
         final = summarize_remote(remote, cache, {"max_new_tokens": max_new_tokens, "token_budget": budget,
                                                  "dense": dense, "extractive": extractive, "cite": n_cite,
+                                                 "write_from": write_from,
                                                  **choice.for_server()},
                                  on_partial)  # fmt: skip
     else:
+        if document is not None and (extractive or write_from == "sentences"):  # nothing to prefill
+            pieces = open_stream(document, encoding, errors)  # a bad document fails before the model loads
+            text, source = "".join(pieces), document
+            rk = load_engine(choice.model, choice.device, choice.dtype or "auto", trust_remote_code, weights)
+            from ..api.summaries import summarize_document
+
+            t0 = time.perf_counter()
+            final = summarize_document(rk.engine, text, cfg, max_new_tokens, segment_tokens, on_partial,
+                                       extractive=extractive, cite=cite)  # fmt: skip
+            print_summary(final, source, time.perf_counter() - t0, partials, extractive, AnswerPrinter(fmt, stream))
+            return
         if cache is not None:
             (rk, stored), source = open_cache(cache, choice, cite=n_cite), str(cache)  # refused before loading
         else:
@@ -113,7 +147,7 @@ def summarize_command(
 
         t0 = time.perf_counter()
         final = summarize(rk.engine, stored, cfg, max_new_tokens, not dense, on_partial, extractive=extractive,
-                          cite=n_cite)  # as `rk.summarize`, with citations  # fmt: skip
+                          cite=n_cite, write_from=write_from)  # as `rk.summarize`, with citations  # fmt: skip
     print_summary(final, source, time.perf_counter() - t0, partials, extractive, AnswerPrinter(fmt, stream))
 
 
@@ -127,7 +161,7 @@ def partial_logger(partials: list[dict], cite: bool = False) -> Callable[[Any], 
         if citations is not None:
             record["citations"] = [citation_record(c) for c in citations]
         partials.append(record)
-        note = "" if event.mode == "abstractive" else f" [{event.mode}]"
+        note = "" if event.mode in ("abstractive", "written") else f" [{event.mode}]"
         log(f"summary of part {event.index + 1}/{event.total} (level {event.level}){note}: {event.text}")
         if citations is not None:
             log(sources_text(citations).rstrip("\n"))

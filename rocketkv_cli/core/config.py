@@ -23,6 +23,8 @@ DEFAULT_WINDOW_SIZE = 32
 DEFAULT_POOL_KERNEL_SIZE = 63
 DEFAULT_FIRST_TOKENS = 64  # docs/algorithm.md §2 step 5
 STORE_ALL = "all"  # a store budget that keeps every token (each question re-selects its working set from all)
+SUMMARY_WRITE_FROM = ("sentences", "document")  # what a summary's model writes from (api/summaries.py)
+DEFAULT_SUMMARY_WRITE_FROM = "document"  # measured per preset in docs/summaries.md
 WEIGHT_FORMATS = ("float", "head-bf16", "bf16", "int8", "int4", "head-int4")  # decode weight formats (model/weights.py)
 # the formats that convert the LM head alone: they prefill with the float model, so their caches record "float"
 HEAD_WEIGHT_FORMATS = ("head-bf16", "head-int4")

@@ -26,6 +26,7 @@ from ..api.rocketkv import (
     check_model_choice,
     decode_weights_for,
 )
+from ..core.config import DEFAULT_SUMMARY_WRITE_FROM, SUMMARY_WRITE_FROM
 from ..errors import CacheFormatError, InputError, RocketKVError
 from .client import MAX_QUESTIONS
 from .warm import ModelKey, Warm
@@ -292,20 +293,25 @@ def answer_job(job: Job, warm: Warm, req: AskRequest) -> None:
 class SummarizeRequest:
     """A summary of one cache (`rocketkv summarize --cache`): the cache as in `AskRequest`, the
     summary's token limit, the token budget for the summaries ingested in memory (segmented
-    caches), `dense`, `extractive`, and the model choice."""
+    caches), `dense`, `extractive`, `write_from` (`summaries.WRITE_FROM`), and the model choice."""
 
     ask: AskRequest
     max_new_tokens: int
     token_budget: int
     extractive: bool
+    write_from: str = DEFAULT_SUMMARY_WRITE_FROM
 
     @classmethod
     def parse(cls, body: dict, roots: tuple[Path, ...] | None, trust_allowed: bool = False) -> SummarizeRequest:
         """Raises BadRequest for a field of the wrong type or out of range, or a path not allowed."""
         ask = AskRequest.parse({**body, "questions": [], "check_only": True}, roots, None, trust_allowed)
+        write_from = _field(body, "write_from", str, DEFAULT_SUMMARY_WRITE_FROM)
+        if write_from not in SUMMARY_WRITE_FROM:
+            raise BadRequest(400, f"field 'write_from' must be one of {', '.join(SUMMARY_WRITE_FROM)}, "
+                                  f"got {write_from!r}", "UsageError")  # fmt: skip
         return cls(ask=ask, max_new_tokens=_positive(body, "max_new_tokens") or 256,
                    token_budget=_positive(body, "token_budget") or 512,
-                   extractive=bool(_field(body, "extractive", bool, False)))  # fmt: skip
+                   extractive=bool(_field(body, "extractive", bool, False)), write_from=write_from)  # fmt: skip
 
 
 def summarize_job(job: Job, warm: Warm, req: SummarizeRequest) -> None:
@@ -337,7 +343,8 @@ def summarize_job(job: Job, warm: Warm, req: SummarizeRequest) -> None:
         except ValueError as exc:
             raise BadRequest(400, f"invalid option: {exc}", "UsageError") from None
         final = summarize(rk.engine, stored, cfg, req.max_new_tokens, not req.ask.options["dense"], on_partial,
-                          extractive=req.extractive, cite=cite)  # as `rk.summarize`, with citations  # fmt: skip
+                          extractive=req.extractive, cite=cite,
+                          write_from=req.write_from)  # as `rk.summarize`, with citations  # fmt: skip
         job.emit({"event": "summary", "text": final.text, "n_answer_tokens": final.n_answer_tokens,
                   "stop_reason": final.stop_reason, "mode": getattr(final, "mode", "abstractive"),
                   "rejected": list(getattr(final, "rejected", ())), **cited(final)})  # fmt: skip

@@ -1,0 +1,87 @@
+"""Summaries without a prefill (issue 37): `summarize DOC --extractive` and `--write-from sentences`
+read the text and never prefill the document; their summaries and citations equal those made from
+an ingested cache of the same text. The model writes from key sentences (`write_from`), checked as
+any summary. The tiny random model writes bytes that are never a summary, so its written summaries
+fall back to extraction; the real presets' outcomes are in docs/summaries.md."""
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import run_in_terminal, strip_ansi
+
+from rocketkv_cli import RocketKV
+from rocketkv_cli.api.summaries import summarize_document, text_map
+from rocketkv_cli.api.summary_check import extract_sentences
+from rocketkv_cli.core.config import PrefillConfig
+from rocketkv_cli.errors import UsageError
+
+HARBOR = Path(__file__).parent / "data" / "harbor.txt"
+
+
+@pytest.fixture(scope="module")
+def rk(tiny_model_dir):
+    return RocketKV.load(str(tiny_model_dir), device="cpu")
+
+
+def env():
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def run(rocketkv_bin, *args):
+    return subprocess.run([rocketkv_bin, *map(str, args)], capture_output=True, text=True, env=env(), timeout=300)
+
+
+def test__text_map__characters_and_lines_of_the_source():
+    text = "one\ntwo three\nfour\n"
+    ((c, share),) = text_map(text, start=100, line=7)(4, 13)
+    assert (c.start, c.end, c.first_line, c.last_line, c.text, share) == (104, 113, 8, 8, "two three", 1.0)
+    ((c, _),) = text_map(text, start=0, line=1)(0, 18)
+    assert (c.first_line, c.last_line, c.text) == (1, 3, "one two three four")
+    assert text_map(text)(5, 5) == []
+
+
+def test__written_from_sentences__checked_then_extracted(rk):
+    cache = rk.ingest(text=HARBOR.read_text(), token_budget=128, max_new_tokens=8).cache
+    s = rk.summarize(cache, max_new_tokens=8, write_from="sentences")
+    assert [r.split(":")[0] for r in s.rejected] == ["written", "written-retry"], s.rejected
+    assert s.mode == "extractive" and s.text == " ".join(extract_sentences(HARBOR.read_text()))
+    with pytest.raises(UsageError, match="write_from"):
+        rk.summarize(cache, max_new_tokens=8, write_from="paragraphs")
+
+
+def test__document_text__as_from_its_cache_and_segmented_alike(rk):
+    text = HARBOR.read_text()
+    cfg = PrefillConfig(token_budget=128, max_new_tokens=8)
+    cache = rk.ingest(text=text, token_budget=128, max_new_tokens=8, segment_tokens=640).cache
+    stored, direct = [], []
+    from_cache = rk.summarize(cache, max_new_tokens=8, extractive=True, on_partial=stored.append, cite=3)
+    from_text = summarize_document(rk.engine, text, cfg, 8, 640, direct.append, extractive=True, cite=True)
+    assert len(direct) == len(cache.segments) >= 3
+    assert [e.text for e in direct] == [e.text for e in stored]
+    assert from_text.text == from_cache.text and from_text.mode == "extractive"
+    where = [(c.first_line, c.last_line, c.start, c.end) for c in from_text.citations]
+    assert where == [(c.first_line, c.last_line, c.start, c.end) for c in from_cache.citations] and where
+    for c in from_text.citations:  # each cited passage is the source's own characters
+        assert " ".join(text[c.start : c.end].split()) == c.text
+        assert text.count("\n", 0, c.start) + 1 == c.first_line
+
+
+def test__cli__extractive_document_is_not_prefilled(rocketkv_bin, tiny_model_dir):
+    common = ["summarize", HARBOR, "--model", tiny_model_dir, "--max-new-tokens", "8", "--budget", "128",
+              "--no-server"]  # fmt: skip
+    r = run(rocketkv_bin, *common, "--extractive", "--json", "--cite")
+    assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout)
+    assert row["mode"] == "extractive" and row["summary"] == " ".join(extract_sentences(HARBOR.read_text()))
+    assert row["citations"] and "prefilled" not in r.stderr, r.stderr
+    code, shown = run_in_terminal([rocketkv_bin, *map(str, common), "--write-from", "sentences"], env())
+    shown = strip_ansi(shown)
+    assert code == 0, shown
+    assert "prefilled" not in shown and "Traceback" not in shown
+    assert "rejected (written:" in shown and re.search(r"extracted sentences", shown), shown
+    r = run(rocketkv_bin, *common, "--write-from", "paragraphs")
+    assert r.returncode == 2 and "paragraphs" in r.stderr and "Traceback" not in r.stderr

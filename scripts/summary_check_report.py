@@ -38,9 +38,9 @@ from rocketkv_cli.api.summary_check import check_summary  # noqa: E402  (standar
 DATA = ROOT.parent / "shared" / "data"  # beside the clone (CI), else ROCKETKV_SHARED_DATA or /work/shared/data
 if not DATA.is_dir():
     DATA = Path(os.environ.get("ROCKETKV_SHARED_DATA", "/work/shared/data"))
-BOOKS = {"ruth": "Ruth", "jonah": "Jonah"}  # document name → the KJV file's reference prefix
-DOCUMENTS = ("gpl", "ruth", "jonah")
-RUNS = {"model": [], "extractive": ["--extractive"]}
+BOOKS = {"ruth": "Ruth", "jonah": "Jonah", "mark": "Mark", "genesis": "Ge"}  # name → the KJV reference prefix
+DOCUMENTS = ("gpl", "ruth", "jonah")  # the default set; mark and genesis on request
+RUNS = {"model": [], "extractive": ["--extractive"], "sentences": ["--write-from", "sentences"]}
 
 
 def book(kjv: str, prefix: str) -> str:
@@ -60,7 +60,7 @@ def documents(data: Path, names: list[str]) -> dict[str, str]:
         elif name in BOOKS:
             out[name] = book((data / "kjv.txt").read_text(encoding="utf-8"), BOOKS[name])
         else:
-            raise SystemExit(f"error: unknown document {name!r}; choose from {', '.join(DOCUMENTS)}")
+            raise SystemExit(f"error: unknown document {name!r}; choose from gpl, {', '.join(BOOKS)}")
     return out
 
 
@@ -133,7 +133,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default=None, help="comma-separated presets (default gemma-3-270m)")
     ap.add_argument("--documents", default=None, help=f"comma-separated, of {','.join(DOCUMENTS)} (default all)")
-    ap.add_argument("--runs", default=None, help="model,extractive (default both)")
+    ap.add_argument("--runs", default=None, help="of model,extractive,sentences (default model,extractive)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--data", type=Path, default=DATA, help="the folder of gpl-3.txt and kjv.txt")
     ap.add_argument("--quick", action="store_true", help="the GPL, gemma-3-270m, the model run")
@@ -146,7 +146,7 @@ def main() -> None:
     names = (args.documents or ("gpl" if args.quick else ",".join(DOCUMENTS))).split(",")
     runs = (args.runs or ("model" if args.quick else "model,extractive")).split(",")
     if bad := [r for r in runs if r not in RUNS]:
-        ap.error(f"unknown run {bad[0]!r}; choose from model, extractive")
+        ap.error(f"unknown run {bad[0]!r}; choose from {', '.join(RUNS)}")
     out = args.out or (quick_dir / "summaries.md" if args.quick else ROOT / "docs" / "summaries.md")
     json_path = args.json or (
         quick_dir / "summaries.json" if args.quick else ROOT / "docs" / "bench" / "summaries.json"

@@ -397,6 +397,16 @@ def test__help_reads_well_at_80_columns(rocketkv_bin, env, command):
     assert expected.get(command, "") in usage
 
 
+@pytest.mark.parametrize("command", ["ingest", "ask", "chat", "summarize", "bench", "eval", "serve"])
+def test__every_command_that_runs_the_model_takes_threads(rocketkv_bin, env, command):
+    """`--threads N` on each command that computes (not only ask): a bad value is a usage error,
+    exit 2, one line naming the option, before any model loads."""
+    r = run(rocketkv_bin, env, command, "--threads", "0", *(["x.txt"] if command == "ingest" else []))
+    assert r.returncode == 2, r.stderr
+    assert "Invalid value for '--threads'" in r.stderr and "No such option" not in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+
+
 def test__shell_completion__script_and_answers(rocketkv_bin, env):
     # Typer detects the shell from the parent process: run it from bash (`; true` keeps bash from
     # exec-ing the command, which would make pytest the parent), as a user's prompt would.

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from ..errors import InputError, UsageError
 from .common import default_kjv, err, load_engine, log, prefill_config, print_row, setup, steps_bar, storage
-from .options import DeviceOpt, DtypeOpt, KvDtypeOpt, ModelOpt, QuietOpt, WeightsOpt
+from .options import DeviceOpt, DtypeOpt, KvDtypeOpt, ModelOpt, QuietOpt, ThreadsOpt, WeightsOpt
 
 if TYPE_CHECKING:
     from ..core.config import PrefillConfig
@@ -55,13 +55,14 @@ def bench(
     dtype: DtypeOpt = None,
     weights: WeightsOpt = None,
     quiet: QuietOpt = False,
+    threads: ThreadsOpt = None,
 ) -> None:
     """Measure ingest, file size, time to first token, decode latency and memory vs full attention."""
     from ..api.rocketkv import DEFAULT_MODEL
     from ..core.config import default_kv_dtype
     from ..eval.bench import crossover_tokens, machine_info
 
-    setup(quiet)
+    setup(quiet, threads)
     plan = bench_plan(context_tokens, source, budget, kv_dtypes, kv_dtype, crossover, steps, memory, fresh_ask,
                       llama_cpp)  # fmt: skip
     src, text, cfg = plan.source, plan.text, plan.cfg

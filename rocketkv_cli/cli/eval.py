@@ -19,7 +19,7 @@ from ..errors import InputError, OutputError, UsageError
 from ..eval.names import DEFAULT_METHODS, eval_methods
 from ..methods import registry
 from .common import default_kjv, err, load_engine, log, setup, steps_bar, storage
-from .options import DeviceOpt, DtypeOpt, KvDtypeOpt, ModelOpt, QuietOpt, WeightsOpt
+from .options import DeviceOpt, DtypeOpt, KvDtypeOpt, ModelOpt, QuietOpt, ThreadsOpt, WeightsOpt
 
 
 def _ints(name: str, text: str, allow_auto: bool = False) -> tuple[int, ...]:
@@ -112,12 +112,13 @@ def eval_command(
     dtype: DtypeOpt = None,
     weights: WeightsOpt = None,
     quiet: QuietOpt = False,
+    threads: ThreadsOpt = None,
 ) -> None:
     """Score full attention, rocketkv and baselines on generated long-context tasks (docs/accuracy.md)."""
     from ..api.rocketkv import DEFAULT_MODEL
     from ..eval.bench import machine_info
 
-    setup(quiet)
+    setup(quiet, threads)
     numbers = {"samples": samples, "seed": seed, "window_size": window_size, "wide_window_size": wide_window_size,
                "max_new_tokens": max_new_tokens, "store_factor": store_factor,
                "reconstruct_pool_kernel": reconstruct_pool_kernel}  # fmt: skip

@@ -22,6 +22,7 @@ from .options import (
     QuietOpt,
     ScoreDimsOpt,
     SegmentTokensOpt,
+    ThreadsOpt,
     TopkOpt,
     TrustOpt,
     WeightsOpt,
@@ -89,6 +90,7 @@ def ingest_command(
     trust_remote_code: TrustOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
+    threads: ThreadsOpt = None,
 ) -> None:
     """Prefill a document once, prune its KV cache with SnapKV++, and save it to a .kv file.
 
@@ -98,7 +100,7 @@ def ingest_command(
     from ..api.preflight import check_output, default_output  # no torch: these answer at once
     from .options import method_options
 
-    setup(quiet)
+    setup(quiet, threads)
     options = dict(
         token_budget=budget, max_new_tokens=max_new_tokens, window_size=window_size, pool_kernel_size=pool_kernel_size,
         observation=observation, prompt_budget=prompt_budget, topk=topk, page_size=page_size,

@@ -174,7 +174,8 @@ def fresh_ask_s(path: Path, model_id: str, question: str, device: str, dtype: st
     """Median wall seconds of a new `rocketkv ask` process answering `question` (32 tokens) from
     `path`: interpreter start, imports, model and cache load, question prefill and decode."""
     cmd = [sys.executable, "-m", "rocketkv_cli.cli", "ask", "--cache", str(path), question, "--max-new-tokens", "32",
-           "-q", "--model", model_id, "--device", device, "--dtype", dtype]  # fmt: skip
+           "-q", "--model", model_id, "--device", device, "--dtype", dtype,
+           "--threads", str(torch.get_num_threads())]  # fmt: skip
     try:
         return median_wall_s(cmd, runs)
     except RuntimeError as exc:

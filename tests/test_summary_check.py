@@ -227,3 +227,43 @@ def test__extract_sentences__default_adds_the_sentences_that_name_the_main_names
     assert sc.coverage(" ".join(out), STORY).passed, out
     assert set(central) <= set(out) and len(out) == 4  # the central ones stay; one sentence names all five
     assert out == [s for s in sc.split_sentences(STORY) if s in out]
+
+
+# Twelve parts of a long document, each summarized by one sentence of its own topic (6+ words) and
+# one too short to be a candidate.
+TOPICS = ["apples", "boats", "candles", "drums", "eagles", "ferns", "glass", "harps", "inks", "jars", "kites", "looms",
+          "maps"]  # fmt: skip
+PARTS = [f"The makers of {t} worked all winter on the {t} of the town. Short {t}." for t in TOPICS]
+
+
+def test__outline_sentences__one_stretch_after_another_in_order():
+    out = sc.outline_sentences(PARTS[:12], [], groups=12)  # 12 stretches: 1 sentence each (ceil(4 / 12))
+    assert out == [f"The makers of {t} worked all winter on the {t} of the town." for t in TOPICS[:12]], out
+    two = sc.outline_sentences(PARTS[:4], [], groups=2)  # 2 stretches of 2 parts: ceil(4 / 2) = 2 each
+    assert two == [f"The makers of {t} worked all winter on the {t} of the town." for t in TOPICS[:4]], two
+    thirteen = sc.outline_sentences(PARTS, [], groups=12)  # 13 parts in 12 stretches: one holds two parts
+    assert len(thirteen) == 12 and thirteen == sorted(thirteen, key=lambda s: TOPICS.index(s.split()[3]))
+    assert sc.outline_sentences(["", "…"], []) == []
+
+
+def test__outline_sentences__no_repeat_across_parts():
+    same = "The makers of bells worked all winter on the bells of the town."
+    out = sc.outline_sentences([same, same + " Then the fair came to the valley with music and lanterns."], [])
+    assert out == [same, "Then the fair came to the valley with music and lanterns."], out
+
+
+def test__outline_sentences__names_from_the_parts_texts_when_the_summaries_lack_them():
+    names = ["Anna", "Boris", "Clara", "Dmitri", "Elena"]
+    summaries = [
+        "In the spring Anna planted the orchard above the river.",
+        "The orchard gave fruit in the autumn rains.",
+    ]
+    texts = ["In the spring Anna planted the orchard above the river. Boris and Clara carried water up the hill.",
+             "Dmitri pressed the apples. Dmitri pressed the apples in the old mill. "  # the short one: no candidate
+             "Elena sold the cider at the market in town. The autumn rains came."]  # fmt: skip
+    assert not sc.coverage(" ".join(sc.outline_sentences(summaries, names)), " ".join(texts), names).passed
+    out = sc.outline_sentences(summaries, names, texts)
+    assert sc.coverage(" ".join(out), " ".join(texts), names).passed, out
+    assert out == [summaries[0], "Boris and Clara carried water up the hill.", summaries[1],
+                   "Dmitri pressed the apples in the old mill.",
+                   "Elena sold the cider at the market in town."], out  # fmt: skip

@@ -15,7 +15,7 @@ import pytest
 
 from rocketkv_cli import RocketKV
 from rocketkv_cli.api.summaries import Summary
-from rocketkv_cli.api.summary_check import degenerate_reasons, extract_sentences
+from rocketkv_cli.api.summary_check import degenerate_reasons, document_names, extract_sentences, outline_sentences
 
 HARBOR = Path(__file__).parent / "data" / "harbor.txt"
 
@@ -52,7 +52,10 @@ def test__segmented__each_part_and_the_final_say_their_mode(rk):
     s = rk.summarize(cache, max_new_tokens=8, extractive=True, on_partial=events.append)
     assert len(events) == len(cache.segments) >= 3
     assert all(e.mode == "extractive" and e.level == 0 for e in events)
-    assert s.mode == "extractive" and s.text == " ".join(extract_sentences("\n\n".join(e.text for e in events)))
+    outline = outline_sentences([e.text for e in events], document_names(text), [text])
+    assert s.mode == "extractive" and s.text == " ".join(outline), (s.text, outline)
+    assert len(outline) >= len(events)  # every part's summary gives the final summary a sentence
+    assert sum(name in s.text for name in document_names(text)[:5]) >= 5  # the story's main names
     model = []
     s = rk.summarize(cache, max_new_tokens=8, on_partial=model.append)  # the model's parts fall back one by one
     assert [e.mode for e in model] == ["extractive"] * len(events) and [e.text for e in model] == [

@@ -59,7 +59,14 @@ from .checks import check_cite
 from .citations import Citation, citer
 from .documents import TextPieces, segment_texts
 from .segments import SEGMENT_SLACK_TOKENS, frame_tokens, ingest_stream, segment_limit
-from .summary_check import coverage, degenerate_reasons, document_names, extract_sentences, grounding
+from .summary_check import (
+    coverage,
+    degenerate_reasons,
+    document_names,
+    extract_sentences,
+    grounding,
+    outline_sentences,
+)
 
 SUMMARY_STOP_STRINGS = ("\n\n\n",)  # summaries are paragraphs: only a long gap ends one early
 MODES = ("written", "written-retry", "abstractive", "abstractive-retry", "extractive")
@@ -206,6 +213,47 @@ def joined_map(parts: Sequence[tuple[str, Spans]], labeled: bool) -> SourceMap:
     return trace
 
 
+PartTexts = Sequence[tuple[str, SourceMap | None]]
+"""A segmented document's parts in order: each part's text and, for citations, the map of its
+characters to the document's passages (None: no citations)."""
+
+
+def outline(partials: Sequence[tuple[str, Spans]], names: tuple[str, ...] | None, texts: PartTexts,
+            cite: bool) -> tuple[list[str], str, SourceMap | None]:  # fmt: skip
+    """The extracted final summary of a segmented document (`summary_check.outline_sentences`
+    over its parts' summaries `partials`, covering `names`, default the summaries' own, with the
+    parts' `texts` as the reserve for coverage); the text those sentences were taken from (the
+    summaries joined, then the parts' texts, each after a blank line) and, with `cite`, its map to
+    the document's passages (`joined_map`, then each part's own map).
+
+    Raises:
+        InputError: summaries without a sentence.
+    """
+    summaries = [PART_LABEL.sub("", text) for text, _ in partials]
+    wanted = names if names is not None else tuple(document_names("\n\n".join(summaries)))
+    sentences = outline_sentences(summaries, wanted, [text for text, _ in texts])
+    if not sentences:
+        raise InputError("the document has no sentence to extract a summary from (it holds no words)",
+                         "summarize a text document")  # fmt: skip
+    pieces: list[tuple[str, SourceMap | None]] = [("\n\n".join(text for text, _ in partials),
+                                                    joined_map(partials, labeled=False)), *texts]  # fmt: skip
+    whole = "\n\n".join(text for text, _ in pieces)
+    if not cite:
+        return sentences, whole, None
+    starts, at = [], 0
+    for text, _ in pieces:
+        starts.append(at)
+        at += len(text) + 2
+
+    def trace(a: int, b: int) -> list[tuple[Citation, float]]:
+        for start, (text, source) in zip(starts, pieces):
+            if start <= a < start + len(text):
+                return [] if source is None else source(a - start, min(b, start + len(text)) - start)
+        return []
+
+    return sentences, whole, trace
+
+
 def _sentence_pattern(sentence: str) -> re.Pattern[str]:
     """A sentence as `summary_check.split_sentences` gives it (its lines joined by single spaces;
     cut ones end with " …") matched in the text it came from, whatever whitespace is there."""
@@ -318,7 +366,7 @@ def write_from_sentences(engine: Engine, sentences: Sequence[str], prompt: str, 
 
 
 def summarize_text(engine: Engine, text: str, prompt: str, max_new_tokens: int, names: tuple[str, ...] | None = None,
-                   trace: SourceMap | None = None) -> Summary:  # fmt: skip
+                   trace: SourceMap | None = None, sentences: list[str] | None = None) -> Summary:  # fmt: skip
     """Extract, then write: the summary of `text` the model writes from its key sentences
     (`extracted_sentences(text, names)`, `write_from_sentences`) in the first framing ("written"),
     else the retry framing ("written-retry"), else those sentences themselves ("extractive"): the
@@ -327,10 +375,11 @@ def summarize_text(engine: Engine, text: str, prompt: str, max_new_tokens: int, 
     trace: characters of `text` to the document's passages (`SourceMap`), or None for no
     citations; a written summary cites the passages of the sentences it was written from (each
     weighted by its sentence's share of their characters), an extracted one each sentence's own.
+    sentences: the key sentences, already extracted from `text` (default: `extracted_sentences`).
     Raises:
         InputError: a text without a word.
     """
-    sentences = extracted_sentences(text, names)
+    sentences = sentences if sentences is not None else extracted_sentences(text, names)
     spans = None if trace is None else trace_sentences(sentences, text, trace)
     rejected: list[str] = []
     for mode, retry in (("written", False), ("written-retry", True)):
@@ -377,6 +426,7 @@ def summarize_part(
     cite: int = 0,
     below: Sequence[tuple[str, Spans]] | None = None,
     write_from: str = DEFAULT_WRITE_FROM,
+    texts: PartTexts = (),
 ) -> Summary:
     """The summary of one stored part in the first mode of MODES whose output is not rejected
     (`rejection_reasons`; extraction is never rejected). write_from: "sentences" (the model writes
@@ -388,7 +438,8 @@ def summarize_part(
     from (default: `part_text`). cite: 0, or the passages cited by a model-written summary of the
     document (`Summary.citations`, module docstring; extracted summaries cite every sentence).
     below: None when `part` holds the document itself; else the summaries (text, traced pieces)
-    whose "Part j of n: " joined text `part` was ingested from, and that `source` joins unlabelled.
+    whose "Part j of n: " joined text `part` was ingested from, and that `source` joins unlabelled;
+    then the extracted summary is their outline (`outline`, with the document's parts' `texts`).
     Raises:
         InputError: extraction from a cache without token ids; `cite` for one without token offsets.
     """
@@ -396,6 +447,10 @@ def summarize_part(
     origin = None if below is None else joined_map(below, labeled=True)
 
     def extract(rejected: tuple[str, ...] = ()) -> Summary:
+        if below is not None and source is not None:  # the final summary: an outline of the parts'
+            sentences, whole, trace = outline(below, names, texts, tokens is not None)
+            final = extracted_summary(sentences, prompt, rejected)
+            return final if trace is None else with_citations(final, trace_sentences(sentences, whole, trace))
         text = source if source is not None else tokens.text if tokens is not None else part_text(engine, part)
         sentences = extracted_sentences(text, names)
         summary = extracted_summary(sentences, prompt, rejected)
@@ -450,18 +505,22 @@ class PartialSummary:
 
 
 def condense(engine: Engine, partials: Sequence[tuple[str, Spans]], names: tuple[str, ...] | None,
-             max_new_tokens: int, extractive: bool, cite: bool) -> Summary:  # fmt: skip
-    """The final summary of a document from its parts' summaries (text, traced pieces), joined in
-    order: their key sentences (`extracted_sentences` covering `names`, the document's), written
-    up by the model (`summarize_text`) unless `extractive`; with `cite`, traced back through the
-    parts' own citations (`joined_map`)."""
-    joined, request = "\n\n".join(text for text, _ in partials), read_prompt("summarize_parts.txt")
-    trace = joined_map(partials, labeled=False) if cite else None
+             max_new_tokens: int, extractive: bool, cite: bool, texts: PartTexts = ()) -> Summary:  # fmt: skip
+    """The final summary of a document from its parts' summaries (text, traced pieces), in order:
+    their outline (`outline`: key sentences of each stretch of parts, covering `names`, the
+    document's, from the parts' `texts` where the summaries cannot), written up by the model from
+    those sentences (`summarize_text`) unless `extractive`; with `cite`, traced back through the
+    parts' own citations (`joined_map`) or the parts' own maps.
+
+    Raises:
+        InputError: summaries without a sentence.
+    """
+    request = read_prompt("summarize_parts.txt")
+    sentences, whole, trace = outline(partials, names, texts, cite)
     if not extractive:
-        return summarize_text(engine, joined, request, max_new_tokens, names, trace)
-    sentences = extracted_sentences(joined, names)
+        return summarize_text(engine, whole, request, max_new_tokens, names, trace, sentences)
     final = extracted_summary(sentences, request)
-    return final if trace is None else with_citations(final, trace_sentences(sentences, joined, trace))
+    return final if trace is None else with_citations(final, trace_sentences(sentences, whole, trace))
 
 
 def summarize(
@@ -480,6 +539,7 @@ def summarize(
     cite: int = 0,
     below: Sequence[tuple[str, Spans]] | None = None,
     write_from: str = DEFAULT_WRITE_FROM,
+    texts: PartTexts = (),
 ) -> Summary:
     """Summary of a stored document; hierarchical when it is segmented. Never a degenerate one.
 
@@ -498,7 +558,9 @@ def summarize(
     once it has passed the checks (one piece). `cite`: 0, or the number of passages a summary the
     model wrote from the document cites; every summary, each part's (`PartialSummary.citations`)
     and the final one (`Summary.citations`), then lists the passages of the document it came from
-    (module docstring). `below`: for the recursion (`summarize_part`). `write_from`: "document" as
+    (module docstring). `below`, `texts`: for the recursion (`summarize_part`; `texts`: the
+    document's parts, read from `stored` at the top). An extracted final summary (`--extractive`,
+    or the fallback) is an outline of the parts' summaries in order (`outline`). `write_from`: "document" as
     above; "sentences": extract, then write (module docstring) for every part, and the final
     summary is written from the key sentences of the parts' summaries joined in order, with
     nothing ingested but those sentences (`summarize_text`).
@@ -515,16 +577,22 @@ def summarize(
             raise UsageError(f"write_from must be one of {', '.join(WRITE_FROM)}, got {write_from!r}")
     if isinstance(stored, CompressedKVCache):
         final = summarize_part(engine, stored, prompt or read_prompt("summarize.txt"), max_new_tokens, sparse,
-                               extractive, source, names, cite, below, write_from)  # fmt: skip
+                               extractive, source, names, cite, below, write_from, texts)  # fmt: skip
         if on_text is not None:
             on_text(final.text)
         return final
     n = len(stored.segments)
-    if names is None:  # the final summary covers the whole document's main names, not only the parts'
+    if below is None:  # the document's parts: the final summary covers their main names, not only the summaries'
         try:
-            names = tuple(document_names("\n".join(part_text(engine, part) for part in stored.segments)))
+            if cite:
+                tokens = [PartTokens(engine, part) for part in stored.segments]
+                texts = [(t.text, t.source_map(None)) for t in tokens]
+            else:
+                texts = [(part_text(engine, part), None) for part in stored.segments]
         except InputError:
-            names = None  # an old file without token ids
+            texts = ()  # an old file without token ids
+        if names is None and texts:
+            names = tuple(document_names("\n".join(text for text, _ in texts)))
     partials, traced = [], []
     for j, part in enumerate(stored.segments):
         written = summarize_part(engine, part, read_prompt("summarize.txt"), max_new_tokens, sparse, extractive,
@@ -534,7 +602,7 @@ def summarize(
         on_partial(PartialSummary(level=level, index=j, total=n, text=written.text, mode=written.mode,
                                   citations=written.citations))  # fmt: skip
     if extractive or write_from == "sentences":  # the final summary from the parts' summaries' own sentences
-        final = condense(engine, traced, names, max_new_tokens, extractive, bool(cite))
+        final = condense(engine, traced, names, max_new_tokens, extractive, bool(cite), texts)
         if on_text is not None:
             on_text(final.text)
         return final
@@ -547,7 +615,7 @@ def summarize(
         )
     return summarize(engine, combined, cfg, max_new_tokens, sparse, on_partial, read_prompt("summarize_parts.txt"),
                      level + 1, on_text, source="\n\n".join(partials), names=names, cite=cite,
-                     below=traced, write_from=write_from)  # fmt: skip
+                     below=traced, write_from=write_from, texts=texts)  # fmt: skip
 
 
 def text_map(text: str, start: int = 0, line: int = 1) -> SourceMap:
@@ -608,14 +676,16 @@ def summarize_document(
     else:
         names = tuple(document_names(text))
         traced: list[tuple[str, Spans]] = []
+        texts: list[tuple[str, SourceMap | None]] = []
         start, line = 0, 1
         for j, part in enumerate(parts):
             written = one(part, start, line, read_prompt("summarize.txt"), None)
+            texts.append((part, text_map(part, start, line) if cite else None))
             start, line = start + len(part), line + part.count("\n")
             traced.append((written.text, written.spans))
             on_partial(PartialSummary(level=0, index=j, total=len(parts), text=written.text, mode=written.mode,
                                       citations=written.citations if cite else None))  # fmt: skip
-        final = condense(engine, traced, names, max_new_tokens, extractive, cite)
+        final = condense(engine, traced, names, max_new_tokens, extractive, cite, texts)
     if on_text is not None:
         on_text(final.text)
     return final

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 MIN_WORDS = 15
@@ -278,8 +278,8 @@ def split_sentences(text: str) -> list[str]:
 def extract_sentences(text: str, n: int | None = None, names: Iterable[str] | None = None) -> list[str]:
     """The `n` most central sentences of `text`, in document order, verbatim (`split_sentences`).
 
-    Centrality (TF-IDF): each sentence is a vector of its content words' counts times
-    idf(w) = ln(1 + N/df(w)) (N sentences, df = sentences holding w); its score is the cosine
+    Centrality (TF-IDF, `_centrality`): each sentence is a vector of its content words' counts
+    times idf(w) = ln(1 + N/df(w)) (N sentences, df = sentences holding w); its score is the cosine
     with the whole text's vector (the sum of all sentences'). Candidates have 6–60 words (all
     sentences when fewer than n do; one chosen then with more than 60 words — a paragraph without
     full stops, such as a list or code — keeps its first 60 words and " …"); a sentence equal to
@@ -296,6 +296,68 @@ def extract_sentences(text: str, n: int | None = None, names: Iterable[str] | No
     if not sentences:
         return []
     k = n if n is not None else min(5, max(3, round(len(sentences) / 25)))
+    chooser = _Chooser(sentences, _centrality(sentences))
+    candidates = chooser.candidates(range(len(sentences)))
+    sized = chooser.sized(candidates)
+    pool = sized if len(sized) >= k else candidates
+    chooser.central(pool, k)
+    if n is None:
+        chooser.cover(pool, list(names) if names is not None else document_names(text))
+    return chooser.sentences()
+
+
+OUTLINE_GROUPS = 12
+OUTLINE_SENTENCES = 4
+
+
+def outline_sentences(
+    summaries: Sequence[str], names: Iterable[str], texts: Sequence[str] = (), groups: int = OUTLINE_GROUPS
+) -> list[str]:
+    """An extracted outline of a document from its parts' `summaries`, in order: the final summary
+    of a long document, so that it follows the whole document and not its most typical stretch.
+
+    The parts are cut into min(`groups`, parts) stretches of consecutive parts (as equal in number
+    as they can be); each gives the ceil(`OUTLINE_SENTENCES` / stretches) most central sentences of
+    its summaries (`extract_sentences`' centrality, candidates and repeat rule, centrality within
+    the stretch). Then coverage as in `extract_sentences`, for `names` (the whole document's): from
+    the summaries' sentences first, then, when those cannot name enough, from `texts` (part j's own
+    text, its sentences placed after its summary's). Sentences verbatim (cut at 60 words), in part
+    order; empty when the summaries hold no sentence.
+    """
+    n = len(summaries)
+    g = max(1, min(groups, n))
+    bounds = [round(i * n / g) for i in range(g + 1)]
+    sentences: list[str] = []
+    scores: list[float] = []
+    parts: list[int] = []  # the part each sentence summarizes
+    stretches: list[range] = []
+    for a, b in zip(bounds, bounds[1:]):
+        found = [(j, s) for j in range(a, b) for s in split_sentences(summaries[j])]
+        stretches.append(range(len(sentences), len(sentences) + len(found)))
+        sentences += [s for _, s in found]
+        parts += [j for j, _ in found]
+        scores += _centrality([s for _, s in found])
+    if not sentences:
+        return []
+    chooser = _Chooser(sentences, scores, parts)
+    per = max(1, math.ceil(OUTLINE_SENTENCES / g))
+    everything = chooser.candidates(range(len(sentences)))
+    for stretch in stretches:
+        mine = [i for i in everything if i in stretch]
+        sized = chooser.sized(mine)
+        chooser.central(sized if len(sized) >= per else mine, per)
+    wanted = list(names)
+    if not chooser.cover(everything, wanted):
+        for j, text in enumerate(texts):  # the parts' own sentences, scored within their part
+            own = split_sentences(text)
+            chooser.add(own, _centrality(own), part=j, rank=1)
+        reserve = chooser.candidates(range(len(sentences), len(chooser.all)))
+        chooser.cover(chooser.sized(reserve) or reserve, wanted)
+    return chooser.sentences()
+
+
+def _centrality(sentences: Sequence[str]) -> list[float]:
+    """Each sentence's TF-IDF cosine with the whole of `sentences` (`extract_sentences`)."""
     counts = [Counter(content_words(s)) for s in sentences]
     df = Counter(w for c in counts for w in c)
     idf = {w: math.log(1 + len(sentences) / d) for w, d in df.items()}
@@ -307,45 +369,83 @@ def extract_sentences(text: str, n: int | None = None, names: Iterable[str] | No
         norm = math.sqrt(sum((c[w] * idf[w]) ** 2 for w in c)) or 1.0
         return dot / (norm * norm_whole)
 
-    seen, candidates = set(), []
-    for i, s in enumerate(sentences):
-        key = normalise(s)
-        if key not in seen:
-            seen.add(key)
-            candidates.append(i)
-    sized = [i for i in candidates if 6 <= len(_LETTERS.findall(sentences[i])) <= 60]
-    pool = sized if len(sized) >= k else candidates
+    return [score(c) for c in counts]
 
-    def repeats(chosen: list[int]) -> bool:  # the degenerate rule "repeated sentence" on the joined text
-        joined = " ".join(_cut(sentences[i]) for i in sorted(chosen))
+
+class _Chooser:
+    """Sentences chosen one by one, never one that makes the chosen repeat a sentence or an 8-word
+    run (the degenerate rule, on their joined text). `parts`/`rank` order the result: by part,
+    then rank (a summary's sentences before its part text's), then position."""
+
+    def __init__(self, sentences: list[str], scores: list[float], parts: list[int] | None = None):
+        self.all, self.scores = list(sentences), list(scores)
+        self.order = [(p, 0, i) for i, p in enumerate(parts or [0] * len(sentences))]
+        self.best: list[int] = []
+        self.seen: set[str] = set()
+
+    def add(self, sentences: list[str], scores: list[float], part: int, rank: int) -> None:
+        """More sentences to choose from (their `part` and `rank` place them in the result)."""
+        self.order += [(part, rank, len(self.all) + i) for i in range(len(sentences))]
+        self.all += sentences
+        self.scores += scores
+
+    def candidates(self, indices: Iterable[int]) -> list[int]:
+        """`indices` without a sentence whose normalised text came before (here or in an earlier call)."""
+        out = []
+        for i in indices:
+            key = normalise(self.all[i])
+            if key not in self.seen:
+                self.seen.add(key)
+                out.append(i)
+        return out
+
+    def sized(self, indices: list[int]) -> list[int]:
+        """Those of `indices` with 6–60 words."""
+        return [i for i in indices if 6 <= len(_LETTERS.findall(self.all[i])) <= 60]
+
+    def repeats(self, chosen: list[int]) -> bool:
+        """The degenerate rule "repeated sentence" on the chosen sentences' joined text."""
+        joined = " ".join(_cut(self.all[i]) for i in sorted(chosen, key=lambda i: self.order[i]))
         counts = Counter(u for u in _units(joined) if len(u.split()) >= 2)
         return any(c > 1 for c in counts.values()) or _repeats_a_run(normalise(joined).split())
 
-    best: list[int] = []
-    for i in sorted(pool, key=lambda i: (-score(counts[i]), i)):  # the most central that repeat nothing chosen
-        if len(best) == k:
-            break
-        if not repeats([*best, i]):
-            best.append(i)
-    wanted = list(names) if names is not None else document_names(text)  # `names`: the whole document's
-    targets = {name.lower() for name in wanted} if n is None else set()
-    required = min(MIN_NAMES, len(targets))
+    def central(self, pool: list[int], k: int) -> None:
+        """Choose the `k` most central of `pool` (ties: the earlier) that repeat nothing chosen."""
+        taken = 0
+        for i in sorted(pool, key=lambda i: (-self.scores[i], i)):
+            if taken == k:
+                break
+            if not self.repeats([*self.best, i]):
+                self.best.append(i)
+                taken += 1
 
-    def named(i: int) -> set[str]:
-        return {w.lower() for w, _ in _tokens(_cut(sentences[i])) if w[0].isupper()} & targets
+    def cover(self, pool: list[int], names: list[str]) -> bool:
+        """Add from `pool` the sentence naming the most of `names` still unnamed (ties: the more
+        central, then the earlier) while fewer than min(MIN_NAMES, names) are named; True when
+        that many are."""
+        targets = {name.lower() for name in names}
+        required = min(MIN_NAMES, len(targets))
 
-    covered = set().union(*(named(i) for i in best)) if best else set()
-    for _ in range(required):
-        if len(covered) >= required:
-            break
-        already = repeats(best)  # a candidate may not be the one that makes the summary repeat itself
-        gain = {i: len(named(i) - covered) for i in pool if i not in best and (already or not repeats([*best, i]))}
-        pick = min(gain, key=lambda i: (-gain[i], -score(counts[i]), i), default=None)
-        if pick is None or gain[pick] == 0:
-            break
-        best.append(pick)
-        covered |= named(pick)
-    return [_cut(sentences[i]) for i in sorted(best)]
+        def named(i: int) -> set[str]:
+            return {w.lower() for w, _ in _tokens(_cut(self.all[i])) if w[0].isupper()} & targets
+
+        covered = set().union(*(named(i) for i in self.best)) if self.best else set()
+        for _ in range(required):
+            if len(covered) >= required:
+                break
+            already = self.repeats(self.best)  # a candidate may not be the one that makes it repeat itself
+            gain = {i: len(named(i) - covered) for i in pool
+                    if i not in self.best and (already or not self.repeats([*self.best, i]))}  # fmt: skip
+            pick = min(gain, key=lambda i: (-gain[i], -self.scores[i], i), default=None)
+            if pick is None or gain[pick] == 0:
+                break
+            self.best.append(pick)
+            covered |= named(pick)
+        return len(covered) >= required
+
+    def sentences(self) -> list[str]:
+        """The chosen sentences in order (`order`), cut at 60 words."""
+        return [_cut(self.all[i]) for i in sorted(self.best, key=lambda i: self.order[i])]
 
 
 def _cut(sentence: str, max_words: int = 60) -> str:

@@ -3,7 +3,12 @@
 
 Usage: OMP_NUM_THREADS=1 python scripts/summary_check_report.py [--presets gemma-3-270m,smollm2-135m]
        [--documents gpl,ruth,jonah] [--runs model,extractive] [--quick] [--out PAGE] [--json FILE]
-       [--from-json]
+       [--from-json] [--resume] [--cache NAME=FILE.kv]
+
+`--resume` keeps the records of --json already made (the JSON is written after every summary) and
+runs only the others. `--documents` also takes `kjv` (the whole book) and `NAME=PATH` (any text
+file). `--cache NAME=FILE.kv`: that document's runs summarize FILE.kv (`summarize --cache`: a book
+whose ingest is too long to repeat per run) instead of the text; the check still reads the text.
 
 Documents: the GPL v3 (`gpl-3.txt`) and two books of the KJV sliced from `kjv.txt` at run time
 (`book`: every line that starts with the book's reference prefix and a chapter number, e.g.
@@ -52,15 +57,18 @@ def book(kjv: str, prefix: str) -> str:
 
 
 def documents(data: Path, names: list[str]) -> dict[str, str]:
-    """Text of each named document (`gpl`, or a book of BOOKS)."""
+    """Text of each named document (`gpl`, `kjv`, a book of BOOKS, or NAME=PATH)."""
     out = {}
     for name in names:
-        if name == "gpl":
-            out[name] = (data / "gpl-3.txt").read_text(encoding="utf-8")
+        if "=" in name:
+            name, path = name.split("=", 1)
+            out[name] = Path(path).read_text(encoding="utf-8")
+        elif name in ("gpl", "kjv"):
+            out[name] = (data / ("gpl-3.txt" if name == "gpl" else "kjv.txt")).read_text(encoding="utf-8")
         elif name in BOOKS:
             out[name] = book((data / "kjv.txt").read_text(encoding="utf-8"), BOOKS[name])
         else:
-            raise SystemExit(f"error: unknown document {name!r}; choose from gpl, {', '.join(BOOKS)}")
+            raise SystemExit(f"error: unknown document {name!r}; choose from gpl, kjv, {', '.join(BOOKS)} or NAME=PATH")
     return out
 
 
@@ -70,9 +78,11 @@ def rocketkv_bin() -> str:
     return str(beside) if beside.exists() else "rocketkv"
 
 
-def summarize(path: Path, preset: str, run: str, max_new_tokens: int) -> tuple[dict, float]:
-    """The `summarize --json` record of one run, and its wall time in seconds."""
-    cmd = [rocketkv_bin(), "summarize", str(path), "--model", preset, "--json", "--quiet",
+def summarize(path: Path, preset: str, run: str, max_new_tokens: int, cache: Path | None = None) -> tuple[dict, float]:
+    """The `summarize --json` record of one run (of `cache` when given, else of the text at `path`),
+    and its wall time in seconds."""
+    source = ["--cache", str(cache)] if cache is not None else [str(path)]
+    cmd = [rocketkv_bin(), "summarize", *source, "--model", preset, "--json", "--quiet",
            "--max-new-tokens", str(max_new_tokens), *RUNS[run]]  # fmt: skip
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -86,14 +96,16 @@ def prompt_texts() -> list[str]:
     return [p.read_text(encoding="utf-8") for p in sorted((ROOT / "prompts").glob("*.txt"))]
 
 
-def record(name: str, preset: str, run: str, row: dict, source: str, wall_s: float) -> dict:
-    """One report row: the CLI's record, the check's, and the table's columns."""
+def record(name: str, preset: str, run: str, row: dict, source: str, wall_s: float, cache: Path | None = None) -> dict:
+    """One report row: the CLI's record, the check's, and the table's columns (`cache`: the .kv
+    summarized instead of the text)."""
     check = check_summary(row["summary"], source, prompt_texts())
     partial_modes = [p["mode"] for p in row.get("partial_summaries", [])]
     return {"document": name, "preset": preset, "run": run, "mode": row["mode"], "rejected": row["rejected"],
             "summary": row["summary"],
             "words": len(row["summary"].split()), "partial_modes": partial_modes, "wall_s": round(wall_s, 1),
-            "summarize_s": row["summarize_s"], "check": check.to_dict()}  # fmt: skip
+            "summarize_s": row["summarize_s"], "check": check.to_dict(),
+            "cache": None if cache is None else cache.name}  # fmt: skip
 
 
 def summary_table(records: list[dict]) -> list[str]:
@@ -123,7 +135,8 @@ def render(records: list[dict], command: str, quick: bool, day: str, old: str = 
         parts = f"; parts: {', '.join(r['partial_modes'])}" if r["partial_modes"] else ""
         names = ", ".join(r["check"]["named"]) or "none"
         rejected = f"; rejected: {'; '.join(r['rejected'])}" if r["rejected"] else ""
-        out.append(f"- {r['document']}, {r['preset']}, {r['run']} ({r['mode']}{parts}{rejected}; names: {names}; "
+        cache = f"; summarize --cache {r['cache']}" if r.get("cache") else ""
+        out.append(f"- {r['document']}, {r['preset']}, {r['run']} ({r['mode']}{cache}{parts}{rejected}; names: {names}; "
                    f"{r['wall_s']} s): {json.dumps(r['summary'], ensure_ascii=False)}")  # fmt: skip
     return "\n".join(out) + "\n"
 
@@ -140,7 +153,16 @@ def main() -> None:
     ap.add_argument("--from-json", action="store_true", help="rewrite the page from --json without running")
     ap.add_argument("--out", type=Path, default=None, help="the page (default docs/summaries.md)")
     ap.add_argument("--json", type=Path, default=None, help="the records (default docs/bench/summaries.json)")
+    ap.add_argument("--resume", action="store_true", help="keep --json's records, run only the others")
+    ap.add_argument("--cache", action="append", default=[], metavar="NAME=FILE.kv",
+                    help="summarize this .kv for document NAME (repeatable)")  # fmt: skip
     args = ap.parse_args()
+    caches = {}
+    for spec in args.cache:
+        name, _, path = spec.partition("=")
+        if not path or not Path(path).is_file():
+            ap.error(f"--cache {spec!r}: give NAME=FILE.kv of an existing file")
+        caches[name] = Path(path)
     quick_dir = ROOT / "build" / "summary-check-quick"
     presets = (args.presets or "gemma-3-270m").split(",")
     names = (args.documents or ("gpl" if args.quick else ",".join(DOCUMENTS))).split(",")
@@ -157,20 +179,24 @@ def main() -> None:
         print("\n".join(summary_table(saved["records"])))
         return
     texts = documents(args.data, names)
-    records = []
+    command = ("python scripts/summary_check_report.py " + " ".join(a for a in sys.argv[1:] if a != "--resume")).strip()
+    day = date.today().isoformat()
+    records = read_json(json_path)["records"] if args.resume and json_path.exists() else []
+    done = {(r["document"], r["preset"], r["run"]) for r in records}
     with tempfile.TemporaryDirectory() as tmp:
         for name, text in texts.items():
             path = Path(tmp) / f"{name}.txt"
             path.write_text(text, encoding="utf-8")
             for preset in presets:
                 for run in runs:
-                    row, wall_s = summarize(path, preset, run, args.max_new_tokens)
-                    records.append(record(name, preset, run, row, text, wall_s))
+                    if (name, preset, run) in done:
+                        continue
+                    row, wall_s = summarize(path, preset, run, args.max_new_tokens, caches.get(name))
+                    records.append(record(name, preset, run, row, text, wall_s, caches.get(name)))
                     print(f"{name} {preset} {run}: {row['mode']} in {wall_s:.0f}s", file=sys.stderr)
-    command = "python scripts/summary_check_report.py " + " ".join(sys.argv[1:])
-    day = date.today().isoformat()
-    write_json(json_path, {"command": command.strip(), "date": day, "records": records}, end="\n", ensure_ascii=False)
-    write_text(out, render(records, command.strip(), args.quick, day, read_text(out)))
+                    write_json(json_path, {"command": command, "date": day, "records": records}, end="\n",
+                               ensure_ascii=False)  # fmt: skip
+    write_text(out, render(records, command, args.quick, day, read_text(out)))
     print("\n".join(summary_table(records)))
 
 

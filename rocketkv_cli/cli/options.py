@@ -4,6 +4,7 @@ checks made as they are parsed (exit 2, before any model loads). Standard librar
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -60,21 +61,28 @@ ServerOpt = Annotated[
 NoServerOpt = Annotated[bool, typer.Option("--no-server", help="Answer in this process even if a server is running.")]
 
 
-def _check_weights(value: Optional[str]) -> Optional[str]:
-    """--weights is checked as it is parsed (exit 2, before any model loads)."""
-    from ..core.config import WEIGHT_FORMATS
+def one_of(allowed: str) -> Callable[[Optional[str]], Optional[str]]:
+    """A callback that checks an option's value as it is parsed (exit 2, before any model loads)
+    against the tuple named `allowed` in `core.config` (read only then: no torch at parse time)."""
 
-    if value is not None and value not in WEIGHT_FORMATS:
-        raise typer.BadParameter(f"{value!r} is not one of {', '.join(WEIGHT_FORMATS)}")
-    return value
+    def check(value: Optional[str]) -> Optional[str]:
+        from ..core import config
+
+        choices = getattr(config, allowed)
+        if value is not None and value not in choices:
+            raise typer.BadParameter(f"{value!r} is not one of {', '.join(choices)}")
+        return value
+
+    return check
 
 
 WeightsOpt = Annotated[
     Optional[str],
-    typer.Option(callback=_check_weights, help="Weights for decode on CPU: float, head-bf16 (float layers, bfloat16 LM "
-                 "head ranking), head-int4 (float layers, int4 LM head ranking, greedy tokens certified equal to "
-                 "float's), bf16, int8 or int4 (int8/int4 also prefill). Default: the model's measured choice; "
-                 "ask: the cache's int8/int4."),
+    typer.Option(callback=one_of("WEIGHT_FORMATS"),
+                 help="Weights for decode on CPU: float, head-bf16 (float layers, bfloat16 LM head ranking), "
+                      "head-int4 (float layers, int4 LM head ranking, greedy tokens certified equal to float's), "
+                      "bf16, int8 or int4 (int8/int4 also prefill). Default: the model's measured choice; "
+                      "ask: the cache's int8/int4."),
 ]  # fmt: skip
 
 KvDtypeOpt = Annotated[

@@ -30,6 +30,7 @@ from .options import (
     ThreadsOpt,
     TrustOpt,
     WeightsOpt,
+    one_of,
 )
 from .remote import server_for, summarize_remote
 from .sources import DocumentReading, ModelChoice, ingest_in_memory, open_cache
@@ -41,18 +42,9 @@ SummaryCiteOpt = Annotated[
 ]  # fmt: skip
 
 
-def _check_write_from(value: Optional[str]) -> Optional[str]:
-    """--write-from is checked as it is parsed (exit 2, before any model loads)."""
-    from ..core.config import SUMMARY_WRITE_FROM
-
-    if value is not None and value not in SUMMARY_WRITE_FROM:
-        raise typer.BadParameter(f"{value!r} is not one of {', '.join(SUMMARY_WRITE_FROM)}")
-    return value
-
-
 WriteFromOpt = Annotated[
     Optional[str],
-    typer.Option("--write-from", callback=_check_write_from, metavar="sentences|document",
+    typer.Option("--write-from", callback=one_of("SUMMARY_WRITE_FROM"), metavar="sentences|document",
                  help="What the model writes each summary from: sentences (each part's most central sentences, "
                       "extracted first: a short context) or document (the stored part itself). Default: "
                       "the measured choice (docs/summaries.md)."),

@@ -445,31 +445,31 @@ def summarize_part(
     """
     tokens = PartTokens(engine, part) if cite else None
     origin = None if below is None else joined_map(below, labeled=True)
+    traced: SourceMap | None = None  # characters of the part's text to the document's passages
+    if tokens is not None:
+        traced = joined_map(below or (), labeled=False) if source is not None else tokens.source_map(origin)
+
+    def own_text() -> str:
+        return source if source is not None else tokens.text if tokens is not None else part_text(engine, part)
 
     def extract(rejected: tuple[str, ...] = ()) -> Summary:
         if below is not None and source is not None:  # the final summary: an outline of the parts'
             sentences, whole, trace = outline(below, names, texts, tokens is not None)
             final = extracted_summary(sentences, prompt, rejected)
             return final if trace is None else with_citations(final, trace_sentences(sentences, whole, trace))
-        text = source if source is not None else tokens.text if tokens is not None else part_text(engine, part)
+        text = own_text()
         sentences = extracted_sentences(text, names)
         summary = extracted_summary(sentences, prompt, rejected)
-        if tokens is None:
-            return summary
-        traced = joined_map(below or (), labeled=False) if source is not None else tokens.source_map(origin)
-        return with_citations(summary, trace_sentences(sentences, text, traced))
+        return summary if traced is None else with_citations(summary, trace_sentences(sentences, text, traced))
 
     if extractive:
         return extract()
     try:
-        text = source if source is not None else tokens.text if tokens is not None else part_text(engine, part)
+        text: str | None = own_text()
     except InputError:
         text = None  # an old file without token ids: only the degenerate rules can be applied
     if write_from == "sentences" and text is not None:
-        trace = None
-        if tokens is not None:
-            trace = joined_map(below or (), labeled=False) if source is not None else tokens.source_map(origin)
-        return summarize_text(engine, text, prompt, max_new_tokens, names, trace)
+        return summarize_text(engine, text, prompt, max_new_tokens, names, traced)
     rejected: list[str] = []
     for mode, retry in (("abstractive", False), ("abstractive-retry", True)):
         written = _write(engine, part, prompt, max_new_tokens, sparse, retry, cite if origin is None else 0)

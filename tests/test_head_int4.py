@@ -1,4 +1,4 @@
-"""`--weights head-int4` (`model/weights.py`, `CertifiedHead`): the LM head ranks in int4, and
+"""`--weights head-int4` (`model/heads.py`, `CertifiedHead`): the LM head ranks in int4, and
 every decode step's greedy token is proven to be the float head's — the bound on the int4
 copy's error is never below the real error, the certificate's outcomes are all reached, and a
 position it cannot certify takes the float head whole."""

@@ -85,3 +85,26 @@ def test__cli__extractive_document_is_not_prefilled(rocketkv_bin, tiny_model_dir
     assert "rejected (written:" in shown and re.search(r"extracted sentences", shown), shown
     r = run(rocketkv_bin, *common, "--write-from", "paragraphs")
     assert r.returncode == 2 and "paragraphs" in r.stderr and "Traceback" not in r.stderr
+
+
+def test__cli__a_long_document_summarized_from_itself_names_the_faster_modes(rocketkv_bin, tiny_model_dir, tmp_path):
+    """Over 1 MB in document mode: before the long prefill starts, one line says so and names
+    --extractive (stopped once it is shown: the prefill itself is not what is tested)."""
+    big = tmp_path / "big.txt"
+    big.write_text(HARBOR.read_text() * (2 * 1024 * 1024 // len(HARBOR.read_text())))
+    proc = subprocess.Popen([rocketkv_bin, "summarize", str(big), "--model", str(tiny_model_dir), "--no-server"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env())  # fmt: skip
+    try:
+        seen = []
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            seen.append(line)
+            if "MB" in line or len(seen) > 20:
+                break
+    finally:
+        proc.kill()
+        proc.wait()
+    hint = next((line for line in seen if "big.txt is 2.1 MB" in line), None)
+    assert hint is not None and "--extractive" in hint and "rocketkv ingest" in hint, seen
+    small = run(rocketkv_bin, "summarize", HARBOR, "--model", tiny_model_dir, "--max-new-tokens", "8", "--no-server")
+    assert small.returncode == 0 and "MB:" not in small.stderr, small.stderr

@@ -35,6 +35,20 @@ from .options import (
 from .remote import server_for, summarize_remote
 from .sources import DocumentReading, ModelChoice, ingest_in_memory, open_cache
 
+LONG_DOCUMENT_BYTES = 1 << 20  # about 250K tokens of English: several segments, each prefilled in minutes on a CPU
+
+
+def long_document_hint(document: str) -> None:
+    """Before a long DOC is prefilled to be summarized from itself: say so, and name the modes that
+    read its text without prefilling it (a stdin document's length is not known beforehand)."""
+    import os
+
+    if document != "-" and os.path.isfile(document) and (size := os.path.getsize(document)) > LONG_DOCUMENT_BYTES:
+        log(f"{document} is {size / 1e6:.1f} MB: the model reads all of it before summarizing (minutes per "
+            "32K tokens on a CPU); --extractive or --write-from sentences summarize it from its text "
+            "without that, and `rocketkv ingest` once lets --cache summarize it again")  # fmt: skip
+
+
 SummaryCiteOpt = Annotated[
     bool,
     typer.Option("--cite", help="After each part's summary and the final one, the source passages it came from "
@@ -133,6 +147,7 @@ def summarize_command(
             (rk, stored), source = open_cache(cache, choice, cite=n_cite), str(cache)  # refused before loading
         else:
             assert document is not None  # checked above: exactly one of DOC and --cache
+            long_document_hint(document)
             reading = DocumentReading(encoding, errors, segment_tokens)
             (rk, stored), source = ingest_in_memory(document, choice, cfg, reading), document
         from ..api.summaries import summarize  # torch: only once the model is loaded

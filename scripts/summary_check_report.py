@@ -14,8 +14,9 @@ Documents: the GPL v3 (`gpl-3.txt`) and two books of the KJV sliced from `kjv.tx
 (`book`: every line that starts with the book's reference prefix and a chapter number, e.g.
 "Ruth1:1 …" for Ruth, "Jonah1:1 …" for Jonah), both from shared/data beside the repository
 (`--data`). Each document is summarized by the installed CLI in a subprocess, once per preset and
-run: "model" (`rocketkv summarize DOC --json`: the model writes, with the retry and extractive
-fallback of a degenerate result) and "extractive" (`--extractive`). Each summary is checked with
+run: "model" (`rocketkv summarize DOC --json --write-from document`: the model writes, with the
+retry and extractive fallback of a rejected result), "extractive" (`--extractive`) and
+"sentences" (`--write-from sentences`). Each summary is checked with
 `rocketkv_cli/api/summary_check.py` (the rules are in its docstring) against the document's
 text and every prompt in prompts/. `--quick` (a smoke run, about 2 minutes on 2 cores): the GPL,
 gemma-3-270m, the model run, written under build/summary-check-quick/.
@@ -45,7 +46,11 @@ if not DATA.is_dir():
     DATA = Path(os.environ.get("ROCKETKV_SHARED_DATA", "/work/shared/data"))
 BOOKS = {"ruth": "Ruth", "jonah": "Jonah", "mark": "Mark", "genesis": "Ge"}  # name → the KJV reference prefix
 DOCUMENTS = ("gpl", "ruth", "jonah")  # the default set; mark and genesis on request
-RUNS = {"model": [], "extractive": ["--extractive"], "sentences": ["--write-from", "sentences"]}
+RUNS = {
+    "model": ["--write-from", "document"],
+    "extractive": ["--extractive"],
+    "sentences": ["--write-from", "sentences"],
+}
 
 
 def book(kjv: str, prefix: str) -> str:

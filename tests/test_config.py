@@ -85,3 +85,16 @@ def test__decode_config__page_size_over_topk_refused():
     """A page larger than what one step attends (it once allocated for the page, 13 GB for 1e8)."""
     with pytest.raises(ValueError, match="page_size"):
         DecodeConfig(topk=4, page_size=8, n_score_dims=1)
+
+
+def test__summary_writing__presets_extract_unless_asked_to_write():
+    from rocketkv_cli.core.config import summary_writing
+
+    for preset in ("gemma-3-270m", "smollm2-135m"):  # measured: their own summaries fail the check
+        assert summary_writing(preset) is None
+        assert summary_writing(preset, write_from="document") == "document"
+        assert summary_writing(preset, extractive=False, write_from="sentences") == "sentences"
+    assert summary_writing("/models/Qwen2.5-1.5B-Instruct") == "document"  # not measured: the model writes
+    assert summary_writing("/models/Qwen2.5-1.5B-Instruct", extractive=True, write_from="document") is None
+    with pytest.raises(ValueError, match="write_from must be one of sentences, document"):
+        summary_writing("gemma-3-270m", write_from="paragraphs")

@@ -38,3 +38,25 @@ def test__quick_report__gpl_on_gemma_is_never_degenerate(tmp_path):
     page = (tmp_path / "page.md").read_text()
     line = f"| gpl | gemma-3-270m | model | {row['mode']} | {row['words']} |"
     assert "QUICK SMOKE RUN" in page and line in page and line in r.stdout, page
+
+
+def test__preset_default__extracts_without_prefilling_in_a_pipe_and_a_terminal(tmp_path):
+    """The presets' measured default (`core.config.summary_writing`): a DOC is summarized from its
+    text, extracted, and stderr says why; `--write-from document` has the model write (and prefill)."""
+    from conftest import run_in_terminal, strip_ansi
+
+    doc = ROOT / "tests" / "data" / "harbor.txt"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    rocketkv = str(Path(sys.executable).parent / "rocketkv")
+    r = subprocess.run([rocketkv, "summarize", str(doc), "--json", "--no-server"], capture_output=True, text=True,
+                       env=env, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout)
+    assert row["mode"] == "extractive" and row["rejected"] == [] and "prefilled" not in r.stderr, r.stderr
+    assert row["summary"] == " ".join(extract_sentences(doc.read_text()))
+    assert "measured default" in r.stderr and "--write-from document" in r.stderr, r.stderr
+    code, shown = run_in_terminal([rocketkv, "summarize", str(doc), "--no-server", "--write-from", "document",
+                                   "--max-new-tokens", "32"], env)  # fmt: skip
+    shown = strip_ansi(shown)
+    assert code == 0 and "Traceback" not in shown, shown
+    assert "measured default" not in shown and "prefilled" in shown, shown  # the model read the document

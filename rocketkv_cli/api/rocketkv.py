@@ -25,16 +25,16 @@ from pathlib import Path
 from ..core.cache import AnyCache, CompressedKVCache, SegmentedKVCache
 from ..core.config import (
     DEFAULT_MAX_NEW_TOKENS,
-    DEFAULT_SUMMARY_WRITE_FROM,
     AttentionChoice,
     PrefillConfig,
     default_kv_dtype,
+    summary_writing,
     with_preset_defaults,
 )
 from ..core.quant import KVStorage
 from ..engine.answer import Answer, Sampling, TextCallback, answer, decode_config_for, hsa_min_tokens
 from ..engine.engine import Engine, TokenProgress
-from ..errors import InputError
+from ..errors import InputError, UsageError
 from ..model.loading import DEFAULT_MODEL, load_model
 from ..store.checkpoints import Checkpoints
 from ..store.describe import kept_tokens_per_layer as kept_tokens_per_layer
@@ -290,9 +290,9 @@ class RocketKV:
         config: PrefillConfig | None = None,
         on_partial: Callable[[PartialSummary], None] = lambda event: None,
         on_text: TextCallback | None = None,
-        extractive: bool = False,
+        extractive: bool | None = None,
         cite: int = 0,
-        write_from: str = DEFAULT_SUMMARY_WRITE_FROM,
+        write_from: str | None = None,
     ) -> Summary:
         """A summary of the cache's document; hierarchical for a segmented cache (each segment,
         then the summaries, ingested in memory with `config`); never a degenerate one (a
@@ -302,11 +302,16 @@ class RocketKV:
         model-written part (`Summary.citations`, and each `PartialSummary`'s; extracted sentences
         cite all their own lines; 0 = none). write_from: "sentences" (the model writes from each
         part's key sentences: extract, then write) or "document" (from the stored part itself;
-        `summaries` module docstring). Raises BudgetError, InputError (`cite` for a cache without
-        token offsets), UsageError (an unknown `write_from`)."""
+        `summaries` module docstring). Neither `extractive` nor `write_from` given: the model's
+        measured default (`core.config.summary_writing`: the presets extract). Raises BudgetError,
+        InputError (`cite` for a cache without token offsets), UsageError (an unknown `write_from`)."""
+        try:
+            writing = summary_writing(self.model_id, extractive, write_from)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
         cfg = config or PrefillConfig(max_new_tokens=max_new_tokens)
         return summarize(self.engine, cache, cfg, max_new_tokens, not dense, on_partial, on_text=on_text,
-                         extractive=extractive, cite=cite, write_from=write_from)  # fmt: skip
+                         extractive=writing is None, cite=cite, write_from=writing or "document")  # fmt: skip
 
 
 def _scratch_checkpoints() -> Checkpoints:

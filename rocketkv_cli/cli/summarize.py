@@ -9,10 +9,9 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ..core.config import DEFAULT_SUMMARY_WRITE_FROM
 from ..errors import UsageError
 from .answers import AnswerPrinter, StreamOpt, resolve_format, where
-from .common import load_engine, log, open_stream, prefill_config, setup
+from .common import ingest, load_engine, log, open_stream, prefill_config, setup
 from .options import (
     BudgetOpt,
     CacheOpt,
@@ -33,7 +32,7 @@ from .options import (
     one_of,
 )
 from .remote import server_for, summarize_remote
-from .sources import DocumentReading, ModelChoice, ingest_in_memory, open_cache
+from .sources import ModelChoice, open_cache
 
 LONG_DOCUMENT_BYTES = 1 << 20  # about 250K tokens of English: several segments, each prefilled in minutes on a CPU
 
@@ -60,8 +59,9 @@ WriteFromOpt = Annotated[
     Optional[str],
     typer.Option("--write-from", callback=one_of("SUMMARY_WRITE_FROM"), metavar="sentences|document",
                  help="What the model writes each summary from: sentences (each part's most central sentences, "
-                      "extracted first: a short context) or document (the stored part itself). Default: "
-                      "the measured choice (docs/summaries.md)."),
+                      "extracted first: a short context) or document (the stored part itself). Default: the "
+                      "model's measured choice: the presets write nothing and extract (their own summaries "
+                      "failed the summary check, docs/summaries.md); other models write from the document."),
 ]  # fmt: skip
 SummaryPassagesOpt = Annotated[
     int,
@@ -102,6 +102,10 @@ def summarize_command(
 ) -> None:
     """Summarize a document (or a saved cache's document).
 
+    The built-in presets extract each summary's most central sentences by default (their own
+    summaries failed the summary check on every document measured: docs/summaries.md); a DOC is
+    then read from its text, not prefilled. --write-from has the model write.
+
     A document longer than the context is summarized segment by segment (each partial summary is
     shown on stderr), then the summaries are summarized as one text. A summary that fails the
     summary check (degenerate: an echo of the prompt, a repeated sentence, under 15 words, a bare
@@ -117,44 +121,46 @@ def summarize_command(
         raise UsageError("give either DOC or --cache FILE.kv", "e.g. rocketkv summarize book.txt")
     fmt, stream = resolve_format("auto", json_out, stream, 1, cite)
     n_cite = passages if cite else 0
-    write_from = write_from or DEFAULT_SUMMARY_WRITE_FROM
     cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens)
     choice = ModelChoice(model, device, dtype, weights, trust_remote_code)
     remote = server_for(server, no_server) if cache is not None else None
     partials: list[dict] = []
     on_partial = partial_logger(partials, cite)
     final: Any  # a `Summary` here, its fields from a server
-    if remote is not None and cache is not None:  # a server only with --cache
+    if remote is not None and cache is not None:  # a server only with --cache; it applies the model's default
         source, t0 = str(cache), time.perf_counter()
         final = summarize_remote(remote, cache, {"max_new_tokens": max_new_tokens, "token_budget": budget,
                                                  "dense": dense, "extractive": extractive, "cite": n_cite,
-                                                 "write_from": write_from,
+                                                 **({"write_from": write_from} if write_from else {}),
                                                  **choice.for_server()},
                                  on_partial)  # fmt: skip
     else:
-        if document is not None and (extractive or write_from == "sentences"):  # nothing to prefill
-            pieces = open_stream(document, encoding, errors)  # a bad document fails before the model loads
-            text, source = "".join(pieces), document
-            rk = load_engine(choice.model, choice.device, choice.dtype or "auto", trust_remote_code, weights)
-            from ..api.summaries import summarize_document
+        from ..core.config import summary_writing
 
-            t0 = time.perf_counter()
-            final = summarize_document(rk.engine, text, cfg, max_new_tokens, segment_tokens, on_partial,
-                                       extractive=extractive, cite=cite)  # fmt: skip
-            print_summary(final, source, time.perf_counter() - t0, partials, extractive, AnswerPrinter(fmt, stream))
-            return
-        if cache is not None:
-            (rk, stored), source = open_cache(cache, choice, cite=n_cite), str(cache)  # refused before loading
-        else:
-            assert document is not None  # checked above: exactly one of DOC and --cache
+        if document is not None:
+            pieces = open_stream(document, encoding, errors)  # a bad document fails before the model loads
+            rk = load_engine(choice.model, choice.device, choice.dtype or "auto", trust_remote_code, weights)
+            writing, source = summary_writing(rk.model_id, extractive, write_from), document
+            if writing != "document":  # nothing to prefill: extract, or extract then write
+                from ..api.summaries import summarize_document
+
+                t0 = time.perf_counter()
+                final = summarize_document(rk.engine, "".join(pieces), cfg, max_new_tokens, segment_tokens,
+                                           on_partial, extractive=writing is None, cite=cite)  # fmt: skip
+                print_summary(final, source, time.perf_counter() - t0, partials, extractive, AnswerPrinter(fmt, stream))
+                return
             long_document_hint(document)
-            reading = DocumentReading(encoding, errors, segment_tokens)
-            (rk, stored), source = ingest_in_memory(document, choice, cfg, reading), document
+            stored = ingest(rk, pieces, cfg, segment_tokens=segment_tokens,
+                            explicit=("token_budget", "max_new_tokens")).cache  # fmt: skip
+        else:
+            assert cache is not None  # checked above: exactly one of DOC and --cache
+            (rk, stored), source = open_cache(cache, choice, cite=n_cite), str(cache)  # refused before loading
+            writing = summary_writing(rk.model_id, extractive, write_from)
         from ..api.summaries import summarize  # torch: only once the model is loaded
 
         t0 = time.perf_counter()
-        final = summarize(rk.engine, stored, cfg, max_new_tokens, not dense, on_partial, extractive=extractive,
-                          cite=n_cite, write_from=write_from)  # as `rk.summarize`, with citations  # fmt: skip
+        final = summarize(rk.engine, stored, cfg, max_new_tokens, not dense, on_partial, extractive=writing is None,
+                          cite=n_cite, write_from=writing or "document")  # as `rk.summarize`  # fmt: skip
     print_summary(final, source, time.perf_counter() - t0, partials, extractive, AnswerPrinter(fmt, stream))
 
 
@@ -214,7 +220,8 @@ def print_summary(final, source: str, elapsed: float, partials: list[dict], extr
     for reason in getattr(final, "rejected", ()):
         log(f"summary: the model's output was rejected ({reason})")
     if mode == "extractive":
-        why = "--extractive" if extractive else "the model's output was rejected"
+        why = ("--extractive" if extractive else "the model's output was rejected" if getattr(final, "rejected", ())
+               else "this model's measured default, docs/summaries.md; --write-from document has it write")  # fmt: skip
         log(f"summary: extracted sentences ({why})")
     printer.piece(final.text)
     printer.finish(final.text, row, citations)

@@ -26,7 +26,7 @@ from ..api.rocketkv import (
     check_model_choice,
     decode_weights_for,
 )
-from ..core.config import DEFAULT_SUMMARY_WRITE_FROM, SUMMARY_WRITE_FROM
+from ..core.config import SUMMARY_WRITE_FROM
 from ..errors import CacheFormatError, InputError, RocketKVError
 from .client import MAX_QUESTIONS
 from .warm import ModelKey, Warm
@@ -293,20 +293,21 @@ def answer_job(job: Job, warm: Warm, req: AskRequest) -> None:
 class SummarizeRequest:
     """A summary of one cache (`rocketkv summarize --cache`): the cache as in `AskRequest`, the
     summary's token limit, the token budget for the summaries ingested in memory (segmented
-    caches), `dense`, `extractive`, `write_from` (`summaries.WRITE_FROM`), and the model choice."""
+    caches), `dense`, `extractive`, `write_from` (`summaries.WRITE_FROM`; None with `extractive`
+    False: the model's measured default, `core.config.summary_writing`), and the model choice."""
 
     ask: AskRequest
     max_new_tokens: int
     token_budget: int
     extractive: bool
-    write_from: str = DEFAULT_SUMMARY_WRITE_FROM
+    write_from: str | None = None
 
     @classmethod
     def parse(cls, body: dict, roots: tuple[Path, ...] | None, trust_allowed: bool = False) -> SummarizeRequest:
         """Raises BadRequest for a field of the wrong type or out of range, or a path not allowed."""
         ask = AskRequest.parse({**body, "questions": [], "check_only": True}, roots, None, trust_allowed)
-        write_from = _field(body, "write_from", str, DEFAULT_SUMMARY_WRITE_FROM)
-        if write_from not in SUMMARY_WRITE_FROM:
+        write_from = _field(body, "write_from", str, None)
+        if write_from is not None and write_from not in SUMMARY_WRITE_FROM:
             raise BadRequest(400, f"field 'write_from' must be one of {', '.join(SUMMARY_WRITE_FROM)}, "
                                   f"got {write_from!r}", "UsageError")  # fmt: skip
         return cls(ask=ask, max_new_tokens=_positive(body, "max_new_tokens") or 256,
@@ -319,7 +320,7 @@ def summarize_job(job: Job, warm: Warm, req: SummarizeRequest) -> None:
     then `summary` (text, tokens, stop reason, mode, rejected; with `cite`, each has `citations`,
     unrounded weights, as `ask`'s events)."""
     from ..api.summaries import summarize
-    from ..core.config import PrefillConfig
+    from ..core.config import PrefillConfig, summary_writing
 
     with warm.lock:
         job.check()
@@ -342,9 +343,10 @@ def summarize_job(job: Job, warm: Warm, req: SummarizeRequest) -> None:
             cfg = PrefillConfig(token_budget=req.token_budget, max_new_tokens=req.max_new_tokens)
         except ValueError as exc:
             raise BadRequest(400, f"invalid option: {exc}", "UsageError") from None
+        writing = summary_writing(rk.model_id, req.extractive, req.write_from)  # checked by `parse`
         final = summarize(rk.engine, stored, cfg, req.max_new_tokens, not req.ask.options["dense"], on_partial,
-                          extractive=req.extractive, cite=cite,
-                          write_from=req.write_from)  # as `rk.summarize`, with citations  # fmt: skip
+                          extractive=writing is None, cite=cite,
+                          write_from=writing or "document")  # as `rk.summarize`, with citations  # fmt: skip
         job.emit({"event": "summary", "text": final.text, "n_answer_tokens": final.n_answer_tokens,
                   "stop_reason": final.stop_reason, "mode": getattr(final, "mode", "abstractive"),
                   "rejected": list(getattr(final, "rejected", ())), **cited(final)})  # fmt: skip

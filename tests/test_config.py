@@ -94,6 +94,7 @@ def test__summary_writing__presets_extract_unless_asked_to_write():
         assert summary_writing(preset) is None
         assert summary_writing(preset, write_from="document") == "document"
         assert summary_writing(preset, extractive=False, write_from="sentences") == "sentences"
+    assert summary_writing("gemma-3-270m", can_extract=False) == "document"  # an old file without token ids
     assert summary_writing("/models/Qwen2.5-1.5B-Instruct") == "document"  # not measured: the model writes
     assert summary_writing("/models/Qwen2.5-1.5B-Instruct", extractive=True, write_from="document") is None
     with pytest.raises(ValueError, match="write_from must be one of sentences, document"):

@@ -130,6 +130,10 @@ def test__model_written_or_not__cite_never_fails(rocketkv_bin, tiny_model_dir):
 
 def test__old_cache_without_offsets__the_error_ask_gives(rocketkv_bin, tiny_model_dir):
     asked = run(rocketkv_bin, "ask", "--cache", OLD, "q?", "--cite", "--no-server")
+    from rocketkv_cli.api.rocketkv import read_cache
+    from rocketkv_cli.api.summaries import extractable
+
+    assert not extractable(read_cache(OLD))  # so a preset would write from it, not extract (summary_writing)
     r = run(rocketkv_bin, "summarize", "--cache", OLD, "--cite", "--no-server")
     errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
     assert r.returncode == 1 == asked.returncode and "Traceback" not in r.stderr and r.stdout == "", r.stderr

@@ -85,6 +85,8 @@ def test__cli__extractive_document_is_not_prefilled(rocketkv_bin, tiny_model_dir
     assert "rejected (written:" in shown and re.search(r"extracted sentences", shown), shown
     r = run(rocketkv_bin, *common, "--write-from", "paragraphs")
     assert r.returncode == 2 and "paragraphs" in r.stderr and "Traceback" not in r.stderr
+    r = run(rocketkv_bin, *common, "--write-from", "document", "--extractive")
+    assert r.returncode == 2 and "contradict" in r.stderr and len(r.stderr.strip().splitlines()) <= 2, r.stderr
 
 
 def test__cli__a_long_document_summarized_from_itself_names_the_faster_modes(rocketkv_bin, tiny_model_dir, tmp_path):
@@ -108,3 +110,29 @@ def test__cli__a_long_document_summarized_from_itself_names_the_faster_modes(roc
     assert hint is not None and "--extractive" in hint and "rocketkv ingest" in hint, seen
     small = run(rocketkv_bin, "summarize", HARBOR, "--model", tiny_model_dir, "--max-new-tokens", "8", "--no-server")
     assert small.returncode == 0 and "MB:" not in small.stderr, small.stderr
+
+
+def test__outline__cites_each_sentence_in_the_part_it_came_from():
+    """A segmented document's extracted final summary: the parts' summaries lack the main names, so
+    sentences are taken from the parts' own text; each cites lines of its own part."""
+    from rocketkv_cli.api.summaries import outline, trace_sentences
+
+    text0 = "In the spring Anna planted the orchard above the river.\nBoris and Clara carried water up the hill.\n"
+    text1 = "The orchard gave fruit in the autumn rains.\nDmitri pressed the apples in the old mill.\n" \
+            "Elena sold the cider at the market in town.\n"  # fmt: skip
+    maps = [text_map(text0, 0, 1), text_map(text1, len(text0), 3)]
+    firsts = ["In the spring Anna planted the orchard above the river.", "The orchard gave fruit in the autumn rains."]
+    partials = [(s, trace_sentences([s], t, m)) for s, t, m in zip(firsts, (text0, text1), maps)]
+    names = ("Anna", "Boris", "Clara", "Dmitri", "Elena")
+    sentences, checked, spans = outline(partials, names, [(text0, maps[0]), (text1, maps[1])], cite=True)
+    assert sentences == [firsts[0], "Boris and Clara carried water up the hill.", firsts[1],
+                         "Dmitri pressed the apples in the old mill.",
+                         "Elena sold the cider at the market in town."], sentences  # fmt: skip
+    assert spans is not None and len(spans) == 5
+    summary = " ".join(sentences)
+    source = text0 + text1
+    for start, end, c in spans:  # each piece of the summary cites exactly the lines it was taken from
+        assert " ".join(source[c.start : c.end].split()) == summary[start:end], (summary[start:end], c)
+        assert c.first_line == c.last_line == source[: c.start].count("\n") + 1
+    assert abs(sum(c.weight for _, _, c in spans) - 1) < 1e-9
+    assert "Dmitri pressed" in checked and "Anna planted" in checked and "market in town" in checked

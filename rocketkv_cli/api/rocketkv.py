@@ -50,7 +50,7 @@ from .home import StoredModel, home, remove_models, stored_models
 from .preflight import abandoned_ingests, check_cache_file, check_output, default_output, open_document
 from .segments import SegmentDone, answer_segmented, ingest_stream
 from .session import AnswerStream, Session
-from .summaries import PartialSummary, Summary, summarize
+from .summaries import PartialSummary, Summary, extractable, summarize
 
 Log = Callable[[str], None]
 
@@ -306,7 +306,7 @@ class RocketKV:
         measured default (`core.config.summary_writing`: the presets extract). Raises BudgetError,
         InputError (`cite` for a cache without token offsets), UsageError (an unknown `write_from`)."""
         try:
-            writing = summary_writing(self.model_id, extractive, write_from)
+            writing = summary_writing(self.model_id, extractive, write_from, extractable(cache))
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         cfg = config or PrefillConfig(max_new_tokens=max_new_tokens)

@@ -65,7 +65,7 @@ from .summary_check import (
     document_names,
     extract_sentences,
     grounding,
-    outline_sentences,
+    outline_placed,
 )
 
 SUMMARY_STOP_STRINGS = ("\n\n\n",)  # summaries are paragraphs: only a long gap ends one early
@@ -102,6 +102,13 @@ share (shares sum to 1; empty: none known)."""
 def prompt_texts() -> tuple[str, ...]:
     """The texts of every prompt a summary may echo (`PROMPT_FILES`)."""
     return tuple(read_prompt(name) for name in PROMPT_FILES)
+
+
+def extractable(stored: CompressedKVCache | SegmentedKVCache) -> bool:
+    """Whether sentences can be extracted from a cache: every part holds its token ids (a file
+    written by an older rocketkv may not)."""
+    parts = stored.segments if isinstance(stored, SegmentedKVCache) else [stored]
+    return all(part.token_ids is not None for part in parts)
 
 
 def part_text(engine: Engine, part: CompressedKVCache) -> str:
@@ -219,39 +226,38 @@ characters to the document's passages (None: no citations)."""
 
 
 def outline(partials: Sequence[tuple[str, Spans]], names: tuple[str, ...] | None, texts: PartTexts,
-            cite: bool) -> tuple[list[str], str, SourceMap | None]:  # fmt: skip
-    """The extracted final summary of a segmented document (`summary_check.outline_sentences`
-    over its parts' summaries `partials`, covering `names`, default the summaries' own, with the
-    parts' `texts` as the reserve for coverage); the text those sentences were taken from (the
-    summaries joined, then the parts' texts, each after a blank line) and, with `cite`, its map to
-    the document's passages (`joined_map`, then each part's own map).
+            cite: bool) -> tuple[list[str], str, Spans | None]:  # fmt: skip
+    """The extracted final summary of a segmented document (`summary_check.outline_placed` over
+    its parts' summaries `partials`, covering `names`, default the summaries' own, with the parts'
+    `texts`, aligned with `partials`, as the reserve for coverage); the text a summary written from
+    those sentences is checked against (the summaries joined, then the sentences taken from the
+    parts' texts) and, with `cite`, the sentences' traced pieces: each found in the piece it was
+    taken from (part j's summary, traced by its own pieces, or part j's text, by that part's map).
 
     Raises:
         InputError: summaries without a sentence.
     """
     summaries = [PART_LABEL.sub("", text) for text, _ in partials]
     wanted = names if names is not None else tuple(document_names("\n\n".join(summaries)))
-    sentences = outline_sentences(summaries, wanted, [text for text, _ in texts])
-    if not sentences:
+    placed = outline_placed(summaries, wanted, [text for text, _ in texts])
+    if not placed:
         raise InputError("the document has no sentence to extract a summary from (it holds no words)",
                          "summarize a text document")  # fmt: skip
-    pieces: list[tuple[str, SourceMap | None]] = [("\n\n".join(text for text, _ in partials),
-                                                    joined_map(partials, labeled=False)), *texts]  # fmt: skip
-    whole = "\n\n".join(text for text, _ in pieces)
+    sentences = [sentence for sentence, _, _ in placed]
+    checked = "\n\n".join([*summaries, *(sentence for sentence, _, rank in placed if rank == 1)])
     if not cite:
-        return sentences, whole, None
-    starts, at = [], 0
-    for text, _ in pieces:
-        starts.append(at)
-        at += len(text) + 2
-
-    def trace(a: int, b: int) -> list[tuple[Citation, float]]:
-        for start, (text, source) in zip(starts, pieces):
-            if start <= a < start + len(text):
-                return [] if source is None else source(a - start, min(b, start + len(text)) - start)
-        return []
-
-    return sentences, whole, trace
+        return sentences, checked, None
+    total = sum(len(sentence) for sentence in sentences) or 1
+    spans: list[tuple[int, int, Citation]] = []
+    at = 0
+    for sentence, j, rank in placed:
+        text, source = (summaries[j], joined_map([partials[j]], labeled=False)) if rank == 0 else texts[j]
+        found = _sentence_pattern(sentence).search(text)
+        if found is not None and source is not None:
+            for c, w in source(found.start(), found.end()):
+                spans.append((at, at + len(sentence), dataclasses.replace(c, weight=w * len(sentence) / total)))
+        at += len(sentence) + 1
+    return sentences, checked, tuple(spans)
 
 
 def _sentence_pattern(sentence: str) -> re.Pattern[str]:
@@ -356,7 +362,7 @@ def write_from_sentences(engine: Engine, sentences: Sequence[str], prompt: str, 
 
     Raises:
         BudgetError: sentences that do not fit one segment (never for `extract_sentences`' at most
-        ten sentences of at most 60 words).
+        ten sentences, or an outline's at most 17, of at most 60 words).
     """
     cfg = PrefillConfig(max_new_tokens=max_new_tokens, store_budget=STORE_ALL)
     short = ingest_stream(engine, TextPieces("\n".join(sentences), "key sentences"), cfg)
@@ -366,7 +372,8 @@ def write_from_sentences(engine: Engine, sentences: Sequence[str], prompt: str, 
 
 
 def summarize_text(engine: Engine, text: str, prompt: str, max_new_tokens: int, names: tuple[str, ...] | None = None,
-                   trace: SourceMap | None = None, sentences: list[str] | None = None) -> Summary:  # fmt: skip
+                   trace: SourceMap | None = None, sentences: list[str] | None = None,
+                   spans: Spans | None = None) -> Summary:  # fmt: skip
     """Extract, then write: the summary of `text` the model writes from its key sentences
     (`extracted_sentences(text, names)`, `write_from_sentences`) in the first framing ("written"),
     else the retry framing ("written-retry"), else those sentences themselves ("extractive"): the
@@ -375,12 +382,14 @@ def summarize_text(engine: Engine, text: str, prompt: str, max_new_tokens: int, 
     trace: characters of `text` to the document's passages (`SourceMap`), or None for no
     citations; a written summary cites the passages of the sentences it was written from (each
     weighted by its sentence's share of their characters), an extracted one each sentence's own.
-    sentences: the key sentences, already extracted from `text` (default: `extracted_sentences`).
+    sentences: the key sentences, already extracted (default: `extracted_sentences` of `text`);
+    spans: their traced pieces, already traced (default: traced in `text` by `trace`).
     Raises:
         InputError: a text without a word.
     """
     sentences = sentences if sentences is not None else extracted_sentences(text, names)
-    spans = None if trace is None else trace_sentences(sentences, text, trace)
+    if spans is None and trace is not None:
+        spans = trace_sentences(sentences, text, trace)
     rejected: list[str] = []
     for mode, retry in (("written", False), ("written-retry", True)):
         written = write_from_sentences(engine, sentences, prompt, max_new_tokens, retry)
@@ -454,9 +463,9 @@ def summarize_part(
 
     def extract(rejected: tuple[str, ...] = ()) -> Summary:
         if below is not None and source is not None:  # the final summary: an outline of the parts'
-            sentences, whole, trace = outline(below, names, texts, tokens is not None)
+            sentences, _, spans = outline(below, names, texts, tokens is not None)
             final = extracted_summary(sentences, prompt, rejected)
-            return final if trace is None else with_citations(final, trace_sentences(sentences, whole, trace))
+            return final if spans is None else with_citations(final, spans)
         text = own_text()
         sentences = extracted_sentences(text, names)
         summary = extracted_summary(sentences, prompt, rejected)
@@ -516,11 +525,11 @@ def condense(engine: Engine, partials: Sequence[tuple[str, Spans]], names: tuple
         InputError: summaries without a sentence.
     """
     request = read_prompt("summarize_parts.txt")
-    sentences, whole, trace = outline(partials, names, texts, cite)
+    sentences, checked, spans = outline(partials, names, texts, cite)
     if not extractive:
-        return summarize_text(engine, whole, request, max_new_tokens, names, trace, sentences)
+        return summarize_text(engine, checked, request, max_new_tokens, names, sentences=sentences, spans=spans)
     final = extracted_summary(sentences, request)
-    return final if trace is None else with_citations(final, trace_sentences(sentences, whole, trace))
+    return final if spans is None else with_citations(final, spans)
 
 
 def summarize(
@@ -562,8 +571,8 @@ def summarize(
     document's parts, read from `stored` at the top). An extracted final summary (`--extractive`,
     or the fallback) is an outline of the parts' summaries in order (`outline`). `write_from`: "document" as
     above; "sentences": extract, then write (module docstring) for every part, and the final
-    summary is written from the key sentences of the parts' summaries joined in order, with
-    nothing ingested but those sentences (`summarize_text`).
+    summary is written from the outline of the parts' summaries (`outline`), with nothing
+    ingested but those sentences (`summarize_text`).
     Returns the final summary (`Summary.mode` says how it was made).
     Raises:
         BudgetError: summaries that do not shrink (the recursion would never end).
@@ -615,7 +624,7 @@ def summarize(
         )
     return summarize(engine, combined, cfg, max_new_tokens, sparse, on_partial, read_prompt("summarize_parts.txt"),
                      level + 1, on_text, source="\n\n".join(partials), names=names, cite=cite,
-                     below=traced, write_from=write_from, texts=texts)  # fmt: skip
+                     below=traced, write_from=write_from, texts=texts if level == 0 else ())  # fmt: skip
 
 
 def text_map(text: str, start: int = 0, line: int = 1) -> SourceMap:
@@ -652,7 +661,7 @@ def summarize_document(
     The document is cut into the parts `ingest` would store (`segment_texts` at `segment_limit`
     of `cfg` and `segment_tokens`, less the framing); a one-part document is summarized as
     `summarize_text` does; a longer one part by part (`on_partial`), then the final summary from
-    the key sentences of the parts' summaries joined in order, as `summarize` does for a segmented
+    the outline of the parts' summaries (`condense`, `outline`), as `summarize` does for a segmented
     cache with `write_from` "sentences". `cite`: every summary lists the passages of `text` it came
     from (characters and 1-based lines of `text`; `text_map`). `on_text`: the final summary's text.
     Raises:

@@ -313,6 +313,13 @@ OUTLINE_SENTENCES = 4
 def outline_sentences(
     summaries: Sequence[str], names: Iterable[str], texts: Sequence[str] = (), groups: int = OUTLINE_GROUPS
 ) -> list[str]:
+    """`outline_placed`'s sentences (the docstring is there)."""
+    return [sentence for sentence, _, _ in outline_placed(summaries, names, texts, groups)]
+
+
+def outline_placed(
+    summaries: Sequence[str], names: Iterable[str], texts: Sequence[str] = (), groups: int = OUTLINE_GROUPS
+) -> list[tuple[str, int, int]]:
     """An extracted outline of a document from its parts' `summaries`, in order: the final summary
     of a long document, so that it follows the whole document and not its most typical stretch.
 
@@ -320,9 +327,10 @@ def outline_sentences(
     as they can be); each gives the ceil(`OUTLINE_SENTENCES` / stretches) most central sentences of
     its summaries (`extract_sentences`' centrality, candidates and repeat rule, centrality within
     the stretch). Then coverage as in `extract_sentences`, for `names` (the whole document's): from
-    the summaries' sentences first, then, when those cannot name enough, from `texts` (part j's own
-    text, its sentences placed after its summary's). Sentences verbatim (cut at 60 words), in part
-    order; empty when the summaries hold no sentence.
+    any of the summaries' sentences first, then, when those cannot name enough, from `texts` (part
+    j's own text, its sentences of 6–60 words if it has any, placed after its summary's). Sentences
+    verbatim (cut at 60 words), in part order, each with its part j and where it was found (0: part
+    j's summary, 1: part j's text); empty when the summaries hold no sentence.
     """
     n = len(summaries)
     g = max(1, min(groups, n))
@@ -353,7 +361,7 @@ def outline_sentences(
             chooser.add(own, _centrality(own), part=j, rank=1)
         reserve = chooser.candidates(range(len(sentences), len(chooser.all)))
         chooser.cover(chooser.sized(reserve) or reserve, wanted)
-    return chooser.sentences()
+    return chooser.placed()
 
 
 def _centrality(sentences: Sequence[str]) -> list[float]:
@@ -434,10 +442,10 @@ class _Chooser:
             if len(covered) >= required:
                 break
             already = self.repeats(self.best)  # a candidate may not be the one that makes it repeat itself
-            gain = {i: len(named(i) - covered) for i in pool
-                    if i not in self.best and (already or not self.repeats([*self.best, i]))}  # fmt: skip
-            pick = min(gain, key=lambda i: (-gain[i], -self.scores[i], i), default=None)
-            if pick is None or gain[pick] == 0:
+            gain = {i: g for i in pool if i not in self.best and (g := len(named(i) - covered)) > 0}
+            ranked = sorted(gain, key=lambda i: (-gain[i], -self.scores[i], i))  # the repeat rule: best first only
+            pick = next((i for i in ranked if already or not self.repeats([*self.best, i])), None)
+            if pick is None:
                 break
             self.best.append(pick)
             covered |= named(pick)
@@ -445,7 +453,12 @@ class _Chooser:
 
     def sentences(self) -> list[str]:
         """The chosen sentences in order (`order`), cut at 60 words."""
-        return [_cut(self.all[i]) for i in sorted(self.best, key=lambda i: self.order[i])]
+        return [sentence for sentence, _, _ in self.placed()]
+
+    def placed(self) -> list[tuple[str, int, int]]:
+        """The chosen sentences in order, each with its part and rank (0: a summary's, 1: a part text's)."""
+        return [(_cut(self.all[i]), self.order[i][0], self.order[i][1])
+                for i in sorted(self.best, key=lambda i: self.order[i])]  # fmt: skip
 
 
 def _cut(sentence: str, max_words: int = 60) -> str:

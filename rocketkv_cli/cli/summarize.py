@@ -119,6 +119,9 @@ def summarize_command(
     setup(quiet, threads)
     if (document is None) == (cache is None):
         raise UsageError("give either DOC or --cache FILE.kv", "e.g. rocketkv summarize book.txt")
+    if extractive and write_from:
+        raise UsageError("--extractive and --write-from contradict each other (with --extractive the model "
+                         "writes nothing)", "give one of them")  # fmt: skip
     fmt, stream = resolve_format("auto", json_out, stream, 1, cite)
     n_cite = passages if cite else 0
     cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens)
@@ -155,7 +158,9 @@ def summarize_command(
         else:
             assert cache is not None  # checked above: exactly one of DOC and --cache
             (rk, stored), source = open_cache(cache, choice, cite=n_cite), str(cache)  # refused before loading
-            writing = summary_writing(rk.model_id, extractive, write_from)
+            from ..api.summaries import extractable
+
+            writing = summary_writing(rk.model_id, extractive, write_from, extractable(stored))
         from ..api.summaries import summarize  # torch: only once the model is loaded
 
         t0 = time.perf_counter()

@@ -32,11 +32,13 @@ DEFAULT_SUMMARY_WRITE_FROM = "document"  # what a model writes from when it writ
 PRESET_SUMMARY_EXTRACTIVE = frozenset({"gemma-3-270m", "smollm2-135m"})
 
 
-def summary_writing(model_id: str, extractive: bool | None = None, write_from: str | None = None) -> str | None:
+def summary_writing(model_id: str, extractive: bool | None = None, write_from: str | None = None,
+                    can_extract: bool = True) -> str | None:  # fmt: skip
     """What model `model_id` writes a summary from ("document" or "sentences", `SUMMARY_WRITE_FROM`),
     or None: it writes nothing and the key sentences are extracted. `extractive` True: None;
     else `write_from` when given; else None for a model in `PRESET_SUMMARY_EXTRACTIVE` (its
-    measured default), else `DEFAULT_SUMMARY_WRITE_FROM`.
+    measured default) when the text `can_extract` (a cache without token ids cannot), else
+    `DEFAULT_SUMMARY_WRITE_FROM`. `extractive` False and None alike leave the choice to the rest.
 
     Raises:
         ValueError: a `write_from` not in `SUMMARY_WRITE_FROM`.
@@ -47,7 +49,7 @@ def summary_writing(model_id: str, extractive: bool | None = None, write_from: s
         return None
     if write_from is not None:
         return write_from
-    return None if model_id in PRESET_SUMMARY_EXTRACTIVE else DEFAULT_SUMMARY_WRITE_FROM
+    return None if model_id in PRESET_SUMMARY_EXTRACTIVE and can_extract else DEFAULT_SUMMARY_WRITE_FROM
 
 
 WEIGHT_FORMATS = ("float", "head-bf16", "bf16", "int8", "int4", "head-int4")  # decode weight formats (model/weights.py)

@@ -319,7 +319,7 @@ def summarize_job(job: Job, warm: Warm, req: SummarizeRequest) -> None:
     """Summarize under the decode lock: a `partial` event per partial summary (segmented caches),
     then `summary` (text, tokens, stop reason, mode, rejected; with `cite`, each has `citations`,
     unrounded weights, as `ask`'s events)."""
-    from ..api.summaries import summarize
+    from ..api.summaries import extractable, summarize
     from ..core.config import PrefillConfig, summary_writing
 
     with warm.lock:
@@ -343,7 +343,9 @@ def summarize_job(job: Job, warm: Warm, req: SummarizeRequest) -> None:
             cfg = PrefillConfig(token_budget=req.token_budget, max_new_tokens=req.max_new_tokens)
         except ValueError as exc:
             raise BadRequest(400, f"invalid option: {exc}", "UsageError") from None
-        writing = summary_writing(rk.model_id, req.extractive, req.write_from)  # checked by `parse`
+        writing = summary_writing(
+            rk.model_id, req.extractive, req.write_from, extractable(stored)
+        )  # checked by `parse`
         final = summarize(rk.engine, stored, cfg, req.max_new_tokens, not req.ask.options["dense"], on_partial,
                           extractive=writing is None, cite=cite,
                           write_from=writing or "document")  # as `rk.summarize`, with citations  # fmt: skip

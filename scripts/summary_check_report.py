@@ -10,9 +10,9 @@ runs only the others. `--documents` also takes `kjv` (the whole book) and `NAME=
 file). `--cache NAME=FILE.kv`: that document's runs summarize FILE.kv (`summarize --cache`: a book
 whose ingest is too long to repeat per run) instead of the text; the check still reads the text.
 
-Documents: the GPL v3 (`gpl-3.txt`) and two books of the KJV sliced from `kjv.txt` at run time
+Documents: the GPL v3 (`gpl-3.txt`) and books of the KJV sliced from `kjv.txt` at run time
 (`book`: every line that starts with the book's reference prefix and a chapter number, e.g.
-"Ruth1:1 …" for Ruth, "Jonah1:1 …" for Jonah), both from shared/data beside the repository
+"Ruth1:1 …" for Ruth, "Ge1:1 …" for Genesis; Ruth, Jonah, Mark, Genesis), both from shared/data beside the repository
 (`--data`). Each document is summarized by the installed CLI in a subprocess, once per preset and
 run: "model" (`rocketkv summarize DOC --json --write-from document`: the model writes, with the
 retry and extractive fallback of a rejected result), "extractive" (`--extractive`) and
@@ -132,7 +132,7 @@ def render(records: list[dict], command: str, quick: bool, day: str, old: str = 
     n_pass = sum(r["check"]["passed"] for r in records)
     out = ["# Summaries: are they degenerate, grounded, covering?", "",
            *(["QUICK SMOKE RUN (not evidence)", ""] if quick else []),
-           f"Written by `{command}` on {day} (times: 2 shared CPU cores, one thread): {n_pass} of {len(records)} "
+           f"Written by `{command}` on {day} (times: wall seconds on 2 shared CPU cores, 1–2 threads, other jobs beside some runs: compare within a row, not across): {n_pass} of {len(records)} "
            "summaries pass all three checks.", "",
            *kept(old, "Rules (`rocketkv_cli/api/summary_check.py`", ("| document",)),
            *summary_table(records), "", "## The summaries", ""]  # fmt: skip
@@ -150,7 +150,7 @@ def main() -> None:
     """Run the summaries, check them, write the page and the JSON, print the table."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default=None, help="comma-separated presets (default gemma-3-270m)")
-    ap.add_argument("--documents", default=None, help=f"comma-separated, of {','.join(DOCUMENTS)} (default all)")
+    ap.add_argument("--documents", default=None, help=f"comma-separated, of gpl, kjv, {', '.join(BOOKS)} or NAME=PATH (default {','.join(DOCUMENTS)})")
     ap.add_argument("--runs", default=None, help="of model,extractive,sentences (default model,extractive)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--data", type=Path, default=DATA, help="the folder of gpl-3.txt and kjv.txt")

@@ -5,6 +5,8 @@ docstring, so a change of rule fails here.
 """
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rocketkv_cli.api import summary_check as sc
 
@@ -267,3 +269,28 @@ def test__outline_sentences__names_from_the_parts_texts_when_the_summaries_lack_
     assert out == [summaries[0], "Boris and Clara carried water up the hill.", summaries[1],
                    "Dmitri pressed the apples in the old mill.",
                    "Elena sold the cider at the market in town."], out  # fmt: skip
+
+
+def _sentence_starts_by_definition(text: str) -> list[tuple[str, bool]]:
+    """`_tokens`'s docstring, read literally: strip the openers off everything before the word,
+    then look at the last character left (quadratic; the module's version must agree)."""
+    text = sc.REFERENCE.sub("\n", sc.URL.sub(" ", text))
+    out = []
+    for m in sc._LETTERS.finditer(text):
+        before = text[: m.start()].rstrip(sc._OPENERS)
+        out.append((m.group(), not before or before[-1] in ".!?\n"))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("ab Z.!?\n\t\"'“‘([1:é")), max_size=60))
+def test__tokens__starts_sentences_as_the_docstring_says(text):
+    assert sc._tokens(text) == _sentence_starts_by_definition(text)
+
+
+def test__tokens__hand_worked_starts():
+    # "Hello" starts the text (after an opening quote); "world" follows a space; "Yes" follows ". (";
+    # "x" follows a quote after a space; "Z" a line break and openers; "a" a tab after "Z)": not a start
+    text = '"Hello" world. (Yes\' x\n  (Z) \t"a'
+    assert sc._tokens(text) == [("Hello", True), ("world", False), ("Yes", True), ("x", False), ("Z", True),
+                                ("a", False)]  # fmt: skip

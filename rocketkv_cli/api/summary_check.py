@@ -128,9 +128,10 @@ def _tokens(text: str) -> list[tuple[str, bool]]:
     text = REFERENCE.sub("\n", URL.sub(" ", text))
     out: list[tuple[str, bool]] = []
     for m in _LETTERS.finditer(text):
-        before = text[: m.start()].rstrip(_OPENERS)
-        gap = text[len(before) : m.start()]
-        out.append((m.group(), not before or before[-1] in ".!?\n" or "\n" in gap))
+        i = m.start()  # back over the openers before the word (no copy of the text before it: linear)
+        while i and text[i - 1] in _OPENERS:
+            i -= 1
+        out.append((m.group(), not i or text[i - 1] in ".!?\n"))
     return out
 
 
@@ -197,9 +198,9 @@ def grounding(summary: str, source: str) -> Grounding:
     share is 0.0 for a summary with no content words.
     """
     words = content_words(summary)
-    known = {w.lower() for w, _ in _tokens(source)}
-    missing = [w for w in words if w not in known]
     exact = {w for w, _ in _tokens(source)}
+    known = {w.lower() for w in exact}
+    missing = [w for w in words if w not in known]
     names = [n for n in dict.fromkeys(summary_names(summary)) if n not in exact]
     share = (len(words) - len(missing)) / len(words) if words else 0.0
     return Grounding(share, len(words), tuple(dict.fromkeys(missing)), tuple(names))

@@ -150,7 +150,11 @@ def main() -> None:
     """Run the summaries, check them, write the page and the JSON, print the table."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default=None, help="comma-separated presets (default gemma-3-270m)")
-    ap.add_argument("--documents", default=None, help=f"comma-separated, of gpl, kjv, {', '.join(BOOKS)} or NAME=PATH (default {','.join(DOCUMENTS)})")
+    ap.add_argument(
+        "--documents",
+        default=None,
+        help=f"comma-separated, of gpl, kjv, {', '.join(BOOKS)} or NAME=PATH (default {','.join(DOCUMENTS)})",
+    )
     ap.add_argument("--runs", default=None, help="of model,extractive,sentences (default model,extractive)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--data", type=Path, default=DATA, help="the folder of gpl-3.txt and kjv.txt")

@@ -10,7 +10,7 @@ must too:
     python scripts/answers_snapshot.py --out build/after.jsonl         # on the new one
     diff build/before.jsonl build/after.jsonl && echo identical
 
-`--rocketkv` picks the binary (default: the one on PATH); `--quick` skips the real presets.
+`--rocketkv` picks the binary (default: the one beside this Python, else on PATH); `--quick` skips the real presets.
 """
 
 from __future__ import annotations
@@ -165,7 +165,8 @@ def scrub(row: object) -> object:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--rocketkv", default=shutil.which("rocketkv") or "rocketkv")
+    beside = Path(sys.executable).parent / "rocketkv"  # a virtual environment's, else the one on PATH
+    ap.add_argument("--rocketkv", default=str(beside) if beside.exists() else shutil.which("rocketkv") or "rocketkv")
     ap.add_argument("--models", type=Path, default=ROOT / "build" / "snapshot-models")
     ap.add_argument("--quick", action="store_true", help="tiny models only (seconds, not minutes)")
     ap.add_argument("--smoke", action="store_true", help="one tiny model ingest, work beside --out (CI)")

@@ -147,6 +147,22 @@ def test__segmented_file_round_trips_and_is_plain_safetensors(engine, tmp_path):
         load_cache(tmp_path / "bad.kv")
 
 
+def test__measuring_a_file_read_lazily_holds_one_segment_at_a_time(engine, tmp_path):
+    # `ingest` prints "keeping up to N per KV head": on the whole KJV (37 segments, a 2.1 GB file)
+    # measuring that kept every segment's dequantized KV in memory (peak RSS 13.1 GB)
+    stored = ingest_stream(engine, TextPieces(lines_text(30), "doc.txt"), CFG, segment_tokens=300)
+    loaded = load_cache(save_segmented(stored, tmp_path / "book.kv"), lazy=True)
+    assert len(loaded.segments) > 2
+    by_hand = max(layer.keys.shape[2] for seg in stored.segments for layer in seg.layers)
+    assert loaded.max_kept_tokens == by_hand
+    assert loaded.kv_bytes == sum(layer.nbytes for seg in stored.segments for layer in seg.layers)
+    held = [j for j, seg in enumerate(loaded.segments) if seg._layers is not None]
+    assert not held, f"segments {held} stay in memory after being measured"
+    first = loaded.segments[0]
+    first.layers  # noqa: B018  (read on purpose: a segment in use stays read)
+    assert loaded.max_kept_tokens == by_hand and first._layers is not None
+
+
 def test__interrupted_ingest_resumes_from_the_checkpoints(engine, tmp_path):
     text = lines_text(40)
     target = tmp_path / "book.kv"

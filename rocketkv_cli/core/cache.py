@@ -217,14 +217,25 @@ class CompressedKVCache:
     def n_segments(self) -> int:
         return 1
 
+    def _measured(self, measure: Callable[[tuple[LayerKV, ...]], int]) -> int:
+        """`measure(self.layers)`; layers read lazily for it are released again, so that measuring
+        every segment of a book holds one segment's KV at a time, not the whole file's."""
+        read_now = self._layers is None
+        try:
+            return measure(self.layers)
+        finally:
+            if read_now:
+                self.release()
+
     @property
     def max_kept_tokens(self) -> int:
         """Most tokens any layer kept (per KV head)."""
-        return max(layer.n_kept_tokens for layer in self.layers)
+        return self._measured(lambda layers: max(layer.n_kept_tokens for layer in layers))
 
     @property
     def kv_bytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
+        """Bytes of every layer's keys and values as stored (`LayerKV.nbytes`)."""
+        return self._measured(lambda layers: sum(layer.nbytes for layer in layers))
 
 
 @dataclass

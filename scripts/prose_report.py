@@ -8,7 +8,8 @@ and Jonah, each with hand-written expected strings: an answer is right when it c
 case-insensitive). Each setup ingests each document through the Python API as `rocketkv ingest` does
 and asks every question as `rocketkv ask` does: `full` (every token stored, exact attention), `default`
 (the preset's defaults, whatever they are when the report runs), `pruned-512` (the file keeps only what
-SnapKV++ keeps for t=512, chosen before the question: the defaults before docs/frontier.md). Results per preset and setup go to
+SnapKV++ keeps for t=512, chosen before the question: the defaults before docs/frontier.md), `focus` (the default
+file; each question answered from its 4 best passages by BM25, re-read next to it: `api/focus.py`). Results per preset and setup go to
 `docs/bench/prose-<preset>.json`, one entry per (setup, document), so a rerun resumes.
 Use OMP_NUM_THREADS=1 when anything else runs.
 """
@@ -22,6 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from rocketkv_cli.api.focus import FOCUS_PASSAGES
 from rocketkv_cli.eval import reports as lib
 from rocketkv_cli.eval.reports import table, wilson
 
@@ -35,6 +37,7 @@ SETUPS: dict[str, tuple[dict, dict]] = {
     "full": ({"token_budget": FULL_BUDGET}, {"dense": True}),
     "default": ({}, {}),
     "pruned-512": ({"token_budget": 512, "store_budget": 512}, {}),  # SnapKV++ at t=512, no re-selection
+    "focus": ({}, {"focus": FOCUS_PASSAGES}),  # the default file; each question re-reads its best passages
 }
 
 
@@ -75,7 +78,11 @@ def run(model: str, setups: list[str], out: Path, data: Path, limit: int | None)
                 path.write_text(document_text(dspec, data))
                 ing = rk.ingest(str(path), output=Path(work) / f"{setup}-{doc}.kv", force=True, **ingest_kw)
                 cache = rk.open(ing.path)
-                answers = list(rk.ask(cache, [q["question"] for q in qs], max_new_tokens=48, **ask_kw))
+                if "focus" in ask_kw:  # one question at a time: each re-reads its own passages
+                    answers = [rk.ask_focused(cache, q["question"], passages=ask_kw["focus"], max_new_tokens=48).answer
+                               for q in qs]  # fmt: skip
+                else:
+                    answers = list(rk.ask(cache, [q["question"] for q in qs], max_new_tokens=48, **ask_kw))
                 done["results"][key] = {
                     "config": wanted, "date": dt.date.today().isoformat(), "ingest_s": round(ing.seconds, 1), "file_bytes": Path(ing.path).stat().st_size,
                     "answers": [{"question": q["question"], "expected": q["expected"], "answer": a.text,
@@ -97,7 +104,9 @@ def render(reports: dict[str, dict], quick: bool) -> str:
               "strings; every answer in `docs/bench/prose-<preset>.json`. `full`: every token stored, exact "
               "attention; `default`: what `rocketkv ingest` and `ask` do by default on the date shown; "
               "`pruned-512`: `--budget 512 --store-budget 512`, the file keeps what SnapKV++ keeps for t=512 before "
-              "any question (the default before docs/frontier.md).", ""]  # fmt: skip
+              "any question (the default before docs/frontier.md); `focus`: the default file, each question answered from "
+              "the 4 passages of its text that match it best by BM25, re-read next to it (`RocketKV.ask_focused`, "
+              "`rocketkv_cli/api/focus.py`; the file size is the default file's).", ""]  # fmt: skip
     for model, rep in reports.items():
         m = rep["machine"] or {}
         lines += [f"## {model}", "", f"{rep['date']}: rocketkv {m.get('rocketkv')}, torch {m.get('torch')}, "

@@ -46,6 +46,7 @@ from .checks import decode_weights_for as decode_weights_for
 from .checks import pending_checkpoints as pending_checkpoints
 from .citations import Citation, citer
 from .documents import TextPieces, TextStream
+from .focus import FOCUS_PASSAGES, Passage, best_passages, focus_text, stored_text
 from .home import StoredModel, home, remove_models, stored_models
 from .preflight import abandoned_ingests, check_cache_file, check_output, default_output, open_document
 from .segments import SegmentDone, answer_segmented, ingest_stream
@@ -53,6 +54,15 @@ from .session import AnswerStream, Session
 from .summaries import PartialSummary, Summary, extractable, summarize
 
 Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Focused:
+    """What `RocketKV.ask_focused` answered: the answer and the passages it was answered from
+    (empty: no passage shares a word with the question, so the whole cache answered)."""
+
+    answer: Answer
+    passages: tuple[Passage, ...]
 
 
 @dataclass(frozen=True)
@@ -215,6 +225,23 @@ class RocketKV:
             raise InputError(f"invalid option: {exc}") from None  # may depend on the cache's budgets: exit 1
         return answer(self.engine, cache, qs, max_new, decode, sampling=sampling, on_text=on_text,
                       cite=citer(self.engine.tokenizer, cache, cite))  # fmt: skip
+
+    def ask_focused(self, cache: AnyCache, question: str, *, passages: int = FOCUS_PASSAGES,
+                    max_new_tokens: int | None = None) -> Focused:  # fmt: skip
+        """Answer `question` from the `passages` passages of the cache's text that match it best,
+        re-read next to it (`api/focus.py`: BM25 over passages of whole lines, a short prefill of
+        their text with this model's defaults), greedy; from the whole cache as `ask` when no
+        passage shares a word with the question.
+        Raises:
+            InputError: an empty question, a cache without token ids. UsageError: `passages` < 1.
+        """
+        check_questions([question])
+        chosen = best_passages(stored_text(self.engine, cache), question, passages)
+        max_new = self._max_new(cache, max_new_tokens)
+        if not chosen:
+            return Focused(next(iter(self.ask(cache, question, max_new_tokens=max_new))), ())
+        short = self.ingest(text=focus_text(chosen)).cache
+        return Focused(next(iter(self.ask(short, question, max_new_tokens=max_new))), tuple(chosen))
 
     def session(
         self,

@@ -210,28 +210,19 @@ def words(text: str) -> list[str]:
     return [w.lower() for w in _WORD.findall(text)]
 
 
-def lexical_scores(engine: Engine, stored: SegmentedKVCache, question: str) -> torch.Tensor:
-    """Okapi BM25 of the question's words in each segment's text, `[N_segments]` float32.
-
-    A segment's text is decoded from its stored token ids; terms are whole words (`words`), so
-    that a rare name split into common sub-word tokens still counts as rare. Formula:
+def bm25(texts: list[str], question: str) -> torch.Tensor:
+    """Okapi BM25 of the question's words in each text, `[len(texts)]` float32 (zero when no word
+    of the question occurs). Terms are whole words (`words`), so that a rare name split into
+    common sub-word tokens still counts as rare. Formula:
     Σ_t idf(t) · tf·(k1+1) / (tf + k1·(1 − b + b·len/avg_len)), idf(t) = ln(1 + (N − df + ½)/(df + ½))
-    (Robertson et al., "Okapi at TREC-3", 1994; the idf variant of Lucene). Zero when no word occurs.
-    Raises:
-        CacheFormatError: token ids outside the tokenizer's vocabulary.
+    (Robertson et al., "Okapi at TREC-3", 1994; the idf variant of Lucene).
     """
     terms = sorted(set(words(question)))
-    if not terms:
-        return torch.zeros(len(stored.segments))
-    vocab = len(engine.tokenizer)
+    if not terms or not texts:
+        return torch.zeros(len(texts))
     tf, lengths = [], []
-    for part in stored.segments:
-        if part.token_ids is None:
-            raise CacheFormatError("a segment of this cache has no token ids")
-        ids = part.token_ids.tolist()
-        if ids and max(ids) >= vocab:
-            raise CacheFormatError(f"segment token ids exceed this tokenizer's {vocab} tokens")
-        counts = Counter(words(engine.tokenizer.decode(ids, skip_special_tokens=True)))
+    for text in texts:
+        counts = Counter(words(text))
         lengths.append(float(sum(counts.values())))
         tf.append([float(counts[t]) for t in terms])
     tf_m = torch.tensor(tf)  # [N, Q]
@@ -241,6 +232,25 @@ def lexical_scores(engine: Engine, stored: SegmentedKVCache, question: str) -> t
     length = torch.tensor(lengths)
     norm = BM25_K1 * (1 - BM25_B + BM25_B * length / length.mean().clamp(min=1.0))
     return (idf * tf_m * (BM25_K1 + 1) / (tf_m + norm[:, None])).sum(dim=1)
+
+
+def lexical_scores(engine: Engine, stored: SegmentedKVCache, question: str) -> torch.Tensor:
+    """`bm25` of the question over each segment's text (decoded from its stored token ids),
+    `[N_segments]` float32.
+
+    Raises:
+        CacheFormatError: a segment without token ids, or ids outside the tokenizer's vocabulary.
+    """
+    vocab = len(engine.tokenizer)
+    texts = []
+    for part in stored.segments:
+        if part.token_ids is None:
+            raise CacheFormatError("a segment of this cache has no token ids")
+        ids = part.token_ids.tolist()
+        if ids and max(ids) >= vocab:
+            raise CacheFormatError(f"segment token ids exceed this tokenizer's {vocab} tokens")
+        texts.append(engine.tokenizer.decode(ids, skip_special_tokens=True))
+    return bm25(texts, question)
 
 
 def route(engine: Engine, stored: SegmentedKVCache, question: str, n_segments: int) -> list[int]:

@@ -1,0 +1,84 @@
+"""Focus: answer a question from the few passages of the document that match it best, re-read next
+to the question, instead of from the whole stored cache.
+
+Small models answer better from a short context than from thousands of tokens. Focus cuts the
+stored text (decoded from the cache's token ids, as routing reads it) into passages of consecutive
+lines, ranks them by Okapi BM25 of the question's words (`segments.bm25`, the rule routing uses to
+pick a segment), keeps the best `n` in document order and prefills only their text, a short
+document of its own, before the question is answered from it (`RocketKV.ask_focused`). Whether
+that helps is measured, not assumed: docs/prose-questions.md has it as the `focus` row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..core.cache import AnyCache, SegmentedKVCache
+from ..engine.engine import Engine
+from ..errors import UsageError
+from .segments import bm25
+from .summaries import part_text
+
+PASSAGE_CHARS = 600  # a passage's length limit in characters (about 150 tokens of English)
+FOCUS_PASSAGES = 4  # passages re-read per question
+
+
+@dataclass(frozen=True)
+class Passage:
+    """Consecutive lines of the stored text: lines `first_line`…`last_line` (1-based, of the text
+    decoded from the cache) and their text."""
+
+    first_line: int
+    last_line: int
+    text: str
+
+
+def passages(text: str, max_chars: int = PASSAGE_CHARS) -> list[Passage]:
+    """`text` cut into passages of whole lines: a passage ends at a blank line or before the line
+    that would take it past `max_chars` (a longer line is a passage alone). Blank lines belong to
+    no passage. Raises UsageError: `max_chars` < 1."""
+    if max_chars < 1:
+        raise UsageError(f"a passage must hold at least 1 character, got {max_chars}")
+    out: list[Passage] = []
+    lines: list[str] = []
+    first = 1
+
+    def close(next_line: int) -> None:
+        nonlocal lines, first
+        if lines:
+            out.append(Passage(first, first + len(lines) - 1, "\n".join(lines)))
+        lines, first = [], next_line
+
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            close(number + 1)
+            continue
+        if lines and sum(len(x) + 1 for x in lines) + len(line) > max_chars:
+            close(number)
+        lines.append(line)
+    close(0)
+    return out
+
+
+def best_passages(text: str, question: str, n: int = FOCUS_PASSAGES, max_chars: int = PASSAGE_CHARS) -> list[Passage]:
+    """The `n` passages of `text` (`passages`) with the highest BM25 score for `question`, in
+    document order; only passages that share a word with the question; [] when none does.
+    Raises UsageError: `n` < 1."""
+    if n < 1:
+        raise UsageError(f"focus needs at least 1 passage, got {n}")
+    cut = passages(text, max_chars)
+    scores = bm25([p.text for p in cut], question).tolist()
+    ranked = sorted((i for i, s in enumerate(scores) if s > 0.0), key=lambda i: (-scores[i], i))
+    return [cut[i] for i in sorted(ranked[:n])]
+
+
+def focus_text(chosen: list[Passage]) -> str:
+    """The short document re-read before the question: the passages' texts, a blank line apart."""
+    return "\n\n".join(p.text for p in chosen) + "\n"
+
+
+def stored_text(engine: Engine, cache: AnyCache) -> str:
+    """The document text a cache holds, decoded from its token ids (every segment's, in order).
+    Raises InputError: a cache without token ids (an old file)."""
+    parts = cache.segments if isinstance(cache, SegmentedKVCache) else (cache,)
+    return "".join(part_text(engine, part) for part in parts)

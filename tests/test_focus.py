@@ -1,0 +1,53 @@
+"""Focus (`api/focus.py`): passages of whole lines, BM25 picks, and `RocketKV.ask_focused`, which
+must answer exactly as `ask` over a cache of the chosen passages' text alone."""
+
+import pytest
+import torch
+from conftest import make_engine
+
+from rocketkv_cli.api.focus import best_passages, focus_text, passages, stored_text
+from rocketkv_cli.api.rocketkv import RocketKV
+from rocketkv_cli.errors import UsageError
+
+
+def test__passages__cut_at_blank_lines_and_before_the_line_that_overflows():
+    text = "aaaa\nbbbb\n\ncccc\ndddd\neeee\n\n\nffffffffffff\n"
+    # limit 10: "aaaa\nbbbb" (9 chars) ends at the blank line 3; "cccc\ndddd" is 9, adding "eeee"
+    # would make 14 > 10, so line 6 starts a passage; line 9 is longer than 10 and stands alone
+    got = [(p.first_line, p.last_line, p.text) for p in passages(text, max_chars=10)]
+    assert got == [(1, 2, "aaaa\nbbbb"), (4, 5, "cccc\ndddd"), (6, 6, "eeee"), (9, 9, "ffffffffffff")]
+    assert passages("", 10) == [] and passages("\n\n", 10) == []
+    with pytest.raises(UsageError):
+        passages(text, max_chars=0)
+
+
+def test__best_passages__rank_by_the_question_words_and_keep_document_order():
+    paras = ["the harbour master keeps a compass", "bread and salt", "a blue chest under the stairs",
+             "the compass of the harbour master is silver", "bread again"]  # fmt: skip
+    text = "\n\n".join(paras) + "\n"
+    q = "Where does the harbour master keep the silver compass?"
+    # shared words: paragraph 0 has harbour, master, compass (and "the"); paragraph 3 has those and
+    # silver; 2 has only "the"; 1 and 4 share no word
+    two = best_passages(text, q, n=2)
+    assert [p.text for p in two] == [paras[0], paras[3]]  # document order, not score order
+    every = best_passages(text, q, n=10)
+    assert [p.text for p in every] == [paras[0], paras[2], paras[3]], "a passage with no shared word was kept"
+    assert best_passages(text, "zebra quagga?", n=3) == []
+    with pytest.raises(UsageError):
+        best_passages(text, q, n=0)
+
+
+def test__ask_focused__answers_as_ask_over_the_chosen_passages_alone():
+    rk = RocketKV(make_engine("llama", torch.float32))
+    paras = [f"line {i} river stone paper light" for i in range(12)] + ["the quagga sleeps in the north cloud"]
+    doc = "\n\n".join(paras) + "\n"
+    cache = rk.ingest(text=doc).cache
+    assert stored_text(rk.engine, cache) == doc
+    q = "Where does the quagga sleep?"
+    got = rk.ask_focused(cache, q, passages=1, max_new_tokens=6)
+    assert [p.text for p in got.passages] == [paras[-1]]
+    short = rk.ingest(text=focus_text(list(got.passages))).cache
+    want = next(iter(rk.ask(short, q, max_new_tokens=6)))
+    assert got.answer.text == want.text and got.answer.token_ids == want.token_ids
+    whole = rk.ask_focused(cache, "zebra?", passages=2, max_new_tokens=6)  # no shared word: the whole cache
+    assert whole.passages == () and whole.answer.text == next(iter(rk.ask(cache, "zebra?", max_new_tokens=6))).text

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import text_of_bytes
+from conftest import run_in_terminal, strip_ansi, text_of_bytes
 
 
 @pytest.fixture(scope="module")
@@ -345,6 +345,27 @@ def test__cite__passages_map_to_the_document_characters_and_lines(rocketkv_bin, 
     assert [s.split(" (")[0] for s in sources] == [
         f"  [{i}] line {c['line']}, characters {c['start']}-{c['end']}" for i, c in enumerate(row["citations"], 1)
     ]
+
+
+def test__ask_focus__answers_from_the_best_passage_in_a_pipe_and_a_terminal(rocketkv_bin, env, kv, doc):
+    # the document is one 600-character line of filler words, then "The secret code is 4242.": the
+    # question shares "the", "secret", "code" and "is" with line 2 and no word with line 1
+    q = "What is the secret code?"
+    r = run(rocketkv_bin, env, "ask", "--cache", kv, "--focus", "1", "--cite", "--json", q)
+    assert r.returncode == 0, r.stderr
+    (row,) = [json.loads(line) for line in r.stdout.splitlines()]
+    (c,) = row["citations"]
+    assert (c["line"], c["end_line"], c["weight"], c["text"]) == (2, 2, 1.0, "The secret code is 4242.")
+    assert doc.read_text()[c["start"] : c["end"]] == c["text"]
+    assert "focus: answered from lines 2" in r.stderr
+    code, shown = run_in_terminal([rocketkv_bin, "ask", "--cache", str(kv), "--focus", "1", "--cite", q], env)
+    screen = strip_ansi(shown)
+    assert code == 0, screen[-2000:]
+    assert f"[1] line 2, characters {c['start']}-{c['end']} (100%)" in screen and "Traceback" not in screen
+    bad = run(rocketkv_bin, env, "ask", "--cache", kv, "--focus", "1", "--dense", "--seed", "3", q)
+    assert bad.returncode == 2 and "drop --dense, --seed" in bad.stderr and "Traceback" not in bad.stderr
+    zero = run(rocketkv_bin, env, "ask", "--cache", kv, "--focus", "0", q)
+    assert zero.returncode == 2 and "--focus" in zero.stderr
 
 
 def test__cite__refused_for_a_file_without_token_offsets(rocketkv_bin, env):

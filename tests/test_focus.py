@@ -16,6 +16,12 @@ def test__passages__cut_at_blank_lines_and_before_the_line_that_overflows():
     # would make 14 > 10, so line 6 starts a passage; line 9 is longer than 10 and stands alone
     got = [(p.first_line, p.last_line, p.text) for p in passages(text, max_chars=10)]
     assert got == [(1, 2, "aaaa\nbbbb"), (4, 5, "cccc\ndddd"), (6, 6, "eeee"), (9, 9, "ffffffffffff")]
+    # characters: line 1 starts at 0, line 4 at 11 (after "aaaa\nbbbb\n\n"), line 9 at 28
+    assert [(p.start, p.end) for p in passages(text, max_chars=10)] == [(0, 9), (11, 20), (21, 25), (28, 40)]
+    longer = text + "tail without end"
+    assert all(longer[p.start : p.end] == p.text for p in passages(longer, 10))
+    crlf = passages("ab\r\ncd\r\n\r\nef", 100)
+    assert [(p.text, p.start, p.end) for p in crlf] == [("ab\ncd", 0, 6), ("ef", 10, 12)]
     assert passages("", 10) == [] and passages("\n\n", 10) == []
     with pytest.raises(UsageError):
         passages(text, max_chars=0)
@@ -49,5 +55,12 @@ def test__ask_focused__answers_as_ask_over_the_chosen_passages_alone():
     short = rk.ingest(text=focus_text(list(got.passages))).cache
     want = next(iter(rk.ask(short, q, max_new_tokens=6)))
     assert got.answer.text == want.text and got.answer.token_ids == want.token_ids
+    cited = rk.ask_focused(cache, q, passages=2, max_new_tokens=6, cite=True)
+    # the quagga paragraph (line 25, after 12 paragraphs of one line and a blank line each) shares
+    # "the" and "quagga" with the question; the others share no word, so one passage alone
+    [c] = cited.answer.citations
+    assert (c.first_line, c.last_line, c.weight, c.text) == (25, 25, 1.0, paras[-1])
+    assert doc[c.start : c.end] == paras[-1] and cited.answer.text == want.text
+    assert got.answer.prefill_s > want.prefill_s  # the passages' prefill is counted
     whole = rk.ask_focused(cache, "zebra?", passages=2, max_new_tokens=6)  # no shared word: the whole cache
     assert whole.passages == () and whole.answer.text == next(iter(rk.ask(cache, "zebra?", max_new_tokens=6))).text

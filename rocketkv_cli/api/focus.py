@@ -11,7 +11,7 @@ that helps is measured, not assumed: docs/prose-questions.md has it as the `focu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..core.cache import AnyCache, SegmentedKVCache
 from ..engine.engine import Engine
@@ -25,12 +25,16 @@ FOCUS_PASSAGES = 4  # passages re-read per question
 
 @dataclass(frozen=True)
 class Passage:
-    """Consecutive lines of the stored text: lines `first_line`…`last_line` (1-based, of the text
-    decoded from the cache) and their text."""
+    """Consecutive lines of the stored text (the text decoded from the cache): characters
+    [start, end) on lines first_line … last_line (1-based), their text, and `score`, its BM25
+    score for the question it was chosen for (0.0 before ranking)."""
 
+    start: int
+    end: int
     first_line: int
     last_line: int
     text: str
+    score: float = 0.0
 
 
 def passages(text: str, max_chars: int = PASSAGE_CHARS) -> list[Passage]:
@@ -40,36 +44,38 @@ def passages(text: str, max_chars: int = PASSAGE_CHARS) -> list[Passage]:
     if max_chars < 1:
         raise UsageError(f"a passage must hold at least 1 character, got {max_chars}")
     out: list[Passage] = []
-    lines: list[str] = []
-    first = 1
+    lines: list[tuple[int, int, str]] = []  # (line number, start offset, text without its line end)
 
-    def close(next_line: int) -> None:
-        nonlocal lines, first
+    def close() -> None:
         if lines:
-            out.append(Passage(first, first + len(lines) - 1, "\n".join(lines)))
-        lines, first = [], next_line
+            (first, start, _), (last, last_start, last_text) = lines[0], lines[-1]
+            out.append(Passage(start, last_start + len(last_text), first, last, "\n".join(x for _, _, x in lines)))
+        lines.clear()
 
-    for number, line in enumerate(text.splitlines(), start=1):
+    offset = 0
+    for number, raw in enumerate(text.splitlines(keepends=True), start=1):
+        line = raw.rstrip("\r\n")
         if not line.strip():
-            close(number + 1)
-            continue
-        if lines and sum(len(x) + 1 for x in lines) + len(line) > max_chars:
-            close(number)
-        lines.append(line)
-    close(0)
+            close()
+        else:
+            if lines and sum(len(x) + 1 for _, _, x in lines) + len(line) > max_chars:
+                close()
+            lines.append((number, offset, line))
+        offset += len(raw)
+    close()
     return out
 
 
 def best_passages(text: str, question: str, n: int = FOCUS_PASSAGES, max_chars: int = PASSAGE_CHARS) -> list[Passage]:
     """The `n` passages of `text` (`passages`) with the highest BM25 score for `question`, in
-    document order; only passages that share a word with the question; [] when none does.
-    Raises UsageError: `n` < 1."""
+    document order, each with its score; only passages that share a word with the question; []
+    when none does. Raises UsageError: `n` < 1."""
     if n < 1:
         raise UsageError(f"focus needs at least 1 passage, got {n}")
     cut = passages(text, max_chars)
     scores = bm25([p.text for p in cut], question).tolist()
     ranked = sorted((i for i, s in enumerate(scores) if s > 0.0), key=lambda i: (-scores[i], i))
-    return [cut[i] for i in sorted(ranked[:n])]
+    return [replace(cut[i], score=scores[i]) for i in sorted(ranked[:n])]
 
 
 def focus_text(chosen: list[Passage]) -> str:

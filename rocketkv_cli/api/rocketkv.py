@@ -16,6 +16,7 @@ The CLI is a thin layer over this class (it parses, prints and maps errors). Eve
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -227,11 +228,14 @@ class RocketKV:
                       cite=citer(self.engine.tokenizer, cache, cite))  # fmt: skip
 
     def ask_focused(self, cache: AnyCache, question: str, *, passages: int = FOCUS_PASSAGES,
-                    max_new_tokens: int | None = None) -> Focused:  # fmt: skip
+                    max_new_tokens: int | None = None, cite: bool = False,
+                    on_text: TextCallback | None = None) -> Focused:  # fmt: skip
         """Answer `question` from the `passages` passages of the cache's text that match it best,
         re-read next to it (`api/focus.py`: BM25 over passages of whole lines, a short prefill of
         their text with this model's defaults), greedy; from the whole cache as `ask` when no
-        passage shares a word with the question.
+        passage shares a word with the question. The answer's `prefill_s` includes the passages'
+        prefill; with `cite`, its citations are the passages (weight: the share of their BM25
+        scores), in document order. on_text: as `ask`'s.
         Raises:
             InputError: an empty question, a cache without token ids. UsageError: `passages` < 1.
         """
@@ -239,9 +243,14 @@ class RocketKV:
         chosen = best_passages(stored_text(self.engine, cache), question, passages)
         max_new = self._max_new(cache, max_new_tokens)
         if not chosen:
-            return Focused(next(iter(self.ask(cache, question, max_new_tokens=max_new))), ())
-        short = self.ingest(text=focus_text(chosen)).cache
-        return Focused(next(iter(self.ask(short, question, max_new_tokens=max_new))), tuple(chosen))
+            whole = next(iter(self.ask(cache, question, max_new_tokens=max_new, on_text=on_text)))
+            return Focused(dataclasses.replace(whole, citations=() if cite else None), ())
+        short = self.ingest(text=focus_text(chosen))
+        got = next(iter(self.ask(short.cache, question, max_new_tokens=max_new, on_text=on_text)))
+        total = sum(p.score for p in chosen)
+        cited = tuple(Citation(p.start, p.end, p.first_line, p.last_line, p.score / total, p.text) for p in chosen)
+        got = dataclasses.replace(got, prefill_s=got.prefill_s + short.seconds, citations=cited if cite else None)
+        return Focused(got, tuple(chosen))
 
     def session(
         self,

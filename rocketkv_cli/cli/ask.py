@@ -101,6 +101,30 @@ def check_attention(dense: bool, hsa: bool) -> None:
         raise usage_error("--hsa", f"{exc.message}: {exc.hint}") from None
 
 
+def check_focus(dense, hsa, topk, page_size, n_score_dims, segments, segment, temperature, top_p, seed) -> None:
+    """`--focus` re-reads passages with the model's defaults, greedy: the options that choose how the
+    stored cache is attended or how tokens are sampled do not apply (usage error, exit 2)."""
+    given = [name for name, on in (("--dense", dense), ("--hsa", hsa), ("--topk", topk is not None),
+                                   ("--page-size", page_size is not None), ("--n-score-dims", n_score_dims is not None),
+                                   ("--segments", segments != 1), ("--segment", segment is not None),
+                                   ("--temperature", temperature != 0.0), ("--top-p", top_p != 1.0),
+                                   ("--seed", seed is not None)) if on]  # fmt: skip
+    if given:
+        raise usage_error("--focus", f"it answers from the passages it re-reads, greedy: drop {', '.join(given)}")
+
+
+def focused_answers(rk, stored, questions: list[str], focus: int, max_new_tokens, cite: bool, printer):
+    """`RocketKV.ask_focused` for each question, lazily (as `print_answers` takes them), with a line
+    on stderr naming the passages each was answered from."""
+    for q in questions:
+        got = rk.ask_focused(stored, q, passages=focus, max_new_tokens=max_new_tokens, cite=cite, on_text=printer.piece)
+        lines = ", ".join(f"{p.first_line}-{p.last_line}" if p.last_line > p.first_line else str(p.first_line)
+                          for p in got.passages)  # fmt: skip
+        log(f"focus: answered from lines {lines}" if lines else "focus: no passage shares a word with the "
+            "question; answered from the whole document")  # fmt: skip
+        yield got.answer
+
+
 def print_answers(answers, questions: list[str], source: str, printer: AnswerPrinter,
                   timings: Timings | None = None) -> None:  # fmt: skip
     """Each answer on stdout as it is made (streamed when the printer streams), a line on stderr.
@@ -162,6 +186,17 @@ def ask_command(
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show a timing breakdown on stderr.")] = False,
+    focus: Annotated[
+        Optional[int],
+        typer.Option(
+            "--focus",
+            min=1,
+            metavar="N",
+            help="Answer each question from the N passages of the document "
+            "that match it best (BM25), re-read next to it: more right answers from the presets on prose "
+            "(docs/prose-questions.md); answered here, not by a server; --cite lists the passages.",
+        ),
+    ] = None,
 ) -> None:
     """Answer questions from a saved cache (or from DOC, ingested in memory first).
 
@@ -172,6 +207,8 @@ def ask_command(
     doc, questions = questions_of(args, cache, questions_file)  # usage errors first: before torch is imported
     fmt, stream = resolve_format(fmt, json_out, stream, len(questions), cite)
     check_attention(dense, hsa)
+    if focus is not None:
+        check_focus(dense, hsa, topk, page_size, n_score_dims, segments, segment, temperature, top_p, seed)
     timings = Timings()
     setup(quiet, threads)
     if note := sampling_note(temperature, seed):
@@ -181,15 +218,19 @@ def ask_command(
                "top_p": top_p, "seed": seed, "cite": passages if cite else 0}  # fmt: skip
     choice = ModelChoice(model, device, dtype, weights, trust_remote_code)
     printer = AnswerPrinter(fmt, stream)
-    remote = server_for(server, no_server or len(questions) > MAX_QUESTIONS) if doc is None else None
+    local = no_server or focus is not None or len(questions) > MAX_QUESTIONS
+    remote = server_for(server, local) if doc is None else None
     if remote is not None and cache is not None:  # doc is None: --cache was given
         cache_budget_note(budget, cache)
         ask_remote(remote, cache, questions, {**options, **choice.for_server()}, printer, timings)
     else:
         reading = DocumentReading(encoding, errors, segment_tokens)
         rk, stored, source = open_source(doc, cache, choice, budget, options, reading, timings)
-        print_answers(rk.ask(stored, questions, on_text=printer.piece, log=log, **options), questions, source,
-                      printer, timings)  # fmt: skip
+        if focus is not None:
+            answers = focused_answers(rk, stored, questions, focus, max_new_tokens, cite, printer)
+        else:
+            answers = rk.ask(stored, questions, on_text=printer.piece, log=log, **options)
+        print_answers(answers, questions, source, printer, timings)
     if verbose:
         log(f"answered by the server at {remote.url}" if remote is not None else threads_note())
         log(timings.summary())

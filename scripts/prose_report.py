@@ -38,6 +38,7 @@ SETUPS: dict[str, tuple[dict, dict]] = {
     "default": ({}, {}),
     "pruned-512": ({"token_budget": 512, "store_budget": 512}, {}),  # SnapKV++ at t=512, no re-selection
     "focus": ({}, {"focus": FOCUS_PASSAGES}),  # the default file; each question re-reads its best passages
+    "focus-start": ({}, {"focus": FOCUS_PASSAGES, "keep_start": True}),  # and the document's first passage
 }
 
 
@@ -79,7 +80,8 @@ def run(model: str, setups: list[str], out: Path, data: Path, limit: int | None)
                 ing = rk.ingest(str(path), output=Path(work) / f"{setup}-{doc}.kv", force=True, **ingest_kw)
                 cache = rk.open(ing.path)
                 if "focus" in ask_kw:  # one question at a time: each re-reads its own passages
-                    answers = [rk.ask_focused(cache, q["question"], passages=ask_kw["focus"], max_new_tokens=48).answer
+                    answers = [rk.ask_focused(cache, q["question"], passages=ask_kw["focus"], max_new_tokens=48,
+                                              keep_start=ask_kw.get("keep_start", False)).answer
                                for q in qs]  # fmt: skip
                 else:
                     answers = list(rk.ask(cache, [q["question"] for q in qs], max_new_tokens=48, **ask_kw))
@@ -106,7 +108,8 @@ def render(reports: dict[str, dict], quick: bool) -> str:
               "`pruned-512`: `--budget 512 --store-budget 512`, the file keeps what SnapKV++ keeps for t=512 before "
               "any question (the default before docs/frontier.md); `focus`: the default file, each question answered from "
               "the 4 passages of its text that match it best by BM25, re-read next to it (`RocketKV.ask_focused`, "
-              "`rocketkv_cli/api/focus.py`; the file size is the default file's).", ""]  # fmt: skip
+              "`rocketkv_cli/api/focus.py`; the file size is the default file's); `focus-start`: the same and the "
+              "document's first passage too (its title and front matter).", ""]  # fmt: skip
     for model, rep in reports.items():
         m = rep["machine"] or {}
         lines += [f"## {model}", "", f"{rep['date']}: rocketkv {m.get('rocketkv')}, torch {m.get('torch')}, "

@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import make_engine
 
-from rocketkv_cli.api.focus import best_passages, focus_text, passages, stored_text
+from rocketkv_cli.api.focus import best_passages, focus_text, passages, stored_passages
 from rocketkv_cli.api.rocketkv import RocketKV
 from rocketkv_cli.errors import UsageError
 
@@ -39,6 +39,10 @@ def test__best_passages__rank_by_the_question_words_and_keep_document_order():
     every = best_passages(text, q, n=10)
     assert [p.text for p in every] == [paras[0], paras[2], paras[3]], "a passage with no shared word was kept"
     assert best_passages(text, "zebra quagga?", n=3) == []
+    # "bread" once in paragraphs 1 and 4: BM25 ranks the shorter (4, 2 words against 3) first
+    start = best_passages(text, "bread?", n=1, keep_start=True)
+    assert [(p.text, p.score > 0) for p in start] == [(paras[0], False), (paras[4], True)]
+    assert best_passages(text, "zebra?", n=1, keep_start=True) == []  # nothing chosen: no start either
     with pytest.raises(UsageError):
         best_passages(text, q, n=0)
 
@@ -48,7 +52,7 @@ def test__ask_focused__answers_as_ask_over_the_chosen_passages_alone():
     paras = [f"line {i} river stone paper light" for i in range(12)] + ["the quagga sleeps in the north cloud"]
     doc = "\n\n".join(paras) + "\n"
     cache = rk.ingest(text=doc).cache
-    assert stored_text(rk.engine, cache) == doc
+    assert [p.text for _, p in stored_passages(rk.engine, cache)] == paras
     q = "Where does the quagga sleep?"
     got = rk.ask_focused(cache, q, passages=1, max_new_tokens=6)
     assert [p.text for p in got.passages] == [paras[-1]]
@@ -64,3 +68,16 @@ def test__ask_focused__answers_as_ask_over_the_chosen_passages_alone():
     assert got.answer.prefill_s > want.prefill_s  # the passages' prefill is counted
     whole = rk.ask_focused(cache, "zebra?", passages=2, max_new_tokens=6)  # no shared word: the whole cache
     assert whole.passages == () and whole.answer.text == next(iter(rk.ask(cache, "zebra?", max_new_tokens=6))).text
+
+
+def test__ask_focused__cites_source_characters_and_lines_in_a_segmented_cache():
+    rk = RocketKV(make_engine("llama", torch.float32))
+    paras = [f"line {i} river stone paper light green" for i in range(30)] + ["the quagga sleeps in the north cloud"]
+    doc = "   " + "\n\n".join(paras) + "\n"  # leading spaces: characters are the source's, not the decoded text's
+    cache = rk.ingest(text=doc, segment_tokens=300).cache
+    assert cache.n_segments > 2, "the planted paragraph should sit in a later segment"
+    got = rk.ask_focused(cache, "Where does the quagga sleep?", passages=1, max_new_tokens=4, cite=True)
+    (c,) = got.answer.citations
+    # the quagga paragraph is the 31st: line 61 (one line and one blank line per paragraph before it)
+    assert (c.first_line, c.last_line, c.text) == (61, 61, paras[-1])
+    assert doc[c.start : c.end] == paras[-1]

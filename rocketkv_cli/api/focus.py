@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..core.cache import AnyCache, SegmentedKVCache
+from ..core.cache import AnyCache, CompressedKVCache, SegmentedKVCache
 from ..engine.engine import Engine
 from ..errors import UsageError
+from .citations import Citation
 from .segments import bm25
-from .summaries import part_text
+from .summaries import PartTokens, part_text
 
 PASSAGE_CHARS = 600  # a passage's length limit in characters (about 150 tokens of English)
 FOCUS_PASSAGES = 4  # passages re-read per question
@@ -66,16 +67,27 @@ def passages(text: str, max_chars: int = PASSAGE_CHARS) -> list[Passage]:
     return out
 
 
-def best_passages(text: str, question: str, n: int = FOCUS_PASSAGES, max_chars: int = PASSAGE_CHARS) -> list[Passage]:
-    """The `n` passages of `text` (`passages`) with the highest BM25 score for `question`, in
-    document order, each with its score; only passages that share a word with the question; []
-    when none does. Raises UsageError: `n` < 1."""
+def rank(texts: list[str], question: str, n: int, keep_start: bool = False) -> list[tuple[int, float]]:
+    """(index, BM25 score) of the `n` texts that score highest for `question`, in document order;
+    only texts that share a word with the question; [] when none does. keep_start: text 0 too
+    (a document's title and front matter), whatever its score, when any text is chosen.
+    Raises UsageError: `n` < 1."""
     if n < 1:
         raise UsageError(f"focus needs at least 1 passage, got {n}")
-    cut = passages(text, max_chars)
-    scores = bm25([p.text for p in cut], question).tolist()
+    scores = bm25(texts, question).tolist()
     ranked = sorted((i for i, s in enumerate(scores) if s > 0.0), key=lambda i: (-scores[i], i))
-    return [replace(cut[i], score=scores[i]) for i in sorted(ranked[:n])]
+    chosen = set(ranked[:n])
+    if keep_start and chosen:
+        chosen.add(0)
+    return [(i, scores[i]) for i in sorted(chosen)]
+
+
+def best_passages(text: str, question: str, n: int = FOCUS_PASSAGES, max_chars: int = PASSAGE_CHARS,
+                  keep_start: bool = False) -> list[Passage]:  # fmt: skip
+    """The passages of `text` (`passages`) that `rank` chooses for `question`, each with its score.
+    Raises UsageError: `n` < 1."""
+    cut = passages(text, max_chars)
+    return [replace(cut[i], score=score) for i, score in rank([p.text for p in cut], question, n, keep_start)]
 
 
 def focus_text(chosen: list[Passage]) -> str:
@@ -83,8 +95,29 @@ def focus_text(chosen: list[Passage]) -> str:
     return "\n\n".join(p.text for p in chosen) + "\n"
 
 
-def stored_text(engine: Engine, cache: AnyCache) -> str:
-    """The document text a cache holds, decoded from its token ids (every segment's, in order).
+def stored_passages(engine: Engine, cache: AnyCache, max_chars: int = PASSAGE_CHARS) -> list[tuple[int, Passage]]:
+    """(part index, passage) of the text each stored part holds (`part_text`: decoded from its
+    token ids), in document order; a passage never spans two segments.
     Raises InputError: a cache without token ids (an old file)."""
-    parts = cache.segments if isinstance(cache, SegmentedKVCache) else (cache,)
-    return "".join(part_text(engine, part) for part in parts)
+    return [(j, p) for j, part in enumerate(parts_of(cache)) for p in passages(part_text(engine, part), max_chars)]
+
+
+def source_passages(engine: Engine, cache: AnyCache, chosen: list[tuple[int, Passage]]) -> list[Citation]:
+    """The chosen passages as `Citation`s of the source document (characters and lines through the
+    stored token offsets, `summaries.PartTokens`; weight: the passage's share of the scores).
+    Raises InputError: a cache without token offsets (an old file)."""
+    parts = parts_of(cache)
+    tracers: dict[int, PartTokens] = {}
+    total = sum(p.score for _, p in chosen) or 1.0
+    out = []
+    for j, p in chosen:
+        tracer = tracers.setdefault(j, PartTokens(engine, parts[j]))
+        span = tracer.document_range(p.start, p.end)
+        if span is not None:
+            out.append(replace(tracer.passage(*span), weight=p.score / total, text=p.text))
+    return out
+
+
+def parts_of(cache: AnyCache) -> tuple[CompressedKVCache, ...]:
+    """A cache's stored parts: its segments, or itself."""
+    return cache.segments if isinstance(cache, SegmentedKVCache) else (cache,)

@@ -47,7 +47,7 @@ from .checks import decode_weights_for as decode_weights_for
 from .checks import pending_checkpoints as pending_checkpoints
 from .citations import Citation, citer
 from .documents import TextPieces, TextStream
-from .focus import FOCUS_PASSAGES, Passage, best_passages, focus_text, stored_text
+from .focus import FOCUS_PASSAGES, Passage, focus_text, rank, source_passages, stored_passages
 from .home import StoredModel, home, remove_models, stored_models
 from .preflight import abandoned_ingests, check_cache_file, check_output, default_output, open_document
 from .segments import SegmentDone, answer_segmented, ingest_stream
@@ -60,7 +60,8 @@ Log = Callable[[str], None]
 @dataclass(frozen=True)
 class Focused:
     """What `RocketKV.ask_focused` answered: the answer and the passages it was answered from
-    (empty: no passage shares a word with the question, so the whole cache answered)."""
+    (of the text decoded from the cache, `focus.Passage`; empty: no passage shares a word with the
+    question, so the whole cache answered). The source's characters and lines: `cite=True`."""
 
     answer: Answer
     passages: tuple[Passage, ...]
@@ -228,29 +229,34 @@ class RocketKV:
                       cite=citer(self.engine.tokenizer, cache, cite))  # fmt: skip
 
     def ask_focused(self, cache: AnyCache, question: str, *, passages: int = FOCUS_PASSAGES,
-                    max_new_tokens: int | None = None, cite: bool = False,
+                    max_new_tokens: int | None = None, cite: bool = False, keep_start: bool = False,
                     on_text: TextCallback | None = None) -> Focused:  # fmt: skip
         """Answer `question` from the `passages` passages of the cache's text that match it best,
         re-read next to it (`api/focus.py`: BM25 over passages of whole lines, a short prefill of
         their text with this model's defaults), greedy; from the whole cache as `ask` when no
         passage shares a word with the question. The answer's `prefill_s` includes the passages'
-        prefill; with `cite`, its citations are the passages (weight: the share of their BM25
-        scores), in document order. on_text: as `ask`'s.
+        prefill; with `cite`, its citations are the passages (characters and lines of the source;
+        weight: the share of their BM25 scores), in document order. keep_start: re-read the
+        document's first passage too (`focus.rank`). on_text: as `ask`'s.
         Raises:
-            InputError: an empty question, a cache without token ids. UsageError: `passages` < 1.
+            InputError: an empty question; a cache without token ids (or, with `cite`, without
+            token offsets: an old file). UsageError: `passages` < 1.
         """
         check_questions([question])
-        chosen = best_passages(stored_text(self.engine, cache), question, passages)
+        if cite:
+            check_cite(cache, 1)
+        cut = stored_passages(self.engine, cache)
+        ranked = rank([p.text for _, p in cut], question, passages, keep_start)
+        chosen = [(cut[i][0], dataclasses.replace(cut[i][1], score=score)) for i, score in ranked]
         max_new = self._max_new(cache, max_new_tokens)
         if not chosen:
             whole = next(iter(self.ask(cache, question, max_new_tokens=max_new, on_text=on_text)))
             return Focused(dataclasses.replace(whole, citations=() if cite else None), ())
-        short = self.ingest(text=focus_text(chosen))
+        short = self.ingest(text=focus_text([p for _, p in chosen]))
         got = next(iter(self.ask(short.cache, question, max_new_tokens=max_new, on_text=on_text)))
-        total = sum(p.score for p in chosen)
-        cited = tuple(Citation(p.start, p.end, p.first_line, p.last_line, p.score / total, p.text) for p in chosen)
-        got = dataclasses.replace(got, prefill_s=got.prefill_s + short.seconds, citations=cited if cite else None)
-        return Focused(got, tuple(chosen))
+        sources = tuple(source_passages(self.engine, cache, chosen)) if cite else ()
+        got = dataclasses.replace(got, prefill_s=got.prefill_s + short.seconds, citations=sources if cite else None)
+        return Focused(got, tuple(p for _, p in chosen))
 
     def session(
         self,

@@ -81,3 +81,5 @@ def test__ask_focused__cites_source_characters_and_lines_in_a_segmented_cache():
     # the quagga paragraph is the 31st: line 61 (one line and one blank line per paragraph before it)
     assert (c.first_line, c.last_line, c.text) == (61, 61, paras[-1])
     assert doc[c.start : c.end] == paras[-1]
+    assert got.sources == got.answer.citations  # also without cite=True
+    assert rk.ask_focused(cache, "Where does the quagga sleep?", passages=1, max_new_tokens=4).sources == (c,)

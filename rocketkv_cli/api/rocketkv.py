@@ -61,10 +61,12 @@ Log = Callable[[str], None]
 class Focused:
     """What `RocketKV.ask_focused` answered: the answer and the passages it was answered from
     (of the text decoded from the cache, `focus.Passage`; empty: no passage shares a word with the
-    question, so the whole cache answered). The source's characters and lines: `cite=True`."""
+    question, so the whole cache answered), and the same passages as `Citation`s of the source
+    (characters and lines; empty for a cache without token offsets, an old file)."""
 
     answer: Answer
     passages: tuple[Passage, ...]
+    sources: tuple[Citation, ...] = ()  # the passages in the source's characters and lines (a cache with offsets)
 
 
 @dataclass(frozen=True)
@@ -254,9 +256,10 @@ class RocketKV:
             return Focused(dataclasses.replace(whole, citations=() if cite else None), ())
         short = self.ingest(text=focus_text([p for _, p in chosen]))
         got = next(iter(self.ask(short.cache, question, max_new_tokens=max_new, on_text=on_text)))
-        sources = tuple(source_passages(self.engine, cache, chosen)) if cite else ()
+        first = cache.segments[0] if isinstance(cache, SegmentedKVCache) else cache
+        sources = tuple(source_passages(self.engine, cache, chosen)) if first.token_offsets is not None else ()
         got = dataclasses.replace(got, prefill_s=got.prefill_s + short.seconds, citations=sources if cite else None)
-        return Focused(got, tuple(p for _, p in chosen))
+        return Focused(got, tuple(p for _, p in chosen), sources)
 
     def session(
         self,

@@ -119,9 +119,13 @@ def focused_answers(rk, stored, questions: list[str], focus: int, max_new_tokens
     for q in questions:
         got = rk.ask_focused(stored, q, passages=focus, max_new_tokens=max_new_tokens, cite=cite, on_text=printer.piece)
         lines = ", ".join(f"{p.first_line}-{p.last_line}" if p.last_line > p.first_line else str(p.first_line)
-                          for p in got.passages)  # fmt: skip
-        log(f"focus: answered from lines {lines}" if lines else "focus: no passage shares a word with the "
-            "question; answered from the whole document")  # fmt: skip
+                          for p in got.sources)  # fmt: skip
+        if not got.passages:
+            log("focus: no passage shares a word with the question; answered from the whole document")
+        else:
+            log(
+                f"focus: answered from lines {lines}" if lines else f"focus: answered from {len(got.passages)} passages"
+            )
         yield got.answer
 
 

@@ -192,7 +192,7 @@ def test__prose_report__quick_run_on_a_tiny_model_writes_the_page_and_resumes(ti
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads((tmp_path / "out" / "bench" / f"prose-{tiny_model_dir.name}.json").read_text())
-    setups = ("full", "default", "pruned-512", "focus")
+    setups = ("full", "default", "pruned-512", "focus", "focus-start")
     assert set(rep["results"]) == {f"{s}/{d}" for s in setups for d in ("gpl", "ruth-jonah")}
     assert all(len(v["answers"]) == 2 for v in rep["results"].values())
     page = (tmp_path / "out" / "prose-questions.md").read_text()

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..core.cache import AnyCache, CompressedKVCache, SegmentedKVCache
+from ..core.cache import AnyCache
 from ..engine.engine import Engine
 from ..errors import UsageError
+from ..store.metadata import all_segments
 from .citations import Citation
 from .segments import bm25
 from .summaries import PartTokens, part_text
@@ -99,14 +100,14 @@ def stored_passages(engine: Engine, cache: AnyCache, max_chars: int = PASSAGE_CH
     """(part index, passage) of the text each stored part holds (`part_text`: decoded from its
     token ids), in document order; a passage never spans two segments.
     Raises InputError: a cache without token ids (an old file)."""
-    return [(j, p) for j, part in enumerate(parts_of(cache)) for p in passages(part_text(engine, part), max_chars)]
+    return [(j, p) for j, part in enumerate(all_segments(cache)) for p in passages(part_text(engine, part), max_chars)]
 
 
 def source_passages(engine: Engine, cache: AnyCache, chosen: list[tuple[int, Passage]]) -> list[Citation]:
     """The chosen passages as `Citation`s of the source document (characters and lines through the
     stored token offsets, `summaries.PartTokens`; weight: the passage's share of the scores).
     Raises InputError: a cache without token offsets (an old file)."""
-    parts = parts_of(cache)
+    parts = all_segments(cache)
     tracers: dict[int, PartTokens] = {}
     total = sum(p.score for _, p in chosen) or 1.0
     out = []
@@ -116,8 +117,3 @@ def source_passages(engine: Engine, cache: AnyCache, chosen: list[tuple[int, Pas
         if span is not None:
             out.append(replace(tracer.passage(*span), weight=p.score / total, text=p.text))
     return out
-
-
-def parts_of(cache: AnyCache) -> tuple[CompressedKVCache, ...]:
-    """A cache's stored parts: its segments, or itself."""
-    return cache.segments if isinstance(cache, SegmentedKVCache) else (cache,)

@@ -41,6 +41,7 @@ from ..store.checkpoints import Checkpoints
 from ..store.describe import kept_tokens_per_layer as kept_tokens_per_layer
 from ..store.folders import make_scratch_dir
 from ..store.format import save_cache, verify_file
+from ..store.metadata import all_segments
 from .checks import check_cite, check_decode_options, check_model_choice, check_questions, describe, read_cache
 from .checks import configure as configure
 from .checks import decode_weights_for as decode_weights_for
@@ -256,8 +257,8 @@ class RocketKV:
             return Focused(dataclasses.replace(whole, citations=() if cite else None), ())
         short = self.ingest(text=focus_text([p for _, p in chosen]))
         got = next(iter(self.ask(short.cache, question, max_new_tokens=max_new, on_text=on_text)))
-        first = cache.segments[0] if isinstance(cache, SegmentedKVCache) else cache
-        sources = tuple(source_passages(self.engine, cache, chosen)) if first.token_offsets is not None else ()
+        citable = all_segments(cache)[0].token_offsets is not None
+        sources = tuple(source_passages(self.engine, cache, chosen)) if citable else ()
         got = dataclasses.replace(got, prefill_s=got.prefill_s + short.seconds, citations=sources if cite else None)
         return Focused(got, tuple(p for _, p in chosen), sources)
 

@@ -362,6 +362,8 @@ def test__ask_focus__answers_from_the_best_passage_in_a_pipe_and_a_terminal(rock
     screen = strip_ansi(shown)
     assert code == 0, screen[-2000:]
     assert f"[1] line 2, characters {c['start']}-{c['end']} (100%)" in screen and "Traceback" not in screen
+    # the stderr line naming the passages comes before the streamed answer, never after it on its line
+    assert not [line for line in screen.splitlines() if line.find("rocketkv: focus:") > 0], screen[-2000:]
     bad = run(rocketkv_bin, env, "ask", "--cache", kv, "--focus", "1", "--dense", "--seed", "3", q)
     assert bad.returncode == 2 and "drop --dense, --seed" in bad.stderr and "Traceback" not in bad.stderr
     zero = run(rocketkv_bin, env, "ask", "--cache", kv, "--focus", "0", q)

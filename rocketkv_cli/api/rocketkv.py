@@ -65,7 +65,7 @@ class Focused:
     question, so the whole cache answered), and the same passages as `Citation`s of the source
     (characters and lines; empty for a cache without token offsets, an old file)."""
 
-    answer: Answer
+    answer: Answer | None  # None only in `on_chosen`, before it is decoded
     passages: tuple[Passage, ...]
     sources: tuple[Citation, ...] = ()  # the passages in the source's characters and lines (a cache with offsets)
 
@@ -233,14 +233,16 @@ class RocketKV:
 
     def ask_focused(self, cache: AnyCache, question: str, *, passages: int = FOCUS_PASSAGES,
                     max_new_tokens: int | None = None, cite: bool = False, keep_start: bool = False,
-                    on_text: TextCallback | None = None) -> Focused:  # fmt: skip
+                    on_text: TextCallback | None = None,
+                    on_chosen: Callable[[Focused], None] | None = None) -> Focused:  # fmt: skip
         """Answer `question` from the `passages` passages of the cache's text that match it best,
         re-read next to it (`api/focus.py`: BM25 over passages of whole lines, a short prefill of
         their text with this model's defaults), greedy; from the whole cache as `ask` when no
         passage shares a word with the question. The answer's `prefill_s` includes the passages'
         prefill; with `cite`, its citations are the passages (characters and lines of the source;
         weight: the share of their BM25 scores), in document order. keep_start: re-read the
-        document's first passage too (`focus.rank`). on_text: as `ask`'s.
+        document's first passage too (`focus.rank`). on_text: as `ask`'s. on_chosen: called once the
+        passages are chosen, before the answer is decoded, with a `Focused` whose answer is None.
         Raises:
             InputError: an empty question; a cache without token ids (or, with `cite`, without
             token offsets: an old file). UsageError: `passages` < 1.
@@ -252,15 +254,18 @@ class RocketKV:
         ranked = rank([p.text for _, p in cut], question, passages, keep_start)
         chosen = [(cut[i][0], dataclasses.replace(cut[i][1], score=score)) for i, score in ranked]
         max_new = self._max_new(cache, max_new_tokens)
+        citable = all_segments(cache)[0].token_offsets is not None
+        sources = tuple(source_passages(self.engine, cache, chosen)) if chosen and citable else ()
+        picked = Focused(None, tuple(p for _, p in chosen), sources)
+        if on_chosen is not None:
+            on_chosen(picked)
         if not chosen:
             whole = next(iter(self.ask(cache, question, max_new_tokens=max_new, on_text=on_text)))
-            return Focused(dataclasses.replace(whole, citations=() if cite else None), ())
+            return dataclasses.replace(picked, answer=dataclasses.replace(whole, citations=() if cite else None))
         short = self.ingest(text=focus_text([p for _, p in chosen]))
         got = next(iter(self.ask(short.cache, question, max_new_tokens=max_new, on_text=on_text)))
-        citable = all_segments(cache)[0].token_offsets is not None
-        sources = tuple(source_passages(self.engine, cache, chosen)) if citable else ()
         got = dataclasses.replace(got, prefill_s=got.prefill_s + short.seconds, citations=sources if cite else None)
-        return Focused(got, tuple(p for _, p in chosen), sources)
+        return dataclasses.replace(picked, answer=got)
 
     def session(
         self,

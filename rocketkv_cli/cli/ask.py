@@ -115,18 +115,19 @@ def check_focus(dense, hsa, topk, page_size, n_score_dims, segments, segment, te
 
 def focused_answers(rk, stored, questions: list[str], focus: int, max_new_tokens, cite: bool, printer):
     """`RocketKV.ask_focused` for each question, lazily (as `print_answers` takes them), with a line
-    on stderr naming the passages each was answered from."""
-    for q in questions:
-        got = rk.ask_focused(stored, q, passages=focus, max_new_tokens=max_new_tokens, cite=cite, on_text=printer.piece)
+    on stderr naming the passages each is answered from, before its answer is printed."""
+
+    def say(picked) -> None:
         lines = ", ".join(f"{p.first_line}-{p.last_line}" if p.last_line > p.first_line else str(p.first_line)
-                          for p in got.sources)  # fmt: skip
-        if not got.passages:
+                          for p in picked.sources)  # fmt: skip
+        if not picked.passages:
             log("focus: no passage shares a word with the question; answered from the whole document")
         else:
-            log(
-                f"focus: answered from lines {lines}" if lines else f"focus: answered from {len(got.passages)} passages"
-            )
-        yield got.answer
+            log(f"focus: answered from {f'lines {lines}' if lines else f'{len(picked.passages)} passages'}")
+
+    for q in questions:
+        yield rk.ask_focused(stored, q, passages=focus, max_new_tokens=max_new_tokens, cite=cite,
+                             on_text=printer.piece, on_chosen=say).answer  # fmt: skip
 
 
 def print_answers(answers, questions: list[str], source: str, printer: AnswerPrinter,

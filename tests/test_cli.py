@@ -338,6 +338,7 @@ def test__cite__passages_map_to_the_document_characters_and_lines(rocketkv_bin, 
     assert len(row["citations"]) == 2
     for c in row["citations"]:
         assert " ".join(text[c["start"] : c["end"]].split()) == c["text"] != ""
+        assert text[c["start"] : c["end"]] == text[c["start"] : c["end"]].strip(), c  # no space or line break around
         assert c["line"] == text[: c["start"]].count("\n") + 1 and c["end_line"] >= c["line"]
         assert 0 < c["weight"] <= 1
     shown = run(rocketkv_bin, env, "ask", "--cache", kv, "What is the secret code?", "--cite", "--passages", "2")

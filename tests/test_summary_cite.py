@@ -38,12 +38,14 @@ def lines_of(first: int, last: int) -> str:
 
 def check_cited(summary: str, citations: list[dict]) -> None:
     """Each extracted sentence is held by one cited line range, and each citation's characters
-    [start, end) are its text and lie on its lines (checked on the document itself)."""
+    [start, end) are its text, no whitespace around it, and lie on its lines (checked on the
+    document itself)."""
     text = HARBOR.read_text()
     assert citations
     assert [(c["line"], c["start"]) for c in citations] == sorted((c["line"], c["start"]) for c in citations)
     for c in citations:
         assert flat(text[c["start"] : c["end"]]) == c["text"] != ""
+        assert text[c["start"] : c["end"]] == text[c["start"] : c["end"]].strip(), c
         assert c["line"] == text[: c["start"]].count("\n") + 1 and c["end_line"] >= c["line"]
         assert 0 < c["weight"] <= 1
     for sentence in summary_sentences(summary):
@@ -113,6 +115,7 @@ def test__segmented__each_part_and_the_final_cite_the_document(rocketkv_bin, tin
             assert any(sentence in lines_of(c["line"], c["end_line"]) for c in cits), (sentence, cits)
         for c in cits:
             assert flat(text[c["start"] : c["end"]]) == c["text"]
+            assert text[c["start"] : c["end"]] == text[c["start"] : c["end"]].strip(), c
     final_passages = {(c["start"], c["end"]) for c in row["citations"]}
     assert final_passages <= {(c["start"], c["end"]) for p in parts for c in p["citations"]}
     assert "Sources:" in r.stderr  # each part's sources shown under it on stderr

@@ -88,6 +88,34 @@ def _whole_words(span: list[int], ids: list[int], texts: dict[int, str]) -> list
     return span[first : last + 1] or span
 
 
+def _token_text(tokenizer, ids: list[int], i: int) -> str:
+    return tokenizer.decode([ids[i]], skip_special_tokens=True)
+
+
+def source_start(tokenizer, ids: list[int], offsets: list[int], first: int, last: int) -> int:
+    """The source character where the text of tokens first … last begins: past whitespace-only
+    tokens (a line's indent) and past the space a token such as " And" (byte-level BPE) carries
+    in front of its word, which its offset points at."""
+    while first < last and not _token_text(tokenizer, ids, first).strip():
+        first += 1
+    text = _token_text(tokenizer, ids, first)
+    word = text.lstrip()
+    return offsets[first] + (len(text) - len(word) if word else 0)
+
+
+def source_end(tokenizer, ids: list[int], offsets: list[int], first: int, last: int) -> int:
+    """The source character after the text of tokens first … last: before whitespace-only tokens
+    at its end (a line break) and the spaces or line break a token such as ".\n" carries after
+    its text; else the next document token's offset (or the last token's own end)."""
+    while last > first and not _token_text(tokenizer, ids, last).strip():
+        last -= 1
+    text = _token_text(tokenizer, ids, last)
+    own = offsets[last] + len(text)
+    after = next((offsets[j] for j in range(last + 1, len(ids)) if offsets[j] >= 0), own)
+    word = text.rstrip()
+    return after - (len(text) - len(word)) if word and after == own else after
+
+
 def cite(
     tokenizer,
     cache: CompressedKVCache,
@@ -97,7 +125,8 @@ def cite(
     window_chars: int = DEFAULT_WINDOW_CHARS,
     rank: str = "peak",
 ) -> tuple[Citation, ...]:
-    """The `n_passages` best passages of the source, best first.
+    """The `n_passages` best passages of the source, in the order of their best tokens (`rank`), so a
+    later passage can have the larger weight.
 
     scores, share: `[n_context_tokens]` by position (`engine.attribution.token_scores`). rank: "peak" (a passage is
     picked by its best token, as described above) or "sum" (by the total score of its line's
@@ -142,8 +171,8 @@ def cite(
         used.update(by_line[lines[best]] if rank == "sum" else span)
         first, last = span[0], span[-1]
         text = " ".join(tokenizer.decode(ids[first : last + 1], skip_special_tokens=True).split())
-        after = next((offsets[j] for j in range(last + 1, len(ids)) if offsets[j] >= 0), None)
-        end = after if after is not None else offsets[last] + len(tokenizer.decode([ids[last]]))
-        out.append(Citation(start=offsets[first], end=end, first_line=lines[first], last_line=lines[last],
+        start = source_start(tokenizer, ids, offsets, first, last)
+        end = source_end(tokenizer, ids, offsets, first, last)
+        out.append(Citation(start=start, end=end, first_line=lines[first], last_line=lines[last],
                             weight=float(shares[span].sum()) / total, text=text))  # fmt: skip
     return tuple(out)

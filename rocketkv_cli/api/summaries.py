@@ -56,7 +56,7 @@ from ..engine.inputs import Document, tokenize
 from ..errors import BudgetError, InputError, UsageError
 from ..model.templates import read_prompt
 from .checks import check_cite
-from .citations import Citation, citer
+from .citations import Citation, citer, source_end, source_start
 from .documents import TextPieces, segment_texts
 from .segments import SEGMENT_SLACK_TOKENS, frame_tokens, ingest_stream, segment_limit
 from .summary_check import (
@@ -169,7 +169,9 @@ class PartTokens:
     def passage(self, first: int, last: int) -> Citation:
         """Tokens first … last as a passage of the source (weight 1), as `citations.cite` makes them."""
         text = " ".join(self.tokenizer.decode(self.ids[first : last + 1], skip_special_tokens=True).split())
-        return Citation(start=self.offsets[first], end=self.end_of(last), first_line=self.lines[first],
+        start = source_start(self.tokenizer, self.ids, self.offsets, first, last)
+        end = source_end(self.tokenizer, self.ids, self.offsets, first, last)
+        return Citation(start=start, end=end, first_line=self.lines[first],
                         last_line=self.lines[last], weight=1.0, text=text)  # fmt: skip
 
     def source_map(self, origin: SourceMap | None) -> SourceMap:

@@ -431,6 +431,19 @@ def test__every_command_that_runs_the_model_takes_threads(rocketkv_bin, env, com
     assert "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("command", ["ingest", "ask", "serve"])
+def test__threads_beyond_the_machines_cpus__a_usage_error(rocketkv_bin, env, command, tmp_path):
+    """More threads than the machine has CPUs (99999 used to fail starting them: exit 1 with
+    "can't start new thread") is a usage error naming the limit, from the option and the variable."""
+    cpus = os.cpu_count() or 1
+    extra = ["x.txt"] if command == "ingest" else ["--cache", str(tmp_path / "x.kv"), "q?"] if command == "ask" else []
+    for args, e in ((["--threads", "99999"], env), ([], {**env, "ROCKETKV_THREADS": str(cpus + 1)})):
+        r = run(rocketkv_bin, e, command, *args, *extra)
+        errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
+        assert r.returncode == 2 and len(errors) == 1, r.stderr
+        assert f"more than this machine's {cpus} CPUs" in errors[0] and "Traceback" not in r.stderr, r.stderr
+
+
 def test__shell_completion__script_and_answers(rocketkv_bin, env):
     # Typer detects the shell from the parent process: run it from bash (`; true` keeps bash from
     # exec-ing the command, which would make pytest the parent), as a user's prompt would.

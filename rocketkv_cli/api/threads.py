@@ -57,7 +57,8 @@ def available_cores() -> int:
 
 def resolve_threads(threads: int | None = None) -> tuple[int, str]:
     """(threads, where the number came from): `threads` if given, else `$ROCKETKV_THREADS`, else
-    `$OMP_NUM_THREADS`, else `available_cores()`. Raises UsageError for a value < 1 or not a number."""
+    `$OMP_NUM_THREADS`, else `available_cores()`. Raises UsageError for a value < 1, above the
+    machine's logical CPUs (`os.cpu_count()`), or not a number."""
     if threads is not None:
         source = "--threads"
     else:
@@ -73,6 +74,10 @@ def resolve_threads(threads: int | None = None) -> tuple[int, str]:
             threads, source = available_cores(), "the cores this process may use (affinity, cgroup quota)"
     if threads < 1:
         raise UsageError(f"{source}: the number of threads must be ≥ 1, got {threads}")
+    cpus = os.cpu_count() or 1
+    if threads > cpus:
+        raise UsageError(f"{source}: {threads} threads is more than this machine's {cpus} CPUs "
+                         f"(threads beyond them only wait for each other); use at most {cpus}")  # fmt: skip
     return threads, source
 
 

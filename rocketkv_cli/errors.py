@@ -36,6 +36,12 @@ class ModelLoadError(RocketKVError):
 class CacheFormatError(RocketKVError):
     """A `.kv` file that is damaged, of another format version, or built for another model."""
 
+    @classmethod
+    def cut_header(cls, path: object, n: int, size: int, hint: str) -> CacheFormatError:
+        """The error for a file whose header (`n` bytes, starting with "{") runs past its end
+        (`size` bytes in all): a cache cut short, as an interrupted copy leaves it."""
+        return cls(f"{path} is truncated: {size:,} bytes, shorter than its own header ({n + 8:,} bytes)", hint)
+
 
 class BudgetError(RocketKVError):
     """Budgets or lengths that cannot work (document longer than the context, question too long)."""

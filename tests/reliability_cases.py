@@ -610,7 +610,7 @@ CASES: list[Case] = [
     # cache files
     Case("cache from another model", "cache", lambda ws: ["ask", "--cache", ws.kv, QUESTION, "--model", other_model(ws)], 1, "another model"),
     Case("cache from another tokenizer", "cache", lambda ws: ["ask", "--cache", ws.kv, QUESTION, "--model", other_tokenizer(ws)], 1, "another tokenizer"),
-    Case("truncated to 1%", "cache", lambda ws: ["ask", "--cache", truncated(ws, 0.01), QUESTION], 1, "rocketkv ingest"),
+    Case("truncated to 1%", "cache", lambda ws: ["ask", "--cache", truncated(ws, 0.01), QUESTION], 1, "is truncated: "),
     Case("truncated to 50%", "cache", lambda ws: ["ask", "--cache", truncated(ws, 0.5), QUESTION], 1, "truncated or damaged"),
     Case("truncated by one byte", "cache", lambda ws: ["ask", "--cache", truncated(ws, 0.99999), QUESTION], 1, "truncated or damaged"),
     Case("one payload byte flipped", "cache", lambda ws: ["ask", "--cache", flipped(ws), QUESTION], 1, "digest mismatch"),

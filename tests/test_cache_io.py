@@ -87,6 +87,17 @@ def test__load__truncated_file_refused(kv_file, cut):
         load_cache(kv_file)
 
 
+def test__load__cut_inside_its_header__named_truncated_not_another_format(kv_file):
+    """A cache cut inside its header (an interrupted copy) was "not a rocketkv cache (bad header
+    length)"; it is a truncated cache, with the size it has and the size its header needs."""
+    (n,) = struct.unpack("<Q", kv_file.read_bytes()[:8])
+    kv_file.write_bytes(kv_file.read_bytes()[:100])
+    with pytest.raises(
+        CacheFormatError, match=f"is truncated: 100 bytes, shorter than its own header \\({n + 8:,} bytes\\)"
+    ):
+        load_cache(kv_file)
+
+
 def test__load__flipped_payload_byte_detected(kv_file):
     data = bytearray(kv_file.read_bytes())
     data[-5] ^= 0x40

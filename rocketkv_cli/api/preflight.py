@@ -106,6 +106,9 @@ def check_cache_file(path: str | Path) -> None:
     if len(head) < 8:
         raise CacheFormatError(f"{path} is not a rocketkv cache (too short)", hint)
     (n,) = struct.unpack("<Q", head[:8])
+    if n <= MAX_HEADER_BYTES and n > st.st_size - 8 and head[8:9] == b"{":
+        again = "copy it again, or rebuild it: rocketkv ingest DOC -o FILE.kv --force"
+        raise CacheFormatError.cut_header(path, n, st.st_size, again)
     if n > MAX_HEADER_BYTES or n > st.st_size - 8:
         raise CacheFormatError(f"{path} is not a rocketkv cache (bad header length)", hint)
     if head[8:9] != b"{":

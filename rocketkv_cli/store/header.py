@@ -109,6 +109,8 @@ def parse_header(f: CacheFile, rebuild: str) -> dict:
     if f.size < 8:
         raise CacheFormatError(f"{f.shown} is not a rocketkv cache (too short)", rebuild)
     (n,) = struct.unpack("<Q", f.read(0, 8, rebuild))
+    if n <= MAX_HEADER_BYTES and n > f.size - 8 and f.size > 8 and bytes(f.read(8, 9, rebuild)) == b"{":
+        raise CacheFormatError.cut_header(f.shown, n, f.size, rebuild)
     if n > MAX_HEADER_BYTES or n > f.size - 8:
         raise CacheFormatError(f"{f.shown} is not a rocketkv cache (bad header length)", rebuild)
     try:

@@ -107,7 +107,28 @@ def test__text_file_as_cache__refused_before_torch_with_a_hint(rocketkv_bin, env
     probe += "try:\n    main()\nexcept SystemExit as e:\n    print('torch' in sys.modules, e.code)\n"
     r = subprocess.run([sys.executable, "-c", probe, str(doc)], env=env, capture_output=True, text=True, timeout=120)
     assert r.stdout.split() == ["False", "1"], (r.stdout, r.stderr)
-    assert f"{doc} is not a rocketkv cache" in r.stderr and f"rocketkv ask {doc} QUESTION" in r.stderr, r.stderr
+    assert f"{doc} is a text document, not a rocketkv cache" in r.stderr, r.stderr
+    assert f"rocketkv ask {doc} QUESTION" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(
+    "command, hint",
+    [("summarize", "give it without --cache: rocketkv summarize {doc}"),
+     ("chat", "give it without --cache: rocketkv chat {doc}"),
+     ("inspect", "build a cache from it: rocketkv ingest {doc}")],
+)  # fmt: skip
+def test__text_file_as_cache__the_hint_is_the_commands_own(rocketkv_bin, env, doc, command, hint):
+    """`summarize --cache doc.txt` used to suggest `rocketkv ask doc.txt QUESTION`; each command
+    names its own way with a document, in a pipe and in a terminal."""
+    args = [command, *([str(doc)] if command == "inspect" else ["--cache", str(doc)])]
+    want = f"{doc} is a text document, not a rocketkv cache — {hint.format(doc=doc)}"
+    r = run(rocketkv_bin, env, *args, stdin="")
+    assert r.returncode == 1 and [line for line in r.stderr.splitlines() if line.startswith("Error:")] == [
+        f"Error: {want}"
+    ], r.stderr
+    code, shown = run_in_terminal([rocketkv_bin, *args], env)
+    screen = " ".join(strip_ansi(shown).split())
+    assert code == 1 and want in screen and "Traceback" not in screen, screen
 
 
 @pytest.mark.parametrize(
@@ -129,7 +150,7 @@ def test__text_file_as_cache__recognised_as_text_even_when_a_character_is_cut(tm
     path.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
     with pytest.raises(CacheFormatError) as err:
         check_cache_file(path)
-    assert ("ask it directly" in str(err.value)) == text, str(err.value)
+    assert ("is a text document" in str(err.value)) == text, str(err.value)
 
 
 @pytest.mark.parametrize("command", ["ask", "chat"])

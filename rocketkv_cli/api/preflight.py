@@ -69,10 +69,11 @@ def check_output(output: str | Path, force: bool, document: str | None = None) -
     return target
 
 
-def check_cache_file(path: str | Path) -> None:
+def check_cache_file(path: str | Path, command: str = "ask") -> None:
     """Refuse, with the reason, a cache path that is not a readable regular file (missing, a
     directory, a FIFO or device, no permission) before anything reads it. Raises CacheFormatError;
-    UsageError for `-` (stdin) when no file has that name."""
+    UsageError for `-` (stdin) when no file has that name. `command`: the rocketkv command the path
+    was given to, whose own way with a text document the hint names when the file is text."""
     if str(path) == "-" and not os.path.lexists("-"):  # a file named - (./-) is still read
         raise UsageError("a cache cannot come from stdin (-)", "give the .kv file's path")
     p = Path(path)
@@ -102,7 +103,8 @@ def check_cache_file(path: str | Path) -> None:
     # again): a text file given as a cache is refused at once, not after the seconds of an import
     hint = "give a .kv file written by: rocketkv ingest DOC -o FILE.kv"
     if _looks_like_text(head):
-        hint = f"{path} looks like a text document; ask it directly: rocketkv ask {shlex.quote(str(path))} QUESTION"
+        raise CacheFormatError(f"{path} is a text document, not a rocketkv cache",
+                               _text_hint(command, shlex.quote(str(path))))  # fmt: skip
     if len(head) < 8:
         raise CacheFormatError(f"{path} is not a rocketkv cache (too short)", hint)
     (n,) = struct.unpack("<Q", head[:8])
@@ -113,6 +115,15 @@ def check_cache_file(path: str | Path) -> None:
         raise CacheFormatError(f"{path} is not a rocketkv cache (bad header length)", hint)
     if head[8:9] != b"{":
         raise CacheFormatError(f"{path} is not a rocketkv cache (unreadable header)", hint)
+
+
+def _text_hint(command: str, path: str) -> str:
+    """How `command` takes the text document `path` instead of a cache."""
+    if command == "ask":
+        return f"ask it directly: rocketkv ask {path} QUESTION"
+    if command in ("summarize", "chat"):
+        return f"give it without --cache: rocketkv {command} {path}"
+    return f"build a cache from it: rocketkv ingest {path}"
 
 
 def _looks_like_text(head: bytes) -> bool:

@@ -175,7 +175,7 @@ def chat_command(
         turn, source = RemoteChat(remote, cache, {**options, **choice.for_server()}).turn, str(cache)
     else:
         reading = DocumentReading(encoding, errors, segment_tokens)
-        rk, stored, source = open_source(document, cache, choice, budget, options, reading)
+        rk, stored, source = open_source(document, cache, choice, budget, options, reading, command="chat")
         turn = local_turns(rk.session(stored, log=log, **options), source)
     if converse(Prompt(home() / "chat_history"), turn, source, json_out):
         raise typer.Exit(1)

@@ -22,7 +22,7 @@ def inspect_command(
     resume or remove them."""
     from ..api.preflight import check_cache_file
 
-    check_cache_file(cache)  # a missing or unreadable path fails before torch is imported
+    check_cache_file(cache, "inspect")  # a missing or unreadable path fails before torch is imported
     from ..api.rocketkv import describe
 
     report_abandoned(cache.parent)

@@ -30,12 +30,12 @@ def model_for_server(options: dict) -> dict:
     return options
 
 
-def cache_fields(cache: Path) -> dict:
+def cache_fields(cache: Path, command: str = "ask") -> dict:
     """The `cache` and `display` fields of a request, the file checked first as `ask` checks it
     here (torch-free: a missing or unreadable file fails as it would in this process)."""
     from ..api.preflight import check_cache_file
 
-    check_cache_file(cache)
+    check_cache_file(cache, command)
     return {"cache": os.path.abspath(cache), "display": str(cache)}
 
 
@@ -87,7 +87,7 @@ class RemoteChat:
     once on construction, as a local session checks them before the prompt appears."""
 
     def __init__(self, server: Server, cache: Path, options: dict):
-        fields = cache_fields(cache)
+        fields = cache_fields(cache, "chat")
         self.server = server
         self.body = {**fields, **model_for_server(options)}
         for _ in events(server, "/v1/rocketkv/ask", {**self.body, "questions": [], "check_only": True}):
@@ -116,7 +116,7 @@ def summarize_remote(server: Server, cache: Path, options: dict, on_partial) -> 
     """A summary of `cache` made by `server`; `on_partial(event)` per partial summary (an object with
     level, index, total, text, mode, as `api.summaries.PartialSummary`). Returns the final summary
     (text, n_answer_tokens, stop_reason, mode, rejected). Raises the server's error as its type."""
-    body = {**cache_fields(cache), **model_for_server(options)}
+    body = {**cache_fields(cache, "summarize"), **model_for_server(options)}
     final = None
     for event in events(server, "/v1/rocketkv/summarize", body):
         if event.get("event") == "partial":

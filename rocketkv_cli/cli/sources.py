@@ -43,14 +43,14 @@ class DocumentReading:
 
 
 def open_cache(cache: Path, choice: ModelChoice, timings: Timings | None = None, cite: int = 0, segments: int = 1,
-               decode_options: dict | None = None):  # fmt: skip
+               decode_options: dict | None = None, command: str = "ask"):  # fmt: skip
     """Validate the file (and that it can give `cite` citations, and that `decode_options`, the
     stage-2 overrides, suit its budgets), load the model it was built with (or `choice.model`),
     check they match. Returns (RocketKV, cache). Raises CacheFormatError, InputError, UsageError,
-    ModelLoadError."""
+    ModelLoadError. `command`: the rocketkv command it is opened for (`preflight.check_cache_file`)."""
     from ..api.preflight import check_cache_file
 
-    check_cache_file(cache)  # a missing or unreadable path fails before torch is imported
+    check_cache_file(cache, command)  # a missing or unreadable path fails before torch is imported
     timings = timings or Timings()
     with timings.span("imports (torch, transformers)"), starting():
         from ..api.rocketkv import check_cite, check_decode_options, check_model_choice, decode_weights_for, read_cache
@@ -90,7 +90,8 @@ def ingest_in_memory(document: str, choice: ModelChoice, cfg, reading: DocumentR
 
 
 def open_source(document: Optional[str], cache: Optional[Path], choice: ModelChoice, budget: Optional[int],
-                options: dict, reading: DocumentReading, timings: Timings | None = None):  # fmt: skip
+                options: dict, reading: DocumentReading, timings: Timings | None = None,
+                command: str = "ask"):  # fmt: skip
     """The cache to answer from: `cache` opened (`--budget` only noted) or `document` ingested in
     memory. `options`: `RocketKV.ask`'s keyword options (those a file must suit are checked
     before the model loads). Returns (RocketKV, cache, source name for the `--json` records)."""
@@ -100,7 +101,8 @@ def open_source(document: Optional[str], cache: Optional[Path], choice: ModelCho
         cache_budget_note(budget, cache)
         decode = {k: options[k] for k in DECODE_OPTIONS if k in options}
         rk, stored = open_cache(cache, choice, timings, cite=options.get("cite", 0),
-                                segments=options.get("segments", 1), decode_options=decode)  # fmt: skip
+                                segments=options.get("segments", 1), decode_options=decode,
+                                command=command)  # fmt: skip
         return rk, stored, str(cache)
     given = ("max_new_tokens",) + (("token_budget",) if budget is not None else ())  # else the model's own budget
     rk, stored = ingest_in_memory(document, choice, memory_config(budget, options.get("max_new_tokens")), reading,

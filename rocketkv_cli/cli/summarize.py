@@ -157,7 +157,8 @@ def summarize_command(
                             explicit=("token_budget", "max_new_tokens")).cache  # fmt: skip
         else:
             assert cache is not None  # checked above: exactly one of DOC and --cache
-            (rk, stored), source = open_cache(cache, choice, cite=n_cite), str(cache)  # refused before loading
+            # refused before loading
+            (rk, stored), source = open_cache(cache, choice, cite=n_cite, command="summarize"), str(cache)
             from ..api.summaries import extractable
 
             writing = summary_writing(rk.model_id, extractive, write_from, extractable(stored))

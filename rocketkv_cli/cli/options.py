@@ -103,6 +103,13 @@ BudgetOpt = Annotated[
     typer.Option("--budget", "-b", metavar="T", help="Token budget t per KV head per layer (tokens; default 512, the "
                  "model's own where measured: 1024 on the presets, docs/frontier.md)."),
 ]  # fmt: skip
+SummaryBudgetOpt = Annotated[
+    int,
+    typer.Option("--budget", "-b", min=1, metavar="T",
+                 help="Token budget t per KV head per layer (tokens) of what summarize ingests in memory: a DOC "
+                      "the model writes from (--write-from document) and the part summaries it condenses. "
+                      "Default 512, the budget docs/summaries.md measured (not ingest's preset default)."),
+]  # fmt: skip
 TopkOpt = Annotated[Optional[int], typer.Option(min=1, help="Override: tokens attended exactly per decode step.")]
 PageSizeOpt = Annotated[Optional[int], typer.Option(min=1, help="Override: tokens per key min/max page.")]
 ScoreDimsOpt = Annotated[Optional[int], typer.Option(min=1, help="Override: head dims used for page scores.")]

@@ -13,7 +13,6 @@ from ..errors import UsageError
 from .answers import AnswerPrinter, StreamOpt, resolve_format, where
 from .common import ingest, load_engine, log, open_stream, prefill_config, setup
 from .options import (
-    BudgetOpt,
     CacheOpt,
     DenseOpt,
     DeviceOpt,
@@ -26,6 +25,7 @@ from .options import (
     QuietOpt,
     SegmentTokensOpt,
     ServerOpt,
+    SummaryBudgetOpt,
     ThreadsOpt,
     TrustOpt,
     WeightsOpt,
@@ -77,7 +77,7 @@ def summarize_command(
     ] = None,
     cache: CacheOpt = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Summary length limit in tokens.")] = 256,
-    budget: BudgetOpt = 512,
+    budget: SummaryBudgetOpt = 512,
     dense: DenseOpt = False,
     stream: StreamOpt = None,
     segment_tokens: SegmentTokensOpt = None,

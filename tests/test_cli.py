@@ -407,6 +407,8 @@ def test__models__lists_and_removes_what_is_stored(rocketkv_bin, env, tmp_path):
     (home / "downloads").mkdir()
     (home / "downloads" / "gemma-3-270m-q4_k_m.gguf").write_bytes(b"y" * 1000)
     (home / "downloads" / "mine.gguf").write_bytes(b"z" * 10)
+    (home / "prepared").mkdir()
+    (home / "prepared" / "0a1b.safetensors").write_bytes(b"h" * 20)  # a head-int4 prepared head
     env = {**env, "ROCKETKV_HOME": str(home)}
     r = run(rocketkv_bin, env, "models", "--json")
     assert r.returncode == 0, r.stderr
@@ -415,7 +417,10 @@ def test__models__lists_and_removes_what_is_stored(rocketkv_bin, env, tmp_path):
         ("gemma-3-270m-q4_k_m-0123", "converted", "gemma-3-270m", 3000),
         ("gemma-3-270m-q4_k_m.gguf", "download", "gemma-3-270m", 1000),
         ("mine.gguf", "download", None, 10),
+        ("0a1b.safetensors", "prepared", None, 20),
     ]
+    r = run(rocketkv_bin, env, "models", "--remove", "0a1b.safetensors")
+    assert r.returncode == 0 and not (home / "prepared" / "0a1b.safetensors").exists(), r.stderr
     assert "unknown" in assert_one_line_error(run(rocketkv_bin, env, "models", "--remove", "unknown"))
     r = run(rocketkv_bin, env, "models", "--remove", "gemma-3-270m")
     assert r.returncode == 0, r.stderr

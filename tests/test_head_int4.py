@@ -216,3 +216,106 @@ def test__ask_weights_head_int4__answers_as_the_float_model(rocketkv_bin, tmp_pa
         assert r.returncode == 0, r.stderr
         answers[fmt] = r.stdout
     assert answers["head-int4"] == answers["float"] and answers["float"].strip()
+
+
+def _saved_tiny_gemma(tmp_path, monkeypatch):
+    model_dir = tmp_path / "tiny-gemma"
+    _tiny_gemma(seed=3).save_pretrained(model_dir)
+    byte_tokenizer().save_pretrained(model_dir)
+    monkeypatch.setenv("ROCKETKV_HOME", str(tmp_path / "home"))
+    return model_dir
+
+
+def _load_head(model_dir, dtype: str = "float32") -> CertifiedHead:
+    """The LM head of the model loaded as the Python API loads it (`RocketKV.load`: prepared heads
+    kept under `$ROCKETKV_HOME/prepared`)."""
+    from rocketkv_cli.api.rocketkv import RocketKV
+
+    head = RocketKV.load(str(model_dir), device="cpu", dtype=dtype, weights="head-int4").engine.model.lm_head
+    assert isinstance(head, CertifiedHead)
+    return head
+
+
+def _quantized_again(head: CertifiedHead) -> CertifiedHead:
+    """A CertifiedHead built from `head`'s own float weights, nothing read from a file."""
+    v, h = head.float_weight.shape
+    linear = nn.Linear(h, v, bias=head.float_bias is not None, dtype=head.float_weight.dtype)
+    linear.weight = nn.Parameter(head.float_weight, requires_grad=False)
+    if head.float_bias is not None:
+        linear.bias = nn.Parameter(head.float_bias, requires_grad=False)
+    return CertifiedHead(linear)
+
+
+def _assert_same_head(got: CertifiedHead, want: CertifiedHead) -> None:
+    theirs = want.prepared()
+    for name, t in got.prepared().items():
+        assert t.dtype == theirs[name].dtype and torch.equal(t, theirs[name]), name
+
+
+def test__prepared_head__saved_by_one_load_and_read_by_the_next(tmp_path, monkeypatch):
+    """`head-int4`'s int4 copy and bounds are written under the rocketkv home by the first load and
+    read back by the next (not quantized again); what is read equals what quantizing gives."""
+    from rocketkv_cli.model import prepared
+
+    model_dir = _saved_tiny_gemma(tmp_path, monkeypatch)
+    _load_head(model_dir)
+    assert len(list((tmp_path / "home" / "prepared").glob("*.safetensors"))) == 1
+    given = []
+
+    def spy(head, prepared=None):
+        given.append(prepared)
+        return CertifiedHead(head, prepared=prepared)
+
+    monkeypatch.setattr(prepared, "CertifiedHead", spy)
+    second = _load_head(model_dir)
+    assert len(given) == 1 and given[0] is not None, "the second load quantized the head again"
+    _assert_same_head(second, _quantized_again(second))
+
+
+@pytest.mark.parametrize("damage", ["flip a weight byte", "truncate", "not safetensors"])
+def test__prepared_head__a_damaged_file_is_never_trusted(tmp_path, monkeypatch, damage):
+    """The certificate's proof rests on the saved bounds: a damaged file (a flipped byte in its
+    tensors, cut short, or garbage) is ignored, the head quantized again and the file rewritten."""
+    model_dir = _saved_tiny_gemma(tmp_path, monkeypatch)
+    _load_head(model_dir)
+    (saved,) = (tmp_path / "home" / "prepared").glob("*.safetensors")
+    good = saved.read_bytes()
+    data = bytearray(good)
+    if damage == "flip a weight byte":
+        data[-3] ^= 0x10  # in the last tensor's bytes
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data = bytearray(b"not a safetensors file")
+    saved.write_bytes(bytes(data))
+    head = _load_head(model_dir)
+    _assert_same_head(head, _quantized_again(head))
+    from safetensors import safe_open
+
+    from rocketkv_cli.store.prepared import PreparedTensors
+
+    with safe_open(str(saved), framework="pt") as f:
+        key = f.metadata()["key"]
+    again = PreparedTensors(saved.parent).read(key)
+    assert again is not None and len(saved.read_bytes()) == len(good), "the damaged file was not rewritten"
+    assert all(torch.equal(t, head.prepared()[name]) for name, t in again.items())
+
+
+def test__prepared_head__another_dtype_gets_its_own_bounds(tmp_path, monkeypatch):
+    """The bounds hold for the float head they were derived from: the model loaded in bfloat16
+    gets a file of its own, and its head equals one quantized from its own (bfloat16) weights."""
+    model_dir = _saved_tiny_gemma(tmp_path, monkeypatch)
+    _load_head(model_dir)
+    head = _load_head(model_dir, dtype="bfloat16")
+    assert len(list((tmp_path / "home" / "prepared").glob("*.safetensors"))) == 2
+    assert head.float_weight.dtype == torch.bfloat16
+    _assert_same_head(head, _quantized_again(head))
+
+
+def test__prepared_head__a_read_only_home_only_costs_the_quantization(tmp_path, monkeypatch):
+    model_dir = _saved_tiny_gemma(tmp_path, monkeypatch)
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "prepared").write_text("a file where the folder would be")  # no folder can be made there
+    head = _load_head(model_dir)
+    _assert_same_head(head, _quantized_again(head))

@@ -39,9 +39,10 @@ def home() -> Path:
 
 
 def stored_models() -> list[StoredModel]:
-    """Every converted model and downloaded GGUF under `home()`, converted ones first, by name."""
+    """Every converted model, downloaded GGUF and prepared LM head (`model/prepared.py`) under
+    `home()`, in that order, by name."""
     found = []
-    for kind, folder in (("converted", "models"), ("download", "downloads")):
+    for kind, folder in (("converted", "models"), ("download", "downloads"), ("prepared", "prepared")):
         base = home() / folder
         entries = sorted(base.iterdir()) if base.is_dir() else []
         for path in entries:

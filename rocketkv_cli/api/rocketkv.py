@@ -42,6 +42,7 @@ from ..store.describe import kept_tokens_per_layer as kept_tokens_per_layer
 from ..store.folders import make_scratch_dir
 from ..store.format import save_cache, verify_file
 from ..store.metadata import all_segments
+from ..store.prepared import PreparedTensors
 from .checks import check_cite, check_decode_options, check_model_choice, check_questions, describe, read_cache
 from .checks import configure as configure
 from .checks import decode_weights_for as decode_weights_for
@@ -103,7 +104,7 @@ class RocketKV:
         `model/weights.py`), None: the
         model's measured default on a CPU (`core.config.default_weights`). Raises ModelLoadError."""
         loaded = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=log,
-                            weights=weights)  # fmt: skip
+                            weights=weights, kept=PreparedTensors(home() / "prepared"))  # fmt: skip
         return cls(Engine(loaded))
 
     @property

@@ -40,7 +40,8 @@ def models_command(
     """List the models rocketkv converted or downloaded, with their size on disk, or remove some.
 
     They live in $ROCKETKV_HOME (default ~/.cache/rocketkv): models/ holds the safetensors copies
-    loaded on every run, downloads/ the GGUF files they were made from.
+    loaded on every run, downloads/ the GGUF files they were made from, prepared/ the int4 LM
+    heads that --weights head-int4 (Gemma's default) computes once per model and torch version.
     """
     from ..api.rocketkv import home, remove_models, stored_models
 

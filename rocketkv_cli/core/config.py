@@ -59,10 +59,13 @@ HEAD_WEIGHT_FORMATS = ("head-bf16", "head-int4")
 # chosen by measurement (docs/performance.md, "Do the faster formats answer like float32?"): a
 # weight-only format only for a preset whose answers with it agree with the float32 model's on
 # >= 0.98 of the answer tokens; the checkpoint's floats elsewhere — bf16 on SmolLM2 (0.987, 1.69x
-# faster decode), head-bf16 on Gemma (0.994, the float32 floor; bf16: 0.973), float on any model
-# not measured
+# faster decode), on Gemma a format of the LM head alone (the float layers: bf16 layers agree on
+# 0.973) — head-int4, whose greedy tokens are proven to be the float head's and whose head step is
+# 3x head-bf16's speed (docs/performance.md, "head-int4 as Gemma's default"); float on any model
+# not measured. Where torch lacks the int4 CPU kernel, head-int4 falls back to head-bf16
+# (`model.loading.load_model`).
 DEFAULT_WEIGHTS = "float"
-PRESET_WEIGHTS_DEFAULTS: dict[str, str] = {"smollm2-135m": "bf16", "gemma-3-270m": "head-bf16"}
+PRESET_WEIGHTS_DEFAULTS: dict[str, str] = {"smollm2-135m": "bf16", "gemma-3-270m": "head-int4"}
 # what `ingest` stores by default (`core/quant.py` parses it; kept here, torch-free, for the CLI's
 # option defaults), chosen by measurement (docs/storage.md, "Default and targets"): the smallest
 # storage whose teacher-forced top-1 agreement with the float32 cache is >= 0.98 — int4 on SmolLM2

@@ -6,6 +6,7 @@ an int4 copy and proves each greedy token to be the float head's.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -135,18 +136,37 @@ class CertifiedHead(RefinedHead):
     TOPK = 64
     WIDEN_FRACTION = 16  # at most V / 16 rows recomputed beyond TOPK, else the float head (cheaper past that)
 
-    def __init__(self, head: nn.Linear):
+    PREPARED = ("weight_int4", "scales_zeros", "x_coef", "d_coef")  # the tensors `prepared()` gives
+
+    def __init__(self, head: nn.Linear, prepared: Mapping[str, torch.Tensor] | None = None):
         """head: the float LM head `[V, H]` (its weight stays the float head, shared: the tied
-        embedding). Raises ValueError where `Int4Linear` cannot pack it (`Int4Linear.fits`)."""
+        embedding). prepared: `prepared()` of a CertifiedHead of the same weights (read back by
+        `model/prepared.py`), taken instead of quantizing and bounding again (~1 s on Gemma 3
+        270M's head). Raises ValueError where `Int4Linear` cannot pack the head
+        (`Int4Linear.fits`) or `prepared` has other names, shapes or dtypes."""
         parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         weight = head.weight.detach()
+        v = weight.shape[0]
 
         def bound(start: int, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
             parts.append(_int4_row_bounds(weight[start : start + len(codes)], codes, scale, zero))
 
-        super().__init__(Int4Linear(head, on_rows=bound), weight, head.bias)
+        if prepared is not None:
+            if sorted(prepared) != sorted(self.PREPARED):
+                raise ValueError(
+                    f"prepared head: expected tensors {', '.join(self.PREPARED)}, got {', '.join(prepared)}"
+                )
+            for name in ("x_coef", "d_coef"):
+                t = prepared[name]
+                if tuple(t.shape) != (v,) or t.dtype != torch.float32:
+                    raise ValueError(f"prepared head: {name} must be [{v}] float32, got {list(t.shape)} {t.dtype}")
+            approx = Int4Linear(head, packed=(prepared["weight_int4"], prepared["scales_zeros"]))
+            x_coef, d_coef = prepared["x_coef"], prepared["d_coef"]
+        else:
+            approx = Int4Linear(head, on_rows=bound)
+            x_coef, d_coef = torch.cat([a for a, _ in parts]), torch.cat([n for _, n in parts])  # [V] each
+        super().__init__(approx, weight, head.bias)
         h = weight.shape[1]
-        x_coef, d_coef = torch.cat([a for a, _ in parts]), torch.cat([n for _, n in parts])  # [V] each
         self.x_coef: torch.Tensor
         self.d_coef: torch.Tensor
         self.register_buffer("x_coef", x_coef)  # [V], a_r
@@ -155,6 +175,13 @@ class CertifiedHead(RefinedHead):
         self.b_max = 0.0 if head.bias is None else float(head.bias.detach().abs().max())
         self.gamma = _gamma(h + 1)
         self.positions: dict[str, int] = {"topk": 0, "widened": 0, "float": 0}
+
+    def prepared(self) -> dict[str, torch.Tensor]:
+        """The int4 copy and the per-row bound coefficients (`PREPARED`): what `__init__` computes
+        from the float head, to be saved and passed back as `prepared`."""
+        assert isinstance(self.approx, Int4Linear)  # set in __init__
+        return {"weight_int4": self.approx.weight_int4, "scales_zeros": self.approx.scales_zeros,
+                "x_coef": self.x_coef, "d_coef": self.d_coef}  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()

@@ -180,25 +180,38 @@ class Int4Linear(_PackedLinear):
         return linear.in_features % cls.GROUP == 0 and linear.out_features % 16 == 0
 
     def __init__(self, linear: nn.Linear, on_rows: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], Any]
-                 | None = None):  # fmt: skip
+                 | None = None, packed: tuple[torch.Tensor, torch.Tensor] | None = None):  # fmt: skip
         """on_rows(first row, codes, scales, zeros): called with each chunk of `quantized_rows`
-        once it is packed (it may change the codes; `CertifiedHead` derives its bound there)."""
+        once it is packed (it may change the codes; `CertifiedHead` derives its bound there).
+        packed: (`weight_int4` `[out, in / 2]` uint8, `scales_zeros` `[in / GROUP, out, 2]`
+        bfloat16) of an earlier quantization of the same weights (`model/prepared.py`), taken as
+        they are. Raises ValueError: a shape the kernel cannot pack, or `packed` of other shapes."""
         super().__init__(linear)
         if not self.fits(linear):
             raise ValueError(f"int4 needs in_features % {self.GROUP} == 0 and out_features % 16 == 0, "
                              f"got [{linear.out_features}, {linear.in_features}]")  # fmt: skip
-        packed, scales, zeros = [], [], []
+        self.weight_int4: torch.Tensor
+        self.scales_zeros: torch.Tensor
+        if packed is not None:
+            out, k = linear.out_features, linear.in_features
+            want = {"weight_int4": ((out, k // 2), torch.uint8), "scales_zeros": ((k // self.GROUP, out, 2),
+                                                                                    torch.bfloat16)}  # fmt: skip
+            for (name, (shape, dtype)), t in zip(want.items(), packed):
+                if tuple(t.shape) != shape or t.dtype != dtype:
+                    raise ValueError(f"{name}: expected {list(shape)} {dtype}, got {list(t.shape)} {t.dtype}")
+            self.register_buffer("weight_int4", packed[0])
+            self.register_buffer("scales_zeros", packed[1])
+            return
+        packed_rows, scales, zeros = [], [], []
         for start, codes, scale, zero in self.quantized_rows(linear.weight.detach()):
             codes32 = codes.view(len(codes), -1).to(torch.int32)  # [c, in]
-            packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes32, 1))
+            packed_rows.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes32, 1))
             scales.append(scale)
             zeros.append(zero)
             if on_rows is not None:
                 on_rows(start, codes, scale, zero)
         scale, zero = torch.cat(scales), torch.cat(zeros)  # [out, G]
-        self.weight_int4: torch.Tensor
-        self.scales_zeros: torch.Tensor
-        self.register_buffer("weight_int4", torch.cat(packed))  # [out, in / 2] uint8, the kernel's layout
+        self.register_buffer("weight_int4", torch.cat(packed_rows))  # [out, in / 2] uint8, the kernel's layout
         self.register_buffer("scales_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous().bfloat16())
 
     @classmethod

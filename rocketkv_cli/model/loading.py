@@ -22,6 +22,7 @@ import torch
 
 from ..core.config import default_weights
 from ..errors import ModelLoadError
+from .prepared import KeptTensors
 from .resolve import (  # noqa: F401  (DTYPES, gguf_path, preset_of_file … re-exported: their callers import them here)
     DEFAULT_MODEL,
     DTYPES,
@@ -58,6 +59,7 @@ def load_model(
     trust_remote_code: bool = False,
     progress: Progress = lambda _msg: None,
     weights: str | None = None,
+    kept: KeptTensors | None = None,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer, offline.
 
@@ -69,6 +71,8 @@ def load_model(
             "int8" or "int4" linears (CPU; `model.weights`; the model stays float32 under `auto`).
             None: the model's measured default (`core.config.default_weights`) for a float32
             model on the CPU, else "float".
+        kept: where head-int4 keeps its prepared head (`model/prepared.py`; the API passes
+            `store.prepared.PreparedTensors` under the rocketkv home); None: computed every load.
         progress: called with one-line status messages (for stderr).
     Raises:
         ModelLoadError: not found, no weights, unsupported, or no CUDA.
@@ -80,6 +84,8 @@ def load_model(
     model_id, where = resolve_model_dir(model, progress)
     if weights is None:
         weights = default_weights(model_id) if dev.type == "cpu" and torch_dtype == torch.float32 else "float"
+        if weights == "head-int4" and not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+            weights = "head-bf16"  # a default must load: this torch has no int4 CPU kernel
     local_only = {"local_files_only": True, "trust_remote_code": trust_remote_code}
     try:
         cfg_model_type = _config_model_type(where)
@@ -104,7 +110,7 @@ def load_model(
     files = sorted(Path(where).glob("*.safetensors")) if Path(where).is_dir() else []
     digest = weights_file_digest(files) if files else None
     try:
-        quantize_weights(lm, weights)
+        quantize_weights(lm, weights, digest, kept)
     except ValueError as exc:
         raise ModelLoadError(str(exc), "use --weights float") from exc
     return LoadedModel(

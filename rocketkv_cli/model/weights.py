@@ -31,12 +31,15 @@ from torch import nn
 from ..core.config import WEIGHT_FORMATS
 from .heads import CertifiedHead, RefinedHead
 from .linears import Bf16Linear, Int4Linear, Int8Linear, decode_step
+from .prepared import KeptTensors, certified_head
 
 __all__ = ["Bf16Linear", "CertifiedHead", "Int4Linear", "Int8Linear", "RefinedHead", "decode_step",
            "quantize_weights", "weights_bytes"]  # fmt: skip
 
 
-def quantize_weights(model: Any, weight_format: str) -> int:
+def quantize_weights(
+    model: Any, weight_format: str, weights_digest: str | None = None, kept: KeptTensors | None = None
+) -> int:
     """Convert `model`'s decoder linears and LM head to `weight_format` in place (int8 and int4:
     the linears whose shape their kernel takes, `Int8Linear.fits` and `Int4Linear.fits`; the
     others stay as they are).
@@ -46,7 +49,9 @@ def quantize_weights(model: Any, weight_format: str) -> int:
     recomputes the top `RefinedHead.TOPK` logits in float (on Gemma 3 270M the head is 168M of
     its 268M parameters: 671 of the 1,070 MB a float32 step reads). `head-int4` does the same with
     an `Int4Linear` copy in a `CertifiedHead` (greedy tokens proven to be the float head's); a
-    head whose shape the int4 kernel cannot pack (`Int4Linear.fits`) stays float (returns 0).
+    head whose shape the int4 kernel cannot pack (`Int4Linear.fits`) stays float (returns 0);
+    with `weights_digest` (the weight files', `loading.weights_file_digest`) and `kept`, its int4
+    copy and bounds are kept there and read back by the next load (`model/prepared.py`).
 
     Returns the number of layers converted. Raises ValueError: an unknown format, a weight-only
     format on a GPU (use `--dtype bfloat16` there), or int4 on a torch without its CPU kernel.
@@ -68,7 +73,7 @@ def quantize_weights(model: Any, weight_format: str) -> int:
     if weight_format == "head-int4":  # the decoder keeps its float linears; the head ranks in int4, certified
         if not isinstance(head, nn.Linear) or not Int4Linear.fits(head):
             return 0
-        model.lm_head = CertifiedHead(head)
+        model.lm_head = certified_head(head, weights_digest, kept)
         return 1
 
     def convert(linear: nn.Linear) -> nn.Module | None:

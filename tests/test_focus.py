@@ -65,7 +65,6 @@ def test__ask_focused__answers_as_ask_over_the_chosen_passages_alone():
     [c] = cited.answer.citations
     assert (c.first_line, c.last_line, c.weight, c.text) == (25, 25, 1.0, paras[-1])
     assert doc[c.start : c.end] == paras[-1] and cited.answer.text == want.text
-    assert got.answer.prefill_s > want.prefill_s  # the passages' prefill is counted
     whole = rk.ask_focused(cache, "zebra?", passages=2, max_new_tokens=6)  # no shared word: the whole cache
     assert whole.passages == () and whole.answer.text == next(iter(rk.ask(cache, "zebra?", max_new_tokens=6))).text
 
@@ -83,3 +82,22 @@ def test__ask_focused__cites_source_characters_and_lines_in_a_segmented_cache():
     assert doc[c.start : c.end] == paras[-1]
     assert got.sources == got.answer.citations  # also without cite=True
     assert rk.ask_focused(cache, "Where does the quagga sleep?", passages=1, max_new_tokens=4).sources == (c,)
+
+
+def test__ask_focused__decodes_a_caches_text_once_for_many_questions(monkeypatch):
+    """The passages of the last cache asked are kept: a second question does not decode its whole
+    stored text again (about a second per question on a book); another cache is read anew."""
+    import rocketkv_cli.api.rocketkv as api
+
+    rk = RocketKV(make_engine("llama", torch.float32))
+    calls = []
+    real = api.stored_passages
+    monkeypatch.setattr(api, "stored_passages", lambda engine, cache: calls.append(cache) or real(engine, cache))
+    one = rk.ingest(text="the quagga sleeps in the north cloud\n\nriver stone paper\n").cache
+    two = rk.ingest(text="the zebra runs by the south river\n\nlight and paper\n").cache
+    first = rk.ask_focused(one, "Where does the quagga sleep?", passages=1, max_new_tokens=4)
+    again = rk.ask_focused(one, "Where does the quagga sleep?", passages=1, max_new_tokens=4)
+    other = rk.ask_focused(two, "Where does the zebra run?", passages=1, max_new_tokens=4)
+    assert calls == [one, two]
+    assert again.passages == first.passages and again.answer.token_ids == first.answer.token_ids
+    assert [p.text for p in other.passages] == ["the zebra runs by the south river"]

@@ -126,6 +126,40 @@ def test__ask_uses_the_running_server_and_answers_byte_identically(rocketkv_bin,
     assert one.stdout == one_local.stdout and one.returncode == 0
 
 
+def test__ask_focus__through_the_server_as_in_process(rocketkv_bin, env, caches, served):
+    """`ask --focus` goes to a running server like any ask: the same records and citations, the
+    stderr line naming the passages before the answer (in a pipe and a terminal), and a request
+    with an option focus cannot take refused by the server too (as the CLI refuses it, exit 2)."""
+    cache = caches[0]
+    questions = ["What is the secret code?", "Which code is secret?"]
+    args = ["ask", "--cache", cache, "--focus", "1", "--cite"]
+    local = run(rocketkv_bin, env, *args, "--json", "--no-server", *questions)
+    assert local.returncode == 0, local.stderr
+    s = served("--idle-timeout", "0")
+    remote = run(rocketkv_bin, env, *args, "--json", *questions)
+    assert remote.returncode == 0, remote.stderr
+    assert health(s.server)["served"] == 1, "the focused questions were not answered by the server"
+    assert without_timings(remote.stdout) == without_timings(local.stdout)
+    rows = without_timings(remote.stdout)
+    assert [c["text"] for row in rows for c in row["citations"]] == ["The secret code is 4242."] * 2
+    notes = [line for line in remote.stderr.splitlines() if "focus: answered from lines" in line]
+    assert notes == [line for line in local.stderr.splitlines() if "focus: answered from lines" in line]
+    assert len(notes) == 2, remote.stderr
+    code, shown = run_in_terminal([rocketkv_bin, *map(str, args), questions[0]], env)
+    screen = strip_ansi(shown)
+    assert code == 0 and "The secret code is 4242." in screen and "Traceback" not in screen, screen[-2000:]
+    assert [line for line in screen.splitlines() if "rocketkv: focus:" in line and line.startswith("rocketkv:")], (
+        screen[-2000:]
+    )
+    assert health(s.server)["served"] == 2
+    body = {"cache": str(cache.resolve()), "questions": questions[:1], "focus": 1, "dense": True}
+    from rocketkv_cli.errors import UsageError
+
+    with pytest.raises(UsageError, match="'focus' answers from the passages it re-reads, greedy: drop dense"):
+        list(events(s.server, "/v1/rocketkv/ask", body))
+    assert run(rocketkv_bin, env, *args, questions[0]).returncode == 0, "the server stopped serving"
+
+
 def test__errors_are_the_same_one_line_with_and_without_the_server(rocketkv_bin, env, caches, served, tmp_path):
     served("--idle-timeout", "0")
     bad = tmp_path / "bad.kv"

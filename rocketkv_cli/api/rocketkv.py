@@ -19,6 +19,7 @@ import atexit
 import dataclasses
 import shutil
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,15 @@ class Focused:
     passages: tuple[Passage, ...]
     sources: tuple[Citation, ...] = ()  # the passages in the source's characters and lines (a cache with offsets)
 
+    def note(self) -> str:
+        """One line naming what the answer is read from ("focus: answered from lines 12-14, 80"),
+        as `ask --focus` writes it on stderr before the answer."""
+        if not self.passages:
+            return "focus: no passage shares a word with the question; answered from the whole document"
+        lines = ", ".join(f"{c.first_line}-{c.last_line}" if c.last_line > c.first_line else str(c.first_line)
+                          for c in self.sources)  # fmt: skip
+        return f"focus: answered from {f'lines {lines}' if lines else f'{len(self.passages)} passages'}"
+
 
 @dataclass(frozen=True)
 class Ingested:
@@ -85,6 +95,10 @@ class RocketKV:
 
     def __init__(self, engine: Engine):
         self.engine = engine
+        # the passages of the last cache `ask_focused` read (a weak reference to the cache, so a
+        # server's LRU can still free it; its passages): decoding a whole book's stored text
+        # again for every question costs about a second
+        self._passages: tuple[weakref.ref, list[tuple[int, Passage]]] | None = None
 
     @classmethod
     def load(
@@ -251,7 +265,9 @@ class RocketKV:
         check_questions([question])
         if cite:
             check_cite(cache, 1)
-        cut = stored_passages(self.engine, cache)
+        if self._passages is None or self._passages[0]() is not cache:
+            self._passages = (weakref.ref(cache), stored_passages(self.engine, cache))
+        cut = self._passages[1]
         ranked = rank([p.text for _, p in cut], question, passages, keep_start)
         chosen = [(cut[i][0], dataclasses.replace(cut[i][1], score=score)) for i, score in ranked]
         max_new = self._max_new(cache, max_new_tokens)

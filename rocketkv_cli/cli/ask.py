@@ -101,15 +101,12 @@ def check_attention(dense: bool, hsa: bool) -> None:
         raise usage_error("--hsa", f"{exc.message}: {exc.hint}") from None
 
 
-def check_focus(dense, hsa, topk, page_size, n_score_dims, segments, segment, temperature, top_p, seed) -> None:
+def check_focus(options: dict) -> None:
     """`--focus` re-reads passages with the model's defaults, greedy: the options that choose how the
     stored cache is attended or how tokens are sampled do not apply (usage error, exit 2)."""
-    given = [name for name, on in (("--dense", dense), ("--hsa", hsa), ("--topk", topk is not None),
-                                   ("--page-size", page_size is not None), ("--n-score-dims", n_score_dims is not None),
-                                   ("--segments", segments != 1), ("--segment", segment is not None),
-                                   ("--temperature", temperature != 0.0), ("--top-p", top_p != 1.0),
-                                   ("--seed", seed is not None)) if on]  # fmt: skip
-    if given:
+    from ..core.config import focus_conflicts
+
+    if given := ["--" + name.replace("_", "-") for name in focus_conflicts(options)]:
         raise usage_error("--focus", f"it answers from the passages it re-reads, greedy: drop {', '.join(given)}")
 
 
@@ -117,17 +114,9 @@ def focused_answers(rk, stored, questions: list[str], focus: int, max_new_tokens
     """`RocketKV.ask_focused` for each question, lazily (as `print_answers` takes them), with a line
     on stderr naming the passages each is answered from, before its answer is printed."""
 
-    def say(picked) -> None:
-        lines = ", ".join(f"{p.first_line}-{p.last_line}" if p.last_line > p.first_line else str(p.first_line)
-                          for p in picked.sources)  # fmt: skip
-        if not picked.passages:
-            log("focus: no passage shares a word with the question; answered from the whole document")
-        else:
-            log(f"focus: answered from {f'lines {lines}' if lines else f'{len(picked.passages)} passages'}")
-
     for q in questions:
         yield rk.ask_focused(stored, q, passages=focus, max_new_tokens=max_new_tokens, cite=cite,
-                             on_text=printer.piece, on_chosen=say).answer  # fmt: skip
+                             on_text=printer.piece, on_chosen=lambda picked: log(picked.note())).answer  # fmt: skip
 
 
 def print_answers(answers, questions: list[str], source: str, printer: AnswerPrinter,
@@ -199,7 +188,7 @@ def ask_command(
             metavar="N",
             help="Answer each question from the N passages of the document "
             "that match it best (BM25), re-read next to it: more right answers from the presets on prose "
-            "(docs/prose-questions.md); answered here, not by a server; --cite lists the passages.",
+            "(docs/prose-questions.md); greedy; --cite lists the passages.",
         ),
     ] = None,
 ) -> None:
@@ -212,8 +201,6 @@ def ask_command(
     doc, questions = questions_of(args, cache, questions_file)  # usage errors first: before torch is imported
     fmt, stream = resolve_format(fmt, json_out, stream, len(questions), cite)
     check_attention(dense, hsa)
-    if focus is not None:
-        check_focus(dense, hsa, topk, page_size, n_score_dims, segments, segment, temperature, top_p, seed)
     timings = Timings()
     setup(quiet, threads)
     if note := sampling_note(temperature, seed):
@@ -221,13 +208,16 @@ def ask_command(
     options = {"max_new_tokens": max_new_tokens, "dense": dense, "hsa": hsa, "topk": topk, "page_size": page_size,
                "n_score_dims": n_score_dims, "segments": segments, "segment": segment, "temperature": temperature,
                "top_p": top_p, "seed": seed, "cite": passages if cite else 0}  # fmt: skip
+    if focus is not None:
+        check_focus(options)
     choice = ModelChoice(model, device, dtype, weights, trust_remote_code)
     printer = AnswerPrinter(fmt, stream)
-    local = no_server or focus is not None or len(questions) > MAX_QUESTIONS
+    local = no_server or len(questions) > MAX_QUESTIONS
     remote = server_for(server, local) if doc is None else None
     if remote is not None and cache is not None:  # doc is None: --cache was given
         cache_budget_note(budget, cache)
-        ask_remote(remote, cache, questions, {**options, **choice.for_server()}, printer, timings)
+        focused = {} if focus is None else {"focus": focus}
+        ask_remote(remote, cache, questions, {**options, **focused, **choice.for_server()}, printer, timings)
     else:
         reading = DocumentReading(encoding, errors, segment_tokens)
         rk, stored, source = open_source(doc, cache, choice, budget, options, reading, timings)

@@ -24,6 +24,19 @@ DEFAULT_POOL_KERNEL_SIZE = 63
 DEFAULT_FIRST_TOKENS = 64  # docs/algorithm.md §2 step 5
 STORE_ALL = "all"  # a store budget that keeps every token (each question re-selects its working set from all)
 SUMMARY_WRITE_FROM = ("sentences", "document")  # what a summary's model writes from (api/summaries.py)
+# the `ask` options (`RocketKV.ask`'s keywords) that focus mode (`RocketKV.ask_focused`: the best
+# passages re-read with the model's defaults, greedy) cannot take, with their defaults: a value
+# other than these is refused, by the CLI (`ask --focus`) and the server alike
+FOCUS_EXCLUDES: dict[str, object] = {"dense": False, "hsa": False, "topk": None, "page_size": None,
+                                     "n_score_dims": None, "segments": 1, "segment": None, "temperature": 0.0,
+                                     "top_p": 1.0, "seed": None}  # fmt: skip
+
+
+def focus_conflicts(options: dict) -> list[str]:
+    """The options in `options` (`RocketKV.ask`'s keywords) that focus mode cannot take (`FOCUS_EXCLUDES`)."""
+    return [name for name, default in FOCUS_EXCLUDES.items() if options.get(name, default) != default]
+
+
 DEFAULT_SUMMARY_WRITE_FROM = "document"  # what a model writes from when it writes (not a measured preset)
 # Models that extract their summaries unless asked to write (`--write-from`): measured in
 # docs/summaries.md, where none of these presets' own summaries passed the summary check (every one

@@ -26,7 +26,7 @@ from ..api.rocketkv import (
     check_model_choice,
     decode_weights_for,
 )
-from ..core.config import SUMMARY_WRITE_FROM
+from ..core.config import SUMMARY_WRITE_FROM, focus_conflicts
 from ..errors import CacheFormatError, InputError, RocketKVError
 from .client import MAX_QUESTIONS
 from .warm import ModelKey, Warm
@@ -116,6 +116,7 @@ class AskRequest:
     dtype: str | None
     weights: str | None
     trust_remote_code: bool
+    focus: int | None = None  # `ask --focus N`: answer from the N best passages (`RocketKV.ask_focused`)
 
     @classmethod
     def parse(cls, body: dict, roots: tuple[Path, ...] | None, max_tokens_limit: int | None,
@@ -158,6 +159,10 @@ class AskRequest:
             "seed": seed,
             "cite": _field(body, "cite", int, 0),
         }
+        focus = _positive(body, "focus")
+        if focus is not None and (given := focus_conflicts(options)):
+            raise BadRequest(400, f"'focus' answers from the passages it re-reads, greedy: drop {', '.join(given)}",
+                             "UsageError")  # fmt: skip
         return cls(
             path=allowed_path(raw, roots, "'cache'"),
             display=_field(body, "display", str, raw),
@@ -169,6 +174,7 @@ class AskRequest:
             dtype=_field(body, "dtype", str),
             weights=_field(body, "weights", str),
             trust_remote_code=trusted(body, trust_allowed),
+            focus=focus,
         )
 
 
@@ -278,9 +284,17 @@ def answer_job(job: Job, warm: Warm, req: AskRequest) -> None:
             job.check()
             job.emit({"event": "piece", "text": text})
 
-        answers = rk.ask(stored, list(req.questions), on_text=piece,
-                         log=lambda message: job.emit({"event": "log", "message": message}),
-                         **req.options)  # fmt: skip
+        def log(message: str) -> None:
+            job.emit({"event": "log", "message": message})
+
+        if req.focus is not None:
+            opts = req.options
+            answers: Any = (rk.ask_focused(stored, q, passages=req.focus, max_new_tokens=opts["max_new_tokens"],
+                                           cite=bool(opts["cite"]), on_text=piece,
+                                           on_chosen=lambda picked: log(picked.note())).answer
+                            for q in req.questions)  # fmt: skip
+        else:
+            answers = rk.ask(stored, list(req.questions), on_text=piece, log=log, **req.options)
         for ans in answers:
             citations = None if ans.citations is None else [
                 {"start": c.start, "end": c.end, "first_line": c.first_line, "last_line": c.last_line,

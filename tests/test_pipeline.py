@@ -157,3 +157,16 @@ def _mask_hook(mask):
         return args, kwargs
 
     return hook
+
+
+@pytest.mark.parametrize("reconstruct", [False, True])
+def test__prefill_progress__the_total_is_reported_before_the_first_chunk(reconstruct):
+    """A progress bar showed "0/? tokens" for the whole first chunk (seconds on a CPU): the total is
+    now reported first, as (0, n); then the tokens done grow to n, never past it."""
+    engine = make_engine("llama", torch.float32)
+    ids = list(range(3, 3 + 70))
+    calls: list[tuple[int, int]] = []
+    engine.prefill(ids, 8, chunk_tokens=16, progress=lambda done, total: calls.append((done, total)),
+                   reconstruct=reconstruct)  # fmt: skip
+    assert calls[0] == (0, len(ids)) and calls[-1] == (len(ids), len(ids)), calls
+    assert all(a[0] <= b[0] for a, b in zip(calls, calls[1:])) and {t for _, t in calls} == {len(ids)}, calls

@@ -259,6 +259,7 @@ class Engine:
     def _prefill_chunks(
         self, cache: RocketCache, ids: list[int], start: int, chunk: int, progress: TokenProgress
     ) -> None:
+        progress(0, len(ids))  # the total is known now: a progress bar shows it before the first chunk's seconds
         for offset in range(0, len(ids), chunk):
             piece = ids[offset : offset + chunk]
             positions = torch.arange(start + offset, start + offset + len(piece), device=self.loaded.device)

@@ -183,3 +183,23 @@ def test__api_summarize__cite_gives_the_extracted_sentences_lines():
     for sentence in split_sentences(summary.text):
         assert any(flat(sentence) in lines_of(c.first_line, c.last_line) for c in summary.citations), sentence
     assert rk.summarize(cache, max_new_tokens=8, extractive=True).citations in (None, ())
+
+
+def test__options_that_cannot_apply__say_so_on_stderr(rocketkv_bin, tiny_model_dir, tmp_path):
+    """`--max-new-tokens` beside extracted sentences, `--encoding` beside a cache: each used to be
+    ignored silently; now a line on stderr says so (in a pipe and a terminal), the summary unchanged."""
+    kv = tmp_path / "harbor.kv"
+    made = run(rocketkv_bin, "ingest", HARBOR, "-o", kv, "--model", tiny_model_dir, "--budget", "128")
+    assert made.returncode == 0, made.stderr
+    plain = run(rocketkv_bin, "summarize", "--cache", kv, "--extractive")
+    noted = run(rocketkv_bin, "summarize", "--cache", kv, "--extractive", "--max-new-tokens", "40", "--encoding",
+                "latin-1")  # fmt: skip
+    assert plain.returncode == 0 and noted.returncode == 0, plain.stderr + noted.stderr
+    assert noted.stdout == plain.stdout
+    notes = ["--max-new-tokens limits what the model writes; extracted sentences are not limited by it",
+             f"--encoding applies to a DOC read here; {kv} holds the document as it was ingested"]  # fmt: skip
+    assert all(n in noted.stderr for n in notes) and not any(n in plain.stderr for n in notes), noted.stderr
+    code, shown = run_in_terminal([rocketkv_bin, "summarize", "--cache", str(kv), "--extractive", "--max-new-tokens",
+                                   "40"], env())  # fmt: skip
+    screen = " ".join(strip_ansi(shown).split())
+    assert code == 0 and notes[0] in screen and "Traceback" not in screen, screen[-2000:]

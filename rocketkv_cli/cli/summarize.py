@@ -72,6 +72,7 @@ SummaryPassagesOpt = Annotated[
 
 
 def summarize_command(
+    ctx: typer.Context,
     document: Annotated[
         Optional[str], typer.Argument(metavar="[DOC]", help="Text file, or - for stdin (or use --cache).")
     ] = None,
@@ -119,6 +120,10 @@ def summarize_command(
     setup(quiet, threads)
     if (document is None) == (cache is None):
         raise UsageError("give either DOC or --cache FILE.kv", "e.g. rocketkv summarize book.txt")
+    given = frozenset(n for n in ctx.params if getattr(ctx.get_parameter_source(n), "name", "") == "COMMANDLINE")
+    for name, flag in (("encoding", "--encoding"), ("errors", "--errors"), ("segment_tokens", "--segment-tokens")):
+        if cache is not None and name in given:
+            log(f"{flag} applies to a DOC read here; {cache} holds the document as it was ingested")
     if extractive and write_from:
         raise UsageError("--extractive and --write-from contradict each other (with --extractive the model "
                          "writes nothing)", "give one of them")  # fmt: skip
@@ -150,7 +155,8 @@ def summarize_command(
                 t0 = time.perf_counter()
                 final = summarize_document(rk.engine, "".join(pieces), cfg, max_new_tokens, segment_tokens,
                                            on_partial, extractive=writing is None, cite=cite)  # fmt: skip
-                print_summary(final, source, time.perf_counter() - t0, partials, extractive, AnswerPrinter(fmt, stream))
+                printer = AnswerPrinter(fmt, stream)
+                print_summary(final, source, time.perf_counter() - t0, partials, extractive, printer, given)
                 return
             long_document_hint(document)
             stored = ingest(rk, pieces, cfg, segment_tokens=segment_tokens,
@@ -167,7 +173,7 @@ def summarize_command(
         t0 = time.perf_counter()
         final = summarize(rk.engine, stored, cfg, max_new_tokens, not dense, on_partial, extractive=writing is None,
                           cite=n_cite, write_from=writing or "document")  # as `rk.summarize`  # fmt: skip
-    print_summary(final, source, time.perf_counter() - t0, partials, extractive, AnswerPrinter(fmt, stream))
+    print_summary(final, source, time.perf_counter() - t0, partials, extractive, AnswerPrinter(fmt, stream), given)
 
 
 def partial_logger(partials: list[dict], cite: bool = False) -> Callable[[Any], None]:
@@ -211,9 +217,10 @@ def sources_text(citations) -> str:
 
 
 def print_summary(final, source: str, elapsed: float, partials: list[dict], extractive: bool,
-                  printer: AnswerPrinter) -> None:  # fmt: skip
+                  printer: AnswerPrinter, given: frozenset[str] = frozenset()) -> None:  # fmt: skip
     """The summary on stdout (whole: shown only once it has passed the checks; `--json`: its
-    record), why the model's outputs were rejected and how long it took on stderr."""
+    record), why the model's outputs were rejected and how long it took on stderr. `given`: the
+    options given on the command line (a note when --max-new-tokens could not apply)."""
     mode = getattr(final, "mode", "abstractive")
     row = {"summary": final.text, "source": source, "n_answer_tokens": final.n_answer_tokens,
            "stop_reason": final.stop_reason, "summarize_s": round(elapsed, 3), "mode": mode,
@@ -229,6 +236,8 @@ def print_summary(final, source: str, elapsed: float, partials: list[dict], extr
         why = ("--extractive" if extractive else "the model's output was rejected" if getattr(final, "rejected", ())
                else "this model's measured default, docs/summaries.md; --write-from document has it write")  # fmt: skip
         log(f"summary: extracted sentences ({why})")
+        if "max_new_tokens" in given:
+            log("summary: --max-new-tokens limits what the model writes; extracted sentences are not limited by it")
     printer.piece(final.text)
     printer.finish(final.text, row, citations)
     log(f"summarized in {elapsed:.1f}s ({final.n_answer_tokens} tokens, stop: {final.stop_reason})")

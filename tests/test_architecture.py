@@ -22,7 +22,7 @@ MAY_IMPORT = {
     "api": {"core", "model", "store", "engine"},  # the answering service and the Python API
     "batch": {"core", "api"},  # batch jobs (local pool, Ray), above the Python API
     "eval": {"core", "ops", "model", "store", "methods", "engine"},
-    "serve": {"core", "api"},  # the warm server, above the Python API
+    "serve": {"core", "api", "batch"},  # the warm server, above the Python API (and batch: it runs batch rows)
     # cli: signals, the process's signal state; entry, the console script (only `python -m rocketkv_cli.cli`)
     "cli": {"api", "batch", "eval", "core", "methods", "signals", "entry", "serve"},
     "kernels": set(),

@@ -346,3 +346,48 @@ def test__cache_key__uniform_storage_keys_as_before_format_v5_and_alloc_differs(
     assert cache_key(rk, "a" * 64, settings) == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()
     alloc = BatchSettings(model="tiny", storage=KVStorage.parse("int4+alloc"))
     assert cache_key(rk, "a" * 64, alloc) != cache_key(rk, "a" * 64, settings)
+
+
+def test__with_a_running_server__rows_run_there_with_the_same_results(rocketkv_bin, env, tiny_model_dir, tmp_path):
+    """A running `rocketkv serve` runs the rows on its warm model (no model load in the batch
+    process): the same result lines as without it, in a pipe and a terminal; a row whose
+    document is outside the server's --allow-dir becomes that row's error line, the others go on."""
+    from test_serve import Served, health
+
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    doc = allowed / "doc.txt"
+    doc.write_text(text_of_bytes(300, seed=4) + "\nThe secret code is 4242.\n")
+    outside = tmp_path / "outside.txt"
+    outside.write_text("The outside code is 77.\n")
+    rows = [{"id": "a", "document": str(doc), "questions": ["What is the code?", "Which word is first?"]},
+            {"id": "b", "text": "Tide tables are kept by the harbor master.\n", "questions": ["Who keeps them?"],
+             "summary": True}]  # fmt: skip
+    manifest = write_manifest(allowed / "m.jsonl", rows)
+    args = ["batch", manifest, "--model", tiny_model_dir, *OPTS]
+    local = run(rocketkv_bin, env, *args, "-o", allowed / "local.jsonl", "--cache-dir", allowed / "c1", "--no-server")
+    assert local.returncode == 0, local.stderr
+    s = Served(rocketkv_bin, env, "--idle-timeout", "0", "--allow-dir", allowed, "--allow-dir", tiny_model_dir)
+    try:
+        remote = run(rocketkv_bin, env, *args, "-o", allowed / "remote.jsonl", "--cache-dir", allowed / "c2")
+        assert remote.returncode == 0 and "rows run by the server" in remote.stderr, remote.stderr
+        assert "loaded" not in remote.stderr, "the batch process loaded a model itself"
+        assert health(s.server)["served"] == 2  # one request per row
+
+        def same(row: dict) -> dict:  # the .kv paths differ by their cache folder only
+            return {k: Path(v).name if k in ("cache", "source") else v for k, v in without_times(row).items()}
+
+        by_key = lambda lines: sorted((same(r) for r in lines), key=json.dumps)  # noqa: E731
+        assert by_key(lines_of(allowed / "remote.jsonl")) == by_key(lines_of(allowed / "local.jsonl"))
+        mixed = write_manifest(allowed / "mixed.jsonl", [*rows, {"id": "c", "document": str(outside),
+                                                                  "questions": ["What is the code?"]}])  # fmt: skip
+        argv = [rocketkv_bin, "batch", str(mixed), "--model", str(tiny_model_dir), *OPTS, "-o",
+                str(allowed / "mixed.out.jsonl"), "--cache-dir", str(allowed / "c2")]  # fmt: skip
+        code, shown = run_in_terminal(argv, env)
+        screen = " ".join(strip_ansi(shown).split())
+        assert code == 1 and "Traceback" not in screen and "1 rows failed" in screen, screen[-2000:]
+        (error,) = [r for r in lines_of(allowed / "mixed.out.jsonl") if "error" in r]
+        assert error["id"] == "c" and "outside the server's allowed folders" in error["error"], error
+        assert len([r for r in lines_of(allowed / "mixed.out.jsonl") if "error" not in r]) == 4
+    finally:
+        s.stop()

@@ -8,12 +8,16 @@ callbacks.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from ..errors import OutputError, UsageError
+from ..errors import InputError, OutputError, UsageError
 from .manifest import BadRow, Results, Row, error_row, read_manifest
-from .tasks import BatchProgress, BatchReport, BatchSettings, Log, Tracker, load_worker, plan, run_task
+from .tasks import BatchProgress, BatchReport, BatchSettings, Log, Task, Tracker, load_worker, plan, run_task
+
+# a running `rocketkv serve`, as `rocketkv batch` reaches it: one task sent, its events back
+# ({"event": "line", "line"}, {"event": "log", "message"}); errors raised as their rocketkv types
+Remote = Callable[[Task], Iterable[dict]]
 
 
 def run_batch(
@@ -25,12 +29,15 @@ def run_batch(
     ray_address: str | None = None,
     on_progress: Callable[[BatchProgress], None] = lambda state: None,
     log: Log = lambda message: None,
+    remote: Remote | None = None,
 ) -> BatchReport:
     """Run every row of `manifest` not yet answered in `output` (None: stdout, no resume).
 
     workers: model copies: local processes (None: 1), or Ray actors with `ray_address` (an
     address, `auto` for a running cluster, or `local` to start one for this run; None: the
-    cluster's CPUs divided by `settings.threads`).
+    cluster's CPUs divided by `settings.threads`). remote: run each task on a running server
+    instead (`rocketkv serve`, which keeps the model loaded and runs `run_task` itself; a task the
+    server refuses, such as a document outside its `--allow-dir`, becomes the row's error line).
     Raises:
         InputError: an unreadable manifest, Ray missing or unreachable. OutputError: the results
         file or cache folder cannot be written. ModelLoadError: the model does not load.
@@ -56,7 +63,17 @@ def run_batch(
             log(f"skipping {skipped} rows already answered in {output}")
         if tasks:
             _make_dir(cache_dir)
-            if ray_address is not None:
+            if remote is not None:
+                for i, task in enumerate(tasks):
+                    try:
+                        for event in remote(task):
+                            if event.get("event") == "line":
+                                tracker.write(i, event["line"])
+                            elif event.get("event") == "log":
+                                log(str(event.get("message", "")))
+                    except InputError as exc:  # this row refused (a path not allowed, …): the batch goes on
+                        tracker.write(i, error_row(task.row.id, task.row.line, str(exc)))
+            elif ray_address is not None:
                 from .ray_pool import run_on_ray
 
                 run_on_ray(ray_address, tasks, cache_dir, settings, workers, tracker, log)

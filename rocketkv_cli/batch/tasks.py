@@ -64,6 +64,22 @@ class BatchSettings:
         if self.storage is None:
             object.__setattr__(self, "storage", KVStorage.parse(default_kv_dtype(self.model)))
 
+    def to_dict(self) -> dict:
+        """The settings as JSON values (`from_dict` reads them back; what `rocketkv batch` sends a server)."""
+        return {"model": self.model, "device": self.device, "dtype": self.dtype, "config": self.config.to_dict(),
+                "storage": self.kv_storage.name, "summary_tokens": self.summary_tokens,
+                "segment_tokens": self.segment_tokens, "dense": self.dense, "threads": self.threads,
+                "trust_remote_code": self.trust_remote_code}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: dict) -> BatchSettings:
+        """Settings from `to_dict`'s values. Raises ValueError or TypeError for a wrong field."""
+        if not isinstance(d, dict) or not isinstance(d.get("config"), dict) or not isinstance(d.get("storage"), str):
+            raise ValueError("settings must hold a config object and a storage name")
+        if not isinstance(d.get("model"), str):
+            raise ValueError("settings must name a model")
+        return cls(**{**d, "config": PrefillConfig(**d["config"]), "storage": KVStorage.parse(d["storage"])})
+
     @property
     def kv_storage(self) -> KVStorage:
         """`storage`, never None once constructed."""

@@ -11,7 +11,18 @@ from rich.text import Text
 
 from ..errors import UsageError
 from .common import _state, err, fail, log, prefill_config, setup, storage
-from .options import BudgetOpt, DeviceOpt, DtypeOpt, KvDtypeOpt, ModelOpt, QuietOpt, SegmentTokensOpt, TrustOpt
+from .options import (
+    BudgetOpt,
+    DeviceOpt,
+    DtypeOpt,
+    KvDtypeOpt,
+    ModelOpt,
+    NoServerOpt,
+    QuietOpt,
+    SegmentTokensOpt,
+    ServerOpt,
+    TrustOpt,
+)
 
 
 class _Rates(ProgressColumn):
@@ -86,9 +97,14 @@ def batch_command(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = None,
     trust_remote_code: TrustOpt = False,
+    server: ServerOpt = None,
+    no_server: NoServerOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Answer the questions (and summaries) of many documents, loading the model once per worker.
+
+    With a running `rocketkv serve` (and neither --workers nor --ray), the server runs each row on
+    its warm model instead: no model load here; the results are the same lines.
 
     Each document is ingested once into the cache folder (reused while the document, model and
     settings match); results are written one JSON line per answer as they finish. Rerun the same
@@ -114,6 +130,24 @@ def batch_command(
                                  trust_remote_code=trust_remote_code)  # fmt: skip
     except ValueError as exc:
         raise UsageError(f"invalid option: {exc}") from None
+    remote = None
+    if workers is None and ray is None:
+        from .remote import model_for_server, server_for
+
+        found = server_for(server, no_server)
+        if found is not None:
+            import json
+
+            from ..serve.client import events
+
+            sent = {**settings.to_dict(), **model_for_server({"model": settings.model})}
+            cache_abs = str(folder.resolve())
+            log(f"rows run by the server at {found.url}")
+
+            def remote(task):
+                body = {"task": json.loads(task.to_json()), "cache_dir": cache_abs, "settings": sent}
+                return events(found, "/v1/rocketkv/batch", body)
+
     with batch_bar() as bar:
         task = bar.add_task("batch", total=None, answers=0)
 
@@ -121,7 +155,7 @@ def batch_command(
             bar.update(task, total=state.documents_total, completed=state.documents_done, answers=state.answers_done)
 
         report = run_batch(manifest, out, folder, settings, workers=workers, ray_address=ray,
-                           on_progress=on_progress, log=log)  # fmt: skip
+                           on_progress=on_progress, log=log, remote=remote)  # fmt: skip
     where = "stdout" if out is None else str(out)
     log(f"{report.n_rows} rows: {report.n_skipped} already answered, {report.n_written} lines written to {where}, "
         f"{report.n_errors} failed")  # fmt: skip

@@ -34,10 +34,12 @@ from .. import __version__
 from .jobs import (
     AskRequest,
     BadRequest,
+    BatchTaskRequest,
     IngestRequest,
     Job,
     SummarizeRequest,
     answer_job,
+    batch_job,
     ingest_job,
     summarize_job,
 )
@@ -239,6 +241,11 @@ def build_app(state: ServeState) -> Guard:
         job, first = await _start(request, summarize_job, state.warm, req)
         return _ndjson(job, first)
 
+    async def batch_task(request: Request) -> Response:
+        req = BatchTaskRequest.parse(await _json_body(request), state.roots, state.trust_remote_code)
+        job, first = await _start(request, batch_job, state.warm, req)
+        return _ndjson(job, first)
+
     async def chat_completions(request: Request) -> Response:
         body = await _json_body(request)
         req = AskRequest.parse(openai_to_ask(body, state.max_tokens_limit), state.roots, state.max_tokens_limit,
@@ -312,6 +319,7 @@ def build_app(state: ServeState) -> Guard:
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/rocketkv/ask", ask, methods=["POST"]),
             Route("/v1/rocketkv/summarize", summarize, methods=["POST"]),
+            Route("/v1/rocketkv/batch", batch_task, methods=["POST"]),
             Route("/v1/ingest", ingest, methods=["POST"]),
             Route("/v1/rocketkv/shutdown", shutdown, methods=["POST"]),
         ],

@@ -10,10 +10,11 @@ roots with symlinks resolved. A bad request raises `BadRequest` (HTTP 4xx) befor
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import threading
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from ..api.rocketkv import (
     check_model_choice,
     decode_weights_for,
 )
+from ..batch.tasks import BatchSettings, Task
 from ..core.config import SUMMARY_WRITE_FROM, focus_conflicts
 from ..errors import CacheFormatError, InputError, RocketKVError
 from .client import MAX_QUESTIONS
@@ -366,6 +368,54 @@ def summarize_job(job: Job, warm: Warm, req: SummarizeRequest) -> None:
         job.emit({"event": "summary", "text": final.text, "n_answer_tokens": final.n_answer_tokens,
                   "stop_reason": final.stop_reason, "mode": getattr(final, "mode", "abstractive"),
                   "rejected": list(getattr(final, "rejected", ())), **cited(final)})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BatchTaskRequest:
+    """One row of a `rocketkv batch` run (`batch.tasks.Task`: the row and what is left of it), its
+    build-cache folder and the batch's settings (`BatchSettings.to_dict`), run on the warm model
+    by `batch.tasks.run_task` as a worker would run it."""
+
+    task: Task
+    cache_dir: Path
+    settings: BatchSettings
+
+    @classmethod
+    def parse(cls, body: dict, roots: tuple[Path, ...] | None, trust_allowed: bool = False) -> BatchTaskRequest:
+        """Raises BadRequest: a malformed task or settings, a path outside the allowed roots (the
+        cache folder, the row's document, a model folder), model code not allowed."""
+        raw_task, raw_settings = (
+            _field(body, "task", dict, required=True),
+            _field(body, "settings", dict, required=True),
+        )
+        try:
+            task = Task.from_json(json.dumps(raw_task))
+            settings = BatchSettings.from_dict(raw_settings)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise BadRequest(400, f"not a batch task: {exc}", "UsageError") from None
+        cache_dir = allowed_path(_field(body, "cache_dir", str, required=True), roots, "'cache_dir'")
+        if task.row.document is not None:
+            allowed_path(task.row.document, roots, "the document")
+        model = model_choice({"model": settings.model}, roots)
+        trusted({"trust_remote_code": settings.trust_remote_code}, trust_allowed)
+        return cls(task=task, cache_dir=cache_dir, settings=replace(settings, model=model or settings.model))
+
+
+def batch_job(job: Job, warm: Warm, req: BatchTaskRequest) -> None:
+    """Run one batch task under the decode lock: a `line` event per result line (as the results
+    file takes it), `log` events (a build-cache file rebuilt, …)."""
+    from ..batch.tasks import run_task
+
+    def log(message: str) -> None:
+        job.emit({"event": "log", "message": message})
+
+    with warm.lock:
+        job.check()
+        s = req.settings
+        rk = warm.model(ModelKey(s.model, s.device, s.dtype, None, s.trust_remote_code), log)
+        for line in run_task(rk, req.task, req.cache_dir, s, log):
+            job.emit({"event": "line", "line": line})
+            job.check()
 
 
 def ingest_job(job: Job, warm: Warm, req: IngestRequest) -> None:

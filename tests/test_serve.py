@@ -152,6 +152,10 @@ def test__ask_focus__through_the_server_as_in_process(rocketkv_bin, env, caches,
         screen[-2000:]
     )
     assert health(s.server)["served"] == 2
+    # a passage of several lines is listed on one row under "Sources:", every row indented
+    shown = run(rocketkv_bin, env, "ask", "--cache", cache, "--focus", "2", "--cite", questions[0])
+    rows = shown.stdout.split("Sources:\n")[1].splitlines()
+    assert rows and all(row.startswith("  [") for row in rows), shown.stdout
     body = {"cache": str(cache.resolve()), "questions": questions[:1], "focus": 1, "dense": True}
     from rocketkv_cli.errors import UsageError
 

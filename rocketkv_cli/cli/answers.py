@@ -139,8 +139,10 @@ class AnswerPrinter:
                         + "\n")  # fmt: skip
         if citations is not None:
             indent = INDENT if self.fmt == "qa" else ""
-            rows = [f"{indent}  [{i}] {where(c)} ({100 * c.weight:.0f}%): {c.text}\n"
-                    for i, c in enumerate(citations, 1)]  # fmt: skip
+            rows = [
+                f"{indent}  [{i}] {where(c)} ({100 * c.weight:.0f}%): {' '.join(c.text.split())}\n"
+                for i, c in enumerate(citations, 1)
+            ]  # one row each: a passage of several lines is joined
             self._write(f"{indent}Sources:\n" + "".join(rows) if rows else f"{indent}Sources: none\n")
 
     def interrupted(self) -> None:

@@ -212,7 +212,9 @@ def citation_record(c) -> dict:
 
 def sources_text(citations) -> str:
     """Citations as `ask --cite` prints them under an answer ("Sources:" and one row each)."""
-    rows = [f"  [{i}] {where(c)} ({100 * c.weight:.0f}%): {c.text}\n" for i, c in enumerate(citations, 1)]
+    rows = [
+        f"  [{i}] {where(c)} ({100 * c.weight:.0f}%): {' '.join(c.text.split())}\n" for i, c in enumerate(citations, 1)
+    ]
     return "Sources:\n" + "".join(rows) if rows else "Sources: none\n"
 
 

@@ -388,6 +388,13 @@ def test__ask_focus__answers_from_the_best_passage_in_a_pipe_and_a_terminal(rock
     assert not [line for line in screen.splitlines() if line.find("rocketkv: focus:") > 0], screen[-2000:]
     bad = run(rocketkv_bin, env, "ask", "--cache", kv, "--focus", "1", "--dense", "--seed", "3", q)
     assert bad.returncode == 2 and "drop --dense, --seed" in bad.stderr and "Traceback" not in bad.stderr
+    # `chat --focus`: each line answered as `ask --focus` answers it, with the same stderr line
+    chat = run(rocketkv_bin, env, "chat", "--cache", kv, "--focus", "1", "--cite", "--json", stdin=f"{q}\n{q}\n")
+    drop = lambda row: {k: v for k, v in row.items() if k not in ("prefill_s", "decode_s")}  # noqa: E731
+    assert [drop(json.loads(line)) for line in chat.stdout.splitlines()] == [drop(row)] * 2, chat.stderr
+    assert chat.stderr.count("focus: answered from lines 2") == 2 and chat.returncode == 0
+    bad = run(rocketkv_bin, env, "chat", "--cache", kv, "--focus", "1", "--temperature", "0.5", stdin=f"{q}\n")
+    assert bad.returncode == 2 and "drop --temperature" in bad.stderr and "Traceback" not in bad.stderr
     zero = run(rocketkv_bin, env, "ask", "--cache", kv, "--focus", "0", q)
     assert zero.returncode == 2 and "--focus" in zero.stderr
 

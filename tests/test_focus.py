@@ -67,6 +67,12 @@ def test__ask_focused__answers_as_ask_over_the_chosen_passages_alone():
     assert doc[c.start : c.end] == paras[-1] and cited.answer.text == want.text
     whole = rk.ask_focused(cache, "zebra?", passages=2, max_new_tokens=6)  # no shared word: the whole cache
     assert whole.passages == () and whole.answer.text == next(iter(rk.ask(cache, "zebra?", max_new_tokens=6))).text
+    # the stream (`chat --focus`): the same passages first, then pieces that join to the same answer
+    chosen = []
+    stream = rk.stream_focused(cache, q, passages=1, max_new_tokens=6, on_chosen=chosen.append)
+    pieces = list(stream)
+    assert [p.text for p in chosen[0].passages] == [paras[-1]] and chosen[0].answer is None
+    assert "".join(pieces) == want.text and stream.answer.token_ids == want.token_ids
 
 
 def test__ask_focused__cites_source_characters_and_lines_in_a_segmented_cache():

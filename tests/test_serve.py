@@ -152,6 +152,12 @@ def test__ask_focus__through_the_server_as_in_process(rocketkv_bin, env, caches,
         screen[-2000:]
     )
     assert health(s.server)["served"] == 2
+    # `chat --focus` through the server: one request per question, the same records and notes
+    chat = run(rocketkv_bin, env, "chat", "--cache", cache, "--focus", "1", "--cite", "--json",
+               stdin="\n".join(questions) + "\n")  # fmt: skip
+    assert chat.returncode == 0 and without_timings(chat.stdout) == without_timings(local.stdout), chat.stderr
+    assert [line for line in chat.stderr.splitlines() if "focus: answered from lines" in line] == notes
+    assert health(s.server)["served"] == 5  # the chat's check, then its two questions
     # a passage of several lines is listed on one row under "Sources:", every row indented
     shown = run(rocketkv_bin, env, "ask", "--cache", cache, "--focus", "2", "--cite", questions[0])
     rows = shown.stdout.split("Sources:\n")[1].splitlines()

@@ -220,6 +220,23 @@ def test__chat_in_a_terminal__history_ctrl_c_cancels_the_answer_ctrl_d_quits(roc
     assert question in (home / "chat_history").read_text()
 
 
+def test__chat_focus_in_a_terminal__names_the_passages_then_streams_the_answer(rocketkv_bin, env, kv, tmp_path):
+    """`chat --focus 1 --cite`: after a question, the stderr line naming the passage it is answered
+    from, on its own line, then the answer and its Sources; Ctrl-D quits, 0."""
+    term = Terminal([rocketkv_bin, "chat", "--cache", str(kv), "--focus", "1", "--cite"],
+                    {**env, "ROCKETKV_HOME": str(tmp_path / "home")})  # fmt: skip
+    at = term.expect("> ")
+    term.send("What is the secret code?\r")
+    at = term.expect("rocketkv: focus: answered from lines 2\r\n", at)
+    at = term.expect("Sources:", at)
+    at = term.expect("[1] line 2, characters", at)
+    term.expect("> ", at)
+    term.send("\x04")
+    code = term.wait()
+    shown = term.plain()
+    assert code == 0 and "Traceback" not in shown and "Error:" not in shown, shown[-2000:]
+
+
 def test__ask_several_questions_in_a_terminal__streamed_qa_records(rocketkv_bin, env, kv):
     code, shown = run_in_terminal([rocketkv_bin, "ask", "--cache", str(kv), "What is the code?", "Which word?",
                                    "--cite", "--passages", "1"], env)  # fmt: skip

@@ -20,7 +20,7 @@ import dataclasses
 import shutil
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -262,27 +262,52 @@ class RocketKV:
             InputError: an empty question; a cache without token ids (or, with `cite`, without
             token offsets: an old file). UsageError: `passages` < 1.
         """
-        check_questions([question])
-        if cite:
-            check_cite(cache, 1)
-        if self._passages is None or self._passages[0]() is not cache:
-            self._passages = (weakref.ref(cache), stored_passages(self.engine, cache))
-        cut = self._passages[1]
-        ranked = rank([p.text for _, p in cut], question, passages, keep_start)
-        chosen = [(cut[i][0], dataclasses.replace(cut[i][1], score=score)) for i, score in ranked]
-        max_new = self._max_new(cache, max_new_tokens)
-        citable = all_segments(cache)[0].token_offsets is not None
-        sources = tuple(source_passages(self.engine, cache, chosen)) if chosen and citable else ()
-        picked = Focused(None, tuple(p for _, p in chosen), sources)
-        if on_chosen is not None:
-            on_chosen(picked)
-        if not chosen:
-            whole = next(iter(self.ask(cache, question, max_new_tokens=max_new, on_text=on_text)))
-            return dataclasses.replace(picked, answer=dataclasses.replace(whole, citations=() if cite else None))
-        short = self.ingest(text=focus_text([p for _, p in chosen]))
-        got = next(iter(self.ask(short.cache, question, max_new_tokens=max_new, on_text=on_text)))
-        got = dataclasses.replace(got, prefill_s=got.prefill_s + short.seconds, citations=sources if cite else None)
-        return dataclasses.replace(picked, answer=got)
+        picked: list[Focused] = []
+
+        def chosen(focused: Focused) -> None:
+            picked.append(focused)
+            if on_chosen is not None:
+                on_chosen(focused)
+
+        stream = self.stream_focused(cache, question, passages=passages, max_new_tokens=max_new_tokens, cite=cite,
+                                     keep_start=keep_start, on_chosen=chosen)  # fmt: skip
+        for piece in stream:
+            if on_text is not None:
+                on_text(piece)
+        assert stream.answer is not None  # set when the iteration ends
+        return dataclasses.replace(picked[0], answer=stream.answer)
+
+    def stream_focused(self, cache: AnyCache, question: str, *, passages: int = FOCUS_PASSAGES,
+                       max_new_tokens: int | None = None, cite: bool = False, keep_start: bool = False,
+                       on_chosen: Callable[[Focused], None] | None = None) -> AnswerStream:  # fmt: skip
+        """`ask_focused` as an iterator of text pieces (what `chat --focus` prints as they are
+        decoded); the `Answer` is in the stream's `answer` once it is exhausted. Options and errors
+        as `ask_focused`'s (raised when the iteration starts); `on_chosen` gets the passages first."""
+
+        def steps() -> Generator[str, None, Answer]:
+            check_questions([question])
+            if cite:
+                check_cite(cache, 1)
+            if self._passages is None or self._passages[0]() is not cache:
+                self._passages = (weakref.ref(cache), stored_passages(self.engine, cache))
+            cut = self._passages[1]
+            ranked = rank([p.text for _, p in cut], question, passages, keep_start)
+            chosen = [(cut[i][0], dataclasses.replace(cut[i][1], score=score)) for i, score in ranked]
+            max_new = self._max_new(cache, max_new_tokens)
+            citable = all_segments(cache)[0].token_offsets is not None
+            sources = tuple(source_passages(self.engine, cache, chosen)) if chosen and citable else ()
+            if on_chosen is not None:
+                on_chosen(Focused(None, tuple(p for _, p in chosen), sources))
+            if not chosen:
+                whole = self.stream(cache, question, max_new_tokens=max_new)
+                ans = yield from whole.steps()
+                return dataclasses.replace(ans, citations=() if cite else None)
+            short = self.ingest(text=focus_text([p for _, p in chosen]))
+            got = yield from self.stream(short.cache, question, max_new_tokens=max_new).steps()
+            return dataclasses.replace(got, prefill_s=got.prefill_s + short.seconds,
+                                       citations=sources if cite else None)  # fmt: skip
+
+        return AnswerStream(steps())
 
     def session(
         self,

@@ -26,6 +26,11 @@ class AnswerStream:
     def __iter__(self) -> Iterator[str]:
         self.answer = yield from self._steps
 
+    def steps(self) -> Generator[str, None, Answer]:
+        """The pieces, returning the `Answer` (for `yield from` in a generator that wraps this one)."""
+        self.answer = yield from self._steps
+        return self.answer
+
 
 class Session:
     """Questions answered one at a time from one cache, with the model and the decode buffers

@@ -60,10 +60,26 @@ CiteOpt = Annotated[
     bool, typer.Option("--cite", help="After each answer, the source passages it drew on most (lines, characters).")
 ]
 PassagesOpt = Annotated[int, typer.Option("--passages", min=1, metavar="N", help="Passages shown by --cite.")]
+FocusOpt = Annotated[
+    Optional[int],
+    typer.Option("--focus", min=1, metavar="N",
+                 help="Answer each question from the N passages of the document that match it best (BM25), re-read "
+                      "next to it: more right answers from the presets on prose (docs/prose-questions.md); greedy; "
+                      "--cite lists the passages."),
+]  # fmt: skip
 SeedOpt = Annotated[
     Optional[int],
     typer.Option("--seed", min=0, metavar="N", help="Seed of the sampler (default: random, shown on stderr)."),
 ]
+
+
+def check_focus(options: dict) -> None:
+    """`--focus` re-reads passages with the model's defaults, greedy: the options that choose how the
+    stored cache is attended or how tokens are sampled do not apply (usage error, exit 2)."""
+    from ..core.config import focus_conflicts
+
+    if given := ["--" + name.replace("_", "-") for name in focus_conflicts(options)]:
+        raise usage_error("--focus", f"it answers from the passages it re-reads, greedy: drop {', '.join(given)}")
 
 
 def usage_error(param: str, message: str) -> typer.BadParameter:

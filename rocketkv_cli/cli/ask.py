@@ -15,6 +15,7 @@ from ..serve.client import MAX_QUESTIONS
 from .answers import (
     AnswerPrinter,
     CiteOpt,
+    FocusOpt,
     FormatOpt,
     PassagesOpt,
     SeedOpt,
@@ -22,6 +23,7 @@ from .answers import (
     TemperatureOpt,
     TopPOpt,
     answer_log,
+    check_focus,
     resolve_format,
     sampling_note,
     usage_error,
@@ -101,15 +103,6 @@ def check_attention(dense: bool, hsa: bool) -> None:
         raise usage_error("--hsa", f"{exc.message}: {exc.hint}") from None
 
 
-def check_focus(options: dict) -> None:
-    """`--focus` re-reads passages with the model's defaults, greedy: the options that choose how the
-    stored cache is attended or how tokens are sampled do not apply (usage error, exit 2)."""
-    from ..core.config import focus_conflicts
-
-    if given := ["--" + name.replace("_", "-") for name in focus_conflicts(options)]:
-        raise usage_error("--focus", f"it answers from the passages it re-reads, greedy: drop {', '.join(given)}")
-
-
 def focused_answers(rk, stored, questions: list[str], focus: int, max_new_tokens, cite: bool, printer):
     """`RocketKV.ask_focused` for each question, lazily (as `print_answers` takes them), with a line
     on stderr naming the passages each is answered from, before its answer is printed."""
@@ -180,17 +173,7 @@ def ask_command(
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show a timing breakdown on stderr.")] = False,
-    focus: Annotated[
-        Optional[int],
-        typer.Option(
-            "--focus",
-            min=1,
-            metavar="N",
-            help="Answer each question from the N passages of the document "
-            "that match it best (BM25), re-read next to it: more right answers from the presets on prose "
-            "(docs/prose-questions.md); greedy; --cite lists the passages.",
-        ),
-    ] = None,
+    focus: FocusOpt = None,
 ) -> None:
     """Answer questions from a saved cache (or from DOC, ingested in memory first).
 

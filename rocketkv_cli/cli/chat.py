@@ -25,11 +25,13 @@ from ..signals import handled
 from .answers import (
     AnswerPrinter,
     CiteOpt,
+    FocusOpt,
     PassagesOpt,
     SeedOpt,
     TemperatureOpt,
     TopPOpt,
     answer_log,
+    check_focus,
     sampling_note,
 )
 from .common import cache_budget_note, err, fail, log, setup
@@ -118,6 +120,21 @@ def local_turns(session, source: str) -> Callable[[str], Turn]:
     return turn
 
 
+def focused_turns(rk, stored, focus: int, max_new_tokens: int | None, cite: bool, source: str) -> Callable[[str], Turn]:
+    """`Turn`s of `RocketKV.stream_focused` (`chat --focus`): a line naming the passages each
+    question is answered from, then its answer as it is decoded."""
+
+    def turn(question: str) -> Turn:
+        stream = rk.stream_focused(stored, question, passages=focus, max_new_tokens=max_new_tokens, cite=cite,
+                                   on_chosen=lambda picked: log(picked.note()))  # fmt: skip
+        yield from stream
+        answer = stream.answer
+        assert answer is not None  # set when the iteration ends
+        return answer.text, answer.to_dict(cache=source), answer.citations, answer_log(answer)
+
+    return turn
+
+
 def chat_command(
     document: Annotated[
         Optional[str],
@@ -150,6 +167,7 @@ def chat_command(
     no_server: NoServerOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
+    focus: FocusOpt = None,
 ) -> None:
     """Ask questions one after another from a prompt; the model and cache load once.
 
@@ -167,16 +185,22 @@ def chat_command(
     options = {"max_new_tokens": max_new_tokens, "dense": dense, "hsa": hsa, "temperature": temperature,
                "top_p": top_p, "seed": seed, "segments": segments, "segment": segment,
                "cite": passages if cite else 0}  # fmt: skip
+    if focus is not None:
+        check_focus(options)
     choice = ModelChoice(model, device, dtype, weights, trust_remote_code)
     remote = server_for(server, no_server) if cache is not None else None
     turn: Callable[[str], Turn]
     if remote is not None and cache is not None:  # a server only with --cache
         cache_budget_note(budget, cache)
-        turn, source = RemoteChat(remote, cache, {**options, **choice.for_server()}).turn, str(cache)
+        focused = {} if focus is None else {"focus": focus}
+        turn, source = RemoteChat(remote, cache, {**options, **focused, **choice.for_server()}).turn, str(cache)
     else:
         reading = DocumentReading(encoding, errors, segment_tokens)
         rk, stored, source = open_source(document, cache, choice, budget, options, reading, command="chat")
-        turn = local_turns(rk.session(stored, log=log, **options), source)
+        if focus is not None:
+            turn = focused_turns(rk, stored, focus, max_new_tokens, cite, source)
+        else:
+            turn = local_turns(rk.session(stored, log=log, **options), source)
     if converse(Prompt(home() / "chat_history"), turn, source, json_out):
         raise typer.Exit(1)
 

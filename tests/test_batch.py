@@ -111,6 +111,23 @@ def test__batch__answers_like_ask_json_and_equal_documents_share_one_cache(job, 
         assert without_times(json.loads(r.stdout)) == without_times({k: row[k] for k in ASK_KEYS})
 
 
+def test__batch_focus__answers_like_ask_focus_json_from_the_same_cache(job, rocketkv_bin, env):
+    """`batch --focus 1`: each answer is `ask --cache FILE --focus 1 --json`'s from the row's file
+    (the build cache of the first run, reused)."""
+    root, manifest, cmd, _ = job
+    out = root / "focus.jsonl"
+    r = run(rocketkv_bin, env, *cmd, "--focus", "1", "-o", out)
+    assert r.returncode == 1 and "4 rows failed" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    answers = {(row["id"], row["question_index"]): row for row in lines_of(out) if "question_index" in row}
+    row = answers[("b", 0)]  # the row whose answer on this tiny model changes with --focus
+    asked = run(rocketkv_bin, env, "ask", "--cache", row["cache"], row["question"], "--focus", "1", "--json",
+                "--max-new-tokens", "6")  # fmt: skip
+    assert asked.returncode == 0 and "focus: answered from" in asked.stderr, asked.stderr
+    assert without_times(json.loads(asked.stdout)) == without_times({k: row[k] for k in ASK_KEYS})
+    plain = [x for x in lines_of(root / "jobs.results.jsonl") if (x["id"], x.get("question_index")) == ("b", 0)]
+    assert plain[0]["answer"] != row["answer"], "this row no longer tells a focused answer from a plain one"
+
+
 def test__bad_rows__one_error_line_each_with_the_single_document_message(job, rocketkv_bin, env, tmp_path):
     root, _, _, first = job
     errors = {r["line"]: r for r in lines_of(root / "jobs.results.jsonl") if "error" in r}

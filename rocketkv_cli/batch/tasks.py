@@ -18,12 +18,12 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..api.rocketkv import AnyCache, RocketKV, open_document
+from ..api.rocketkv import Answer, AnyCache, RocketKV, open_document
 from ..core.cache import SegmentedKVCache
 from ..core.config import PrefillConfig, default_kv_dtype
 from ..core.quant import KVStorage, resolved
@@ -43,6 +43,8 @@ class BatchSettings:
     summary_tokens: summary length cap in tokens. segment_tokens: tokens per segment for
     documents longer than the context (None: all that fit). threads: torch threads per worker
     (None: the machine's cores divided among the local workers; 1 per Ray actor).
+    focus: answer each question from its `focus` best passages (`RocketKV.ask_focused`, `ask
+    --focus`); None: from the whole cache. Raises ValueError: a field out of range, focus with dense.
     """
 
     model: str
@@ -55,12 +57,15 @@ class BatchSettings:
     dense: bool = False
     threads: int | None = None
     trust_remote_code: bool = False
+    focus: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("summary_tokens", "segment_tokens", "threads"):
+        for name in ("summary_tokens", "segment_tokens", "threads", "focus"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.focus is not None and self.dense:
+            raise ValueError("focus answers from the passages it re-reads, so dense does not apply")
         if self.storage is None:
             object.__setattr__(self, "storage", KVStorage.parse(default_kv_dtype(self.model)))
 
@@ -69,7 +74,7 @@ class BatchSettings:
         return {"model": self.model, "device": self.device, "dtype": self.dtype, "config": self.config.to_dict(),
                 "storage": self.kv_storage.name, "summary_tokens": self.summary_tokens,
                 "segment_tokens": self.segment_tokens, "dense": self.dense, "threads": self.threads,
-                "trust_remote_code": self.trust_remote_code}  # fmt: skip
+                "trust_remote_code": self.trust_remote_code, "focus": self.focus}  # fmt: skip
 
     @classmethod
     def from_dict(cls, d: dict) -> BatchSettings:
@@ -234,8 +239,11 @@ def run_task(rk: RocketKV, task: Task, cache_dir: Path, settings: BatchSettings,
     try:
         cache, path = build(rk, row, cache_dir, settings, log)
         asked = [row.questions[i] for i in task.questions]
-        if asked:
+        if asked and settings.focus is not None:
+            answers: Iterable[Answer] = _focused(rk, cache, asked, settings.focus, settings.config.max_new_tokens)
+        elif asked:
             answers = rk.ask(cache, asked, max_new_tokens=settings.config.max_new_tokens, dense=settings.dense)
+        if asked:
             for index, ans in zip(task.questions, answers):
                 yield {"id": row.id, "question_index": index, **ans.to_dict(cache=str(path))}
         if task.summary:
@@ -250,6 +258,14 @@ def run_task(rk: RocketKV, task: Task, cache_dir: Path, settings: BatchSettings,
         first = str(exc).splitlines()[0] if str(exc) else ""
         yield error_row(row.id, row.line, f"unexpected {type(exc).__name__}: {first} — rerun with ROCKETKV_DEBUG=1 "
                         "for a traceback")  # fmt: skip
+
+
+def _focused(rk: RocketKV, cache: AnyCache, questions: list[str], focus: int, max_new_tokens: int) -> Iterator[Answer]:
+    """`RocketKV.ask_focused`'s answers to `questions`, one at a time."""
+    for question in questions:
+        got = rk.ask_focused(cache, question, passages=focus, max_new_tokens=max_new_tokens).answer
+        assert got is not None  # set once the answer is decoded
+        yield got
 
 
 def _summary(rk: RocketKV, row: Row, cache: AnyCache, path: Path, settings: BatchSettings) -> dict:

@@ -64,8 +64,7 @@ FocusOpt = Annotated[
     Optional[int],
     typer.Option("--focus", min=1, metavar="N",
                  help="Answer each question from the N passages of the document that match it best (BM25), re-read "
-                      "next to it: more right answers from the presets on prose (docs/prose-questions.md); greedy; "
-                      "--cite lists the passages."),
+                      "next to it, greedy (docs/prose-questions.md measures it)."),
 ]  # fmt: skip
 SeedOpt = Annotated[
     Optional[int],

@@ -10,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.text import Text
 
 from ..errors import UsageError
+from .answers import FocusOpt
 from .common import _state, err, fail, log, prefill_config, setup, storage
 from .options import (
     BudgetOpt,
@@ -100,6 +101,7 @@ def batch_command(
     server: ServerOpt = None,
     no_server: NoServerOpt = False,
     quiet: QuietOpt = False,
+    focus: FocusOpt = None,
 ) -> None:
     """Answer the questions (and summaries) of many documents, loading the model once per worker.
 
@@ -127,7 +129,7 @@ def batch_command(
                                  storage=storage(kv_dtype or default_kv_dtype(model or DEFAULT_MODEL)),
                                  summary_tokens=summary_tokens,
                                  segment_tokens=segment_tokens, threads=threads,
-                                 trust_remote_code=trust_remote_code)  # fmt: skip
+                                 trust_remote_code=trust_remote_code, focus=focus)  # fmt: skip
     except ValueError as exc:
         raise UsageError(f"invalid option: {exc}") from None
     remote = None

@@ -7,8 +7,8 @@ here. The cache keeps each stored token's id, first character and line in the so
 
 Passages (`cite`): the document token with the best score (words and numbers only: line breaks
 and punctuation collect attention wherever they are, as attention sinks) picks its line of the
-source; the line, cut to `window_chars` characters around that token when it is longer, is a
-passage; its tokens are then out of the running and the next token picks the next passage.
+source; the line, cut to `window_chars` characters around that token when it is longer (shifted
+to stay inside the line), is a passage; its tokens are then out of the running and the next token picks the next passage.
 Each passage's weight is the share of the answer's attention on the document that falls on it.
 How often the cited passage holds a planted fact was measured by scripts/citation_report.py
 (commit 275f22f; docs/citations.md).
@@ -74,6 +74,16 @@ def _token_texts(tokenizer, ids: list[int]) -> dict[int, str]:
     """The text of each distinct id on its own."""
     unique = sorted(set(ids))
     return dict(zip(unique, tokenizer.batch_decode([[i] for i in unique], skip_special_tokens=True)))
+
+
+def _window(start: int, end: int, at: int, width: int) -> tuple[int, int]:
+    """Characters [lo, hi) of a passage around character `at` of the line [start, end): the whole
+    line when it is at most `width` characters, else `width` characters centred on `at`, shifted
+    to stay inside the line."""
+    if end - start <= width:
+        return start, end
+    lo = min(max(at - width // 2, start), end - width)
+    return lo, lo + width
 
 
 def _whole_words(span: list[int], ids: list[int], texts: dict[int, str]) -> list[int]:
@@ -165,7 +175,8 @@ def cite(
         if best in used:
             continue
         line = by_line[lines[best]]
-        span = [i for i in line if abs(offsets[i] - offsets[best]) <= window_chars // 2 and i not in used]
+        lo, hi = _window(offsets[line[0]], offsets[line[-1]] + len(texts[ids[line[-1]]]), offsets[best], window_chars)
+        span = [i for i in line if lo <= offsets[i] < hi and i not in used]
         if len(span) < len(line):  # a window inside a longer line: whole words only
             span = _whole_words(span, ids, texts)
         used.update(by_line[lines[best]] if rank == "sum" else span)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Regenerate docs/frontier.md: the accuracy frontier of store size × answering mode, per preset.
 
-Usage: python scripts/frontier_report.py [--presets P,Q] [--samples N] [--max-minutes M] [--from-json]
+Usage: python scripts/frontier_report.py [--presets P,Q] [--samples N] [--max-minutes M] [--from-json] [--focus]
        python scripts/frontier_report.py --quick [--model DIR --context-tokens N --haystack F]  # a smoke run
 Per preset (SmolLM2 at 4096 tokens, Gemma 3 at 8192; 5 tasks × `--samples`), each document is
 prefilled once and compressed to every store (`rocketkv_cli/eval/frontier.py`: everything, 50%, 25%,
@@ -12,6 +12,11 @@ re-selection at t = 512, 1024). One line per finished sample goes to
 task by task within each index, so a partial run covers every task. `--max-minutes` stops between
 samples (resumable). The page applies the default rule: the smallest file whose score on the tasks
 full attention solves is ≥ 98% of full's and whose top-1 agreement is ≥ 0.98.
+`--focus` adds focus mode's row (`ask --focus 4`: each question answered from the 4 passages of
+the document's text that match it best by BM25, re-read next to it), on the samples already run:
+one line per sample to `docs/bench/frontier-<preset>-focus.jsonl`, resumable the same way. It has
+no top-1 agreement (it reads another context than full attention's), so the default rule cannot
+choose it; the page compares its score with full attention's per task.
 Run one process per preset with OMP_NUM_THREADS=1 when both run (2 cores).
 """
 
@@ -112,6 +117,83 @@ def run_preset(model: str, n: int, samples: int, out: Path, haystack: str, deadl
                 print(f"{model}: {task} #{index} in {row['timing']['total_s']:.0f} s", file=sys.stderr, flush=True)
 
 
+def run_focus(model: str, n: int, lines: list[dict], out: Path, haystack: str, deadline: float) -> None:
+    """Focus mode on every sample of `lines` (the preset's frontier lines) not yet in `out`: each
+    question answered as `RocketKV.ask_focused` answers it over the default file (BM25 passages of
+    the text the file stores, their short prefill with the model's defaults, then `ask`); one line
+    per sample. A question that shares no word with any passage is answered from the whole file by
+    `ask_focused`; here it takes full attention's answer (exact attention over everything, the
+    sample's first record) and is counted in `fallback`."""
+    import torch
+
+    from rocketkv_cli.api.focus import FOCUS_PASSAGES, best_passages, focus_text
+    from rocketkv_cli.api.rocketkv import RocketKV, configure
+    from rocketkv_cli.engine.inputs import Document, tokenize
+    from rocketkv_cli.eval.runner import match_fraction
+    from rocketkv_cli.eval.tasks import generate
+
+    configure(True, progress_bars=False)
+    rk = RocketKV.load(model)
+    engine = rk.engine
+    cfg = _config_of(lines)
+    focused = read_lines(out)
+    digest = f"{lines[0]['digest']}:focus@{FOCUS_PASSAGES}"
+    if focused and focused[0].get("digest") != digest:
+        sys.exit(f"error: {out} was written for other frontier results; move it away to start over")
+    if not focused:
+        focused = [{"format": "rocketkv.frontier-focus", "digest": digest, "passages": FOCUS_PASSAGES,
+                    "date": dt.date.today().isoformat()}]  # fmt: skip
+        lib.write_jsonl(out, focused)
+    done = {(r["timing"]["task"], r["timing"]["sample"]) for r in focused[1:]}
+    count = lambda text: len(tokenize(engine.tokenizer, text, False))  # noqa: E731
+    frame = len(engine.document_ids(Document("", "", "")))
+    with torch.inference_mode():
+        for row in lines[1:]:
+            task, index = row["timing"]["task"], row["timing"]["sample"]
+            if (task, index) in done:
+                continue
+            if time.time() > deadline:
+                print(f"{model}: focus stopped at the time limit; rerun to resume", file=sys.stderr)
+                return
+            t0 = time.perf_counter()
+            sample = generate(task, index, cfg.seed, n, count, haystack)
+            ids = engine.document_ids(Document(sample.document, "", "focus"))
+            text = engine.tokenizer.decode(ids[frame:], skip_special_tokens=True)  # what the file stores
+            full = [r for r in row["records"] if r["label"] == row["records"][0]["label"]]
+            records = []
+            for qi, question in enumerate(sample.questions):
+                chosen = best_passages(text, question.text, FOCUS_PASSAGES)
+                if chosen:
+                    short = rk.ingest(text=focus_text(chosen)).cache
+                    ans = next(iter(rk.ask(short, question.text, max_new_tokens=sample.max_new_tokens)))
+                    answer, n_tokens = ans.text, ans.n_answer_tokens
+                else:
+                    answer, n_tokens = full[qi]["answer"], full[qi]["n_answer_tokens"]
+                records.append({"task": task, "sample": index, "question_index": qi, "n_context_tokens":
+                                row["timing"]["n_context_tokens"], "store": full[qi]["store"],
+                                "store_label": full[qi]["store_label"], "stored_tokens": full[qi]["stored_tokens"],
+                                "mode": "focus", "budget": FOCUS_PASSAGES,
+                                "label": f"{full[qi]['store_label']} · focus@{FOCUS_PASSAGES}", "answer": answer,
+                                "expected": list(question.expected), "score": match_fraction(answer, question.expected),
+                                "top1_agreement": None, "kl": None, "n_answer_tokens": n_tokens,
+                                "fallback": not chosen, "passages": [[p.first_line, p.last_line] for p in chosen]})  # fmt: skip
+            line = {"records": records, "timing": {"task": task, "sample": index,
+                                                   "total_s": round(time.perf_counter() - t0, 3)}}  # fmt: skip
+            with out.open("a") as f:
+                f.write(json.dumps(line) + "\n")
+            focused.append(line)
+            print(f"{model}: focus {task} #{index} in {line['timing']['total_s']:.0f} s", file=sys.stderr, flush=True)
+
+
+def _config_of(lines: list[dict]):
+    """The `FrontierConfig` a frontier file's header was written with."""
+    from rocketkv_cli.eval.frontier import FrontierConfig
+
+    c = lines[0]["config"]
+    return FrontierConfig(**{**c, "stage1": tuple(c["stage1"].items()),
+                             **{k: tuple(v) for k, v in c.items() if isinstance(v, list)}})  # fmt: skip
+
+
 def product_settings(point: dict | None) -> dict | None:
     """The `ingest` settings (PrefillConfig fields) that answer exactly as a point of the grid does,
     where one exists: everything stored and re-selected per question (`--store-budget all --budget
@@ -135,13 +217,12 @@ def time_preset(model: str, n: int, lines: list[dict], summary: dict, out: Path,
     from rocketkv_cli.api.rocketkv import RocketKV, configure
     from rocketkv_cli.engine.inputs import tokenize
     from rocketkv_cli.eval.bench import machine_info
-    from rocketkv_cli.eval.frontier import FrontierConfig, time_points
+    from rocketkv_cli.eval.frontier import time_points
     from rocketkv_cli.eval.tasks import generate
 
     configure(True, progress_bars=False)
     engine = RocketKV.load(model).engine
-    cfg = FrontierConfig(**{**lines[0]["config"], "stage1": tuple(lines[0]["config"]["stage1"].items()),
-                            **{k: tuple(v) for k, v in lines[0]["config"].items() if isinstance(v, list)}})  # fmt: skip
+    cfg = _config_of(lines)
     labels = [summary["points"][0]["label"]] + [p["label"] for p in summary["points"][1:] if p["passes"]]
     count = lambda text: len(tokenize(engine.tokenizer, text, False))  # noqa: E731
     sample = generate(TASKS[0], 0, cfg.seed, n, count, haystack)
@@ -152,11 +233,16 @@ def time_preset(model: str, n: int, lines: list[dict], summary: dict, out: Path,
                          "machine": machine_info(), "date": dt.date.today().isoformat()})  # fmt: skip
 
 
-def summarize(lines: list[dict], model: str, timing: dict | None = None) -> dict:
+def summarize(lines: list[dict], model: str, timing: dict | None = None, focus: list[dict] | None = None) -> dict:
     """Per point: score on the tasks full solves (and its share of full's), top-1 agreement, KL,
-    stored tokens, file bytes per token, decode ms/token; and the point the default rule picks."""
+    stored tokens, file bytes per token, decode ms/token; and the point the default rule picks.
+    focus: `run_focus`'s lines; their records join as one more point, on the samples of `lines`
+    only (so that both are scored on the same samples)."""
     head, rows = lines[0], lines[1:]
     recs = [r for row in rows for r in row["records"]]
+    ran = {(row["timing"]["task"], row["timing"]["sample"]) for row in rows}
+    focus_rows = [f for f in (focus or [])[1:] if (f["timing"]["task"], f["timing"]["sample"]) in ran]
+    recs += [r for f in focus_rows for r in f["records"]]
     full = [r for r in recs if r["label"] == recs[0]["label"]]  # everything, exact: each sample's first
     by_task: dict[str, list[float]] = defaultdict(list)
     for r in full:
@@ -188,13 +274,14 @@ def summarize(lines: list[dict], model: str, timing: dict | None = None) -> dict
             "budget": first["budget"], "n": len(rs), "score": _mean(on_solved),
             "score_ci": bootstrap_mean(on_solved) if on_solved else None,
             "share_of_full": _mean(on_solved) / full_score if full_score else None,
-            "top1": 1.0 if is_full else _mean(top1), "top1_ci": None if is_full else bootstrap_mean(top1),
+            "top1": 1.0 if is_full else _mean(top1), "top1_ci": None if is_full or not top1 else bootstrap_mean(top1),
             "kl": 0.0 if is_full else _mean(kls), "bytes_per_token": b, "vs_bf16": bf16 / b if b else None,
             "vs_llamacpp": LLAMACPP_BYTES_PER_TOKEN[model] / b if b and model in LLAMACPP_BYTES_PER_TOKEN else None,
             "decode_ms": decode_ms.get(label),
             "all_tasks_score": _mean([r["score"] for r in rs]),
+            "by_task": {t: _mean([r["score"] for r in rs if r["task"] == t]) for t in sorted(by_task)},
         })  # fmt: skip
-    out.sort(key=lambda p: (-p["store"], ["exact", "hsa", "reselect"].index(p["mode"]), p["budget"] or 0))
+    out.sort(key=lambda p: (-p["store"], ["exact", "hsa", "reselect", "focus"].index(p["mode"]), p["budget"] or 0))
     for p in out:
         p["passes"] = (p["share_of_full"] or 0) >= SCORE_BAR and (p["top1"] or 0) >= TOP1_BAR
     passing = [p for p in out if p["passes"] and product_settings(p) is not None]  # only what `ingest` can make
@@ -207,8 +294,11 @@ def summarize(lines: list[dict], model: str, timing: dict | None = None) -> dict
     )
     n_samples = len(rows)
     elapsed = sum(row["timing"]["total_s"] for row in rows)
+    focus_s = sum(f["timing"]["total_s"] for f in focus_rows)
     return {"points": out, "solved": solved, "full_score": full_score, "chosen": chosen, "samples": n_samples,
-            "elapsed_s": elapsed, "head": head, "tasks": sorted(by_task), "timed": timing}  # fmt: skip
+            "elapsed_s": elapsed, "head": head, "tasks": sorted(by_task), "timed": timing,
+            "focus_samples": len(focus_rows), "focus_s": focus_s,
+            "focus_fallbacks": sum(r["fallback"] for f in focus_rows for r in f["records"])}  # fmt: skip
 
 
 def _mean(values: list[float]) -> float | None:
@@ -242,7 +332,7 @@ def render(results: dict[str, dict], quick: bool) -> str:
         for p in s["points"]:
             mark = " **← default rule**" if s["chosen"] and p["label"] == s["chosen"]["label"] else ""
             rows.append([
-                p["store_label"], f"{p['stored_tokens']:,.0f}", p["mode"] + ("" if p["budget"] is None else f" t={p['budget']}") + mark,
+                p["store_label"], f"{p['stored_tokens']:,.0f}", _mode(p) + mark,
                 interval(p["score"], p["score_ci"]), interval(p["share_of_full"]), interval(p["top1"], p["top1_ci"]),
                 f"{p['kl']:.3f}" if p["kl"] is not None else "-", f"{p['bytes_per_token']:,.0f}",
                 f"{p['vs_bf16']:.1f}×" if p["vs_bf16"] else "-",
@@ -252,6 +342,17 @@ def render(results: dict[str, dict], quick: bool) -> str:
         lines += table(["store", "tokens/head", "answering", "score % (solved tasks)", "% of full", "top-1 %",
                         "KL (nats)", "file bytes/token", "smaller than bf16 KV", "smaller than llama.cpp",
                         "decode ms/token"], rows, "lrlrrrrrrrr")  # fmt: skip
+        focus = [p for p in s["points"] if p["mode"] == "focus"]
+        if focus:
+            full = s["points"][0]
+            lines += ["", f"Focus mode on the same {s['focus_samples']} samples ({s['focus_s'] / 60:.0f} min; "
+                      f"{s['focus_fallbacks']} question(s) sharing no word with any passage took full attention's "
+                      "answer, as `ask --focus` answers them from the whole file): its score per task beside full "
+                      "attention's, every task (a task full attention does not solve included):", ""]  # fmt: skip
+            lines += table(["task", f"full ({_mode(full)})", _mode(focus[0])],
+                           [[t, interval(full["by_task"][t]), interval(focus[0]["by_task"][t])] for t in s["tasks"]]
+                           + [["all tasks", interval(full["all_tasks_score"]), interval(focus[0]["all_tasks_score"])]],
+                           "lrr")  # fmt: skip
         c = s["chosen"]
         t = s["timed"]
         lines += ["", "decode ms/token: " + (f"timed side by side in one process on {t['date']} (`--time`: {t['rounds']} rounds "
@@ -263,6 +364,13 @@ def render(results: dict[str, dict], quick: bool) -> str:
                   + (f", which is `ingest` with {_flags(product_settings(c))}." if product_settings(c) else "."),
                   ""]  # fmt: skip
     return "\n".join(lines)
+
+
+def _mode(p: dict) -> str:
+    """A point's answering mode as the page names it: "hsa t=512", "focus, 4 passages", "exact"."""
+    if p["mode"] == "focus":
+        return f"focus, {p['budget']} passages"
+    return p["mode"] + ("" if p["budget"] is None else f" t={p['budget']}")
 
 
 def _flags(settings: dict | None) -> str:
@@ -283,6 +391,7 @@ def main() -> None:
         action="store_true",
         help="time the points that hold the bar side by side (after the samples; needs a quiet machine)",
     )
+    ap.add_argument("--focus", action="store_true", help="add focus mode's row, on the samples already run")
     ap.add_argument("--context-tokens", type=int, default=300)
     ap.add_argument("--haystack", default=str(KJV))
     ap.add_argument("--out-dir", default=str(ROOT / "docs"))
@@ -300,6 +409,8 @@ def main() -> None:
             if not args.from_json:
                 out = out_dir / "bench" / f"frontier-{file_label(model)}.jsonl"
                 run_preset(model, n, 1 if args.quick else args.samples, out, haystack, deadline, args.quick)
+                if args.focus and len(lines := read_lines(out)) > 1:
+                    run_focus(model, n, lines, out.with_name(out.stem + "-focus.jsonl"), haystack, deadline)
         for model in runs if args.quick else PRESETS:  # every preset measured so far, whichever this run was
             out = out_dir / "bench" / f"frontier-{file_label(model)}.jsonl"
             timed = out_dir / "bench" / f"frontier-{file_label(model)}-timing.json"
@@ -315,7 +426,12 @@ def main() -> None:
             ):
                 print(f"{timed}: timed for other results; rerun with --time", file=sys.stderr)
                 timing = None
-            results[file_label(model)] = summarize(lines, file_label(model), timing)
+            focus_path = out.with_name(out.stem + "-focus.jsonl")
+            focus = read_lines(focus_path) if focus_path.exists() else None
+            if focus is not None and focus[0].get("digest", "").split(":focus@")[0] != lines[0]["digest"]:
+                print(f"{focus_path}: written for other frontier results; rerun with --focus", file=sys.stderr)
+                focus = None
+            results[file_label(model)] = summarize(lines, file_label(model), timing, focus)
     page_path = out_dir / "frontier.md"
     old = read_text(page_path) if page_path.exists() else ""
     kept = old[old.index(HAND_WRITTEN) :] if HAND_WRITTEN in old else ""

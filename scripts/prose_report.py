@@ -9,7 +9,8 @@ case-insensitive). Each setup ingests each document through the Python API as `r
 and asks every question as `rocketkv ask` does: `full` (every token stored, exact attention), `default`
 (the preset's defaults, whatever they are when the report runs), `pruned-512` (the file keeps only what
 SnapKV++ keeps for t=512, chosen before the question: the defaults before docs/frontier.md), `focus` (the default
-file; each question answered from its 4 best passages by BM25, re-read next to it: `api/focus.py`). Results per preset and setup go to
+file; each question answered from its 4 best passages by BM25, re-read next to it: `api/focus.py`), and the
+focus variants below (`SETUPS`). Results per preset and setup go to
 `docs/bench/prose-<preset>.json`, one entry per (setup, document), so a rerun resumes.
 Use OMP_NUM_THREADS=1 when anything else runs.
 """
@@ -39,6 +40,9 @@ SETUPS: dict[str, tuple[dict, dict]] = {
     "pruned-512": ({"token_budget": 512, "store_budget": 512}, {}),  # SnapKV++ at t=512, no re-selection
     "focus": ({}, {"focus": FOCUS_PASSAGES}),  # the default file; each question re-reads its best passages
     "focus-start": ({}, {"focus": FOCUS_PASSAGES, "keep_start": True}),  # and the document's first passage
+    # the default file; passages ranked by the question's own attention over it, or by it and BM25 in turn
+    "focus-attention": ({}, {"focus": FOCUS_PASSAGES, "ranking": "attention"}),
+    "focus-mixed": ({}, {"focus": FOCUS_PASSAGES, "ranking": "mixed"}),
 }
 
 
@@ -66,6 +70,7 @@ def run(model: str, setups: list[str], out: Path, data: Path, limit: int | None)
     configure(True, progress_bars=False)
     rk = RocketKV.load(model)
     done["machine"] = machine_info()
+    made: dict[tuple[str, str], tuple] = {}  # (document, ingest settings) → (Ingested, cache): one ingest each
     with tempfile.TemporaryDirectory() as work:
         for setup in setups:
             ingest_kw, ask_kw = SETUPS[setup]
@@ -77,11 +82,15 @@ def run(model: str, setups: list[str], out: Path, data: Path, limit: int | None)
                 qs = [q for q in spec["questions"] if q["doc"] == doc][:limit]
                 path = Path(work) / f"{doc}.txt"
                 path.write_text(document_text(dspec, data))
-                ing = rk.ingest(str(path), output=Path(work) / f"{setup}-{doc}.kv", force=True, **ingest_kw)
-                cache = rk.open(ing.path)
+                same = (doc, json.dumps(wanted, sort_keys=True))
+                if same not in made:
+                    ing = rk.ingest(str(path), output=Path(work) / f"{setup}-{doc}.kv", force=True, **ingest_kw)
+                    made[same] = (ing, rk.open(ing.path))
+                ing, cache = made[same]
                 if "focus" in ask_kw:  # one question at a time: each re-reads its own passages
                     answers = [rk.ask_focused(cache, q["question"], passages=ask_kw["focus"], max_new_tokens=48,
-                                              keep_start=ask_kw.get("keep_start", False)).answer
+                                              keep_start=ask_kw.get("keep_start", False),
+                                              ranking=ask_kw.get("ranking", "bm25")).answer
                                for q in qs]  # fmt: skip
                 else:
                     answers = list(rk.ask(cache, [q["question"] for q in qs], max_new_tokens=48, **ask_kw))
@@ -109,7 +118,10 @@ def render(reports: dict[str, dict], quick: bool) -> str:
               "any question (the default before docs/frontier.md); `focus`: the default file, each question answered from "
               "the 4 passages of its text that match it best by BM25, re-read next to it (`RocketKV.ask_focused`, "
               "`rocketkv_cli/api/focus.py`; the file size is the default file's); `focus-start`: the same and the "
-              "document's first passage too (its title and front matter).", ""]  # fmt: skip
+              "document's first passage too (its title and front matter); `focus-attention`: the passages ranked "
+              "by the question's own attention over the default file instead (every query of its prefill, relative "
+              "to a generic question's, the best word token of each passage: `focus.QuestionAttention`); "
+              "`focus-mixed`: BM25's and attention's rankings taking turns.", ""]  # fmt: skip
     for model, rep in reports.items():
         m = rep["machine"] or {}
         lines += [f"## {model}", "", f"{rep['date']}: rocketkv {m.get('rocketkv')}, torch {m.get('torch')}, "

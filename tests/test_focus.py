@@ -107,3 +107,50 @@ def test__ask_focused__decodes_a_caches_text_once_for_many_questions(monkeypatch
     assert calls == [one, two]
     assert again.passages == first.passages and again.answer.token_ids == first.answer.token_ids
     assert [p.text for p in other.passages] == ["the zebra runs by the south river"]
+
+
+def test__mixed_and_ranked__by_hand():
+    from rocketkv_cli.api.focus import mixed, ranked
+
+    assert mixed([3, 1, 2], [1, 4, 0], 4) == [3, 1, 4, 2]  # 3 (first), 1 (second), 1 again skipped, 4, 2
+    assert mixed([], [5, 6], 3) == [5, 6] and mixed([2], [], 2) == [2]
+    texts = ["red fox", "blue whale", "green frog", "red whale"]
+    attention = [0.1, 0.9, 0.0, 0.5]
+    assert ranked(texts, "Where is the red whale?", 2, ranking="attention", attention=attention) == [(1, 0.9), (3, 0.5)]
+    # BM25 ranks 3 ("red whale": both words) first, then 0 and 1; attention ranks 1, 3, 0, 2
+    got = ranked(texts, "Where is the red whale?", 3, ranking="mixed", attention=attention)
+    assert [i for i, _ in got] == [0, 1, 3] and dict(got)[3] == 1.0 and dict(got)[1] == 0.5
+    assert [i for i, _ in ranked(texts, "red?", 1, keep_start=True, ranking="attention", attention=attention)] == [0, 1]
+    with pytest.raises(UsageError):
+        ranked(texts, "red?", 1, ranking="vibes")
+    with pytest.raises(UsageError):
+        ranked(texts, "red?", 1, ranking="attention")  # no scores
+
+
+def test__ask_focused_by_attention__the_passage_of_the_best_token_then_as_ask_over_it(monkeypatch):
+    """ranking="attention": the passage holding the token the question attends to most (set by hand
+    here: a random tiny model attends anywhere) is re-read, and the answer is `ask`'s over its text."""
+    from rocketkv_cli.api.focus import QuestionAttention
+
+    rk = RocketKV(make_engine("llama", torch.float32))
+    paras = [f"line {i} river stone paper light" for i in range(12)] + ["the quagga sleeps in the north cloud"]
+    doc = "\n\n".join(paras) + "\n"
+    cache = rk.ingest(text=doc).cache
+    q = "Where does the quagga sleep?"
+    real = QuestionAttention(rk.engine, cache).scores(q)
+    assert real.shape == (cache.n_context_tokens,) and torch.isfinite(real).all() and real.max() > 0
+    target = cache.token_offsets.tolist().index(doc.index("line 7"))  # a passage sharing no word with q
+    fixed = torch.zeros(cache.n_context_tokens)
+    fixed[target] = 1.0
+    monkeypatch.setattr(QuestionAttention, "scores", lambda self, question: fixed)
+    got = rk.ask_focused(cache, q, passages=1, max_new_tokens=6, ranking="attention", cite=True)
+    assert [p.text for p in got.passages] == [paras[7]]
+    (c,) = got.answer.citations
+    assert (c.first_line, doc[c.start : c.end]) == (15, paras[7])  # paragraph 8 of one line and a blank each
+    want = next(iter(rk.ask(rk.ingest(text=focus_text(list(got.passages))).cache, q, max_new_tokens=6)))
+    assert got.answer.token_ids == want.token_ids
+    mixed = rk.ask_focused(cache, q, passages=2, max_new_tokens=6, ranking="mixed")
+    assert [p.text for p in mixed.passages] == [paras[7], paras[-1]]  # attention's best, then BM25's
+    segmented = rk.ingest(text=doc * 6, segment_tokens=300).cache
+    with pytest.raises(UsageError, match="one segment"):
+        rk.ask_focused(segmented, q, ranking="attention")

@@ -147,6 +147,39 @@ def test__frontier_report__quick_run_writes_the_page_and_resumes(tiny_model_dir,
     again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert again.returncode == 0 and " in " not in again.stderr.replace("wall time", ""), again.stderr[-2000:]
     assert len((tmp_path / "out" / "bench" / f"frontier-{tiny_model_dir.name}.jsonl").read_text().splitlines()) == 6
+    # --focus: one more line per sample already run, a row and a per-task table on the page; a rerun resumes
+    focus_path = tmp_path / "out" / "bench" / f"frontier-{tiny_model_dir.name}-focus.jsonl"
+    for _ in range(2):
+        f = subprocess.run([*cmd, "--focus"], capture_output=True, text=True, env=env, timeout=600)
+        assert f.returncode == 0, f.stderr[-3000:]
+    assert f.stderr.count("focus ") == 0, f.stderr[-2000:]  # the second run had nothing left to do
+    focused = [json.loads(x) for x in focus_path.read_text().splitlines()[1:]]
+    assert sorted((x["timing"]["task"], x["timing"]["sample"]) for x in focused) == sorted(
+        (row["timing"]["task"], row["timing"]["sample"]) for row in rows
+    )
+    for x, row in zip(
+        sorted(focused, key=lambda x: x["timing"]["task"]), sorted(rows, key=lambda r: r["timing"]["task"])
+    ):
+        full_answers = [r for r in row["records"] if r["label"] == "everything · exact"]
+        assert [r["question_index"] for r in x["records"]] == [r["question_index"] for r in full_answers]
+        # the hay shares "the" with every question, so each question re-read passages of its own
+        assert all(r["passages"] and not r["fallback"] and r["mode"] == "focus" for r in x["records"])
+    page = (tmp_path / "out" / "frontier.md").read_text()
+    assert "| everything | " in page and "focus, 4 passages" in page and "| all tasks |" in page, page[-3000:]
+    # each focus answer is what `ask --focus 4` (`RocketKV.ask_focused`) answers over a file of the document
+    from rocketkv_cli.api.rocketkv import RocketKV
+    from rocketkv_cli.engine.inputs import tokenize
+    from rocketkv_cli.eval.tasks import generate
+
+    rk = RocketKV.load(str(tiny_model_dir))
+    count = lambda text: len(tokenize(rk.engine.tokenizer, text, False))  # noqa: E731
+    (x,) = [x for x in focused if x["timing"]["task"] == "multiquery"]
+    sample = generate("multiquery", 0, head["config"]["seed"], 300, count, hay.read_text())
+    cache = rk.ingest(text=sample.document).cache
+    for q, rec in zip(sample.questions, x["records"]):
+        got = rk.ask_focused(cache, q.text, passages=4, max_new_tokens=sample.max_new_tokens)
+        assert [[p.first_line, p.last_line] for p in got.passages] == rec["passages"]
+        assert got.answer.text == rec["answer"]
     path = tmp_path / "out" / "bench" / f"frontier-{tiny_model_dir.name}.jsonl"
     path.write_text(json.dumps(head | {"digest": "other"}) + "\n" + "\n".join(lines[1:]) + "\n")
     refused = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
@@ -192,7 +225,7 @@ def test__prose_report__quick_run_on_a_tiny_model_writes_the_page_and_resumes(ti
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads((tmp_path / "out" / "bench" / f"prose-{tiny_model_dir.name}.json").read_text())
-    setups = ("full", "default", "pruned-512", "focus", "focus-start")
+    setups = ("full", "default", "pruned-512", "focus", "focus-start", "focus-attention", "focus-mixed")
     assert set(rep["results"]) == {f"{s}/{d}" for s in setups for d in ("gpl", "ruth-jonah")}
     assert all(len(v["answers"]) == 2 for v in rep["results"].values())
     page = (tmp_path / "out" / "prose-questions.md").read_text()

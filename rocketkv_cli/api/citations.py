@@ -8,7 +8,8 @@ here. The cache keeps each stored token's id, first character and line in the so
 Passages (`cite`): the document token with the best score (words and numbers only: line breaks
 and punctuation collect attention wherever they are, as attention sinks) picks its line of the
 source; the line, cut to `window_chars` characters around that token when it is longer (shifted
-to stay inside the line), is a passage; its tokens are then out of the running and the next token picks the next passage.
+to stay inside the line), is a passage; its tokens are then out of the running and the next token
+picks the next passage.
 Each passage's weight is the share of the answer's attention on the document that falls on it.
 How often the cited passage holds a planted fact was measured by scripts/citation_report.py
 (commit 275f22f; docs/citations.md).

@@ -7,15 +7,26 @@ lines, ranks them by Okapi BM25 of the question's words (`segments.bm25`, the ru
 pick a segment), keeps the best `n` in document order and prefills only their text, a short
 document of its own, before the question is answered from it (`RocketKV.ask_focused`). Whether
 that helps is measured, not assumed: docs/prose-questions.md has it as the `focus` row.
+
+Two other rankings are measured beside BM25 (`FOCUS_RANKINGS`): `attention`, the question's own
+attention over the stored cache (every query of its prefill, exact softmax weights, relative to
+what a generic question pays each token, as `ask --cite` scores tokens: `engine/attribution.py`),
+a passage scoring the best of its word tokens; and `mixed`, the two rankings taking turns.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..core.cache import AnyCache
+import torch
+
+from ..core.cache import AnyCache, CompressedKVCache
+from ..engine.answer import decode_config_for, prepare_questions
+from ..engine.attribution import baseline_mass, token_scores
+from ..engine.decoder import Decoder
 from ..engine.engine import Engine
-from ..errors import UsageError
+from ..errors import InputError, UsageError
+from ..model.hf import AttentionMass, attention_mass
 from ..store.metadata import all_segments
 from .citations import Citation
 from .segments import bm25
@@ -23,6 +34,7 @@ from .summaries import PartTokens, part_text
 
 PASSAGE_CHARS = 600  # a passage's length limit in characters (about 150 tokens of English)
 FOCUS_PASSAGES = 4  # passages re-read per question
+FOCUS_RANKINGS = ("bm25", "attention", "mixed")  # how passages are ranked for a question (module docstring)
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,32 @@ def rank(texts: list[str], question: str, n: int, keep_start: bool = False) -> l
     return [(i, scores[i]) for i in sorted(chosen)]
 
 
+def ranked(texts: list[str], question: str, n: int, keep_start: bool = False, ranking: str = "bm25",
+           attention: list[float] | None = None) -> list[tuple[int, float]]:  # fmt: skip
+    """`rank` by `ranking` (`FOCUS_RANKINGS`): "bm25" is `rank`; "attention" the `n` texts with the
+    highest `attention` score (`QuestionAttention.passage_scores`), each with that score; "mixed"
+    BM25's and attention's rankings taking turns (`mixed`), each with 1 / its turn. Document order.
+    Raises UsageError: an unknown ranking, `n` < 1, or no `attention` scores for one that needs them."""
+    if ranking not in FOCUS_RANKINGS:
+        raise UsageError(f"unknown focus ranking {ranking!r}", f"one of {', '.join(FOCUS_RANKINGS)}")
+    if ranking == "bm25":
+        return rank(texts, question, n, keep_start)
+    if n < 1:
+        raise UsageError(f"focus needs at least 1 passage, got {n}")
+    if attention is None or len(attention) != len(texts):
+        raise UsageError(f"focus ranking {ranking!r} needs an attention score per passage")
+    by_attention = sorted(range(len(texts)), key=lambda i: (-attention[i], i))
+    if ranking == "attention":
+        chosen = {i: attention[i] for i in by_attention[:n]}
+    else:
+        scored = rank(texts, question, len(texts)) if texts else []
+        by_bm25 = [i for i, _ in sorted(scored, key=lambda x: (-x[1], x[0]))]
+        chosen = {i: 1.0 / (turn + 1) for turn, i in enumerate(mixed(by_bm25, by_attention, n))}
+    if keep_start and chosen:
+        chosen.setdefault(0, 0.0)
+    return sorted(chosen.items())
+
+
 def best_passages(text: str, question: str, n: int = FOCUS_PASSAGES, max_chars: int = PASSAGE_CHARS,
                   keep_start: bool = False) -> list[Passage]:  # fmt: skip
     """The passages of `text` (`passages`) that `rank` chooses for `question`, each with its score.
@@ -116,4 +154,57 @@ def source_passages(engine: Engine, cache: AnyCache, chosen: list[tuple[int, Pas
         span = tracer.document_range(p.start, p.end)
         if span is not None:
             out.append(replace(tracer.passage(*span), weight=p.score / total, text=p.text))
+    return out
+
+
+class QuestionAttention:
+    """The question's own attention over one stored part (`CompressedKVCache`), by passage. Built
+    once per part: the word tokens of each source line and what a generic question attends to
+    (`attribution.baseline_mass`, one prefill of prompts/probe.txt)."""
+
+    def __init__(self, engine: Engine, part: CompressedKVCache):
+        if part.token_ids is None or part.token_lines is None or part.token_offsets is None:
+            raise InputError("ranking passages by attention needs token lines", "rebuild the cache: rocketkv ingest")
+        self.engine, self.part = engine, part
+        ids, lines, offsets = part.token_ids.tolist(), part.token_lines.tolist(), part.token_offsets.tolist()
+        decode = engine.tokenizer.decode
+        words = {i: any(ch.isalnum() for ch in decode([i], skip_special_tokens=True)) for i in set(ids)}
+        doc = [k for k, off in enumerate(offsets) if off >= 0]
+        self.first_line = lines[doc[0]] if doc else 1  # the source line of the part's text line 1
+        self.by_line: dict[int, list[int]] = {}  # source line → positions of its word tokens
+        for k in doc:
+            if words[ids[k]]:
+                self.by_line.setdefault(lines[k], []).append(k)
+        self.decode = decode_config_for(part, sparse=False)  # exact attention over everything stored
+        self._baseline: AttentionMass | None = None
+
+    def scores(self, question: str) -> torch.Tensor:
+        """`[n_context_tokens]` by position: each stored token's share of the attention every query
+        of the question's prefill (framed as `ask` frames it) pays the part, over the share a
+        generic question pays it (`attribution.token_scores`). Raises InputError, BudgetError."""
+        ((_, ids),) = prepare_questions(self.engine, self.part, [question], 0)
+        decoder = Decoder(self.engine, self.part, len(ids) + 1, self.decode, reselect=False)
+        with torch.inference_mode():
+            if self._baseline is None:
+                self._baseline = baseline_mass(self.engine, decoder, self.part)
+            with attention_mass(self.part.n_context_tokens, self.engine.loaded.device, queries="all") as mass:
+                with decoder.attention():
+                    decoder.prefill(ids)
+        return token_scores(mass, self._baseline)[0]
+
+    def passage_scores(self, question: str, cut: list[Passage]) -> list[float]:
+        """Per passage of this part's text (`passages`), the best score of a word token on its lines."""
+        got = self.scores(question).tolist()
+        shift = self.first_line - 1
+        return [max((got[k] for ln in range(p.first_line + shift, p.last_line + shift + 1)
+                     for k in self.by_line.get(ln, ())), default=0.0) for p in cut]  # fmt: skip
+
+
+def mixed(first: list[int], second: list[int], n: int) -> list[int]:
+    """The first `n` distinct indices of two rankings taking turns (`first`'s best, `second`'s best, …)."""
+    out: list[int] = []
+    for pair in zip(first + [-1] * len(second), second + [-1] * len(first)):
+        for i in pair:
+            if i >= 0 and i not in out and len(out) < n:
+                out.append(i)
     return out

@@ -50,7 +50,8 @@ from .checks import decode_weights_for as decode_weights_for
 from .checks import pending_checkpoints as pending_checkpoints
 from .citations import Citation, citer
 from .documents import TextPieces, TextStream
-from .focus import FOCUS_PASSAGES, Passage, focus_text, rank, source_passages, stored_passages
+from .focus import FOCUS_PASSAGES, Passage, QuestionAttention, focus_text, source_passages, stored_passages
+from .focus import ranked as focus_ranked
 from .home import StoredModel, home, remove_models, stored_models
 from .preflight import abandoned_ingests, check_cache_file, check_output, default_output, open_document
 from .segments import SegmentDone, answer_segmented, ingest_stream
@@ -98,7 +99,8 @@ class RocketKV:
         # the passages of the last cache `ask_focused` read (a weak reference to the cache, so a
         # server's LRU can still free it; its passages): decoding a whole book's stored text
         # again for every question costs about a second
-        self._passages: tuple[weakref.ref, list[tuple[int, Passage]]] | None = None
+        # the last cache focus read: its passages and (once ranked by attention) its QuestionAttention
+        self._passages: tuple[weakref.ref, list[tuple[int, Passage]], QuestionAttention | None] | None = None
 
     @classmethod
     def load(
@@ -248,8 +250,8 @@ class RocketKV:
 
     def ask_focused(self, cache: AnyCache, question: str, *, passages: int = FOCUS_PASSAGES,
                     max_new_tokens: int | None = None, cite: bool = False, keep_start: bool = False,
-                    on_text: TextCallback | None = None,
-                    on_chosen: Callable[[Focused], None] | None = None) -> Focused:  # fmt: skip
+                    on_text: TextCallback | None = None, on_chosen: Callable[[Focused], None] | None = None,
+                    ranking: str = "bm25") -> Focused:  # fmt: skip
         """Answer `question` from the `passages` passages of the cache's text that match it best,
         re-read next to it (`api/focus.py`: BM25 over passages of whole lines, a short prefill of
         their text with this model's defaults), greedy; from the whole cache as `ask` when no
@@ -258,9 +260,12 @@ class RocketKV:
         weight: the share of their BM25 scores), in document order. keep_start: re-read the
         document's first passage too (`focus.rank`). on_text: as `ask`'s. on_chosen: called once the
         passages are chosen, before the answer is decoded, with a `Focused` whose answer is None.
+        ranking: how passages are ranked (`focus.FOCUS_RANKINGS`; "attention" and "mixed" use the
+        question's attention over a cache of one segment, `focus.QuestionAttention`).
         Raises:
             InputError: an empty question; a cache without token ids (or, with `cite`, without
-            token offsets: an old file). UsageError: `passages` < 1.
+            token offsets: an old file). UsageError: `passages` < 1; an unknown ranking, or one
+            other than "bm25" over a segmented cache.
         """
         picked: list[Focused] = []
 
@@ -270,7 +275,7 @@ class RocketKV:
                 on_chosen(focused)
 
         stream = self.stream_focused(cache, question, passages=passages, max_new_tokens=max_new_tokens, cite=cite,
-                                     keep_start=keep_start, on_chosen=chosen)  # fmt: skip
+                                     keep_start=keep_start, on_chosen=chosen, ranking=ranking)  # fmt: skip
         for piece in stream:
             if on_text is not None:
                 on_text(piece)
@@ -279,7 +284,8 @@ class RocketKV:
 
     def stream_focused(self, cache: AnyCache, question: str, *, passages: int = FOCUS_PASSAGES,
                        max_new_tokens: int | None = None, cite: bool = False, keep_start: bool = False,
-                       on_chosen: Callable[[Focused], None] | None = None) -> AnswerStream:  # fmt: skip
+                       on_chosen: Callable[[Focused], None] | None = None,
+                       ranking: str = "bm25") -> AnswerStream:  # fmt: skip
         """`ask_focused` as an iterator of text pieces (what `chat --focus` prints as they are
         decoded); the `Answer` is in the stream's `answer` once it is exhausted. Options and errors
         as `ask_focused`'s (raised when the iteration starts); `on_chosen` gets the passages first."""
@@ -288,10 +294,17 @@ class RocketKV:
             check_questions([question])
             if cite:
                 check_cite(cache, 1)
+            if ranking != "bm25" and not isinstance(cache, CompressedKVCache):
+                raise UsageError(f"focus ranking {ranking!r} needs a cache of one segment", "rank by bm25")
             if self._passages is None or self._passages[0]() is not cache:
-                self._passages = (weakref.ref(cache), stored_passages(self.engine, cache))
-            cut = self._passages[1]
-            ranked = rank([p.text for _, p in cut], question, passages, keep_start)
+                self._passages = (weakref.ref(cache), stored_passages(self.engine, cache), None)
+            cut, attention = self._passages[1], None
+            if ranking != "bm25":
+                assert isinstance(cache, CompressedKVCache)  # checked above
+                reader = self._passages[2] or QuestionAttention(self.engine, cache)  # once per cache
+                self._passages = (self._passages[0], cut, reader)
+                attention = reader.passage_scores(question, [p for _, p in cut])
+            ranked = focus_ranked([p.text for _, p in cut], question, passages, keep_start, ranking, attention)
             chosen = [(cut[i][0], dataclasses.replace(cut[i][1], score=score)) for i, score in ranked]
             max_new = self._max_new(cache, max_new_tokens)
             citable = all_segments(cache)[0].token_offsets is not None

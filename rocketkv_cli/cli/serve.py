@@ -33,7 +33,7 @@ def _status(where: Server, json_out: bool) -> None:
         typer.echo(json.dumps(info))
         return
     typer.echo(f"running: pid {info['pid']} on {info['url']}, threads {info['threads']}, up {info['uptime_s']:.0f}s, "
-               f"{info['served']} requests served, {info['active']} in flight")  # fmt: skip
+               f"{info['served']} request{'s' * (info['served'] != 1)} served, {info['active']} in flight")  # fmt: skip
     typer.echo(f"models: {', '.join(info['models']) or '-'}")
     typer.echo(f"caches: {', '.join(info['caches']) or '-'}")
     typer.echo(f"memory: {info['used_bytes'] / 1e6:.1f} MB of {info['memory_budget_bytes'] / 1e9:.1f} GB "

@@ -123,7 +123,7 @@ def serve(cfg: ServeConfig, log: Log) -> None:
             server.should_exit = True
 
         watcher = asyncio.create_task(watch())
-        log(f"serving on {url} (threads {cfg.threads}, memory budget {cfg.memory_budget / 2**30:.1f} GiB, "
+        log(f"serving on {url} (threads {cfg.threads}, memory budget {cfg.memory_budget / 1e9:.1f} GB, "
             f"idle timeout {cfg.idle_timeout_s:.0f}s); stop with `rocketkv serve stop`")  # fmt: skip
         try:
             await server.serve(sockets=[sock])

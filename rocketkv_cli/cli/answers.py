@@ -81,6 +81,15 @@ def check_focus(options: dict) -> None:
         raise usage_error("--focus", f"it answers from the passages it re-reads, greedy: drop {', '.join(given)}")
 
 
+def focus_passages_note(ctx: typer.Context, focus: int | None) -> None:
+    """A stderr line when --passages is given with --focus: --cite then lists the passages re-read."""
+    from .common import log
+
+    source = ctx.get_parameter_source("passages")
+    if focus is not None and getattr(source, "name", "") == "COMMANDLINE":
+        log(f"--passages does not apply with --focus: --cite lists the {focus} passage{'s' * (focus > 1)} re-read")
+
+
 def usage_error(param: str, message: str) -> typer.BadParameter:
     """A usage error (exit 2, with the usage line) about `param`, raised from a command body."""
     return typer.BadParameter(message, param_hint=param)

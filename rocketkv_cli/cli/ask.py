@@ -24,6 +24,7 @@ from .answers import (
     TopPOpt,
     answer_log,
     check_focus,
+    focus_passages_note,
     resolve_format,
     sampling_note,
     usage_error,
@@ -131,6 +132,7 @@ def print_answers(answers, questions: list[str], source: str, printer: AnswerPri
 
 
 def ask_command(
+    ctx: typer.Context,
     args: Annotated[
         Optional[list[str]],
         typer.Argument(
@@ -193,6 +195,7 @@ def ask_command(
                "top_p": top_p, "seed": seed, "cite": passages if cite else 0}  # fmt: skip
     if focus is not None:
         check_focus(options)
+        focus_passages_note(ctx, focus)
     choice = ModelChoice(model, device, dtype, weights, trust_remote_code)
     printer = AnswerPrinter(fmt, stream)
     local = no_server or len(questions) > MAX_QUESTIONS

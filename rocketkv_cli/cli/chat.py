@@ -32,6 +32,7 @@ from .answers import (
     TopPOpt,
     answer_log,
     check_focus,
+    focus_passages_note,
     sampling_note,
 )
 from .common import cache_budget_note, err, fail, log, setup
@@ -136,6 +137,7 @@ def focused_turns(rk, stored, focus: int, max_new_tokens: int | None, cite: bool
 
 
 def chat_command(
+    ctx: typer.Context,
     document: Annotated[
         Optional[str],
         typer.Argument(
@@ -187,6 +189,7 @@ def chat_command(
                "cite": passages if cite else 0}  # fmt: skip
     if focus is not None:
         check_focus(options)
+        focus_passages_note(ctx, focus)
     choice = ModelChoice(model, device, dtype, weights, trust_remote_code)
     remote = server_for(server, no_server) if cache is not None else None
     turn: Callable[[str], Turn]

@@ -151,6 +151,18 @@ def test__ask_focused_by_attention__the_passage_of_the_best_token_then_as_ask_ov
     assert got.answer.token_ids == want.token_ids
     mixed = rk.ask_focused(cache, q, passages=2, max_new_tokens=6, ranking="mixed")
     assert [p.text for p in mixed.passages] == [paras[7], paras[-1]]  # attention's best, then BM25's
-    segmented = rk.ingest(text=doc * 6, segment_tokens=300).cache
-    with pytest.raises(UsageError, match="one segment"):
-        rk.ask_focused(segmented, q, ranking="attention")
+    # a segmented cache: each part's passages scored by the question over that part (lines of the source)
+    book = "".join(f"page {i}: " + doc for i in range(6))
+    segmented = rk.ingest(text=book, segment_tokens=300).cache
+    assert segmented.n_segments > 2
+    late = book.index("line 7", book.index("page 4"))
+
+    def at_late(self, question):
+        return torch.tensor([float(off == late) for off in self.part.token_offsets.tolist()])
+
+    monkeypatch.setattr(QuestionAttention, "scores", at_late)
+    got = rk.ask_focused(segmented, q, passages=1, max_new_tokens=4, ranking="attention", cite=True)
+    (c,) = got.answer.citations
+    assert book[c.start : c.end] == paras[7] and c.start <= late < c.end
+    with pytest.raises(UsageError, match="unknown focus ranking"):
+        rk.ask_focused(cache, q, ranking="vibes")

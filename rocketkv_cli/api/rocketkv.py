@@ -100,7 +100,7 @@ class RocketKV:
         # server's LRU can still free it; its passages): decoding a whole book's stored text
         # again for every question costs about a second
         # the last cache focus read: its passages and (once ranked by attention) its QuestionAttention
-        self._passages: tuple[weakref.ref, list[tuple[int, Passage]], QuestionAttention | None] | None = None
+        self._passages: tuple[weakref.ref, list[tuple[int, Passage]], dict[int, QuestionAttention]] | None = None
 
     @classmethod
     def load(
@@ -260,12 +260,11 @@ class RocketKV:
         weight: the share of their BM25 scores), in document order. keep_start: re-read the
         document's first passage too (`focus.rank`). on_text: as `ask`'s. on_chosen: called once the
         passages are chosen, before the answer is decoded, with a `Focused` whose answer is None.
-        ranking: how passages are ranked (`focus.FOCUS_RANKINGS`; "attention" and "mixed" use the
-        question's attention over a cache of one segment, `focus.QuestionAttention`).
+        ranking: how passages are ranked (`focus.FOCUS_RANKINGS`; "attention" and "mixed" prefill
+        the question over each stored part, `focus.QuestionAttention`: a book's every segment).
         Raises:
             InputError: an empty question; a cache without token ids (or, with `cite`, without
-            token offsets: an old file). UsageError: `passages` < 1; an unknown ranking, or one
-            other than "bm25" over a segmented cache.
+            token offsets: an old file). UsageError: `passages` < 1; an unknown ranking.
         """
         picked: list[Focused] = []
 
@@ -294,16 +293,14 @@ class RocketKV:
             check_questions([question])
             if cite:
                 check_cite(cache, 1)
-            if ranking != "bm25" and not isinstance(cache, CompressedKVCache):
-                raise UsageError(f"focus ranking {ranking!r} needs a cache of one segment", "rank by bm25")
             if self._passages is None or self._passages[0]() is not cache:
-                self._passages = (weakref.ref(cache), stored_passages(self.engine, cache), None)
-            cut, attention = self._passages[1], None
-            if ranking != "bm25":
-                assert isinstance(cache, CompressedKVCache)  # checked above
-                reader = self._passages[2] or QuestionAttention(self.engine, cache)  # once per cache
-                self._passages = (self._passages[0], cut, reader)
-                attention = reader.passage_scores(question, [p for _, p in cut])
+                self._passages = (weakref.ref(cache), stored_passages(self.engine, cache), {})
+            cut, readers, attention = self._passages[1], self._passages[2], None
+            if ranking != "bm25":  # the question prefilled over each stored part in turn
+                parts, attention = all_segments(cache), []
+                for j in sorted({j for j, _ in cut}):
+                    reader = readers.get(j) or readers.setdefault(j, QuestionAttention(self.engine, parts[j]))
+                    attention += reader.passage_scores(question, [p for k, p in cut if k == j])
             ranked = focus_ranked([p.text for _, p in cut], question, passages, keep_start, ranking, attention)
             chosen = [(cut[i][0], dataclasses.replace(cut[i][1], score=score)) for i, score in ranked]
             max_new = self._max_new(cache, max_new_tokens)

@@ -41,6 +41,7 @@ TASKS = ("niah_noise", "niah_text", "multikey", "multivalue", "multiquery")
 SAMPLES = 8
 SCORE_BAR, TOP1_BAR = 0.98, 0.98  # the default rule
 SOLVED = 0.5  # a task "full attention solves": its mean score at least this
+FOCUS_RANKINGS = ("bm25", "attention", "mixed")  # as rocketkv_cli.api.focus.FOCUS_RANKINGS (imported only to run)
 # llama.cpp's state file (the full f16 KV cache), bytes per document token, from the files docs/performance.md
 # measured ("Side by side with llama.cpp"): SmolLM2 179.8 MB at 7,800 tokens, Gemma 3 270M 151.2 MB at 8,192
 LLAMACPP_BYTES_PER_TOKEN = {"smollm2-135m": 179.8e6 / 7800, "gemma-3-270m": 151.2e6 / 8192}
@@ -117,13 +118,16 @@ def run_preset(model: str, n: int, samples: int, out: Path, haystack: str, deadl
                 print(f"{model}: {task} #{index} in {row['timing']['total_s']:.0f} s", file=sys.stderr, flush=True)
 
 
-def run_focus(model: str, n: int, lines: list[dict], out: Path, haystack: str, deadline: float) -> None:
-    """Focus mode on every sample of `lines` (the preset's frontier lines) not yet in `out`: each
-    question answered as `RocketKV.ask_focused` answers it over the default file (BM25 passages of
-    the text the file stores, their short prefill with the model's defaults, then `ask`); one line
-    per sample. A question that shares no word with any passage is answered from the whole file by
-    `ask_focused`; here it takes full attention's answer (exact attention over everything, the
-    sample's first record) and is counted in `fallback`."""
+def run_focus(model: str, n: int, lines: list[dict], out: Path, haystack: str, deadline: float,
+              ranking: str = "bm25", max_index: int | None = None) -> None:  # fmt: skip
+    """Focus mode on every sample of `lines` (the preset's frontier lines; with `max_index`, those
+    of a lower index) not yet in `out`: each question answered as `RocketKV.ask_focused` answers it
+    (the passages of the text a file of everything stores, ranked by `ranking`, their short prefill
+    with the model's defaults, then `ask`); one line per sample. BM25 needs only the text: a
+    question that shares no word with any passage, which `ask_focused` answers from the whole file,
+    takes full attention's answer here (exact attention over everything, the sample's first record)
+    and is counted in `fallback`. The other rankings need the question's attention over the file:
+    each sample's document is ingested with the model's defaults and `ask_focused` answers."""
     import torch
 
     from rocketkv_cli.api.focus import FOCUS_PASSAGES, best_passages, focus_text
@@ -137,12 +141,12 @@ def run_focus(model: str, n: int, lines: list[dict], out: Path, haystack: str, d
     engine = rk.engine
     cfg = _config_of(lines)
     focused = read_lines(out)
-    digest = f"{lines[0]['digest']}:focus@{FOCUS_PASSAGES}"
+    digest = f"{lines[0]['digest']}:focus@{FOCUS_PASSAGES}" + ("" if ranking == "bm25" else f":{ranking}")
     if focused and focused[0].get("digest") != digest:
         sys.exit(f"error: {out} was written for other frontier results; move it away to start over")
     if not focused:
         focused = [{"format": "rocketkv.frontier-focus", "digest": digest, "passages": FOCUS_PASSAGES,
-                    "date": dt.date.today().isoformat()}]  # fmt: skip
+                    "ranking": ranking, "date": dt.date.today().isoformat()}]  # fmt: skip
         lib.write_jsonl(out, focused)
     done = {(r["timing"]["task"], r["timing"]["sample"]) for r in focused[1:]}
     count = lambda text: len(tokenize(engine.tokenizer, text, False))  # noqa: E731
@@ -150,7 +154,7 @@ def run_focus(model: str, n: int, lines: list[dict], out: Path, haystack: str, d
     with torch.inference_mode():
         for row in lines[1:]:
             task, index = row["timing"]["task"], row["timing"]["sample"]
-            if (task, index) in done:
+            if (task, index) in done or (max_index is not None and index >= max_index):
                 continue
             if time.time() > deadline:
                 print(f"{model}: focus stopped at the time limit; rerun to resume", file=sys.stderr)
@@ -161,9 +165,14 @@ def run_focus(model: str, n: int, lines: list[dict], out: Path, haystack: str, d
             text = engine.tokenizer.decode(ids[frame:], skip_special_tokens=True)  # what the file stores
             full = [r for r in row["records"] if r["label"] == row["records"][0]["label"]]
             records = []
+            whole = None if ranking == "bm25" else rk.ingest(text=sample.document).cache
             for qi, question in enumerate(sample.questions):
-                chosen = best_passages(text, question.text, FOCUS_PASSAGES)
-                if chosen:
+                if whole is not None:
+                    got = rk.ask_focused(whole, question.text, passages=FOCUS_PASSAGES, ranking=ranking,
+                                         max_new_tokens=sample.max_new_tokens)  # fmt: skip
+                    chosen = list(got.passages)
+                    answer, n_tokens = got.answer.text, got.answer.n_answer_tokens
+                elif chosen := best_passages(text, question.text, FOCUS_PASSAGES):
                     short = rk.ingest(text=focus_text(chosen)).cache
                     ans = next(iter(rk.ask(short, question.text, max_new_tokens=sample.max_new_tokens)))
                     answer, n_tokens = ans.text, ans.n_answer_tokens
@@ -172,8 +181,9 @@ def run_focus(model: str, n: int, lines: list[dict], out: Path, haystack: str, d
                 records.append({"task": task, "sample": index, "question_index": qi, "n_context_tokens":
                                 row["timing"]["n_context_tokens"], "store": full[qi]["store"],
                                 "store_label": full[qi]["store_label"], "stored_tokens": full[qi]["stored_tokens"],
-                                "mode": "focus", "budget": FOCUS_PASSAGES,
-                                "label": f"{full[qi]['store_label']} · focus@{FOCUS_PASSAGES}", "answer": answer,
+                                "mode": "focus", "budget": FOCUS_PASSAGES, "ranking": ranking,
+                                "label": f"{full[qi]['store_label']} · {_focus_name(ranking)}@{FOCUS_PASSAGES}",
+                                "answer": answer,
                                 "expected": list(question.expected), "score": match_fraction(answer, question.expected),
                                 "top1_agreement": None, "kl": None, "n_answer_tokens": n_tokens,
                                 "fallback": not chosen, "passages": [[p.first_line, p.last_line] for p in chosen]})  # fmt: skip
@@ -183,6 +193,10 @@ def run_focus(model: str, n: int, lines: list[dict], out: Path, haystack: str, d
                 f.write(json.dumps(line) + "\n")
             focused.append(line)
             print(f"{model}: focus {task} #{index} in {line['timing']['total_s']:.0f} s", file=sys.stderr, flush=True)
+
+
+def _focus_name(ranking: str) -> str:
+    return "focus" if ranking == "bm25" else f"focus-{ranking}"
 
 
 def _config_of(lines: list[dict]):
@@ -233,16 +247,20 @@ def time_preset(model: str, n: int, lines: list[dict], summary: dict, out: Path,
                          "machine": machine_info(), "date": dt.date.today().isoformat()})  # fmt: skip
 
 
-def summarize(lines: list[dict], model: str, timing: dict | None = None, focus: list[dict] | None = None) -> dict:
+def summarize(lines: list[dict], model: str, timing: dict | None = None,
+              focus: list[list[dict]] | None = None) -> dict:  # fmt: skip
     """Per point: score on the tasks full solves (and its share of full's), top-1 agreement, KL,
     stored tokens, file bytes per token, decode ms/token; and the point the default rule picks.
-    focus: `run_focus`'s lines; their records join as one more point, on the samples of `lines`
-    only (so that both are scored on the same samples)."""
+    focus: `run_focus`'s files (one per ranking); each joins as one more point, scored on its own
+    samples (of those in `lines`), its share of full's and its per-task comparison taken against
+    full attention's answers on those same samples."""
     head, rows = lines[0], lines[1:]
     recs = [r for row in rows for r in row["records"]]
     ran = {(row["timing"]["task"], row["timing"]["sample"]) for row in rows}
-    focus_rows = [f for f in (focus or [])[1:] if (f["timing"]["task"], f["timing"]["sample"]) in ran]
-    recs += [r for f in focus_rows for r in f["records"]]
+    focus_sets = [[f for f in one[1:] if (f["timing"]["task"], f["timing"]["sample"]) in ran] for one in focus or []]
+    focus_sets = [one for one in focus_sets if one]
+    for one in focus_sets:
+        recs += [r for f in one for r in f["records"]]
     full = [r for r in recs if r["label"] == recs[0]["label"]]  # everything, exact: each sample's first
     by_task: dict[str, list[float]] = defaultdict(list)
     for r in full:
@@ -262,9 +280,12 @@ def summarize(lines: list[dict], model: str, timing: dict | None = None, focus: 
         points[r["label"]].append(r)
     bf16 = 2 * 2 * len(head["layers"]) * head["n_kv_heads"] * head["head_dim"]  # K and V, bytes per token
     out = []
+    full_by_key = {(r["task"], r["sample"], r["question_index"]): r["score"] for r in full}
     for label, rs in points.items():
         first = rs[0]
         on_solved = [r["score"] for r in rs if r["task"] in solved]
+        # full's score on the same answers (all of them but for a focus point run on fewer samples)
+        base = _mean([full_by_key[(r["task"], r["sample"], r["question_index"])] for r in rs if r["task"] in solved])
         top1 = [r["top1_agreement"] for r in rs if r["top1_agreement"] is not None]
         kls = [r["kl"] for r in rs if r["kl"] is not None]
         b = _mean(bytes_per_tok[first["store_label"]])
@@ -273,15 +294,16 @@ def summarize(lines: list[dict], model: str, timing: dict | None = None, focus: 
             "label": label, "store": first["store"], "stored_tokens": _mean([r["stored_tokens"] for r in rs]), "store_label": first["store_label"], "mode": first["mode"],
             "budget": first["budget"], "n": len(rs), "score": _mean(on_solved),
             "score_ci": bootstrap_mean(on_solved) if on_solved else None,
-            "share_of_full": _mean(on_solved) / full_score if full_score else None,
+            "share_of_full": _mean(on_solved) / base if base else None,
             "top1": 1.0 if is_full else _mean(top1), "top1_ci": None if is_full or not top1 else bootstrap_mean(top1),
             "kl": 0.0 if is_full else _mean(kls), "bytes_per_token": b, "vs_bf16": bf16 / b if b else None,
             "vs_llamacpp": LLAMACPP_BYTES_PER_TOKEN[model] / b if b and model in LLAMACPP_BYTES_PER_TOKEN else None,
             "decode_ms": decode_ms.get(label),
             "all_tasks_score": _mean([r["score"] for r in rs]),
-            "by_task": {t: _mean([r["score"] for r in rs if r["task"] == t]) for t in sorted(by_task)},
+            "ranking": first.get("ranking", "bm25") if first["mode"] == "focus" else None,
         })  # fmt: skip
-    out.sort(key=lambda p: (-p["store"], ["exact", "hsa", "reselect", "focus"].index(p["mode"]), p["budget"] or 0))
+    out.sort(key=lambda p: (-p["store"], ["exact", "hsa", "reselect", "focus"].index(p["mode"]), p["budget"] or 0,
+                            FOCUS_RANKINGS.index(p["ranking"]) if p["ranking"] else 0))  # fmt: skip
     for p in out:
         p["passes"] = (p["share_of_full"] or 0) >= SCORE_BAR and (p["top1"] or 0) >= TOP1_BAR
     passing = [p for p in out if p["passes"] and product_settings(p) is not None]  # only what `ingest` can make
@@ -294,11 +316,29 @@ def summarize(lines: list[dict], model: str, timing: dict | None = None, focus: 
     )
     n_samples = len(rows)
     elapsed = sum(row["timing"]["total_s"] for row in rows)
-    focus_s = sum(f["timing"]["total_s"] for f in focus_rows)
-    return {"points": out, "solved": solved, "full_score": full_score, "chosen": chosen, "samples": n_samples,
-            "elapsed_s": elapsed, "head": head, "tasks": sorted(by_task), "timed": timing,
-            "focus_samples": len(focus_rows), "focus_s": focus_s,
-            "focus_fallbacks": sum(r["fallback"] for f in focus_rows for r in f["records"])}  # fmt: skip
+    focused = []
+    for one in focus_sets:  # per ranking: its score per task beside full's, on the same answers
+        frs = [r for f in one for r in f["records"]]
+        same = [full_by_key[(r["task"], r["sample"], r["question_index"])] for r in frs]
+        focused.append({
+            "label": frs[0]["label"], "samples": len(one), "seconds": sum(f["timing"]["total_s"] for f in one),
+            "fallbacks": sum(r["fallback"] for r in frs),
+            "by_task": {t: (_mean([x for x, r in zip(same, frs) if r["task"] == t]),
+                            _mean([r["score"] for r in frs if r["task"] == t])) for t in sorted(by_task)},
+            "all": (_mean(same), _mean([r["score"] for r in frs])),
+        })  # fmt: skip
+    return {
+        "points": out,
+        "solved": solved,
+        "full_score": full_score,
+        "chosen": chosen,
+        "samples": n_samples,
+        "elapsed_s": elapsed,
+        "head": head,
+        "tasks": sorted(by_task),
+        "timed": timing,
+        "focus": focused,
+    }
 
 
 def _mean(values: list[float]) -> float | None:
@@ -342,17 +382,15 @@ def render(results: dict[str, dict], quick: bool) -> str:
         lines += table(["store", "tokens/head", "answering", "score % (solved tasks)", "% of full", "top-1 %",
                         "KL (nats)", "file bytes/token", "smaller than bf16 KV", "smaller than llama.cpp",
                         "decode ms/token"], rows, "lrlrrrrrrrr")  # fmt: skip
-        focus = [p for p in s["points"] if p["mode"] == "focus"]
-        if focus:
-            full = s["points"][0]
-            lines += ["", f"Focus mode on the same {s['focus_samples']} samples ({s['focus_s'] / 60:.0f} min; "
-                      f"{s['focus_fallbacks']} question(s) sharing no word with any passage took full attention's "
-                      "answer, as `ask --focus` answers them from the whole file): its score per task beside full "
-                      "attention's, every task (a task full attention does not solve included):", ""]  # fmt: skip
-            lines += table(["task", f"full ({_mode(full)})", _mode(focus[0])],
-                           [[t, interval(full["by_task"][t]), interval(focus[0]["by_task"][t])] for t in s["tasks"]]
-                           + [["all tasks", interval(full["all_tasks_score"]), interval(focus[0]["all_tasks_score"])]],
-                           "lrr")  # fmt: skip
+        for f in s["focus"]:
+            p = next(p for p in s["points"] if p["label"] == f["label"])
+            lines += ["", f"`{_mode(p)}` on {f['samples']} samples ({f['seconds'] / 60:.0f} min; "
+                      f"{f['fallbacks']} question(s) answered from the whole file: no passage shared a word with "
+                      "them): its score per task beside full attention's on the same samples, every task (those full "
+                      "attention does not solve included):", ""]  # fmt: skip
+            lines += table(["task", "full (exact)", _mode(p)],
+                           [[t, interval(a), interval(b)] for t, (a, b) in f["by_task"].items()]
+                           + [["all tasks", interval(f["all"][0]), interval(f["all"][1])]], "lrr")  # fmt: skip
         c = s["chosen"]
         t = s["timed"]
         lines += ["", "decode ms/token: " + (f"timed side by side in one process on {t['date']} (`--time`: {t['rounds']} rounds "
@@ -369,7 +407,7 @@ def render(results: dict[str, dict], quick: bool) -> str:
 def _mode(p: dict) -> str:
     """A point's answering mode as the page names it: "hsa t=512", "focus, 4 passages", "exact"."""
     if p["mode"] == "focus":
-        return f"focus, {p['budget']} passages"
+        return f"focus, {p['budget']} passages" + ("" if p["ranking"] in (None, "bm25") else f", {p['ranking']}")
     return p["mode"] + ("" if p["budget"] is None else f" t={p['budget']}")
 
 
@@ -392,6 +430,13 @@ def main() -> None:
         help="time the points that hold the bar side by side (after the samples; needs a quiet machine)",
     )
     ap.add_argument("--focus", action="store_true", help="add focus mode's row, on the samples already run")
+    ap.add_argument(
+        "--focus-ranking",
+        default="bm25",
+        choices=("bm25", "attention", "mixed"),
+        help="with --focus: how passages are ranked (attention and mixed ingest each document)",
+    )
+    ap.add_argument("--focus-samples", type=int, default=None, help="with --focus: samples of a lower index only")
     ap.add_argument("--context-tokens", type=int, default=300)
     ap.add_argument("--haystack", default=str(KJV))
     ap.add_argument("--out-dir", default=str(ROOT / "docs"))
@@ -410,7 +455,8 @@ def main() -> None:
                 out = out_dir / "bench" / f"frontier-{file_label(model)}.jsonl"
                 run_preset(model, n, 1 if args.quick else args.samples, out, haystack, deadline, args.quick)
                 if args.focus and len(lines := read_lines(out)) > 1:
-                    run_focus(model, n, lines, out.with_name(out.stem + "-focus.jsonl"), haystack, deadline)
+                    path = out.with_name(out.stem + "-" + _focus_name(args.focus_ranking) + ".jsonl")
+                    run_focus(model, n, lines, path, haystack, deadline, args.focus_ranking, args.focus_samples)
         for model in runs if args.quick else PRESETS:  # every preset measured so far, whichever this run was
             out = out_dir / "bench" / f"frontier-{file_label(model)}.jsonl"
             timed = out_dir / "bench" / f"frontier-{file_label(model)}-timing.json"
@@ -426,11 +472,14 @@ def main() -> None:
             ):
                 print(f"{timed}: timed for other results; rerun with --time", file=sys.stderr)
                 timing = None
-            focus_path = out.with_name(out.stem + "-focus.jsonl")
-            focus = read_lines(focus_path) if focus_path.exists() else None
-            if focus is not None and focus[0].get("digest", "").split(":focus@")[0] != lines[0]["digest"]:
-                print(f"{focus_path}: written for other frontier results; rerun with --focus", file=sys.stderr)
-                focus = None
+            focus = []
+            for ranking in FOCUS_RANKINGS:
+                path = out.with_name(out.stem + "-" + _focus_name(ranking) + ".jsonl")
+                got = read_lines(path) if path.exists() else []
+                if got and got[0].get("digest", "").split(":focus@")[0] != lines[0]["digest"]:
+                    print(f"{path}: written for other frontier results; rerun with --focus", file=sys.stderr)
+                elif got:
+                    focus.append(got)
             results[file_label(model)] = summarize(lines, file_label(model), timing, focus)
     page_path = out_dir / "frontier.md"
     old = read_text(page_path) if page_path.exists() else ""

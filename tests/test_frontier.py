@@ -261,12 +261,13 @@ def test__frontier_summary__solved_tasks_share_of_full_the_bar_and_the_tie_break
     the smallest file wins, and between equal files the faster step of the side-by-side timing."""
     mod = _script("frontier_report")
 
-    def rec(label, task, score, top1):
+    def rec(label, task, score, top1, sample=0):
         store, mode = label.split(" · ")
         return {"label": label, "store_label": store, "store": 10 if store == "everything" else 5,
                 "mode": mode.split("@")[0], "budget": int(mode.split("@")[1]) if "@" in mode else None, "task": task,
                 "score": score, "top1_agreement": top1, "kl": None if top1 is None else 0.1,
-                "stored_tokens": 10 if store == "everything" else 5, "n_context_tokens": 10}  # fmt: skip
+                "stored_tokens": 10 if store == "everything" else 5, "n_context_tokens": 10, "sample": sample,
+                "question_index": 0}  # fmt: skip
 
     def row(i, a_scores):
         full, resel, half, hsa = (
@@ -275,18 +276,38 @@ def test__frontier_summary__solved_tasks_share_of_full_the_bar_and_the_tie_break
             "50% · exact",
             "everything · hsa@256",
         )
-        records = [rec(full, "A", 1.0, None), rec(full, "B", 0.0, None), rec(resel, "A", 1.0, 1.0),
-                   rec(resel, "B", 0.0, 1.0), rec(half, "A", a_scores, 0.99), rec(half, "B", 1.0, 0.99),
-                   rec(hsa, "A", 1.0, 0.9), rec(hsa, "B", 0.0, 0.9)]  # fmt: skip
+        a = 1.0 - i / 2  # full attention's score on task A: 1.0 on sample 0, 0.5 on sample 1
+        records = [rec(full, "A", a, None, i), rec(full, "B", 0.0, None, i), rec(resel, "A", a, 1.0, i),
+                   rec(resel, "B", 0.0, 1.0, i), rec(half, "A", a_scores, 0.99, i), rec(half, "B", 1.0, 0.99, i),
+                   rec(hsa, "A", a, 0.9, i), rec(hsa, "B", 0.0, 0.9, i)]  # fmt: skip
         stores = {"everything": {"tokens": 10, "file_bytes": 1000}, "50%": {"tokens": 5, "file_bytes": 500}}
-        return {"records": records, "stores": stores, "timing": {"n_context_tokens": 10, "total_s": 1.0}}
+        return {"records": records, "stores": stores, "timing": {"n_context_tokens": 10, "total_s": 1.0,
+                                                                  "task": "AB", "sample": i}}  # fmt: skip
 
-    head = {"layers": [None, None], "n_kv_heads": 1, "head_dim": 4, "digest": "d"}
+    head = {
+        "layers": [None, None],
+        "n_kv_heads": 1,
+        "head_dim": 4,
+        "digest": "d",
+        "date": "today",
+        "machine": {"rocketkv": "x", "torch": "y", "threads": 1, "cpu": "z"},
+        "config": {"context_tokens": 10, "kv_dtype": "int8", "stage1": {}, "tasks": ["A", "B"], "samples": 2},
+    }
     lines = [head, row(0, 1.0), row(1, 0.0)]
-    s = mod.summarize(lines, "tiny", {"decode_ms": {"everything · exact": 9.0, "everything · reselect@512": 4.0}})
+    # focus run on sample 1 only: full scored 0.5 on A there, so focus's 0.5 is all of full's
+    focused = [rec("everything · focus@4", "A", 0.5, None, 1) | {"fallback": False},
+               rec("everything · focus@4", "B", 1.0, None, 1) | {"fallback": True}]  # fmt: skip
+    focus = [{"digest": "d:focus@4"}, {"timing": {"task": "AB", "sample": 1, "total_s": 60.0}, "records": focused}]
+    s = mod.summarize(lines, "tiny", {"decode_ms": {"everything · exact": 9.0, "everything · reselect@512": 4.0}},
+                      [focus])  # fmt: skip
     by = {p["label"]: p for p in s["points"]}
-    assert s["solved"] == ["A"] and s["full_score"] == 1.0  # B: full scores 0, it says nothing about loss
-    assert by["50% · exact"]["share_of_full"] == 0.5 and not by["50% · exact"]["passes"]  # B's 1.0 does not count
+    assert s["solved"] == ["A"] and s["full_score"] == 0.75  # B: full scores 0, it says nothing about loss
+    assert by["50% · exact"]["share_of_full"] == 0.5 / 0.75 and not by["50% · exact"]["passes"]  # B's 1.0 not counted
+    assert by["everything · focus@4"]["share_of_full"] == 1.0 and not by["everything · focus@4"]["passes"]  # no top-1
+    (f,) = s["focus"]
+    assert (f["samples"], f["fallbacks"], f["by_task"], f["all"]) == (1, 1, {"A": (0.5, 0.5), "B": (0.0, 1.0)},
+                                                                      (0.25, 0.75))  # fmt: skip
+    assert "| B | 0 | 100 |" in mod.render({"tiny": mod.summarize(lines, "tiny", None, [focus])}, quick=True)
     assert by["everything · hsa@256"]["share_of_full"] == 1.0 and not by["everything · hsa@256"]["passes"]  # top-1
     assert by["everything · reselect@512"]["passes"] and by["everything · exact"]["passes"]
     assert by["everything · exact"]["bytes_per_token"] == 100 and by["50% · exact"]["bytes_per_token"] == 50

@@ -22,10 +22,21 @@ def _cited(doc: str, at: str, window: int = 240):
 def test__cite__a_line_shorter_than_the_window_is_cited_whole_wherever_its_best_token_is():
     line = " ".join(f"w{i:03d}" for i in range(40))  # 199 characters: under the 240 of the window
     doc = "intro words here\n" + line + "\nclosing words\n"
-    for at in ("w000", "w039"):  # the best token at the line's start, then at its end
+    exact = " ".join(f"w{i:03d}" for i in range(47)) + " abcde"  # the window's own width
+    assert len(exact) == 240
+    for text, at in ((line, "w000"), (line, "w039"), (exact, "abcde"), (exact, "w000")):
+        doc = "intro words here\n" + text + "\nclosing words\n"
         c = _cited(doc, at)
-        assert doc[c.start : c.end] == line, (at, len(doc[c.start : c.end]), doc[c.start : c.end][:60])
+        assert doc[c.start : c.end] == text, (at, len(doc[c.start : c.end]), doc[c.start : c.end][:60])
         assert (c.first_line, c.last_line) == (2, 2)
+
+
+def test__cite__the_window_of_a_line_of_indent_and_words_is_its_words():
+    line = "    " + " ".join(f"w{i:03d}" for i in range(47))  # 4 + 235 characters: its words fit the window
+    doc = "intro words here\n" + line + "\nclosing words\n"
+    for at in ("w000", "w046"):  # the best token at the line's start, then at its end
+        c = _cited(doc, at)
+        assert doc[c.start : c.end] == line.strip(), (at, len(doc[c.start : c.end]), doc[c.start : c.end][:60])
 
 
 def test__cite__a_longer_line_gets_a_full_window_of_whole_words_inside_it():

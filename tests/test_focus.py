@@ -137,12 +137,21 @@ def test__ask_focused_by_attention__the_passage_of_the_best_token_then_as_ask_ov
     doc = "\n\n".join(paras) + "\n"
     cache = rk.ingest(text=doc).cache
     q = "Where does the quagga sleep?"
-    real = QuestionAttention(rk.engine, cache).scores(q)
+    reader = QuestionAttention(rk.engine, cache)
+    real = reader.scores(q, cache)
     assert real.shape == (cache.n_context_tokens,) and torch.isfinite(real).all() and real.max() > 0
+    # asked the generic question itself, every query attends as the baseline's did: each layer's share
+    # over the baseline's share is b / (b + eps) (`attribution.token_scores`), whatever the model
+    from rocketkv_cli.model.templates import read_prompt
+
+    same = reader.scores(read_prompt("probe.txt"), cache)
+    base = torch.stack([m / m.sum() for m in reader._baseline.layers.values()])  # [L_full, n]
+    want = (base / (base + 0.5 / cache.n_context_tokens)).mean(dim=0)
+    assert torch.allclose(same, want, atol=1e-5), f"max error {(same - want).abs().max():.2e}"
     target = cache.token_offsets.tolist().index(doc.index("line 7"))  # a passage sharing no word with q
     fixed = torch.zeros(cache.n_context_tokens)
     fixed[target] = 1.0
-    monkeypatch.setattr(QuestionAttention, "scores", lambda self, question: fixed)
+    monkeypatch.setattr(QuestionAttention, "scores", lambda self, question, part: fixed)
     got = rk.ask_focused(cache, q, passages=1, max_new_tokens=6, ranking="attention", cite=True)
     assert [p.text for p in got.passages] == [paras[7]]
     (c,) = got.answer.citations
@@ -150,15 +159,15 @@ def test__ask_focused_by_attention__the_passage_of_the_best_token_then_as_ask_ov
     want = next(iter(rk.ask(rk.ingest(text=focus_text(list(got.passages))).cache, q, max_new_tokens=6)))
     assert got.answer.token_ids == want.token_ids
     mixed = rk.ask_focused(cache, q, passages=2, max_new_tokens=6, ranking="mixed")
-    assert [p.text for p in mixed.passages] == [paras[7], paras[-1]]  # attention's best, then BM25's
+    assert [p.text for p in mixed.passages] == [paras[7], paras[-1]]  # BM25's best and attention's, document order
     # a segmented cache: each part's passages scored by the question over that part (lines of the source)
     book = "".join(f"page {i}: " + doc for i in range(6))
     segmented = rk.ingest(text=book, segment_tokens=300).cache
     assert segmented.n_segments > 2
     late = book.index("line 7", book.index("page 4"))
 
-    def at_late(self, question):
-        return torch.tensor([float(off == late) for off in self.part.token_offsets.tolist()])
+    def at_late(self, question, part):
+        return torch.tensor([float(off == late) for off in part.token_offsets.tolist()])
 
     monkeypatch.setattr(QuestionAttention, "scores", at_late)
     got = rk.ask_focused(segmented, q, passages=1, max_new_tokens=4, ranking="attention", cite=True)
@@ -166,3 +175,17 @@ def test__ask_focused_by_attention__the_passage_of_the_best_token_then_as_ask_ov
     assert book[c.start : c.end] == paras[7] and c.start <= late < c.end
     with pytest.raises(UsageError, match="unknown focus ranking"):
         rk.ask_focused(cache, q, ranking="vibes")
+    # the memo of the last cache asked holds no strong reference to it (a server's LRU can free it)
+    import gc
+    import weakref
+
+    gone = weakref.ref(segmented)
+    del segmented, got
+    gc.collect()
+    assert gone() is None
+
+
+def test__passages__lines_end_at_newlines_only_as_the_caches_token_lines_count_them():
+    text = "one\ftwo\n\u2028three\n\nfour\x0bfive\n"
+    got = [(p.first_line, p.last_line, p.text) for p in passages(text)]
+    assert got == [(1, 2, "one\ftwo\n\u2028three"), (4, 4, "four\x0bfive")]

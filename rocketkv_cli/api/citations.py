@@ -71,10 +71,18 @@ def citer(tokenizer, cache: CompressedKVCache, n_passages: int) -> Citer | None:
     return partial(cite, tokenizer, cache, n_passages=n_passages)
 
 
-def _token_texts(tokenizer, ids: list[int]) -> dict[int, str]:
+def token_texts(tokenizer, ids: list[int]) -> dict[int, str]:
     """The text of each distinct id on its own."""
     unique = sorted(set(ids))
     return dict(zip(unique, tokenizer.batch_decode([[i] for i in unique], skip_special_tokens=True)))
+
+
+def _line_span(line: list[int], ids: list[int], offsets: list[int], texts: dict[int, str]) -> tuple[int, int]:
+    """Characters [start, end) of a line's text without the whitespace around it (its indent, the
+    space a token such as " And" carries, its line break), from the positions of its tokens."""
+    words = [i for i in line if texts[ids[i]].strip()] or line
+    first, last = texts[ids[words[0]]], texts[ids[words[-1]]]
+    return offsets[words[0]] + len(first) - len(first.lstrip()), offsets[words[-1]] + len(last.rstrip())
 
 
 def _window(start: int, end: int, at: int, width: int) -> tuple[int, int]:
@@ -156,7 +164,7 @@ def cite(
     if not doc:
         return ()
     total = float(shares[doc].sum()) or 1.0
-    texts = _token_texts(tokenizer, ids)
+    texts = token_texts(tokenizer, ids)
     content = {i: any(ch.isalnum() for ch in text) for i, text in texts.items()}
     by_line: dict[int, list[int]] = {}
     for i in doc:
@@ -176,8 +184,11 @@ def cite(
         if best in used:
             continue
         line = by_line[lines[best]]
-        lo, hi = _window(offsets[line[0]], offsets[line[-1]] + len(texts[ids[line[-1]]]), offsets[best], window_chars)
-        span = [i for i in line if lo <= offsets[i] < hi and i not in used]
+        start, end = _line_span(line, ids, offsets, texts)
+        lo, hi = _window(start, end, offsets[best], window_chars)
+        # the window's characters, and the line's indent or line break where it reaches them
+        span = [i for i in line if (lo <= offsets[i] < hi or offsets[i] < lo <= start or offsets[i] >= hi >= end)
+                and i not in used]  # fmt: skip
         if len(span) < len(line):  # a window inside a longer line: whole words only
             span = _whole_words(span, ids, texts)
         used.update(by_line[lines[best]] if rank == "sum" else span)

@@ -27,8 +27,9 @@ from ..engine.decoder import Decoder
 from ..engine.engine import Engine
 from ..errors import InputError, UsageError
 from ..model.hf import AttentionMass, attention_mass
+from ..model.templates import read_prompt
 from ..store.metadata import all_segments
-from .citations import Citation
+from .citations import Citation, token_texts
 from .segments import bm25
 from .summaries import PartTokens, part_text
 
@@ -40,8 +41,9 @@ FOCUS_RANKINGS = ("bm25", "attention", "mixed")  # how passages are ranked for a
 @dataclass(frozen=True)
 class Passage:
     """Consecutive lines of the stored text (the text decoded from the cache): characters
-    [start, end) on lines first_line … last_line (1-based), their text, and `score`, its BM25
-    score for the question it was chosen for (0.0 before ranking)."""
+    [start, end) on lines first_line … last_line (1-based), their text, and `score`, its ranking
+    score for the question it was chosen for (BM25 unless ranked otherwise, `ranked`; 0.0 before
+    ranking)."""
 
     start: int
     end: int
@@ -66,8 +68,9 @@ def passages(text: str, max_chars: int = PASSAGE_CHARS) -> list[Passage]:
             out.append(Passage(start, last_start + len(last_text), first, last, "\n".join(x for _, _, x in lines)))
         lines.clear()
 
-    offset = 0
-    for number, raw in enumerate(text.splitlines(keepends=True), start=1):
+    offset = 0  # lines end at "\n" only, as the cache's token lines count them (not at \f, \v, \u2028, …)
+    for number, raw in enumerate(text.split("\n"), start=1):
+        raw += "\n"
         line = raw.rstrip("\r\n")
         if not line.strip():
             close()
@@ -95,18 +98,23 @@ def rank(texts: list[str], question: str, n: int, keep_start: bool = False) -> l
     return [(i, scores[i]) for i in sorted(chosen)]
 
 
+def check_focus(ranking: str, n: int) -> None:
+    """Raises UsageError: an unknown ranking (`FOCUS_RANKINGS`) or `n` < 1 passages."""
+    if ranking not in FOCUS_RANKINGS:
+        raise UsageError(f"unknown focus ranking {ranking!r}", f"one of {', '.join(FOCUS_RANKINGS)}")
+    if n < 1:
+        raise UsageError(f"focus needs at least 1 passage, got {n}")
+
+
 def ranked(texts: list[str], question: str, n: int, keep_start: bool = False, ranking: str = "bm25",
            attention: list[float] | None = None) -> list[tuple[int, float]]:  # fmt: skip
     """`rank` by `ranking` (`FOCUS_RANKINGS`): "bm25" is `rank`; "attention" the `n` texts with the
     highest `attention` score (`QuestionAttention.passage_scores`), each with that score; "mixed"
     BM25's and attention's rankings taking turns (`mixed`), each with 1 / its turn. Document order.
     Raises UsageError: an unknown ranking, `n` < 1, or no `attention` scores for one that needs them."""
-    if ranking not in FOCUS_RANKINGS:
-        raise UsageError(f"unknown focus ranking {ranking!r}", f"one of {', '.join(FOCUS_RANKINGS)}")
+    check_focus(ranking, n)
     if ranking == "bm25":
         return rank(texts, question, n, keep_start)
-    if n < 1:
-        raise UsageError(f"focus needs at least 1 passage, got {n}")
     if attention is None or len(attention) != len(texts):
         raise UsageError(f"focus ranking {ranking!r} needs an attention score per passage")
     by_attention = sorted(range(len(texts)), key=lambda i: (-attention[i], i))
@@ -159,42 +167,46 @@ def source_passages(engine: Engine, cache: AnyCache, chosen: list[tuple[int, Pas
 
 class QuestionAttention:
     """The question's own attention over one stored part (`CompressedKVCache`), by passage. Built
-    once per part: the word tokens of each source line and what a generic question attends to
-    (`attribution.baseline_mass`, one prefill of prompts/probe.txt)."""
+    once per part: the word tokens of each source line and, at the first question, what a generic
+    question attends to (`attribution.baseline_mass`, one prefill of prompts/probe.txt). Holds no
+    reference to the part (a server's cache LRU can free it).
+
+    Raises InputError: a part without token ids, lines or offsets (an old file)."""
 
     def __init__(self, engine: Engine, part: CompressedKVCache):
         if part.token_ids is None or part.token_lines is None or part.token_offsets is None:
             raise InputError("ranking passages by attention needs token lines", "rebuild the cache: rocketkv ingest")
-        self.engine, self.part = engine, part
+        self.engine = engine
         ids, lines, offsets = part.token_ids.tolist(), part.token_lines.tolist(), part.token_offsets.tolist()
-        decode = engine.tokenizer.decode
-        words = {i: any(ch.isalnum() for ch in decode([i], skip_special_tokens=True)) for i in set(ids)}
+        words = {i: any(ch.isalnum() for ch in text) for i, text in token_texts(engine.tokenizer, ids).items()}
         doc = [k for k, off in enumerate(offsets) if off >= 0]
         self.first_line = lines[doc[0]] if doc else 1  # the source line of the part's text line 1
         self.by_line: dict[int, list[int]] = {}  # source line → positions of its word tokens
         for k in doc:
             if words[ids[k]]:
                 self.by_line.setdefault(lines[k], []).append(k)
-        self.decode = decode_config_for(part, sparse=False)  # exact attention over everything stored
+        self.probe_tokens = len(engine.question_ids(read_prompt("probe.txt")))  # what baseline_mass prefills
         self._baseline: AttentionMass | None = None
 
-    def scores(self, question: str) -> torch.Tensor:
+    def scores(self, question: str, part: CompressedKVCache) -> torch.Tensor:
         """`[n_context_tokens]` by position: each stored token's share of the attention every query
-        of the question's prefill (framed as `ask` frames it) pays the part, over the share a
-        generic question pays it (`attribution.token_scores`). Raises InputError, BudgetError."""
-        ((_, ids),) = prepare_questions(self.engine, self.part, [question], 0)
-        decoder = Decoder(self.engine, self.part, len(ids) + 1, self.decode, reselect=False)
+        of the question's prefill (framed as `ask` frames it) pays `part` (exact attention over all
+        it stores), over the share a generic question pays it (`attribution.token_scores`).
+        Raises InputError (an empty question), BudgetError (one that does not fit the context)."""
+        ((_, ids),) = prepare_questions(self.engine, part, [question], 0)
+        tail = max(len(ids), self.probe_tokens) + 1
+        decoder = Decoder(self.engine, part, tail, decode_config_for(part, sparse=False), reselect=False)
         with torch.inference_mode():
             if self._baseline is None:
-                self._baseline = baseline_mass(self.engine, decoder, self.part)
-            with attention_mass(self.part.n_context_tokens, self.engine.loaded.device, queries="all") as mass:
+                self._baseline = baseline_mass(self.engine, decoder, part)
+            with attention_mass(part.n_context_tokens, self.engine.loaded.device, queries="all") as mass:
                 with decoder.attention():
                     decoder.prefill(ids)
         return token_scores(mass, self._baseline)[0]
 
-    def passage_scores(self, question: str, cut: list[Passage]) -> list[float]:
-        """Per passage of this part's text (`passages`), the best score of a word token on its lines."""
-        got = self.scores(question).tolist()
+    def passage_scores(self, question: str, part: CompressedKVCache, cut: list[Passage]) -> list[float]:
+        """Per passage of `part`'s text (`passages`), the best score of a word token on its lines."""
+        got = self.scores(question, part).tolist()
         shift = self.first_line - 1
         return [max((got[k] for ln in range(p.first_line + shift, p.last_line + shift + 1)
                      for k in self.by_line.get(ln, ())), default=0.0) for p in cut]  # fmt: skip

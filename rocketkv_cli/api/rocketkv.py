@@ -50,7 +50,7 @@ from .checks import decode_weights_for as decode_weights_for
 from .checks import pending_checkpoints as pending_checkpoints
 from .citations import Citation, citer
 from .documents import TextPieces, TextStream
-from .focus import FOCUS_PASSAGES, Passage, QuestionAttention, focus_text, source_passages, stored_passages
+from .focus import FOCUS_PASSAGES, Passage, QuestionAttention, check_focus, focus_text, source_passages, stored_passages
 from .focus import ranked as focus_ranked
 from .home import StoredModel, home, remove_models, stored_models
 from .preflight import abandoned_ingests, check_cache_file, check_output, default_output, open_document
@@ -257,7 +257,7 @@ class RocketKV:
         their text with this model's defaults), greedy; from the whole cache as `ask` when no
         passage shares a word with the question. The answer's `prefill_s` includes the passages'
         prefill; with `cite`, its citations are the passages (characters and lines of the source;
-        weight: the share of their BM25 scores), in document order. keep_start: re-read the
+        weight: the share of their ranking scores), in document order. keep_start: re-read the
         document's first passage too (`focus.rank`). on_text: as `ask`'s. on_chosen: called once the
         passages are chosen, before the answer is decoded, with a `Focused` whose answer is None.
         ranking: how passages are ranked (`focus.FOCUS_RANKINGS`; "attention" and "mixed" prefill
@@ -291,6 +291,7 @@ class RocketKV:
 
         def steps() -> Generator[str, None, Answer]:
             check_questions([question])
+            check_focus(ranking, passages)  # before any work
             if cite:
                 check_cite(cache, 1)
             if self._passages is None or self._passages[0]() is not cache:
@@ -300,7 +301,7 @@ class RocketKV:
                 parts, attention = all_segments(cache), []
                 for j in sorted({j for j, _ in cut}):
                     reader = readers.get(j) or readers.setdefault(j, QuestionAttention(self.engine, parts[j]))
-                    attention += reader.passage_scores(question, [p for k, p in cut if k == j])
+                    attention += reader.passage_scores(question, parts[j], [p for k, p in cut if k == j])
             ranked = focus_ranked([p.text for _, p in cut], question, passages, keep_start, ranking, attention)
             chosen = [(cut[i][0], dataclasses.replace(cut[i][1], score=score)) for i, score in ranked]
             max_new = self._max_new(cache, max_new_tokens)

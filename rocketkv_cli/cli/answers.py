@@ -87,7 +87,7 @@ def focus_passages_note(ctx: typer.Context, focus: int | None) -> None:
 
     source = ctx.get_parameter_source("passages")
     if focus is not None and getattr(source, "name", "") == "COMMANDLINE":
-        log(f"--passages does not apply with --focus: --cite lists the {focus} passage{'s' * (focus > 1)} re-read")
+        log(f"--passages does not apply with --focus: --cite lists the passages re-read (up to {focus})")
 
 
 def usage_error(param: str, message: str) -> typer.BadParameter:

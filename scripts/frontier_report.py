@@ -133,6 +133,7 @@ def run_focus(model: str, n: int, lines: list[dict], out: Path, haystack: str, d
     from rocketkv_cli.api.focus import FOCUS_PASSAGES, best_passages, focus_text
     from rocketkv_cli.api.rocketkv import RocketKV, configure
     from rocketkv_cli.engine.inputs import Document, tokenize
+    from rocketkv_cli.eval.bench import machine_info
     from rocketkv_cli.eval.runner import match_fraction
     from rocketkv_cli.eval.tasks import generate
 
@@ -146,7 +147,7 @@ def run_focus(model: str, n: int, lines: list[dict], out: Path, haystack: str, d
         sys.exit(f"error: {out} was written for other frontier results; move it away to start over")
     if not focused:
         focused = [{"format": "rocketkv.frontier-focus", "digest": digest, "passages": FOCUS_PASSAGES,
-                    "ranking": ranking, "date": dt.date.today().isoformat()}]  # fmt: skip
+                    "ranking": ranking, "date": dt.date.today().isoformat(), "machine": machine_info()}]  # fmt: skip
         lib.write_jsonl(out, focused)
     done = {(r["timing"]["task"], r["timing"]["sample"]) for r in focused[1:]}
     count = lambda text: len(tokenize(engine.tokenizer, text, False))  # noqa: E731
@@ -257,8 +258,11 @@ def summarize(lines: list[dict], model: str, timing: dict | None = None,
     head, rows = lines[0], lines[1:]
     recs = [r for row in rows for r in row["records"]]
     ran = {(row["timing"]["task"], row["timing"]["sample"]) for row in rows}
-    focus_sets = [[f for f in one[1:] if (f["timing"]["task"], f["timing"]["sample"]) in ran] for one in focus or []]
-    focus_sets = [one for one in focus_sets if one]
+    kept = [
+        (one[0], [f for f in one[1:] if (f["timing"]["task"], f["timing"]["sample"]) in ran]) for one in focus or []
+    ]
+    focus_heads = [h for h, one in kept if one]
+    focus_sets = [one for _, one in kept if one]
     for one in focus_sets:
         recs += [r for f in one for r in f["records"]]
     full = [r for r in recs if r["label"] == recs[0]["label"]]  # everything, exact: each sample's first
@@ -322,6 +326,7 @@ def summarize(lines: list[dict], model: str, timing: dict | None = None,
         same = [full_by_key[(r["task"], r["sample"], r["question_index"])] for r in frs]
         focused.append({
             "label": frs[0]["label"], "samples": len(one), "seconds": sum(f["timing"]["total_s"] for f in one),
+            "date": focus_heads[len(focused)].get("date"), "machine": focus_heads[len(focused)].get("machine") or {},
             "fallbacks": sum(r["fallback"] for r in frs),
             "by_task": {t: (_mean([x for x, r in zip(same, frs) if r["task"] == t]),
                             _mean([r["score"] for r in frs if r["task"] == t])) for t in sorted(by_task)},
@@ -384,7 +389,9 @@ def render(results: dict[str, dict], quick: bool) -> str:
                         "decode ms/token"], rows, "lrlrrrrrrrr")  # fmt: skip
         for f in s["focus"]:
             p = next(p for p in s["points"] if p["label"] == f["label"])
-            lines += ["", f"`{_mode(p)}` on {f['samples']} samples ({f['seconds'] / 60:.0f} min; "
+            fm = f["machine"]
+            lines += ["", f"`{_mode(p)}` on {f['samples']} samples ({f['date']}: {fm.get('cpu', '?')}, "
+                      f"{fm.get('threads', '?')} thread(s); {f['seconds'] / 60:.0f} min; "
                       f"{f['fallbacks']} question(s) answered from the whole file: no passage shared a word with "
                       "them): its score per task beside full attention's on the same samples, every task (those full "
                       "attention does not solve included):", ""]  # fmt: skip

@@ -87,6 +87,14 @@ def test__load__truncated_file_refused(kv_file, cut):
         load_cache(kv_file)
 
 
+def test__load__cut_in_its_tensors__names_the_size_it_has_and_the_size_its_header_describes(kv_file):
+    data = kv_file.read_bytes()
+    kv_file.write_bytes(data[: len(data) // 2])
+    want = f"is truncated or damaged: {len(data) // 2:,} bytes, its header describes {len(data):,}"
+    with pytest.raises(CacheFormatError, match=want):
+        load_cache(kv_file)
+
+
 def test__load__cut_inside_its_header__named_truncated_not_another_format(kv_file):
     """A cache cut inside its header (an interrupted copy) was "not a rocketkv cache (bad header
     length)"; it is a truncated cache, with the size it has and the size its header needs."""

@@ -124,11 +124,18 @@ def parse_header(f: CacheFile, rebuild: str) -> dict:
         raise CacheFormatError(f"{f.shown} is a safetensors file but not a rocketkv cache", rebuild)
     rebuild = rebuild_hint(meta, f.path)  # from here on it is a damaged rocketkv cache
     payload = f.size - 8 - n
+    sizes = {}
+    for name, entry in header.items():
+        sizes[name] = described_bytes(entry)
+        if sizes[name] is None:
+            raise CacheFormatError(f"{f.shown}: tensor {name!r} is described wrongly in the header", rebuild)
+    described = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+    if described > payload:  # a cut copy or an interrupted write: say how much is missing
+        raise CacheFormatError(f"{f.shown} is truncated or damaged: {f.size:,} bytes, its header describes "
+                               f"{8 + n + described:,}", rebuild)  # fmt: skip
     end = 0
     for name, entry in header.items():
-        expected = described_bytes(entry)
-        if expected is None:
-            raise CacheFormatError(f"{f.shown}: tensor {name!r} is described wrongly in the header", rebuild)
+        expected = sizes[name]
         start, stop = entry["data_offsets"]
         if not (start <= stop <= payload) or stop - start != expected:
             raise CacheFormatError(f"{f.shown} is truncated or damaged (tensor {name!r})", rebuild)

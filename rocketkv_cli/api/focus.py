@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..core.cache import AnyCache, CompressedKVCache
+from ..core.config import FOCUS_RANKINGS
 from ..engine.answer import decode_config_for, prepare_questions
 from ..engine.attribution import baseline_mass, token_scores
 from ..engine.decoder import Decoder
@@ -35,7 +36,6 @@ from .summaries import PartTokens, part_text
 
 PASSAGE_CHARS = 600  # a passage's length limit in characters (about 150 tokens of English)
 FOCUS_PASSAGES = 4  # passages re-read per question
-FOCUS_RANKINGS = ("bm25", "attention", "mixed")  # how passages are ranked for a question (module docstring)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,9 @@ FOCUS_EXCLUDES: dict[str, object] = {"dense": False, "hsa": False, "topk": None,
                                      "top_p": 1.0, "seed": None}  # fmt: skip
 
 
+FOCUS_RANKINGS = ("bm25", "attention", "mixed")  # how focus ranks passages for a question (api/focus.py)
+
+
 def focus_conflicts(options: dict) -> list[str]:
     """The options in `options` (`RocketKV.ask`'s keywords) that focus mode cannot take (`FOCUS_EXCLUDES`)."""
     return [name for name, default in FOCUS_EXCLUDES.items() if options.get(name, default) != default]

@@ -98,7 +98,7 @@ def rank(texts: list[str], question: str, n: int, keep_start: bool = False) -> l
     return [(i, scores[i]) for i in sorted(chosen)]
 
 
-def check_focus(ranking: str, n: int) -> None:
+def check_ranking(ranking: str, n: int) -> None:
     """Raises UsageError: an unknown ranking (`FOCUS_RANKINGS`) or `n` < 1 passages."""
     if ranking not in FOCUS_RANKINGS:
         raise UsageError(f"unknown focus ranking {ranking!r}", f"one of {', '.join(FOCUS_RANKINGS)}")
@@ -112,7 +112,7 @@ def ranked(texts: list[str], question: str, n: int, keep_start: bool = False, ra
     highest `attention` score (`QuestionAttention.passage_scores`), each with that score; "mixed"
     BM25's and attention's rankings taking turns (`mixed`), each with 1 / its turn. Document order.
     Raises UsageError: an unknown ranking, `n` < 1, or no `attention` scores for one that needs them."""
-    check_focus(ranking, n)
+    check_ranking(ranking, n)
     if ranking == "bm25":
         return rank(texts, question, n, keep_start)
     if attention is None or len(attention) != len(texts):

@@ -50,7 +50,15 @@ from .checks import decode_weights_for as decode_weights_for
 from .checks import pending_checkpoints as pending_checkpoints
 from .citations import Citation, citer
 from .documents import TextPieces, TextStream
-from .focus import FOCUS_PASSAGES, Passage, QuestionAttention, check_focus, focus_text, source_passages, stored_passages
+from .focus import (
+    FOCUS_PASSAGES,
+    Passage,
+    QuestionAttention,
+    check_ranking,
+    focus_text,
+    source_passages,
+    stored_passages,
+)
 from .focus import ranked as focus_ranked
 from .home import StoredModel, home, remove_models, stored_models
 from .preflight import abandoned_ingests, check_cache_file, check_output, default_output, open_document
@@ -96,10 +104,9 @@ class RocketKV:
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        # the passages of the last cache `ask_focused` read (a weak reference to the cache, so a
-        # server's LRU can still free it; its passages): decoding a whole book's stored text
-        # again for every question costs about a second
-        # the last cache focus read: its passages and (once ranked by attention) its QuestionAttention
+        # the last cache focus read (a weak reference, so a server's LRU can still free it), its
+        # passages (decoding a whole book's stored text again for every question costs about a
+        # second) and, per stored part ranked by attention, its QuestionAttention
         self._passages: tuple[weakref.ref, list[tuple[int, Passage]], dict[int, QuestionAttention]] | None = None
 
     @classmethod
@@ -291,7 +298,7 @@ class RocketKV:
 
         def steps() -> Generator[str, None, Answer]:
             check_questions([question])
-            check_focus(ranking, passages)  # before any work
+            check_ranking(ranking, passages)  # before any work
             if cite:
                 check_cite(cache, 1)
             if self._passages is None or self._passages[0]() is not cache:
@@ -300,8 +307,9 @@ class RocketKV:
             if ranking != "bm25":  # the question prefilled over each stored part in turn
                 parts, attention = all_segments(cache), []
                 for j in sorted({j for j, _ in cut}):
-                    reader = readers.get(j) or readers.setdefault(j, QuestionAttention(self.engine, parts[j]))
-                    attention += reader.passage_scores(question, parts[j], [p for k, p in cut if k == j])
+                    if j not in readers:
+                        readers[j] = QuestionAttention(self.engine, parts[j])
+                    attention += readers[j].passage_scores(question, parts[j], [p for k, p in cut if k == j])
             ranked = focus_ranked([p.text for _, p in cut], question, passages, keep_start, ranking, attention)
             chosen = [(cut[i][0], dataclasses.replace(cut[i][1], score=score)) for i, score in ranked]
             max_new = self._max_new(cache, max_new_tokens)

@@ -239,11 +239,11 @@ def run_task(rk: RocketKV, task: Task, cache_dir: Path, settings: BatchSettings,
     try:
         cache, path = build(rk, row, cache_dir, settings, log)
         asked = [row.questions[i] for i in task.questions]
-        if asked and settings.focus is not None:
-            answers: Iterable[Answer] = _focused(rk, cache, asked, settings.focus, settings.config.max_new_tokens)
-        elif asked:
-            answers = rk.ask(cache, asked, max_new_tokens=settings.config.max_new_tokens, dense=settings.dense)
         if asked:
+            max_new = settings.config.max_new_tokens
+            answers: Iterable[Answer] = (
+                _focused(rk, cache, asked, settings.focus, max_new) if settings.focus
+                else rk.ask(cache, asked, max_new_tokens=max_new, dense=settings.dense))  # fmt: skip
             for index, ans in zip(task.questions, answers):
                 yield {"id": row.id, "question_index": index, **ans.to_dict(cache=str(path))}
         if task.summary:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -108,26 +108,12 @@ class Prompt:
                 pass  # a read-only home only loses the history
 
 
-def local_turns(session, source: str) -> Callable[[str], Turn]:
-    """`Turn`s of a local `Session` (what `RemoteChat.turn` gives for a server)."""
+def local_turns(stream_of: Callable[[str], Any], source: str) -> Callable[[str], Turn]:
+    """`Turn`s of answers made in this process (what `RemoteChat.turn` gives for a server):
+    `stream_of(question)` is an `AnswerStream` (`Session.stream`, `RocketKV.stream_focused`)."""
 
     def turn(question: str) -> Turn:
-        stream = session.stream(question)
-        yield from stream
-        answer = stream.answer
-        assert answer is not None  # set when the iteration ends
-        return answer.text, answer.to_dict(cache=source), answer.citations, answer_log(answer)
-
-    return turn
-
-
-def focused_turns(rk, stored, focus: int, max_new_tokens: int | None, cite: bool, source: str) -> Callable[[str], Turn]:
-    """`Turn`s of `RocketKV.stream_focused` (`chat --focus`): a line naming the passages each
-    question is answered from, then its answer as it is decoded."""
-
-    def turn(question: str) -> Turn:
-        stream = rk.stream_focused(stored, question, passages=focus, max_new_tokens=max_new_tokens, cite=cite,
-                                   on_chosen=lambda picked: log(picked.note()))  # fmt: skip
+        stream = stream_of(question)
         yield from stream
         answer = stream.answer
         assert answer is not None  # set when the iteration ends
@@ -200,10 +186,20 @@ def chat_command(
     else:
         reading = DocumentReading(encoding, errors, segment_tokens)
         rk, stored, source = open_source(document, cache, choice, budget, options, reading, command="chat")
-        if focus is not None:
-            turn = focused_turns(rk, stored, focus, max_new_tokens, cite, source)
+        if focus is not None:  # each question's passages named on stderr, then its answer
+            turn = local_turns(
+                lambda q: rk.stream_focused(
+                    stored,
+                    q,
+                    passages=focus,
+                    max_new_tokens=max_new_tokens,
+                    cite=cite,
+                    on_chosen=lambda p: log(p.note()),
+                ),
+                source,
+            )
         else:
-            turn = local_turns(rk.session(stored, log=log, **options), source)
+            turn = local_turns(rk.session(stored, log=log, **options).stream, source)
     if converse(Prompt(home() / "chat_history"), turn, source, json_out):
         raise typer.Exit(1)
 

@@ -575,7 +575,8 @@ CASES: list[Case] = [
     Case("--segment-tokens too small for the framing", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "s.kv", "--segment-tokens", "64", *M(ws)], 1, "no room for text"),
     Case("--segment-tokens over the context", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "s.kv", "--segment-tokens", "100000", *M(ws)], 1, "more than this model's context fits"),
     Case("--segment on a one-segment cache", "questions", lambda ws: ["ask", "--cache", ws.kv, "--segment", "3", QUESTION], 1, "one segment"),
-    Case("- with empty stdin", "input", lambda ws: ["ingest", "-", "-o", ws.root / "stdin.kv", *M(ws)], 1, "(stdin) is empty", stdin=""),
+    Case("- with empty stdin", "input", lambda ws: ["ingest", "-", "-o", ws.root / "stdin.kv", *M(ws)], 1, "(stdin) is empty", stdin="", before_model=True),
+    Case("summarize an empty device", "input", lambda ws: ["summarize", "/dev/null", *M(ws)], 1, "/dev/null is empty", before_model=True),
     # options
     Case("budget 0", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "b.kv", "--budget", "0", *M(ws)], 2, "--budget must be a positive integer", notes="usage error: exit 2"),
     Case("negative budget", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "b.kv", "--budget", "-5", *M(ws)], 2, "--budget must be a positive integer", notes="usage error: exit 2"),

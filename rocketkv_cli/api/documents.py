@@ -67,6 +67,7 @@ class TextStream:
         self.bytes_read = 0
         self.has_text = False
         self._digest = hashlib.sha256()
+        self._peeked: bytes | None = None  # a stream's first block, read by `validate`
         # absolute: the path is shown and offered back in "rebuild it with" hints, from any directory
         self.source = "-" if path == "-" else os.path.abspath(path).encode("utf-8", "backslashreplace").decode()
 
@@ -96,7 +97,7 @@ class TextStream:
     def _decoded(self) -> Iterator[str]:
         path, encoding, decoder = self.path, self.encoding, self._decoder
         hint = "pass --encoding latin-1 (or the right codec), or --errors replace"
-        while block := self._stream.read(READ_BLOCK_BYTES):
+        for block in self._blocks():
             self._digest.update(block)
             if b"\x00" in block and self._codec.lower().startswith("utf-8"):
                 if self.bytes_read == 0 and _looks_like_cache(block, str(path)):
@@ -124,10 +125,26 @@ class TextStream:
                 f"{path} is not valid {encoding} (incomplete character at byte offset {at})", hint
             ) from exc
 
+    def _blocks(self) -> Iterator[bytes]:
+        """The raw blocks, the one `validate` peeked at first."""
+        if self._peeked is not None:
+            block, self._peeked = self._peeked, None
+            if not block:
+                return
+            yield block
+        while block := self._stream.read(READ_BLOCK_BYTES):
+            yield block
+
     def validate(self) -> None:
         """Decode a regular file once, up front (cheap), so that encoding errors and empty files
-        fail before a long prefill; stdin and other streams are checked as they are read."""
+        fail before a long prefill (and before a model loads). Of stdin and other streams (a pipe,
+        /dev/null) only the first block is read here, kept for the iteration: a stream with no
+        bytes fails now; the rest is checked as it is read."""
         if self.total_bytes is None:
+            if self._peeked is None and self.bytes_read == 0:
+                self._peeked = self._stream.read(READ_BLOCK_BYTES)
+                if not self._peeked:
+                    self.check_not_empty()
             return
         check = TextStream(self.path, self.encoding, self._errors)
         for _ in check:

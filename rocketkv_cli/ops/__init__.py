@@ -8,7 +8,8 @@ the first tensor argument's device and `ROCKETKV_KERNELS`:
 - `torch`: always the reference;
 - `triton`: always the kernels (CPU tensors need `TRITON_INTERPRET=1`, as in the tests).
 
-An op may also have a CPU fast path in torch (`ops/cpu.py`: context reconstruction's attention),
+An op may also have a CPU fast path in torch (`ops/cpu.py`: context reconstruction's attention,
+a question's scores of the stored keys),
 taken for CPU tensors under `auto` and compared with its reference in the tests.
 
 Nothing is decided or imported at import time; `triton` is imported only when a kernel is first
@@ -154,8 +155,11 @@ def observation_scores(
 def question_scores(
     question_queries: torch.Tensor, keys: torch.Tensor, scaling: float, softcap: float | None = None
 ) -> torch.Tensor:
-    """`stage1.question_scores` through the dispatched `observation_scores`: `[B, H, T, D]` ×
-    `[B, Hkv, S, D]` (every key before every query) → `[B, Hkv, S]` float32."""
+    """`stage1.question_scores`: `[B, H, T, D]` × `[B, Hkv, S, D]` (every key before every query) →
+    `[B, Hkv, S]` float32. CPU tensors under `ROCKETKV_KERNELS=auto` take the one-pass fast path
+    `ops.cpu.question_scores`; others the reference through the dispatched `observation_scores`."""
+    if question_queries.device.type == "cpu" and requested_backend() == "auto":
+        return cpu.question_scores(question_queries, keys, scaling, softcap)
     return stage1.question_scores(question_queries, keys, scaling, softcap, score=observation_scores)
 
 

@@ -187,17 +187,12 @@ def chat_command(
         reading = DocumentReading(encoding, errors, segment_tokens)
         rk, stored, source = open_source(document, cache, choice, budget, options, reading, command="chat")
         if focus is not None:  # each question's passages named on stderr, then its answer
-            turn = local_turns(
-                lambda q: rk.stream_focused(
-                    stored,
-                    q,
-                    passages=focus,
-                    max_new_tokens=max_new_tokens,
-                    cite=cite,
-                    on_chosen=lambda p: log(p.note()),
-                ),
-                source,
-            )
+
+            def focused_stream(question: str) -> Any:
+                return rk.stream_focused(stored, question, passages=focus, max_new_tokens=max_new_tokens, cite=cite,
+                                         on_chosen=lambda picked: log(picked.note()))  # fmt: skip
+
+            turn = local_turns(focused_stream, source)
         else:
             turn = local_turns(rk.session(stored, log=log, **options).stream, source)
     if converse(Prompt(home() / "chat_history"), turn, source, json_out):

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from rocketkv_cli.core.config import FOCUS_RANKINGS
 from rocketkv_cli.eval import reports as lib
-from rocketkv_cli.eval.frontier_summary import SCORE_BAR, SOLVED, TOP1_BAR, product_settings, summarize
+from rocketkv_cli.eval.frontier_summary import SCORE_BAR, SOLVED, TOP1_BAR, product_settings, screen, summarize
 from rocketkv_cli.eval.reports import interval, read_text, table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,15 +67,18 @@ def file_label(model: str) -> str:
     return Path(model).name if ("/" in model or model.startswith(".")) else model
 
 
-def run_preset(model: str, n: int, samples: int, out: Path, haystack: str, deadline: float, quick: bool) -> None:
-    """Run (or resume) one preset's samples into `out` (JSON lines: a header, then one per sample)."""
+def run_preset(model: str, n: int, samples: int, out: Path, haystack: str, deadline: float, quick: bool,
+               screen: dict | None = None, main: Path | None = None) -> None:  # fmt: skip
+    """Run (or resume) one preset's samples into `out` (JSON lines: a header, then one per sample).
+    screen: stage-1 fields to try instead of the preset's (`frontier.screen_config`), on the tasks
+    full attention solves in `main` (the preset's own results)."""
     import torch
 
     from rocketkv_cli.api.rocketkv import RocketKV, configure
     from rocketkv_cli.core.config import PRESET_PREFILL_DEFAULTS, default_kv_dtype
     from rocketkv_cli.engine.inputs import tokenize
     from rocketkv_cli.eval.bench import machine_info
-    from rocketkv_cli.eval.frontier import FrontierConfig, run_sample
+    from rocketkv_cli.eval.frontier import FrontierConfig, run_sample, screen_config
     from rocketkv_cli.eval.tasks import generate
 
     configure(True, progress_bars=False)
@@ -85,6 +88,10 @@ def run_preset(model: str, n: int, samples: int, out: Path, haystack: str, deadl
     stage1 = {k: v for k, v in PRESET_PREFILL_DEFAULTS.get(model, {}).items() if k not in STORE_FIELDS}
     cfg = FrontierConfig(context_tokens=n, tasks=TASKS, samples=samples, kv_dtype=default_kv_dtype(model),
                          stage1=tuple(stage1.items()), **kw)  # fmt: skip
+    if screen is not None and main is not None:
+        solved = summarize(read_lines(main), file_label(model))["solved"]
+        budget = PRESET_PREFILL_DEFAULTS.get(model, {}).get("token_budget", 64)  # the default's re-selection
+        cfg = screen_config(cfg, screen, tuple(solved) or cfg.tasks, budget)  # all tasks where none is solved
     lines = read_lines(out)
     if lines and lines[0].get("digest") != cfg.digest():
         sys.exit(f"error: {out} was written with another configuration; move it away to start over")
@@ -99,7 +106,7 @@ def run_preset(model: str, n: int, samples: int, out: Path, haystack: str, deadl
     count = lambda text: len(tokenize(engine.tokenizer, text, False))  # noqa: E731
     with tempfile.TemporaryDirectory() as work, torch.inference_mode():
         for index in range(samples):
-            for task in TASKS:
+            for task in cfg.tasks:
                 if (task, index) in done:
                     continue
                 if time.time() > deadline:
@@ -189,6 +196,24 @@ def run_focus(model: str, n: int, lines: list[dict], out: Path, haystack: str, d
                 f.write(json.dumps(line) + "\n")
             focused.append(line)
             print(f"{model}: focus {task} #{index} in {line['timing']['total_s']:.0f} s", file=sys.stderr, flush=True)
+
+
+def _field(text: str) -> tuple[str, object]:
+    """`--stage1 FIELD=VALUE`: an integer value as an int."""
+    name, _, value = text.partition("=")
+    return name.strip(), int(value) if value.strip().isdigit() else value.strip()
+
+
+def _screen_path(out: Path, fields: dict) -> Path:
+    slug = "_".join(f"{k}-{v}" for k, v in sorted(fields.items()))
+    return out.with_name(f"{out.stem}-stage1-{slug}.jsonl")
+
+
+def screens_of(out: Path, lines: list[dict], model: str) -> list[tuple[dict, dict, dict]]:
+    """Each screened stage-1 method beside `out`: (its stage-1 fields, the preset's own points on
+    its samples, its points)."""
+    got = [read_lines(p) for p in sorted(out.parent.glob(f"{out.stem}-stage1-*.jsonl"))]
+    return [(one[0]["config"]["stage1"], *screen(lines, one, model)) for one in got if len(one) > 1]
 
 
 def _focus_name(ranking: str) -> str:
@@ -286,7 +311,32 @@ def render(results: dict[str, dict], quick: bool) -> str:
                   + (f" ({c['bytes_per_token']:,.0f} bytes/token)" if c else "")
                   + (f", which is `ingest` with {_flags(product_settings(c))}." if product_settings(c) else "."),
                   ""]  # fmt: skip
+        if s.get("screens"):
+            lines += _render_screens(s["screens"], head["config"]["stage1"])
     return "\n".join(lines)
+
+
+def _render_screens(screens: list[tuple[dict, dict, dict]], own: dict) -> list[str]:
+    """The section of other stage-1 methods, each beside the preset's own on its samples."""
+    lines = ["### Other stage-1 methods at the pruned stores", "",
+             "Each screened on the tasks full attention solves (`--stage1 FIELD=VALUE`), beside the preset's own "
+             "stage 1 on the same samples; full attention's score on them in the first row.", ""]  # fmt: skip
+    rows = []
+    for fields, base, tried in screens:
+        for name, s in ((_stage1_name(own), base), (_stage1_name({**own, **fields}), tried)):
+            for p in s["points"]:
+                if p["store_label"].startswith("everything") and (p["mode"] != "exact" or rows):
+                    continue
+                rows.append([name if rows else "full attention", p["store_label"], f"{p['stored_tokens']:,.0f}",
+                             _mode(p), interval(p["score"], p["score_ci"]), interval(p["share_of_full"]),
+                             interval(p["top1"], p["top1_ci"]), f"{p['kl']:.3f}", f"{p['bytes_per_token']:,.0f}",
+                             str(s["samples"])])  # fmt: skip
+    return lines + table(["stage 1", "store", "tokens/head", "answering", "score % (solved tasks)", "% of full",
+                          "top-1 %", "KL (nats)", "file bytes/token", "samples"], rows, "llrlrrrrrr") + [""]  # fmt: skip
+
+
+def _stage1_name(fields: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(fields.items())) or "observation tail"
 
 
 def _mode(p: dict) -> str:
@@ -322,6 +372,8 @@ def main() -> None:
         help="with --focus: how passages are ranked (attention and mixed ingest each document)",
     )
     ap.add_argument("--focus-samples", type=int, default=None, help="with --focus: samples of a lower index only")
+    ap.add_argument("--stage1", action="append", default=[], metavar="FIELD=VALUE",
+                    help="screen another stage-1 method (e.g. observation=probe) on the tasks full attention solves")  # fmt: skip
     ap.add_argument("--context-tokens", type=int, default=300)
     ap.add_argument("--haystack", default=str(KJV))
     ap.add_argument("--out-dir", default=str(ROOT / "docs"))
@@ -339,6 +391,9 @@ def main() -> None:
             if not args.from_json:
                 out = out_dir / "bench" / f"frontier-{file_label(model)}.jsonl"
                 run_preset(model, n, 1 if args.quick else args.samples, out, haystack, deadline, args.quick)
+                if screen := dict(_field(kv) for kv in args.stage1):
+                    run_preset(model, n, 1 if args.quick else args.samples, _screen_path(out, screen), haystack,
+                               deadline, args.quick, screen, out)  # fmt: skip
                 if args.focus and len(lines := read_lines(out)) > 1:
                     path = out.with_name(out.stem + "-" + _focus_name(args.focus_ranking) + ".jsonl")
                     run_focus(model, n, lines, path, haystack, deadline, args.focus_ranking, args.focus_samples)
@@ -366,6 +421,7 @@ def main() -> None:
                 elif got:
                     focus.append(got)
             results[file_label(model)] = summarize(lines, file_label(model), timing, focus)
+            results[file_label(model)]["screens"] = screens_of(out, lines, file_label(model))
     page_path = out_dir / "frontier.md"
     old = read_text(page_path) if page_path.exists() else ""
     kept = old[old.index(HAND_WRITTEN) :] if HAND_WRITTEN in old else ""

@@ -180,6 +180,22 @@ def test__frontier_report__quick_run_writes_the_page_and_resumes(tiny_model_dir,
         got = rk.ask_focused(cache, q.text, passages=4, max_new_tokens=sample.max_new_tokens)
         assert [[p.first_line, p.last_line] for p in got.passages] == rec["passages"]
         assert got.answer.text == rec["answer"]
+    # --stage1: another method screened (stores everything/50%/25%, exact and re-selection), its own file,
+    # resumable, and a section on the page beside the preset's own method on the same samples
+    for _ in range(2):
+        sc = subprocess.run([*cmd, "--stage1", "observation=combined"], capture_output=True, text=True, env=env,
+                            timeout=600)  # fmt: skip
+        assert sc.returncode == 0, sc.stderr[-3000:]
+    screened = [json.loads(x) for x in (tmp_path / "out" / "bench" / f"frontier-{tiny_model_dir.name}-stage1-"
+                                        "observation-combined.jsonl").read_text().splitlines()]  # fmt: skip
+    assert screened[0]["config"]["stage1"]["observation"] == "combined" and len(screened) == 6  # no rerun twice
+    assert screened[0]["config"]["stores"] == ["all", "50%", "25%"] and screened[0]["config"]["hsa_budgets"] == []
+    # t=64's working set of a 300-token document (177 tokens) is larger than either pruned store: exact only there
+    assert {r["label"] for r in screened[1]["records"]} == {"everything · exact", "everything · reselect@64",
+                                                            "50% · exact", "25% · exact"}  # fmt: skip
+    page = (tmp_path / "out" / "frontier.md").read_text()
+    assert "### Other stage-1 methods" in page and "| observation combined | 50% |" in page, page[-3000:]
+    assert "| observation tail | 50% |" in page, page[-3000:]  # the preset's own method on the same samples
     path = tmp_path / "out" / "bench" / f"frontier-{tiny_model_dir.name}.jsonl"
     path.write_text(json.dumps(head | {"digest": "other"}) + "\n" + "\n".join(lines[1:]) + "\n")
     refused = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)

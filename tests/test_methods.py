@@ -51,14 +51,15 @@ def toy():
 
 
 def test__builtin_methods__are_registered_by_name_in_order():
-    assert list(registry())[:4] == ["tail", "probe", "reconstruct", "sink_recent"]  # a new file adds after them
-    assert {type(method_for(PrefillConfig(observation=o))).name for o in ("tail", "probe", "reconstruct")} == {
-        "tail", "probe", "reconstruct"}  # fmt: skip
+    assert list(registry())[:5] == ["tail", "combined", "probe", "reconstruct", "sink_recent"]  # tail, then by file
+    names = ("tail", "combined", "probe", "reconstruct")
+    assert {type(method_for(PrefillConfig(observation=o))).name for o in names} == set(names)
     assert type(method_for(PrefillConfig(selection="sink_recent"))).name == "sink_recent"
 
 
 def test__unknown_method__refused_by_the_configuration_naming_the_choices():
-    with pytest.raises(ValueError, match=r"observation must be one of \('tail', 'probe', 'reconstruct'\), got 'toy'"):
+    choices = r"\('tail', 'combined', 'probe', 'reconstruct'\)"
+    with pytest.raises(ValueError, match=rf"observation must be one of {choices}, got 'toy'"):
         PrefillConfig(observation="toy")
     with pytest.raises(ValueError, match="selection must be one of"):
         PrefillConfig(selection="toy")
@@ -149,3 +150,44 @@ def test__cli_method_option__refused_in_one_line_before_any_model_loads(rocketkv
                        capture_output=True, text=True, env={**os.environ, "ROCKETKV_HOME": str(tmp_path)})  # fmt: skip
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"Error: {message}"], r.stderr
     assert not (tmp_path / "doc.txt.kv").exists()
+
+
+def test__combine_shares__each_signal_counts_by_its_share_of_its_row_not_its_scale():
+    from rocketkv_cli.methods.combined import combine_shares
+
+    tail = torch.tensor([[[1000.0, 0.0, 0.0, 3000.0]]])  # shares 0.25, 0, 0, 0.75
+    recon = torch.tensor([[[0.0, 0.6, 0.2, 0.2]]])  # shares 0, 0.6, 0.2, 0.2
+    got = combine_shares(tail, recon)
+    assert torch.allclose(got, torch.tensor([[[0.25, 0.6, 0.2, 0.75]]])), got
+    assert torch.equal(combine_shares(torch.zeros(1, 1, 3), recon[..., :3]), torch.tensor([[[0.0, 0.75, 0.25]]]))
+    with pytest.raises(ValueError, match="one shape"):
+        combine_shares(tail, recon[..., :3])
+
+
+def test__combined_method__keeps_the_top_of_either_signals_share():
+    """`observation="combined"`: each KV head keeps the first tokens, the last W, and the tokens of
+    largest max(tail share, reconstruction share); the prefill runs both passes for it."""
+    from rocketkv_cli.core.cache import LayerKV
+    from rocketkv_cli.methods.combined import Combined
+
+    engine = make_engine("gemma3_text")  # sliding-window layers too
+    cfg = PrefillConfig(token_budget=40, max_new_tokens=8, window_size=8, pool_kernel_size=1,
+                        observation="combined", n_first_tokens=4)  # fmt: skip
+    assert isinstance(method_for(cfg), Combined) and Combined.capture == "reconstruct"
+    doc = Document(text_of_bytes(500, seed=7), "0" * 64, "d.txt")
+    stored = engine.ingest(doc, dataclasses.replace(cfg, chunk_tokens=128))
+    prefill = engine.prefill(engine.document_tokens(doc).ids, cfg.window_size, chunk_tokens=128, reconstruct=True)
+    p = stored.info.budgets.prompt_budget
+    checked = 0
+    for i, layer in enumerate(prefill.layers):
+        if isinstance(layer, LayerKV):
+            continue
+        tail, recon = layer.observation_scores("tail", 8)[0], layer.reconstruction[0]  # [Hkv, n] each
+        n = tail.shape[1]
+        kept = stored.layers[i].positions[0]  # [Hkv, P]
+        for h in range(tail.shape[0]):
+            share = [max(float(tail[h, j] / tail[h].sum()), float(recon[h, j] / recon[h].sum())) for j in range(n)]
+            middle = sorted(range(4, n - 8), key=lambda j: -share[j])[: p - 12]
+            assert set(kept[h].tolist()) == set(middle) | set(range(4)) | set(range(n - 8, n)), f"layer {i} head {h}"
+            checked += 1
+    assert checked >= 1

@@ -110,6 +110,26 @@ class FrontierConfig:
         return hashlib.sha256(repr(sorted(d.items())).encode()).hexdigest()[:16]
 
 
+SCREEN_STORES = ("all", "50%", "25%")  # the stores a stage-1 method is screened at (`screen_config`)
+
+
+def screen_config(base: FrontierConfig, stage1: dict[str, Any], tasks: tuple[str, ...], budget: int) -> FrontierConfig:
+    """A smaller grid to try another stage-1 method against the preset's own (docs/frontier.md,
+    "Pushing the frontier down"): `base` with `stage1` fields replaced (e.g. {"observation":
+    "probe"}), only `tasks` (those full attention solves: the only ones a score counts), the
+    stores `SCREEN_STORES` and two answering modes, exact attention and re-selection at the
+    preset's own token budget `budget` (the default's mode); no HSA.
+
+    Raises:
+        ValueError: as `FrontierConfig`, or `stage1` is empty or names a store field.
+    """
+    if not stage1:
+        raise ValueError("a screen changes at least one stage-1 field")
+    fields = tuple({**dict(base.stage1), **stage1}.items())
+    return dataclasses.replace(base, tasks=tuple(tasks), stores=SCREEN_STORES, hsa_budgets=(),
+                               reselect_budgets=(budget,), stage1=fields)  # fmt: skip
+
+
 def store_tokens(spec: str, n: int) -> int:
     """Tokens per KV head a store spec keeps of an n-token document: "all" → n, "P%" → n·P/100,
     a count → itself; never more than n. Raises ValueError on anything else."""

@@ -134,3 +134,17 @@ def summarize(lines: list[dict], model: str, timing: dict | None = None,
 
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
+
+
+def screen(main: list[dict], screened: list[dict], model: str) -> tuple[dict, dict]:
+    """A stage-1 method screened against the preset's own (`frontier.screen_config`): (the preset's
+    points from `main`, cut to the screen's samples and to its (store, mode, budget) points, and
+    the screen's own), each as `summarize` gives them, so both are scored on the same documents
+    and questions. Raises ValueError when the screen shares no sample with `main`."""
+    runs = {(row["timing"]["task"], row["timing"]["sample"]) for row in screened[1:]}
+    points = {(r["store"], r["mode"], r["budget"]) for row in screened[1:] for r in row["records"]}
+    rows = [dict(row, records=[r for r in row["records"] if (r["store"], r["mode"], r["budget"]) in points])
+            for row in main[1:] if (row["timing"]["task"], row["timing"]["sample"]) in runs]  # fmt: skip
+    if not rows:
+        raise ValueError("the screen shares no sample with the preset's frontier results")
+    return summarize(main[:1] + rows, model), summarize(screened, model)

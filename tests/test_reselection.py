@@ -81,6 +81,26 @@ def test__question_narrows_each_layer_to_the_working_set_and_reset_restores_the_
         assert torch.equal(k, stored.layers[i].keys.to(k.dtype)) and torch.equal(pos, stored.layers[i].positions)
 
 
+def test__working_set__leaves_the_stored_buffers_unwritten_and_reuses_its_own(engine, stored):
+    """A question's working set is gathered beside the stored context (not over it): the stored
+    buffers keep their bytes while it is selected, and the next question reuses its buffers."""
+    decoder = Decoder(engine, stored, 300, decode_config_for(stored))
+    layers = [decoder.cache.layers[i] for i in _full_layers(engine)]
+    before = [(layer.keys, layer.keys[:, :, : layer.n_context].clone()) for layer in layers]
+    seen = []
+    for question in ("Which letter comes first?", "Name a letter near the end."):
+        with decoder.attention():
+            decoder.prefill(engine.question_ids(question))
+            decoder.decode_one_token(5)
+        for layer, (buf, content) in zip(layers, before):
+            assert layer.keys is not buf and layer.n_context < content.shape[2]
+            assert torch.equal(buf[:, :, : content.shape[2]], content), "the stored context was written"
+        seen.append([layer.keys.data_ptr() for layer in layers])
+        decoder.reset()
+        assert all(layer.keys is buf for layer, (buf, _) in zip(layers, before))
+    assert seen[0] == seen[1], "the second question allocated new working-set buffers"
+
+
 def test__questions_stay_independent__q1_then_q2_equals_q2_alone(engine, stored):
     q1, q2 = "What is the first word?", "Name a letter near the end."
     both = Answerer(engine, stored, 8, decode_config_for(stored))

@@ -144,7 +144,9 @@ class RocketLayer(CacheLayerMixin):
         self.n_context = s
         self.is_initialized = True
         self._context_pages: tuple[int, torch.Tensor, torch.Tensor] | None = None
-        self._stored: tuple[torch.Tensor, ...] | None = None  # the whole context while a working set is selected
+        # while a working set is selected: the stored context's buffers, token count and pages
+        self._stored: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, Any] | None = None
+        self._working: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # a working set's buffers
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         pass  # buffers are allocated in __init__
@@ -195,31 +197,41 @@ class RocketLayer(CacheLayerMixin):
     def select_context(self, kept: torch.Tensor) -> None:
         """Narrow the stored context to the tokens `kept` (`[B, Hkv, P]` int64 ascending indices
         into it, per KV head), the tail moved up behind them: a question's working set
-        (re-selection). `crop_to_context()` restores the whole stored context."""
+        (re-selection). The working set is gathered into buffers of its own (reused from one
+        question to the next), so the stored context is neither copied nor written;
+        `crop_to_context()` switches back to it.
+
+        Raises:
+            ValueError: `kept` does not fit the layer's batch, KV heads or context.
+        """
         b, hkv, p = kept.shape
         n, end = self.n_context, self.length
         if (b, hkv) != tuple(self.keys.shape[:2]) or p > n:
             raise ValueError(f"kept indices {tuple(kept.shape)} do not fit a context of {n} tokens")
-        if self._stored is None:
-            self._stored = tuple(buf[:, :, :n].clone() for buf in (self.keys, self.values, self.positions))
-        tail = [buf[:, :, n:end].clone() for buf in (self.keys, self.values, self.positions)]
+        cap = p + self.keys.shape[2] - n  # the room for a tail the buffers had
+        work = self._working
+        if self._stored is not None or work is None or work[0].shape[2] < cap:  # narrowed again: fresh buffers
+            work = (self.keys.new_empty(b, hkv, cap, self.keys.shape[3]), self.values.new_empty(b, hkv, cap,
+                    self.values.shape[3]), self.positions.new_empty(b, hkv, cap))  # fmt: skip
         idx = kept.unsqueeze(-1)
-        self.keys[:, :, :p] = self.keys[:, :, :n].gather(2, idx.expand(b, hkv, p, self.keys.shape[3]))
-        self.values[:, :, :p] = self.values[:, :, :n].gather(2, idx.expand(b, hkv, p, self.values.shape[3]))
-        self.positions[:, :, :p] = self.positions[:, :, :n].gather(2, kept)
-        for buf, part in zip((self.keys, self.values, self.positions), tail):
-            buf[:, :, p : p + end - n] = part
+        work[0][:, :, :p] = self.keys[:, :, :n].gather(2, idx.expand(b, hkv, p, self.keys.shape[3]))
+        work[1][:, :, :p] = self.values[:, :, :n].gather(2, idx.expand(b, hkv, p, self.values.shape[3]))
+        work[2][:, :, :p] = self.positions[:, :, :n].gather(2, kept)
+        for dst, src in zip(work, (self.keys, self.values, self.positions)):
+            dst[:, :, p : p + end - n] = src[:, :, n:end]
+        if self._stored is None:
+            self._stored = (self.keys, self.values, self.positions, n, self._context_pages)
+        self.keys, self.values, self.positions = work
         self.n_context, self.length = p, p + end - n
         self._context_pages = None
 
     def crop_to_context(self) -> None:
         """Drop the tail: the cache is back to the stored context (all of it, after a
-        `select_context`)."""
+        `select_context`, whose buffers are kept for the next question)."""
         if self._stored is not None:
-            n = self._stored[0].shape[2]
-            for buf, part in zip((self.keys, self.values, self.positions), self._stored):
-                buf[:, :, :n] = part
-            self.n_context, self._stored, self._context_pages = n, None, None
+            self._working = (self.keys, self.values, self.positions)
+            self.keys, self.values, self.positions, self.n_context, self._context_pages = self._stored
+            self._stored = None
         self.length = self.n_context
 
     def get_seq_length(self) -> int:

@@ -166,3 +166,49 @@ def test__question_scores__dispatch_fast_path_on_cpu_under_auto(monkeypatch):
     monkeypatch.setenv("ROCKETKV_KERNELS", "torch")
     ops.question_scores(q, k, 0.3)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("h, hkv, d, t, tail, n, softcap", [(9, 3, 64, 37, 37, 700, None), (4, 1, 256, 5, 9, 130, None),
+                                                             (6, 2, 24, 1, 1, 513, 5.0), (8, 8, 40, 12, 12, 1, None),
+                                                             (2, 1, 16, 3, 3, 20, 2.0)])  # fmt: skip
+def test__question_attention__equals_exact_attention_and_the_question_scores(h, hkv, d, t, tail, n, softcap):
+    """One pass over the stored context against the two references: exact attention with the
+    position mask over context + tail (the tail's last t tokens the queries', causal), and the
+    question scores of the same queries over the context; small blocks of query rows included."""
+    from rocketkv_cli.core.attention import exact_attention
+    from rocketkv_cli.core.stage1 import question_scores
+
+    g = torch.Generator().manual_seed(h * 1000 + n)
+    q = torch.randn(1, h, t, d, generator=g) * 2
+    k, v = torch.randn(1, hkv, n + tail, d, generator=g) * 2, torch.randn(1, hkv, n + tail, d, generator=g)
+    stored = torch.stack([torch.randperm(3 * n, generator=g)[:n].sort().values for _ in range(hkv)])  # own tokens
+    k_pos = torch.cat([stored, torch.arange(3 * n, 3 * n + tail).expand(hkv, tail)], dim=1).unsqueeze(0)  # [1, Hkv, L]
+    q_pos = torch.arange(3 * n + tail - t, 3 * n + tail)
+    want_out = exact_attention(q, k, v, k_pos, q_pos, d**-0.5, None, softcap)
+    want_scores = question_scores(q, k[:, :, :n], d**-0.5, softcap)
+    for max_elements in (1 << 24, 3 * (n + tail)):
+        out, scores = cpu.question_attention(q, k, v, n, d**-0.5, softcap, max_elements=max_elements)
+        assert out.shape == want_out.shape and scores.shape == want_scores.shape == (1, hkv, n)
+        for got, want in ((out, want_out), (scores, want_scores)):
+            err = (got - want).abs()
+            assert float(err.max()) <= 1e-5 * float(want.abs().max()) + 1e-6, (
+                f"max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}")  # fmt: skip
+
+
+def test__question_attention__refuses_a_tail_shorter_than_the_queries():
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 1, 10, 8)
+    with pytest.raises(ValueError, match="tail of 3 tokens cannot hold 4 queries"):
+        cpu.question_attention(q, k, k, 7, 0.3)
+    with pytest.raises(ValueError, match="do not match"):
+        cpu.question_attention(q, k, k, 0, 0.3)
+
+
+def test__question_attention__dispatch_fast_path_on_cpu_under_auto(monkeypatch):
+    monkeypatch.delenv("ROCKETKV_KERNELS", raising=False)
+    calls = []
+    monkeypatch.setattr(cpu, "question_attention", lambda *a, **k: calls.append(1) or (None, None))
+    q, k = torch.randn(1, 2, 2, 8), torch.randn(1, 1, 5, 8)
+    ops.question_attention(q, k, k, torch.arange(5).view(1, 1, 5), torch.arange(3, 5), 3, 0.3)
+    monkeypatch.setenv("ROCKETKV_KERNELS", "torch")
+    out, scores = ops.question_attention(q, k, k, torch.arange(5).view(1, 1, 5), torch.arange(3, 5), 3, 0.3)
+    assert calls == [1] and out.shape == (1, 2, 2, 8) and scores.shape == (1, 1, 3)

@@ -71,25 +71,24 @@ class Decoder:
             logits = forward_tokens(self.engine.model, self.cache, self.engine.ids(ids), positions)
         else:
             with rocketkv_attention(self.engine.model, self.cache, self.engine.shape, decode=self.decode,
-                                    capture_from=self.position) as session:  # fmt: skip
+                                    question=True) as session:  # fmt: skip
                 logits = forward_tokens(self.engine.model, self.cache, self.engine.ids(ids), positions)
-            self.select_working_set(session.captured, self.reselection)
+            self.select_working_set(session.question_scores or {}, self.reselection)
         self.position += len(ids)
         return logits
 
-    def select_working_set(self, captured: dict[int, list[torch.Tensor]], plan: Reselection) -> None:
+    def select_working_set(self, scores: dict[int, torch.Tensor], plan: Reselection) -> None:
         """Per-question re-selection (docs/algorithm.md §4): in each full-attention layer whose
-        stored context holds more than `plan.prompt_budget` tokens, score the stored keys by the
-        attention the question's queries give them (`captured[layer]`: `[1, H, T, D]` pieces),
-        max-pool, keep the top `plan.prompt_budget` per KV head (the stored first and last tokens
-        included) and narrow the layer to them (`RocketLayer.select_context`)."""
+        stored context holds more than `plan.prompt_budget` tokens, take the attention the
+        question's queries gave the stored keys (`scores[layer]` `[1, Hkv, S]`, from its prefill:
+        `ops.question_attention`), max-pool, keep the top `plan.prompt_budget` per KV head (the
+        stored first and last tokens included) and narrow the layer to them
+        (`RocketLayer.select_context`)."""
         for i, spec in enumerate(self.engine.shape.layers):
             layer = self.cache.layers[i]
-            if spec.sliding_window is not None or layer.n_context <= plan.prompt_budget or i not in captured:
+            if spec.sliding_window is not None or layer.n_context <= plan.prompt_budget or i not in scores:
                 continue
-            queries = torch.cat(captured[i], dim=2)  # [1, H, T, D]
-            keys = layer.keys[:, :, : layer.n_context]  # [1, Hkv, S, D]
-            layer.select_context(plan.select(queries, keys, spec.scaling, spec.softcap))  # [1, Hkv, prompt_budget]
+            layer.select_context(plan.keep(scores[i]))  # [1, Hkv, prompt_budget]
 
     def decode_one_token(self, token: int) -> torch.Tensor:
         """Run one token at the next position; returns its logits `[1, V]` float32."""

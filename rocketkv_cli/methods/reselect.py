@@ -61,7 +61,13 @@ class Reselection:
         as SnapKV++ at ingest (RocketKV §3.2)."""
         from .. import ops
 
-        scores = ops.question_scores(queries, keys, scaling, softcap)  # [1, Hkv, S]
+        return self.keep(ops.question_scores(queries, keys, scaling, softcap))  # scores [1, Hkv, S]
+
+    def keep(self, scores: torch.Tensor) -> torch.Tensor:
+        """The working set from the question's scores of the stored keys `[1, Hkv, S]` float32 (S >
+        prompt_budget; `select`'s scores): indices `[1, Hkv, prompt_budget]` int64, ascending."""
+        from .. import ops
+
         return ops.snapkv_select(scores, self.prompt_budget, self.window_size, self.pool_kernel_size,
                                  self.n_first_tokens)  # fmt: skip
 

@@ -61,6 +61,8 @@ class _Session:
     captured: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     hsa_from: int | None = None  # teacher forcing: queries at positions ≥ this attend as decode steps do
     reconstruct: Reconstruction | None = None  # full-attention layers record reconstruction weights
+    # a question's first prefill: per full-attention layer, the re-selection scores `[B, Hkv, n_context]`
+    question_scores: dict[int, torch.Tensor] | None = None
 
 
 _SESSION: contextvars.ContextVar[_Session | None] = contextvars.ContextVar("rocketkv_session", default=None)
@@ -145,6 +147,12 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
                                                  spec.softcap)  # fmt: skip
         prev = rec.best.get(module.layer_idx)
         rec.best[module.layer_idx] = best if prev is None else torch.maximum(prev, best)
+        return out.transpose(1, 2).contiguous(), None
+    if session.question_scores is not None and spec.sliding_window is None and layer.n_context:
+        out, scores = ops.question_attention(query, keys, values, k_pos, q_pos, layer.n_context, spec.scaling,
+                                             spec.softcap)  # fmt: skip
+        prev = session.question_scores.get(module.layer_idx)
+        session.question_scores[module.layer_idx] = scores if prev is None else prev + scores
         return out.transpose(1, 2).contiguous(), None
     dec = session.decode
     hsa = dec if dec is not None and spec.sliding_window is None and dec.uses_hsa(layer.n_context) else None
@@ -242,6 +250,7 @@ def rocketkv_attention(
     hsa_from: int | None = None,
     reconstruct: Reconstruction | None = None,
     capture_sliding: bool = False,
+    question: bool = False,
 ) -> Iterator[_Session]:
     """Run `model` with rocketkv's attention over `cache` inside the block; restore it afterwards.
 
@@ -251,12 +260,16 @@ def rocketkv_attention(
         (after RoPE); capture_sliding: sliding-window layers' queries too.
     hsa_from: teacher forcing, see `_teacher_forced`. reconstruct: full-attention layers attend
         through `ops.reconstruction_attention` and gather its weights into this record.
+    question: a question's first prefill after the stored context (the tail holds only its
+        tokens): full-attention layers attend through `ops.question_attention` and leave each
+        layer's re-selection scores in the session's `question_scores[layer_idx]`.
     """
     AttentionInterface.register(ATTN_NAME, _attention)
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_NAME)
     session = _Session(cache=cache, shape=shape, decode=decode, capture_from=capture_from, hsa_from=hsa_from,
-                       reconstruct=reconstruct, capture_sliding=capture_sliding)  # fmt: skip
+                       reconstruct=reconstruct, capture_sliding=capture_sliding,
+                       question_scores={} if question else None)  # fmt: skip
     token = _SESSION.set(session)
     try:
         yield session

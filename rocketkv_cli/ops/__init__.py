@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..core import stage1, stage2
+from ..core import attention, stage1, stage2
 from . import cpu
 
 ENV_VAR = "ROCKETKV_KERNELS"
@@ -161,6 +161,29 @@ def question_scores(
     if question_queries.device.type == "cpu" and requested_backend() == "auto":
         return cpu.question_scores(question_queries, keys, scaling, softcap)
     return stage1.question_scores(question_queries, keys, scaling, softcap, score=observation_scores)
+
+
+def question_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_positions: torch.Tensor,
+    query_positions: torch.Tensor,
+    n_context: int,
+    scaling: float,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A question's first prefill in a full-attention layer and its re-selection scores
+    (docs/algorithm.md §4): (`core.attention.exact_attention` of query `[B, H, T, D]` over keys/values
+    `[B, Hkv, L, D]` at positions `[B, Hkv, L]` / `[T]` → `[B, H, T, D]`, `stage1.question_scores`
+    of the same queries over the first `n_context` keys → `[B, Hkv, n_context]` float32). The
+    keys are the stored context followed by the tail in position order, whose last T are the
+    queries' own. CPU tensors under `ROCKETKV_KERNELS=auto` take the one-pass fast path
+    `ops.cpu.question_attention`; others the two references."""
+    if query.device.type == "cpu" and requested_backend() == "auto":
+        return cpu.question_attention(query, keys, values, n_context, scaling, softcap)
+    out = attention.exact_attention(query, keys, values, key_positions, query_positions, scaling, None, softcap)
+    return out, question_scores(query, keys[:, :, :n_context], scaling, softcap)
 
 
 def reconstruction_attention(

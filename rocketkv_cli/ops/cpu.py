@@ -114,3 +114,57 @@ def question_scores(
             logits = torch.tanh(logits / softcap) * softcap
         scores += torch.softmax(logits, dim=-1).sum(dim=2)
     return scores
+
+
+def question_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n_context: int, scaling: float,
+    softcap: float | None = None, max_elements: int = 1 << 24,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A question's first prefill in one full-attention layer, and its re-selection scores, from
+    one pass over the stored context (docs/algorithm.md §4): `ops.question_attention`'s fast path.
+
+    Layout: keys/values `[B, Hkv, L, D]` hold the stored context (`n_context` tokens, every one
+    before every query) then the tail in position order, whose last T tokens are the queries'
+    own: query `[B, H, T, D]` (after RoPE). The context part needs no mask and the tail part a
+    causal one over a few tokens; each is a softmax of its own (the context's is the
+    re-selection score itself: softmax over the stored keys only, `core.stage1.question_scores`),
+    and the attention output is their log-sum-exp merge, so the logits over the context are
+    computed once, where the reference builds an `[B, H, T, L]` mask for attention and computes
+    the same logits again for the scores. Query rows go in blocks of `max_elements` logits.
+    Returns: (output `[B, H, T, D]` in the query's dtype, scores `[B, Hkv, n_context]` float32).
+    Raises:
+        ValueError: shapes that do not match, or a tail shorter than the queries.
+    """
+    b, h, t, d = query.shape
+    hkv, total = keys.shape[1], keys.shape[2]
+    tail = total - n_context
+    if keys.shape != (b, hkv, total, d) or values.shape[:3] != (b, hkv, total) or h % hkv or not 0 < n_context:
+        raise ValueError(f"query {tuple(query.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}, "
+                         f"context {n_context} do not match")  # fmt: skip
+    if tail < t:
+        raise ValueError(f"a tail of {tail} tokens cannot hold {t} queries")
+    g = h // hkv
+    q = query.float().reshape(b, hkv, g * t, d) * scaling  # [B, Hkv, G*T, D]: a group's heads share the KV head
+    kc, vc = keys[:, :, :n_context].float().transpose(-1, -2), values[:, :, :n_context].float()
+    kt, vt = keys[:, :, n_context:].float().transpose(-1, -2), values[:, :, n_context:].float()
+    # row r of a group is query r % T, at tail index tail - T + r % T: it sees tail keys up to itself
+    own = torch.arange(g * t, device=keys.device) % t + (tail - t)  # [G*T]
+    hidden = torch.arange(tail, device=keys.device).view(1, tail) > own.view(-1, 1)  # [G*T, tail]
+    scores = torch.zeros(b, hkv, 1, n_context, dtype=torch.float32, device=keys.device)
+    out = torch.empty(b, hkv, g * t, values.shape[-1], dtype=torch.float32, device=keys.device)
+    rows = max(1, max_elements // max(1, b * hkv * total))
+    for start in range(0, g * t, rows):
+        end = min(g * t, start + rows)
+        block = q[:, :, start:end]
+        lc, lt = torch.matmul(block, kc), torch.matmul(block, kt)  # [B, Hkv, r, n_context], [B, Hkv, r, tail]
+        if softcap is not None:
+            lc, lt = torch.tanh(lc / softcap) * softcap, torch.tanh(lt / softcap) * softcap
+        lt.masked_fill_(hidden[start:end], float("-inf"))
+        mc, mt = lc.amax(-1, keepdim=True), lt.amax(-1, keepdim=True)  # [B, Hkv, r, 1] each
+        ec, et = (lc - mc).exp_(), (lt - mt).exp_()
+        sc, st = ec.sum(-1, keepdim=True), et.sum(-1, keepdim=True)
+        scores += torch.matmul((1.0 / sc).transpose(-1, -2), ec)  # Σ_rows softmax over the context
+        top = torch.maximum(mc, mt)
+        wc, wt = (mc - top).exp(), (mt - top).exp()
+        out[:, :, start:end] = (torch.matmul(ec, vc) * wc + torch.matmul(et, vt) * wt) / (sc * wc + st * wt)
+    return out.view(b, h, t, -1).to(query.dtype), scores.view(b, hkv, n_context)

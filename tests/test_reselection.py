@@ -367,3 +367,15 @@ def test__api_ingest__takes_the_presets_defaults_unless_given(monkeypatch):
     assert (got.observation, got.pool_kernel_size) == ("reconstruct", 3)
     mine = rk.ingest(text=text, token_budget=32, max_new_tokens=8, window_size=8, observation="tail").cache.info.config
     assert (mine.observation, mine.pool_kernel_size) == ("tail", 3)
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 50, 8), (2, 2, 17, 5), (1, 1, 9)])
+def test__take_rows__equals_gather_along_the_token_axis(shape):
+    from rocketkv_cli.model.cache_layer import take_rows
+
+    g = torch.Generator().manual_seed(sum(shape))
+    buffer = torch.randn(*shape, generator=g)
+    kept = torch.stack([torch.stack([torch.randperm(shape[2], generator=g)[:7].sort().values
+                                     for _ in range(shape[1])]) for _ in range(shape[0])])  # fmt: skip
+    idx = kept.view(*kept.shape, *([1] * (len(shape) - 3))).expand(*kept.shape, *shape[3:])
+    assert torch.equal(take_rows(buffer, kept), buffer.gather(2, idx))

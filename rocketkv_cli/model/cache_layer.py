@@ -213,11 +213,8 @@ class RocketLayer(CacheLayerMixin):
         if self._stored is not None or work is None or work[0].shape[2] < cap:  # narrowed again: fresh buffers
             work = (self.keys.new_empty(b, hkv, cap, self.keys.shape[3]), self.values.new_empty(b, hkv, cap,
                     self.values.shape[3]), self.positions.new_empty(b, hkv, cap))  # fmt: skip
-        idx = kept.unsqueeze(-1)
-        work[0][:, :, :p] = self.keys[:, :, :n].gather(2, idx.expand(b, hkv, p, self.keys.shape[3]))
-        work[1][:, :, :p] = self.values[:, :, :n].gather(2, idx.expand(b, hkv, p, self.values.shape[3]))
-        work[2][:, :, :p] = self.positions[:, :, :n].gather(2, kept)
         for dst, src in zip(work, (self.keys, self.values, self.positions)):
+            dst[:, :, :p] = take_rows(src, kept)
             dst[:, :, p : p + end - n] = src[:, :, n:end]
         if self._stored is None:
             self._stored = (self.keys, self.values, self.positions, n, self._context_pages)
@@ -242,6 +239,16 @@ class RocketLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
+
+
+def take_rows(buffer: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """`buffer[b, h, kept[b, h, i]]` for every i: rows `[B, Hkv, P, ...]` of a buffer `[B, Hkv, C, ...]`
+    by indices `[B, Hkv, P]` int64 (< C), as one `index_select` of whole rows (a `gather` with an
+    expanded index reads it element by element)."""
+    b, hkv, c = buffer.shape[:3]
+    base = torch.arange(b * hkv, device=buffer.device).view(b, hkv, 1) * c  # [B, Hkv, 1]: each head's first row
+    rows = buffer.reshape(b * hkv * c, -1).index_select(0, (kept + base).flatten())
+    return rows.view(*kept.shape, *buffer.shape[3:])
 
 
 class RocketCache(Cache):

@@ -161,7 +161,7 @@ def question_attention(
             lc, lt = torch.tanh(lc / softcap) * softcap, torch.tanh(lt / softcap) * softcap
         lt.masked_fill_(hidden[start:end], float("-inf"))
         mc, mt = lc.amax(-1, keepdim=True), lt.amax(-1, keepdim=True)  # [B, Hkv, r, 1] each
-        ec, et = (lc - mc).exp_(), (lt - mt).exp_()
+        ec, et = lc.sub_(mc).exp_(), lt.sub_(mt).exp_()  # in place: the logits are not needed again
         sc, st = ec.sum(-1, keepdim=True), et.sum(-1, keepdim=True)
         scores += torch.matmul((1.0 / sc).transpose(-1, -2), ec)  # Σ_rows softmax over the context
         top = torch.maximum(mc, mt)

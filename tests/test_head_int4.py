@@ -143,6 +143,23 @@ def test__certified_head__widens_and_certifies_when_the_top_k_is_too_small(monke
     assert sum(module.positions.values()) == 200
 
 
+def test__certified_head__one_row_outside_decode_steps_is_certified_several_take_the_float_head():
+    """A question's prefill asks for its last position's logits only: that one row is ranked and
+    certified as a decode step's (its greedy token the float head's); a forward of several rows
+    (ingest) gets the float head's logits exactly."""
+    head = _head(512, 96, seed=5, bias=True)
+    module = _certified(head)
+    x = _inputs(30, 96, seed=6)
+    for row in x:
+        got = module(row.view(1, 1, -1))  # [1, 1, V], as a prefill's last position
+        assert got.shape == (1, 1, 512) and int(got.argmax()) == int((row.double() @ head.weight.double().T
+                                                                      + head.bias.double()).argmax())  # fmt: skip
+    assert sum(module.positions.values()) == 30
+    several = module(x.view(1, 30, -1))
+    assert torch.equal(several, torch.nn.functional.linear(x.view(1, 30, -1), head.weight, head.bias))
+    assert sum(module.positions.values()) == 30  # not certified: taken whole
+
+
 @pytest.mark.parametrize("force", ["too_many_in_doubt", "near_tie"])
 def test__certified_head__falls_back_to_the_float_head_exactly(force, monkeypatch):
     """A position the certificate cannot settle takes the float head whole: its logits equal

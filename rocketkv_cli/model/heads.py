@@ -25,7 +25,9 @@ class RefinedHead(nn.Module):
     embedding matrix when tied: no extra memory) and the unrounded input: those equal the float
     head's logits up to float32 summation order, so the greedy token is the float head's
     whenever that token ranks within the approximate top `TOPK`. A decode step reads `TOPK`
-    float rows per position, not V. Prefill (one row per question) takes the float head whole.
+    float rows per position, not V. A single row outside decode steps (a question's prefill asks
+    for its last position's logits only) is ranked the same way: the answer's first token is
+    chosen as every later one is; a forward of several rows (ingest) takes the float head whole.
     Returns float32 logits.
 
     `float_weight` is a plain reference, not a parameter or buffer: the model is quantized after
@@ -41,9 +43,14 @@ class RefinedHead(nn.Module):
         self.float_weight = weight.detach()  # [V, H]; shared with the embedding when tied
         self.float_bias = None if bias is None else bias.detach()
 
+    @staticmethod
+    def ranked(x: torch.Tensor) -> bool:
+        """Whether `x` `[..., H]` is ranked with the cheap copy: in a decode step, or a single row."""
+        return bool(_DECODE_STEP.get()) or x[..., 0].numel() == 1
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        if not _DECODE_STEP.get():  # [..., V] in float32, exact
+        if not self.ranked(x):  # [..., V] in float32, exact
             bias = None if self.float_bias is None else self.float_bias.float()
             return F.linear(xf, self.float_weight.float(), bias)
         y = self.approx(x).float()  # [..., V]
@@ -101,8 +108,9 @@ class CertifiedHead(RefinedHead):
     that no other row can hold the largest float logit; where it cannot, the rows the bound
     leaves in doubt are recomputed too, and where those are too many (over `V / 16`) or the top
     two are within float32 rounding of each other, the position takes the float head whole
-    (`F.linear`). `positions` counts the three outcomes ("topk", "widened", "float"). Outside
-    decode steps, the float head whole. Returns float32 logits `[..., V]`.
+    (`F.linear`). `positions` counts the three outcomes ("topk", "widened", "float"). A single
+    row outside decode steps (a question's last position) is certified the same way; a forward
+    of several rows outside them takes the float head whole. Returns float32 logits `[..., V]`.
 
     The bound. z_r = W_r·x + b_r is the float logit in exact arithmetic (x float32 `[H]`); the
     int4 head computes ẑ_r = fl₃₂(bf16(y_r) + b_r), y_r the kernel's float32 sum of Ŵ'_ri·x̃_i,
@@ -185,7 +193,7 @@ class CertifiedHead(RefinedHead):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        if not _DECODE_STEP.get():
+        if not self.ranked(x):
             return self._float_head(xf)  # [..., V], exact
         flat = xf.reshape(-1, xf.shape[-1])  # [N, H]
         y = self.approx(x).float().reshape(flat.shape[0], -1)  # [N, V]

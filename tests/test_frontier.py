@@ -333,6 +333,18 @@ def test__frontier_summary__solved_tasks_share_of_full_the_bar_and_the_tie_break
     assert slow["chosen"]["label"] == "everything · exact"
     assert mod.product_settings(s["chosen"]) == {"store_budget": "all", "token_budget": 512}
     assert mod.product_settings(by["50% · exact"]) is None and mod.product_settings(by["everything · hsa@256"]) is None
+    # a screened stage-1 method (`--stage1`): sample 1 only, two points; the preset's own rows are cut to the same
+    tried = {"records": [rec("everything · exact", "A", 0.5, None, 1), rec("50% · exact", "A", 0.5, 0.99, 1)],
+             "stores": {"everything": {"tokens": 10, "file_bytes": 1000}, "50%": {"tokens": 5, "file_bytes": 500}},
+             "timing": {"n_context_tokens": 10, "total_s": 1.0, "task": "AB", "sample": 1}}  # fmt: skip
+    own, other = mod.screen(lines, [head, tried], "tiny")
+    assert {p["label"] for p in own["points"]} == {"everything · exact", "50% · exact"} and own["samples"] == 1
+    assert [p["share_of_full"] for p in own["points"]] == [1.0, 0.0]  # its 50% row scored 0 of full's 0.5 there
+    assert [p["share_of_full"] for p in other["points"]] == [1.0, 1.0]
+    rendered = "\n".join(mod._render_screens([({}, own, other)], {}))
+    assert "| observation tail | 50% | 5 | exact | 0 [0–0] | 0 |" in rendered, rendered
+    with pytest.raises(ValueError, match="shares no sample"):
+        mod.screen(lines, [head, tried | {"timing": tried["timing"] | {"sample": 7}}], "tiny")
 
 
 @pytest.mark.parametrize("preset", ["smollm2-135m", "gemma-3-270m"])

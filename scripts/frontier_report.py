@@ -319,15 +319,16 @@ def render(results: dict[str, dict], quick: bool) -> str:
 def _render_screens(screens: list[tuple[dict, dict, dict]], own: dict) -> list[str]:
     """The section of other stage-1 methods, each beside the preset's own on its samples."""
     lines = ["### Other stage-1 methods at the pruned stores", "",
-             "Each screened on the tasks full attention solves (`--stage1 FIELD=VALUE`), beside the preset's own "
-             "stage 1 on the same samples; full attention's score on them in the first row.", ""]  # fmt: skip
+             "Each screened on the tasks full attention solves (`--stage1 FIELD=VALUE`), after full attention's and "
+             "the preset's own stage 1's rows on the same samples.", ""]  # fmt: skip
     rows = []
     for fields, base, tried in screens:
         for name, s in ((_stage1_name(own), base), (_stage1_name({**own, **fields}), tried)):
             for p in s["points"]:
-                if p["store_label"].startswith("everything") and (p["mode"] != "exact" or rows):
+                full = p["store_label"].startswith("everything")
+                if full and (p["mode"] != "exact" or s is tried):
                     continue
-                rows.append([name if rows else "full attention", p["store_label"], f"{p['stored_tokens']:,.0f}",
+                rows.append(["full attention" if full else name, p["store_label"], f"{p['stored_tokens']:,.0f}",
                              _mode(p), interval(p["score"], p["score_ci"]), interval(p["share_of_full"]),
                              interval(p["top1"], p["top1_ci"]), f"{p['kl']:.3f}", f"{p['bytes_per_token']:,.0f}",
                              str(s["samples"])])  # fmt: skip

@@ -328,10 +328,12 @@ def _render_screens(screens: list[tuple[dict, dict, dict]], own: dict) -> list[s
                 full = p["store_label"].startswith("everything")
                 if full and (p["mode"] != "exact" or s is tried):
                     continue
-                rows.append(["full attention" if full else name, p["store_label"], f"{p['stored_tokens']:,.0f}",
-                             _mode(p), interval(p["score"], p["score_ci"]), interval(p["share_of_full"]),
-                             interval(p["top1"], p["top1_ci"]), f"{p['kl']:.3f}", f"{p['bytes_per_token']:,.0f}",
-                             str(s["samples"])])  # fmt: skip
+                row = ["full attention" if full else name, p["store_label"], f"{p['stored_tokens']:,.0f}", _mode(p),
+                       interval(p["score"], p["score_ci"]), interval(p["share_of_full"]),
+                       interval(p["top1"], p["top1_ci"]), f"{p['kl']:.3f}", f"{p['bytes_per_token']:,.0f}",
+                       str(s["samples"])]  # fmt: skip
+                if row not in rows:  # screens run on the same samples share full's and the preset's rows
+                    rows.append(row)
     return lines + table(["stage 1", "store", "tokens/head", "answering", "score % (solved tasks)", "% of full",
                           "top-1 %", "KL (nats)", "file bytes/token", "samples"], rows, "llrlrrrrrr") + [""]  # fmt: skip
 

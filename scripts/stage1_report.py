@@ -244,10 +244,11 @@ def defaults(reports: dict[str, dict], times: dict[str, dict], old: str = "") ->
             "three global layers have one KV head each, so a page HSA misses is missed by the whole model (on CPU "
             "`ask` attends these sizes exactly). `niah_text` (a needle in natural text) is the hardest case for "
             "reconstruction: each sentence of the KJV is as needed to repeat the text as the needle is. Adaptive "
-            "layer budgets (below) moved no mean score beyond its interval. What might close the gap: scoring with "
-            "both signals (reconstruction and a question-like probe), per-head budgets within a layer (Ada-KV's "
-            "own setting; a file format with a token count per head), and more samples (the intervals here span "
-            "20–40 points)."]  # fmt: skip
+            "layer budgets (below) moved no mean score beyond its interval. Scoring with both signals "
+            "(`--observation combined`) and the probe were measured later at the frontier's stores, with no "
+            "method within reach of full attention either (docs/frontier.md, \"Pushing the frontier down\"); "
+            "per-head budgets within a layer (Ada-KV's own setting) would need a file format with a token count "
+            "per head."]  # fmt: skip
     return out
 
 

@@ -90,6 +90,8 @@ def run_preset(model: str, n: int, samples: int, out: Path, haystack: str, deadl
                          stage1=tuple(stage1.items()), **kw)  # fmt: skip
     if screen is not None and main is not None:
         solved = summarize(read_lines(main), file_label(model))["solved"]
+        if len(old := read_lines(out)):  # a screen resumes on the tasks it started with
+            solved = old[0]["config"]["tasks"]
         budget = PRESET_PREFILL_DEFAULTS.get(model, {}).get("token_budget", 64)  # the default's re-selection
         cfg = screen_config(cfg, screen, tuple(solved) or cfg.tasks, budget)  # all tasks where none is solved
     lines = read_lines(out)
@@ -212,8 +214,16 @@ def _screen_path(out: Path, fields: dict) -> Path:
 def screens_of(out: Path, lines: list[dict], model: str) -> list[tuple[dict, dict, dict]]:
     """Each screened stage-1 method beside `out`: (its stage-1 fields, the preset's own points on
     its samples, its points)."""
-    got = [read_lines(p) for p in sorted(out.parent.glob(f"{out.stem}-stage1-*.jsonl"))]
-    return [(one[0]["config"]["stage1"], *screen(lines, one, model)) for one in got if len(one) > 1]
+    found = []
+    for path in sorted(out.parent.glob(f"{out.stem}-stage1-*.jsonl")):
+        one = read_lines(path)
+        if len(one) < 2:
+            continue
+        try:
+            found.append((one[0]["config"]["stage1"], *screen(lines, one, model)))
+        except ValueError as exc:  # written against other results of the preset: left off the page
+            print(f"{path}: {exc}; rerun with --stage1", file=sys.stderr)
+    return found
 
 
 def _focus_name(ranking: str) -> str:
@@ -328,7 +338,8 @@ def _render_screens(screens: list[tuple[dict, dict, dict]], own: dict) -> list[s
                 full = p["store_label"].startswith("everything")
                 if full and (p["mode"] != "exact" or s is tried):
                     continue
-                row = ["full attention" if full else name, p["store_label"], f"{p['stored_tokens']:,.0f}", _mode(p),
+                row = ["full attention" if full else name, p["store_label"].split(" = ")[0], f"{p['stored_tokens']:,.0f}",
+                       _mode(p),
                        interval(p["score"], p["score_ci"]), interval(p["share_of_full"]),
                        interval(p["top1"], p["top1_ci"]), f"{p['kl']:.3f}", f"{p['bytes_per_token']:,.0f}",
                        str(s["samples"])]  # fmt: skip

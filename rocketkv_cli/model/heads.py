@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linears import _DECODE_STEP, Int4Linear
+from .linears import _DECODE_STEP, Int4Linear, decode_step
 
 
 class RefinedHead(nn.Module):
@@ -53,7 +53,8 @@ class RefinedHead(nn.Module):
         if not self.ranked(x):  # [..., V] in float32, exact
             bias = None if self.float_bias is None else self.float_bias.float()
             return F.linear(xf, self.float_weight.float(), bias)
-        y = self.approx(x).float()  # [..., V]
+        with decode_step():  # a bf16 copy runs its own weights only in a decode step
+            y = self.approx(x).float()  # [..., V]
         idx = y.topk(min(self.TOPK, y.shape[-1]), dim=-1).indices  # [..., k]
         return y.scatter(-1, idx, self._exact(xf, idx))
 
@@ -196,7 +197,8 @@ class CertifiedHead(RefinedHead):
         if not self.ranked(x):
             return self._float_head(xf)  # [..., V], exact
         flat = xf.reshape(-1, xf.shape[-1])  # [N, H]
-        y = self.approx(x).float().reshape(flat.shape[0], -1)  # [N, V]
+        with decode_step():
+            y = self.approx(x).float().reshape(flat.shape[0], -1)  # [N, V]
         idx = y.topk(min(self.TOPK, y.shape[-1]), dim=-1).indices  # [N, k]
         out = y.scatter(-1, idx, self._exact(flat, idx))  # [N, V]
         for n in range(flat.shape[0]):

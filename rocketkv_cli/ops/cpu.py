@@ -131,6 +131,7 @@ def question_attention(
     and the attention output is their log-sum-exp merge, so the logits over the context are
     computed once, where the reference builds an `[B, H, T, L]` mask for attention and computes
     the same logits again for the scores. Query rows go in blocks of `max_elements` logits.
+    Computed in float32 whatever the inputs' dtype.
     Returns: (output `[B, H, T, D]` in the query's dtype, scores `[B, Hkv, n_context]` float32).
     Raises:
         ValueError: shapes that do not match, or a tail shorter than the queries.

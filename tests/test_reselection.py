@@ -75,10 +75,84 @@ def test__question_narrows_each_layer_to_the_working_set_and_reset_restores_the_
         for h in range(pos.shape[0]):  # every kept token is one of the stored ones
             assert set(pos[h].tolist()) <= set(stored_pos[h].tolist())
     decoder.reset()
+    n_prefix, n = len(engine.question_prefix), stored.n_context_tokens
+    assert n_prefix >= 2 and ids[:n_prefix] == list(engine.question_prefix)
     for i, layer in enumerate(decoder.cache.layers):
         k, v, pos = layer.view()
-        assert layer.n_context == stored.layers[i].n_kept_tokens
-        assert torch.equal(k, stored.layers[i].keys.to(k.dtype)) and torch.equal(pos, stored.layers[i].positions)
+        s = stored.layers[i].n_kept_tokens
+        assert layer.n_context == s and layer.length == s + n_prefix, "reset keeps the question prefix alone"
+        assert torch.equal(k[:, :, :s], stored.layers[i].keys.to(k.dtype))
+        assert torch.equal(pos[:, :, :s], stored.layers[i].positions)
+        assert torch.equal(pos[0, :, s:], torch.arange(n, n + n_prefix).expand(pos.shape[1], -1))
+
+
+def _count_tokens(engine):
+    """A forward pre-hook counting the input tokens of each model call (a list of counts)."""
+    counts: list[int] = []
+    hook = engine.model.register_forward_pre_hook(
+        lambda module, args, kwargs: counts.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    return counts, hook
+
+
+def test__question_prefix__prefilled_once_and_answers_as_a_fresh_decoder(engine, stored):
+    """The framing's question prefix runs once per decoder: the next question runs only its own
+    tokens, and its logits, working sets and answer equal a fresh decoder's (whose prefix runs
+    then). A prefill that does not start with the prefix drops it and equals a fresh one too."""
+    p = len(engine.question_prefix)
+    dec = decode_config_for(stored)
+    kept = Decoder(engine, stored, 300, dec)
+    counts, hook = _count_tokens(engine)
+    try:
+        for question in ("Which letter comes first?", "Name a letter near the end.", "Is there a z?"):
+            ids = engine.question_ids(question)
+            fresh = Decoder(engine, stored, 300, dec)
+            got = []
+            for decoder in (kept, fresh):
+                del counts[:]
+                with decoder.attention():
+                    logits = [decoder.prefill(ids)]
+                    logits.append(decoder.decode_one_token(int(logits[0].argmax())))
+                work = [decoder.cache.layers[i].positions[0, :, : decoder.cache.layers[i].n_context].clone()
+                        for i in _full_layers(engine)]  # fmt: skip
+                got.append((torch.cat(logits), work, list(counts)))
+                decoder.reset()
+            (lk, wk, ck), (lf, wf, cf) = got
+            assert cf[:2] == [p, len(ids) - p], cf  # a fresh decoder: the prefix, then the rest
+            if question != "Which letter comes first?":
+                assert ck[:1] == [len(ids) - p] and p not in ck, f"the kept prefix ran again: {ck}"
+            err = (lk - lf).abs()
+            assert float(err.max()) == 0.0, f"max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"
+            assert all(torch.equal(a, b) for a, b in zip(wk, wf)), "working sets differ"
+        other = [5, 6, 7, 8]  # ids without the prefix: run whole, from the stored context
+        del counts[:]
+        with kept.attention():
+            a = kept.prefill(other)
+        fresh = Decoder(engine, stored, 300, dec)
+        with fresh.attention():
+            b = fresh.prefill(other)
+        assert counts[0] == len(other) and kept.position == stored.n_context_tokens + len(other)
+        assert torch.equal(a, b)
+    finally:
+        hook.remove()
+
+
+def test__question_prefix__split_prefill_matches_one_forward(engine, stored):
+    """The prefix and the rest as two forwards give the logits and the working set of one
+    forward over the whole question (to float32 rounding; the same greedy token)."""
+    ids = engine.question_ids("Which letter comes first?")
+    out = []
+    for prefix in (engine.question_prefix, ()):
+        decoder = Decoder(engine, stored, 300, decode_config_for(stored))
+        decoder.prefix = prefix
+        with decoder.attention():
+            logits = decoder.prefill(ids)
+        out.append((logits, [decoder.cache.layers[i].positions[0, :, : decoder.cache.layers[i].n_context]
+                             for i in _full_layers(engine)]))  # fmt: skip
+    (a, wa), (b, wb) = out
+    err = (a - b).abs()
+    assert float(err.max()) < 1e-4, f"max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"
+    assert int(a.argmax()) == int(b.argmax())
+    assert all(torch.equal(x, y) for x, y in zip(wa, wb)), "working sets differ"
 
 
 def test__working_set__leaves_the_stored_buffers_unwritten_and_reuses_its_own(engine, stored):

@@ -34,7 +34,7 @@ from ..core.config import (
     with_preset_defaults,
 )
 from ..core.quant import KVStorage
-from ..engine.answer import Answer, Sampling, TextCallback, answer, decode_config_for, hsa_min_tokens
+from ..engine.answer import Answer, KeptAnswerer, Sampling, TextCallback, answer, decode_config_for, hsa_min_tokens
 from ..engine.engine import Engine, TokenProgress
 from ..errors import InputError, UsageError
 from ..model.loading import DEFAULT_MODEL, load_model
@@ -108,6 +108,14 @@ class RocketKV:
         # passages (decoding a whole book's stored text again for every question costs about a
         # second) and, per stored part ranked by attention, its QuestionAttention
         self._passages: tuple[weakref.ref, list[tuple[int, Passage]], dict[int, QuestionAttention]] | None = None
+        self._kept = KeptAnswerer()  # `ask`'s decode buffers over the cache it last answered from
+
+    def release(self, cache: AnyCache | None = None) -> None:
+        """Free the decode buffers `ask` keeps for the cache it last answered from (a copy of its
+        keys and values, with the question prefix prefilled: the next question over the same
+        cache object starts sooner), if they are over `cache` (any cache: None) and not in use."""
+        self._kept.release(None if cache is None else
+                           cache.segments if isinstance(cache, SegmentedKVCache) else [cache])  # fmt: skip
 
     @classmethod
     def load(
@@ -246,14 +254,14 @@ class RocketKV:
             sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
             if isinstance(cache, SegmentedKVCache):
                 return answer_segmented(self.engine, cache, qs, max_new, not dense, overrides, segments, segment, log,
-                                        sampling, on_text, cite)  # fmt: skip
+                                        sampling, on_text, cite, self._kept)  # fmt: skip
             if segment not in (None, 0):
                 raise InputError(f"--segment {segment}: this cache has one segment (0)")
             decode = decode_config_for(cache, sparse=not dense, **overrides)
         except ValueError as exc:
             raise InputError(f"invalid option: {exc}") from None  # may depend on the cache's budgets: exit 1
         return answer(self.engine, cache, qs, max_new, decode, sampling=sampling, on_text=on_text,
-                      cite=citer(self.engine.tokenizer, cache, cite))  # fmt: skip
+                      cite=citer(self.engine.tokenizer, cache, cite), kept=self._kept)  # fmt: skip
 
     def ask_focused(self, cache: AnyCache, question: str, *, passages: int = FOCUS_PASSAGES,
                     max_new_tokens: int | None = None, cite: bool = False, keep_start: bool = False,

@@ -25,7 +25,7 @@ import torch
 from ..core.cache import CacheInfo, CompressedKVCache, LayerKV, SegmentedKVCache, SegmentInfo
 from ..core.config import PrefillConfig, resolve_budgets
 from ..core.quant import KVStorage, resolved
-from ..engine.answer import GREEDY, Answer, Sampling, TextCallback, answer, decode_config_for
+from ..engine.answer import GREEDY, Answer, KeptAnswerer, Sampling, TextCallback, answer, decode_config_for
 from ..engine.engine import Engine, TokenProgress
 from ..engine.inputs import Document, tokenize
 from ..errors import BudgetError, CacheFormatError, InputError, UsageError
@@ -320,10 +320,11 @@ def answer_segmented(
     sampling: Sampling = GREEDY,
     on_text: TextCallback | None = None,
     cite: int = 0,
+    kept: KeptAnswerer | None = None,
 ) -> Iterator[Answer]:
     """Answer each question from the segments it is routed to (`route`), or from `segment`.
 
-    sampling, on_text, cite: as `answer.answer` (citations need one segment per answer).
+    sampling, on_text, cite, kept: as `answer.answer` (citations need one segment per answer).
 
     Every question is routed and checked before any is answered (`log` names the segments).
     Raises:
@@ -344,7 +345,7 @@ def answer_segmented(
         for i, ((question, chosen, part), decode) in enumerate(zip(jobs, decodes)):
             log(f"question {i + 1}: answering from segment{'s' * (len(chosen) > 1)} {', '.join(map(str, chosen))}")
             ans = next(answer(engine, part, [question], max_new_tokens, decode, sampling=sampling, on_text=on_text,
-                              cite=citer(engine.tokenizer, part, cite)))  # fmt: skip
+                              cite=citer(engine.tokenizer, part, cite), kept=kept))  # fmt: skip
             yield dataclasses.replace(ans, segments=tuple(chosen))
 
     return answers()

@@ -9,9 +9,11 @@ questions (the interactive `chat`); `stream_answer` yields the answer's text as 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import secrets
+import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
@@ -29,7 +31,7 @@ from .engine import QUESTION_RESERVE_TOKENS, Engine
 from .inputs import check_questions
 from .stopping import AnswerTokens
 
-__all__ = ["Answer", "Answerer", "Sampling", "answer", "decode_config_for", "generate"]
+__all__ = ["Answer", "Answerer", "KeptAnswerer", "Sampling", "answer", "decode_config_for", "generate"]
 
 TextCallback = Callable[[str], None]
 
@@ -186,7 +188,8 @@ class Answerer:
         self.engine, self.cache, self.max_new_tokens = engine, cache, max_new_tokens
         self.stops = engine.prompt.stop_strings if stop_strings is None else stop_strings
         self.sampling = sampling
-        self.decoder = Decoder(engine, cache, max(QUESTION_RESERVE_TOKENS, question_tokens) + max_new_tokens, decode)
+        self.tail_tokens = max(QUESTION_RESERVE_TOKENS, question_tokens) + max_new_tokens
+        self.decoder = Decoder(engine, cache, self.tail_tokens, decode)
 
     def prepare(self, question: str) -> list[int]:
         """The framed ids of `question`. Raises InputError, BudgetError (see `prepare_questions`)."""
@@ -217,6 +220,50 @@ class Answerer:
         return _drain(self.stream(question, ids), on_text)
 
 
+class KeptAnswerer:
+    """One `Answerer` kept from one call of `answer` to the next over the same cache object, so
+    that its decode buffers and its prefilled question prefix (`Decoder.prefill`) are made once:
+    a server answering request after request, a script calling `RocketKV.ask` in a loop. One call
+    uses it at a time; a call that finds it busy (another thread) builds an `Answerer` of its own.
+    Reuse changes no answer: each starts from the stored context (`Answerer.stream`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: Answerer | None = None
+
+    @contextlib.contextmanager
+    def use(self, engine: Engine, cache: CompressedKVCache, max_new_tokens: int, decode: DecodeConfig | None,
+            stop_strings: tuple[str, ...] | None, sampling: Sampling, question_tokens: int,
+            cite: Citer | None) -> Iterator[Answerer]:  # fmt: skip
+        """An `Answerer` with these settings (as its constructor's) for the block."""
+        if not self._lock.acquire(blocking=False):
+            yield Answerer(engine, cache, max_new_tokens, decode, stop_strings, sampling, question_tokens, cite)
+            return
+        try:
+            kept = self._kept
+            tail = max(QUESTION_RESERVE_TOKENS, question_tokens) + max_new_tokens
+            if kept is None or kept.engine is not engine or kept.cache is not cache or kept.tail_tokens < tail:
+                self._kept = None  # the old buffers go before the new ones are made
+                kept = self._kept = Answerer(engine, cache, max_new_tokens, decode, stop_strings, sampling,
+                                             question_tokens, cite)  # fmt: skip
+            else:
+                kept.max_new_tokens, kept.sampling, kept.cite = max_new_tokens, sampling, cite
+                kept.decoder.decode = decode
+                kept.stops = engine.prompt.stop_strings if stop_strings is None else stop_strings
+            yield kept
+        finally:
+            self._lock.release()
+
+    def release(self, caches: Iterable[CompressedKVCache] | None = None) -> None:
+        """Drop the kept `Answerer` (only if it answers from one of `caches`, when given) unless in use."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if caches is None or (self._kept is not None and any(self._kept.cache is c for c in caches)):
+                    self._kept = None
+            finally:
+                self._lock.release()
+
+
 def answer(
     engine: Engine,
     cache: CompressedKVCache,
@@ -227,21 +274,24 @@ def answer(
     sampling: Sampling = GREEDY,
     on_text: TextCallback | None = None,
     cite: Citer | None = None,
+    kept: KeptAnswerer | None = None,
 ) -> Iterator[Answer]:
     """Answer each question from `cache`, independently, in order.
 
     decode: stage-2 settings (None = exact attention). stop_strings: None = the prompt's.
     on_text: called with the pieces of the answer being decoded (see `Answerer.stream`).
     cite: each answer's citations from its attention scores (`Answer.citations`; see `Answerer`).
+    kept: where an `Answerer` is kept between calls (None: one for this call).
     All questions are checked before any is answered; the model's buffers are sized once.
     Raises:
         InputError: an empty question. BudgetError: a question that does not fit the context.
     """
     prepared = prepare_questions(engine, cache, questions, max_new_tokens)
     longest = max((len(ids) for _, ids in prepared), default=0)
-    answerer = Answerer(engine, cache, max_new_tokens, decode, stop_strings, sampling, longest, cite)
-    for question, ids in prepared:
-        yield answerer.ask(question, ids, on_text)
+    settings = (engine, cache, max_new_tokens, decode, stop_strings, sampling, longest, cite)
+    with kept.use(*settings) if kept is not None else contextlib.nullcontext(Answerer(*settings)) as answerer:
+        for question, ids in prepared:
+            yield answerer.ask(question, ids, on_text)
 
 
 def generate(

@@ -18,7 +18,14 @@ import torch
 from ..core.cache import CompressedKVCache
 from ..core.config import DecodeConfig
 from ..methods.reselect import Reselection, reselection_for
-from ..model.hf import RocketCache, RocketLayer, forward_tokens, rocketkv_attention
+from ..model.hf import (
+    RocketCache,
+    RocketLayer,
+    active_attention_mass,
+    attention_mass_paused,
+    forward_tokens,
+    rocketkv_attention,
+)
 from ..model.weights import decode_step
 
 if TYPE_CHECKING:
@@ -51,6 +58,11 @@ class Decoder:
         self.cache = RocketCache(layers)
         self.n_context_tokens = cache.n_context_tokens
         self.position = self.n_context_tokens  # RoPE position of the next token
+        # the question prefix every framed question starts with: prefilled once, its keys and values kept
+        # at the head of the tail (`reset` keeps them) and its re-selection scores here
+        self.prefix = engine.question_prefix
+        self._prefix_scores: dict[int, torch.Tensor] | None = None  # set while the tail holds the prefix
+        self._base = self.n_context_tokens  # position of a question's first token after `reset`
         self._token = torch.zeros(1, 1, dtype=torch.long, device=dev)  # [1, 1] static input
         self._position = torch.zeros(1, dtype=torch.long, device=dev)  # [1]
 
@@ -65,17 +77,52 @@ class Decoder:
 
         The first prefill after the stored context (a question) attends the whole stored context
         exactly; with `reselection` set, each full-attention layer then narrows its context to the
-        question's working set (`select_working_set`) for the decode steps that follow."""
+        question's working set (`select_working_set`) for the decode steps that follow. A question
+        that starts with the engine's `question_prefix` runs it as a forward of its own, once per
+        decoder (kept at the head of the tail across `reset`s), and then only the rest of its ids:
+        the same computation wherever the prefix came from, so answers do not depend on whether
+        it was kept."""
+        first = self.position == self._base  # a question's first prefill
+        scores: dict[int, torch.Tensor] | None = None
+        p = len(self.prefix)
+        if first and p >= 2 and len(ids) >= p + 2 and tuple(ids[:p]) == self.prefix:
+            scores = self._prefill_prefix()
+            ids = ids[p:]
+        elif first and self._base != self.n_context_tokens:  # the tail holds a prefix these ids lack
+            self._drop_prefix()
         positions = torch.arange(self.position, self.position + len(ids), device=self._position.device)
-        if self.reselection is None or self.position != self.n_context_tokens:  # not a question's first prefill
+        if self.reselection is None or not first:
             logits = forward_tokens(self.engine.model, self.cache, self.engine.ids(ids), positions)
         else:
             with rocketkv_attention(self.engine.model, self.cache, self.engine.shape, decode=self.decode,
-                                    question=True) as session:  # fmt: skip
+                                    question=True, question_scores=scores) as session:  # fmt: skip
                 logits = forward_tokens(self.engine.model, self.cache, self.engine.ids(ids), positions)
             self.select_working_set(session.question_scores or {}, self.reselection)
         self.position += len(ids)
         return logits
+
+    def _prefill_prefix(self) -> dict[int, torch.Tensor]:
+        """The tail holding only `prefix`, prefilled (once, or again while an `AttentionMass`
+        collects weights: its queries count as the question's); returns its re-selection scores
+        per full-attention layer (`{}` without re-selection)."""
+        mass = active_attention_mass()
+        if self._prefix_scores is not None and mass is None:
+            return self._prefix_scores
+        self._drop_prefix()
+        n, p = self.n_context_tokens, len(self.prefix)
+        positions = torch.arange(n, n + p, device=self._position.device)
+        paused = attention_mass_paused() if mass is not None and mass.queries == "last" else contextlib.nullcontext()
+        with paused, rocketkv_attention(self.engine.model, self.cache, self.engine.shape, decode=None,
+                                        question=self.reselection is not None) as session:  # fmt: skip
+            forward_tokens(self.engine.model, self.cache, self.engine.ids(list(self.prefix)), positions)
+        self._prefix_scores = session.question_scores or {}
+        self.position = self._base = n + p
+        return self._prefix_scores
+
+    def _drop_prefix(self) -> None:
+        self.cache.crop_to_context()
+        self.position = self._base = self.n_context_tokens
+        self._prefix_scores = None
 
     def select_working_set(self, scores: dict[int, torch.Tensor], plan: Reselection) -> None:
         """Per-question re-selection (docs/algorithm.md §4): in each full-attention layer whose
@@ -126,6 +173,7 @@ class Decoder:
         return torch.cat([first, logits.view(len(rest), -1)], dim=0)
 
     def reset(self) -> None:
-        """Back to the stored context (the tail's tokens are forgotten)."""
-        self.cache.crop_to_context()
-        self.position = self.n_context_tokens
+        """Back to the stored context (the tail's tokens are forgotten, but for a kept question
+        prefix: see `prefill`)."""
+        self.cache.crop_to_context(self._base - self.n_context_tokens)
+        self.position = self._base

@@ -137,6 +137,17 @@ class Engine:
         """Token ids of the framed question (the rest of the template, the question, the answer cue)."""
         return tokenize(self.tokenizer, self.prompt.question_text(question), False)
 
+    @cached_property
+    def question_prefix(self) -> tuple[int, ...]:
+        """The token ids every framed question starts with (the template's text between the
+        document and the question): the common prefix of a few probe questions' ids. A `Decoder`
+        prefills them once and keeps their keys and values for every question."""
+        probes = [self.question_ids(q) for q in ("x", "What?", "1 2", "Who wrote it")]
+        n = 0
+        while all(len(p) > n for p in probes) and len({p[n] for p in probes}) == 1:
+            n += 1
+        return tuple(probes[0][:n])
+
     def context_limit(self, max_new_tokens: int) -> int:
         """Most framed document tokens one prefill may hold: the model's context minus room for a
         question (QUESTION_RESERVE_TOKENS) and the answer. Raises BudgetError when nothing is left."""

@@ -222,14 +222,19 @@ class RocketLayer(CacheLayerMixin):
         self.n_context, self.length = p, p + end - n
         self._context_pages = None
 
-    def crop_to_context(self) -> None:
+    def crop_to_context(self, keep_tail: int = 0) -> None:
         """Drop the tail: the cache is back to the stored context (all of it, after a
-        `select_context`, whose buffers are kept for the next question)."""
+        `select_context`, whose buffers are kept for the next question), followed by the first
+        `keep_tail` tail tokens (a prefix every question shares, appended before any
+        `select_context`: the stored buffers still hold it).
+        Raises ValueError: `keep_tail` outside [0, the room for a tail]."""
         if self._stored is not None:
             self._working = (self.keys, self.values, self.positions)
             self.keys, self.values, self.positions, self.n_context, self._context_pages = self._stored
             self._stored = None
-        self.length = self.n_context
+        if not 0 <= keep_tail <= self.keys.shape[2] - self.n_context:
+            raise ValueError(f"cannot keep {keep_tail} tail tokens after a context of {self.n_context}")
+        self.length = self.n_context + keep_tail
 
     def get_seq_length(self) -> int:
         return self.length
@@ -266,9 +271,10 @@ class RocketCache(Cache):
         keys, values, _ = layer.view()
         return keys, values
 
-    def crop_to_context(self) -> None:
+    def crop_to_context(self, keep_tail: int = 0) -> None:
+        """Every layer back to its stored context plus its first `keep_tail` tail tokens."""
         for layer in self.layers:
-            layer.crop_to_context()
+            layer.crop_to_context(keep_tail)
 
 
 def empty_cache(model: Any, shape: ModelShape, n_tokens: int) -> RocketCache:

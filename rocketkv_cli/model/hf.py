@@ -114,6 +114,22 @@ def attention_mass(n_positions: int, device: torch.device, queries: str = "last"
         _MASS.reset(token)
 
 
+@contextlib.contextmanager
+def attention_mass_paused() -> Iterator[None]:
+    """Inside the block no `AttentionMass` collects weights (a forward whose queries are not
+    the ones asked for, such as a shared prefix run only to fill the cache)."""
+    token = _MASS.set(None)
+    try:
+        yield
+    finally:
+        _MASS.reset(token)
+
+
+def active_attention_mass() -> AttentionMass | None:
+    """The `AttentionMass` collecting weights now (`attention_mass`), or None."""
+    return _MASS.get()
+
+
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """rocketkv's attention function (registered with `AttentionInterface`).
 
@@ -251,6 +267,7 @@ def rocketkv_attention(
     reconstruct: Reconstruction | None = None,
     capture_sliding: bool = False,
     question: bool = False,
+    question_scores: dict[int, torch.Tensor] | None = None,
 ) -> Iterator[_Session]:
     """Run `model` with rocketkv's attention over `cache` inside the block; restore it afterwards.
 
@@ -262,14 +279,15 @@ def rocketkv_attention(
         through `ops.reconstruction_attention` and gather its weights into this record.
     question: a question's first prefill after the stored context (the tail holds only its
         tokens): full-attention layers attend through `ops.question_attention` and leave each
-        layer's re-selection scores in the session's `question_scores[layer_idx]`.
+        layer's re-selection scores in the session's `question_scores[layer_idx]`, added to
+        `question_scores` (the scores of the question's tokens prefilled before, not modified).
     """
     AttentionInterface.register(ATTN_NAME, _attention)
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_NAME)
     session = _Session(cache=cache, shape=shape, decode=decode, capture_from=capture_from, hsa_from=hsa_from,
                        reconstruct=reconstruct, capture_sliding=capture_sliding,
-                       question_scores={} if question else None)  # fmt: skip
+                       question_scores=dict(question_scores or {}) if question else None)  # fmt: skip
     token = _SESSION.set(session)
     try:
         yield session

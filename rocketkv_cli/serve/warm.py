@@ -75,7 +75,7 @@ class Warm:
         while self.used_bytes() > self.memory_budget:
             cache = next((p for p in self.caches if p != keep_cache), None)
             if cache is not None:
-                del self.caches[cache]
+                self._forget(cache)
                 continue
             model = next((k for k in self.models if k != keep_model), None)
             if model is None:
@@ -92,13 +92,19 @@ class Warm:
             return warm.cache
         if warm is not None:
             self.reloads += 1
-            del self.caches[path]
+            self._forget(path)
         cache = read_cache(path)
         if file_identity(path) != identity:  # replaced while it was read: read the new one next time
             return cache
         self.caches[path] = _WarmCache(identity, cache, identity[2], set())
         self._evict(keep_cache=path)
         return cache
+
+    def _forget(self, path: Path) -> None:
+        """Drop the cache of `path` and the decode buffers a model keeps over it (`RocketKV.release`)."""
+        warm = self.caches.pop(path)
+        for rk, _ in self.models.values():
+            rk.release(warm.cache)
 
     def model(self, key: ModelKey, log=lambda message: None) -> RocketKV:
         """The model for `key`, loaded on first use. Raises ModelLoadError."""

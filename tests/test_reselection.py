@@ -90,7 +90,8 @@ def _count_tokens(engine):
     """A forward pre-hook counting the input tokens of each model call (a list of counts)."""
     counts: list[int] = []
     hook = engine.model.register_forward_pre_hook(
-        lambda module, args, kwargs: counts.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+        lambda module, args, kwargs: counts.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
     return counts, hook
 
 

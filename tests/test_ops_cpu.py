@@ -139,35 +139,6 @@ def test__ingest_with_context_reconstruction__keeps_what_the_reference_keeps(mon
         assert torch.equal(a.keys, b.keys)
 
 
-@pytest.mark.parametrize("h, hkv, d, t, s, softcap", [(9, 3, 64, 37, 700, None), (4, 1, 256, 5, 130, None),
-                                                     (6, 2, 24, 1, 513, 5.0), (8, 8, 40, 12, 1, None)])  # fmt: skip
-def test__question_scores__equal_the_reference(h, hkv, d, t, s, softcap):
-    """The one-pass question scores (no mask: every stored key precedes the question) against the
-    reference's masked two-pass ones; small blocks of query rows (max_elements) included."""
-    from rocketkv_cli.core.stage1 import question_scores
-
-    g = torch.Generator().manual_seed(h * 1000 + s)
-    q, k = torch.randn(1, h, t, d, generator=g) * 2, torch.randn(1, hkv, s, d, generator=g) * 2
-    want = question_scores(q, k, d**-0.5, softcap)
-    for max_elements in (1 << 24, 3 * s):
-        got = cpu.question_scores(q, k, d**-0.5, softcap, max_elements=max_elements)
-        err = (got - want).abs()
-        assert got.shape == want.shape == (1, hkv, s) and got.dtype == torch.float32
-        assert float(err.max()) <= 1e-5 * float(want.abs().max()) + 1e-6, (
-            f"max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}")  # fmt: skip
-
-
-def test__question_scores__dispatch_fast_path_on_cpu_under_auto(monkeypatch):
-    monkeypatch.delenv("ROCKETKV_KERNELS", raising=False)
-    calls = []
-    monkeypatch.setattr(cpu, "question_scores", lambda *a, **k: calls.append(1) or torch.zeros(1, 1, 3))
-    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 1, 3, 8)
-    ops.question_scores(q, k, 0.3)
-    monkeypatch.setenv("ROCKETKV_KERNELS", "torch")
-    ops.question_scores(q, k, 0.3)
-    assert calls == [1]
-
-
 @pytest.mark.parametrize("h, hkv, d, t, tail, n, softcap", [(9, 3, 64, 37, 37, 700, None), (4, 1, 256, 5, 9, 130, None),
                                                              (6, 2, 24, 1, 1, 513, 5.0), (8, 8, 40, 12, 12, 1, None),
                                                              (2, 1, 16, 3, 3, 20, 2.0)])  # fmt: skip

@@ -454,3 +454,30 @@ def test__take_rows__equals_gather_along_the_token_axis(shape):
                                      for _ in range(shape[1])]) for _ in range(shape[0])])  # fmt: skip
     idx = kept.view(*kept.shape, *([1] * (len(shape) - 3))).expand(*kept.shape, *shape[3:])
     assert torch.equal(take_rows(buffer, kept), buffer.gather(2, idx))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test__question_path__fast_kernels_choose_the_reference_working_sets(arch, monkeypatch):
+    """End to end over a decoder: the CPU fast path of a question's attention and scores
+    (`ROCKETKV_KERNELS=auto`) chooses the working sets the torch references choose, and gives
+    the same first-token logits (to float32 rounding) and greedy answer."""
+    engine = make_engine(arch)
+    cfg = PrefillConfig(token_budget=32, max_new_tokens=8, window_size=8, pool_kernel_size=5, store_budget=96)
+    stored = engine.ingest(Document(text_of_bytes(500, seed=3), "0" * 64, "d.txt"), cfg)
+    got = {}
+    for backend in ("auto", "torch"):
+        monkeypatch.setenv("ROCKETKV_KERNELS", backend)
+        answerer = Answerer(engine, stored, 8, decode_config_for(stored))
+        decoder = answerer.decoder
+        with decoder.attention():
+            logits = decoder.prefill(engine.question_ids("Which word comes first?"))
+        work = [decoder.cache.layers[i].positions[0, :, : decoder.cache.layers[i].n_context].clone()
+                for i in _full_layers(engine)]  # fmt: skip
+        decoder.reset()
+        got[backend] = (logits, work, answerer.ask("Which word comes first?").token_ids)
+    (la, wa, aa), (lt, wt, at) = got["auto"], got["torch"]
+    assert all(w.shape[-1] < stored.layers[i].n_kept_tokens for w, i in zip(wa, _full_layers(engine)))
+    assert all(torch.equal(x, y) for x, y in zip(wa, wt)), "the fast path chose other working sets"
+    err = (la - lt).abs()
+    assert float(err.max()) < 1e-4, f"max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"
+    assert aa == at

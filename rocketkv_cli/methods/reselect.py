@@ -53,19 +53,12 @@ class Reselection:
         kernel = auto_pool_kernel_size(max(layer.n_kept_tokens for layer in cache.layers))
         return cls(prompt_budget, cfg.window_size, kernel, cfg.n_first_tokens)  # select_kept_tokens fits them
 
-    def select(self, queries: torch.Tensor, keys: torch.Tensor, scaling: float, softcap: float | None) -> torch.Tensor:
-        """The working set of one layer: indices `[1, Hkv, prompt_budget]` int64, ascending, into
-        the stored keys `[1, Hkv, S, D]` (S > prompt_budget), scored by the attention the
-        question's queries `[1, H, T, D]` give them (softmax over the stored keys, summed over the
-        query heads of each GQA group and over the question's tokens), then max-pooled and ranked
-        as SnapKV++ at ingest (RocketKV §3.2)."""
-        from .. import ops
-
-        return self.keep(ops.question_scores(queries, keys, scaling, softcap))  # scores [1, Hkv, S]
-
     def keep(self, scores: torch.Tensor) -> torch.Tensor:
         """The working set from the question's scores of the stored keys `[1, Hkv, S]` float32 (S >
-        prompt_budget; `select`'s scores): indices `[1, Hkv, prompt_budget]` int64, ascending."""
+        prompt_budget): the attention its queries give them (softmax over the stored keys, summed
+        over each GQA group's query heads and the question's tokens: `ops.question_attention`),
+        max-pooled and ranked as SnapKV++ at ingest (RocketKV §3.2). Returns indices `[1, Hkv,
+        prompt_budget]` int64, ascending."""
         from .. import ops
 
         return ops.snapkv_select(scores, self.prompt_budget, self.window_size, self.pool_kernel_size,

@@ -156,10 +156,8 @@ def question_scores(
     question_queries: torch.Tensor, keys: torch.Tensor, scaling: float, softcap: float | None = None
 ) -> torch.Tensor:
     """`stage1.question_scores`: `[B, H, T, D]` × `[B, Hkv, S, D]` (every key before every query) →
-    `[B, Hkv, S]` float32. CPU tensors under `ROCKETKV_KERNELS=auto` take the one-pass fast path
-    `ops.cpu.question_scores`; others the reference through the dispatched `observation_scores`."""
-    if question_queries.device.type == "cpu" and requested_backend() == "auto":
-        return cpu.question_scores(question_queries, keys, scaling, softcap)
+    `[B, Hkv, S]` float32, through the dispatched `observation_scores` (the reference of
+    `question_attention`'s scores; on the CPU its fast path computes them in the same pass)."""
     return stage1.question_scores(question_queries, keys, scaling, softcap, score=observation_scores)
 
 

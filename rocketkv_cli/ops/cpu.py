@@ -82,40 +82,6 @@ def reconstruction_attention(
     return out.to(queries.dtype), weights.view(b, h, n_context)
 
 
-def question_scores(
-    question_queries: torch.Tensor, keys: torch.Tensor, scaling: float, softcap: float | None = None,
-    max_elements: int = 1 << 24,
-) -> torch.Tensor:  # fmt: skip
-    """`core.stage1.question_scores` for CPU tensors: `[B, H, T, D]` × `[B, Hkv, S, D]` → `[B, Hkv, S]`
-    float32, the attention mass each stored key gets from the question's queries, summed over the
-    question's tokens and each GQA group's query heads (docs/algorithm.md §4).
-
-    Every stored key precedes the question, so nothing is masked and each query's softmax over
-    the S keys is independent of the others: one pass per block of query rows (logits, softmax,
-    sum; `max_elements` logits at a time, 64 MB, with the softmax's and softcap's temporaries 3-4x
-    that; the keys are read as float32 whole), where the reference, written for a causal
-    observation window, builds a mask and computes every logit twice (a log-sum-exp pass, then the
-    weights) (on SmolLM2's GPL cache with every token stored, the serve loop's first token went
-    from 2.40 to 1.74 s with this path: docs/serve.md).
-    """
-    b, h, t, d = question_queries.shape
-    hkv, s = keys.shape[1], keys.shape[2]
-    if keys.shape != (b, hkv, s, d) or h % hkv:
-        raise ValueError(f"queries {tuple(question_queries.shape)} and keys {tuple(keys.shape)} do not match")
-    g = h // hkv
-    # [B, Hkv, G*T, D]: a group's heads share the key head; scaled here, not the G*T*S logits
-    q = question_queries.float().reshape(b, hkv, g * t, d) * scaling
-    k = keys.float().transpose(-1, -2)  # [B, Hkv, D, S]
-    rows = max(1, max_elements // max(1, b * hkv * s))
-    scores = torch.zeros(b, hkv, s, dtype=torch.float32, device=keys.device)
-    for start in range(0, g * t, rows):
-        logits = torch.matmul(q[:, :, start : start + rows], k)  # [B, Hkv, rows, S]
-        if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
-        scores += torch.softmax(logits, dim=-1).sum(dim=2)
-    return scores
-
-
 def question_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n_context: int, scaling: float,
     softcap: float | None = None, max_elements: int = 1 << 24,

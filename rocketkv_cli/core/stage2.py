@@ -104,7 +104,7 @@ def select_pages(scores: torch.Tensor, topk: int, page_size: int) -> torch.Tenso
     """
     n_pages = scores.shape[-1]
     n_sel_pages = min(n_pages, max(1, topk // page_size))
-    pages = scores.topk(n_sel_pages, dim=-1).indices.sort(dim=-1).values  # [B, Hkv, Psel]
+    pages = scores.topk(n_sel_pages, dim=-1, sorted=False).indices.sort(dim=-1).values  # [B, Hkv, Psel]
     offsets = torch.arange(page_size, device=scores.device)
     return (pages.unsqueeze(-1) * page_size + offsets).flatten(2)  # [B, Hkv, Psel*page_size]
 

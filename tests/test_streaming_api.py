@@ -70,3 +70,43 @@ def test__session_over_a_segmented_cache__routes_and_cites_like_ask(rk):
     assert all(len(r["segments"]) == 1 and len(r["citations"]) == 2 for r in got)
     with pytest.raises(InputError, match="one segment"):
         rk.session(long, cite=2, segments=2)
+
+
+def _fresh(rk, cache, question, **options):
+    """The answer of a RocketKV that has answered nothing yet (its own decoder, built for it)."""
+    return next(iter(RocketKV(rk.engine).ask(cache, question, **options)))
+
+
+def test__ask__keeps_one_decoder_per_cache_and_answers_as_a_fresh_one(rk, cache):
+    """`ask` reuses the decoder (and the question prefix it prefilled) over the cache it last
+    answered from, whatever the settings; each answer equals a fresh RocketKV's, also after an
+    answer abandoned by an `on_text` that raised (the error kept alive, as a debugger keeps it)."""
+    import weakref
+
+    calls = [(QS[0], {"max_new_tokens": 20}), (QS[1], {"max_new_tokens": 8}),
+             (QS[2], {"max_new_tokens": 12, "temperature": 1.3, "seed": 5}),
+             (QS[0], {"max_new_tokens": 20})]  # fmt: skip
+    mine = RocketKV(rk.engine)
+    kept = []
+    for question, options in calls:
+        got = next(iter(mine.ask(cache, question, **options)))
+        assert got.token_ids == _fresh(rk, cache, question, **options).token_ids, (question, options)
+        kept.append(weakref.ref(mine._kept._kept))
+    assert len({id(k()) for k in kept}) == 1 and kept[0]() is not None, "the decoder was built again"
+
+    def fail(piece):
+        raise RuntimeError("the consumer failed")
+
+    with pytest.raises(RuntimeError) as failed:
+        list(mine.ask(cache, QS[1], max_new_tokens=20, on_text=fail))
+    assert failed.value is not None  # the traceback (and its frames) stay alive here
+    decoder = mine._kept._kept.decoder  # back at the stored context and the kept prefix, not mid-answer
+    assert decoder.position == cache.n_context_tokens + len(rk.engine.question_prefix), decoder.position
+    assert next(iter(mine.ask(cache, QS[2], max_new_tokens=20))).token_ids == _fresh(
+        rk, cache, QS[2], max_new_tokens=20).token_ids  # fmt: skip
+    other = rk.ingest(text=text_of_bytes(700, seed=9), token_budget=64, max_new_tokens=40).cache
+    mine.release(other)  # not the one kept: nothing changes
+    assert kept[0]() is not None
+    del failed  # its frames hold the decoder too
+    mine.release(cache)
+    assert mine._kept._kept is None and kept[0]() is None, "release left the decoder alive"

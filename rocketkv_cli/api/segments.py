@@ -344,8 +344,19 @@ def answer_segmented(
     def answers() -> Iterator[Answer]:
         for i, ((question, chosen, part), decode) in enumerate(zip(jobs, decodes)):
             log(f"question {i + 1}: answering from segment{'s' * (len(chosen) > 1)} {', '.join(map(str, chosen))}")
-            ans = next(answer(engine, part, [question], max_new_tokens, decode, sampling=sampling, on_text=on_text,
-                              cite=citer(engine.tokenizer, part, cite), kept=kept))  # fmt: skip
+            ans = next(
+                answer(
+                    engine,
+                    part,
+                    [question],
+                    max_new_tokens,
+                    decode,
+                    sampling=sampling,
+                    on_text=on_text,
+                    cite=citer(engine.tokenizer, part, cite),
+                    kept=kept if len(chosen) == 1 else None,
+                )
+            )  # a merged cache is built per question
             yield dataclasses.replace(ans, segments=tuple(chosen))
 
     return answers()

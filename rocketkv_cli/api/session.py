@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Callable, Generator, Iterator
 
 from ..core.cache import AnyCache, CompressedKVCache, SegmentedKVCache
-from ..engine.answer import Answer, Answerer, Sampling, TextCallback, decode_config_for
+from ..engine.answer import Answer, Answerer, Sampling, TextCallback, decode_config_for, drain
 from ..engine.engine import Engine
 from .citations import citer
 from .segments import merge_segments, route
@@ -77,9 +77,4 @@ class Session:
     def ask(self, question: str, on_text: TextCallback | None = None) -> Answer:
         """The answer to `question`; `on_text(piece)` gets its text as it becomes final.
         Raises InputError (an empty question), BudgetError (one that does not fit)."""
-        stream = self.stream(question)
-        for piece in stream:
-            if on_text is not None:
-                on_text(piece)
-        assert stream.answer is not None  # set when the iteration ends
-        return stream.answer
+        return drain(self.stream(question).steps(), on_text)

@@ -31,7 +31,7 @@ from .engine import QUESTION_RESERVE_TOKENS, Engine
 from .inputs import check_questions
 from .stopping import AnswerTokens
 
-__all__ = ["Answer", "Answerer", "KeptAnswerer", "Sampling", "answer", "decode_config_for", "generate"]
+__all__ = ["Answer", "Answerer", "KeptAnswerer", "Sampling", "answer", "decode_config_for", "drain", "generate"]
 
 TextCallback = Callable[[str], None]
 
@@ -202,6 +202,7 @@ class Answerer:
         abandons the answer; the decoder is back at the stored context either way.
         """
         ids = self.prepare(question) if ids is None else ids
+        self.decoder.reset()  # from the stored context, whatever an earlier caller left in the tail
         steps = stream_answer(self.engine, self.decoder, question, ids, self.max_new_tokens, self.stops, self.sampling)
         try:
             if self.cite is None:
@@ -217,7 +218,7 @@ class Answerer:
 
     def ask(self, question: str, ids: list[int] | None = None, on_text: TextCallback | None = None) -> Answer:
         """The answer to `question`; `on_text(piece)` is called with each final piece of its text."""
-        return _drain(self.stream(question, ids), on_text)
+        return drain(self.stream(question, ids), on_text)
 
 
 class KeptAnswerer:
@@ -243,7 +244,7 @@ class KeptAnswerer:
             kept = self._kept
             tail = max(QUESTION_RESERVE_TOKENS, question_tokens) + max_new_tokens
             if kept is None or kept.engine is not engine or kept.cache is not cache or kept.tail_tokens < tail:
-                self._kept = None  # the old buffers go before the new ones are made
+                self._kept = kept = None  # the old buffers go before the new ones are made
                 kept = self._kept = Answerer(engine, cache, max_new_tokens, decode, stop_strings, sampling,
                                              question_tokens, cite)  # fmt: skip
             else:
@@ -305,17 +306,23 @@ def generate(
     on_text: TextCallback | None = None,
 ) -> Answer:
     """The answer to one framed question `ids` from `decoder`'s current state (see `stream_answer`)."""
-    return _drain(stream_answer(engine, decoder, question, ids, max_new_tokens, stops, sampling), on_text)
+    return drain(stream_answer(engine, decoder, question, ids, max_new_tokens, stops, sampling), on_text)
 
 
-def _drain(steps: Generator[str, None, Answer], on_text: TextCallback | None) -> Answer:
-    while True:
-        try:
-            piece = next(steps)
-        except StopIteration as done:
-            return done.value
-        if on_text is not None:
-            on_text(piece)
+def drain(steps: Generator[str, None, Answer], on_text: TextCallback | None) -> Answer:
+    """Run `steps` to its `Answer`, passing each piece to `on_text`. If `on_text` raises, the
+    generator is closed before the error leaves (its decoder is back at the stored context
+    before anyone else can use it), not whenever the traceback is freed."""
+    try:
+        while True:
+            try:
+                piece = next(steps)
+            except StopIteration as done:
+                return done.value
+            if on_text is not None:
+                on_text(piece)
+    finally:
+        steps.close()
 
 
 def stream_answer(

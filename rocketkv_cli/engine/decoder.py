@@ -103,11 +103,11 @@ class Decoder:
 
     def _prefill_prefix(self) -> dict[int, torch.Tensor]:
         """The tail holding only `prefix`, prefilled (once, or again while an `AttentionMass`
-        collects weights: its queries count as the question's); returns its re-selection scores
+        collects every query's weights: the prefix's count as the question's); returns its re-selection scores
         per full-attention layer (`{}` without re-selection)."""
         mass = active_attention_mass()
-        if self._prefix_scores is not None and mass is None:
-            return self._prefix_scores
+        if self._prefix_scores is not None and (mass is None or mass.queries == "last"):
+            return self._prefix_scores  # "last" would not collect the prefix's queries anyway
         self._drop_prefix()
         n, p = self.n_context_tokens, len(self.prefix)
         positions = torch.arange(n, n + p, device=self._position.device)

@@ -251,3 +251,21 @@ def test__models_in_a_terminal(rocketkv_bin, env, tmp_path):
     code, shown = run_in_terminal([rocketkv_bin, "models"], {**env, "ROCKETKV_HOME": str(tmp_path)})
     plain = strip_ansi(shown)
     assert code == 0 and "x-1" in plain and "5 B" in plain, plain
+
+
+def test__ask_in_a_terminal__ctrl_c_mid_answer_ends_the_answer_line_then_130(rocketkv_bin, env, kv):
+    """Ctrl-C while `ask` prints an answer: the error starts a line of its own (a user saw
+    `…a copy^CError: interrupted`), exit 130, no traceback."""
+    # seed 5: a 615-token answer (see the chat test above), so Ctrl-C lands while it is printed
+    term = Terminal([rocketkv_bin, "ask", "--cache", str(kv), "Tell me everything, at length.", "--max-new-tokens",
+                     "1000", "--temperature", "1.5", "--seed", "5", "--no-server"], env)  # fmt: skip
+    start = term.expect("\r\n", term.expect("rocketkv: loaded"))  # one question: the answer alone follows
+    while len(term.plain()) < start + 40:  # the answer is being printed
+        assert term._read(1.0) or term.proc.poll() is None, term.plain()[-2000:]
+    term.send("\x03")
+    code = term.wait()
+    shown = term.plain()
+    assert code == 130, shown[-2000:]
+    error = shown.index("Error: interrupted")
+    assert shown[:error].rstrip(" ").endswith(("\n", "^C\r\n", "\r\n")), repr(shown[error - 80 : error + 20])
+    assert "Traceback" not in shown

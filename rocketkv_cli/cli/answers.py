@@ -133,10 +133,21 @@ class AnswerPrinter:
     def __init__(self, fmt: str, stream: bool, show_question: bool = True):
         self.fmt, self.stream, self.show_question = fmt, stream, show_question
         self.records = 0
+        self.line_open = False  # stdout's last line is an answer still being printed
 
     def _write(self, text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
+        if text:
+            self.line_open = not text.endswith("\n")
+
+    def end_line(self) -> None:
+        """End a line an answer left half-printed (before an error or an interrupt is reported)."""
+        if self.line_open:
+            try:
+                self._write("\n")
+            except OSError:  # stdout gone: the error being reported says more
+                pass
 
     def _qa(self, text: str) -> str:
         return text.replace("\n", "\n" + INDENT)

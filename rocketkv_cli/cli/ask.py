@@ -55,7 +55,7 @@ from .options import (
     TrustOpt,
     WeightsOpt,
 )
-from .remote import ask_remote, server_for
+from .remote import ask_remote, server_for, server_running
 from .sources import DocumentReading, ModelChoice, open_source
 
 
@@ -200,18 +200,25 @@ def ask_command(
     printer = AnswerPrinter(fmt, stream)
     local = no_server or len(questions) > MAX_QUESTIONS
     remote = server_for(server, local) if doc is None else None
-    if remote is not None and cache is not None:  # doc is None: --cache was given
-        cache_budget_note(budget, cache)
-        focused = {} if focus is None else {"focus": focus}
-        ask_remote(remote, cache, questions, {**options, **focused, **choice.for_server()}, printer, timings)
-    else:
-        reading = DocumentReading(encoding, errors, segment_tokens)
-        rk, stored, source = open_source(doc, cache, choice, budget, options, reading, timings)
-        if focus is not None:
-            answers = focused_answers(rk, stored, questions, focus, max_new_tokens, cite, printer)
+    if doc is not None and not local and server_running(server):
+        log("a server is running, but a document is read in this process: ingest it once "
+            "(rocketkv ingest DOC -o DOC.kv) and ask with --cache to answer through the server")  # fmt: skip
+    try:
+        if remote is not None and cache is not None:  # doc is None: --cache was given
+            cache_budget_note(budget, cache)
+            focused = {} if focus is None else {"focus": focus}
+            ask_remote(remote, cache, questions, {**options, **focused, **choice.for_server()}, printer, timings)
         else:
-            answers = rk.ask(stored, questions, on_text=printer.piece, log=log, **options)
-        print_answers(answers, questions, source, printer, timings)
+            reading = DocumentReading(encoding, errors, segment_tokens)
+            rk, stored, source = open_source(doc, cache, choice, budget, options, reading, timings)
+            if focus is not None:
+                answers = focused_answers(rk, stored, questions, focus, max_new_tokens, cite, printer)
+            else:
+                answers = rk.ask(stored, questions, on_text=printer.piece, log=log, **options)
+            print_answers(answers, questions, source, printer, timings)
+    except BaseException:  # Ctrl-C or an error mid-answer: its line ends before the error line
+        printer.end_line()
+        raise
     if verbose:
         log(f"answered by the server at {remote.url}" if remote is not None else threads_note())
         log(timings.summary())

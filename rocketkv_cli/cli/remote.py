@@ -10,6 +10,7 @@ from collections.abc import Generator
 from pathlib import Path
 from types import SimpleNamespace
 
+from ..errors import UsageError
 from ..serve.client import Server, ServerError, events, locate
 from .answers import AnswerPrinter
 from .common import Timings, log
@@ -19,6 +20,14 @@ def server_for(url: str | None, no_server: bool) -> Server | None:
     """The server to answer through, or None (in this process). Raises ServerError for a `--server`
     that does not answer, UsageError for a malformed URL."""
     return locate(url, no_server)
+
+
+def server_running(url: str | None) -> bool:
+    """Whether `server_for(url, False)` would find a server (never raises)."""
+    try:
+        return locate(url, False) is not None
+    except (ServerError, UsageError, OSError):  # a malformed --server URL is reported where it is used
+        return False
 
 
 def model_for_server(options: dict) -> dict:

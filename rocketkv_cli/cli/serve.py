@@ -42,7 +42,7 @@ def _status(where: Server, json_out: bool) -> None:
 
 def _stop(where: Server) -> None:
     if health(where) is None:
-        raise ServerError(f"no rocketkv server is running on {where.url}")
+        raise ServerError(f"no rocketkv server is running on {where.url}", "nothing to stop")
     status, _ = post(where, "/v1/rocketkv/shutdown", {})
     if status != 200:
         raise ServerError(f"the server at {where.url} refused to stop (HTTP {status})", "check ROCKETKV_API_KEY")

@@ -97,7 +97,8 @@ def load_model(
                 "choose a model of a supported architecture with --model",
             )
         tok = load_tokenizer(where, trust_remote_code)
-        lm = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, **local_only)
+        with _no_loading_bar():
+            lm = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, **local_only)
     except ModelLoadError:
         raise
     except (OSError, ValueError, KeyError) as exc:
@@ -385,6 +386,22 @@ def transformers_version() -> str:
     import transformers
 
     return transformers.__version__
+
+
+@contextlib.contextmanager
+def _no_loading_bar():
+    """transformers' own "Loading weights" bar off for the block (restored after): `RocketKV.load`
+    from a script would otherwise print it, in a log file as a line of carriage returns; the
+    caller's `log` line says what was loaded."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def configure_transformers(quiet: bool, progress_bars: bool) -> None:

@@ -338,9 +338,9 @@ def _render_screens(screens: list[tuple[dict, dict, dict]], own: dict) -> list[s
                 full = p["store_label"].startswith("everything")
                 if full and (p["mode"] != "exact" or s is tried):
                     continue
-                row = ["full attention" if full else name, p["store_label"].split(" = ")[0], f"{p['stored_tokens']:,.0f}",
-                       _mode(p),
-                       interval(p["score"], p["score_ci"]), interval(p["share_of_full"]),
+                row = ["full attention" if full else name, p["store_label"].split(" = ")[0],
+                       f"{p['stored_tokens']:,.0f}", _mode(p), interval(p["score"], p["score_ci"]),
+                       interval(p["share_of_full"]),
                        interval(p["top1"], p["top1_ci"]), f"{p['kl']:.3f}", f"{p['bytes_per_token']:,.0f}",
                        str(s["samples"])]  # fmt: skip
                 if row not in rows:  # screens run on the same samples share full's and the preset's rows

@@ -163,6 +163,12 @@ def prepare_questions(
     return prepared
 
 
+def tail_tokens(question_tokens: int, max_new_tokens: int) -> int:
+    """Room an `Answerer`'s decoder keeps after the stored context: the question (at least
+    QUESTION_RESERVE_TOKENS) and the answer, in tokens."""
+    return max(QUESTION_RESERVE_TOKENS, question_tokens) + max_new_tokens
+
+
 class Answerer:
     """Answers questions one at a time from one cache with one `Decoder` (its static buffers are
     made once; a longer question grows the tail). Each answer starts from the stored context.
@@ -183,13 +189,18 @@ class Answerer:
         question_tokens: int = QUESTION_RESERVE_TOKENS,
         cite: Citer | None = None,
     ):
-        self.cite = cite
         self._baseline: AttentionMass | None = None
-        self.engine, self.cache, self.max_new_tokens = engine, cache, max_new_tokens
-        self.stops = engine.prompt.stop_strings if stop_strings is None else stop_strings
-        self.sampling = sampling
-        self.tail_tokens = max(QUESTION_RESERVE_TOKENS, question_tokens) + max_new_tokens
+        self.engine, self.cache = engine, cache
+        self.tail_tokens = tail_tokens(question_tokens, max_new_tokens)
         self.decoder = Decoder(engine, cache, self.tail_tokens, decode)
+        self.configure(max_new_tokens, decode, stop_strings, sampling, cite)
+
+    def configure(self, max_new_tokens: int, decode: DecodeConfig | None, stop_strings: tuple[str, ...] | None,
+                  sampling: Sampling, cite: Citer | None) -> None:  # fmt: skip
+        """The settings of the answers to come (as the constructor's); the buffers stay."""
+        self.max_new_tokens, self.sampling, self.cite = max_new_tokens, sampling, cite
+        self.stops = self.engine.prompt.stop_strings if stop_strings is None else stop_strings
+        self.decoder.decode = decode
 
     def prepare(self, question: str) -> list[int]:
         """The framed ids of `question`. Raises InputError, BudgetError (see `prepare_questions`)."""
@@ -242,15 +253,13 @@ class KeptAnswerer:
             return
         try:
             kept = self._kept
-            tail = max(QUESTION_RESERVE_TOKENS, question_tokens) + max_new_tokens
+            tail = tail_tokens(question_tokens, max_new_tokens)
             if kept is None or kept.engine is not engine or kept.cache is not cache or kept.tail_tokens < tail:
                 self._kept = kept = None  # the old buffers go before the new ones are made
                 kept = self._kept = Answerer(engine, cache, max_new_tokens, decode, stop_strings, sampling,
                                              question_tokens, cite)  # fmt: skip
             else:
-                kept.max_new_tokens, kept.sampling, kept.cite = max_new_tokens, sampling, cite
-                kept.decoder.decode = decode
-                kept.stops = engine.prompt.stop_strings if stop_strings is None else stop_strings
+                kept.configure(max_new_tokens, decode, stop_strings, sampling, cite)
             yield kept
         finally:
             self._lock.release()

@@ -6,9 +6,11 @@ import contextlib
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import tiny_model
 from torch import nn
 
+from rocketkv_cli.model.linears import bf16_matvec
 from rocketkv_cli.model.loading import load_model, resolve_dtype
 from rocketkv_cli.model.weights import (
     Bf16Linear,
@@ -84,6 +86,28 @@ def test__bf16_linear__rounded_operands_in_decode_float_weights_in_prefill(k, n,
     if act == torch.float32 and in_decode:
         unrounded = x.double() @ linear.weight.double().T + (linear.bias.double() if bias else 0)
         assert float((got.double() - unrounded).abs().max()) > 1e-4 * float(magnitude.max())
+
+
+@pytest.mark.parametrize("k, n", [(64, 48), (576, 960), (37, 131), (1536, 576), (8, 4099)])
+def test__bf16_matvec__one_row_equals_the_matrix_products_rows(k, n):
+    """The one-row fast path (`torch.mv`, what a decode step runs) against the reference: the
+    same row multiplied by `F.linear` inside a batch of rows. Both round the operands to
+    bfloat16 and accumulate in float32; their outputs may differ by the summation order only,
+    so by at most one bfloat16 step of the output (plus float32 sums' relative error)."""
+    torch.manual_seed(k + 7 * n)
+    w = torch.randn(n, k).bfloat16()
+    rows = torch.randn(5, k).bfloat16()
+    want = F.linear(rows, w)[2]  # [n], the reference of the middle row
+    got = bf16_matvec(w, rows[2])
+    assert got.dtype == torch.bfloat16 and got.shape == (n,)
+    magnitude = rows[2].double().abs() @ w.double().abs().T
+    err = (got.double() - want.double()).abs()
+    tol = 2**-7 * want.double().abs() + 1e-6 * magnitude  # one bfloat16 step (8 bits kept) + summation
+    assert bool((err <= tol).all()), f"max error {float(err.max()):.3e} (mean {float(err.mean()):.3e})"
+    with decode_step():  # and it is what Bf16Linear runs for one row
+        linear = nn.Linear(k, n, bias=False).requires_grad_(False)
+        linear.weight.copy_(w.float())
+        assert torch.equal(Bf16Linear(linear)(rows[2:3].float())[0], got.float())
 
 
 @pytest.mark.parametrize("fmt, cls", [("bf16", Bf16Linear), ("int8", Int8Linear)])

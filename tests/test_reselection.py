@@ -453,7 +453,11 @@ def test__take_rows__equals_gather_along_the_token_axis(shape):
     kept = torch.stack([torch.stack([torch.randperm(shape[2], generator=g)[:7].sort().values
                                      for _ in range(shape[1])]) for _ in range(shape[0])])  # fmt: skip
     idx = kept.view(*kept.shape, *([1] * (len(shape) - 3))).expand(*kept.shape, *shape[3:])
-    assert torch.equal(take_rows(buffer, kept), buffer.gather(2, idx))
+    want = buffer.gather(2, idx)
+    assert torch.equal(take_rows(buffer, kept), want)
+    room = torch.full((*shape[:2], 11, *shape[3:]), float("nan"))  # a working set's buffers, more room than P
+    assert torch.equal(take_rows(buffer, kept, out=room[:, :, :7]), want)
+    assert torch.equal(room[:, :, :7], want) and bool(room[:, :, 7:].isnan().all())
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])

@@ -214,7 +214,7 @@ class RocketLayer(CacheLayerMixin):
             work = (self.keys.new_empty(b, hkv, cap, self.keys.shape[3]), self.values.new_empty(b, hkv, cap,
                     self.values.shape[3]), self.positions.new_empty(b, hkv, cap))  # fmt: skip
         for dst, src in zip(work, (self.keys, self.values, self.positions)):
-            dst[:, :, :p] = take_rows(src, kept)
+            take_rows(src, kept, out=dst[:, :, :p])
             dst[:, :, p : p + end - n] = src[:, :, n:end]
         if self._stored is None:
             self._stored = (self.keys, self.values, self.positions, n, self._context_pages)
@@ -246,10 +246,18 @@ class RocketLayer(CacheLayerMixin):
         return -1
 
 
-def take_rows(buffer: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+def take_rows(buffer: torch.Tensor, kept: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """`buffer[b, h, kept[b, h, i]]` for every i: rows `[B, Hkv, P, ...]` of a buffer `[B, Hkv, C, ...]`
     by indices `[B, Hkv, P]` int64 (< C), as one `index_select` of whole rows (a `gather` with an
-    expanded index reads it element by element)."""
+    expanded index reads it element by element). out: `[B, Hkv, P, ...]` whose `out[b, h]` are
+    contiguous (a working set's buffers, sliced along P): the rows are written there, one
+    `index_select` per KV head, with no temporary (a question's re-selection gathers ~160 MB on
+    SmolLM2; a temporary and its copy doubled that)."""
+    if out is not None:
+        for i in range(kept.shape[0]):
+            for h in range(kept.shape[1]):
+                torch.index_select(buffer[i, h], 0, kept[i, h], out=out[i, h])
+        return out
     b, hkv, c = buffer.shape[:3]
     base = torch.arange(b * hkv, device=buffer.device).view(b, hkv, 1) * c  # [B, Hkv, 1]: each head's first row
     rows = buffer.reshape(b * hkv * c, -1).index_select(0, (kept + base).flatten())

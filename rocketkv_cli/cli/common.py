@@ -291,7 +291,7 @@ def ingest(rk, document, cfg, output=None, force=False, segment_tokens=None, kv_
     def on_segment(event) -> None:
         so_far[0] += event.n_tokens
         what = "found checkpointed" if event.resumed else "prefilled"
-        log(f"segment {event.index}: {what} ({event.n_tokens} tokens; {so_far[0]} so far)")
+        log(f"segment {event.index}: {what} ({event.n_tokens:,} tokens; {so_far[0]:,} so far)")
 
     # a method that re-reads the document (context reconstruction) does so after each prefill: the bar's second half
     label = "prefill + re-read" if method_class(cfg).capture == "reconstruct" else "prefill"
@@ -303,8 +303,8 @@ def ingest(rk, document, cfg, output=None, force=False, segment_tokens=None, kv_
     stored = done.cache
     n_parts = stored.n_segments
     where = f" in {n_parts} segments" if n_parts > 1 else ""
-    log(f"prefilled {stored.n_context_tokens} tokens{where} in {done.seconds:.1f}s; "
-        f"keeping up to {stored.max_kept_tokens} per KV head per layer{' per segment' if where else ''}"
+    log(f"prefilled {stored.n_context_tokens:,} tokens{where} in {done.seconds:.1f}s; "
+        f"keeping up to {stored.max_kept_tokens:,} per KV head per layer{' per segment' if where else ''}"
         + ("; adaptive layer budgets: the layers keep different counts, the same total"
            if cfg.layer_budgets != "uniform" else ""))  # fmt: skip
     return done

@@ -1,4 +1,4 @@
-"""The Python API (`rocketkv_cli.RocketKV`): what the README shows, and that it answers exactly
+"""The Python API (`rocketkv_cli.RocketKV`): what the README and docs/usage.md show, and that it answers exactly
 as the installed CLI does from the same file."""
 
 import json

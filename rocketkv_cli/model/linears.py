@@ -107,7 +107,9 @@ class Bf16Linear(_PackedLinear):
 
     Inside `decode_step()` (each generated token; an answer's teacher forcing, which equals
     decode) the input is rounded to bfloat16 too and torch's bfloat16 kernel multiplies (each
-    product exact, float32 accumulation, the output rounded to bfloat16). Prefill (the document
+    product exact, float32 accumulation, the output rounded to bfloat16): on a CPU row by row
+    (`bf16_matvec`, decode's one row; teacher forcing's rows alike, so they equal decode's), on
+    other devices `F.linear`. Prefill (the document
     and the question) multiplies by W exactly as the float model does: a CPU without native
     bfloat16 runs a bfloat16 product of many rows several times slower than float32, and a
     cache prefilled with W keeps the tokens the float model would keep (docs/performance.md
@@ -128,8 +130,11 @@ class Bf16Linear(_PackedLinear):
     def _product(self, flat: torch.Tensor) -> torch.Tensor:
         if _DECODE_STEP.get() or flat.dtype == torch.bfloat16:
             x = flat.to(torch.bfloat16)
-            if x.shape[0] == 1 and x.device.type == "cpu":
-                return bf16_matvec(self.weight_bf16, x[0]).unsqueeze(0).to(flat.dtype)  # [1, out]
+            if x.device.type == "cpu" and (x.shape[0] == 1 or _DECODE_STEP.get()):
+                # a decode step's row; teacher forcing's rows one by one, so that they are computed
+                # exactly as decode computes them on any CPU (the two kernels may sum differently)
+                rows = [bf16_matvec(self.weight_bf16, row) for row in x]
+                return (rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)).to(flat.dtype)  # [N, out]
             return F.linear(x, self.weight_bf16).to(flat.dtype)  # [N, out]
         if self.float_weight is None:
             raise RuntimeError("a joined bf16 linear has no float weights: it runs inside decode_step() only")

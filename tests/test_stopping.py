@@ -91,6 +91,11 @@ def test__units__numbers_alike_whitespace_ignored_long_words_in_pieces():
         ("Quest", ""),  # an answer that starts like the template
         ("The code is \ufffd", "The code"),  # an incomplete character
         ("It is a boat. It is a", "It is a boat."),  # "It is" repeats the text 5 units back: held
+        ("The", "The"),  # the first word is shown as soon as it is decoded: no loop can cut it
+        ("  Yes", "Yes"),
+        ("12", "12"),
+        ("Question", ""),  # unless it may still become a stop string
+        ("The \ufffd", "The"),
     ],
 )
 def test__final_prefix__holds_back_what_may_change(raw, final):

@@ -128,7 +128,10 @@ class AnswerText:
                 if line.endswith(s[:n]):
                     end = min(end, max(0, len(line) - n - 1))
                     break
-        units = text_units(body[:end])[:-1]  # the last unit may still grow ("1" → "12"): held
+        units = text_units(body[:end])
+        if len(units) == 1:  # the first unit: no loop can cut it (one copy is always kept), and
+            return body[:end].rstrip()  # a word that grows ("The" → "There") only adds text: shown
+        units = units[:-1]  # the last unit may still grow ("1" → "12") and start a loop's repeat: held
         held = repeating_suffix([u[0] for u in units])
         end = min(end, units[len(units) - held - 1][2] if len(units) > held else 0)
         return body[:end].rstrip()

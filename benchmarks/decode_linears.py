@@ -50,6 +50,9 @@ def step_weights(preset: str | None) -> tuple[str, list[torch.Tensor]]:
 
 
 def measure(weights: list[torch.Tensor], rounds: int) -> dict:
+    """Both kernels over every weight `[out, in]` (one random bfloat16 row `[in]` each), taking
+    turns for `rounds` rounds after two of warm-up: per kernel the median and p90 ms of a round
+    and GB/s (weight bytes / median), and how many of the outputs are equal."""
     kernels = {"F.linear (reference)": lambda w, x: F.linear(x[None], w)[0], "bf16_matvec": bf16_matvec}
     xs = [torch.randn(w.shape[1]).bfloat16() for w in weights]
     times: dict[str, list[float]] = {k: [] for k in kernels}

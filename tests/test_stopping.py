@@ -96,6 +96,7 @@ def test__units__numbers_alike_whitespace_ignored_long_words_in_pieces():
         ("12", "12"),
         ("Question", ""),  # unless it may still become a stop string
         ("The \ufffd", "The"),
+        ("ok__", "ok"),  # "_" is no unit: a loop of "ok" may cut right after the first one
     ],
 )
 def test__final_prefix__holds_back_what_may_change(raw, final):
@@ -103,7 +104,8 @@ def test__final_prefix__holds_back_what_may_change(raw, final):
 
 
 TOKENIZER = byte_tokenizer()
-PIECES = ["\n", "\n\n", "Question", ":", " ", "1", "2", "10", ".", " the", " harbor", "Answer", " code", "é", "字"]
+PIECES = ["\n", "\n\n", "Question", ":", " ", "1", "2", "10", ".", " the", " harbor", "Answer", " code", "é", "字", "_",
+          "ok"]  # fmt: skip
 PIECE_IDS = [TOKENIZER(p, add_special_tokens=False)["input_ids"] for p in PIECES]
 
 
@@ -129,3 +131,21 @@ def test__streamed_pieces_join_to_the_final_answer(prefix, chunk, repeats, suffi
     pieces.append(state.take_final())
     assert "".join(pieces) == state.text()
     assert not any(s in "\n" + state.text() for s in stops)
+
+
+def test__streamed_pieces__a_loop_of_the_first_word_cut_right_after_it():
+    """The first unit is shown while it grows, but only the unit: "ok__" streams "ok", because a
+    loop of "ok" (the "_" between is no unit) is cut right after the first "ok"."""
+    decode = lambda ids: TOKENIZER.decode(ids, skip_special_tokens=True)
+    state, pieces = AnswerTokens(decode, STOPS), []
+    for text in ["ok", "__"] + [" ok__"] * 30:
+        for token in TOKENIZER(text, add_special_tokens=False)["input_ids"]:
+            reason = state.add(token)
+            pieces.append(state.take_final())
+            if reason:
+                break
+        if reason:
+            break
+    state.finish()
+    pieces.append(state.take_final())
+    assert reason == "repetition" and state.text() == "ok" and "".join(pieces) == "ok", (reason, pieces)

@@ -104,10 +104,14 @@ def test__bf16_matvec__one_row_equals_the_matrix_products_rows(k, n):
     err = (got.double() - want.double()).abs()
     tol = 2**-7 * want.double().abs() + 1e-6 * magnitude  # one bfloat16 step (8 bits kept) + summation
     assert bool((err <= tol).all()), f"max error {float(err.max()):.3e} (mean {float(err.mean()):.3e})"
-    with decode_step():  # and it is what Bf16Linear runs for one row
-        linear = nn.Linear(k, n, bias=False).requires_grad_(False)
-        linear.weight.copy_(w.float())
-        assert torch.equal(Bf16Linear(linear)(rows[2:3].float())[0], got.float())
+    linear = nn.Linear(k, n, bias=False).requires_grad_(False)
+    linear.weight.copy_(w.float())
+    module = Bf16Linear(linear)
+    with decode_step():  # it is what Bf16Linear runs for one row, and row by row in teacher forcing
+        assert torch.equal(module(rows[2:3].float())[0], got.float())
+        many = module(rows.float())  # [5, n]: each row as decode computes it alone
+        assert all(torch.equal(many[i], module(rows[i : i + 1].float())[0]) for i in range(5))
+        assert module(rows[:0].float()).shape == (0, n)
 
 
 @pytest.mark.parametrize("fmt, cls", [("bf16", Bf16Linear), ("int8", Int8Linear)])

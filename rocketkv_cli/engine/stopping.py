@@ -129,8 +129,8 @@ class AnswerText:
                     end = min(end, max(0, len(line) - n - 1))
                     break
         units = text_units(body[:end])
-        if len(units) == 1:  # the first unit: no loop can cut it (one copy is always kept), and
-            return body[:end].rstrip()  # a word that grows ("The" → "There") only adds text: shown
+        if len(units) == 1:  # the first unit: no loop cut ends before it (one copy is always kept),
+            return body[: units[0][2]]  # and a word that grows ("The" → "There") only adds text: shown
         units = units[:-1]  # the last unit may still grow ("1" → "12") and start a loop's repeat: held
         held = repeating_suffix([u[0] for u in units])
         end = min(end, units[len(units) - held - 1][2] if len(units) > held else 0)

@@ -253,6 +253,8 @@ def take_rows(buffer: torch.Tensor, kept: torch.Tensor, out: torch.Tensor | None
     contiguous (a working set's buffers, sliced along P): the rows are written there, one
     `index_select` per KV head, with no temporary (a question's re-selection gathers ~160 MB on
     SmolLM2; a temporary and its copy doubled that)."""
+    if out is not None and buffer.device.type != "cpu":  # one launch, not one per KV head
+        return out.copy_(take_rows(buffer, kept))
     if out is not None:
         for i in range(kept.shape[0]):
             for h in range(kept.shape[1]):

@@ -108,8 +108,8 @@ class Bf16Linear(_PackedLinear):
     Inside `decode_step()` (each generated token; an answer's teacher forcing, which equals
     decode) the input is rounded to bfloat16 too and torch's bfloat16 kernel multiplies (each
     product exact, float32 accumulation, the output rounded to bfloat16): on a CPU row by row
-    (`bf16_matvec`, decode's one row; teacher forcing's rows alike, so they equal decode's), on
-    other devices `F.linear`. Prefill (the document
+    (`bf16_matvec`, decode's one row; teacher forcing's rows alike, so they equal decode's, at
+    the cost of reading the weights once per row), on other devices `F.linear`. Prefill (the document
     and the question) multiplies by W exactly as the float model does: a CPU without native
     bfloat16 runs a bfloat16 product of many rows several times slower than float32, and a
     cache prefilled with W keeps the tokens the float model would keep (docs/performance.md
@@ -134,7 +134,8 @@ class Bf16Linear(_PackedLinear):
                 # a decode step's row; teacher forcing's rows one by one, so that they are computed
                 # exactly as decode computes them on any CPU (the two kernels may sum differently)
                 rows = [bf16_matvec(self.weight_bf16, row) for row in x]
-                return (rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)).to(flat.dtype)  # [N, out]
+                out = torch.stack(rows) if rows else x.new_empty(0, self.out_features)
+                return out.to(flat.dtype)  # [N, out]
             return F.linear(x, self.weight_bf16).to(flat.dtype)  # [N, out]
         if self.float_weight is None:
             raise RuntimeError("a joined bf16 linear has no float weights: it runs inside decode_step() only")

@@ -73,3 +73,7 @@ def test__bench_config__measures_the_models_own_ingest_defaults():
     assert (smol.observation, smol.pool_kernel_size, smol.token_budget) == ("reconstruct", 7, 256)
     other = bench_config(PrefillConfig(token_budget=512), "/models/some-llama")
     assert (other.observation, other.pool_kernel_size) == ("tail", PrefillConfig().pool_kernel_size)
+    # without --budget: the preset's own token budget, as `ingest` and `ask` use it
+    assert bench_config(PrefillConfig(), "smollm2-135m", budget_given=False).token_budget == 1024
+    assert bench_config(PrefillConfig(), "gemma-3-270m", budget_given=False).token_budget == 1024
+    assert bench_config(PrefillConfig(), "/models/some-llama", budget_given=False).token_budget == 512

@@ -21,7 +21,16 @@ if TYPE_CHECKING:
 
 def bench(
     context_tokens: Annotated[str, typer.Option(help="Comma-separated document lengths in tokens.")] = "4096,8192",
-    budget: Annotated[int, typer.Option("--budget", "-b", help="Token budget t per KV head per layer (tokens).")] = 512,
+    budget: Annotated[
+        Optional[int],
+        typer.Option(
+            "--budget",
+            "-b",
+            min=1,
+            help="Token budget t per KV head per layer (tokens; default: the "
+            "model's measured default, as `ingest` uses it: 1024 on the presets, else 512).",
+        ),
+    ] = None,
     source: Annotated[
         Optional[Path],
         typer.Option(
@@ -68,7 +77,8 @@ def bench(
     src, text, cfg = plan.source, plan.text, plan.cfg
     kv_dtype = kv_dtype or default_kv_dtype(model or DEFAULT_MODEL)
     rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", False, weights)
-    cfg, engine = bench_config(cfg, rk.model_id), rk.engine
+    cfg, engine = bench_config(cfg, rk.model_id, budget is not None), rk.engine
+    budget = cfg.token_budget
     room = rk.engine.context_limit(128)  # the answer plan and a question
     if max(plan.lengths) > room:
         raise InputError(f"--context-tokens {max(plan.lengths)} exceeds what {rk.model_id} fits ({room})")
@@ -104,8 +114,8 @@ class BenchPlan:
     llama_cpp: Optional[str]
 
 
-def bench_plan(context_tokens: str, source: Optional[Path], budget: int, kv_dtypes: str, kv_dtype: Optional[str],
-               crossover: str, steps: int, memory: bool, fresh_ask: bool,
+def bench_plan(context_tokens: str, source: Optional[Path], budget: Optional[int], kv_dtypes: str,
+               kv_dtype: Optional[str], crossover: str, steps: int, memory: bool, fresh_ask: bool,
                llama_cpp: Optional[str]) -> BenchPlan:  # fmt: skip
     """The options as a `BenchPlan` (with the source text read), checked before the model loads.
     Raises UsageError (a length list that is not integers ≥ 64, an unknown storage type, a
@@ -122,7 +132,7 @@ def bench_plan(context_tokens: str, source: Optional[Path], budget: int, kv_dtyp
     if src is None:
         raise InputError("no source text found", "pass --source FILE (e.g. ../shared/data/kjv.txt)")
     text = read_document(str(src)).text
-    cfg = prefill_config(token_budget=budget)
+    cfg = prefill_config() if budget is None else prefill_config(token_budget=budget)
     storages = [x.strip() for x in kv_dtypes.split(",") if x.strip()]
     for name in [*storages, kv_dtype or "auto"]:
         storage(name)  # an unknown name fails before the model loads
@@ -242,9 +252,10 @@ def _ints(name: str, text: str) -> list[int]:
         raise UsageError(f"--{name} must be comma-separated integers, got {text!r}") from None
 
 
-def bench_config(cfg: PrefillConfig, model_id: str) -> PrefillConfig:
-    """The stage-1 settings `bench` measures: `cfg` (from `--budget`) with model `model_id`'s measured
-    defaults filled in, as `ingest` would run them (SmolLM2: context reconstruction, pool kernel 7)."""
+def bench_config(cfg: PrefillConfig, model_id: str, budget_given: bool = True) -> PrefillConfig:
+    """The stage-1 settings `bench` measures: `cfg` with model `model_id`'s measured defaults filled
+    in, as `ingest` would run them (SmolLM2: context reconstruction, pool kernel 7; the presets'
+    token budget 1024 unless `--budget` was given, `budget_given`)."""
     from ..core.config import with_preset_defaults
 
-    return with_preset_defaults(cfg, model_id, ["token_budget"])
+    return with_preset_defaults(cfg, model_id, ["token_budget"] if budget_given else [])

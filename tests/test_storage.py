@@ -537,3 +537,25 @@ def test__positions_at_the_int16_boundary__written_and_read_back_exactly(tmp_pat
     for a, b in zip(loaded.layers, layers):
         assert torch.equal(a.positions, b.positions)
         assert int(a.positions.max()) == n_context - 1
+
+
+@pytest.mark.parametrize("hkv, s, d, g, gd", [(3, 1001, 64, 32, 32), (2, 64, 48, 16, 20), (1, 7, 10, 4, 3),
+                                               (2, 5, 8, 8, 8)])  # fmt: skip
+def test__dequantize__broadcast_groups_equal_the_gathered_formula_bit_for_bit(hkv, s, d, g, gd):
+    """Keys (groups of g tokens per channel) and values (groups of gd channels per token), the last
+    group short where the size is not a multiple: q · scale + lo with each element's own group's
+    scale and minimum gathered into full-size copies (the formula the file format defines), in
+    float32, bit for bit; a wrong number of groups is refused."""
+    from rocketkv_cli.core.quant import _dequantize
+
+    g_ = torch.Generator().manual_seed(s + d)
+    q = torch.randint(0, 16, (hkv, s, d), dtype=torch.uint8, generator=g_)
+    lo_k, sc_k = torch.randn(hkv, -(-s // g), d, generator=g_).bfloat16(), torch.rand(hkv, -(-s // g), d).half()
+    lo_v, sc_v = torch.randn(hkv, s, -(-d // gd), generator=g_).bfloat16(), torch.rand(hkv, s, -(-d // gd)).bfloat16()
+    tok, ch = torch.arange(s) // g, torch.arange(d) // gd
+    want_k = q.float() * sc_k[:, tok].float() + lo_k[:, tok].float()
+    want_v = q.float() * sc_v[..., ch].float() + lo_v[..., ch].float()
+    assert torch.equal(_dequantize(q, sc_k, lo_k, dim=1, group=g), want_k)
+    assert torch.equal(_dequantize(q, sc_v, lo_v, dim=2, group=gd), want_v)
+    with pytest.raises(ValueError, match="quantization groups"):
+        _dequantize(q, sc_k[:, :-1], lo_k[:, :-1], dim=1, group=g)

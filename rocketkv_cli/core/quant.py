@@ -285,11 +285,8 @@ def decode_keys(
         q = rows.view(hkv, d, s).transpose(1, 2)  # [Hkv, S, D]
     else:
         q = _unpack4(parts["q"]) if storage.bits == 4 else parts["q"]
-    hkv, s, d = q.shape
     g = storage.key_group_tokens
-    idx = torch.arange(s, device=q.device) // g  # each token's group
-    lo, scale = parts["min"][:, idx], parts["scale"][:, idx]  # [Hkv, S, D]
-    x = q.float() * scale.float() + lo.float()
+    x = _dequantize(q, parts["scale"], parts["min"], dim=1, group=g)  # groups of g tokens, per channel
     if storage.rotation == "hadamard":
         x = x @ hadamard(head_dim, x.device).T
     elif storage.rotation == "rope":
@@ -322,10 +319,30 @@ def encode_values(values: torch.Tensor, storage: KVStorage) -> dict[str, torch.T
 def decode_values(parts: dict[str, torch.Tensor], storage: KVStorage) -> torch.Tensor:
     """Float32 values `[Hkv, S, D]` from `encode_values`'s parts."""
     q = _unpack4(parts["q"]) if storage.bits == 4 else parts["q"]
-    hkv, s, d = q.shape
-    g = min(storage.value_group_dims, d)
-    idx = torch.arange(d, device=q.device) // g
-    return q.float() * parts["scale"][..., idx].float() + parts["min"][..., idx].float()
+    return _dequantize(q, parts["scale"], parts["min"], dim=2, group=min(storage.value_group_dims, q.shape[2]))
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, dim: int, group: int) -> torch.Tensor:
+    """Float32 `q · scale + lo` `[Hkv, S, D]` from codes `q` `[Hkv, S, D]`, where `scale` and `lo`
+    hold one number per `group` consecutive elements along `dim` (1: tokens, keys' `[Hkv, ⌈S/g⌉, D]`;
+    2: channels, values' `[Hkv, S, ⌈D/g⌉]`; the last group may be short). Each group's numbers are
+    broadcast over it, not gathered into full-size copies: the same float32 products and sums
+    (bit for bit), in three passes over the layer instead of seven.
+    Raises ValueError: `scale`/`lo` do not have ⌈size/group⌉ groups along `dim`."""
+    x = q.float()  # [Hkv, S, D], a new tensor: scaled in place
+    size, n_groups = x.shape[dim], -(-x.shape[dim] // group)
+    if scale.shape[dim] != n_groups or lo.shape != scale.shape:
+        raise ValueError(f"{n_groups} quantization groups expected along dim {dim}, got {tuple(scale.shape)}")
+    full = size // group
+    if full:
+        head = x.narrow(dim, 0, full * group)
+        shape = (*head.shape[:dim], full, group, *head.shape[dim + 1 :])
+        sc, mn = scale.narrow(dim, 0, full).float(), lo.narrow(dim, 0, full).float()
+        head.view(shape).mul_(sc.unsqueeze(dim + 1)).add_(mn.unsqueeze(dim + 1))
+    if size > full * group:  # the short last group
+        tail = x.narrow(dim, full * group, size - full * group)
+        tail.mul_(scale.narrow(dim, full, 1).float()).add_(lo.narrow(dim, full, 1).float())
+    return x
 
 
 def encode_layer(keys: torch.Tensor, values: torch.Tensor, storage: KVStorage, positions: torch.Tensor | None = None,

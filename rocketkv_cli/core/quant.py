@@ -274,10 +274,12 @@ def decode_keys(
     head_dim: int,
     positions: torch.Tensor | None = None,
     rope_freqs: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float32 keys `[Hkv, S, D]` from `encode_keys`'s parts (rotation undone; the `rope` basis
     needs the same positions `[Hkv, S]` and frequencies `[D/2]`; allocated key bits their
-    "bits"). Raises ValueError without them."""
+    "bits"), written into `out` `[Hkv, S, D]` float32 when given (returned). Raises ValueError
+    without them."""
     if storage.key_bits == "allocated":
         hkv, d = parts["bits"].shape
         s = (parts["q"].shape[1] - STREAM_SLACK_BYTES) * 2 // d  # alloc_stream_bytes, inverted
@@ -286,14 +288,15 @@ def decode_keys(
     else:
         q = _unpack4(parts["q"]) if storage.bits == 4 else parts["q"]
     g = storage.key_group_tokens
-    x = _dequantize(q, parts["scale"], parts["min"], dim=1, group=g)  # groups of g tokens, per channel
+    rotated = storage.rotation in ("hadamard", "rope")
+    x = _dequantize(q, parts["scale"], parts["min"], dim=1, group=g, out=None if rotated else out)  # per channel
     if storage.rotation == "hadamard":
         x = x @ hadamard(head_dim, x.device).T
     elif storage.rotation == "rope":
         if positions is None or rope_freqs is None:
             raise ValueError("pre-RoPE key storage needs the keys' positions and the layer's RoPE frequencies")
         x = rope_rotate(x, positions, rope_freqs.float(), inverse=False)
-    return x
+    return out.copy_(x) if out is not None and rotated else x
 
 
 def encode_values(values: torch.Tensor, storage: KVStorage) -> dict[str, torch.Tensor]:
@@ -316,20 +319,25 @@ def encode_values(values: torch.Tensor, storage: KVStorage) -> dict[str, torch.T
     return out
 
 
-def decode_values(parts: dict[str, torch.Tensor], storage: KVStorage) -> torch.Tensor:
-    """Float32 values `[Hkv, S, D]` from `encode_values`'s parts."""
+def decode_values(parts: dict[str, torch.Tensor], storage: KVStorage, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Float32 values `[Hkv, S, D]` from `encode_values`'s parts, written into `out` when given."""
     q = _unpack4(parts["q"]) if storage.bits == 4 else parts["q"]
-    return _dequantize(q, parts["scale"], parts["min"], dim=2, group=min(storage.value_group_dims, q.shape[2]))
+    g = min(storage.value_group_dims, q.shape[2])
+    return _dequantize(q, parts["scale"], parts["min"], dim=2, group=g, out=out)
 
 
-def _dequantize(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, dim: int, group: int) -> torch.Tensor:
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, dim: int, group: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Float32 `q · scale + lo` `[Hkv, S, D]` from codes `q` `[Hkv, S, D]`, where `scale` and `lo`
     hold one number per `group` consecutive elements along `dim` (1: tokens, keys' `[Hkv, ⌈S/g⌉, D]`;
     2: channels, values' `[Hkv, S, ⌈D/g⌉]`; the last group may be short). Each group's numbers are
     broadcast over it, not gathered into full-size copies: the same float32 products and sums
     (bit for bit), in three passes over the layer instead of seven.
-    Raises ValueError: `scale`/`lo` do not have ⌈size/group⌉ groups along `dim`."""
-    x = q.float()  # [Hkv, S, D], a new tensor: scaled in place
+    out: float32 `[Hkv, S, D]` to write into (a view of a larger buffer: no copy afterwards).
+    Raises ValueError: `scale`/`lo` do not have ⌈size/group⌉ groups along `dim`, or `out` another shape."""
+    if out is not None and (out.shape != q.shape or out.dtype != torch.float32):
+        raise ValueError(f"out must be float32 {tuple(q.shape)}, got {out.dtype} {tuple(out.shape)}")
+    x = q.float() if out is None else out.copy_(q)  # [Hkv, S, D], scaled in place
     size, n_groups = x.shape[dim], -(-x.shape[dim] // group)
     if scale.shape[dim] != n_groups or lo.shape != scale.shape:
         raise ValueError(f"{n_groups} quantization groups expected along dim {dim}, got {tuple(scale.shape)}")
@@ -387,10 +395,17 @@ def decode_layer(
     n_sinks = parts["sinks.keys"].shape[1] if storage.sink_tokens else 0
     rest = None if positions is None else positions[:, n_sinks:]
     names = ("q", "min", "scale", "bits") if storage.key_bits == "allocated" else ("q", "min", "scale")
-    keys = decode_keys({k: parts[f"keys.{k}"] for k in names}, storage, head_dim, rest,
-                       parts.get("keys.rope_freqs"))  # fmt: skip
-    values = decode_values({k: parts[f"values.{k}"] for k in ("q", "min", "scale")}, storage)
-    if storage.sink_tokens:
-        keys = torch.cat([parts["sinks.keys"].float(), keys], dim=1)
-        values = torch.cat([parts["sinks.values"].float(), values], dim=1)
+    if not n_sinks:
+        keys = decode_keys({k: parts[f"keys.{k}"] for k in names}, storage, head_dim, rest,
+                           parts.get("keys.rope_freqs"))  # fmt: skip
+        return keys, decode_values({k: parts[f"values.{k}"] for k in ("q", "min", "scale")}, storage)
+    # the sinks first, the rest decoded straight behind them (no concatenation of the whole layer)
+    sink_k, sink_v = parts["sinks.keys"], parts["sinks.values"]  # [Hkv, n_sinks, D]
+    n_rest = parts["values.q"].shape[1]
+    keys = sink_k.new_empty(sink_k.shape[0], n_sinks + n_rest, sink_k.shape[2], dtype=torch.float32)
+    values = sink_v.new_empty(sink_v.shape[0], n_sinks + n_rest, sink_v.shape[2], dtype=torch.float32)
+    keys[:, :n_sinks], values[:, :n_sinks] = sink_k, sink_v
+    decode_keys({k: parts[f"keys.{k}"] for k in names}, storage, head_dim, rest, parts.get("keys.rope_freqs"),
+                out=keys[:, n_sinks:])  # fmt: skip
+    decode_values({k: parts[f"values.{k}"] for k in ("q", "min", "scale")}, storage, out=values[:, n_sinks:])
     return keys, values

@@ -189,9 +189,28 @@ def test__presets__the_default_cache_answers_as_the_full_cache(preset, needle_do
         default = rk.ingest(text=text).cache
         assert default.info.config.store_budget == "all"
         full = rk.ingest(text=text, token_budget=1 << 30, store_budget=None).cache
-        got = [a.text for a in rk.ask(default, questions, max_new_tokens=24)]
-        want = [a.text for a in rk.ask(full, questions, max_new_tokens=24, dense=True)]
-        assert got == want, (preset, questions, got, want)
+        got = list(rk.ask(default, questions, max_new_tokens=24))
+        want = list(rk.ask(full, questions, max_new_tokens=24, dense=True))
+        for question, g, w in zip(questions, got, want, strict=True):
+            if g.text != w.text:  # allowed only where full attention itself is at a near-tie
+                _assert_diverge_at_a_near_tie(rk, full, question, list(g.token_ids), list(w.token_ids))
+
+
+def _assert_diverge_at_a_near_tie(rk, full, question: str, got: list[int], want: list[int], tie: float = 0.05):
+    """Two greedy answers that differ: at their first differing token, full attention's logits
+    rank `want`'s token first and `got`'s second, less than `tie` logits apart (float rounding of
+    another working set can flip such a tie; on one CPU the preset's harbor answer split at 24.611
+    against 24.597: " step" / " steps"). Anything else is a real difference and fails."""
+    import torch
+
+    from rocketkv_cli.engine.decoder import Decoder
+
+    i = next((k for k in range(min(len(got), len(want))) if got[k] != want[k]), None)
+    assert i is not None, ("one answer is a prefix of the other", got, want)
+    logits = Decoder(rk.engine, full, 300, None).score(rk.engine.question_ids(question), want[: i + 1])[i]  # [V]
+    top2 = torch.topk(logits, 2).indices.tolist()
+    gap = float(logits[want[i]] - logits[got[i]])
+    assert top2 == [want[i], got[i]] and gap < tie, (question, i, top2, gap, got, want)
 
 
 def test__gemma_preset__ingest_without_options_uses_the_frontiers_point(rocketkv_bin, tmp_path):

@@ -395,17 +395,15 @@ def decode_layer(
     n_sinks = parts["sinks.keys"].shape[1] if storage.sink_tokens else 0
     rest = None if positions is None else positions[:, n_sinks:]
     names = ("q", "min", "scale", "bits") if storage.key_bits == "allocated" else ("q", "min", "scale")
-    if not n_sinks:
-        keys = decode_keys({k: parts[f"keys.{k}"] for k in names}, storage, head_dim, rest,
-                           parts.get("keys.rope_freqs"))  # fmt: skip
-        return keys, decode_values({k: parts[f"values.{k}"] for k in ("q", "min", "scale")}, storage)
-    # the sinks first, the rest decoded straight behind them (no concatenation of the whole layer)
-    sink_k, sink_v = parts["sinks.keys"], parts["sinks.values"]  # [Hkv, n_sinks, D]
-    n_rest = parts["values.q"].shape[1]
-    keys = sink_k.new_empty(sink_k.shape[0], n_sinks + n_rest, sink_k.shape[2], dtype=torch.float32)
-    values = sink_v.new_empty(sink_v.shape[0], n_sinks + n_rest, sink_v.shape[2], dtype=torch.float32)
-    keys[:, :n_sinks], values[:, :n_sinks] = sink_k, sink_v
-    decode_keys({k: parts[f"keys.{k}"] for k in names}, storage, head_dim, rest, parts.get("keys.rope_freqs"),
-                out=keys[:, n_sinks:])  # fmt: skip
-    decode_values({k: parts[f"values.{k}"] for k in ("q", "min", "scale")}, storage, out=values[:, n_sinks:])
-    return keys, values
+    keys = values = None
+    if n_sinks:  # the sinks first, the rest decoded straight behind them (no concatenation of the layer)
+        sink_k, sink_v = parts["sinks.keys"], parts["sinks.values"]  # [Hkv, n_sinks, D]
+        n = n_sinks + parts["values.q"].shape[1]
+        keys = sink_k.new_empty(sink_k.shape[0], n, sink_k.shape[2], dtype=torch.float32)
+        values = sink_v.new_empty(sink_v.shape[0], n, sink_v.shape[2], dtype=torch.float32)
+        keys[:, :n_sinks], values[:, :n_sinks] = sink_k, sink_v
+    rest_k = decode_keys({k: parts[f"keys.{k}"] for k in names}, storage, head_dim, rest, parts.get("keys.rope_freqs"),
+                         out=None if keys is None else keys[:, n_sinks:])  # fmt: skip
+    rest_v = decode_values({k: parts[f"values.{k}"] for k in ("q", "min", "scale")}, storage,
+                           out=None if values is None else values[:, n_sinks:])  # fmt: skip
+    return (rest_k, rest_v) if keys is None or values is None else (keys, values)

@@ -133,9 +133,10 @@ class Bf16Linear(_PackedLinear):
             if x.device.type == "cpu" and (x.shape[0] == 1 or _DECODE_STEP.get()):
                 # a decode step's row; teacher forcing's rows one by one, so that they are computed
                 # exactly as decode computes them on any CPU (the two kernels may sum differently)
+                if x.shape[0] == 1:  # the decode loop: no stacking copy
+                    return bf16_matvec(self.weight_bf16, x[0]).unsqueeze(0).to(flat.dtype)  # [1, out]
                 rows = [bf16_matvec(self.weight_bf16, row) for row in x]
-                out = torch.stack(rows) if rows else x.new_empty(0, self.out_features)
-                return out.to(flat.dtype)  # [N, out]
+                return (torch.stack(rows) if rows else x.new_empty(0, self.out_features)).to(flat.dtype)
             return F.linear(x, self.weight_bf16).to(flat.dtype)  # [N, out]
         if self.float_weight is None:
             raise RuntimeError("a joined bf16 linear has no float weights: it runs inside decode_step() only")

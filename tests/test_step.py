@@ -53,6 +53,22 @@ def test__decode_step__equals_the_models_forward(arch, weights, mode):
     assert float(err.max()) <= tol, f"max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"
 
 
+@pytest.mark.parametrize("arch", SUPPORTED_STEP_TYPES)
+@pytest.mark.parametrize("weights", ["float", "bf16"])
+def test__decode_step__float32_equals_the_models_forward_bit_for_bit(arch, weights):
+    """In float32 (the presets' dtype on a CPU) the step's own paths run: norms through
+    `F.rms_norm`, linears through `F.linear` or the bfloat16 matrix-vector product, RoPE once over
+    q and k; each must compute what the model's modules compute, so the logits are equal, not close."""
+    engine = make_engine(arch, torch.float32)
+    quantize_weights(engine.model, weights)
+    cfg = PrefillConfig(token_budget=32, max_new_tokens=8, window_size=8, pool_kernel_size=5)
+    stored = engine.ingest(Document(text_of_bytes(500, seed=5), "0" * 64, "d.txt"), cfg)
+    dec = decode_config_for(stored, sparse=False)
+    direct, forward = _decode(engine, stored, dec, True), _decode(engine, stored, dec, False)
+    err = (direct - forward).abs()
+    assert torch.equal(direct, forward), f"max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"
+
+
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a not in SUPPORTED_STEP_TYPES])
 def test__other_architectures__decode_through_the_models_forward(arch):
     """Layouts the direct step does not reproduce (fused projections, soft-capped attention) get
@@ -164,9 +180,9 @@ def test__decode_step__joins_the_projections_of_weight_only_formats(arch, weight
     cfg = PrefillConfig(token_budget=32, max_new_tokens=8, window_size=8, pool_kernel_size=5)
     stored = engine.ingest(Document(text_of_bytes(300, seed=4), "0" * 64, "d.txt"), cfg)
     direct, forward = _decode(engine, stored, decode_config_for(stored, sparse=False), True), None
-    joined = engine.step._joined
-    assert len(joined) == len(engine.model.model.layers)
-    assert all(qkv is not None and gate_up is not None for _, qkv, gate_up in joined)
+    plans = engine.step._plans
+    assert len(plans) == len(engine.model.model.layers)
+    assert all(p.qkv is not None and p.gate_up is not None for p in plans)
     forward = _decode(engine, stored, decode_config_for(stored, sparse=False), False)
     err = (direct - forward).abs()
     assert float(err.max()) <= 1e-5 * float(forward.abs().max()), f"max error {float(err.max()):.3g}"
@@ -206,14 +222,14 @@ def test__joined_linears__leave_the_models_tensors_usable_and_follow_a_conversio
     engine.model.load_state_dict(engine.model.state_dict())  # would fail on inference tensors
     with torch.no_grad():
         q_proj.scales.mul_(1)
-    first = engine.step._joined[0][1]
+    first = engine.step._plans[0].qkv
     engine.model.to("cpu")  # a no-op move keeps the tensors: the join is kept
     _decode(engine, stored, decode_config_for(stored, sparse=False), True)
-    assert engine.step._joined[0][1] is first
+    assert engine.step._plans[0].qkv is first
     for module in engine.model.modules():  # new tensors, as a conversion or a load makes them
         for name, buf in list(module._buffers.items()):
             if buf is not None:
                 module._buffers[name] = buf.clone()
     after = _decode(engine, stored, decode_config_for(stored, sparse=False), True)
-    assert engine.step._joined[0][1] is not first
+    assert engine.step._plans[0].qkv is not first
     assert torch.equal(before, after)

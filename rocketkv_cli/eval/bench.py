@@ -91,14 +91,21 @@ def full_attention_decode_s(engine: Engine, ids: list[int], steps: int, warmup: 
 
 
 def rocketkv_answer_s(
-    engine: Engine, path: Path, question: str, steps: int, warmup: int, sparse: bool = True
+    engine: Engine, path: Path, question: str, steps: int, warmup: int, sparse: bool = True, direct: bool = True
 ) -> tuple[float, float]:
     """From the saved file: load, prefill the question, first token (TTFT); then decode steps with
     HSA at every full-attention layer (`sparse`, whatever the crossover) or exact attention over
-    the same pruned cache.
+    the same pruned cache; through the direct decode step (`model/step.py`) or, `direct` false,
+    through the model's forward (`forward_tokens`, the step's reference).
 
     Returns (seconds to first token including the file load, median seconds per decode step).
     """
+    if not direct:
+        saved, engine.step = engine.step, None
+        try:
+            return rocketkv_answer_s(engine, path, question, steps, warmup, sparse)
+        finally:
+            engine.step = saved
     t0 = time.perf_counter()
     stored = load_cache(path)
     if not isinstance(stored, CompressedKVCache):
@@ -282,9 +289,13 @@ def bench_one(
     save_cache(stored, path, force=True)
     ingest_s = time.perf_counter() - t0
     n = stored.n_context_tokens
-    log(f"{n_tokens} tokens: answer from the file (HSA, then exact attention over the same pruned cache)")
+    log(
+        f"{n_tokens} tokens: answer from the file (HSA, then exact attention over the same pruned cache: "
+        "the direct step, then the model's forward)"
+    )
     rk_ttft, rk_step = rocketkv_answer_s(engine, path, QUESTION, steps, warmup)
     _, exact_step = rocketkv_answer_s(engine, path, QUESTION, steps, warmup, sparse=False)
+    _, forward_step = rocketkv_answer_s(engine, path, QUESTION, steps, warmup, sparse=False, direct=False)
     log(f"{n_tokens} tokens: full attention (plain transformers)")
     ids = engine.document_ids(document) + engine.question_ids(QUESTION)
     full_ttft, full_step = full_attention_decode_s(engine, ids, steps, warmup)
@@ -299,6 +310,7 @@ def bench_one(
         "file_bytes": path.stat().st_size, "full_kv_bytes": full_kv, "file_vs_full_kv": path.stat().st_size / full_kv,
         "ttft_from_file_s": rk_ttft, "ttft_full_reprefill_s": full_ttft, "ttft_speedup": full_ttft / rk_ttft,
         "decode_step_hsa_s": rk_step, "decode_step_exact_pruned_s": exact_step,
+        "decode_step_exact_forward_s": forward_step, "direct_step_vs_forward": forward_step / exact_step,
         "hsa_vs_exact_pruned": exact_step / rk_step, "decode_step_full_s": full_step,
         "decode_speedup": full_step / rk_step, "decode_speedup_exact_pruned": full_step / exact_step,
         "weights_bytes": weights, "hsa_kv_bytes_per_step": hsa_kv, "ideal_decode_speedup": ideal,

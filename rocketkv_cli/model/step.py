@@ -2,17 +2,17 @@
 
 A decode step at batch 1 runs one token through every layer. Calling the model's `forward` for
 it also builds causal masks, output records, keyword plumbing and the decorators around each
-module call, which measured 5–10% of SmolLM2's step on a CPU, close to the machine's noise
-(docs/performance.md, "Decode step"). `DecodeStep` runs the same modules in the same order, with
-the same arithmetic, but calls them directly: the embedding, each layer's norms, projections,
-RoPE (the model's own rotary embedding and `apply_rotary_pos_emb`), rocketkv's attention
-function (`hf._attention`, so stage 2, the exact-attention path and `attention_mass` behave as
-they do in `forward_tokens`), the MLP, the final norm and the LM head. Weight formats need
-nothing special: their modules are the ones called. With weight-only int8 or bf16 linears, a
-layer's q, k and v projections run as one joined linear, and so do its MLP's gate and up
-(`_PackedLinear.join`: the same codes and arithmetic per output channel, one kernel call, the
-input rounded once); the MLP is then `down(act(gate) · up)`, the formula of every supported
-layout's MLP.
+module call, which measured 5–10% of SmolLM2's step on a CPU (docs/performance.md, "Decode
+step"). `DecodeStep` runs the same modules in the same order, with the same arithmetic, but
+calls them directly: the embedding, each layer's norms, projections, RoPE (the model's own
+rotary embedding, applied element for element as transformers' `apply_rotary_pos_emb`), rocketkv's
+attention function (`hf._attention`, so stage 2, the exact-attention path and `attention_mass`
+behave as they do in `forward_tokens`), the MLP, the final norm and the LM head. Each module is
+called through its `forward` (no `nn.Module.__call__`), a plain or bfloat16 linear through its
+kernel (`_fast`). With weight-only int8 or bf16 linears, a layer's q, k and v projections run as
+one joined linear, and so do its MLP's gate and up (`_PackedLinear.join`: the same codes and
+arithmetic per output channel, one kernel call, the input rounded once); the MLP is then
+`down(act(gate) · up)`, the formula of every supported layout's MLP.
 
 Only layouts whose layer order is read from the transformers source are built
 (`SUPPORTED_STEP_TYPES`); any other model gets None from `decode_step_for` and the engine calls
@@ -22,12 +22,18 @@ that the logits equal `forward_tokens`'s over several steps, exact attention and
 
 from __future__ import annotations
 
+import operator
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from .hf import ModelShape, RocketCache, _attention
+from .linears import Bf16Linear, bf16_matvec, decode_step
 
 # Pre-norm layers: norm → attention → residual; norm → MLP → residual.
 _PRE_NORM = ("llama", "mistral", "qwen2", "qwen3")
@@ -38,11 +44,43 @@ SUPPORTED_STEP_TYPES = _PRE_NORM + _SANDWICH
 _GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Gemma3MLP")
 
 
+Row = Callable[[torch.Tensor], torch.Tensor]  # one row `[1, 1, n]` → `[1, 1, m]`
+Watched = tuple[tuple[dict, ...], tuple[str, ...], tuple[Any, ...]]  # `_watched`
+
+
+@dataclass(frozen=True)
+class _LayerPlan:
+    """What one layer's step calls, each taking and returning `[1, 1, n]` rows: its norms and its
+    MLP, and its projections (`qkv` the joined q/k/v linear, None: `q`, `k`, `v` one by one), as
+    `_fast` makes them. Built once per layer and kept while `watched` still holds."""
+
+    watched: Watched
+    norms: tuple[Row, ...]  # input, post-attention[, pre- and post-MLP]
+    qkv: Row | None
+    q: Row
+    k: Row
+    v: Row
+    q_norm: Row | None
+    k_norm: Row | None
+    o: Row
+    mlp: Row
+    gate_up: Any  # the joined gate/up linear (None: not joined)
+    sizes: tuple[int, int, int]  # q, k and v output features
+
+
 class DecodeStep:
     """`step(cache, input_ids [1, 1], positions [1]) → logits [1, V] float32` for one token.
 
     Built once per model by `decode_step_for`; holds references to the model's modules, no copies.
-    Equals `forward_tokens(model, cache, input_ids, positions)` (same modules, same order).
+    Equals `forward_tokens(model, cache, input_ids, positions)` inside `decode_step()` (same
+    modules, same order, the same arithmetic), and runs inside `decode_step()` always: it is decode.
+
+    Per layer it calls what `_LayerPlan` holds, not the modules themselves: each module's
+    `forward` without `nn.Module.__call__`, a plain `nn.Linear` as `F.linear` and a bfloat16 one
+    as its matrix-vector product, and RoPE once over the joined q and k rows. A step of SmolLM2
+    runs ~100 small tensor operations per layer; the per-call overhead around them was ~15% of
+    the step on a CPU (docs/performance.md, "A leaner decode step"). Hooks registered on the
+    layer's modules are therefore not called by a decode step.
     """
 
     def __init__(self, model: Any, shape: ModelShape):
@@ -53,40 +91,55 @@ class DecodeStep:
         self.layers = list(model.model.layers)
         self.layer_types: list[str] | None = list(cfg.layer_types) if self.sandwich else None
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
-        attn = self.layers[0].self_attn
-        self.apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-        self.qk_norm = hasattr(attn, "q_norm")
-        # Per layer: the modules last joined and the joined linears (None: call them one by one).
-        # Weight formats replace the linears after the step is built, so the join is redone
-        # whenever the modules differ from those joined.
-        self._joined: list[tuple[tuple[tuple[dict, str, Any], ...], Any, Any]] = []
+        self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
+        self._plans: list[_LayerPlan] = []
 
-    def _joins(self, i: int, layer: Any) -> tuple[Any, Any]:
-        """Layer `i`'s joined q/k/v projection and its MLP run with a joined gate/up (each None when
-        not joinable); built once, reused by every step."""
-        if i < len(self._joined) and _unchanged(self._joined[i][0]):
-            return self._joined[i][1], self._joined[i][2]
+    def _plan(self, i: int, layer: Any) -> _LayerPlan:
+        """Layer `i`'s plan, built on first use and again whenever its modules or tensors changed
+        (weight formats replace the linears after the step is built; `model.to()` or a state-dict
+        load replaces tensors): a plan keeps references to them."""
+        if i < len(self._plans) and _unchanged(self._plans[i].watched):
+            return self._plans[i]
         attn, mlp = layer.self_attn, layer.mlp
         parts = (attn.q_proj, attn.k_proj, attn.v_proj, getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None))
         with torch.inference_mode(False):  # the model's own tensors must not become inference tensors
             qkv = type(attn.q_proj).join(list(parts[:3])) if hasattr(type(attn.q_proj), "join") else None
-            gate_up = None
-            if parts[3] is not None and hasattr(mlp, "act_fn") and type(mlp).__name__ in _GATED_MLPS \
-                    and hasattr(type(parts[3]), "join"):  # fmt: skip
-                joined = type(parts[3]).join(list(parts[3:]))
-                gate_up = None if joined is None else self._gated(mlp, joined)
-        entry = (_watched(layer), qkv, gate_up)  # taken after the join: the parts now hold views of it
-        if i < len(self._joined):
-            self._joined[i] = entry
+            gated = parts[3] is not None and hasattr(mlp, "act_fn") and type(mlp).__name__ in _GATED_MLPS
+            gate_cls: Any = type(parts[3])
+            gate_up = gate_cls.join(list(parts[3:])) if gated and hasattr(gate_cls, "join") else None
+        names: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+        names += ("pre_feedforward_layernorm", "post_feedforward_layernorm") if self.sandwich else ()
+        if gate_up is not None:
+            mlp_fn = _gated_joined(_fast(gate_up), mlp.act_fn.forward, _fast(mlp.down_proj), mlp.gate_proj.out_features)
+        elif gated:
+            mlp_fn = _gated(_fast(mlp.gate_proj), _fast(mlp.up_proj), mlp.act_fn.forward, _fast(mlp.down_proj))
         else:
-            self._joined.append(entry)
-        return qkv, gate_up
+            mlp_fn = mlp.forward
+        plan = _LayerPlan(
+            watched=_watched(layer),  # taken after the joins: the parts now hold views of them
+            norms=tuple(_fast_norm(getattr(layer, n)) for n in names),
+            qkv=None if qkv is None else _fast(qkv),
+            q=_fast(attn.q_proj), k=_fast(attn.k_proj), v=_fast(attn.v_proj),
+            q_norm=_fast_norm(attn.q_norm) if self.qk_norm else None,
+            k_norm=_fast_norm(attn.k_norm) if self.qk_norm else None,
+            o=_fast(attn.o_proj), mlp=mlp_fn, gate_up=gate_up,
+            sizes=(attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features),
+        )  # fmt: skip
+        if i < len(self._plans):
+            self._plans[i] = plan
+        else:
+            self._plans.append(plan)
+        return plan
 
     @torch.inference_mode()
     def __call__(self, cache: RocketCache, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if input_ids.shape != (1, 1) or positions.shape != (1,):
             raise ValueError(f"a decode step takes input_ids [1, 1] and positions [1], got "
                              f"{tuple(input_ids.shape)}, {tuple(positions.shape)}")  # fmt: skip
+        with decode_step():
+            return self._step(cache, input_ids, positions)
+
+    def _step(self, cache: RocketCache, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         inner = self.model.model
         cache.query_positions = positions
         h = inner.embed_tokens(input_ids)  # [1, 1, C]
@@ -97,67 +150,124 @@ class DecodeStep:
         else:
             rope = {t: inner.rotary_emb(h, pos, t) for t in set(self.layer_types)}
         for i, layer in enumerate(self.layers):
-            attn, spec = layer.self_attn, self.shape.layers[i]
-            d = attn.head_dim
-            qkv, gated_mlp = self._joins(i, layer)
-            x = layer.input_layernorm(h)
-            if qkv is None:
-                q = attn.q_proj(x).view(1, 1, -1, d)  # [1, 1, H, D]
-                k = attn.k_proj(x).view(1, 1, -1, d)  # [1, 1, Hkv, D]
-                v = attn.v_proj(x).view(1, 1, -1, d).transpose(1, 2)  # [1, Hkv, 1, D]
-            else:
-                q, k, v = qkv(x).split([attn.q_proj.out_features, attn.k_proj.out_features,
-                                        attn.v_proj.out_features], dim=-1)  # fmt: skip
-                q, k = q.view(1, 1, -1, d), k.view(1, 1, -1, d)  # [1, 1, H|Hkv, D]
-                v = v.view(1, 1, -1, d).transpose(1, 2)  # [1, Hkv, 1, D]
-            if self.qk_norm:
-                q, k = attn.q_norm(q), attn.k_norm(k)
+            p, spec = self._plan(i, layer), self.shape.layers[i]
+            d = layer.self_attn.head_dim
+            nq, nk, nv = p.sizes
+            x = p.norms[0](h)
             cos, sin = rope[None if self.layer_types is None else self.layer_types[i]]
-            q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [1, H|Hkv, 1, D]
+            if p.qkv is not None and p.q_norm is None:  # q and k side by side: RoPE once over both
+                qkv = p.qkv(x)  # [1, 1, nq + nk + nv]
+                qk = _rope(qkv[0, 0, : nq + nk].view(-1, d), cos[0], sin[0])  # [H + Hkv, D]
+                q, k = qk[: nq // d].view(1, -1, 1, d), qk[nq // d :].view(1, -1, 1, d)  # [1, H|Hkv, 1, D]
+                v = qkv[0, 0, nq + nk :].view(1, -1, 1, d)  # [1, Hkv, 1, D]
+            else:
+                if p.qkv is not None:
+                    q, k, v = p.qkv(x).split([nq, nk, nv], dim=-1)
+                else:
+                    q, k, v = p.q(x), p.k(x), p.v(x)
+                q, k = q.view(1, 1, -1, d), k.view(1, 1, -1, d)  # [1, 1, H|Hkv, D]
+                if p.q_norm is not None and p.k_norm is not None:
+                    q, k = p.q_norm(q), p.k_norm(k)
+                q = _rope(q.reshape(-1, d), cos[0], sin[0]).view(1, -1, 1, d)  # [1, H, 1, D]
+                k = _rope(k.reshape(-1, d), cos[0], sin[0]).view(1, -1, 1, d)  # [1, Hkv, 1, D]
+                v = v.reshape(1, -1, 1, d)  # [1, Hkv, 1, D]
             keys, values = cache.update(k, v, i)  # [1, Hkv, L, D]
-            out, _ = _attention(attn, q, keys, values, None, scaling=spec.scaling, sliding_window=spec.sliding_window)
-            out = attn.o_proj(out.reshape(1, 1, -1))  # [1, 1, C]
-            mlp = layer.mlp if gated_mlp is None else gated_mlp
+            out, _ = _attention(layer.self_attn, q, keys, values, None, scaling=spec.scaling,
+                                sliding_window=spec.sliding_window)  # fmt: skip
+            out = p.o(out.reshape(1, 1, -1))  # [1, 1, C]
             if self.sandwich:
-                h = h + layer.post_attention_layernorm(out)
-                h = h + layer.post_feedforward_layernorm(mlp(layer.pre_feedforward_layernorm(h)))
+                h = h + p.norms[1](out)
+                h = h + p.norms[3](p.mlp(p.norms[2](h)))
             else:
                 h = h + out
-                h = h + mlp(layer.post_attention_layernorm(h))
+                h = h + p.mlp(p.norms[1](h))
         logits = self.model.lm_head(inner.norm(h))[:, -1]  # [1, V]
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits.float()
 
-    @staticmethod
-    def _gated(mlp: Any, gate_up: Any) -> Any:
-        """The MLP `down(act(gate(x)) · up(x))` with gate and up from one joined linear `[..., 2I]`."""
-        n = mlp.gate_proj.out_features
 
-        def run(x: torch.Tensor) -> torch.Tensor:
-            gu = gate_up(x)  # [1, 1, 2I]
-            return mlp.down_proj(mlp.act_fn(gu[..., :n]) * gu[..., n:])
-
-        return run
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of rows `x` `[N, D]` at one position (cos, sin `[1, D]`): `x·cos + rotate_half(x)·sin`,
+    transformers' `apply_rotary_pos_emb` element for element (RoFormer, Su et al., arXiv 2104.09864
+    §3.4, in the half-split layout of the Llama family)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[:, half:], x[:, :half]), dim=-1) * sin
 
 
-def _watched(layer: Any) -> tuple[tuple[dict, str, Any], ...]:
-    """What a layer's join depends on, as (dict, key, value) entries: its attention and MLP, their
-    q/k/v and gate/up linears, and the tensors those hold. Weight formats replace the linears, and
-    `model.to()` or a state-dict load replaces the tensors: a join made before would no longer be
-    theirs. Read straight from the modules' dicts, so each step's check is cheap."""
-    attn, mlp = layer._modules["self_attn"], layer._modules["mlp"]
-    watched: list[tuple[dict, str, Any]] = [(layer._modules, "self_attn", attn), (layer._modules, "mlp", mlp)]
-    for owner, name in ((attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj"), (mlp, "gate_proj"), (mlp, "up_proj")):
-        part = owner._modules.get(name)
-        watched.append((owner._modules, name, part))
-        if part is not None:
-            watched += [(part._buffers, key, tensor) for key, tensor in part._buffers.items()]
-    return tuple(watched)
+def _fast(linear: Any) -> Row:
+    """`linear` as a function of one row `[1, 1, in]` → `[1, 1, out]` with what its forward computes
+    in a decode step, without the module call: a plain `nn.Linear` is `F.linear`; a bfloat16
+    linear on a CPU is its matrix-vector product (`Bf16Linear._product` for one row); any other
+    module is its own `forward`."""
+    if type(linear) is nn.Linear:
+        weight, bias = linear.weight, linear.bias
+        return lambda x: F.linear(x, weight, bias)
+    if type(linear) is Bf16Linear and linear.weight_bf16.device.type == "cpu":
+        w, b, n = linear.weight_bf16, linear.bias, linear.out_features
+
+        def row(x: torch.Tensor) -> torch.Tensor:
+            y = bf16_matvec(w, x.view(-1).to(torch.bfloat16)).to(x.dtype)  # [out]
+            return (y if b is None else y + b).view(1, 1, n)
+
+        return row
+    return linear.forward
 
 
-def _unchanged(watched: tuple[tuple[dict, str, Any], ...]) -> bool:
-    return all(where.get(key) is value for where, key, value in watched)
+# RMSNorms whose forward is w · (x · rsqrt(mean(x²) + ε)) for float32 x and w (read from transformers);
+# Gemma 3's multiplies by (1 + w) instead.
+_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+_RMS_NORMS_PLUS_ONE = ("Gemma3RMSNorm",)
+
+
+def _fast_norm(norm: Any) -> Row:
+    """`norm` as a function of float32 rows: transformers' RMSNorms as `F.rms_norm`, whose CPU
+    path is the same operations (x², mean, + ε, rsqrt, ·x, ·weight): equal bit for bit
+    (`tests/test_step.py`); any other input dtype, and any other norm, through its own `forward`
+    (Llama's norm computes a float64 input in float32, for one)."""
+    cls = type(norm)
+    own = cls.__module__.startswith("transformers.models.") and cls.forward.__qualname__ == f"{cls.__name__}.forward"
+    if not own or cls.__name__ not in _RMS_NORMS + _RMS_NORMS_PLUS_ONE:
+        return norm.forward
+    forward, weight, f32 = norm.forward, norm.weight, torch.float32
+    eps = norm.eps if cls.__name__ in _RMS_NORMS_PLUS_ONE else norm.variance_epsilon
+    shape = (weight.shape[0],)
+    if cls.__name__ in _RMS_NORMS_PLUS_ONE:
+        return lambda x: (F.rms_norm(x, shape, 1.0 + weight, eps)
+                          if x.dtype == f32 and weight.dtype == f32 else forward(x))  # fmt: skip
+    return lambda x: F.rms_norm(x, shape, weight, eps) if x.dtype == f32 and weight.dtype == f32 else forward(x)
+
+
+def _gated_joined(gate_up: Row, act: Row, down: Row, n: int) -> Row:
+    """The MLP `down(act(gate(x)) · up(x))` with gate and up from one joined linear `[1, 1, 2I]`."""
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        gu = gate_up(x)  # [1, 1, 2I]
+        return down(act(gu[..., :n]) * gu[..., n:])
+
+    return run
+
+
+def _gated(gate: Row, up: Row, act: Row, down: Row) -> Row:
+    """The MLP `down(act(gate(x)) · up(x))` from its three linears."""
+    return lambda x: down(act(gate(x)) * up(x))
+
+
+def _watched(layer: Any) -> Watched:
+    """What a layer's plan depends on, as (dicts, keys, values): every module of the layer and the
+    parameters and buffers each holds. Weight formats replace the linears, and `model.to()` or a
+    state-dict load replaces tensors: a plan made before would no longer be theirs. Read straight
+    from the modules' dicts, so each step's check is cheap."""
+    entries = [(where, key, value) for module in layer.modules()
+               for where in (module._modules, module._parameters, module._buffers)
+               for key, value in where.items()]  # fmt: skip
+    wheres, keys, values = zip(*entries, strict=True)
+    return wheres, keys, values
+
+
+def _unchanged(watched: Watched) -> bool:
+    wheres, keys, values = watched
+    return all(map(operator.is_, map(dict.get, wheres, keys), values))
 
 
 def decode_step_for(model: Any, shape: ModelShape) -> DecodeStep | None:

@@ -336,3 +336,23 @@ def test__prepared_head__a_read_only_home_only_costs_the_quantization(tmp_path, 
     (home / "prepared").write_text("a file where the folder would be")  # no folder can be made there
     head = _load_head(model_dir)
     _assert_same_head(head, _quantized_again(head))
+
+
+@pytest.mark.parametrize("v", [262144, 151936, 65536, 49152, 300, 40])
+def test__top_indices__hold_the_values_of_topk_even_among_ties(v):
+    """The two-level selection returns k distinct indices whose values are `torch.topk`'s, on rows
+    rounded to bfloat16 (as the int4 head's logits are: many ties at the k-th place) and on rows
+    with a few huge values in one block; vocabularies with many blocks and the fallback."""
+    from rocketkv_cli.model.heads import top_indices
+
+    g = torch.Generator().manual_seed(v)
+    rows = (torch.randn(6, v, generator=g) * 4).bfloat16().float()
+    rows[1, :40] = 1e4  # the largest values crowded into one block
+    rows[2] = 1.0  # every value tied
+    for k in (64, 7, 1):
+        idx = top_indices(rows, k)
+        assert idx.shape == (6, min(k, v))
+        assert all(len(set(r.tolist())) == min(k, v) for r in idx), "indices must be distinct"
+        got = rows.gather(-1, idx).sort(dim=-1, descending=True).values
+        want = rows.topk(min(k, v), dim=-1).values
+        assert torch.equal(got, want), f"k={k}: max difference {float((got - want).abs().max()):.3g}"

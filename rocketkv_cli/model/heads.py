@@ -55,16 +55,39 @@ class RefinedHead(nn.Module):
             return F.linear(xf, self.float_weight.float(), bias)
         with decode_step():  # a bf16 copy runs its own weights only in a decode step
             y = self.approx(x).float()  # [..., V]
-        idx = y.topk(min(self.TOPK, y.shape[-1]), dim=-1).indices  # [..., k]
+        idx = top_indices(y.reshape(-1, y.shape[-1]), self.TOPK).view(*y.shape[:-1], -1)  # [..., k]
         return y.scatter(-1, idx, self._exact(xf, idx))
 
     def _exact(self, xf: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """The float head's logits `[..., k]` of rows `idx` `[..., k]` for inputs `xf` `[..., H]`
         (float32; equal to `F.linear`'s up to summation order)."""
-        exact = (self.float_weight[idx].float() @ xf.unsqueeze(-1)).squeeze(-1)  # [..., k]
+        rows = self.float_weight.index_select(0, idx.reshape(-1)).view(*idx.shape, -1)  # [..., k, H]
+        exact = (rows.float() @ xf.unsqueeze(-1)).squeeze(-1)  # [..., k]
         if self.float_bias is not None:
             exact = exact + self.float_bias[idx].float()
         return exact
+
+
+def top_indices(y: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices `[N, min(k, V)]` of the k largest of each row of `y` `[N, V]`, in no particular order:
+    the values they hold are `y.topk(k)`'s (which of several equal values at the k-th place is
+    taken is arbitrary in both). One step of a two-level selection: the rows are cut in B blocks
+    of b ≈ √V entries, the k blocks with the largest maxima kept, and the top k taken among
+    their k·b entries. Exact: an entry above the k-th largest value v lies in a block whose
+    maximum exceeds v, and fewer than k blocks have such a maximum, so all of them are kept;
+    and the kept blocks whose maximum equals v hold enough entries equal to v. Over a large
+    vocabulary this reads the logits about once where one `torch.topk` of the whole row is
+    slower on a CPU (the certified head's decode step takes it once per token)."""
+    n, v = y.shape
+    k = min(k, v)
+    b = 1 << (math.isqrt(v).bit_length() - 1)  # the largest power of two ≤ √V that divides V
+    while v % b:
+        b //= 2
+    if v // b < 4 * k:  # too few blocks to gain anything
+        return y.topk(k, dim=-1).indices
+    blocks = y.reshape(n, v // b, b).amax(dim=-1).topk(k, dim=-1).indices  # [N, k]
+    candidates = (blocks.unsqueeze(-1) * b + torch.arange(b, device=y.device)).flatten(1)  # [N, k·b]
+    return candidates.gather(-1, y.gather(-1, candidates).topk(k, dim=-1).indices)
 
 
 _U_BF16 = 2.0**-8  # unit roundoff of bfloat16 (8 significant bits, round to nearest)
@@ -199,7 +222,7 @@ class CertifiedHead(RefinedHead):
         flat = xf.reshape(-1, xf.shape[-1])  # [N, H]
         with decode_step():
             y = self.approx(x).float().reshape(flat.shape[0], -1)  # [N, V]
-        idx = y.topk(min(self.TOPK, y.shape[-1]), dim=-1).indices  # [N, k]
+        idx = top_indices(y, self.TOPK)  # [N, k]
         out = y.scatter(-1, idx, self._exact(flat, idx))  # [N, V]
         for n in range(flat.shape[0]):
             self.positions[self._certify(flat[n], y[n], idx[n], out[n])] += 1

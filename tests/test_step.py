@@ -233,3 +233,20 @@ def test__joined_linears__leave_the_models_tensors_usable_and_follow_a_conversio
     after = _decode(engine, stored, decode_config_for(stored, sparse=False), True)
     assert engine.step._plans[0].qkv is not first
     assert torch.equal(before, after)
+
+
+def test__decode_step__follows_a_norm_weight_changed_in_place():
+    """Gemma's norms keep 1 + w between steps: a weight changed in place (a state-dict load copies
+    into the parameters) must be taken up by the next step, as the model's forward takes it."""
+    engine = make_engine("gemma3_text", torch.float32)
+    cfg = PrefillConfig(token_budget=32, max_new_tokens=8, window_size=8, pool_kernel_size=5)
+    stored = engine.ingest(Document(text_of_bytes(300, seed=6), "0" * 64, "d.txt"), cfg)
+    dec = decode_config_for(stored, sparse=False)
+    before = _decode(engine, stored, dec, True)
+    state = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    for name in [k for k in state if k.endswith("layernorm.weight") or k.endswith("norm.weight")]:
+        state[name] += 0.25
+    engine.model.load_state_dict(state)
+    direct, forward = _decode(engine, stored, dec, True), _decode(engine, stored, dec, False)
+    assert not torch.equal(before, forward), "the change must matter for this test to mean anything"
+    assert torch.equal(direct, forward), f"max error {float((direct - forward).abs().max()):.3g}"

@@ -221,21 +221,32 @@ _RMS_NORMS_PLUS_ONE = ("Gemma3RMSNorm",)
 
 
 def _fast_norm(norm: Any) -> Row:
-    """`norm` as a function of float32 rows: transformers' RMSNorms as `F.rms_norm`, whose CPU
+    """`norm` as a function of float32 rows: transformers' RMSNorms as `torch.rms_norm`, whose CPU
     path is the same operations (x², mean, + ε, rsqrt, ·x, ·weight): equal bit for bit
     (`tests/test_step.py`); any other input dtype, and any other norm, through its own `forward`
-    (Llama's norm computes a float64 input in float32, for one)."""
+    (Llama's norm computes a float64 input in float32, for one). Gemma 3's weight 1 + w is
+    computed once and again only after w changes in place (its version counter moves)."""
     cls = type(norm)
     own = cls.__module__.startswith("transformers.models.") and cls.forward.__qualname__ == f"{cls.__name__}.forward"
     if not own or cls.__name__ not in _RMS_NORMS + _RMS_NORMS_PLUS_ONE:
         return norm.forward
     forward, weight, f32 = norm.forward, norm.weight, torch.float32
-    eps = norm.eps if cls.__name__ in _RMS_NORMS_PLUS_ONE else norm.variance_epsilon
     shape = (weight.shape[0],)
-    if cls.__name__ in _RMS_NORMS_PLUS_ONE:
-        return lambda x: (F.rms_norm(x, shape, 1.0 + weight, eps)
-                          if x.dtype == f32 and weight.dtype == f32 else forward(x))  # fmt: skip
-    return lambda x: F.rms_norm(x, shape, weight, eps) if x.dtype == f32 and weight.dtype == f32 else forward(x)
+    if cls.__name__ not in _RMS_NORMS_PLUS_ONE:
+        eps = norm.variance_epsilon
+        return lambda x: torch.rms_norm(x, shape, weight, eps) if x.dtype == f32 and weight.dtype == f32 else forward(x)
+    eps = norm.eps
+    plus_one: list[Any] = [None, -1]  # 1 + w, and w's version when it was computed
+
+    def gemma(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != f32 or weight.dtype != f32:
+            return forward(x)
+        if plus_one[1] != weight._version:
+            with torch.inference_mode(False):
+                plus_one[0], plus_one[1] = 1.0 + weight.detach(), weight._version
+        return torch.rms_norm(x, shape, plus_one[0], eps)
+
+    return gemma
 
 
 def _gated_joined(gate_up: Row, act: Row, down: Row, n: int) -> Row:

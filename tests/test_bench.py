@@ -10,7 +10,8 @@ ROW_KEYS = {
     "context_tokens", "ingest_s", "prefill_tokens_per_s", "file_bytes", "full_kv_bytes", "file_vs_full_kv",
     "ttft_from_file_s", "ttft_full_reprefill_s", "ttft_speedup", "decode_step_hsa_s", "decode_step_full_s",
     "decode_speedup", "decode_step_exact_pruned_s", "hsa_vs_exact_pruned", "decode_speedup_exact_pruned",
-    "decode_step_exact_forward_s", "direct_step_vs_forward",
+    "decode_step_exact_forward_s", "direct_step_vs_forward", "decode_step_whole_store_s",
+    "working_set_vs_whole_store",
     "weights_bytes", "hsa_kv_bytes_per_step", "ideal_decode_speedup",
     "decode_speedup_fraction_of_ideal", "budgets", "peak_rss_ask_bytes", "peak_rss_full_bytes", "peak_rss_ratio",
 }  # fmt: skip

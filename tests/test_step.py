@@ -54,7 +54,7 @@ def test__decode_step__equals_the_models_forward(arch, weights, mode):
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_STEP_TYPES)
-@pytest.mark.parametrize("weights", ["float", "bf16"])
+@pytest.mark.parametrize("weights", ["float", "bf16", "int8", "int4", "head-bf16"])
 def test__decode_step__float32_equals_the_models_forward_bit_for_bit(arch, weights):
     """In float32 (the presets' dtype on a CPU) the step's own paths run: norms through
     `F.rms_norm`, linears through `F.linear` or the bfloat16 matrix-vector product, RoPE once over
@@ -235,18 +235,54 @@ def test__joined_linears__leave_the_models_tensors_usable_and_follow_a_conversio
     assert torch.equal(before, after)
 
 
-def test__decode_step__follows_a_norm_weight_changed_in_place():
-    """Gemma's norms keep 1 + w between steps: a weight changed in place (a state-dict load copies
-    into the parameters) must be taken up by the next step, as the model's forward takes it."""
-    engine = make_engine("gemma3_text", torch.float32)
+def _float32_engine_and_cache(arch: str, seed: int):
+    engine = make_engine(arch, torch.float32)
     cfg = PrefillConfig(token_budget=32, max_new_tokens=8, window_size=8, pool_kernel_size=5)
-    stored = engine.ingest(Document(text_of_bytes(300, seed=6), "0" * 64, "d.txt"), cfg)
-    dec = decode_config_for(stored, sparse=False)
+    stored = engine.ingest(Document(text_of_bytes(300, seed=seed), "0" * 64, "d.txt"), cfg)
+    return engine, stored, decode_config_for(stored, sparse=False)
+
+
+@pytest.mark.parametrize("change", ["load_state_dict", "data", "to"])
+def test__decode_step__follows_norm_weights_changed_under_it(change):
+    """The step's plans keep references to the model's tensors: norm weights changed in place
+    (a state-dict load copies into the parameters), through `.data`, or converted away and back
+    (`model.to()` swaps each parameter's data) must be what the next step uses, as the model's
+    forward uses them (Gemma's norms multiply by 1 + w)."""
+    engine, stored, dec = _float32_engine_and_cache("gemma3_text", 6)
     before = _decode(engine, stored, dec, True)
-    state = {k: v.clone() for k, v in engine.model.state_dict().items()}
-    for name in [k for k in state if k.endswith("layernorm.weight") or k.endswith("norm.weight")]:
-        state[name] += 0.25
-    engine.model.load_state_dict(state)
+    norms = [p for name, p in engine.model.named_parameters() if name.endswith("norm.weight")]
+    if change == "load_state_dict":
+        state = {k: v.clone() for k, v in engine.model.state_dict().items()}
+        for name in [k for k in state if k.endswith("norm.weight")]:
+            state[name] += 0.25
+        engine.model.load_state_dict(state)
+    elif change == "data":
+        for p in norms:
+            p.data.add_(0.25)
+    else:
+        for p in norms:  # a value a bfloat16 round trip changes
+            p.data.add_(1e-3 * torch.rand(p.shape, generator=torch.Generator().manual_seed(1)))
+        before = _decode(engine, stored, dec, True)
+        engine.model.to(torch.bfloat16).to(torch.float32)
     direct, forward = _decode(engine, stored, dec, True), _decode(engine, stored, dec, False)
     assert not torch.equal(before, forward), "the change must matter for this test to mean anything"
     assert torch.equal(direct, forward), f"max error {float((direct - forward).abs().max()):.3g}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test__decode_step__runs_the_hooks_the_models_forward_runs(arch):
+    """A forward hook on a layer's MLP or a pre-hook on a norm changes what the model computes: the
+    step must run it too (its layer then goes through module calls), and go back to its own path
+    when the hooks are removed."""
+    engine, stored, dec = _float32_engine_and_cache(arch, 7)
+    plain = _decode(engine, stored, dec, True)
+    layer = engine.model.model.layers[0]
+    handles = [layer.mlp.register_forward_hook(lambda m, args, out: out * 1.5),
+               layer.input_layernorm.register_forward_pre_hook(lambda m, args: (args[0] * 0.5,))]  # fmt: skip
+    direct, forward = _decode(engine, stored, dec, True), _decode(engine, stored, dec, False)
+    assert not torch.equal(plain, forward), "the hooks must matter for this test to mean anything"
+    assert torch.equal(direct, forward), f"max error {float((direct - forward).abs().max()):.3g}"
+    for handle in handles:
+        handle.remove()
+    assert torch.equal(_decode(engine, stored, dec, True), plain)
+    assert engine.step._plans[0].qkv is not None or engine.step._plans[0].q is not layer.self_attn.q_proj

@@ -91,19 +91,28 @@ def full_attention_decode_s(engine: Engine, ids: list[int], steps: int, warmup: 
 
 
 def rocketkv_answer_s(
-    engine: Engine, path: Path, question: str, steps: int, warmup: int, sparse: bool = True, direct: bool = True
+    engine: Engine,
+    path: Path,
+    question: str,
+    steps: int,
+    warmup: int,
+    sparse: bool = True,
+    direct: bool = True,
+    reselect: bool = True,
 ) -> tuple[float, float]:
     """From the saved file: load, prefill the question, first token (TTFT); then decode steps with
     HSA at every full-attention layer (`sparse`, whatever the crossover) or exact attention over
     the same pruned cache; through the direct decode step (`model/step.py`) or, `direct` false,
-    through the model's forward (`forward_tokens`, the step's reference).
+    through the model's forward (`forward_tokens`, the step's reference). `reselect` false: no
+    per-question working set (a cache that stores every token is then attended whole: full
+    attention over the stored keys and values, through the same step).
 
     Returns (seconds to first token including the file load, median seconds per decode step).
     """
     if not direct:
         saved, engine.step = engine.step, None
         try:
-            return rocketkv_answer_s(engine, path, question, steps, warmup, sparse)
+            return rocketkv_answer_s(engine, path, question, steps, warmup, sparse, reselect=reselect)
         finally:
             engine.step = saved
     t0 = time.perf_counter()
@@ -111,7 +120,7 @@ def rocketkv_answer_s(
     if not isinstance(stored, CompressedKVCache):
         raise ValueError(f"{path}: bench documents fit one segment")
     ids = engine.question_ids(question)
-    decoder = Decoder(engine, stored, len(ids) + warmup + steps + 8, decode_config_for(stored, sparse))
+    decoder = Decoder(engine, stored, len(ids) + warmup + steps + 8, decode_config_for(stored, sparse), reselect)
     with decoder.attention():
         token = int(decoder.prefill(ids).argmax())
         ttft = time.perf_counter() - t0
@@ -291,11 +300,12 @@ def bench_one(
     n = stored.n_context_tokens
     log(
         f"{n_tokens} tokens: answer from the file (HSA, then exact attention over the same pruned cache: "
-        "the direct step, then the model's forward)"
+        "the direct step, the model's forward, the whole store through the step)"
     )
     rk_ttft, rk_step = rocketkv_answer_s(engine, path, QUESTION, steps, warmup)
     _, exact_step = rocketkv_answer_s(engine, path, QUESTION, steps, warmup, sparse=False)
     _, forward_step = rocketkv_answer_s(engine, path, QUESTION, steps, warmup, sparse=False, direct=False)
+    _, whole_step = rocketkv_answer_s(engine, path, QUESTION, steps, warmup, sparse=False, reselect=False)
     log(f"{n_tokens} tokens: full attention (plain transformers)")
     ids = engine.document_ids(document) + engine.question_ids(QUESTION)
     full_ttft, full_step = full_attention_decode_s(engine, ids, steps, warmup)
@@ -311,6 +321,7 @@ def bench_one(
         "ttft_from_file_s": rk_ttft, "ttft_full_reprefill_s": full_ttft, "ttft_speedup": full_ttft / rk_ttft,
         "decode_step_hsa_s": rk_step, "decode_step_exact_pruned_s": exact_step,
         "decode_step_exact_forward_s": forward_step, "direct_step_vs_forward": forward_step / exact_step,
+        "decode_step_whole_store_s": whole_step, "working_set_vs_whole_store": whole_step / exact_step,
         "hsa_vs_exact_pruned": exact_step / rk_step, "decode_step_full_s": full_step,
         "decode_speedup": full_step / rk_step, "decode_speedup_exact_pruned": full_step / exact_step,
         "weights_bytes": weights, "hsa_kv_bytes_per_step": hsa_kv, "ideal_decode_speedup": ideal,

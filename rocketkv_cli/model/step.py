@@ -45,7 +45,7 @@ _GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Gemma3MLP")
 
 
 Row = Callable[[torch.Tensor], torch.Tensor]  # one row `[1, 1, n]` → `[1, 1, m]`
-Watched = tuple[tuple[dict, ...], tuple[str, ...], tuple[Any, ...]]  # `_watched`
+Watched = tuple[tuple[dict, ...], tuple[str, ...], tuple[Any, ...], tuple[dict, ...], tuple[int, ...]]  # `_watched`
 
 
 @dataclass(frozen=True)
@@ -77,10 +77,14 @@ class DecodeStep:
 
     Per layer it calls what `_LayerPlan` holds, not the modules themselves: each module's
     `forward` without `nn.Module.__call__`, a plain `nn.Linear` as `F.linear` and a bfloat16 one
-    as its matrix-vector product, and RoPE once over the joined q and k rows. A step of SmolLM2
-    runs ~100 small tensor operations per layer; the per-call overhead around them was ~15% of
-    the step on a CPU (docs/performance.md, "A leaner decode step"). Hooks registered on the
-    layer's modules are therefore not called by a decode step.
+    as its matrix-vector product, transformers' RMSNorms as `torch.rms_norm` on a CPU, and RoPE
+    once over the joined q and k rows: a step of SmolLM2 runs ~100 small tensor operations per
+    layer, and the calls around them add up (5–7% of a step: docs/performance.md, "A leaner
+    decode step"). A layer whose norms,
+    projections or MLP carry forward hooks or pre-hooks (or while global module hooks are set), or
+    whose module has its own `forward` attribute, is run through module calls instead, unjoined,
+    so that those run as the model's forward runs them (hooks on the decoder layer or its
+    attention module are not called: the step never calls those modules).
     """
 
     def __init__(self, model: Any, shape: ModelShape):
@@ -95,20 +99,32 @@ class DecodeStep:
         self._plans: list[_LayerPlan] = []
 
     def _plan(self, i: int, layer: Any) -> _LayerPlan:
-        """Layer `i`'s plan, built on first use and again whenever its modules or tensors changed
-        (weight formats replace the linears after the step is built; `model.to()` or a state-dict
-        load replaces tensors): a plan keeps references to them."""
+        """Layer `i`'s plan, built on first use and again whenever a module or tensor it holds was
+        replaced (weight formats replace the linears after the step is built; a state-dict load
+        with `assign=True` or a conversion to another device replaces tensors) or hooks were added
+        or removed: a plan keeps references to them. Parameters changed in place (`model.to()`
+        keeps the `Parameter` objects and swaps their data) are read at each call."""
         if i < len(self._plans) and _unchanged(self._plans[i].watched):
             return self._plans[i]
         attn, mlp = layer.self_attn, layer.mlp
         parts = (attn.q_proj, attn.k_proj, attn.v_proj, getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None))
+        names: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+        names += ("pre_feedforward_layernorm", "post_feedforward_layernorm") if self.sandwich else ()
+        called = [getattr(layer, n) for n in names] + [attn.o_proj, mlp, *mlp.children()]
+        called += [p for p in parts if p is not None] + ([attn.q_norm, attn.k_norm] if self.qk_norm else [])
+        if _hooked(called):  # the modules themselves, as the model's forward calls them
+            plan = _LayerPlan(
+                watched=_watched(layer), norms=tuple(getattr(layer, n) for n in names), qkv=None,
+                q=attn.q_proj, k=attn.k_proj, v=attn.v_proj, q_norm=attn.q_norm if self.qk_norm else None,
+                k_norm=attn.k_norm if self.qk_norm else None, o=attn.o_proj, mlp=mlp, gate_up=None,
+                sizes=(attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features),
+            )  # fmt: skip
+            return self._keep(i, plan)
         with torch.inference_mode(False):  # the model's own tensors must not become inference tensors
             qkv = type(attn.q_proj).join(list(parts[:3])) if hasattr(type(attn.q_proj), "join") else None
             gated = parts[3] is not None and hasattr(mlp, "act_fn") and type(mlp).__name__ in _GATED_MLPS
             gate_cls: Any = type(parts[3])
             gate_up = gate_cls.join(list(parts[3:])) if gated and hasattr(gate_cls, "join") else None
-        names: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
-        names += ("pre_feedforward_layernorm", "post_feedforward_layernorm") if self.sandwich else ()
         if gate_up is not None:
             mlp_fn = _gated_joined(_fast(gate_up), mlp.act_fn.forward, _fast(mlp.down_proj), mlp.gate_proj.out_features)
         elif gated:
@@ -125,6 +141,9 @@ class DecodeStep:
             o=_fast(attn.o_proj), mlp=mlp_fn, gate_up=gate_up,
             sizes=(attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features),
         )  # fmt: skip
+        return self._keep(i, plan)
+
+    def _keep(self, i: int, plan: _LayerPlan) -> _LayerPlan:
         if i < len(self._plans):
             self._plans[i] = plan
         else:
@@ -221,32 +240,26 @@ _RMS_NORMS_PLUS_ONE = ("Gemma3RMSNorm",)
 
 
 def _fast_norm(norm: Any) -> Row:
-    """`norm` as a function of float32 rows: transformers' RMSNorms as `torch.rms_norm`, whose CPU
-    path is the same operations (x², mean, + ε, rsqrt, ·x, ·weight): equal bit for bit
-    (`tests/test_step.py`); any other input dtype, and any other norm, through its own `forward`
-    (Llama's norm computes a float64 input in float32, for one). Gemma 3's weight 1 + w is
-    computed once and again only after w changes in place (its version counter moves)."""
+    """`norm` as a function of float32 rows on a CPU: transformers' RMSNorms as `torch.rms_norm`,
+    whose CPU path is the same operations (x², mean, + ε, rsqrt, ·x, ·weight): equal bit for bit
+    (`tests/test_step.py`); another input dtype or device (a GPU's fused kernel sums in its own
+    order), and any other norm, through its own `forward` (Llama's norm computes a float64 input
+    in float32, for one)."""
     cls = type(norm)
     own = cls.__module__.startswith("transformers.models.") and cls.forward.__qualname__ == f"{cls.__name__}.forward"
     if not own or cls.__name__ not in _RMS_NORMS + _RMS_NORMS_PLUS_ONE:
         return norm.forward
     forward, weight, f32 = norm.forward, norm.weight, torch.float32
     shape = (weight.shape[0],)
-    if cls.__name__ not in _RMS_NORMS_PLUS_ONE:
-        eps = norm.variance_epsilon
-        return lambda x: torch.rms_norm(x, shape, weight, eps) if x.dtype == f32 and weight.dtype == f32 else forward(x)
-    eps = norm.eps
-    plus_one: list[Any] = [None, -1]  # 1 + w, and w's version when it was computed
+    plus_one = cls.__name__ in _RMS_NORMS_PLUS_ONE
+    eps = norm.eps if plus_one else norm.variance_epsilon
 
-    def gemma(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != f32 or weight.dtype != f32:
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != f32 or weight.dtype != f32 or x.device.type != "cpu":
             return forward(x)
-        if plus_one[1] != weight._version:
-            with torch.inference_mode(False):
-                plus_one[0], plus_one[1] = 1.0 + weight.detach(), weight._version
-        return torch.rms_norm(x, shape, plus_one[0], eps)
+        return torch.rms_norm(x, shape, 1.0 + weight if plus_one else weight, eps)  # Gemma: (1 + w), as its forward
 
-    return gemma
+    return run
 
 
 def _gated_joined(gate_up: Row, act: Row, down: Row, n: int) -> Row:
@@ -264,21 +277,34 @@ def _gated(gate: Row, up: Row, act: Row, down: Row) -> Row:
     return lambda x: down(act(gate(x)) * up(x))
 
 
+def _hooked(modules: list[Any]) -> bool:
+    """Whether calling `modules` by their `forward` would skip something their `__call__` runs:
+    forward hooks or pre-hooks, global module hooks, or a `forward` set on the instance."""
+    glob = nn.modules.module
+    return bool(glob._global_forward_hooks or glob._global_forward_pre_hooks) or any(
+        m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m) for m in modules
+    )
+
+
 def _watched(layer: Any) -> Watched:
-    """What a layer's plan depends on, as (dicts, keys, values): every module of the layer and the
-    parameters and buffers each holds. Weight formats replace the linears, and `model.to()` or a
-    state-dict load replaces tensors: a plan made before would no longer be theirs. Read straight
-    from the modules' dicts, so each step's check is cheap."""
-    entries = [(where, key, value) for module in layer.modules()
-               for where in (module._modules, module._parameters, module._buffers)
-               for key, value in where.items()]  # fmt: skip
+    """What a layer's plan depends on: every module of the layer and the parameters and buffers
+    each holds, as (dicts, keys, values); and the size of every hook dict of the layer's modules
+    and of the global ones, as (dicts, sizes). Read straight from the modules' dicts, so each
+    step's check is cheap."""
+    modules = list(layer.modules())
+    entries = [(where, key, value) for module in modules
+               for where in (module._modules, module._parameters, module._buffers, vars(module))
+               for key, value in where.items() if where is not vars(module) or key == "forward"]  # fmt: skip
     wheres, keys, values = zip(*entries, strict=True)
-    return wheres, keys, values
+    glob = nn.modules.module
+    hooks = [glob._global_forward_hooks, glob._global_forward_pre_hooks]
+    hooks += [d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks, vars(m))]
+    return wheres, keys, values, tuple(hooks), tuple(len(d) for d in hooks)
 
 
 def _unchanged(watched: Watched) -> bool:
-    wheres, keys, values = watched
-    return all(map(operator.is_, map(dict.get, wheres, keys), values))
+    wheres, keys, values, hooks, sizes = watched
+    return all(map(operator.is_, map(dict.get, wheres, keys), values)) and all(map(operator.eq, map(len, hooks), sizes))
 
 
 def decode_step_for(model: Any, shape: ModelShape) -> DecodeStep | None:

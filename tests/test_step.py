@@ -269,20 +269,51 @@ def test__decode_step__follows_norm_weights_changed_under_it(change):
     assert torch.equal(direct, forward), f"max error {float((direct - forward).abs().max()):.3g}"
 
 
+def _hook_on(engine, where: str):
+    """A hook that changes what the model computes, on the module `where` names in layer 0 (or the
+    whole model), of the kind each place is hooked with in practice."""
+    layer = engine.model.model.layers[0]
+    scale = lambda m, args, out: out * 1.5  # noqa: E731
+    if where == "mlp":
+        return [layer.mlp.register_forward_hook(scale)]
+    if where == "norm pre-hook":
+        return [layer.input_layernorm.register_forward_pre_hook(lambda m, args: (args[0] * 0.5,))]
+    if where == "o_proj (with kwargs)":
+        return [layer.self_attn.o_proj.register_forward_hook(lambda m, args, kw, out: out * 1.5, with_kwargs=True)]
+    if where == "v_proj":
+        return [layer.self_attn.v_proj.register_forward_hook(scale)]
+    if where == "down_proj":
+        return [layer.mlp.down_proj.register_forward_hook(scale)]
+    if where == "global":
+        return [torch.nn.modules.module.register_module_forward_hook(
+            lambda m, args, out: out * 1.5 if m is layer.mlp else None)]  # fmt: skip
+    if where == "decoder layer":
+        return [layer.register_forward_hook(lambda m, args, out: (out[0] * 1.5, *out[1:])
+                                            if isinstance(out, tuple) else out * 1.5)]  # fmt: skip
+    if where == "attention":
+        return [layer.self_attn.register_forward_hook(lambda m, args, out: (out[0] * 1.5, *out[1:]))]
+    raise AssertionError(where)
+
+
+HOOKS = ["mlp", "norm pre-hook", "o_proj (with kwargs)", "v_proj", "down_proj", "global", "decoder layer", "attention"]
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
-def test__decode_step__runs_the_hooks_the_models_forward_runs(arch):
-    """A forward hook on a layer's MLP or a pre-hook on a norm changes what the model computes: the
-    step must run it too (its layer then goes through module calls), and go back to its own path
-    when the hooks are removed."""
+@pytest.mark.parametrize("where", HOOKS)
+def test__decode_step__runs_the_hooks_the_models_forward_runs(arch, where):
+    """A hook anywhere in a layer (or a global one) changes what the model computes: the step must
+    run it as the model's forward does (through module calls, or the forward itself for the
+    modules the step never calls), and go back to its own path when the hook is removed."""
     engine, stored, dec = _float32_engine_and_cache(arch, 7)
     plain = _decode(engine, stored, dec, True)
-    layer = engine.model.model.layers[0]
-    handles = [layer.mlp.register_forward_hook(lambda m, args, out: out * 1.5),
-               layer.input_layernorm.register_forward_pre_hook(lambda m, args: (args[0] * 0.5,))]  # fmt: skip
-    direct, forward = _decode(engine, stored, dec, True), _decode(engine, stored, dec, False)
-    assert not torch.equal(plain, forward), "the hooks must matter for this test to mean anything"
+    handles = _hook_on(engine, where)
+    try:
+        direct, forward = _decode(engine, stored, dec, True), _decode(engine, stored, dec, False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert not torch.equal(plain, forward), "the hook must matter for this test to mean anything"
     assert torch.equal(direct, forward), f"max error {float((direct - forward).abs().max()):.3g}"
-    for handle in handles:
-        handle.remove()
     assert torch.equal(_decode(engine, stored, dec, True), plain)
-    assert engine.step._plans[0].qkv is not None or engine.step._plans[0].q is not layer.self_attn.q_proj
+    layer = engine.model.model.layers[0]
+    assert engine.step._plans[0].q is not layer.self_attn.q_proj, "without hooks the layer's own plan is back"

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .hf import ModelShape, RocketCache, _attention
+from .hf import ModelShape, RocketCache, _attention, forward_tokens
 from .linears import Bf16Linear, bf16_matvec, decode_step
 
 # Pre-norm layers: norm → attention → residual; norm → MLP → residual.
@@ -82,9 +82,10 @@ class DecodeStep:
     layer, and the calls around them add up (5–7% of a step: docs/performance.md, "A leaner
     decode step"). A layer whose norms,
     projections or MLP carry forward hooks or pre-hooks (or while global module hooks are set), or
-    whose module has its own `forward` attribute, is run through module calls instead, unjoined,
-    so that those run as the model's forward runs them (hooks on the decoder layer or its
-    attention module are not called: the step never calls those modules).
+    whose module has its own `forward` attribute or a compiled call, is run through module calls
+    instead, unjoined, so that those run as the model's forward runs them; where the model, its
+    decoder, a decoder layer or an attention module carries them (modules the step never calls),
+    the step is the model's forward (`forward_tokens`).
     """
 
     def __init__(self, model: Any, shape: ModelShape):
@@ -97,6 +98,8 @@ class DecodeStep:
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
         self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
         self._plans: list[_LayerPlan] = []
+        # the modules the step does not call: hooked, they take the decode back to the forward
+        self._uncalled = [model, model.model, *self.layers, *(layer.self_attn for layer in self.layers)]
 
     def _plan(self, i: int, layer: Any) -> _LayerPlan:
         """Layer `i`'s plan, built on first use and again whenever a module or tensor it holds was
@@ -156,6 +159,8 @@ class DecodeStep:
             raise ValueError(f"a decode step takes input_ids [1, 1] and positions [1], got "
                              f"{tuple(input_ids.shape)}, {tuple(positions.shape)}")  # fmt: skip
         with decode_step():
+            if _hooked(self._uncalled):
+                return forward_tokens(self.model, cache, input_ids, positions)
             return self._step(cache, input_ids, positions)
 
     def _step(self, cache: RocketCache, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -279,10 +284,12 @@ def _gated(gate: Row, up: Row, act: Row, down: Row) -> Row:
 
 def _hooked(modules: list[Any]) -> bool:
     """Whether calling `modules` by their `forward` would skip something their `__call__` runs:
-    forward hooks or pre-hooks, global module hooks, or a `forward` set on the instance."""
+    forward hooks or pre-hooks, global module hooks, a `forward` set on the instance, or a
+    compiled call (`module.compile()`)."""
     glob = nn.modules.module
     return bool(glob._global_forward_hooks or glob._global_forward_pre_hooks) or any(
-        m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m) for m in modules
+        m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m) or m._compiled_call_impl is not None
+        for m in modules
     )
 
 

@@ -80,12 +80,12 @@ class DecodeStep:
     as its matrix-vector product, transformers' RMSNorms as `torch.rms_norm` on a CPU, and RoPE
     once over the joined q and k rows: a step of SmolLM2 runs ~100 small tensor operations per
     layer, and the calls around them add up (5–7% of a step: docs/performance.md, "A leaner
-    decode step"). A layer whose norms,
-    projections or MLP carry forward hooks or pre-hooks (or while global module hooks are set), or
-    whose module has its own `forward` attribute or a compiled call, is run through module calls
-    instead, unjoined, so that those run as the model's forward runs them; where the model, its
-    decoder, a decoder layer or an attention module carries them (modules the step never calls),
-    the step is the model's forward (`forward_tokens`).
+    decode step"). A layer whose norms, projections or MLP carry forward hooks or pre-hooks (or
+    while global module hooks are set), or whose module has its own `forward` attribute or a
+    compiled call, is run through module calls instead, unjoined, so that those run as the
+    model's forward runs them; where the model, its decoder, a decoder layer or an attention
+    module carries them (modules the step never calls), the step is the model's forward
+    (`forward_tokens`).
     """
 
     def __init__(self, model: Any, shape: ModelShape):
@@ -299,9 +299,13 @@ def _watched(layer: Any) -> Watched:
     and of the global ones, as (dicts, sizes). Read straight from the modules' dicts, so each
     step's check is cheap."""
     modules = list(layer.modules())
-    entries = [(where, key, value) for module in modules
-               for where in (module._modules, module._parameters, module._buffers, vars(module))
-               for key, value in where.items() if where is not vars(module) or key == "forward"]  # fmt: skip
+    entries = [
+        (where, key, value)
+        for module in modules
+        for where in (module._modules, module._parameters, module._buffers)
+        for key, value in where.items()
+    ]
+    entries += [(vars(module), "forward", vars(module).get("forward")) for module in modules]  # an instance forward
     wheres, keys, values = zip(*entries, strict=True)
     glob = nn.modules.module
     hooks = [glob._global_forward_hooks, glob._global_forward_pre_hooks]

@@ -183,3 +183,33 @@ def test__question_attention__dispatch_fast_path_on_cpu_under_auto(monkeypatch):
     monkeypatch.setenv("ROCKETKV_KERNELS", "torch")
     out, scores = ops.question_attention(q, k, k, torch.arange(5).view(1, 1, 5), torch.arange(3, 5), 3, 0.3)
     assert calls == [1] and out.shape == (1, 2, 2, 8) and scores.shape == (1, 1, 3)
+
+
+# B, Hkv, R (query rows per KV head), D, S, dtype, tolerance (logits reach ~±100: float32 rounds at ~1e-5)
+KEY_LOGITS_SHAPES = [
+    (1, 3, 3, 64, 3537, torch.float32, 2e-4),  # SmolLM2's decode step over its working set
+    (1, 3, 114, 64, 701, torch.float32, 2e-4),  # a question's rows
+    (2, 2, 5, 24, 129, torch.float32, 2e-4),  # a batch of two, odd sizes
+    (1, 1, 4, 256, 1, torch.float32, 2e-4),  # Gemma's heads, one key
+    (3, 4, 1, 8, 17, torch.float64, 1e-12),
+    (1, 2, 3, 64, 300, torch.bfloat16, 0.25),  # logits of ~±30 at bfloat16's 8 bits
+]
+
+
+@pytest.mark.parametrize("b, hkv, r, d, s, dtype, tol", KEY_LOGITS_SHAPES)
+def test__key_logits__equals_the_batched_product_over_sliced_buffers(b, hkv, r, d, s, dtype, tol):
+    g = torch.Generator().manual_seed(b * 1000 + s)
+    keys = (torch.randn(b, hkv, s + 11, d, generator=g) * 2).to(dtype)[:, :, :s]  # a buffer's first S rows
+    query = (torch.randn(b, hkv, r + 2, d, generator=g) * 2).to(dtype)[:, :, 1 : r + 1]
+    got = cpu.key_logits(query, keys)
+    want = torch.matmul(query.double(), keys.double().transpose(-1, -2))
+    assert got.shape == (b, hkv, r, s) and got.dtype == dtype
+    err = (got.double() - want).abs()
+    assert float(err.max()) <= tol, f"max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"
+
+
+def test__key_logits__refuses_shapes_that_do_not_match():
+    with pytest.raises(ValueError, match="do not match"):
+        cpu.key_logits(torch.zeros(1, 3, 2, 64), torch.zeros(1, 2, 10, 64))  # KV heads
+    with pytest.raises(ValueError, match="do not match"):
+        cpu.key_logits(torch.zeros(1, 3, 2, 64), torch.zeros(1, 3, 10, 32))  # head size

@@ -239,10 +239,11 @@ def exact_decode_attention(
     """Exact attention of one new token `[B, H, 1, D]` over every cached key `[B, Hkv, S, D]`: all
     are in its past, so no mask. Returns `[B, H, 1, D]` in the query's dtype.
 
-    On a GPU this is SDPA's fused decode kernel. On a CPU it is two grouped matmuls, the G = H / Hkv
-    query heads of a GQA group multiplied by their KV head at once: SDPA's CPU kernel reads each KV
-    head once per query head, and the keys and values of a decode step are read from memory, not
-    cache (docs/performance.md, "Decode step"). Half-precision keys keep SDPA on a CPU too: a
+    On a GPU this is SDPA's fused decode kernel. On a CPU it is one matrix product per KV head for
+    the scores and one grouped product for the values, the G = H / Hkv query heads of a GQA group
+    multiplied by their KV head at once: SDPA's CPU kernel reads each KV head once per query head,
+    and the keys and values of a decode step are read from memory, not cache (docs/performance.md,
+    "Decode step"), and the scores are one product per KV head (`ops.cpu.key_logits`). Half-precision keys keep SDPA on a CPU too: a
     bfloat16 matmul would round the logits themselves (a step of 0.25 at a logit of 44), where
     SDPA keeps its scores in float32. `tests/test_step.py` compares both with
     `core.attention.exact_attention`.
@@ -251,8 +252,8 @@ def exact_decode_attention(
     hkv = keys.shape[1]
     if keys.device.type != "cpu" or keys.dtype not in (torch.float32, torch.float64) or query.dtype != keys.dtype:
         return F.scaled_dot_product_attention(query, keys, values, scale=scaling, enable_gqa=h != hkv)
-    scores = torch.matmul(query.view(b, hkv, h // hkv, d), keys.transpose(-1, -2))  # [B, Hkv, G, S]
-    probs = torch.softmax(scores * scaling, dim=-1).to(values.dtype)
+    scores = ops.cpu.key_logits(query.view(b, hkv, h // hkv, d), keys)  # [B, Hkv, G, S]
+    probs = torch.softmax(scores.mul_(scaling), dim=-1).to(values.dtype)
     return torch.matmul(probs, values).view(b, h, 1, values.shape[-1])
 
 

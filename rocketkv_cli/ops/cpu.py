@@ -19,6 +19,23 @@ def flash_available() -> bool:
     return _FLASH is not None
 
 
+def key_logits(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """`query @ keysᵀ` per KV head: query `[B, Hkv, R, D]` (the R query rows that share a KV
+    head), keys `[B, Hkv, S, D]` → logits `[B, Hkv, R, S]` in their dtype, as `torch.matmul(query,
+    keys.transpose(-1, -2))`. One `mm` per (batch, KV head) instead: on a CPU torch's batched
+    product over the keys' transpose streamed them 1.4× (decode, R = 3) to 2.3× (a question, R =
+    114) slower on SmolLM2's shapes (docs/performance.md, "Scores one KV head at a time").
+    Raises ValueError: shapes that do not match."""
+    b, hkv, r, d = query.shape
+    if keys.dim() != 4 or tuple(keys.shape[:2]) != (b, hkv) or keys.shape[3] != d:
+        raise ValueError(f"query {tuple(query.shape)} and keys {tuple(keys.shape)} do not match")
+    out = query.new_empty(b, hkv, r, keys.shape[2])  # [B, Hkv, R, S]
+    for i in range(b):
+        for j in range(hkv):
+            torch.mm(query[i, j], keys[i, j].t(), out=out[i, j])
+    return out
+
+
 def reconstruction_attention(
     queries: torch.Tensor,
     keys: torch.Tensor,
@@ -112,7 +129,7 @@ def question_attention(
         raise ValueError(f"a tail of {tail} tokens cannot hold {t} queries")
     g = h // hkv
     q = query.float().reshape(b, hkv, g * t, d) * scaling  # [B, Hkv, G*T, D]: a group's heads share the KV head
-    kc, vc = keys[:, :, :n_context].float().transpose(-1, -2), values[:, :, :n_context].float()
+    kc, vc = keys[:, :, :n_context].float(), values[:, :, :n_context].float()
     kt, vt = keys[:, :, n_context:].float().transpose(-1, -2), values[:, :, n_context:].float()
     # row r of a group is query r % T, at tail index tail - T + r % T: it sees tail keys up to itself
     own = torch.arange(g * t, device=keys.device) % t + (tail - t)  # [G*T]
@@ -123,7 +140,7 @@ def question_attention(
     for start in range(0, g * t, rows):
         end = min(g * t, start + rows)
         block = q[:, :, start:end]
-        lc, lt = torch.matmul(block, kc), torch.matmul(block, kt)  # [B, Hkv, r, n_context], [B, Hkv, r, tail]
+        lc, lt = key_logits(block, kc), torch.matmul(block, kt)  # [B, Hkv, r, n_context], [B, Hkv, r, tail]
         if softcap is not None:
             lc, lt = torch.tanh(lc / softcap) * softcap, torch.tanh(lt / softcap) * softcap
         lt.masked_fill_(hidden[start:end], float("-inf"))

@@ -243,10 +243,10 @@ def exact_decode_attention(
     the scores and one grouped product for the values, the G = H / Hkv query heads of a GQA group
     multiplied by their KV head at once: SDPA's CPU kernel reads each KV head once per query head,
     and the keys and values of a decode step are read from memory, not cache (docs/performance.md,
-    "Decode step"), and the scores are one product per KV head (`ops.cpu.key_logits`). Half-precision keys keep SDPA on a CPU too: a
-    bfloat16 matmul would round the logits themselves (a step of 0.25 at a logit of 44), where
-    SDPA keeps its scores in float32. `tests/test_step.py` compares both with
-    `core.attention.exact_attention`.
+    "Decode step"), and the scores are one product per KV head (`ops.cpu.key_logits`).
+    Half-precision keys keep SDPA on a CPU too: a bfloat16 matmul would round the logits
+    themselves (a step of 0.25 at a logit of 44), where SDPA keeps its scores in float32.
+    `tests/test_step.py` compares both with `core.attention.exact_attention`.
     """
     b, h, _, d = query.shape
     hkv = keys.shape[1]

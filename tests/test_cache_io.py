@@ -183,3 +183,20 @@ def test__payload_digest__covers_every_tensor(stored):
     d1 = payload_digest(tensors)
     tensors["b"] = torch.tensor([1.0, 1.0000001])
     assert payload_digest(tensors) != d1
+
+
+def test__resident_bytes__counts_decoded_layers_and_each_buffer_once(kv_file):
+    """What a server budgets a cache by once it is answered from: its float keys and values
+    (int codes decode to 4-byte floats) and positions, plus at most the file's bytes again (the
+    codes they came from, the token arrays)."""
+    from rocketkv_cli.core.cache import tensor_bytes
+
+    loaded = load_cache(kv_file)
+    layers = loaded.layers
+    floats = sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
+    positions = sum(layer.positions.numel() * layer.positions.element_size() for layer in layers)
+    assert floats > 0
+    assert floats + positions <= loaded.resident_bytes <= floats + positions + 2 * kv_file.stat().st_size
+    buffer = torch.zeros(10, 4)
+    assert tensor_bytes([buffer, buffer[:3], buffer[5:].view(-1)]) == 160  # views of one buffer: once
+    assert tensor_bytes([buffer, torch.zeros(2), None]) == 168

@@ -117,6 +117,12 @@ class RocketKV:
         self._kept.release(None if cache is None else
                            cache.segments if isinstance(cache, SegmentedKVCache) else [cache])  # fmt: skip
 
+    def held_bytes(self) -> int:
+        """Bytes of memory held for answering beyond the model and the caches: the decode buffers
+        `ask` keeps (`release` frees them), a float32 copy of the keys and values of the cache it
+        last answered from plus a question's working set."""
+        return self._kept.held_bytes()
+
     @classmethod
     def load(
         cls,

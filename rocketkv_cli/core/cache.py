@@ -17,6 +17,18 @@ from .config import Budgets, PrefillConfig
 from .quant import FLOAT_DTYPES, KVStorage, decode_layer, encode_layer
 
 
+def tensor_bytes(tensors) -> int:
+    """Bytes of memory the given tensors hold, each underlying storage counted once (views of one
+    buffer share it): what keeping them costs, not what they show."""
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        seen[(str(t.device), storage.data_ptr())] = storage.nbytes()
+    return sum(seen.values())
+
+
 @dataclass(frozen=True)
 class LayerKV:
     """One layer's kept tokens: keys/values `[1, Hkv, S, D]`, positions `[1, Hkv, S]` int64.
@@ -201,6 +213,18 @@ class CompressedKVCache:
             self._layers = layers
         return self._layers
 
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes this cache holds in memory now (`tensor_bytes`): its layers (the float keys and
+        values, their positions and the stored codes they were decoded from) once read, and its
+        token arrays; layers not yet read (a lazy file) count nothing. A file's size
+        understates what its cache costs once answered from: int8 or int4 codes are decoded to
+        float32, 4–8 times their bytes."""
+        layers = self._layers or ()
+        tensors = [t for layer in layers for t in (layer.keys, layer.values, layer.positions,
+                                                   *(layer.stored or {}).values())]  # fmt: skip
+        return tensor_bytes([*tensors, self.token_ids, self.token_offsets, self.token_lines])
+
     def release(self) -> None:
         """Forget layers read lazily (they are read again on next use); no-op for in-memory ones."""
         if self._loader is not None:
@@ -263,6 +287,11 @@ class SegmentedKVCache:
     @property
     def kv_bytes(self) -> int:
         return sum(s.kv_bytes for s in self.segments)
+
+    @property
+    def resident_bytes(self) -> int:
+        """`CompressedKVCache.resident_bytes` summed over the segments (those read so far)."""
+        return sum(s.resident_bytes for s in self.segments)
 
 
 AnyCache = CompressedKVCache | SegmentedKVCache

@@ -264,6 +264,11 @@ class KeptAnswerer:
         finally:
             self._lock.release()
 
+    def held_bytes(self) -> int:
+        """Bytes of memory the kept `Answerer`'s decode buffers hold (0: none kept)."""
+        kept = self._kept
+        return 0 if kept is None else kept.decoder.cache.nbytes
+
     def release(self, caches: Iterable[CompressedKVCache] | None = None) -> None:
         """Drop the kept `Answerer` (only if it answers from one of `caches`, when given) unless in use."""
         if self._lock.acquire(blocking=False):

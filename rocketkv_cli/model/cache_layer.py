@@ -17,6 +17,7 @@ from transformers import Cache
 from transformers.cache_utils import CacheLayerMixin
 
 from .. import ops
+from ..core.cache import tensor_bytes
 from ..errors import ModelLoadError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
@@ -236,6 +237,19 @@ class RocketLayer(CacheLayerMixin):
             raise ValueError(f"cannot keep {keep_tail} tail tokens after a context of {self.n_context}")
         self.length = self.n_context + keep_tail
 
+    def buffers(self) -> list[torch.Tensor]:
+        """Every tensor this layer holds: its buffers, and while a working set is selected the
+        stored context's (and its pages); a working set's buffers kept for the next question."""
+        held = [self.keys, self.values, self.positions]
+        for pages in (self._context_pages, self._stored[4] if self._stored is not None else None):
+            if pages is not None:
+                held += pages[1:]
+        if self._stored is not None:
+            held += self._stored[:3]
+        if self._working is not None:
+            held += self._working
+        return held
+
     def get_seq_length(self) -> int:
         return self.length
 
@@ -280,6 +294,11 @@ class RocketCache(Cache):
         layer.append(key_states, value_states, self.query_positions)
         keys, values, _ = layer.view()
         return keys, values
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of memory the layers' buffers hold (`RocketLayer.buffers`, each storage once)."""
+        return tensor_bytes(t for layer in self.layers for t in layer.buffers())
 
     def crop_to_context(self, keep_tail: int = 0) -> None:
         """Every layer back to its stored context plus its first `keep_tail` tail tokens."""

@@ -1,4 +1,4 @@
-"""The server's work, run in a worker thread under the decode lock (`Warm.lock`): answering
+"""The server's work, run in a worker thread under the decode lock (`Warm.job`): answering
 questions from a cache and ingesting a document. Each job reports through `Job.emit` as events
 (dicts) that the HTTP layer (`app.py`) turns into NDJSON lines, OpenAI chunks or SSE.
 
@@ -274,7 +274,7 @@ def _open(warm: Warm, req: AskRequest):
 def answer_job(job: Job, warm: Warm, req: AskRequest) -> None:
     """Answer `req`'s questions one at a time under the decode lock: `piece` events as text is
     decoded, an `answer` event (the `--json` record; citations with unrounded weights) per answer."""
-    with warm.lock:
+    with warm.job():
         job.check()
         rk, stored = _open(warm, req)
         if req.check_only:  # what `rocketkv chat` asks before its prompt: every option checked as a session does
@@ -338,7 +338,7 @@ def summarize_job(job: Job, warm: Warm, req: SummarizeRequest) -> None:
     from ..api.summaries import extractable, summarize
     from ..core.config import PrefillConfig, summary_writing
 
-    with warm.lock:
+    with warm.job():
         job.check()
         rk, stored = _open(warm, req.ask)
         cite = req.ask.options["cite"]  # checked by `_open`
@@ -409,7 +409,7 @@ def batch_job(job: Job, warm: Warm, req: BatchTaskRequest) -> None:
     def log(message: str) -> None:
         job.emit({"event": "log", "message": message})
 
-    with warm.lock:
+    with warm.job():
         job.check()
         s = req.settings
         rk = warm.model(ModelKey(s.model, s.device, s.dtype, None, s.trust_remote_code), log)
@@ -421,7 +421,7 @@ def batch_job(job: Job, warm: Warm, req: BatchTaskRequest) -> None:
 def ingest_job(job: Job, warm: Warm, req: IngestRequest) -> None:
     """Ingest `req.document` into `req.output` under the decode lock: `progress` events (tokens
     done, total), then `written` with the file's path, bytes and seconds."""
-    with warm.lock:
+    with warm.job():
         job.check()
         key = ModelKey(req.model or DEFAULT_MODEL, "auto", "auto", None, False)
         rk: RocketKV = warm.model(key)

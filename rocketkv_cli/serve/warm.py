@@ -9,9 +9,11 @@ of the old file. The check is one `stat` per request.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,8 +44,13 @@ class ModelKey:
 class _WarmCache:
     identity: FileIdentity
     cache: AnyCache
-    n_bytes: int
     checked_for: set[ModelKey]
+
+    @property
+    def n_bytes(self) -> int:
+        """The file's size until its layers are read, then the bytes the cache holds in memory
+        (`resident_bytes`: float32 keys and values decoded from the file's codes, 4–8× its size)."""
+        return max(self.identity[2], self.cache.resident_bytes)
 
 
 def _model_bytes(rk: RocketKV) -> int:
@@ -52,11 +59,13 @@ def _model_bytes(rk: RocketKV) -> int:
 
 
 class Warm:
-    """Models and caches kept loaded, bounded by `memory_budget` bytes (the cache files' sizes
-    plus the models' parameter bytes). The entry in use is never evicted, so one model and one
-    cache larger than the budget still work (alone). `lock` serialises decodes: the server runs
-    one answer at a time with all its threads, so concurrent clients never oversubscribe the
-    cores."""
+    """Models and caches kept loaded, bounded by `memory_budget` bytes: what each holds in memory,
+    counted again after every job (`settle`): a model's parameters and buffers plus the decode
+    buffers it keeps (`RocketKV.held_bytes`), a cache's file size until it is read, then its
+    tensors (`resident_bytes`). The entries in use (or used last) are never evicted, so one model
+    and one cache larger than the budget still work (alone). `lock` serialises decodes: the
+    server runs one answer at a time with all its threads, so concurrent clients never
+    oversubscribe the cores."""
 
     def __init__(self, memory_budget: int, threads: int | None = None):
         if memory_budget < 1:
@@ -69,7 +78,26 @@ class Warm:
         self.reloads = 0  # caches read again because their file changed (for /health and tests)
 
     def used_bytes(self) -> int:
-        return sum(n for _, n in self.models.values()) + sum(c.n_bytes for c in self.caches.values())
+        """Bytes the warm models and caches hold now (see the class)."""
+        models, caches = list(self.models.values()), list(self.caches.values())  # snapshots (see `describe`)
+        return sum(n + rk.held_bytes() for rk, n in models) + sum(c.n_bytes for c in caches)
+
+    @contextlib.contextmanager
+    def job(self) -> Iterator[None]:
+        """The decode lock for one job; when the job ends (or fails) what is held is `settle`d."""
+        with self.lock:
+            try:
+                yield
+            finally:
+                self.settle()
+
+    def settle(self) -> None:
+        """After a job (under `lock`): evict least recently used entries until what is held fits
+        the budget again, keeping the model and the cache used last (a cache grows when it is
+        first answered from: its layers are read and decoded, a model keeps decode buffers)."""
+        last_model = next(reversed(self.models), None)
+        last_cache = next(reversed(self.caches), None)
+        self._evict(keep_model=last_model, keep_cache=last_cache)
 
     def _evict(self, keep_model: ModelKey | None = None, keep_cache: Path | None = None) -> None:
         while self.used_bytes() > self.memory_budget:
@@ -96,7 +124,7 @@ class Warm:
         cache = read_cache(path)
         if file_identity(path) != identity:  # replaced while it was read: read the new one next time
             return cache
-        self.caches[path] = _WarmCache(identity, cache, identity[2], set())
+        self.caches[path] = _WarmCache(identity, cache, set())
         self._evict(keep_cache=path)
         return cache
 
@@ -130,6 +158,6 @@ class Warm:
         """What is warm, for `/health` (read from the event loop while a job may change it: snapshots
         taken by `list`, which does not let another thread run while it copies)."""
         models, caches = list(self.models.items()), list(self.caches.items())
-        used = sum(n for _, (_, n) in models) + sum(c.n_bytes for _, c in caches)
+        used = sum(n + rk.held_bytes() for _, (rk, n) in models) + sum(c.n_bytes for _, c in caches)
         return {"models": [k.model for k, _ in models], "caches": [str(p) for p, _ in caches], "used_bytes": used,
                 "memory_budget_bytes": self.memory_budget, "reloads": self.reloads}  # fmt: skip

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from rocketkv_cli.api.documents import TextPieces, TextStream, segment_texts, token_counts
 from rocketkv_cli.api.segments import (
+    answer_segmented,
     frame_tokens,
     ingest_stream,
     lexical_scores,
@@ -161,6 +162,34 @@ def test__measuring_a_file_read_lazily_holds_one_segment_at_a_time(engine, tmp_p
     first = loaded.segments[0]
     first.layers  # noqa: B018  (read on purpose: a segment in use stays read)
     assert loaded.max_kept_tokens == by_hand and first._layers is not None
+
+
+def test__answering_from_a_file_read_lazily_keeps_no_segment_in_memory(engine, tmp_path):
+    """A server answering a book question after question, each routed to another segment, held
+    every segment it had answered from, decoded to float32 (10.5 GB for the KJV's 2.1 GB file):
+    now a segment's layers leave memory once the decoder has its copy, and routing by keys and
+    merging segments release what they read. The answers are those of the in-memory cache."""
+    from rocketkv_cli.engine.answer import KeptAnswerer
+
+    stored = ingest_stream(engine, TextPieces(lines_text(30), "doc.txt"), CFG, segment_tokens=300)
+    loaded = load_cache(save_segmented(stored, tmp_path / "book.kv"), lazy=True)
+    assert isinstance(loaded, SegmentedKVCache) and len(loaded.segments) > 2
+
+    def held() -> list[int]:
+        return [j for j, seg in enumerate(loaded.segments) if seg._layers is not None]
+
+    kept = KeptAnswerer()
+    for j in range(len(loaded.segments)):
+        got = next(answer_segmented(engine, loaded, ["which word?"], 4, True, {}, segment=j, kept=kept))
+        want = next(answer_segmented(engine, stored, ["which word?"], 4, True, {}, segment=j))
+        assert got.token_ids == want.token_ids, j
+        assert not held(), f"segments {held()} stay in memory after answering from segment {j}"
+        assert kept.held_bytes() > 0  # the decoder's own copy
+    segment_scores(engine, loaded, "zzz qqq?")
+    assert not held(), f"segments {held()} stay in memory after routing by keys"
+    merged = merge_segments(loaded, [0, 2])
+    assert not held(), f"segments {held()} stay in memory after merging"
+    assert merged.resident_bytes > 0
 
 
 def test__interrupted_ingest_resumes_from_the_checkpoints(engine, tmp_path):

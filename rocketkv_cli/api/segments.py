@@ -12,6 +12,7 @@ over the top segments' kept KV (`merge_segments`). No argument parsing or printi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import re
@@ -185,15 +186,16 @@ def segment_scores(engine: Engine, stored: SegmentedKVCache, question: str) -> t
     per_segment = []
     for part in stored.segments:
         maxima = []
-        for i, q in sorted(queries.items()):
-            layer = part.layers[i]  # [1, Hkv, S, D], [1, Hkv, S] (read from the file when first used, on the CPU)
-            k = layer.keys[0].to(q.device, torch.float32)
-            pos = layer.positions.to(q.device)
-            b, h, t, d = q.shape
-            assert k.shape[0] * group == h and k.shape[2] == d, (q.shape, k.shape)
-            logits = torch.einsum("kgtd,ksd->kgts", q[0].view(k.shape[0], group, t, d), k)  # [Hkv, G, T, S]
-            logits = logits.masked_fill((pos[0] < frame)[:, None, None, :], float("-inf"))
-            maxima.append(logits.amax(dim=-1).reshape(h, t))  # [H, T]
+        with part.layers_for_now() as layers:  # read from the file when first used, released after
+            for i, q in sorted(queries.items()):
+                layer = layers[i]  # [1, Hkv, S, D], [1, Hkv, S] (on the CPU)
+                k = layer.keys[0].to(q.device, torch.float32)
+                pos = layer.positions.to(q.device)
+                b, h, t, d = q.shape
+                assert k.shape[0] * group == h and k.shape[2] == d, (q.shape, k.shape)
+                logits = torch.einsum("kgtd,ksd->kgts", q[0].view(k.shape[0], group, t, d), k)  # [Hkv, G, T, S]
+                logits = logits.masked_fill((pos[0] < frame)[:, None, None, :], float("-inf"))
+                maxima.append(logits.amax(dim=-1).reshape(h, t))  # [H, T]
         per_segment.append(torch.stack(maxima))  # [L_full, H, T]
     m = torch.stack(per_segment).cpu()  # [N, L_full, H, T]
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
@@ -289,14 +291,15 @@ def merge_segments(stored: SegmentedKVCache, indices: list[int]) -> CompressedKV
     parts = [stored.segments[j] for j in indices]
     if len(parts) == 1:
         return parts[0]
-    layers = tuple(
-        LayerKV(
-            torch.cat([x.keys for x in layer], 2),
-            torch.cat([x.values for x in layer], 2),
-            torch.cat([x.positions for x in layer], 2),
-        )
-        for layer in zip(*(p.layers for p in parts))
-    )  # each [1, Hkv, Σ S_j, D] / [1, Hkv, Σ S_j]
+    with contextlib.ExitStack() as reading:  # the parts' layers read for this leave memory after it
+        layers = tuple(
+            LayerKV(
+                torch.cat([x.keys for x in layer], 2),
+                torch.cat([x.values for x in layer], 2),
+                torch.cat([x.positions for x in layer], 2),
+            )
+            for layer in zip(*(reading.enter_context(p.layers_for_now()) for p in parts))
+        )  # each [1, Hkv, Σ S_j, D] / [1, Hkv, Σ S_j]
     first = parts[0].info
     # re-selection (a store budget) keeps k segments' worth of working set, ranked over the chosen
     # segments' stored tokens together (the first tokens and last W kept are the concatenation's)

@@ -36,8 +36,9 @@ def _status(where: Server, json_out: bool) -> None:
                f"{info['served']} request{'s' * (info['served'] != 1)} served, {info['active']} in flight")  # fmt: skip
     typer.echo(f"models: {', '.join(info['models']) or '-'}")
     typer.echo(f"caches: {', '.join(info['caches']) or '-'}")
+    buffers = info.get("decode_buffers_bytes", 0) / 1e6
     typer.echo(f"memory: {info['used_bytes'] / 1e6:.1f} MB of {info['memory_budget_bytes'] / 1e9:.1f} GB "
-               "(models and caches)")  # fmt: skip
+               f"(models, caches, and {buffers:.1f} MB of decode buffers)")  # fmt: skip
 
 
 def _stop(where: Server) -> None:

@@ -8,7 +8,8 @@ these into bytes and strings and back. Pure torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -241,15 +242,21 @@ class CompressedKVCache:
     def n_segments(self) -> int:
         return 1
 
-    def _measured(self, measure: Callable[[tuple[LayerKV, ...]], int]) -> int:
-        """`measure(self.layers)`; layers read lazily for it are released again, so that measuring
-        every segment of a book holds one segment's KV at a time, not the whole file's."""
+    @contextlib.contextmanager
+    def layers_for_now(self) -> Iterator[tuple[LayerKV, ...]]:
+        """The layers for the block; layers read lazily for it are released after it, so that
+        going over every segment of a book holds one segment's KV at a time, not the whole file's."""
         read_now = self._layers is None
         try:
-            return measure(self.layers)
+            yield self.layers
         finally:
             if read_now:
                 self.release()
+
+    def _measured(self, measure: Callable[[tuple[LayerKV, ...]], int]) -> int:
+        """`measure(self.layers)`, the layers read for it released again (`layers_for_now`)."""
+        with self.layers_for_now() as layers:
+            return measure(layers)
 
     @property
     def max_kept_tokens(self) -> int:

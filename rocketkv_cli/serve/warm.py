@@ -158,6 +158,8 @@ class Warm:
         """What is warm, for `/health` (read from the event loop while a job may change it: snapshots
         taken by `list`, which does not let another thread run while it copies)."""
         models, caches = list(self.models.items()), list(self.caches.items())
-        used = sum(n + rk.held_bytes() for _, (rk, n) in models) + sum(c.n_bytes for _, c in caches)
+        buffers = sum(rk.held_bytes() for _, (rk, _) in models)
+        used = sum(n for _, (_, n) in models) + buffers + sum(c.n_bytes for _, c in caches)
         return {"models": [k.model for k, _ in models], "caches": [str(p) for p, _ in caches], "used_bytes": used,
-                "memory_budget_bytes": self.memory_budget, "reloads": self.reloads}  # fmt: skip
+                "decode_buffers_bytes": buffers, "memory_budget_bytes": self.memory_budget,
+                "reloads": self.reloads}  # fmt: skip

@@ -478,6 +478,20 @@ def test__threads_beyond_the_machines_cpus__a_usage_error(rocketkv_bin, env, com
         assert f"more than this machine's {cpus} CPUs" in errors[0] and "Traceback" not in r.stderr, r.stderr
 
 
+def test__verbose_names_the_threads_chosen_when_the_model_loaded(rocketkv_bin, env, kv):
+    """Without --threads the count is chosen when the model loads, from the cores this process may
+    use and how busy other processes kept them; `-v` says which (and an explicit count says so)."""
+    r = run(rocketkv_bin, {k: v for k, v in env.items() if k not in ("ROCKETKV_THREADS", "OMP_NUM_THREADS")},
+            "ask", "--cache", kv, "--no-server", "-v", "What is the secret code?")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stderr.splitlines() if "threads:" in x)
+    if len(os.sched_getaffinity(0)) > 1:  # measured over the seconds of importing torch: known here
+        chosen = r"threads: \d+ \(\d+ cores this process may use, [\d.]+ busy with other processes\)"
+        assert re.search(chosen, line), line
+    r = run(rocketkv_bin, env, "ask", "--cache", kv, "--no-server", "-v", "--threads", "1", "What is the code?")
+    assert r.returncode == 0 and "threads: 1 (--threads)" in r.stderr, r.stderr
+
+
 def test__shell_completion__script_and_answers(rocketkv_bin, env):
     # Typer detects the shell from the parent process: run it from bash (`; true` keeps bash from
     # exec-ing the command, which would make pytest the parent), as a user's prompt would.

@@ -164,17 +164,18 @@ class Timings:
 
 def setup(quiet: bool, threads: int | None = None) -> None:
     """Per-command start: quiet or not, and torch's threads (`--threads`, else `$ROCKETKV_THREADS`, else
-    the cores this process may use: `api.threads`), applied when the model loads. Nothing heavy
-    is imported here, so that the checks that follow (options, documents, paths) answer in a
-    fraction of a second. Raises UsageError for a thread count < 1."""
-    from ..api.threads import resolve_threads
+    chosen when the model loads: the cores this process may use less those other processes keep
+    busy, `api.threads`). Nothing heavy is imported here, so that the checks that follow
+    (options, documents, paths) answer in a fraction of a second. Raises UsageError for a thread
+    count < 1."""
+    from ..api.threads import requested_threads
 
     _state["quiet"] = quiet
-    _state["threads"] = resolve_threads(threads)
+    _state["threads"] = requested_threads(threads)
 
 
 def threads_note() -> str:
-    """ "threads: 2 (the cores this process may use …)" for `--verbose`."""
+    """ "threads: 2 (2 cores this process may use, 0.0 busy with other processes)" for `--verbose`."""
     n, source = _state.get("threads") or (None, "torch's default")
     return f"threads: {n} ({source})"
 
@@ -200,7 +201,8 @@ def load_engine(model: Optional[str], device: str, dtype: str, trust_remote_code
 
     quiet = _state["quiet"]
     configure(quiet, progress_bars=err.is_terminal and not quiet)
-    apply((_state.get("threads") or resolve_threads())[0])
+    _state["threads"] = _state.get("threads") or resolve_threads()  # the default measured now, after the imports
+    apply(_state["threads"][0])
     model = model or DEFAULT_MODEL
     t0 = time.perf_counter()
     with (

@@ -50,7 +50,8 @@ TrustOpt = Annotated[bool, typer.Option(help="Allow model code from the model di
 ThreadsOpt = Annotated[
     Optional[int],
     typer.Option("--threads", min=1, metavar="N",
-                 help="Threads to compute with (default: $ROCKETKV_THREADS, else the cores this process may use)."),
+                 help="Threads to compute with (default: $ROCKETKV_THREADS, else the cores this process may use "
+                      "less those other processes keep busy)."),
 ]  # fmt: skip
 ServerOpt = Annotated[
     Optional[str],

@@ -116,12 +116,12 @@ def serve_command(
         where = _where(socket, host, port, api_key)
         _status(where, json_out) if action == "status" else _stop(where)
         return
-    from ..api.threads import resolve_threads
+    from ..api.threads import requested_threads
 
     roots = tuple(allow_dir) if allow_dir else ((Path.cwd(),) if host is not None else None)
     cfg = ServeConfig(socket=None if host is not None else (socket or default_socket()), host=host,
                       port=None if host is None else (8790 if port is None else port), api_key=api_key,
-                      allow_dirs=roots, idle_timeout_s=idle_timeout, threads=resolve_threads(threads)[0],
+                      allow_dirs=roots, idle_timeout_s=idle_timeout, threads=(requested_threads(threads) or (None,))[0],
                       memory_budget=default_memory_budget() if memory_gb is None else int(memory_gb * 1e9),
                       max_queue=max_queue, trust_remote_code=trust_remote_code)  # fmt: skip
     from ..serve.server import serve  # torch and the model stack: only once the options are checked

@@ -59,7 +59,6 @@ class ServeState:
     roots: tuple[Path, ...] | None
     api_key: str | None
     url: str
-    threads: int
     idle_timeout_s: float
     max_queue: int
     max_body_bytes: int
@@ -74,7 +73,7 @@ class ServeState:
 
     def health(self) -> dict:
         return {"service": "rocketkv", "status": "ok", "version": __version__, "pid": os.getpid(), "url": self.url,
-                "threads": self.threads, "uptime_s": round(time.monotonic() - self.started, 1),
+                "threads": self.warm.current_threads, "uptime_s": round(time.monotonic() - self.started, 1),
                 "active": self.active, "served": self.served, "max_queue": self.max_queue,
                 "idle_timeout_s": self.idle_timeout_s, "cancelled": Job.cancelled_total,
                 **self.warm.describe()}  # fmt: skip

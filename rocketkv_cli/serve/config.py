@@ -52,7 +52,8 @@ class ServeConfig:
     path the server's user can read — the default on a Unix socket, which only that user can open).
     idle_timeout_s: exit after this many seconds without a request (0: never). memory_budget: bytes
     of warm models and caches. max_queue: requests in flight beyond which new ones get 503.
-    max_body_bytes, max_tokens_limit: per-request limits. threads: torch's threads.
+    max_body_bytes, max_tokens_limit: per-request limits. threads: torch's threads (None: chosen
+    before each job, `api.threads.default_threads`).
     trust_remote_code: whether a request may ask to run a model directory's own code (off: refused).
 
     Raises:
@@ -66,7 +67,7 @@ class ServeConfig:
     allow_dirs: tuple[Path, ...] | None
     idle_timeout_s: float
     memory_budget: int
-    threads: int
+    threads: int | None
     max_queue: int = DEFAULT_MAX_QUEUE
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_tokens_limit: int = DEFAULT_MAX_TOKENS
@@ -86,7 +87,7 @@ class ServeConfig:
         if not self.idle_timeout_s >= 0:  # NaN fails too
             raise UsageError(f"--idle-timeout must be ≥ 0 (0: never), got {self.idle_timeout_s}")
         for name in ("memory_budget", "threads", "max_queue", "max_body_bytes", "max_tokens_limit"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise UsageError(f"{name} must be ≥ 1, got {getattr(self, name)}")
         if self.allow_dirs is not None:
             missing = [str(d) for d in self.allow_dirs if not d.is_dir()]

@@ -20,7 +20,6 @@ from pathlib import Path
 import uvicorn
 
 from ..api.rocketkv import configure
-from ..api.threads import apply
 from ..errors import InputError
 from .app import ServeState, build_app
 from .config import ServeConfig
@@ -92,7 +91,6 @@ def bind_tcp(host: str, port: int) -> socket.socket:
 def serve(cfg: ServeConfig, log: Log) -> None:
     """Run the server in the foreground until it is stopped (shutdown request, SIGINT/SIGTERM) or
     idle for `cfg.idle_timeout_s`. Raises InputError when the socket cannot be had."""
-    apply(cfg.threads)
     configure(quiet=True, progress_bars=False)
     lock_fd = None
     if cfg.socket is not None:
@@ -105,7 +103,7 @@ def serve(cfg: ServeConfig, log: Log) -> None:
     identity = os.stat(cfg.socket).st_ino if cfg.socket is not None else None
     state = ServeState(warm=Warm(cfg.memory_budget, cfg.threads), roots=cfg.allow_dirs, api_key=cfg.api_key,
                        trust_remote_code=cfg.trust_remote_code, host=cfg.host,
-                       url=url, threads=cfg.threads, idle_timeout_s=cfg.idle_timeout_s, max_queue=cfg.max_queue,
+                       url=url, idle_timeout_s=cfg.idle_timeout_s, max_queue=cfg.max_queue,
                        max_body_bytes=cfg.max_body_bytes, max_tokens_limit=cfg.max_tokens_limit)  # fmt: skip
     server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning", access_log=False, lifespan="off",
                                            timeout_graceful_shutdown=3))  # fmt: skip
@@ -123,7 +121,8 @@ def serve(cfg: ServeConfig, log: Log) -> None:
             server.should_exit = True
 
         watcher = asyncio.create_task(watch())
-        log(f"serving on {url} (threads {cfg.threads}, memory budget {cfg.memory_budget / 1e9:.1f} GB, "
+        threads = cfg.threads or f"{state.warm.current_threads} now, chosen before each request"
+        log(f"serving on {url} (threads {threads}, memory budget {cfg.memory_budget / 1e9:.1f} GB, "
             f"idle timeout {cfg.idle_timeout_s:.0f}s); stop with `rocketkv serve stop`")  # fmt: skip
         try:
             await server.serve(sockets=[sock])

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..api.rocketkv import RocketKV, read_cache
+from ..api.threads import CpuLoad, apply, available_cores, threads_for
 from ..core.cache import AnyCache
 
 FileIdentity = tuple[int, int, int, int, int]
@@ -71,7 +72,9 @@ class Warm:
         if memory_budget < 1:
             raise ValueError(f"memory_budget must be ≥ 1 byte, got {memory_budget}")
         self.memory_budget = memory_budget
-        self.threads = threads
+        self.threads = threads  # None: chosen before each job from the cores other processes leave idle
+        self.load = CpuLoad()
+        self.current_threads = threads or available_cores()
         self.models: OrderedDict[ModelKey, tuple[RocketKV, int]] = OrderedDict()
         self.caches: OrderedDict[Path, _WarmCache] = OrderedDict()
         self.lock = threading.Lock()
@@ -84,8 +87,13 @@ class Warm:
 
     @contextlib.contextmanager
     def job(self) -> Iterator[None]:
-        """The decode lock for one job; when the job ends (or fails) what is held is `settle`d."""
+        """The decode lock for one job, run with the threads chosen for it (`--threads`, else the
+        cores other processes left idle since the last job started: `api.threads.CpuLoad`); when
+        the job ends (or fails) what is held is `settle`d."""
         with self.lock:
+            if self.threads is None and (busy := self.load.elsewhere()) is not None:
+                self.current_threads = threads_for(available_cores(), busy)
+            apply(self.current_threads)
             try:
                 yield
             finally:

@@ -396,6 +396,10 @@ def test__with_a_running_server__rows_run_there_with_the_same_results(rocketkv_b
 
         by_key = lambda lines: sorted((same(r) for r in lines), key=json.dumps)  # noqa: E731
         assert by_key(lines_of(allowed / "remote.jsonl")) == by_key(lines_of(allowed / "local.jsonl"))
+        made = next(Path(r["cache"]) for r in lines_of(allowed / "remote.jsonl") if r.get("cache"))
+        asked = run(rocketkv_bin, env, "ask", "--cache", made, "What is the code?")
+        assert asked.returncode == 0, asked.stderr
+        assert len(health(s.server)["models"]) == 1, health(s.server)  # the rows' model answers the ask too
         mixed = write_manifest(allowed / "mixed.jsonl", [*rows, {"id": "c", "document": str(outside),
                                                                   "questions": ["What is the code?"]}])  # fmt: skip
         argv = [rocketkv_bin, "batch", str(mixed), "--model", str(tiny_model_dir), *OPTS, "-o",

@@ -38,6 +38,7 @@ from ..engine.answer import Answer, KeptAnswerer, Sampling, TextCallback, answer
 from ..engine.engine import Engine, TokenProgress
 from ..errors import InputError, UsageError
 from ..model.loading import DEFAULT_MODEL, load_model
+from ..model.resolve import resolve_device, resolve_dtype
 from ..store.checkpoints import Checkpoints
 from ..store.describe import kept_tokens_per_layer as kept_tokens_per_layer
 from ..store.folders import make_scratch_dir
@@ -116,6 +117,14 @@ class RocketKV:
         cache object starts sooner), if they are over `cache` (any cache: None) and not in use."""
         self._kept.release(None if cache is None else
                            cache.segments if isinstance(cache, SegmentedKVCache) else [cache])  # fmt: skip
+
+    @staticmethod
+    def placement(device: str = "auto", dtype: str = "auto") -> tuple[str, str]:
+        """The device and dtype names `load` resolves `device` and `dtype` to (`auto`: CUDA when
+        present, else the CPU; bfloat16 on CUDA, float32 on the CPU), e.g. ("cpu", "float32").
+        Raises ModelLoadError as `load` does (CUDA named but absent, an unknown name)."""
+        where = resolve_device(device)
+        return str(where), str(resolve_dtype(dtype, where)).removeprefix("torch.")
 
     def held_bytes(self) -> int:
         """Bytes of memory held for answering beyond the model and the caches: the decode buffers

@@ -10,6 +10,7 @@ of the old file. The check is one `stat` per request.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 from collections import OrderedDict
@@ -143,7 +144,11 @@ class Warm:
             rk.release(warm.cache)
 
     def model(self, key: ModelKey, log=lambda message: None) -> RocketKV:
-        """The model for `key`, loaded on first use. Raises ModelLoadError."""
+        """The model for `key`, loaded on first use; `auto` device and dtype are resolved first,
+        so that a request naming them and one naming what they resolve to share one model.
+        Raises ModelLoadError."""
+        device, dtype = RocketKV.placement(key.device, key.dtype)
+        key = dataclasses.replace(key, device=device, dtype=dtype)
         if key in self.models:
             self.models.move_to_end(key)
             return self.models[key][0]

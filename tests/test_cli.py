@@ -369,6 +369,20 @@ def test__cite__passages_map_to_the_document_characters_and_lines(rocketkv_bin, 
     ]
 
 
+def test__a_citation_share_that_rounds_to_nothing_reads_below_one_percent():
+    from rocketkv_cli.cli.answers import share
+
+    assert [share(w) for w in (0.0036, 0.004, 0.005, 0.0051, 0.0198, 0.5, 1.0)] == [
+        "<1%",
+        "<1%",
+        "<1%",
+        "1%",
+        "2%",
+        "50%",
+        "100%",
+    ]
+
+
 def test__ask_focus__answers_from_the_best_passage_in_a_pipe_and_a_terminal(rocketkv_bin, env, kv, doc):
     # the document is one 600-character line of filler words, then "The secret code is 4242.": the
     # question shares "the", "secret", "code" and "is" with line 2 and no word with line 1
@@ -423,8 +437,8 @@ def test__models__lists_and_removes_what_is_stored(rocketkv_bin, env, tmp_path):
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert [(x["name"], x["kind"], x["preset"], x["bytes"]) for x in rows] == [
         ("gemma-3-270m-q4_k_m-0123", "converted", "gemma-3-270m", 3000),
-        ("gemma-3-270m-q4_k_m.gguf", "download", "gemma-3-270m", 1000),
-        ("mine.gguf", "download", None, 10),
+        ("gemma-3-270m-q4_k_m.gguf", "gguf", "gemma-3-270m", 1000),
+        ("mine.gguf", "gguf", None, 10),
         ("0a1b.safetensors", "prepared", None, 20),
     ]
     r = run(rocketkv_bin, env, "models", "--remove", "0a1b.safetensors")
@@ -476,6 +490,12 @@ def test__threads_beyond_the_machines_cpus__a_usage_error(rocketkv_bin, env, com
         errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
         assert r.returncode == 2 and len(errors) == 1, r.stderr
         assert f"more than this machine's {cpus} CPUs" in errors[0] and "Traceback" not in r.stderr, r.stderr
+
+
+def test__ingest_from_stdin_without_an_output__a_usage_error(rocketkv_bin, env):
+    r = run(rocketkv_bin, env, "ingest", "-", stdin="Some text to keep.\n")
+    error = assert_one_line_error(r, code=2)
+    assert "needs an output file" in error and "-o FILE.kv" in error, error
 
 
 def test__verbose_names_the_threads_chosen_when_the_model_loaded(rocketkv_bin, env, kv):
@@ -539,7 +559,7 @@ def test__ingest_store_budget_and_reconstruct__inspect_and_ask(rocketkv_bin, env
     assert info["config"]["store_budget"] == 128 and info["config"]["observation"] == "reconstruct"
     assert info["budgets"]["prompt_budget"] < max(info["kept_tokens_per_layer"]) < int(info["n_context_tokens"])
     text = run(rocketkv_bin, env, "inspect", out).stdout
-    assert f"re-selects {info['budgets']['prompt_budget']} of the kept tokens" in text, text
+    assert f"re-selects {info['budgets']['prompt_budget']:,} of the kept tokens" in text, text
     a = run(rocketkv_bin, env, "ask", "--cache", out, "What is the secret code?", "--json")
     assert a.returncode == 0, a.stderr
     assert json.loads(a.stdout)["n_answer_tokens"] >= 1
@@ -563,7 +583,7 @@ def test__ingest_store_budget_all__keeps_every_token_and_each_question_reselects
     assert set(info["kept_tokens_per_layer"]) == {int(info["n_context_tokens"])}
     assert info["budgets"]["prompt_budget"] < int(info["n_context_tokens"])
     text = run(rocketkv_bin, env, "inspect", out).stdout
-    assert f"re-selects {info['budgets']['prompt_budget']} of the kept tokens" in text, text
+    assert f"re-selects {info['budgets']['prompt_budget']:,} of the kept tokens" in text, text
     a = run(rocketkv_bin, env, "ask", "--cache", out, "What is the secret code?", "--json")
     assert a.returncode == 0 and json.loads(a.stdout)["n_answer_tokens"] >= 1, a.stderr
     bad = run(rocketkv_bin, env, "ingest", doc, "-o", tmp_path / "bad.kv", "--model", tiny_model_dir,

@@ -17,9 +17,9 @@ from ..model.loading import preset_of_file, rocketkv_home
 class StoredModel:
     """A model file rocketkv keeps under `$ROCKETKV_HOME` (default `~/.cache/rocketkv`).
 
-    kind: "converted" (the safetensors copy loaded on every run, in `models/`) or "download"
-    (the GGUF it was converted from, in `downloads/`: remade from the Gemma package, or fetched
-    again from PyPI for SmolLM2). preset: the preset it belongs to, or None (a user's `.gguf`).
+    kind: "converted" (the safetensors copy loaded on every run, in `models/`) or "gguf" (the
+    GGUF it was converted from, in `downloads/`: assembled from the Gemma package, or fetched
+    from PyPI for SmolLM2). preset: the preset it belongs to, or None (a user's `.gguf`).
     """
 
     name: str
@@ -42,7 +42,7 @@ def stored_models() -> list[StoredModel]:
     """Every converted model, downloaded GGUF and prepared LM head (`model/prepared.py`) under
     `home()`, in that order, by name."""
     found = []
-    for kind, folder in (("converted", "models"), ("download", "downloads"), ("prepared", "prepared")):
+    for kind, folder in (("converted", "models"), ("gguf", "downloads"), ("prepared", "prepared")):
         base = home() / folder
         entries = sorted(base.iterdir()) if base.is_dir() else []
         for path in entries:

@@ -35,13 +35,13 @@ def default_output(document: str) -> Path:
     """Where `ingest DOC` writes without `-o`: DOC's whole name plus `.kv` (`a.txt` → `a.txt.kv`,
     so `a.txt` and `a.md` never replace each other's cache). Raises OutputError for stdin and for
     a document that is not a regular file (a pipe such as `<(cat doc)`, a device): it has no
-    name worth keeping, and its directory is not one to write in."""
+    name worth keeping, and its directory is not one to write in: a usage error (exit 2)."""
     if document == "-":
-        raise OutputError("reading from stdin needs an output file", "pass -o FILE.kv")
+        raise UsageError("reading from stdin needs an output file", "pass -o FILE.kv")
     path = Path(document)
     if not path.is_file():
-        raise OutputError(f"{document} is not a regular file (a pipe or a device), so it gives no output name",
-                          "pass -o FILE.kv")  # fmt: skip
+        raise UsageError(f"{document} is not a regular file (a pipe or a device), so it gives no output name",
+                         "pass -o FILE.kv")  # fmt: skip
     return path.with_name(path.name + ".kv")
 
 

@@ -89,7 +89,7 @@ def main(
 
 
 COMMANDS = [
-    ("ingest", ingest_command, "Prefill a document once, prune its KV cache, save a .kv file."),
+    ("ingest", ingest_command, "Prefill a document once, save its compressed KV cache to a .kv file."),
     ("ask", ask_command, "Answer questions from a .kv cache (or from a document)."),
     ("chat", chat_command, "Ask questions one after another; model and cache load once."),
     ("summarize", summarize_command, "Summarize a document or a .kv cache's document."),

@@ -175,7 +175,7 @@ class AnswerPrinter:
         if citations is not None:
             indent = INDENT if self.fmt == "qa" else ""
             rows = [
-                f"{indent}  [{i}] {where(c)} ({100 * c.weight:.0f}%): {' '.join(c.text.split())}\n"
+                f"{indent}  [{i}] {where(c)} ({share(c.weight)}): {' '.join(c.text.split())}\n"
                 for i, c in enumerate(citations, 1)
             ]  # one row each: a passage of several lines is joined
             self._write(f"{indent}Sources:\n" + "".join(rows) if rows else f"{indent}Sources: none\n")
@@ -184,6 +184,13 @@ class AnswerPrinter:
         """The answer being printed was cancelled: end its line."""
         if self.stream and self.fmt != "json":
             self._write("\n")
+
+
+def share(weight: float) -> str:
+    """A citation's weight (its share of the answer's attention, 0-1) as a percentage: "12%", or
+    "<1%" where it rounds to 0 (a cited passage never reads as none)."""
+    shown = f"{100 * weight:.0f}"
+    return "<1%" if shown == "0" else f"{shown}%"
 
 
 def where(citation) -> str:

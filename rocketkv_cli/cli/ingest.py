@@ -1,4 +1,4 @@
-"""`rocketkv ingest`: prefill a document once, prune its KV cache, save it to a `.kv` file."""
+"""`rocketkv ingest`: prefill a document once, save its compressed KV cache to a `.kv` file."""
 
 from __future__ import annotations
 
@@ -92,7 +92,9 @@ def ingest_command(
     quiet: QuietOpt = False,
     threads: ThreadsOpt = None,
 ) -> None:
-    """Prefill a document once, prune its KV cache with SnapKV++, and save it to a .kv file.
+    """Prefill a document once and save its KV cache to a .kv file: 8- or 4-bit, pruned with
+    SnapKV++ to --store-budget (the presets keep every token; each question then picks its own
+    working set).
 
     A document longer than the model's context is ingested in segments, each checkpointed beside
     the output: an interrupted ingest continues where it stopped when the same command is rerun.

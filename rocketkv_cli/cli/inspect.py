@@ -51,9 +51,9 @@ def _lines(info: dict) -> list[tuple[str, str]]:
     n_parts, n_ctx, n_full = info["n_segments"], info["n_context_tokens"], info["n_full_attention_layers"]
     full_kept = sorted({k for k, w in zip(kept, windows) if not w})
     counts = [k for k, w in zip(kept, windows) if not w]
-    kept_text = ", ".join(map(str, full_kept)) or "-"
+    kept_text = ", ".join(f"{k:,}" for k in full_kept) or "-"
     if info["layer_budgets"] != "uniform" and len(full_kept) > 1:
-        kept_text = f"{full_kept[0]}-{full_kept[-1]} (mean {sum(counts) / len(counts):.0f}; adaptive layer budgets)"
+        kept_text = f"{full_kept[0]:,}-{full_kept[-1]:,} (mean {sum(counts) / len(counts):.0f}; adaptive layer budgets)"
     sliding = f"; {len(windows) - n_full} sliding-window layers keep their last {max(w or 0 for w in windows)}"
     per = " (all segments)" if n_parts > 1 else ""
     full_bytes = info["full_kv_bytes"]
@@ -67,19 +67,19 @@ def _lines(info: dict) -> list[tuple[str, str]]:
             f"{info['kv_dtype']} keys/values{_sinks(info)}, {info['kv_bytes_per_token']:,.0f} bytes per document token",
         ),
         ("document", f"{info.get('document_source', '?')} (sha256 {info['document_sha256'][:12]})"),
-        ("context tokens", str(n_ctx)),
+        ("context tokens", f"{n_ctx:,}"),
     ]
     if n_parts > 1:
         sizes = [s["n_context_tokens"] for s in info["segments"]]
-        lines.append(("segments", f"{n_parts} (0-{n_parts - 1}), {min(sizes)}-{max(sizes)} tokens each"))
+        lines.append(("segments", f"{n_parts} (0-{n_parts - 1}), {min(sizes):,}-{max(sizes):,} tokens each"))
     lines += [
-        ("kept per KV head", f"{kept_text} of {n_ctx} tokens{per} in "
+        ("kept per KV head", f"{kept_text} of {n_ctx:,} tokens{per} in "
          f"{n_full} full-attention layers" + (sliding if n_full < len(windows) else "")),
     ]  # fmt: skip
     if info["config"].get("store_budget") is not None and max(full_kept, default=0) > info["budgets"]["prompt_budget"]:
         everything = info["config"]["store_budget"] == "all"
         why = "store budget all: nothing pruned before the question, docs/frontier.md" if everything else "store budget"
-        lines.append(("per question", f"re-selects {info['budgets']['prompt_budget']} of the kept tokens per KV head "
+        lines.append(("per question", f"re-selects {info['budgets']['prompt_budget']:,} of the kept tokens per KV head "
                                       f"with its own queries ({why})"))  # fmt: skip
     lines += [
         ("budgets", ", ".join(f"{k}={v}" for k, v in info["budgets"].items())),

@@ -242,4 +242,8 @@ def print_summary(final, source: str, elapsed: float, partials: list[dict], extr
             log("summary: --max-new-tokens limits what the model writes; extracted sentences are not limited by it")
     printer.piece(final.text)
     printer.finish(final.text, row, citations)
-    log(f"summarized in {elapsed:.1f}s ({final.n_answer_tokens} tokens, stop: {final.stop_reason})")
+    if mode == "extractive":  # nothing decoded: no tokens or stop reason to tell
+        n = len(citations) if citations is not None else None
+        log(f"summarized in {elapsed:.1f}s" + (f" ({n} sentence{'s' * (n != 1)} extracted)" if n else ""))
+    else:
+        log(f"summarized in {elapsed:.1f}s ({final.n_answer_tokens} tokens, stop: {final.stop_reason})")

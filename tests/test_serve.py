@@ -430,6 +430,43 @@ def test__status_stop_and_idle_timeout(rocketkv_bin, env, served):
     assert any("idle for 1s" in line for line in idle.stderr_lines)
 
 
+def test__ctrl_c_in_a_terminal_and_sigterm_in_a_pipe_stop_the_server_cleanly(rocketkv_bin, env, served, tmp_path):
+    """Ctrl-C (a foreground server in a terminal) and SIGTERM (a service manager) are how a server
+    is stopped: one "stopped" line, exit 0, its socket removed; not "Error: interrupted"."""
+    import pty
+    import select
+
+    sock = tmp_path / "c.sock"
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: `rocketkv serve` on the terminal
+        os.execve(rocketkv_bin, [rocketkv_bin, "serve", "--socket", str(sock), "--idle-timeout", "0"],
+                  {**env, "TERM": "xterm-256color"})  # fmt: skip
+    shown, deadline = b"", time.monotonic() + 120
+    while b"serving on" not in shown and time.monotonic() < deadline:
+        if select.select([fd], [], [], 0.2)[0]:
+            shown += os.read(fd, 4096)
+    os.kill(pid, signal.SIGINT)
+    while time.monotonic() < deadline:
+        if select.select([fd], [], [], 0.2)[0]:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # the terminal closed with the child
+                break
+            if not chunk:
+                break
+            shown += chunk
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    screen = strip_ansi(shown.decode(errors="replace"))
+    assert code == 0 and "stopped (interrupted)" in screen and "Error" not in screen, (code, screen)
+    assert not sock.exists()
+    s = served("--idle-timeout", "0", "--socket", tmp_path / "t.sock")
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(timeout=60) == 0
+    time.sleep(0.2)  # the reader thread takes the last lines
+    assert any("stopped (SIGTERM)" in line for line in s.stderr_lines), s.stderr_lines
+    assert not (tmp_path / "t.sock").exists()
+
+
 def test__ask_through_the_server_in_a_terminal(rocketkv_bin, env, caches, served):
     local = run(rocketkv_bin, env, "ask", "--cache", caches[0], "--no-server", QUESTIONS[0])
     served("--idle-timeout", "0")

@@ -4,6 +4,7 @@ itself), or show (`status`) or stop (`stop`) the running one. docs/serve.md."""
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -12,6 +13,7 @@ import typer
 
 from ..serve.client import Server, ServerError, default_socket, health, parse_url, post
 from ..serve.config import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_QUEUE, ServeConfig, default_memory_budget
+from ..signals import Terminated, handled, received
 from .answers import usage_error
 from .common import log, setup
 from .options import JsonOpt, QuietOpt, ThreadsOpt, TrustOpt
@@ -126,4 +128,9 @@ def serve_command(
                       max_queue=max_queue, trust_remote_code=trust_remote_code)  # fmt: skip
     from ..serve.server import serve  # torch and the model stack: only once the options are checked
 
-    serve(cfg, log)
+    try:
+        serve(cfg, log)
+    except (KeyboardInterrupt, Terminated):  # what stops a foreground server: not an error
+        signum = received()
+        handled()
+        log(f"stopped ({'SIGTERM' if signum == signal.SIGTERM else 'interrupted'})")

@@ -607,6 +607,8 @@ CASES: list[Case] = [
     Case("target is a symlink (--force)", "outputs", lambda ws: ["ingest", ws.doc, "-o", symlink_target(ws), "--force", *M(ws)], 0, "", check=_symlink_check, notes="the link is replaced by the new file; its target is untouched"),
     Case("write fails half-way (file size limit)", "outputs", lambda ws: ["ingest", ws.doc, "-o", existing_target(ws), "--force", *M(ws)], 1, "cannot write", file_size_limit=10_000, check=_untouched("existing.kv", b"old contents")),
     Case("-o the document itself (--force)", "outputs", lambda ws: ["ingest", ws.file("self.txt", b"some words " * 40), "-o", ws.root / "self.txt", "--force", *M(ws)], 1, "the document itself", check=_untouched("self.txt", b"some words " * 40)),
+    Case("-o the document itself (no --force)", "outputs", lambda ws: ["ingest", ws.file("self2.txt", b"some words " * 40), "-o", ws.root / "self2.txt", *M(ws)], 1, "the document itself", before_model=True, check=_untouched("self2.txt", b"some words " * 40), notes="not 'pass --force': that would not help"),
+    Case("stdin read from the output file (--force)", "outputs", lambda ws: [], 1, "the document itself", shell=lambda ws: f"{Q(ROCKETKV)} ingest - -o {Q(ws.file('self3.txt', b'some words ' * 40))} --force --model {Q(ws.model)} < {Q(ws.root / 'self3.txt')}", before_model=True, check=_untouched("self3.txt", b"some words " * 40)),
     Case("-o a FIFO (--force)", "outputs", lambda ws: ["ingest", ws.doc, "-o", fifo(ws), "--force", *M(ws)], 1, "not a regular file", check=_is_fifo),
     # cache files
     Case("cache from another model", "cache", lambda ws: ["ask", "--cache", ws.kv, QUESTION, "--model", other_model(ws)], 1, "another model"),

@@ -17,6 +17,7 @@ from conftest import run_in_terminal, strip_ansi, text_of_bytes
 
 from rocketkv_cli.batch.manifest import BadRow, Results, Row, parse_row, read_manifest
 from rocketkv_cli.cli.batch import with_bare_ray
+from rocketkv_cli.errors import OutputError
 
 ASK_KEYS = {"question", "answer", "cache", "n_question_tokens", "n_answer_tokens", "stop_reason", "prefill_s",
             "decode_s"}  # fmt: skip
@@ -274,6 +275,35 @@ def test__results_file__torn_and_zeroed_lines_are_repaired(tmp_path):
         other,
         {**stale, "question": "new question?", "answer": "w"},
     ]
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"GNU GENERAL PUBLIC LICENSE\nVersion 3, 29 June 2007\n",  # a document given as -o
+        b'{"id": "a", "text": "The sky is blue.", "questions": ["What color?"]}\n',  # another manifest
+        b'{"id": "a", "text": "t", "questions": ["Q?"]}\n{"id": "b", "text": "u", "questions": ["R?"]}',
+        b"\x00\x01binary",
+    ],
+)
+def test__results_file__anything_but_results_is_refused_and_left_as_it_was(content, tmp_path):
+    """`batch -o FILE` over a document or a manifest used to "repair" it: the document emptied down
+    to the new results, a manifest appended to. Now refused, the file unchanged."""
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(OutputError, match="not a results file"):
+        Results(path).open([Row(1, "a", None, "text", ("Q?",), False)])
+    assert path.read_bytes() == content
+
+
+@pytest.mark.parametrize("content", [b"", b"\x00" * 512, b"\n\n", b'{"id": "a", "question_index": 0, "quest'])
+def test__results_file__what_a_crash_leaves_of_a_new_one_is_resumed(content, tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(content)
+    results = Results(path)
+    assert results.open([Row(1, "a", None, "text", ("Q?",), False)]) == set()
+    results.close()
+    assert path.read_bytes().strip(b"\n") == b""
 
 
 @pytest.mark.parametrize(

@@ -58,15 +58,26 @@ def check_output(output: str | Path, force: bool, document: str | None = None) -
     if isinstance(output, str) and text.endswith(("/", os.sep)) and not target.is_dir():
         raise OutputError(f"-o {text} names a directory (it ends with /), and there is none",
                           f"create it (mkdir -p {text}) and give a file name in it, e.g. -o {text}DOC.kv")  # fmt: skip
+    if document is not None and _same_file(document, target):  # before check_target: --force would not help
+        raise OutputError(f"-o {target} is the document itself (it would be replaced by its cache)",
+                          "choose another output file, e.g. -o DOC.kv")  # fmt: skip
     parent = check_target(target, force)
-    if document not in (None, "-") and target.exists() and os.path.samefile(document, target):
-        raise OutputError(f"-o {target} is the document itself", "choose another output file")
     remove_stale_temp_files(parent)
     try:
         probe_writable(parent)
     except OSError as exc:
         raise OutputError(f"cannot write in {parent}: {exc.strerror}", "choose a writable directory with -o") from None
     return target
+
+
+def _same_file(document: str, target: Path) -> bool:
+    """Whether `target` is the file `document` names (`-`: the file stdin reads, when it is one)."""
+    try:
+        out = os.stat(target)
+        src = os.fstat(0) if document == "-" else os.stat(document)
+    except (OSError, ValueError):
+        return False
+    return stat.S_ISREG(src.st_mode) and (src.st_dev, src.st_ino) == (out.st_dev, out.st_ino)
 
 
 def check_cache_file(path: str | Path, command: str = "ask") -> None:

@@ -173,6 +173,10 @@ class Results:
         done: set[tuple[str, str, int]] = set()
         kept: list[bytes] = []
         data = self._read()
+        if not _results_or_empty(data):
+            raise OutputError(f"{self.path} exists and is not a results file of `rocketkv batch` (no line of it is "
+                              "a result), so it is left as it is",
+                              "give -o a new file name (a rerun with the same -o resumes from it)")  # fmt: skip
         lines = data.split(b"\n")
         if lines and lines[-1] == b"":
             lines.pop()
@@ -268,6 +272,32 @@ class Results:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def _is_result(raw: bytes) -> bool:
+    """Whether a line is a results line this command writes: a JSON object with an id and an
+    answer (question_index, question), a summary or an error."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(obj, dict) and "id" in obj and (
+        ("question_index" in obj and "question" in obj) or "summary" in obj or "error" in obj
+    )
+
+
+def _results_or_empty(data: bytes) -> bool:
+    """Whether `data` may be resumed and repaired as a results file: empty, only what a crash
+    leaves (NUL bytes after a power loss, blank space, one unterminated line of ours), or with
+    at least one results line. Anything else (a document, a manifest given as -o by mistake)
+    must not be rewritten or appended to."""
+    lines = [line.strip(b"\x00 \t\r") for line in data.split(b"\n")]
+    lines = [line for line in lines if line]
+    if not lines:
+        return True
+    if any(_is_result(line) for line in lines):
+        return True
+    return len(lines) == 1 and not data.rstrip(b"\x00").endswith(b"\n") and lines[0].startswith(b'{"id": ')
 
 
 def _fsync_dir(folder: Path) -> None:

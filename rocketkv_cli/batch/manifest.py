@@ -281,8 +281,10 @@ def _is_result(raw: bytes) -> bool:
         obj = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         return False
-    return isinstance(obj, dict) and "id" in obj and (
-        ("question_index" in obj and "question" in obj) or "summary" in obj or "error" in obj
+    return (
+        isinstance(obj, dict)
+        and "id" in obj
+        and (("question_index" in obj and "question" in obj) or "summary" in obj or "error" in obj)
     )
 
 

@@ -575,6 +575,8 @@ CASES: list[Case] = [
     Case("--segment-tokens too small for the framing", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "s.kv", "--segment-tokens", "64", *M(ws)], 1, "no room for text"),
     Case("--segment-tokens over the context", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "s.kv", "--segment-tokens", "100000", *M(ws)], 1, "more than this model's context fits"),
     Case("--segment on a one-segment cache", "questions", lambda ws: ["ask", "--cache", ws.kv, "--segment", "3", QUESTION], 1, "one segment"),
+    Case("- with stdin closed", "input", lambda ws: [], 1, "(stdin) is empty", shell=lambda ws: f"{Q(ROCKETKV)} ingest - -o {Q(ws.root / 'closed-in.kv')} --model {Q(ws.model)} <&-", before_model=True, check=_no_file("closed-in.kv"), notes="read as empty, as < /dev/null (it was an AttributeError)"),
+    Case("--questions-file - with stdin closed", "input", lambda ws: [], 1, "no question", shell=lambda ws: f"{Q(ROCKETKV)} ask --cache {Q(ws.kv)} --questions-file - --no-server <&-", before_model=True),
     Case("- with empty stdin", "input", lambda ws: ["ingest", "-", "-o", ws.root / "stdin.kv", *M(ws)], 1, "(stdin) is empty", stdin="", before_model=True),
     Case("summarize an empty device", "input", lambda ws: ["summarize", "/dev/null", *M(ws)], 1, "/dev/null is empty", before_model=True),
     # options
@@ -585,6 +587,7 @@ CASES: list[Case] = [
     Case("--max-new-tokens 0", "options", lambda ws: ["ask", "--cache", ws.kv, QUESTION, "--max-new-tokens", "0"], 2, "", notes="usage error: Typer's range check, exit 2"),
     Case("ask --page-size larger than topk", "options", lambda ws: ["ask", "--cache", ws.kv, QUESTION, "--page-size", "100000000"], 1, "--page-size", notes="the cache's own topk bounds it: exit 1"),
     Case("ask --topk 0", "options", lambda ws: ["ask", "--cache", ws.kv, QUESTION, "--topk", "0"], 2, "--topk", before_model=True, notes="usage error: Typer's range check, exit 2"),
+    Case("--errors surrogateescape (a Python handler that gives no text)", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "e2.kv", "--errors", "surrogateescape", *M(ws)], 2, "--errors", before_model=True, notes="was accepted, then failed in the tokenizer after the model loaded"),
     Case("unknown --errors handler", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "e.kv", "--errors", "shrug", *M(ws)], 2, "--errors", notes="usage error: exit 2"),
     Case("prompt budget below the window", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "w.kv", "--budget", "2", "--max-new-tokens", "600", *M(ws)], 2, "below the observation window", before_model=True, notes="usage error: exit 2, before the model loads"),
     Case("short document at a small budget", "options", lambda ws: ["ingest", ws.file("short.txt", b"The cat is Tom.\n"), "-o", ws.root / "short.kv", "--budget", "64", *M(ws)], 0, "", check=_short_kept_whole, notes="a document that fits the budget is kept whole"),

@@ -15,6 +15,7 @@ from ..engine.inputs import Document
 from ..errors import InputError, UsageError
 
 READ_BLOCK_BYTES = 1 << 20
+DECODE_ERRORS = ("strict", "replace", "ignore", "backslashreplace")  # handlers whose output is plain text
 MAX_PIECE_CHARS = 1 << 20  # a line longer than this is cut (at whitespace when there is some)
 
 
@@ -48,10 +49,8 @@ class TextStream:
             self._codec = codecs.lookup(codec).name  # canonical name, for the NUL check ("u8" is utf-8)
         except LookupError as exc:
             raise UsageError(f"unknown text encoding {encoding!r}", "pass a text codec name to --encoding") from exc
-        try:
-            codecs.lookup_error(errors)
-        except LookupError as exc:
-            raise UsageError(f"unknown --errors handler {errors!r}", "use strict, replace or ignore") from exc
+        if errors not in DECODE_ERRORS:  # others fail decoding (xmlcharrefreplace) or give lone surrogates
+            raise UsageError(f"unknown --errors handler {errors!r}", "use strict, replace, ignore or backslashreplace")
         try:
             self._stream = sys.stdin.buffer if path == "-" else open(path, "rb")
         except FileNotFoundError as exc:

@@ -53,6 +53,18 @@ def fail(message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
+def _reopen_closed_stdin() -> None:
+    """A closed stdin (`<&-`: Python starts with `sys.stdin` None) reads as empty, as `< /dev/null`
+    does: `chat` ends at once, `ingest -` and `--questions-file -` say their input is empty."""
+    if sys.stdin is not None:
+        return
+    fd = os.open(os.devnull, os.O_RDONLY)  # descriptor 0 when it was closed
+    if fd != 0:
+        os.dup2(fd, 0)
+        os.close(fd)
+    sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115  (the process's stdin, never closed)
+
+
 def _stdout_closed() -> typer.Exit:
     """stdout's reader went away (`| head`): stop quietly, as Unix tools do (128 + SIGPIPE)."""
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -92,6 +104,7 @@ def command(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         install()
+        _reopen_closed_stdin()
         try:
             if not stdout_usable():
                 raise InputError(

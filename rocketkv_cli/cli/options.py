@@ -119,7 +119,9 @@ CacheOpt = Annotated[  # readable=False: an unreadable file gets rocketkv's one-
     Optional[Path],
     typer.Option("--cache", "-c", readable=False, metavar="FILE.kv", help="A .kv file from `rocketkv ingest`."),
 ]
-ErrorsOpt = Annotated[str, typer.Option(help="Decoding errors in the document: strict, replace or ignore.")]
+ErrorsOpt = Annotated[
+    str, typer.Option(help="Decoding errors in the document: strict, replace, ignore or backslashreplace.")
+]
 SegmentTokensOpt = Annotated[
     Optional[int],
     typer.Option(min=64, help="Tokens per segment for documents longer than the context (default: all that fit)."),

@@ -112,14 +112,18 @@ def parse_url(url: str, api_key: str | None = None) -> Server:
         return Server(path=url.removeprefix("unix:"), api_key=api_key)
     if url.startswith("/") or url.startswith("."):
         return Server(path=url, api_key=api_key)
-    parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
+    try:
+        parts = urlsplit(url)
+        hostname = parts.hostname
+    except ValueError:  # e.g. an unclosed IPv6 bracket
+        raise errors.UsageError(f"--server {url}: not a URL; give unix:/path/to/socket or http://host:port") from None
+    if parts.scheme != "http" or not hostname or parts.path not in ("", "/"):
         raise errors.UsageError(f"--server {url}: give unix:/path/to/socket or http://host:port")
     try:
         port = parts.port or 80
     except ValueError:
         raise errors.UsageError(f"--server {url}: the port is not a number in 1-65535") from None
-    return Server(host=parts.hostname, port=port, api_key=api_key)
+    return Server(host=hostname, port=port, api_key=api_key)
 
 
 def health(server: Server, timeout: float = HEALTH_TIMEOUT_S) -> dict | None:

@@ -506,7 +506,7 @@ def test__verbose_names_the_threads_chosen_when_the_model_loaded(rocketkv_bin, e
     assert r.returncode == 0, r.stderr
     line = next(x for x in r.stderr.splitlines() if "threads:" in x)
     if len(os.sched_getaffinity(0)) > 1:  # measured over the seconds of importing torch: known here
-        chosen = r"threads: \d+ \(\d+ cores this process may use, [\d.]+ busy with other processes\)"
+        chosen = r"threads: \d+ \(\d+ cores this process may use, [\d.]+ of \d+ busy with other processes\)"
         assert re.search(chosen, line), line
     r = run(rocketkv_bin, env, "ask", "--cache", kv, "--no-server", "-v", "--threads", "1", "What is the code?")
     assert r.returncode == 0 and "threads: 1 (--threads)" in r.stderr, r.stderr

@@ -425,9 +425,13 @@ def test__status_stop_and_idle_timeout(rocketkv_bin, env, served):
     assert stop.returncode == 0, stop.stderr
     assert s.proc.wait(timeout=30) == 0
     assert not (Path(env["ROCKETKV_HOME"]) / "serve.sock").exists()
+    time.sleep(0.2)  # the reader thread takes the last lines
+    assert any("stopped (shutdown request)" in line for line in s.stderr_lines), s.stderr_lines
     idle = served("--idle-timeout", "1")
     assert idle.proc.wait(timeout=60) == 0
+    time.sleep(0.2)
     assert any("idle for 1s" in line for line in idle.stderr_lines)
+    assert any("stopped (idle for 1s)" in line for line in idle.stderr_lines), idle.stderr_lines
 
 
 def test__ctrl_c_in_a_terminal_and_sigterm_in_a_pipe_stop_the_server_cleanly(rocketkv_bin, env, served, tmp_path):
@@ -439,8 +443,11 @@ def test__ctrl_c_in_a_terminal_and_sigterm_in_a_pipe_stop_the_server_cleanly(roc
     sock = tmp_path / "c.sock"
     pid, fd = pty.fork()
     if pid == 0:  # the child: `rocketkv serve` on the terminal
-        os.execve(rocketkv_bin, [rocketkv_bin, "serve", "--socket", str(sock), "--idle-timeout", "0"],
-                  {**env, "TERM": "xterm-256color"})  # fmt: skip
+        try:
+            os.execve(rocketkv_bin, [rocketkv_bin, "serve", "--socket", str(sock), "--idle-timeout", "0"],
+                      {**env, "TERM": "xterm-256color"})  # fmt: skip
+        finally:
+            os._exit(127)  # never back into pytest
     shown, deadline = b"", time.monotonic() + 120
     while b"serving on" not in shown and time.monotonic() < deadline:
         if select.select([fd], [], [], 0.2)[0]:

@@ -1,5 +1,6 @@
 """Torch's threads by default (`rocketkv_cli/api/threads.py`): the cores this process may use, less
-those other processes keep busy, measured from /proc/stat with a real busy process beside it."""
+those other processes keep busy, from /proc/stat: its parsing and arithmetic on given samples, and
+the whole measurement with a real busy process beside it."""
 
 from __future__ import annotations
 
@@ -11,16 +12,50 @@ import time
 import pytest
 
 from rocketkv_cli.api import threads as threads_mod
-from rocketkv_cli.api.threads import CpuLoad, default_threads, threads_for
+from rocketkv_cli.api.threads import CpuLoad, busy_seconds, default_threads, threads_for
 
 linux = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads /proc/stat")
 
+# user nice system idle iowait irq softirq steal guest guest_nice (jiffies)
+STAT = """cpu  900 0 300 5000 100 0 0 0 0 0
+cpu0 400 0 100 2000 50 0 0 25 300 0
+cpu1 500 0 200 3000 50 0 0 0 0 0
+cpu5 1 1 1 1 1 1 1 1 0 0
+intr 12345 0 0
+ctxt 999
+"""
+
+
+def test__busy_seconds__per_core_without_idle_iowait_or_guest_and_only_the_given_cores():
+    got = busy_seconds(STAT, {0, 1, 7}, tick=100)
+    # cpu0: 400 + 100 + 25 (steal counts as busy; guest 300 is already inside user) = 525 jiffies
+    assert got == {0: 5.25, 1: 7.0}  # the aggregate line, cpu5 (not ours) and cpu7 (absent) left out
+
 
 @pytest.mark.parametrize(
-    "cores, busy, want", [(2, 0.0, 2), (2, 0.4, 2), (2, 0.6, 1), (2, 1.0, 1), (2, 3.5, 1), (4, 1.2, 3), (1, 0.0, 1)]
-)
-def test__threads_for__the_idle_cores_rounded_at_least_one(cores, busy, want):
-    assert threads_for(cores, busy) == want
+    "cores, n_cores, busy, want",
+    [(2, 2, 0.0, 2), (2, 2, 0.4, 2), (2, 2, 0.6, 1), (2, 2, 1.0, 1), (2, 2, 3.5, 1), (4, 4, 1.2, 3), (1, 1, 0.0, 1),
+     (2, 64, 30.0, 2), (2, 64, 63.0, 1)],
+)  # fmt: skip
+def test__threads_for__the_idle_cores_rounded_within_the_quota(cores, n_cores, busy, want):
+    """A 2-CPU quota on a 64-core host whose other tenants keep 30 busy still gets its 2."""
+    assert threads_for(cores, n_cores, busy) == want
+
+
+def test__cpu_load__subtracts_its_own_time_and_ignores_a_core_going_offline(monkeypatch):
+    samples = iter([
+        (0.0, {0: 10.0, 1: 20.0}, 5.0),
+        (2.0, {0: 12.0, 1: 21.0}, 6.0),  # 3 core-s busy in 2 s, 1 of them this process's: 1.0 core elsewhere
+        (2.1, {0: 12.2, 1: 21.1}, 6.1),  # under MIN_WINDOW_S: no answer, the last sample kept
+        (4.0, {0: 14.0}, 7.0),  # core 1 went offline: only core 0 counts (2 busy, 1 own, over 2 s)
+        (6.0, {0: 14.0, 1: 5.0}, 7.0),  # core 1 back with a smaller counter: never negative
+    ])  # fmt: skip
+    monkeypatch.setattr(threads_mod, "_sample", lambda cpus: next(samples))
+    load = CpuLoad()
+    assert load.elsewhere() == pytest.approx(1.0)
+    assert load.elsewhere() is None
+    assert load.elsewhere() == pytest.approx(0.5)
+    assert load.elsewhere() == pytest.approx(0.0)
 
 
 def _spinner() -> subprocess.Popen:
@@ -28,7 +63,7 @@ def _spinner() -> subprocess.Popen:
 
 
 @linux
-def test__cpu_load__counts_another_busy_process_not_this_ones_own_work():
+def test__cpu_load__counts_another_busy_process():
     load = CpuLoad()
     spinner = _spinner()
     try:
@@ -38,21 +73,6 @@ def test__cpu_load__counts_another_busy_process_not_this_ones_own_work():
         spinner.kill()
         spinner.wait()
     assert elsewhere is not None and elsewhere >= 0.5, elsewhere  # one process spinning on one core
-    mine = CpuLoad()
-    own_start = time.process_time()
-    while time.process_time() - own_start < 1.0:  # this process busy on one core
-        pass
-    with_own = mine.elsewhere()
-    assert with_own is not None
-    assert with_own <= len(mine.cpus) - 0.5, f"this process's own work counted: {with_own:.2f} busy elsewhere"
-
-
-@linux
-def test__cpu_load__too_short_a_window_says_nothing_and_keeps_its_sample():
-    load = CpuLoad()
-    assert load.elsewhere() is None  # at once: less than MIN_WINDOW_S
-    time.sleep(threads_mod.MIN_WINDOW_S + 0.1)
-    assert load.elsewhere() is not None  # measured from the first sample, kept
 
 
 @linux
@@ -61,7 +81,7 @@ def test__default_threads__leave_the_core_another_process_keeps_busy():
     """One of two cores busy (`yes > /dev/null` in the issue) made a 2-thread decode 5x slower than
     one thread: the default leaves that core alone."""
     cores = threads_mod.available_cores()
-    spinners = [_spinner() for _ in range(cores - 1)]
+    spinners = [_spinner() for _ in range(len(os.sched_getaffinity(0)) - 1)]
     try:
         load = CpuLoad()
         time.sleep(1.0)
@@ -70,4 +90,4 @@ def test__default_threads__leave_the_core_another_process_keeps_busy():
         for s in spinners:
             s.kill()
             s.wait()
-    assert n < cores and "busy with other processes" in why, (n, why)
+    assert n < max(cores, 2) and "busy with other processes" in why, (n, why)

@@ -17,9 +17,10 @@ from ..model.loading import preset_of_file, rocketkv_home
 class StoredModel:
     """A model file rocketkv keeps under `$ROCKETKV_HOME` (default `~/.cache/rocketkv`).
 
-    kind: "converted" (the safetensors copy loaded on every run, in `models/`) or "gguf" (the
-    GGUF it was converted from, in `downloads/`: assembled from the Gemma package, or fetched
-    from PyPI for SmolLM2). preset: the preset it belongs to, or None (a user's `.gguf`).
+    kind: "converted" (the safetensors copy loaded on every run, in `models/`), "gguf" (the GGUF
+    it was converted from, in `downloads/`: assembled from the Gemma package, or fetched from
+    PyPI for SmolLM2; "download" before 2026-12-06) or "prepared" (head-int4's LM head and
+    bounds, in `prepared/`). preset: the preset it belongs to, or None (a user's `.gguf`).
     """
 
     name: str

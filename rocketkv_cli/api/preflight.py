@@ -33,9 +33,9 @@ def open_document(path: str, encoding: str = "utf-8", errors: str = "strict") ->
 
 def default_output(document: str) -> Path:
     """Where `ingest DOC` writes without `-o`: DOC's whole name plus `.kv` (`a.txt` → `a.txt.kv`,
-    so `a.txt` and `a.md` never replace each other's cache). Raises OutputError for stdin and for
+    so `a.txt` and `a.md` never replace each other's cache). Raises UsageError (exit 2) for stdin and for
     a document that is not a regular file (a pipe such as `<(cat doc)`, a device): it has no
-    name worth keeping, and its directory is not one to write in: a usage error (exit 2)."""
+    name worth keeping, and its directory is not one to write in."""
     if document == "-":
         raise UsageError("reading from stdin needs an output file", "pass -o FILE.kv")
     path = Path(document)

@@ -128,8 +128,8 @@ class RocketKV:
 
     def held_bytes(self) -> int:
         """Bytes of memory held for answering beyond the model and the caches: the decode buffers
-        `ask` keeps (`release` frees them), a float32 copy of the keys and values of the cache it
-        last answered from plus a question's working set."""
+        `ask` keeps (`release` frees them): a copy, in the model's dtype, of the keys and values of
+        the cache it last answered from, plus a question's working set."""
         return self._kept.held_bytes()
 
     @classmethod

@@ -73,43 +73,58 @@ def _affinity() -> set[int]:
         return set(range(os.cpu_count() or 1))
 
 
-def _sample(cpus: set[int]) -> tuple[float, float, float] | None:
-    """(monotonic s, CPU seconds the cores `cpus` have been busy since boot (all but idle and
-    iowait, steal included: a core the hypervisor gave away is not ours), this process's CPU
-    seconds), or None where /proc/stat cannot be read."""
-    try:
-        with open("/proc/stat", encoding="ascii") as f:
-            lines = f.read().splitlines()
-        tick = os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError):
-        return None
-    busy = 0
-    for line in lines:
+def busy_seconds(stat_text: str, cpus: set[int], tick: int) -> dict[int, float]:
+    """CPU seconds each core of `cpus` has been busy since boot, from /proc/stat's text: all but
+    idle and iowait, steal included (a core the hypervisor gave away is not ours); guest time is
+    already inside user and nice. Cores absent from the text (offline) are absent here."""
+    busy: dict[int, float] = {}
+    for line in stat_text.splitlines():
         name, _, rest = line.partition(" ")
         if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
             v = [int(x) for x in rest.split()[:8]]  # user nice system idle iowait irq softirq steal
-            busy += sum(v) - v[3] - (v[4] if len(v) > 4 else 0)
+            busy[int(name[3:])] = (sum(v) - v[3] - (v[4] if len(v) > 4 else 0)) / tick
+    return busy
+
+
+def _sample(cpus: set[int]) -> tuple[float, dict[int, float], float] | None:
+    """(monotonic s, `busy_seconds` of `cpus`, this process's CPU seconds), or None where
+    /proc/stat cannot be read."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            text = f.read()
+        tick = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return None
     own = os.times()
-    return time.monotonic(), busy / tick, own.user + own.system
+    return time.monotonic(), busy_seconds(text, cpus, tick), own.user + own.system
 
 
 class CpuLoad:
-    """How many of this process's cores other processes kept busy, on average, between two
-    samples (the first taken when made): total busy CPU time on the cores of the affinity set,
-    less this process's own, over the wall time between (Linux /proc/stat; elsewhere unknown)."""
+    """How busy other processes kept this process's cores between two samples (the first taken
+    when made): the cores of the affinity set, their busy CPU time less this process's own, over
+    the wall time between (Linux /proc/stat; elsewhere unknown). Inside a container /proc/stat
+    shows the host's cores: what counts is how many of them stay idle (`threads_for`)."""
 
     def __init__(self) -> None:
         self.cpus = _affinity()
         self._last = _sample(self.cpus)
 
     def elsewhere(self) -> float | None:
-        """Cores busy with other processes since the last sample (≥ 0), and a new sample taken;
-        None when unknown or when less than `MIN_WINDOW_S` passed (the last sample is kept)."""
+        """Cores busy with other processes since the last sample (≥ 0; over the cores present in
+        both samples, each core's time ≥ 0: one going offline or coming back does not count),
+        and a new sample taken; None when unknown or when less than `MIN_WINDOW_S` passed (the
+        last sample is kept)."""
         now, last = _sample(self.cpus), self._last
         if now is None or last is None or now[0] - last[0] < MIN_WINDOW_S:
             return None
         self._last = now
-        return max(0.0, ((now[1] - last[1]) - (now[2] - last[2])) / (now[0] - last[0]))
+        busy = sum(max(0.0, now[1][c] - last[1][c]) for c in now[1].keys() & last[1].keys())
+        return max(0.0, (busy - (now[2] - last[2])) / (now[0] - last[0]))
+
+    @property
+    def n_cores(self) -> int:
+        """The cores of the affinity set (the idle ones are what `threads_for` counts)."""
+        return len(self.cpus)
 
 
 _SINCE_START = CpuLoad()  # imported when a command starts (`cli.common.setup`)
@@ -138,17 +153,20 @@ def requested_threads(threads: int | None = None) -> tuple[int, str] | None:
 def default_threads(load: CpuLoad | None = None) -> tuple[int, str]:
     """(threads, why): `available_cores()` less the cores other processes kept busy since `load`
     last sampled (default: since this module was imported), rounded, at least 1."""
-    cores = available_cores()
-    busy = (load or _SINCE_START).elsewhere()
+    cores, load = available_cores(), load or _SINCE_START
+    busy = load.elsewhere()
     if busy is None or cores == 1:
         return cores, "the cores this process may use: affinity, cgroup quota"
-    return threads_for(cores, busy), f"{cores} cores this process may use, {busy:.1f} busy with other processes"
+    why = f"{cores} cores this process may use, {busy:.1f} of {load.n_cores} busy with other processes"
+    return threads_for(cores, load.n_cores, busy), why
 
 
-def threads_for(cores: int, busy: float) -> int:
-    """Threads for `cores` usable cores of which other processes keep `busy` busy: the idle ones,
-    rounded to the nearest whole core, at least 1 and at most `cores`."""
-    return max(1, min(cores, math.floor(cores - busy + 0.5)))
+def threads_for(cores: int, n_cores: int, busy: float) -> int:
+    """Threads for a process that may use `cores` (its affinity set of `n_cores` capped by a
+    cgroup quota) while other processes keep `busy` of those `n_cores` busy: the idle cores,
+    rounded to the nearest whole one, at least 1 and at most `cores`. (A container's 2-CPU
+    quota on a 64-core host whose other tenants keep 30 busy still gets 2.)"""
+    return max(1, min(cores, math.floor(n_cores - busy + 0.5)))
 
 
 def resolve_threads(threads: int | None = None) -> tuple[int, str]:

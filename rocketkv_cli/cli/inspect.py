@@ -53,7 +53,8 @@ def _lines(info: dict) -> list[tuple[str, str]]:
     counts = [k for k, w in zip(kept, windows) if not w]
     kept_text = ", ".join(f"{k:,}" for k in full_kept) or "-"
     if info["layer_budgets"] != "uniform" and len(full_kept) > 1:
-        kept_text = f"{full_kept[0]:,}-{full_kept[-1]:,} (mean {sum(counts) / len(counts):.0f}; adaptive layer budgets)"
+        mean = sum(counts) / len(counts)
+        kept_text = f"{full_kept[0]:,}-{full_kept[-1]:,} (mean {mean:,.0f}; adaptive layer budgets)"
     sliding = f"; {len(windows) - n_full} sliding-window layers keep their last {max(w or 0 for w in windows)}"
     per = " (all segments)" if n_parts > 1 else ""
     full_bytes = info["full_kv_bytes"]

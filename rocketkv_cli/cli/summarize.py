@@ -10,7 +10,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ..errors import UsageError
-from .answers import AnswerPrinter, StreamOpt, resolve_format, where
+from .answers import AnswerPrinter, StreamOpt, resolve_format, share, where
 from .common import ingest, load_engine, log, open_stream, prefill_config, setup
 from .options import (
     CacheOpt,
@@ -212,9 +212,7 @@ def citation_record(c) -> dict:
 
 def sources_text(citations) -> str:
     """Citations as `ask --cite` prints them under an answer ("Sources:" and one row each)."""
-    rows = [
-        f"  [{i}] {where(c)} ({100 * c.weight:.0f}%): {' '.join(c.text.split())}\n" for i, c in enumerate(citations, 1)
-    ]
+    rows = [f"  [{i}] {where(c)} ({share(c.weight)}): {' '.join(c.text.split())}\n" for i, c in enumerate(citations, 1)]
     return "Sources:\n" + "".join(rows) if rows else "Sources: none\n"
 
 

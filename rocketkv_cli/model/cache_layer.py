@@ -241,13 +241,15 @@ class RocketLayer(CacheLayerMixin):
         """Every tensor this layer holds: its buffers, and while a working set is selected the
         stored context's (and its pages); a working set's buffers kept for the next question."""
         held = [self.keys, self.values, self.positions]
-        for pages in (self._context_pages, self._stored[4] if self._stored is not None else None):
-            if pages is not None:
-                held += pages[1:]
-        if self._stored is not None:
-            held += self._stored[:3]
-        if self._working is not None:
-            held += self._working
+        pages, stored, working = self._context_pages, self._stored, self._working  # each read once: another
+        # thread (a server's /health) may call this while a job swaps them
+        for p in (pages, stored[4] if stored is not None else None):
+            if p is not None:
+                held += p[1:]
+        if stored is not None:
+            held += stored[:3]
+        if working is not None:
+            held += working
         return held
 
     def get_seq_length(self) -> int:

@@ -90,7 +90,9 @@ def bind_tcp(host: str, port: int) -> socket.socket:
 
 def serve(cfg: ServeConfig, log: Log) -> None:
     """Run the server in the foreground until it is stopped (shutdown request, SIGINT/SIGTERM) or
-    idle for `cfg.idle_timeout_s`. Raises InputError when the socket cannot be had."""
+    idle for `cfg.idle_timeout_s`; its socket is removed however it ends. Raises InputError when
+    the socket cannot be had; KeyboardInterrupt or `signals.Terminated` (after the shutdown and
+    the cleanup) when a signal stopped it (`cli/serve.py` logs that stop; `_run` the others)."""
     configure(quiet=True, progress_bars=False)
     lock_fd = None
     if cfg.socket is not None:
@@ -101,12 +103,34 @@ def serve(cfg: ServeConfig, log: Log) -> None:
         sock = bind_tcp(cfg.host, cfg.port)
         url = f"http://{cfg.host}:{sock.getsockname()[1]}"
     identity = os.stat(cfg.socket).st_ino if cfg.socket is not None else None
-    state = ServeState(warm=Warm(cfg.memory_budget, cfg.threads), roots=cfg.allow_dirs, api_key=cfg.api_key,
-                       trust_remote_code=cfg.trust_remote_code, host=cfg.host,
-                       url=url, idle_timeout_s=cfg.idle_timeout_s, max_queue=cfg.max_queue,
-                       max_body_bytes=cfg.max_body_bytes, max_tokens_limit=cfg.max_tokens_limit)  # fmt: skip
+    try:  # from here on the socket is removed however the server ends (a signal while it starts too)
+        _run(cfg, state_for(cfg, url), sock, url, log)
+    finally:
+        sock.close()
+        if cfg.socket is not None:
+            try:
+                if os.stat(cfg.socket).st_ino == identity:  # still ours: remove it
+                    cfg.socket.unlink()
+            except OSError:
+                pass
+        if lock_fd is not None:
+            os.close(lock_fd)
+
+
+def state_for(cfg: ServeConfig, url: str) -> ServeState:
+    """The server's state for `cfg`: its warm set (budget, threads), limits and counters."""
+    return ServeState(warm=Warm(cfg.memory_budget, cfg.threads), roots=cfg.allow_dirs, api_key=cfg.api_key,
+                      trust_remote_code=cfg.trust_remote_code, host=cfg.host,
+                      url=url, idle_timeout_s=cfg.idle_timeout_s, max_queue=cfg.max_queue,
+                      max_body_bytes=cfg.max_body_bytes, max_tokens_limit=cfg.max_tokens_limit)  # fmt: skip
+
+
+def _run(cfg: ServeConfig, state: ServeState, sock: socket.socket, url: str, log: Log) -> None:
+    """uvicorn on `sock` until a shutdown request, a signal (re-raised after the shutdown:
+    KeyboardInterrupt or `signals.Terminated`) or the idle timeout; logs why it stopped."""
     server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning", access_log=False, lifespan="off",
                                            timeout_graceful_shutdown=3))  # fmt: skip
+    why = {"reason": "shutdown request"}
 
     async def main() -> None:
         state.stop = asyncio.Event()
@@ -116,6 +140,7 @@ def serve(cfg: ServeConfig, log: Log) -> None:
                 await asyncio.sleep(0.2)
                 idle = time.monotonic() - state.last_activity
                 if cfg.idle_timeout_s and state.active == 0 and idle > cfg.idle_timeout_s:
+                    why["reason"] = f"idle for {cfg.idle_timeout_s:.0f}s"
                     log(f"idle for {cfg.idle_timeout_s:.0f}s: stopping")
                     break
             server.should_exit = True
@@ -129,15 +154,5 @@ def serve(cfg: ServeConfig, log: Log) -> None:
         finally:
             watcher.cancel()
 
-    try:
-        asyncio.run(main())
-    finally:
-        sock.close()
-        if cfg.socket is not None:
-            try:
-                if os.stat(cfg.socket).st_ino == identity:  # still ours: remove it
-                    cfg.socket.unlink()
-            except OSError:
-                pass
-        if lock_fd is not None:
-            os.close(lock_fd)
+    asyncio.run(main())
+    log(f"stopped ({why['reason']})")

@@ -50,8 +50,9 @@ class _WarmCache:
 
     @property
     def n_bytes(self) -> int:
-        """The file's size until its layers are read, then the bytes the cache holds in memory
-        (`resident_bytes`: float32 keys and values decoded from the file's codes, 4–8× its size)."""
+        """The larger of the file's size and the bytes the cache holds in memory now
+        (`resident_bytes`: while its layers are read, float32 keys and values decoded from the
+        file's codes, 4–8× its size; they leave memory once a decoder has its own copy)."""
         return max(self.identity[2], self.cache.resident_bytes)
 
 
@@ -93,7 +94,7 @@ class Warm:
         the job ends (or fails) what is held is `settle`d."""
         with self.lock:
             if self.threads is None and (busy := self.load.elsewhere()) is not None:
-                self.current_threads = threads_for(available_cores(), busy)
+                self.current_threads = threads_for(available_cores(), self.load.n_cores, busy)
             apply(self.current_threads)
             try:
                 yield

@@ -575,6 +575,7 @@ CASES: list[Case] = [
     Case("--segment-tokens too small for the framing", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "s.kv", "--segment-tokens", "64", *M(ws)], 1, "no room for text"),
     Case("--segment-tokens over the context", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "s.kv", "--segment-tokens", "100000", *M(ws)], 1, "more than this model's context fits"),
     Case("--segment on a one-segment cache", "questions", lambda ws: ["ask", "--cache", ws.kv, "--segment", "3", QUESTION], 1, "one segment"),
+    Case("$ROCKETKV_HOME is a file", "input", lambda ws: [], 1, "is not a directory", shell=lambda ws: f"ROCKETKV_HOME={Q(ws.doc)} {Q(ROCKETKV)} models", notes="was an unexpected NotADirectoryError"),
     Case("- with stdin closed", "input", lambda ws: [], 1, "(stdin) is empty", shell=lambda ws: f"{Q(ROCKETKV)} ingest - -o {Q(ws.root / 'closed-in.kv')} --model {Q(ws.model)} <&-", before_model=True, check=_no_file("closed-in.kv"), notes="read as empty, as < /dev/null (it was an AttributeError)"),
     Case("--questions-file - with stdin closed", "input", lambda ws: [], 1, "no question", shell=lambda ws: f"{Q(ROCKETKV)} ask --cache {Q(ws.kv)} --questions-file - --no-server <&-", before_model=True),
     Case("- with empty stdin", "input", lambda ws: ["ingest", "-", "-o", ws.root / "stdin.kv", *M(ws)], 1, "(stdin) is empty", stdin="", before_model=True),

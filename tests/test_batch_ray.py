@@ -93,3 +93,21 @@ def test__ray_example_script__answers_through_the_python_api(cluster, docs, tiny
     assert sorted(row["path"].rsplit("/", 1)[-1] for row in rows) == [f"d{i}.txt" for i in range(4)]
     assert all(row["error"] == "" and row["question"] == "What is the code?" for row in rows)
     assert len(list((tmp_path / "kv").glob("*.kv"))) == 3
+
+
+def test__ray_address_nothing_listens_on__one_line_in_seconds(rocketkv_bin, env, tiny_model_dir, tmp_path):
+    """`--ray HOST:PORT` with no cluster there: one line and exit 1 within seconds (Ray itself
+    retried for minutes, printing its own log lines)."""
+    import socket
+    import time
+
+    with socket.socket() as s:  # a free port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    manifest = write_manifest(tmp_path / "m.jsonl", [{"id": "a", "text": "The sky is blue.", "questions": ["Q?"]}])
+    t0 = time.monotonic()
+    r = run(rocketkv_bin, env, "batch", manifest, "-o", tmp_path / "r.jsonl", "--model", tiny_model_dir,
+            "--ray", f"127.0.0.1:{port}")  # fmt: skip
+    errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
+    assert r.returncode == 1 and len(errors) == 1 and "cannot reach a Ray cluster" in errors[0], r.stderr
+    assert time.monotonic() - t0 < 60 and "Traceback" not in r.stderr

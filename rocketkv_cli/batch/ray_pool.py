@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +59,23 @@ class RowActor:
         return {"index": indices, "line": lines}
 
 
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """For a `host:port` address (or `ray://host:port`), refuse one nothing listens on within
+    `timeout_s` seconds: `ray.init` retries such an address for minutes while printing its own
+    log lines. `auto` and `local` are Ray's to resolve. Raises InputError."""
+    if address in ("auto", "local"):
+        return
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return  # not host:port: left to Ray, which names what it cannot parse
+    try:
+        socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        why = "timed out" if isinstance(exc, TimeoutError) else exc.strerror or type(exc).__name__
+        raise InputError(f"cannot reach a Ray cluster at {address!r}: {why}",
+                         "start one with `ray start --head`, or pass --ray local") from None  # fmt: skip
+
+
 def _connect(address: str, workers: int | None):
     """Import Ray and join (`auto`, an address) or start (`local`) a cluster. Raises InputError."""
     if address == "local":  # a private one-machine cluster: keep it on the loopback address
@@ -69,6 +87,7 @@ def _connect(address: str, workers: int | None):
         raise InputError("--ray needs Ray Data installed", "pip install 'rocketkv[ray]'") from None
     if ray.is_initialized():
         return ray, False
+    _check_reachable(address)
     try:
         ray.init(address=None if address == "local" else address, num_cpus=workers if address == "local" else None,
                  include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)  # fmt: skip

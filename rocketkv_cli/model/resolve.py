@@ -35,10 +35,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 Progress = Callable[[str], None]
 
 
+HOME_HINT = "set ROCKETKV_HOME to a directory rocketkv may write in (default ~/.cache/rocketkv)"
+
+
 def rocketkv_home() -> Path:
-    """Directory for converted models and downloads: `$ROCKETKV_HOME` or `~/.cache/rocketkv`."""
+    """Directory for converted models and downloads: `$ROCKETKV_HOME` or `~/.cache/rocketkv`.
+    Raises ModelLoadError: it exists and is not a directory."""
     env = os.environ.get("ROCKETKV_HOME")
-    return Path(env) if env else Path.home() / ".cache" / "rocketkv"
+    home = Path(env) if env else Path.home() / ".cache" / "rocketkv"
+    if home.exists() and not home.is_dir():
+        raise ModelLoadError(f"the rocketkv home {home} is not a directory", HOME_HINT)
+    return home
 
 
 def resolve_device(device: str) -> torch.device:
@@ -119,7 +126,11 @@ def gguf_path(model_id: str, progress: Progress = lambda _msg: None) -> Path | N
 
 
 def _mkdir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
+    """`path` made if missing. Raises ModelLoadError: it cannot be (the rocketkv home unusable)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot make {path}: {exc.strerror or exc}", HOME_HINT) from None
     return path
 
 

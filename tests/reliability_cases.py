@@ -613,6 +613,7 @@ CASES: list[Case] = [
     Case("-o the document itself (--force)", "outputs", lambda ws: ["ingest", ws.file("self.txt", b"some words " * 40), "-o", ws.root / "self.txt", "--force", *M(ws)], 1, "the document itself", check=_untouched("self.txt", b"some words " * 40)),
     Case("-o the document itself (no --force)", "outputs", lambda ws: ["ingest", ws.file("self2.txt", b"some words " * 40), "-o", ws.root / "self2.txt", *M(ws)], 1, "the document itself", before_model=True, check=_untouched("self2.txt", b"some words " * 40), notes="not 'pass --force': that would not help"),
     Case("stdin read from the output file (--force)", "outputs", lambda ws: [], 1, "the document itself", shell=lambda ws: f"{Q(ROCKETKV)} ingest - -o {Q(ws.file('self3.txt', b'some words ' * 40))} --force --model {Q(ws.model)} < {Q(ws.root / 'self3.txt')}", before_model=True, check=_untouched("self3.txt", b"some words " * 40)),
+    Case("-o under a file (doc.txt/x.kv)", "outputs", lambda ws: ["ingest", ws.doc, "-o", ws.doc / "x.kv", *M(ws)], 1, "is a file", before_model=True, notes="not 'mkdir -p', which would fail there"),
     Case("-o a FIFO (--force)", "outputs", lambda ws: ["ingest", ws.doc, "-o", fifo(ws), "--force", *M(ws)], 1, "not a regular file", check=_is_fifo),
     # cache files
     Case("cache from another model", "cache", lambda ws: ["ask", "--cache", ws.kv, QUESTION, "--model", other_model(ws)], 1, "another model"),

@@ -50,6 +50,9 @@ def check_target(target: Path, force: bool) -> Path:
         raise OutputError(f"{target} is not a regular file; rocketkv will not replace it", "choose another -o")
     parent = target.parent if str(target.parent) else Path(".")
     if not parent.is_dir():
+        blocking = next((p for p in (parent, *parent.parents) if p.exists() and not p.is_dir()), None)
+        if blocking is not None:  # `mkdir -p` would fail there
+            raise OutputError(f"output directory {parent} cannot exist: {blocking} is a file", "choose another -o")
         raise OutputError(f"output directory {parent} does not exist", f"create it first: mkdir -p {parent}")
     return parent
 

@@ -293,6 +293,9 @@ def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches,
         got, data = send("POST", "/v1/rocketkv/ask", json.dumps({"cache": str(caches[0]), "questions": ["q"],
                                                                 **field}).encode())  # fmt: skip
         assert got == 403, (field, data)
+    unknown = json.dumps({"cache": str(caches[0]), "questions": ["q"], "model": "no-such-model"}).encode()
+    got, data = send("POST", "/v1/rocketkv/ask", unknown)  # the request's mistake, not the server's
+    assert got == 400 and data["error"]["type"] == "ModelLoadError", (got, data)
     assert health(Server(host=host, port=int(port)))["status"] == "ok"
 
 

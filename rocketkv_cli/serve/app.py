@@ -45,8 +45,9 @@ from .jobs import (
 )
 from .warm import Warm
 
+# a ModelLoadError is the request's: the model it named, or a device it asked for, cannot load
 ERROR_STATUS = {"UsageError": 400, "InputError": 400, "BudgetError": 400, "CacheFormatError": 422,
-                "ModelLoadError": 500, "OutputError": 409}  # fmt: skip
+                "ModelLoadError": 400, "OutputError": 409}  # fmt: skip
 FINISH = {"length": "length"}  # every other stop reason (eos, stop string, repetition) is "stop"
 
 

@@ -361,6 +361,7 @@ def test__cli_ingest_segments_resumes_after_sigint_and_answers(rocketkv_bin, tin
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
+    assert "checkpointed in" in stderr and "rerun the same command to resume" in stderr, stderr
     assert not out.exists() and len(list(ckpt.glob("*.kv"))) >= 2
     r = subprocess.run(cmd + ["--json"], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

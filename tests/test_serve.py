@@ -533,7 +533,7 @@ def test__ingest_endpoint_streams_progress_and_writes_the_file(rocketkv_bin, env
     assert refused.status == 403 and "outside" in json.loads(refused.read())["error"]["message"]
     conn, again = _post(s.server, "/v1/ingest", {"document": str(doc), "output": str(tmp_path / "d.kv"),
                                                   "model": str(tiny_model_dir)})  # fmt: skip
-    assert again.status == 409 and "--force" in json.dumps(json.loads(again.read()))  # exists: not replaced
+    assert again.status == 409 and '"force": true' in json.loads(again.read())["error"]["hint"]  # not replaced
 
 
 def test__a_full_queue_gets_503_and_a_client_that_leaves_cancels(env, caches, served):

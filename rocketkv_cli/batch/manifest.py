@@ -113,8 +113,10 @@ def parse_row(raw: bytes, number: int, base: Path) -> Row | BadRow:
     if not isinstance(obj, dict):
         return BadRow(number, None, f"{where} is not a JSON object — write one object per line")
     row_id = obj.get("id")
-    if isinstance(row_id, bool) or not isinstance(row_id, (str, int)) or row_id == "":
+    if row_id is None or row_id == "":
         return BadRow(number, None, f'{where}: no id — give each row an "id" (a string or an integer)')
+    if isinstance(row_id, bool) or not isinstance(row_id, (str, int)):
+        return BadRow(number, None, f'{where}: "id" must be a string or an integer, got {json.dumps(row_id)}')
     try:
         return Row(number, row_id, *_fields(obj, where, base))
     except InputError as exc:
@@ -138,7 +140,7 @@ def _fields(obj: dict[str, Any], where: str, base: Path) -> tuple[str | None, st
         except UnicodeEncodeError:
             raise InputError(f'{where}: "text" is not valid UTF-8 text', "check the text's encoding") from None
     questions = obj.get("questions", [])
-    if not isinstance(questions, list):
+    if not isinstance(questions, list) or not all(isinstance(q, str) for q in questions):
         raise InputError(f'{where}: "questions" must be a list of strings')
     summary = obj.get("summary", False)
     if not isinstance(summary, bool):
@@ -146,7 +148,10 @@ def _fields(obj: dict[str, Any], where: str, base: Path) -> tuple[str | None, st
     if not questions and not summary:
         raise InputError(f"{where}: nothing to do", 'add "questions": [...] or "summary": true')
     if questions:
-        check_questions(questions)  # the messages `rocketkv ask` gives
+        try:
+            check_questions(questions)  # the messages `rocketkv ask` gives, on this line
+        except InputError as exc:
+            raise InputError(f"{where}: {exc.message}", exc.hint) from None
     path = None if document is None else str(base / os.path.expanduser(document))
     return path, text, tuple(questions), summary
 

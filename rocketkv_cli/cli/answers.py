@@ -68,7 +68,9 @@ FocusOpt = Annotated[
 ]  # fmt: skip
 SeedOpt = Annotated[
     Optional[int],
-    typer.Option("--seed", min=0, metavar="N", help="Seed of the sampler (default: random, shown on stderr)."),
+    typer.Option(
+        "--seed", min=0, max=2**63 - 1, metavar="N", help="Seed of the sampler (default: random, shown on stderr)."
+    ),
 ]
 
 

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..methods import registry
+from ..signals import Terminated
 from .common import ingest, load_engine, log, open_stream, prefill_config, report_abandoned, setup, storage
 from .options import (
     BudgetOpt,
@@ -123,7 +124,16 @@ def ingest_command(
     count, folder = pending_checkpoints(target)
     if count:
         log(f"resuming: found {count} checkpointed segments in {folder} (reused if they match)")
-    done = ingest(rk, stream, cfg, target, force, segment_tokens, kv_dtype, explicit)
+    try:
+        done = ingest(rk, stream, cfg, target, force, segment_tokens, kv_dtype, explicit)
+    except (KeyboardInterrupt, Terminated):
+        try:
+            kept, folder = pending_checkpoints(target)
+        except Exception:  # noqa: BLE001  (a hint only: the interrupt is what gets reported)
+            kept = 0
+        if kept:  # the work is not lost: say how to get it back
+            log(f"{kept} segment{'s' * (kept != 1)} checkpointed in {folder}: rerun the same command to resume")
+        raise
     size = target.stat().st_size
     log(f"wrote {target} ({size / 1e6:.1f} MB)")
     if json_out:

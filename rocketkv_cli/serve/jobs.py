@@ -29,7 +29,7 @@ from ..api.rocketkv import (
 )
 from ..batch.tasks import BatchSettings, Task
 from ..core.config import SUMMARY_WRITE_FROM, focus_conflicts
-from ..errors import CacheFormatError, InputError, RocketKVError
+from ..errors import CacheFormatError, InputError, OutputError, RocketKVError
 from .client import MAX_QUESTIONS
 from .warm import ModelKey, Warm
 
@@ -431,7 +431,11 @@ def ingest_job(job: Job, warm: Warm, req: IngestRequest) -> None:
             job.emit({"event": "progress", "done": done, "total": total})
 
         fields: dict = {} if req.token_budget is None else {"token_budget": req.token_budget}
-        made = rk.ingest(str(req.document), output=req.output, force=req.force, progress=progress, **fields)
+        try:
+            made = rk.ingest(str(req.document), output=req.output, force=req.force, progress=progress, **fields)
+        except OutputError as exc:  # the CLI's hint names its option; a request has a field
+            hint = 'send "force": true to replace it' if exc.hint and "--force" in exc.hint else exc.hint
+            raise OutputError(exc.message, hint) from None
         assert made.path is not None  # an output was given
         job.emit({"event": "written", "path": str(made.path), "bytes": made.path.stat().st_size,
                   "seconds": round(made.seconds, 3)})  # fmt: skip

@@ -164,14 +164,17 @@ def test__measuring_a_file_read_lazily_holds_one_segment_at_a_time(engine, tmp_p
     assert loaded.max_kept_tokens == by_hand and first._layers is not None
 
 
-def test__answering_from_a_file_read_lazily_keeps_no_segment_in_memory(engine, tmp_path):
+def test__answering_from_a_file_read_lazily_keeps_no_segment_decoded(engine, tmp_path):
     """A server answering a book question after question, each routed to another segment, held
     every segment it had answered from, decoded to float32 (10.5 GB for the KJV's 2.1 GB file):
-    now a segment's layers leave memory once the decoder has its copy, and routing by keys and
-    merging segments release what they read. The answers are those of the in-memory cache."""
+    now a segment's decoded layers leave memory once the decoder has its copy (its verified
+    int8 codes stay), and routing by keys and merging segments release what they read. The
+    answers are those of the in-memory cache."""
+    from rocketkv_cli.core.quant import KVStorage
     from rocketkv_cli.engine.answer import KeptAnswerer
 
-    stored = ingest_stream(engine, TextPieces(lines_text(30), "doc.txt"), CFG, segment_tokens=300)
+    stored = ingest_stream(engine, TextPieces(lines_text(30), "doc.txt"), CFG, segment_tokens=300,
+                           storage=KVStorage("int8"))  # fmt: skip
     loaded = load_cache(save_segmented(stored, tmp_path / "book.kv"), lazy=True)
     assert isinstance(loaded, SegmentedKVCache) and len(loaded.segments) > 2
 
@@ -183,7 +186,14 @@ def test__answering_from_a_file_read_lazily_keeps_no_segment_in_memory(engine, t
         got = next(answer_segmented(engine, loaded, ["which word?"], 4, True, {}, segment=j, kept=kept))
         want = next(answer_segmented(engine, stored, ["which word?"], 4, True, {}, segment=j))
         assert got.token_ids == want.token_ids, j
-        assert not held(), f"segments {held()} stay in memory after answering from segment {j}"
+        assert not held(), f"segments {held()} stay decoded after answering from segment {j}"
+        assert (
+            0
+            < loaded.segments[j].resident_bytes
+            < sum(  # the int8 codes, not the float32 layers
+                t.numel() * 4 for layer in stored.segments[j].layers for t in (layer.keys, layer.values)
+            )
+        )
         assert kept.held_bytes() > 0  # the decoder's own copy
     segment_scores(engine, loaded, "zzz qqq?")
     assert not held(), f"segments {held()} stay in memory after routing by keys"

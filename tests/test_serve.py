@@ -447,6 +447,7 @@ def test__ctrl_c_in_a_terminal_and_sigterm_in_a_pipe_stop_the_server_cleanly(roc
     pid, fd = pty.fork()
     if pid == 0:  # the child: `rocketkv serve` on the terminal
         try:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # as a shell's foreground job (CI may run us with it ignored)
             os.execve(rocketkv_bin, [rocketkv_bin, "serve", "--socket", str(sock), "--idle-timeout", "0"],
                       {**env, "TERM": "xterm-256color"})  # fmt: skip
         finally:
@@ -465,7 +466,15 @@ def test__ctrl_c_in_a_terminal_and_sigterm_in_a_pipe_stop_the_server_cleanly(roc
             if not chunk:
                 break
             shown += chunk
-    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    done, status = os.waitpid(pid, os.WNOHANG)
+    while done == 0 and time.monotonic() < deadline + 30:
+        time.sleep(0.1)
+        done, status = os.waitpid(pid, os.WNOHANG)
+    if done == 0:  # still running: never leave it behind
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise AssertionError(f"the server did not stop on SIGINT: {shown[-2000:]!r}")
+    code = os.waitstatus_to_exitcode(status)
     screen = strip_ansi(shown.decode(errors="replace"))
     assert code == 0 and "stopped (interrupted)" in screen and "Error" not in screen, (code, screen)
     assert not sock.exists()

@@ -195,6 +195,7 @@ class CompressedKVCache:
         self.info = info
         self._layers = layers
         self._loader = loader
+        self._codes: tuple[tuple[dict[str, torch.Tensor], torch.Tensor], ...] | None = None  # kept by `compact`
         self.token_ids = token_ids
         self.token_offsets = token_offsets
         self.token_lines = token_lines
@@ -224,7 +225,26 @@ class CompressedKVCache:
         layers = self._layers or ()
         tensors = [t for layer in layers for t in (layer.keys, layer.values, layer.positions,
                                                    *(layer.stored or {}).values())]  # fmt: skip
-        return tensor_bytes([*tensors, self.token_ids, self.token_offsets, self.token_lines])
+        codes = [t for parts, pos in self._codes or () for t in (*parts.values(), pos)]  # kept by `compact`
+        return tensor_bytes([*tensors, *codes, self.token_ids, self.token_offsets, self.token_lines])
+
+    def compact(self) -> None:
+        """Drop the float32 keys and values decoded from integer codes, keeping the codes and
+        positions (read, and verified, already): the next use decodes them again, without
+        reading the file, so the cache still answers from the bytes it verified. For a decoder
+        that holds its own copy: 4–8× less memory. No-op when the layers are not read or are
+        stored as floats."""
+        layers = self._layers
+        if layers is None or any(layer.stored is None for layer in layers):
+            return
+        storage, head_dim = self.info.storage, self.info.identity.head_dim
+        kept = tuple((layer.stored, layer.positions) for layer in layers if layer.stored is not None)
+
+        def decode_again() -> tuple[LayerKV, ...]:
+            return tuple(LayerKV.from_stored(dict(parts), pos, storage, head_dim) for parts, pos in kept)
+
+        self._codes = kept
+        self._layers, self._loader = None, decode_again
 
     def release(self) -> None:
         """Forget layers read lazily (they are read again on next use); no-op for in-memory ones."""

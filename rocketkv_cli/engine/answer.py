@@ -193,7 +193,7 @@ class Answerer:
         self.engine, self.cache = engine, cache
         self.tail_tokens = tail_tokens(question_tokens, max_new_tokens)
         self.decoder = Decoder(engine, cache, self.tail_tokens, decode)
-        cache.release()  # the decoder holds its own copy: layers read lazily from a file leave memory
+        cache.compact()  # the decoder holds its own copy: the float layers go, the verified codes stay
         self.configure(max_new_tokens, decode, stop_strings, sampling, cite)
 
     def configure(self, max_new_tokens: int, decode: DecodeConfig | None, stop_strings: tuple[str, ...] | None,

@@ -318,7 +318,7 @@ def test__results_file__what_a_crash_leaves_of_a_new_one_is_resumed(content, tmp
         ('{"id": "x", "text": "t", "question": ["Q?"]}', "line 1: unknown field 'question'"),
         ('{"id": "x", "text": "t", "questions": "Q?"}', 'line 1: "questions" must be a list of strings'),
         ('{"id": "x", "text": "t", "questions": [3]}', 'line 1: "questions" must be a list of strings'),
-        ('{"id": "x", "text": "t", "questions": ["  "]}', "line 1: empty question — give each question some text"),
+        ('{"id": "x", "text": "t", "questions": ["  "]}', "empty question — give each question some text"),
         ('{"id": "x", "text": "t"}', "line 1: nothing to do"),
         ('{"id": "x", "text": "t", "summary": "yes"}', 'line 1: "summary" must be true or false'),
         ('{"id": "x", "text": "\\ud800", "questions": ["Q?"]}', 'line 1: "text" is not valid UTF-8 text'),

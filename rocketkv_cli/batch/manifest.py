@@ -148,10 +148,7 @@ def _fields(obj: dict[str, Any], where: str, base: Path) -> tuple[str | None, st
     if not questions and not summary:
         raise InputError(f"{where}: nothing to do", 'add "questions": [...] or "summary": true')
     if questions:
-        try:
-            check_questions(questions)  # the messages `rocketkv ask` gives, on this line
-        except InputError as exc:
-            raise InputError(f"{where}: {exc.message}", exc.hint) from None
+        check_questions(questions)  # the messages `rocketkv ask` gives, word for word
     path = None if document is None else str(base / os.path.expanduser(document))
     return path, text, tuple(questions), summary
 

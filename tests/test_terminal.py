@@ -245,6 +245,21 @@ def test__ask_several_questions_in_a_terminal__streamed_qa_records(rocketkv_bin,
     assert starts == ["Q", "A", "   Sources", "Q", "A", "   Sources"], lines
 
 
+@pytest.mark.parametrize(
+    "args, says",
+    [(["frob"], "No such command 'frob'"), (["ask", "--bogus", "q?"], "No such option: --bogus"),
+     (["ingest"], "Missing argument 'document'"), (["ask", "--cache", "x.kv", "q?", "--threads", "many"], "--threads")],
+    ids=["unknown-command", "unknown-option", "missing-argument", "not-an-integer"],
+)
+def test__usage_errors_in_a_terminal__one_line_exit_2(rocketkv_bin, env, args, says):
+    """What the option parser refuses reads as every other error does: one line, exit 2 (click's
+    own layout was four: usage, hint, a blank line, the error)."""
+    code, shown = run_in_terminal([rocketkv_bin, *args], env, timeout=120)
+    lines = [line for line in strip_ansi(shown).replace("\r\n", "\n").split("\n") if line.strip()]
+    assert code == 2 and len(lines) == 1, (code, lines)
+    assert lines[0].startswith("Error: ") and says in lines[0] and "--help'" in lines[0], lines
+
+
 def test__models_in_a_terminal(rocketkv_bin, env, tmp_path):
     (tmp_path / "models" / "x-1").mkdir(parents=True)
     (tmp_path / "models" / "x-1" / "w").write_bytes(b"w" * 5)

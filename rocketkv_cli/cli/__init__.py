@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from typer.core import TyperCommand
+from typer.core import TyperCommand, TyperGroup
 
 from .. import __version__
 from .ask import ask_command
@@ -27,8 +27,51 @@ from .models import models_command
 from .serve import serve_command
 from .summarize import summarize_command
 
+
+# click's UsageError, whichever click Typer runs on (newer Typers vendor their own): the base of
+# Typer's BadParameter
+_UsageError: type = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+
+
+class OneLineUsageError(_UsageError):  # type: ignore[misc,valid-type]
+    """A usage error (exit 2) shown as one line on stderr, `Error: <what>; try 'rocketkv CMD
+    --help'`, instead of click's usage line, hint and error on four lines: a script's log keeps
+    one line per failure, as for every other error (docs/usage.md, "Exit codes")."""
+
+    def __init__(self, original) -> None:
+        super().__init__(" ".join(original.format_message().split()).rstrip("."), original.ctx)
+        self.exit_code = original.exit_code
+
+    def show(self, file=None) -> None:
+        ctx = self.ctx
+        hint = f"; try '{ctx.command_path} --help'" if ctx is not None and ctx.command.add_help_option else ""
+        typer.echo(f"Error: {self.format_message()}{hint}", file=file, err=file is None)
+
+
+class _OneLineUsage:
+    """Turns the usage errors of parsing (`make_context`) and of running (`invoke`: a command body's
+    `typer.BadParameter`, an unknown command) into `OneLineUsageError`."""
+
+    def make_context(self, *args, **kwargs):
+        try:
+            return super().make_context(*args, **kwargs)  # type: ignore[misc]
+        except _UsageError as exc:
+            raise exc if isinstance(exc, OneLineUsageError) else OneLineUsageError(exc) from None
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)  # type: ignore[misc]
+        except _UsageError as exc:
+            raise exc if isinstance(exc, OneLineUsageError) else OneLineUsageError(exc) from None
+
+
+class Group(_OneLineUsage, TyperGroup):
+    """The `rocketkv` group, its usage errors on one line (`OneLineUsageError`)."""
+
+
 app = typer.Typer(
     name="rocketkv",
+    cls=Group,
     help="Ask questions of very long documents with a local LLM and a compressed (RocketKV) KV cache.",
     no_args_is_help=True,
     add_completion=True,  # --install-completion / --show-completion (bash, zsh, fish, powershell)
@@ -38,10 +81,11 @@ app = typer.Typer(
 _PLACEHOLDERS = {int: "N", float: "X", Path: "PATH", str: "TEXT"}
 
 
-class Command(TyperCommand):
+class Command(_OneLineUsage, TyperCommand):
     """Help that reads well at 80 columns: usage lines name the arguments (`QUESTION...`, `DOC`,
     `[DOCUMENT]`), every option that takes a value shows a placeholder (`N`, `X`, `PATH`,
-    `TEXT` unless it names its own), and arguments are listed without Python types."""
+    `TEXT` unless it names its own), and arguments are listed without Python types. Usage errors
+    are one line (`OneLineUsageError`)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -85,6 +85,10 @@ def questions_of(args: Optional[list[str]], cache: Optional[Path], questions_fil
     args = list(args or [])
     if cache is None and not args:
         raise usage_error("QUESTION...", "missing: give --cache FILE.kv QUESTION..., or DOC QUESTION...")
+    if cache is not None and args and (args[0] == "-" or Path(args[0]).is_file()):
+        # with --cache every argument is a question: a document named too would be asked as one
+        raise usage_error("DOC", f"{args[0]!r} is a document, and --cache {cache} names the cache to answer from: "
+                                 "give one of them")  # fmt: skip
     doc, rest = (None, args) if cache is not None else (args[0], args[1:])
     questions = read_questions(rest, questions_file, doc == "-")
     if not questions and questions_file is not None:  # given, but it holds no question

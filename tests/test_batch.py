@@ -135,7 +135,9 @@ def test__bad_rows__one_error_line_each_with_the_single_document_message(job, ro
     assert set(errors) == {5, 6, 7, 8}
     assert [errors[n]["id"] for n in (5, 6, 7, 8)] == ["missing", "binary", "empty-q", None]
     assert errors[5]["error"] == error_message(run(rocketkv_bin, env, "ingest", root / "nope.txt"))
-    assert errors[6]["error"] == error_message(run(rocketkv_bin, env, "ingest", root / "bin.txt"))
+    single = error_message(run(rocketkv_bin, env, "ingest", root / "bin.txt"))  # "… — pass --encoding …"
+    assert "--encoding" in single and errors[6]["error"].split(" — ")[0] == single.split(" — ")[0]
+    assert "batch reads documents as UTF-8" in errors[6]["error"], errors[6]  # batch has no --encoding
     kv = next((root / "cache").glob("*.kv"))
     assert errors[7]["error"] == error_message(run(rocketkv_bin, env, "ask", "--cache", kv, "What?", " "))
     assert errors[8]["error"].startswith("line 8 is not valid JSON")

@@ -249,6 +249,9 @@ def run_task(rk: RocketKV, task: Task, cache_dir: Path, settings: BatchSettings,
         if task.summary:
             yield _summary(rk, row, cache, path, settings)
     except RocketKVError as exc:
+        if exc.hint and "--encoding" in exc.hint:  # batch has no such option: documents are read as UTF-8
+            exc = type(exc)(exc.message, "batch reads documents as UTF-8: convert it first (iconv -f CODEC -t "
+                                         "UTF-8), or ingest it with rocketkv ingest --encoding")  # fmt: skip
         yield error_row(row.id, row.line, str(exc))
     except MemoryError:
         yield error_row(row.id, row.line, "out of memory — try a smaller --budget or a shorter document")

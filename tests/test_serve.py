@@ -296,6 +296,18 @@ def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches,
     unknown = json.dumps({"cache": str(caches[0]), "questions": ["q"], "model": "no-such-model"}).encode()
     got, data = send("POST", "/v1/rocketkv/ask", unknown)  # the request's mistake, not the server's
     assert got == 400 and data["error"]["type"] == "ModelLoadError", (got, data)
+    misspelt = {"cache": str(caches[0]), "questions": ["q"], "max_tokens": 3}  # ask's field is max_new_tokens
+    got, data = send("POST", "/v1/rocketkv/ask", json.dumps(misspelt).encode())  # not answered with the default
+    assert got == 400 and "unknown field 'max_tokens'" in data["error"]["message"], (got, data)
+    assert "max_new_tokens" in data["error"]["hint"], data
+    got, data = send("POST", "/v1/rocketkv/summarize", json.dumps({"cache": str(caches[0]), "focsu": 2}).encode())
+    assert got == 400 and "unknown field 'focsu' in a summarize request" in data["error"]["message"], (got, data)
+    got, data = send("POST", "/v1/ingest", json.dumps({"document": str(caches[0]), "output": str(caches[0]),
+                                                       "overwrite": True}).encode())  # fmt: skip
+    assert got == 400 and "'overwrite'" in data["error"]["message"], (got, data)
+    streamy = {"model": f"kv:{caches[0]}", "messages": [{"role": "user", "content": "q"}], "stream": "yes"}
+    got, data = send("POST", "/v1/chat/completions", json.dumps(streamy).encode())
+    assert got == 400 and "'stream' must be true or false" in data["error"]["message"], (got, data)
     assert health(Server(host=host, port=int(port)))["status"] == "ok"
 
 

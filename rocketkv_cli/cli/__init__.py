@@ -27,7 +27,6 @@ from .models import models_command
 from .serve import serve_command
 from .summarize import summarize_command
 
-
 # click's UsageError, whichever click Typer runs on (newer Typers vendor their own): the base of
 # Typer's BadParameter
 _UsageError: type = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")

@@ -64,6 +64,17 @@ def _field(body: dict, name: str, kind: type | tuple[type, ...], default: Any = 
     return value
 
 
+def only_known(body: dict, known: frozenset[str], what: str) -> None:
+    """Refuse a field `known` does not hold (400, naming it and the fields `what` takes): a
+    misspelt option (`"max_tokens"` for `"max_new_tokens"`, `"focsu"`) silently ignored would
+    answer with the default instead, and a client newer than the server would not be told."""
+    unknown = sorted(set(body) - known)
+    if unknown:
+        names = ", ".join(repr(name) for name in unknown)
+        raise BadRequest(400, f"unknown field{'s' * (len(unknown) > 1)} {names} in a {what} request",
+                         hint=f"its fields: {', '.join(sorted(known))}")  # fmt: skip
+
+
 def _positive(body: dict, name: str, limit: int | None = None) -> int | None:
     value = _field(body, name, int)
     if value is not None and (value < 1 or (limit is not None and value > limit)):
@@ -120,12 +131,20 @@ class AskRequest:
     trust_remote_code: bool
     focus: int | None = None  # `ask --focus N`: answer from the N best passages (`RocketKV.ask_focused`)
 
+    FIELDS = frozenset({"cache", "display", "questions", "check_only", "max_new_tokens", "dense", "hsa", "topk",
+                        "page_size", "n_score_dims", "segments", "segment", "temperature", "top_p", "seed", "cite",
+                        "focus", "model", "device", "dtype", "weights", "trust_remote_code"})  # fmt: skip
+
     @classmethod
     def parse(cls, body: dict, roots: tuple[Path, ...] | None, max_tokens_limit: int | None,
-              trust_allowed: bool = False) -> AskRequest:  # fmt: skip
+              trust_allowed: bool = False, fields: frozenset[str] = FIELDS,
+              what: str = "ask") -> AskRequest:  # fmt: skip
         """`max_tokens_limit`: the most answer tokens a request may ask for (None: the context's bound);
-        `trust_allowed`: whether the server runs model code (`serve --trust-remote-code`).
-        Raises BadRequest for a field of the wrong type or out of range, or a path not allowed."""
+        `trust_allowed`: whether the server runs model code (`serve --trust-remote-code`); `fields`:
+        the fields the request may hold (`what` names it in the error).
+        Raises BadRequest for a field of the wrong type or out of range, an unknown field, or a path
+        not allowed."""
+        only_known(body, fields, what)
         raw = _field(body, "cache", str, required=True)
         questions = _field(body, "questions", list, required=True)
         check_only = bool(_field(body, "check_only", bool, False))
@@ -193,7 +212,8 @@ class IngestRequest:
 
     @classmethod
     def parse(cls, body: dict, roots: tuple[Path, ...] | None) -> IngestRequest:
-        """Raises BadRequest for a field of the wrong type or a path not allowed."""
+        """Raises BadRequest for a field of the wrong type, an unknown field, or a path not allowed."""
+        only_known(body, frozenset({"document", "output", "force", "token_budget", "model"}), "ingest")
         output = _field(body, "output", str, required=True)
         if not output.endswith(".kv"):  # the server writes caches, never another kind of file
             raise BadRequest(400, f"'output' must name a .kv file, got {output!r}")
@@ -321,7 +341,8 @@ class SummarizeRequest:
     @classmethod
     def parse(cls, body: dict, roots: tuple[Path, ...] | None, trust_allowed: bool = False) -> SummarizeRequest:
         """Raises BadRequest for a field of the wrong type or out of range, or a path not allowed."""
-        ask = AskRequest.parse({**body, "questions": [], "check_only": True}, roots, None, trust_allowed)
+        ask = AskRequest.parse({**body, "questions": [], "check_only": True}, roots, None, trust_allowed,
+                               AskRequest.FIELDS | {"write_from", "extractive", "token_budget"}, "summarize")
         write_from = _field(body, "write_from", str, None)
         if write_from is not None and write_from not in SUMMARY_WRITE_FROM:
             raise BadRequest(400, f"field 'write_from' must be one of {', '.join(SUMMARY_WRITE_FROM)}, "
@@ -384,6 +405,7 @@ class BatchTaskRequest:
     def parse(cls, body: dict, roots: tuple[Path, ...] | None, trust_allowed: bool = False) -> BatchTaskRequest:
         """Raises BadRequest: a malformed task or settings, a path outside the allowed roots (the
         cache folder, the row's document, a model folder), model code not allowed."""
+        only_known(body, frozenset({"task", "settings", "cache_dir"}), "batch")
         raw_task, raw_settings = (
             _field(body, "task", dict, required=True),
             _field(body, "settings", dict, required=True),

@@ -318,8 +318,17 @@ def test__several_questions__qa_and_lines_formats_say_which_answer_is_which(rock
         (["--cache", "KV", "a?", "--max-new-tokens", "ten"], "'--max-new-tokens'"),
         (["--cache", "KV", "KV", "a?"], "give one of them"),
     ],
-    ids=["nothing", "cache-no-question", "text-several", "stream-json", "cite-lines", "unknown-format",
-         "unknown-option", "not-an-integer", "document-and-cache"],  # fmt: skip
+    ids=[
+        "nothing",
+        "cache-no-question",
+        "text-several",
+        "stream-json",
+        "cite-lines",
+        "unknown-format",
+        "unknown-option",
+        "not-an-integer",
+        "document-and-cache",
+    ],  # fmt: skip
 )
 def test__ask_usage_errors__exit_2_before_the_model_loads(rocketkv_bin, env, kv, args, says):
     r = run(rocketkv_bin, env, "ask", *[str(kv) if a == "KV" else a for a in args])

@@ -247,8 +247,12 @@ def test__ask_several_questions_in_a_terminal__streamed_qa_records(rocketkv_bin,
 
 @pytest.mark.parametrize(
     "args, says",
-    [(["frob"], "No such command 'frob'"), (["ask", "--bogus", "q?"], "No such option: --bogus"),
-     (["ingest"], "Missing argument 'document'"), (["ask", "--cache", "x.kv", "q?", "--threads", "many"], "--threads")],
+    [
+        (["frob"], "No such command 'frob'"),
+        (["ask", "--bogus", "q?"], "No such option: --bogus"),
+        (["ingest"], "Missing argument 'document'"),
+        (["ask", "--cache", "x.kv", "q?", "--threads", "many"], "--threads"),
+    ],
     ids=["unknown-command", "unknown-option", "missing-argument", "not-an-integer"],
 )
 def test__usage_errors_in_a_terminal__one_line_exit_2(rocketkv_bin, env, args, says):

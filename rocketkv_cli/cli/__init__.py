@@ -29,7 +29,7 @@ from .summarize import summarize_command
 
 # click's UsageError, whichever click Typer runs on (newer Typers vendor their own): the base of
 # Typer's BadParameter
-_UsageError: type = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+_UsageError: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
 
 
 class OneLineUsageError(_UsageError):  # type: ignore[misc,valid-type]

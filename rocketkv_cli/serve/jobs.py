@@ -341,8 +341,14 @@ class SummarizeRequest:
     @classmethod
     def parse(cls, body: dict, roots: tuple[Path, ...] | None, trust_allowed: bool = False) -> SummarizeRequest:
         """Raises BadRequest for a field of the wrong type or out of range, or a path not allowed."""
-        ask = AskRequest.parse({**body, "questions": [], "check_only": True}, roots, None, trust_allowed,
-                               AskRequest.FIELDS | {"write_from", "extractive", "token_budget"}, "summarize")
+        ask = AskRequest.parse(
+            {**body, "questions": [], "check_only": True},
+            roots,
+            None,
+            trust_allowed,
+            AskRequest.FIELDS | {"write_from", "extractive", "token_budget"},
+            "summarize",
+        )
         write_from = _field(body, "write_from", str, None)
         if write_from is not None and write_from not in SUMMARY_WRITE_FROM:
             raise BadRequest(400, f"field 'write_from' must be one of {', '.join(SUMMARY_WRITE_FROM)}, "

@@ -54,7 +54,7 @@ def test__decode_step__equals_the_models_forward(arch, weights, mode):
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_STEP_TYPES)
-@pytest.mark.parametrize("weights", ["float", "bf16", "int8", "int4", "head-bf16"])
+@pytest.mark.parametrize("weights", ["float", "bf16", "int8", "int4", "head-bf16", "mlp-bf16"])
 def test__decode_step__float32_equals_the_models_forward_bit_for_bit(arch, weights):
     """In float32 (the presets' dtype on a CPU) the step's own paths run: norms through
     `F.rms_norm`, linears through `F.linear` or the bfloat16 matrix-vector product, RoPE once over

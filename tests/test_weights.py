@@ -14,6 +14,7 @@ from rocketkv_cli.model.linears import bf16_matvec
 from rocketkv_cli.model.loading import load_model, resolve_dtype
 from rocketkv_cli.model.weights import (
     Bf16Linear,
+    CertifiedHead,
     Int4Linear,
     Int8Linear,
     RefinedHead,
@@ -151,6 +152,37 @@ def test__head_bf16__only_the_lm_head_changes_and_only_in_decode_steps():
     err = (step.gather(-1, top) - ref.gather(-1, top)).abs()
     assert float(err.max()) < 1e-5, f"max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"
     assert float((step - ref).abs().max()) > 0  # the other logits come from the bfloat16 copy
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test__mlp_bf16__the_mlps_and_the_head_change_in_decode_steps_only(arch):
+    """`mlp-bf16`: every decoder layer's MLP linears become `Bf16Linear`, the attention projections
+    stay float `nn.Linear`s, the head is head-int4's `CertifiedHead`; prefill's logits equal the
+    float model's exactly, a decode step's differ (the MLPs' bfloat16 products) but keep the
+    greedy tokens here."""
+    model = tiny_model(arch, torch.float32)
+    torch.manual_seed(1)
+    model.lm_head = nn.Linear(model.config.hidden_size, 256, bias=False)  # a head the int4 kernel packs
+    ids = torch.arange(2, 30).view(1, -1)
+    with torch.inference_mode():
+        ref = model(ids).logits  # [1, T, V]
+    attention = [m for layer in model.model.layers for m in layer.self_attn.modules() if isinstance(m, nn.Linear)]
+    n_mlp = sum(isinstance(m, nn.Linear) for layer in model.model.layers for m in layer.mlp.modules())
+    assert n_mlp == 3 * len(model.model.layers)
+    assert quantize_weights(model, "mlp-bf16") == n_mlp + 1
+    for layer in model.model.layers:
+        assert sum(isinstance(m, Bf16Linear) for m in layer.mlp.children()) == 3
+        assert not any(isinstance(m, nn.Linear) for m in layer.mlp.modules())
+    assert [m for layer in model.model.layers for m in layer.self_attn.modules()
+            if isinstance(m, nn.Linear)] == attention  # fmt: skip
+    assert isinstance(model.lm_head, CertifiedHead)
+    with torch.inference_mode():
+        prefill = model(ids).logits
+        with decode_step():
+            step = model(ids).logits
+    assert torch.equal(prefill, ref)
+    assert float((step - ref).abs().max()) > 0  # the MLPs' products are bfloat16's in a decode step
+    assert torch.equal(step.argmax(-1), ref.argmax(-1))
 
 
 def test__int8_weights__float32_model_by_default_bfloat16_on_request(tiny_model_dir):
@@ -335,7 +367,7 @@ def test__default_weights__a_preset_default_applies_when_none_are_named(tiny_mod
 
 
 @pytest.mark.parametrize("fmt, answer_with", [("float", None), ("head-bf16", None), ("head-int4", None), ("bf16", None),
-                                               ("int8", "int8"), ("int4", "int4")])  # fmt: skip
+                                               ("mlp-bf16", None), ("int8", "int8"), ("int4", "int4")])  # fmt: skip
 def test__decode_weights_for__integer_prefill_is_kept_float_and_bf16_take_the_default(tiny_model_dir, fmt,
                                                                                        answer_with):  # fmt: skip
     """A cache prefilled with integer weights is answered with them (they changed what stage 1
@@ -347,7 +379,7 @@ def test__decode_weights_for__integer_prefill_is_kept_float_and_bf16_take_the_de
 
     rk = RocketKV.load(str(tiny_model_dir), device="cpu", weights=fmt)
     cache = rk.engine.ingest(Document("word " * 200, "0" * 64, "doc"), PrefillConfig(token_budget=64))
-    assert cache.info.weights == ("float" if fmt.startswith("head-") else fmt)  # head-* prefill as float does
+    assert cache.info.weights == ("float" if fmt in ("head-bf16", "head-int4", "mlp-bf16") else fmt)  # float prefill
     assert decode_weights_for(cache) == answer_with
 
 

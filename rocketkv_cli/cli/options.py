@@ -82,6 +82,7 @@ WeightsOpt = Annotated[
     typer.Option(callback=one_of("WEIGHT_FORMATS"),
                  help="Weights for decode on CPU: float, head-bf16 (float layers, bfloat16 LM head ranking), "
                       "head-int4 (float layers, int4 LM head ranking, greedy tokens certified equal to float's), "
+                      "mlp-bf16 (head-int4 with bfloat16 MLP linears), "
                       "bf16, int8 or int4 (int8/int4 also prefill). Default: the model's measured choice; "
                       "ask: the cache's int8/int4."),
 ]  # fmt: skip

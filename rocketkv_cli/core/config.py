@@ -68,9 +68,11 @@ def summary_writing(model_id: str, extractive: bool | None = None, write_from: s
     return None if model_id in PRESET_SUMMARY_EXTRACTIVE and can_extract else DEFAULT_SUMMARY_WRITE_FROM
 
 
-WEIGHT_FORMATS = ("float", "head-bf16", "bf16", "int8", "int4", "head-int4")  # decode weight formats (model/weights.py)
-# the formats that convert the LM head alone: they prefill with the float model, so their caches record "float"
-HEAD_WEIGHT_FORMATS = ("head-bf16", "head-int4")
+# decode weight formats (model/weights.py)
+WEIGHT_FORMATS = ("float", "head-bf16", "bf16", "int8", "int4", "head-int4", "mlp-bf16")
+# the formats that prefill with the float model and change only decode steps' LM head (and, mlp-bf16,
+# the MLPs' products): their caches record "float", readable by every release
+FLOAT_CACHE_WEIGHT_FORMATS = ("head-bf16", "head-int4", "mlp-bf16")
 # the weights a model loads with when none are named (`--weights`; `ask` on a cache: the cache's),
 # chosen by measurement (docs/performance.md, "Do the faster formats answer like float32?"): a
 # weight-only format only for a preset whose answers with it agree with the float32 model's on

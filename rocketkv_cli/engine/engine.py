@@ -21,7 +21,7 @@ from functools import cached_property
 import torch
 
 from ..core.cache import CacheInfo, CompressedKVCache, LayerKV, ModelIdentity, SegmentInfo
-from ..core.config import HEAD_WEIGHT_FORMATS, STORE_ALL, PrefillConfig, resolve_budgets
+from ..core.config import FLOAT_CACHE_WEIGHT_FORMATS, STORE_ALL, PrefillConfig, resolve_budgets
 from ..core.quant import KVStorage, resolved
 from ..core.stage1 import gather_tokens
 from ..errors import BudgetError, CacheFormatError, InputError
@@ -110,10 +110,10 @@ class Engine:
     @property
     def cache_weights(self) -> str:
         """The weight format a cache built by this engine records: the one that computed its keys
-        and values. `head-bf16` and `head-int4` prefill with the float model exactly (only
-        decode's LM head differs), so their caches record `float`: they are float caches, readable
+        and values. `head-bf16`, `head-int4` and `mlp-bf16` prefill with the float model exactly
+        (only decode steps differ), so their caches record `float`: they are float caches, readable
         by every release."""
-        return "float" if self.loaded.weights in HEAD_WEIGHT_FORMATS else self.loaded.weights
+        return "float" if self.loaded.weights in FLOAT_CACHE_WEIGHT_FORMATS else self.loaded.weights
 
     @property
     def dtype_name(self) -> str:

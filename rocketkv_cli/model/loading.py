@@ -67,7 +67,8 @@ def load_model(
         model: preset name, directory, `.gguf` path, or a hub id already in the local HF cache.
         device: cpu, cuda[:N] or auto. dtype: auto (`resolve_dtype`), float32, bfloat16 or float16.
         weights: "float" (as loaded), "head-bf16" or "head-int4" (the LM head alone; head-int4's
-            greedy tokens are certified to be float's), or weight-only "bf16",
+            greedy tokens are certified to be float's), "mlp-bf16" (head-int4 and bfloat16 MLP
+            linears in decode steps), or weight-only "bf16",
             "int8" or "int4" linears (CPU; `model.weights`; the model stays float32 under `auto`).
             None: the model's measured default (`core.config.default_weights`) for a float32
             model on the CPU, else "float".
@@ -84,7 +85,7 @@ def load_model(
     model_id, where = resolve_model_dir(model, progress)
     if weights is None:
         weights = default_weights(model_id) if dev.type == "cpu" and torch_dtype == torch.float32 else "float"
-        if weights == "head-int4" and not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        if weights in ("head-int4", "mlp-bf16") and not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
             weights = "head-bf16"  # a default must load: this torch has no int4 CPU kernel
     local_only = {"local_files_only": True, "trust_remote_code": trust_remote_code}
     try:

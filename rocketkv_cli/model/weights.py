@@ -14,6 +14,9 @@ them: it changes decode steps only (`decode_step`). `head-bf16` converts the LM 
 as `bf16` does, and keeps every decoder linear in float (Gemma 3 270M's default: its head is
 most of its weights). `head-int4` ranks with an int4 copy of the head instead (a quarter of
 bf16's bytes) and certifies each greedy token to be the float head's (`CertifiedHead`).
+`mlp-bf16` is head-int4 with each decoder layer's MLP linears as `bf16` converts them (decode
+steps only): the MLPs are most of a layer's weights, and on Gemma 3 270M rounding them changed
+no greedy answer where rounding the attention projections too did (docs/performance.md).
 Embeddings are kept as they are (a lookup reads one row; a tied LM head is untied, and its top
 logits are recomputed in float: `RefinedHead`).
 
@@ -53,6 +56,10 @@ def quantize_weights(
     with `weights_digest` (the weight files', `loading.weights_file_digest`) and `kept`, its int4
     copy and bounds are kept there and read back by the next load (`model/prepared.py`).
 
+    `mlp-bf16` is `head-int4` plus each decoder layer's MLP linears (`layer.mlp`; a layer without
+    one keeps its float weights) as `Bf16Linear`: decode steps round their products' inputs and
+    weights to bfloat16, prefill multiplies by the float weights.
+
     Returns the number of layers converted. Raises ValueError: an unknown format, a weight-only
     format on a GPU (use `--dtype bfloat16` there), or int4 on a torch without its CPU kernel.
     """
@@ -68,13 +75,24 @@ def quantize_weights(
             return 0
         model.lm_head = RefinedHead(Bf16Linear(head), head.weight, head.bias)
         return 1
-    if weight_format in ("int4", "head-int4") and not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+    if weight_format in ("int4", "head-int4", "mlp-bf16") and not hasattr(
+        torch.ops.aten, "_weight_int4pack_mm_for_cpu"
+    ):
         raise ValueError(f"int4 weights need torch's CPU int4 kernel (torch 2.6 or newer; this is {torch.__version__})")
     if weight_format == "head-int4":  # the decoder keeps its float linears; the head ranks in int4, certified
         if not isinstance(head, nn.Linear) or not Int4Linear.fits(head):
             return 0
         model.lm_head = certified_head(head, weights_digest, kept)
         return 1
+    if weight_format == "mlp-bf16":  # head-int4, and each layer's MLP products in bfloat16 in decode steps
+        count = quantize_weights(model, "head-int4", weights_digest, kept)
+        for layer in getattr(model.model, "layers", ()):
+            mlp = getattr(layer, "mlp", None)
+            for attr, sub in list(mlp.named_children()) if mlp is not None else ():
+                if isinstance(sub, nn.Linear):
+                    setattr(mlp, attr, Bf16Linear(sub))
+                    count += 1
+        return count
 
     def convert(linear: nn.Linear) -> nn.Module | None:
         if weight_format == "bf16":

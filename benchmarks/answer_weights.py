@@ -3,7 +3,7 @@ run: model load time, decode milliseconds per token, wall time per question, and
 answers are the same.
 
     python benchmarks/answer_weights.py      # gemma-3-270m: head-bf16 vs head-int4, the GPL, 10 questions x 2
-    python benchmarks/answer_weights.py --smoke     # float, head-bf16, head-int4 on tests/data/harbor.txt (CI)
+    python benchmarks/answer_weights.py --smoke     # float, head-bf16, head-int4, mlp-bf16 on tests/data/harbor.txt (CI)
 
 The document (the first --chars characters of --text) is ingested once with the preset's
 defaults (kept in --workdir). One warm-up `ask` per format (the first writes what the format
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.text, args.chars, args.questions, args.rounds, args.max_new_tokens = (
             REPO / "tests" / "data" / "harbor.txt", 4000, 1, 1, 8)  # fmt: skip
-        args.formats = ["float", "head-bf16", "head-int4"]
+        args.formats = ["float", "head-bf16", "head-int4", "mlp-bf16"]
     questions = ["Where does the harbor master keep the tide tables?"] if args.smoke else QUESTIONS[: args.questions]
     out = args.out or (None if args.smoke else REPO / "docs" / "bench" / f"answer-weights-{args.model}.json")
     env = {**os.environ, "ROCKETKV_THREADS": str(args.threads), "OMP_NUM_THREADS": str(args.threads)}

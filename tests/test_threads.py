@@ -91,3 +91,36 @@ def test__default_threads__leave_the_core_another_process_keeps_busy():
             s.kill()
             s.wait()
     assert n < max(cores, 2) and "busy with other processes" in why, (n, why)
+
+
+def _api_threads(model_dir, env: dict, code: str = "RocketKV.load(model, device='cpu')") -> tuple[int, int]:
+    """(torch's threads, `rk.threads`) after `RocketKV.load` in a fresh Python, as a user's script."""
+    script = ("import sys, torch\nfrom rocketkv_cli.api.rocketkv import RocketKV\nmodel = sys.argv[1]\n"
+              f"rk = {code}\nprint(torch.get_num_threads(), rk.threads)")  # fmt: skip
+    env = {k: v for k, v in {**os.environ, **env}.items() if k not in ("ROCKETKV_THREADS", "OMP_NUM_THREADS")
+           or k in env}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script, str(model_dir)], capture_output=True, text=True, env=env,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    torch_threads, chosen = done.stdout.split()
+    return int(torch_threads), int(chosen)
+
+
+def test__the_python_api_sets_threads_as_the_command_line_does(tiny_model_dir, tmp_path):
+    """`RocketKV.load` applies rocketkv's threads, not torch's default (every core: a new user's
+    script decoded 4x slower than the CLI beside a busy core): `threads=`, else
+    $ROCKETKV_THREADS, else the measured default, which leaves a core another process keeps busy."""
+    home = {"ROCKETKV_HOME": str(tmp_path)}
+    assert _api_threads(tiny_model_dir, {**home, "ROCKETKV_THREADS": "1"}) == (1, 1)
+    assert _api_threads(tiny_model_dir, home, "RocketKV.load(model, device='cpu', threads=1)") == (1, 1)
+    cores = threads_mod.available_cores()
+    if cores < 2 or not os.path.exists("/proc/stat"):
+        pytest.skip("the measured default needs two cores and /proc/stat")
+    spinners = [_spinner() for _ in range(len(os.sched_getaffinity(0)) - 1)]
+    try:
+        busy = _api_threads(tiny_model_dir, home)
+    finally:
+        for s in spinners:
+            s.kill()
+            s.wait()
+    assert busy[0] == busy[1] and busy[0] < cores, (busy, cores)

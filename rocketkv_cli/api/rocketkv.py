@@ -66,6 +66,8 @@ from .preflight import abandoned_ingests, check_cache_file, check_output, defaul
 from .segments import SegmentDone, answer_segmented, ingest_stream
 from .session import AnswerStream, Session
 from .summaries import PartialSummary, Summary, extractable, summarize
+from .threads import apply as apply_threads
+from .threads import default_threads, requested_threads
 
 Log = Callable[[str], None]
 
@@ -110,6 +112,7 @@ class RocketKV:
         # second) and, per stored part ranked by attention, its QuestionAttention
         self._passages: tuple[weakref.ref, list[tuple[int, Passage]], dict[int, QuestionAttention]] | None = None
         self._kept = KeptAnswerer()  # `ask`'s decode buffers over the cache it last answered from
+        self.threads: int | None = None  # torch's threads as `load` set them (None: not set by `load`)
 
     def release(self, cache: AnyCache | None = None) -> None:
         """Free the decode buffers `ask` keeps for the cache it last answered from (a copy of its
@@ -141,17 +144,30 @@ class RocketKV:
         trust_remote_code: bool = False,
         log: Log = lambda message: None,
         weights: str | None = None,
+        threads: int | None = None,
     ) -> RocketKV:
         """Load a model offline: a preset (`gemma-3-270m`, `smollm2-135m`), a Hugging Face model
         directory, a `.gguf` file or a hub id already in the local cache. device: cpu, cuda[:N]
         or auto; dtype: auto, float32, bfloat16 or float16; weights: float, head-bf16 (the LM
         head alone), head-int4 (the LM head alone, greedy tokens certified equal to float's),
-        bf16, int8 or int4 (weight-only linears for CPU decode in a float32 model,
-        `model/weights.py`), None: the
-        model's measured default on a CPU (`core.config.default_weights`). Raises ModelLoadError."""
+        mlp-bf16 (head-int4 and bfloat16 MLP linears in decode steps), bf16, int8 or int4
+        (weight-only linears for CPU decode in a float32 model, `model/weights.py`), None: the
+        model's measured default on a CPU (`core.config.default_weights`).
+
+        threads: torch's threads from now on (process-wide, as `torch.set_num_threads`); None:
+        `$ROCKETKV_THREADS` or `$OMP_NUM_THREADS` when set, else what the command line chooses:
+        the cores this process may use less those other processes kept busy since rocketkv was
+        imported (`api.threads`; torch's own default, every core, ran a decode 4x slower beside a
+        busy core). The number chosen is `self.threads`.
+        Raises ModelLoadError; UsageError for a thread count < 1 or above the machine's CPUs."""
+        asked = requested_threads(threads)
         loaded = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=log,
                             weights=weights, kept=PreparedTensors(home() / "prepared"))  # fmt: skip
-        return cls(Engine(loaded))
+        n_threads = (asked or default_threads(wait=True))[0]  # other processes' load since rocketkv was imported
+        apply_threads(n_threads)
+        made = cls(Engine(loaded))
+        made.threads = n_threads
+        return made
 
     @property
     def model_id(self) -> str:

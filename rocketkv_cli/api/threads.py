@@ -109,11 +109,13 @@ class CpuLoad:
         self.cpus = _affinity()
         self._last = _sample(self.cpus)
 
-    def elsewhere(self) -> float | None:
+    def elsewhere(self, wait: bool = False) -> float | None:
         """Cores busy with other processes since the last sample (≥ 0; over the cores present in
         both samples, each core's time ≥ 0: one going offline or coming back does not count),
         and a new sample taken; None when unknown or when less than `MIN_WINDOW_S` passed (the
-        last sample is kept)."""
+        last sample is kept), unless `wait`: then it sleeps out the rest of that window first."""
+        if wait and self._last is not None:
+            time.sleep(max(0.0, MIN_WINDOW_S - (time.monotonic() - self._last[0])))
         now, last = _sample(self.cpus), self._last
         if now is None or last is None or now[0] - last[0] < MIN_WINDOW_S:
             return None
@@ -150,11 +152,13 @@ def requested_threads(threads: int | None = None) -> tuple[int, str] | None:
     return _checked(threads, source), source
 
 
-def default_threads(load: CpuLoad | None = None) -> tuple[int, str]:
+def default_threads(load: CpuLoad | None = None, wait: bool = False) -> tuple[int, str]:
     """(threads, why): `available_cores()` less the cores other processes kept busy since `load`
-    last sampled (default: since this module was imported), rounded, at least 1."""
+    last sampled (default: since this module was imported), rounded, at least 1; `wait`: sleep out
+    the rest of a window shorter than `MIN_WINDOW_S` rather than not know (a Python script may
+    load a small model a moment after its imports)."""
     cores, load = available_cores(), load or _SINCE_START
-    busy = load.elsewhere()
+    busy = load.elsewhere(wait=wait and cores > 1)
     if busy is None or cores == 1:
         return cores, "the cores this process may use: affinity, cgroup quota"
     why = f"{cores} cores this process may use, {busy:.1f} of {load.n_cores} busy with other processes"

@@ -141,15 +141,13 @@ class BatchReport:
 
 def load_worker(settings: BatchSettings, workers: int = 1) -> RocketKV:
     """The model of one of `workers` workers, with torch threads set: `settings.threads`, else
-    the cores divided among the workers (unless OMP_NUM_THREADS says otherwise)."""
-    import torch
-
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
-    elif workers > 1 and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    the cores divided among the workers (unless $ROCKETKV_THREADS or $OMP_NUM_THREADS says
+    otherwise), else (one worker) what `RocketKV.load` chooses, as the command line does."""
+    threads = settings.threads
+    if not threads and workers > 1 and not {"ROCKETKV_THREADS", "OMP_NUM_THREADS"} & set(os.environ):
+        threads = max(1, (os.cpu_count() or 1) // workers)
     return RocketKV.load(settings.model, device=settings.device, dtype=settings.dtype,
-                         trust_remote_code=settings.trust_remote_code)  # fmt: skip
+                         trust_remote_code=settings.trust_remote_code, threads=threads or None)  # fmt: skip
 
 
 def document_sha256(row: Row) -> str:

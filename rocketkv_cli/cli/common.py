@@ -224,7 +224,7 @@ def load_engine(model: Optional[str], device: str, dtype: str, trust_remote_code
         else contextlib.nullcontext()
     ):
         rk = RocketKV.load(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, log=log,
-                           weights=weights)  # fmt: skip
+                           weights=weights, threads=_state["threads"][0])  # fmt: skip
     loaded = rk.engine.loaded
     dtype_name = str(loaded.dtype).removeprefix("torch.")
     what = dtype_name + (f", {loaded.weights} weights" if loaded.weights != "float" else "")

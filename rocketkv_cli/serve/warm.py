@@ -154,7 +154,7 @@ class Warm:
             self.models.move_to_end(key)
             return self.models[key][0]
         rk = RocketKV.load(key.model, device=key.device, dtype=key.dtype, trust_remote_code=key.trust_remote_code,
-                           log=log, weights=key.weights)  # fmt: skip
+                           log=log, weights=key.weights, threads=self.current_threads)  # as `job` set them  # fmt: skip
         self.models[key] = (rk, _model_bytes(rk))
         self._evict(keep_model=key)
         return rk

@@ -264,6 +264,18 @@ def test__usage_errors_in_a_terminal__one_line_exit_2(rocketkv_bin, env, args, s
     assert lines[0].startswith("Error: ") and says in lines[0] and "--help'" in lines[0], lines
 
 
+def test__ask_focus_several_questions_in_a_terminal__the_note_between_q_and_a(rocketkv_bin, env, kv, tmp_path):
+    """`ask --focus` names each question's passages on stderr: on a line of its own after the
+    question, and the answer follows on its `A: ` line (the note used to land after `A: `)."""
+    code, shown = run_in_terminal([rocketkv_bin, "ask", "--cache", str(kv), "--focus", "1", "What is the code?",
+                                   "Which word?"], {**env, "ROCKETKV_HOME": str(tmp_path)})  # fmt: skip
+    lines = check_terminal_run(code, shown, want_bar=False)
+    kinds = [("Q" if line.startswith("Q: ") else "A" if line.startswith("A: ") else "note")
+             for line in lines if line.startswith(("Q:", "A:", "rocketkv: focus:"))]  # fmt: skip
+    assert kinds == ["Q", "note", "A", "Q", "note", "A"], lines
+    assert not [line for line in lines if line.startswith("A:") and "rocketkv:" in line], lines
+
+
 def test__models_in_a_terminal(rocketkv_bin, env, tmp_path):
     (tmp_path / "models" / "x-1").mkdir(parents=True)
     (tmp_path / "models" / "x-1" / "w").write_bytes(b"w" * 5)

@@ -136,8 +136,12 @@ class AnswerPrinter:
         self.fmt, self.stream, self.show_question = fmt, stream, show_question
         self.records = 0
         self.line_open = False  # stdout's last line is an answer still being printed
+        # "A: ", written with the answer's first text: a note logged on stderr between the question
+        # and its answer (`ask --focus` names the passages it reads) then sits on a line of its own
+        self._prefix = ""
 
     def _write(self, text: str) -> None:
+        text, self._prefix = self._prefix + text, ""
         sys.stdout.write(text)
         sys.stdout.flush()
         if text:
@@ -145,6 +149,7 @@ class AnswerPrinter:
 
     def end_line(self) -> None:
         """End a line an answer left half-printed (before an error or an interrupt is reported)."""
+        self._prefix = ""  # an answer that never began: nothing to end
         if self.line_open:
             try:
                 self._write("\n")
@@ -156,11 +161,12 @@ class AnswerPrinter:
 
     def start(self, question: str) -> None:
         if self.fmt == "qa" and self.show_question:
-            self._write(("\n" if self.records else "") + "Q: " + self._qa(question) + "\nA: ")
+            self._write(("\n" if self.records else "") + "Q: " + self._qa(question) + "\n")
+            self._prefix = "A: "
         self.records += 1
 
     def piece(self, text: str) -> None:
-        if not self.stream or self.fmt == "json":
+        if not self.stream or self.fmt == "json" or not text:
             return
         self._write(self._qa(text) if self.fmt == "qa" else escape_line(text) if self.fmt == "lines" else text)
 

@@ -88,6 +88,8 @@ def test__batch__answers_like_ask_json_and_equal_documents_share_one_cache(job, 
     root, manifest, _, first = job
     assert first.returncode == 1 and "Traceback" not in first.stderr, first.stderr
     assert first.stderr.count("Error:") == 1 and "4 rows failed" in first.stderr
+    progress = [line for line in first.stderr.splitlines() if "documents done" in line]  # a pipe: lines, no bar
+    assert progress and progress[-1].endswith("questions answered"), first.stderr
     results = root / "jobs.results.jsonl"
     assert first.stdout.strip() == str(results)
     rows = lines_of(results)
@@ -365,10 +367,12 @@ def test__batch_in_a_terminal__draws_the_bar_with_rates(many, rocketkv_bin, env,
     argv = [rocketkv_bin, "batch", str(manifest), "-o", str(tmp_path / "tty.jsonl"), "--cache-dir",
             str(tmp_path / "cache"), "--model", str(tiny_model_dir), "--budget", "64",
             "--max-new-tokens", "24"]  # fmt: skip
-    code, shown = run_in_terminal(argv, env)
+    code, shown = run_in_terminal(argv, env, columns=80)
     plain = strip_ansi(shown)
     assert code == 0 and "Traceback" not in plain and "Error:" not in plain, plain[-3000:]
-    assert "━" in plain and "documents/s" in plain and "questions/s" in plain and "ETA" in plain, plain[-2000:]
+    assert "━" in plain and "/s" in plain and "questions/s" in plain and "ETA" in plain, plain[-2000:]
+    bars = [line for line in plain.replace("\r\n", "\n").replace("\r", "\n").split("\n") if "questions/s" in line]
+    assert all("documents" in line and "ETA" in line for line in bars), bars  # one line on 80 columns: no wrap
     assert len(answers_by_key(tmp_path / "tty.jsonl")) == 72
 
 
@@ -440,7 +444,7 @@ def test__with_a_running_server__rows_run_there_with_the_same_results(rocketkv_b
                 str(allowed / "mixed.out.jsonl"), "--cache-dir", str(allowed / "c2")]  # fmt: skip
         code, shown = run_in_terminal(argv, env)
         screen = " ".join(strip_ansi(shown).split())
-        assert code == 1 and "Traceback" not in screen and "1 rows failed" in screen, screen[-2000:]
+        assert code == 1 and "Traceback" not in screen and "1 row failed" in screen, screen[-2000:]
         (error,) = [r for r in lines_of(allowed / "mixed.out.jsonl") if "error" in r]
         assert error["id"] == "c" and "outside the server's allowed folders" in error["error"], error
         assert len([r for r in lines_of(allowed / "mixed.out.jsonl") if "error" not in r]) == 4

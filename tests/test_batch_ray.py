@@ -65,7 +65,7 @@ def test__ray_batch__results_equal_the_local_run(cluster, docs, rocketkv_bin, en
     on_ray = run(rocketkv_bin, env, *common, "-o", root / "ray.jsonl", "--cache-dir", root / "ray-cache",
                  "--ray", cluster, "--workers", "2")  # fmt: skip
     for r in (local, on_ray):
-        assert r.returncode == 1 and "1 rows failed" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert r.returncode == 1 and "1 row failed" in r.stderr and "Traceback" not in r.stderr, r.stderr
     answered = [line for line in lines_of(root / "ray.jsonl") if "error" not in line]
     errors = [line for line in lines_of(root / "ray.jsonl") if "error" in line]
     assert errors == [line for line in lines_of(root / "local.jsonl") if "error" in line]

@@ -170,7 +170,8 @@ def test__ask_focus__through_the_server_as_in_process(rocketkv_bin, env, caches,
     assert run(rocketkv_bin, env, *args, questions[0]).returncode == 0, "the server stopped serving"
 
 
-def test__errors_are_the_same_one_line_with_and_without_the_server(rocketkv_bin, env, caches, served, tmp_path):
+def test__errors_are_the_same_one_line_with_and_without_the_server(rocketkv_bin, env, caches, served, tmp_path,
+                                                                    tiny_model_dir):  # fmt: skip
     served("--idle-timeout", "0")
     bad = tmp_path / "bad.kv"
     bad.write_bytes(b"\x00" * 64)
@@ -187,6 +188,14 @@ def test__errors_are_the_same_one_line_with_and_without_the_server(rocketkv_bin,
         assert here.returncode in (1, 2) and "Traceback" not in there.stderr
         error = [line for line in there.stderr.splitlines() if line.startswith("Error:")]
         assert error == [line for line in here.stderr.splitlines() if line.startswith("Error:")], args
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    for doc in (caches[0], empty):  # a DOC that fails its checks: the error alone, no advice about the server
+        r = run(rocketkv_bin, env, "ask", doc, "q?")
+        assert r.returncode == 1 and "a server is running" not in r.stderr, r.stderr
+    r = run(rocketkv_bin, env, "ask", caches[0].with_suffix(".txt"), "What is the secret code?", "--model",
+            tiny_model_dir, "--budget", "64", "--max-new-tokens", "4")  # fmt: skip
+    assert r.returncode == 0 and "a server is running" in r.stderr.splitlines()[-1], r.stderr  # after the answer
 
 
 def test__a_server_named_with_server_must_answer(rocketkv_bin, env, caches, tmp_path):

@@ -60,7 +60,7 @@ def run_batch(
                 tracker.write(None, error_row(row.id, row.line, row.error))
         skipped = sum(isinstance(r, Row) for r in rows) - len(tasks)
         if skipped:
-            log(f"skipping {skipped} rows already answered in {output}")
+            log(f"skipping {skipped} row{'s' * (skipped != 1)} already answered in {output}")
         if tasks:
             _make_dir(cache_dir)
             if remote is not None:

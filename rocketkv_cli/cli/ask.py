@@ -204,9 +204,7 @@ def ask_command(
     printer = AnswerPrinter(fmt, stream)
     local = no_server or len(questions) > MAX_QUESTIONS
     remote = server_for(server, local) if doc is None else None
-    if doc is not None and not local and server_running(server):
-        log("a server is running, but a document is read in this process: ingest it once "
-            "(rocketkv ingest DOC -o DOC.kv) and ask with --cache to answer through the server")  # fmt: skip
+    server_hint = doc is not None and not local and server_running(server)  # said once answered, never before an error
     try:
         if remote is not None and cache is not None:  # doc is None: --cache was given
             cache_budget_note(budget, cache)
@@ -223,6 +221,9 @@ def ask_command(
     except BaseException:  # Ctrl-C or an error mid-answer: its line ends before the error line
         printer.end_line()
         raise
+    if server_hint:
+        log("a server is running, but this document was read in this process: ingest it once "
+            "(rocketkv ingest DOC -o DOC.kv) and ask with --cache to answer through the server")  # fmt: skip
     if verbose:
         log(f"answered by the server at {remote.url}" if remote is not None else threads_note())
         log(timings.summary())

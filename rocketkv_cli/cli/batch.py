@@ -27,21 +27,24 @@ from .options import (
 
 
 class _Rates(ProgressColumn):
-    """documents/s (Rich's windowed speed) and questions/s (answers so far over elapsed time)."""
+    """Documents per second (Rich's windowed speed) and questions per second (answers so far over
+    the elapsed time), short enough that the bar fits an 80-column terminal."""
 
     def render(self, task) -> Text:
         elapsed = task.elapsed or 0.0
         answers = task.fields.get("answers", 0)
-        docs = f"{task.speed:.2f} documents/s" if task.speed else "– documents/s"
+        docs = f"{task.speed:.2f}/s" if task.speed else "–/s"
         qs = f"{answers / elapsed:.2f} questions/s" if elapsed > 0 and answers else "– questions/s"
         return Text(f"{docs}  {qs}")
 
 
 def batch_bar() -> Progress:
+    """The documents done, their rate and the questions', and the time left, on a terminal
+    (78 columns at most: `batch ━━━━━━━━━━━━━━━━ 12/340 documents 0.10/s 0.82 questions/s ETA 0:54:10`)."""
     return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("documents"), _Rates(),
-        TextColumn("ETA"), TimeRemainingColumn(), console=err, disable=_state["quiet"] or not err.is_terminal,
-        transient=True,
+        TextColumn("{task.description}"), BarColumn(bar_width=16), MofNCompleteColumn(), TextColumn("documents"),
+        _Rates(), TextColumn("ETA"), TimeRemainingColumn(), console=err,
+        disable=_state["quiet"] or not err.is_terminal, transient=True,
     )  # fmt: skip
 
 
@@ -153,14 +156,20 @@ def batch_command(
     with batch_bar() as bar:
         task = bar.add_task("batch", total=None, answers=0)
 
+        logged = [0]  # documents done, as last said on stderr where no bar is drawn (a pipe, a log file)
+
         def on_progress(state) -> None:
             bar.update(task, total=state.documents_total, completed=state.documents_done, answers=state.answers_done)
+            if bar.disable and state.documents_done > logged[0]:
+                logged[0] = state.documents_done
+                log(f"{state.documents_done}/{state.documents_total} documents done, "
+                    f"{plural(state.answers_done, 'question')} answered")  # fmt: skip
 
         report = run_batch(manifest, out, folder, settings, workers=workers, ray_address=ray,
                            on_progress=on_progress, log=log, remote=remote)  # fmt: skip
     where = "stdout" if out is None else str(out)
-    log(f"{report.n_rows} rows: {report.n_skipped} already answered, {report.n_written} lines written to {where}, "
-        f"{report.n_errors} failed")  # fmt: skip
+    log(f"{plural(report.n_rows, 'row')}: {report.n_skipped} already answered, {plural(report.n_written, 'line')} "
+        f"written to {where}, {report.n_errors} failed")  # fmt: skip
     if out is not None:
         typer.echo(str(out))
     if report.n_errors:
@@ -169,4 +178,10 @@ def batch_command(
             if out is not None
             else "run them again (with -o FILE, a rerun keeps the answered rows and redoes only these)"
         )
-        raise fail(f"{report.n_errors} rows failed (their error lines are in {where}) — fix them and {rerun}")
+        raise fail(f"{plural(report.n_errors, 'row')} failed (their error lines are in {where}) — fix "
+                   f"{'them' if report.n_errors > 1 else 'it'} and {rerun}")  # fmt: skip
+
+
+def plural(n: int, noun: str) -> str:
+    """ "1 row", "4 rows" (nouns that take an s)."""
+    return f"{n:,} {noun}{'s' * (n != 1)}"

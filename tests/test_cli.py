@@ -338,6 +338,14 @@ def test__ask_usage_errors__exit_2_before_the_model_loads(rocketkv_bin, env, kv,
     assert r.stdout == "" and "loaded" not in r.stderr and "Traceback" not in r.stderr
 
 
+def test__a_question_longer_than_a_file_name_is_answered(rocketkv_bin, env, kv):
+    """With --cache every argument is a question; one over 255 bytes (no file can have that name)
+    is asked, not refused with the OS's "File name too long"."""
+    question = "Which words are repeated in this document, and how often? " * 6
+    r = run(rocketkv_bin, env, "ask", "--cache", kv, question, "--max-new-tokens", "2", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["question"] == question, r.stderr[-500:]
+
+
 def test__sampling__seeded_runs_repeat_greedy_stays_exact(rocketkv_bin, env, kv):
     greedy = [row["answer"] for row in ask_json(rocketkv_bin, env, kv, *QS[:2], "--max-new-tokens", "12")]
     a = ask_json(rocketkv_bin, env, kv, *QS[:2], "--max-new-tokens", "12", "-t", "1.5", "--seed", "7")

@@ -79,13 +79,21 @@ def read_questions(positional: list[str], questions_file: Optional[str], doc_is_
     return check_questions(questions) if questions else questions  # none: `questions_of` says why
 
 
+def _is_file(text: str) -> bool:
+    """Whether `text` names an existing file (a question too long for a file name does not)."""
+    try:
+        return Path(text).is_file()
+    except (OSError, ValueError):  # ENAMETOOLONG, a NUL byte
+        return False
+
+
 def questions_of(args: Optional[list[str]], cache: Optional[Path], questions_file: Optional[str]):
     """(DOC or None, questions) from the arguments: the usage errors come first, before the engine
     (torch) is imported. Raises typer.BadParameter (exit 2), UsageError, InputError."""
     args = list(args or [])
     if cache is None and not args:
         raise usage_error("QUESTION...", "missing: give --cache FILE.kv QUESTION..., or DOC QUESTION...")
-    if cache is not None and args and (args[0] == "-" or Path(args[0]).is_file()):
+    if cache is not None and args and (args[0] == "-" or _is_file(args[0])):
         # with --cache every argument is a question: a document named too would be asked as one
         raise usage_error("DOC", f"{args[0]!r} is a document, and --cache {cache} names the cache to answer from: "
                                  "give one of them")  # fmt: skip

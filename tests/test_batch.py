@@ -89,7 +89,8 @@ def test__batch__answers_like_ask_json_and_equal_documents_share_one_cache(job, 
     assert first.returncode == 1 and "Traceback" not in first.stderr, first.stderr
     assert first.stderr.count("Error:") == 1 and "4 rows failed" in first.stderr
     progress = [line for line in first.stderr.splitlines() if "documents done" in line]  # a pipe: lines, no bar
-    assert progress and progress[-1].endswith("questions answered"), first.stderr
+    n_answers = sum("error" not in r for r in lines_of(root / "jobs.results.jsonl"))
+    assert progress and progress[-1].endswith(f"{n_answers} answers written"), (n_answers, first.stderr)
     results = root / "jobs.results.jsonl"
     assert first.stdout.strip() == str(results)
     rows = lines_of(results)
@@ -129,6 +130,22 @@ def test__batch_focus__answers_like_ask_focus_json_from_the_same_cache(job, rock
     assert without_times(json.loads(asked.stdout)) == without_times({k: row[k] for k in ASK_KEYS})
     plain = [x for x in lines_of(root / "jobs.results.jsonl") if (x["id"], x.get("question_index")) == ("b", 0)]
     assert plain[0]["answer"] != row["answer"], "this row no longer tells a focused answer from a plain one"
+
+
+def test__a_document_that_is_not_a_regular_file__an_error_line_not_a_hang(rocketkv_bin, env, tiny_model_dir,
+                                                                          tmp_path):  # fmt: skip
+    """/dev/zero was hashed forever and a FIFO blocked the batch (and a server's decode lock):
+    each is now its row's error line."""
+    fifo = tmp_path / "fifo.txt"
+    os.mkfifo(fifo)
+    rows = [{"id": "zero", "document": "/dev/zero", "questions": ["q?"]},
+            {"id": "fifo", "document": str(fifo), "questions": ["q?"]}]  # fmt: skip
+    manifest = write_manifest(tmp_path / "m.jsonl", rows)
+    t0 = time.monotonic()
+    r = run(rocketkv_bin, env, "batch", manifest, "-o", tmp_path / "out.jsonl", "--model", tiny_model_dir)
+    assert r.returncode == 1 and time.monotonic() - t0 < 120 and "Traceback" not in r.stderr, r.stderr
+    errors = {x["id"]: x["error"] for x in lines_of(tmp_path / "out.jsonl")}
+    assert set(errors) == {"zero", "fifo"} and all("is not a regular file" in e for e in errors.values()), errors
 
 
 def test__bad_rows__one_error_line_each_with_the_single_document_message(job, rocketkv_bin, env, tmp_path):

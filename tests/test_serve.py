@@ -564,6 +564,18 @@ def test__ingest_endpoint_streams_progress_and_writes_the_file(rocketkv_bin, env
     conn, again = _post(s.server, "/v1/ingest", {"document": str(doc), "output": str(tmp_path / "d.kv"),
                                                   "model": str(tiny_model_dir)})  # fmt: skip
     assert again.status == 409 and '"force": true' in json.loads(again.read())["error"]["hint"]  # not replaced
+    precious = tmp_path / "precious.txt"
+    precious.write_text("not a cache")
+    (tmp_path / "trap.kv").symlink_to(precious)
+    conn, trap = _post(s.server, "/v1/ingest", {"document": str(doc), "output": str(tmp_path / "trap.kv"),
+                                                 "force": True, "model": str(tiny_model_dir)})  # fmt: skip
+    assert trap.status == 400 and "not a .kv file" in json.loads(trap.read())["error"]["message"]
+    assert precious.read_text() == "not a cache"  # the link's target is kept
+    fifo = tmp_path / "fifo.txt"
+    os.mkfifo(fifo)
+    conn, fifo_doc = _post(s.server, "/v1/ingest", {"document": str(fifo), "output": str(tmp_path / "f.kv")})
+    assert fifo_doc.status == 400 and "not a regular file" in json.loads(fifo_doc.read())["error"]["message"]
+    assert health(s.server)["status"] == "ok" and health(s.server)["active"] == 0  # nothing left waiting
 
 
 def test__a_full_queue_gets_503_and_a_client_that_leaves_cancels(env, caches, served):

@@ -17,6 +17,7 @@ import fcntl
 import hashlib
 import json
 import os
+import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -157,6 +158,9 @@ def document_sha256(row: Row) -> str:
         return hashlib.sha256(row.text.encode("utf-8")).hexdigest()
     assert row.document is not None  # a Row has exactly one of document and text
     try:
+        if not stat.S_ISREG(os.stat(row.document).st_mode):  # a FIFO would block, /dev/zero never end
+            raise InputError(f"{row.document} is not a regular file", "a batch reads each document as a file; "
+                             "copy it to one first")  # fmt: skip
         digest = hashlib.sha256()
         with open(row.document, "rb") as f:
             while block := f.read(1 << 20):
@@ -305,7 +309,7 @@ class Tracker:
     def __init__(self, results: Results, tasks: list[Task], on_progress: Callable[[BatchProgress], None]):
         self.results, self.on_progress = results, on_progress
         self.left = {i: t.n_results for i, t in enumerate(tasks)}
-        self.state = BatchProgress(len(tasks), 0, sum(t.n_results for t in tasks))
+        self.state = BatchProgress(documents_total=len(tasks))
         self.written = 0
 
     def write(self, task_index: int | None, line: dict) -> None:

@@ -163,7 +163,7 @@ def batch_command(
             if bar.disable and state.documents_done > logged[0]:
                 logged[0] = state.documents_done
                 log(f"{state.documents_done}/{state.documents_total} documents done, "
-                    f"{plural(state.answers_done, 'question')} answered")  # fmt: skip
+                    f"{plural(state.answers_done, 'answer')} written")  # fmt: skip
 
         report = run_batch(manifest, out, folder, settings, workers=workers, ray_address=ray,
                            on_progress=on_progress, log=log, remote=remote)  # fmt: skip

@@ -217,9 +217,15 @@ class IngestRequest:
         output = _field(body, "output", str, required=True)
         if not output.endswith(".kv"):  # the server writes caches, never another kind of file
             raise BadRequest(400, f"'output' must name a .kv file, got {output!r}")
+        resolved = allowed_path(output, roots, "'output'")
+        if resolved.suffix != ".kv":  # a link named .kv to another file: that file would be replaced
+            raise BadRequest(400, f"'output' {output!r} is a link to {str(resolved)!r}, which is not a .kv file")
+        document = allowed_path(_field(body, "document", str, required=True), roots, "'document'")
+        if not document.is_file():  # a FIFO or a device would hold the decode lock while it is read
+            raise BadRequest(400, f"'document' {str(document)!r} is not a regular file")
         return cls(
-            document=allowed_path(_field(body, "document", str, required=True), roots, "'document'"),
-            output=allowed_path(_field(body, "output", str, required=True), roots, "'output'"),
+            document=document,
+            output=resolved,
             force=bool(_field(body, "force", bool, False)),
             token_budget=_positive(body, "token_budget"),
             model=model_choice(body, roots),

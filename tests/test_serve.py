@@ -320,6 +320,18 @@ def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches,
     assert health(Server(host=host, port=int(port)))["status"] == "ok"
 
 
+BAD_SERVE_VALUES = [["--memory-gb", "nan"], ["--memory-gb", "inf"], ["--memory-gb", "-1"], ["--memory-gb", "1e30"],
+                    ["--idle-timeout", "nan"], ["--idle-timeout", "-5"]]  # fmt: skip
+
+
+@pytest.mark.parametrize("args", BAD_SERVE_VALUES)
+def test__serve_option_values_no_budget_could_be__usage_errors(rocketkv_bin, env, args):
+    """NaN gigabytes was "unexpected ValueError" (exit 1), -1 named an internal field in bytes."""
+    r = run(rocketkv_bin, env, "serve", *args)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and args[0] in r.stderr, r.stderr
+    assert "unexpected" not in r.stderr and "memory_budget" not in r.stderr
+
+
 def test__a_public_host_needs_an_api_key(rocketkv_bin, env):
     r = run(rocketkv_bin, env, "serve", "--host", "0.0.0.0", "--port", "0")
     assert r.returncode == 2 and "--api-key" in r.stderr and "Traceback" not in r.stderr
@@ -579,7 +591,7 @@ def test__ingest_endpoint_streams_progress_and_writes_the_file(rocketkv_bin, env
 
 
 def test__a_full_queue_gets_503_and_a_client_that_leaves_cancels(env, caches, served):
-    s = served("--idle-timeout", "0", "--max-queue", "1")
+    s = served("--idle-timeout", "0", "--max-queue", "2")  # one answered, one waiting: a third is refused
     many = {"cache": str(caches[0]), "questions": QUESTIONS * 10}
     first = _send(s.server, "/v1/rocketkv/ask", many)  # answering (holds the decode lock) ...
     second = _send(s.server, "/v1/rocketkv/ask", many)  # ... and waiting behind it

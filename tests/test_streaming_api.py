@@ -110,3 +110,17 @@ def test__ask__keeps_one_decoder_per_cache_and_answers_as_a_fresh_one(rk, cache)
     del failed  # its frames hold the decoder too
     mine.release(cache)
     assert mine._kept._kept is None and kept[0]() is None, "release left the decoder alive"
+
+
+@pytest.mark.parametrize("temperature", [1e-320, 1e-300, 1e-30])
+def test__choose_token__a_tiny_temperature_samples_the_argmax(temperature):
+    """logits / 1e-320 overflowed to inf and softmax gave NaN (a RuntimeError in multinomial); the
+    limit of a vanishing temperature is the argmax, and so is the sample."""
+    import torch
+
+    from rocketkv_cli.engine.answer import Sampling, choose_token
+
+    logits = torch.tensor([[1.5, 7.25, -3.0, 7.0, 0.0]])
+    rng = torch.Generator().manual_seed(0)
+    picks = {choose_token(logits, Sampling(temperature=temperature, seed=0), rng) for _ in range(20)}
+    assert picks == {1}, picks

@@ -4,6 +4,7 @@ itself), or show (`status`) or stop (`stop`) the running one. docs/serve.md."""
 from __future__ import annotations
 
 import json
+import math
 import signal
 import time
 from pathlib import Path
@@ -85,6 +86,7 @@ MemoryOpt = Annotated[
     Optional[float],
     typer.Option(metavar="GB", help="Memory for warm models and caches (default: half the machine's)."),
 ]
+MAX_MEMORY_GB = 1_000_000  # a petabyte: beyond it a budget is a typo, not a machine
 QueueOpt = Annotated[int, typer.Option(min=1, metavar="N", help="Requests in flight before new ones get 503.")]
 
 
@@ -111,6 +113,11 @@ def serve_command(
     """
     if action not in ACTIONS:
         raise usage_error("ACTION", f"use start, status or stop, not {action!r}")
+    if memory_gb is not None and not 0 < memory_gb <= MAX_MEMORY_GB:  # NaN fails both
+        raise usage_error("--memory-gb", f"give the gigabytes for warm models and caches, > 0 and ≤ "
+                                         f"{MAX_MEMORY_GB:,}, not {memory_gb}")  # fmt: skip
+    if not 0 <= idle_timeout < math.inf:
+        raise usage_error("--idle-timeout", f"give seconds ≥ 0 (0: never), not {idle_timeout}")
     setup(quiet, threads)
     if host is None and port is not None:
         host = "127.0.0.1"

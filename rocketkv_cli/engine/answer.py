@@ -402,7 +402,10 @@ def choose_token(logits: torch.Tensor, sampling: Sampling, rng: torch.Generator 
     restricted to the top-p nucleus (the most likely tokens until their mass reaches top_p)."""
     if sampling.greedy or rng is None:
         return int(logits.max(dim=-1).indices)  # argmax's first maximum; ~3× faster than argmax on a CPU
-    probs = torch.softmax(logits[0].detach().to("cpu", torch.float64) / sampling.temperature, dim=-1)  # [V]
+    scores = logits[0].detach().to("cpu", torch.float64)  # [V]
+    # shifted by the maximum before the division (softmax is unchanged by a shift): a temperature so
+    # small that logit / temperature overflows (1e-320) still gives the argmax, not inf / inf = NaN
+    probs = torch.softmax((scores - scores.max()) / sampling.temperature, dim=-1)  # [V]
     if sampling.top_p < 1:
         sorted_p, order = probs.sort(descending=True)
         keep = (sorted_p.cumsum(0) - sorted_p) < sampling.top_p  # the mass before a token is below top_p

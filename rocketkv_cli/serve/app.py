@@ -131,7 +131,7 @@ class Guard:
         if length is not None and (not length.isdigit() or int(length) > state.max_body_bytes):
             return BadRequest(413, f"request body over {state.max_body_bytes} bytes")
         busy = max(state.active, Job.live)  # a left client's job may still wait for the lock: it counts
-        if scope["method"] == "POST" and scope["path"] != "/v1/rocketkv/shutdown" and busy > state.max_queue:
+        if scope["method"] == "POST" and scope["path"] != "/v1/rocketkv/shutdown" and busy >= state.max_queue:
             return BadRequest(503, f"the server is busy ({state.active} requests in flight)", "RocketKVError",
                               "try again in a moment")  # fmt: skip
         return None

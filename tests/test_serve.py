@@ -314,6 +314,19 @@ def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches,
     got, data = send("POST", "/v1/ingest", json.dumps({"document": str(caches[0]), "output": str(caches[0]),
                                                        "overwrite": True}).encode())  # fmt: skip
     assert got == 400 and "'overwrite'" in data["error"]["message"], (got, data)
+    row = {"line": 1, "id": "a", "document": str(caches[0].with_suffix(".txt")), "text": None, "questions": ["q?"],
+           "summary": False}  # fmt: skip
+    settings = {"model": "smollm2-135m", "device": "cpu", "dtype": "auto", "config": {}, "storage": "int8"}
+    for task, fixed in [({"row": row, "questions": [5], "summary": False}, "indices"),
+                        ({"row": row, "questions": [-1], "summary": False}, "indices"),
+                        ({"row": {**row, "document": ["x"]}, "questions": [0], "summary": False}, '"document"'),
+                        ({"row": {**row, "text": 5, "document": None}, "questions": [0], "summary": False}, '"text"'),
+                        ({"row": row, "questions": [0], "summary": "yes"}, "summary"),
+                        ({"row": row, "questions": [0], "summary": False}, "device")]:  # fmt: skip
+        body = {"task": task, "cache_dir": str(caches[0].parent),
+                "settings": {**settings, "device": 5} if fixed == "device" else settings}  # fmt: skip
+        got, data = send("POST", "/v1/rocketkv/batch", json.dumps(body).encode())
+        assert got == 400 and fixed in data["error"]["message"], (task, got, data)
     streamy = {"model": f"kv:{caches[0]}", "messages": [{"role": "user", "content": "q"}], "stream": "yes"}
     got, data = send("POST", "/v1/chat/completions", json.dumps(streamy).encode())
     assert got == 400 and "'stream' must be true or false" in data["error"]["message"], (got, data)

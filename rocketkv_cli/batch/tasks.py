@@ -29,7 +29,7 @@ from ..core.cache import SegmentedKVCache
 from ..core.config import PrefillConfig, default_kv_dtype
 from ..core.quant import KVStorage, resolved
 from ..errors import CacheFormatError, InputError, RocketKVError
-from .manifest import BadRow, Results, Row, error_row, question_key, summary_key
+from .manifest import ROW_FIELDS, BadRow, Results, Row, error_row, parse_row, question_key, summary_key
 
 Log = Callable[[str], None]
 
@@ -61,6 +61,10 @@ class BatchSettings:
     focus: int | None = None
 
     def __post_init__(self) -> None:
+        for name, kinds in (("model", (str,)), ("device", (str,)), ("dtype", (str,)), ("dense", (bool,)),
+                            ("trust_remote_code", (bool,))):  # fmt: skip
+            if not isinstance(getattr(self, name), kinds):
+                raise ValueError(f"{name} must be a {kinds[0].__name__}, got {getattr(self, name)!r}")
         for name in ("summary_tokens", "segment_tokens", "threads", "focus"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -112,9 +116,32 @@ class Task:
 
     @classmethod
     def from_json(cls, text: str) -> Task:
+        """A task from `to_json`'s text (what `rocketkv batch` sends a server), its row checked as a
+        manifest line is (`parse_row`) and its question indices against the row's questions.
+        Raises ValueError naming what is wrong (TypeError, KeyError: not `to_json`'s layout)."""
         d = json.loads(text)
-        row = Row(**{**d["row"], "questions": tuple(d["row"]["questions"])})
-        return cls(row=row, questions=tuple(d["questions"]), summary=d["summary"])
+        if not isinstance(d, dict) or not isinstance(d.get("row"), dict):
+            raise ValueError("a task holds a row object")
+        raw, line = d["row"], d["row"].get("line")
+        if isinstance(line, bool) or not isinstance(line, int) or line < 1:
+            raise ValueError(f"the row's line must be a positive integer, got {line!r}")
+        if set(raw) - {"line", *ROW_FIELDS}:
+            raise ValueError(f"unknown row fields {sorted(set(raw) - {'line', *ROW_FIELDS})}")
+        document = raw.get("document")
+        if isinstance(document, str) and not os.path.isabs(document):
+            raise ValueError(f"the row's document must be an absolute path, got {document!r}")
+        fields = {k: v for k, v in raw.items() if k != "line" and v is not None}
+        row = parse_row(json.dumps(fields).encode(), line, Path("/"))
+        if isinstance(row, BadRow):
+            raise ValueError(row.error)
+        questions, summary = d.get("questions"), d.get("summary")
+        if not isinstance(questions, list) or not all(
+            type(i) is int and 0 <= i < len(row.questions) for i in questions
+        ) or len(set(questions)) != len(questions):  # fmt: skip
+            raise ValueError(f"the task's questions must be distinct indices of the row's {len(row.questions)}")
+        if not isinstance(summary, bool) or (summary and not row.summary):
+            raise ValueError("the task's summary must be true or false, and true only for a row that asks for one")
+        return cls(row=row, questions=tuple(questions), summary=summary)
 
 
 @dataclass

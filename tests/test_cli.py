@@ -183,6 +183,20 @@ def test__ask__questions_file_from_stdin_matches_arguments(rocketkv_bin, env, kv
     assert len(rows) == 2 and rows[1]["answer"] == json.loads(b.stdout)["answer"]
 
 
+def test__inspect__a_source_name_with_control_characters_stays_on_its_line(rocketkv_bin, env, doc, tiny_model_dir,
+                                                                           tmp_path):  # fmt: skip
+    """A file name may hold a newline or an escape sequence; `inspect` prints the name the cache
+    recorded escaped, one line per field, nothing that drives the terminal."""
+    odd = tmp_path / "two\nlines\x1b[31m.txt"
+    odd.write_text(doc.read_text())
+    out = tmp_path / "odd.kv"
+    r = run(rocketkv_bin, env, "ingest", odd, "-o", out, "--model", tiny_model_dir, "--budget", "64")
+    assert r.returncode == 0, r.stderr
+    shown = run(rocketkv_bin, env, "inspect", out)
+    (line,) = [x for x in shown.stdout.splitlines() if x.startswith("document")]
+    assert "two\\nlines\\x1b[31m.txt" in line and "\x1b" not in shown.stdout, shown.stdout
+
+
 def test__inspect_json__describes_the_cache(rocketkv_bin, env, kv):
     r = run(rocketkv_bin, env, "inspect", kv, "--json")
     assert r.returncode == 0, r.stderr

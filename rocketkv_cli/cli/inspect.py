@@ -31,7 +31,13 @@ def inspect_command(
         typer.echo(json.dumps(info))
         return
     for key, value in _lines(info):
-        typer.echo(f"{key:<16}  {value}")
+        typer.echo(f"{key:<16}  {_printable(str(value))}")
+
+
+def _printable(text: str) -> str:
+    """`text` with control characters (a newline or an escape sequence in a file's recorded source
+    name) shown escaped, so that each field stays one line and cannot drive the terminal."""
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
 def _sinks(info: dict) -> str:

@@ -335,7 +335,10 @@ def openai_to_ask(body: dict, max_tokens_limit: int) -> dict:
     from the document alone, as `rocketkv ask` answers). `temperature` defaults to 0 (greedy, rocketkv's
     default), not OpenAI's 1. Raises BadRequest."""
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if model is not None and not isinstance(model, str):
+        raise BadRequest(400, f"field 'model' has the wrong type ({type(model).__name__})",
+                         hint="use model 'kv:/path/to/doc.kv'")  # fmt: skip
+    if not model:
         raise BadRequest(400, "missing field 'model'", hint="use model 'kv:/path/to/doc.kv'")
     cache = body.get("cache")
     if cache is None:

@@ -3,7 +3,7 @@ run: model load time, decode milliseconds per token, wall time per question, and
 answers are the same.
 
     python benchmarks/answer_weights.py      # gemma-3-270m: head-bf16 vs head-int4, the GPL, 10 questions x 2
-    python benchmarks/answer_weights.py --smoke     # float, head-bf16, head-int4, mlp-bf16 on tests/data/harbor.txt (CI)
+    python benchmarks/answer_weights.py --smoke     # float, head-bf16, head-int4, mlp-bf16: tests/data/harbor.txt
 
 The document (the first --chars characters of --text) is ingested once with the preset's
 defaults (kept in --workdir). One warm-up `ask` per format (the first writes what the format

@@ -124,6 +124,8 @@ def test__ask_uses_the_running_server_and_answers_byte_identically(rocketkv_bin,
     one_local = run(rocketkv_bin, env, "ask", "--cache", cache, "--no-server", "--format", "lines", "--stream",
                     QUESTIONS[0])  # fmt: skip
     assert one.stdout == one_local.stdout and one.returncode == 0
+    verbose = run(rocketkv_bin, env, "ask", "--cache", cache, "-v", QUESTIONS[0])
+    assert f"answered by the server at {s.url} (threads: " in verbose.stderr, verbose.stderr  # as --no-server's -v
 
 
 def test__ask_focus__through_the_server_as_in_process(rocketkv_bin, env, caches, served):

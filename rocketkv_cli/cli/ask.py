@@ -87,6 +87,14 @@ def _is_file(text: str) -> bool:
         return False
 
 
+def server_note(remote) -> str:
+    """ "answered by the server at URL (threads: 2, as it chose them for this job)" for `--verbose`."""
+    from ..serve.client import health
+
+    threads = (health(remote) or {}).get("threads")
+    return f"answered by the server at {remote.url}" + (f" (threads: {threads}, the server's)" if threads else "")
+
+
 def questions_of(args: Optional[list[str]], cache: Optional[Path], questions_file: Optional[str]):
     """(DOC or None, questions) from the arguments: the usage errors come first, before the engine
     (torch) is imported. Raises typer.BadParameter (exit 2), UsageError, InputError."""
@@ -233,5 +241,5 @@ def ask_command(
         log("a server is running, but this document was read in this process: ingest it once "
             "(rocketkv ingest DOC -o DOC.kv) and ask with --cache to answer through the server")  # fmt: skip
     if verbose:
-        log(f"answered by the server at {remote.url}" if remote is not None else threads_note())
+        log(server_note(remote) if remote is not None else threads_note())
         log(timings.summary())

@@ -78,9 +78,10 @@ FLOAT_CACHE_WEIGHT_FORMATS = ("head-bf16", "head-int4", "mlp-bf16")
 # weight-only format only for a preset whose answers with it agree with the float32 model's on
 # >= 0.98 of the answer tokens; the checkpoint's floats elsewhere — bf16 on SmolLM2 (0.987, 1.69x
 # faster decode), on Gemma a format of the LM head alone (the float layers: bf16 layers agree on
-# 0.973; mlp-bf16 agrees on 0.9986 but was no faster, docs/performance.md) — head-int4, whose greedy tokens are proven to be the float head's and whose head step is
-# 3x head-bf16's speed (docs/performance.md, "head-int4 as Gemma's default"); float on any model
-# not measured. Where torch lacks the int4 CPU kernel, head-int4 falls back to head-bf16
+# 0.973; mlp-bf16 agrees on 0.9986 but was no faster, docs/performance.md) — head-int4, whose
+# greedy tokens are proven to be the float head's and whose head step is 3x head-bf16's speed
+# (docs/performance.md, "head-int4 as Gemma's default"); float on any model not measured. Where
+# torch lacks the int4 CPU kernel, head-int4 falls back to head-bf16
 # (`model.loading.load_model`).
 DEFAULT_WEIGHTS = "float"
 PRESET_WEIGHTS_DEFAULTS: dict[str, str] = {"smollm2-135m": "bf16", "gemma-3-270m": "head-int4"}

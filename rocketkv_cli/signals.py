@@ -17,6 +17,7 @@ EXIT_CODES: dict[int, int] = {signal.SIGINT: 130, signal.SIGTERM: 143}
 MESSAGES: dict[int, str] = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
 _received: list[int] = []  # signal numbers received by this process, in order
 _reported: list[int] = []  # signals whose one-line message was printed (here or by `cli.common`)
+_done: list[str] = []  # what the command finished before a signal came ("out.kv was written")
 
 
 class Terminated(BaseException):
@@ -52,6 +53,17 @@ def handled() -> None:
     _received.clear()
 
 
+def note_done(what: str) -> None:
+    """Record work the command finished for good ("out.kv was written"): an interrupt after it
+    says so, so that exit code 130 is not read as "nothing was changed"."""
+    _done.append(what)
+
+
+def message(signum: int) -> str:
+    """The one-line message for `signum`: "interrupted", or "interrupted after out.kv was written"."""
+    return MESSAGES[signum] + (f" after {' and '.join(_done)}" if _done else "")
+
+
 def mark_reported(signum: int) -> None:
     """Note that the message for `signum` was printed (so that it is printed once)."""
     _reported.append(signum)
@@ -64,7 +76,7 @@ def exit_for_signal(signum: int) -> None:
         signal.signal(other, signal.SIG_IGN)
     if not _reported:
         try:
-            sys.stderr.write(f"Error: {MESSAGES[signum]}\n")
+            sys.stderr.write(f"Error: {message(signum)}\n")
             sys.stderr.flush()
         except (OSError, ValueError, AttributeError):  # stderr closed: the exit code still says it
             pass

@@ -546,3 +546,18 @@ def test__interrupt_that_a_library_swallowed__still_exits_as_the_interrupt():
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 130 and proc.stderr.strip() == "Error: interrupted", (proc.returncode, proc.stderr)
+
+
+def test__an_interrupt_after_the_output_was_written__says_so(monkeypatch):
+    """Ctrl-C between `ingest`'s atomic write and its exit gave exit 130 and "interrupted" while the
+    new file was already in place: a script reading 130 as "nothing changed" was wrong. The
+    message now names what was finished (the exit code stays the interrupt's)."""
+    import signal
+
+    from rocketkv_cli import signals
+
+    monkeypatch.setattr(signals, "_done", [])
+    assert signals.message(signal.SIGINT) == "interrupted"
+    signals.note_done("out.kv was written")
+    assert signals.message(signal.SIGINT) == "interrupted after out.kv was written"
+    assert signals.message(signal.SIGTERM) == "terminated after out.kv was written"

@@ -35,7 +35,7 @@ from rich.text import Text
 
 from ..errors import InputError, RocketKVError, UsageError
 from ..methods import method_class
-from ..signals import EXIT_CODES, MESSAGES, Terminated, install, mark_reported, received
+from ..signals import EXIT_CODES, Terminated, install, mark_reported, message, received
 
 err = Console(stderr=True, highlight=False)
 _state: dict = {"quiet": False, "threads": None}
@@ -75,7 +75,7 @@ def _stdout_closed() -> typer.Exit:
 def _signal_exit(signum: int) -> typer.Exit:
     """The one line for an interrupt (printed once), and its exit code (130, 143)."""
     mark_reported(signum)
-    return fail(MESSAGES[signum], EXIT_CODES[signum])
+    return fail(message(signum), EXIT_CODES[signum])
 
 
 def stdout_usable() -> bool:

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..methods import registry
-from ..signals import Terminated
+from ..signals import Terminated, note_done
 from .common import ingest, load_engine, log, open_stream, prefill_config, report_abandoned, setup, storage
 from .options import (
     BudgetOpt,
@@ -134,6 +134,7 @@ def ingest_command(
         if kept:  # the work is not lost: say how to get it back
             log(f"{kept} segment{'s' * (kept != 1)} checkpointed in {folder}: rerun the same command to resume")
         raise
+    note_done(f"{target} was written")  # an interrupt from here on says the file is complete
     size = target.stat().st_size
     log(f"wrote {target} ({size / 1e6:.1f} MB)")
     if json_out:

@@ -57,12 +57,11 @@ def eval_cmd(model: str, out: Path, methods: tuple[str, ...], samples: int | Non
 def ingest_times(model: str, n_chars: int) -> dict:
     """Seconds to ingest the first `n_chars` of the GPL with the tail window and with context
     reconstruction, alternated twice (the better of each), in this process."""
-    import torch
 
     from rocketkv_cli.api.rocketkv import RocketKV
 
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-    rk = RocketKV.load(model, weights="float")  # as docs/stage1-methods.md was measured
+    threads = int(os.environ.get("OMP_NUM_THREADS", "2"))
+    rk = RocketKV.load(model, weights="float", threads=threads)  # as docs/stage1-methods.md was measured
     text = GPL.read_text()[:n_chars]
     best: dict[str, float] = {}
     n_tokens = 0

@@ -70,7 +70,7 @@ def run(args) -> dict:
     report = read_json(args.json, {"results": {}})
     haystack = read_document(str(DATA / "kjv.txt")).text
     for preset in args.presets:
-        rk = RocketKV.load(preset, device="cpu", weights="float")  # storage alone varies
+        rk = RocketKV.load(preset, device="cpu", weights="float", threads=args.threads)  # storage alone varies
         engine = rk.engine
         report.setdefault("models", {})[preset] = {"head_dim": engine.shape.head_dim, "n_kv_heads": engine.shape.n_kv_heads,
                                                    "layer_windows": [s.sliding_window for s in engine.shape.layers]}  # fmt: skip

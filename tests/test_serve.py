@@ -329,9 +329,13 @@ def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches,
                 "settings": {**settings, "device": 5} if fixed == "device" else settings}  # fmt: skip
         got, data = send("POST", "/v1/rocketkv/batch", json.dumps(body).encode())
         assert got == 400 and fixed in data["error"]["message"], (task, got, data)
-    streamy = {"model": f"kv:{caches[0]}", "messages": [{"role": "user", "content": "q"}], "stream": "yes"}
-    got, data = send("POST", "/v1/chat/completions", json.dumps(streamy).encode())
-    assert got == 400 and "'stream' must be true or false" in data["error"]["message"], (got, data)
+    for stream in ("yes", 1):  # 1 == True in Python: a truth test or `in (True, False)` took it
+        streamy = {"model": f"kv:{caches[0]}", "messages": [{"role": "user", "content": "q"}], "stream": stream}
+        got, data = send("POST", "/v1/chat/completions", json.dumps(streamy).encode())
+        assert got == 400 and "'stream' must be true or false" in data["error"]["message"], (got, data)
+    sampled = {"cache": str(caches[0]), "temperature": 0.7}  # an ask field summarize would ignore
+    got, data = send("POST", "/v1/rocketkv/summarize", json.dumps(sampled).encode())
+    assert got == 400 and "unknown field 'temperature'" in data["error"]["message"], (got, data)
     assert health(Server(host=host, port=int(port)))["status"] == "ok"
 
 
@@ -598,6 +602,10 @@ def test__ingest_endpoint_streams_progress_and_writes_the_file(rocketkv_bin, env
                                                  "force": True, "model": str(tiny_model_dir)})  # fmt: skip
     assert trap.status == 400 and "not a .kv file" in json.loads(trap.read())["error"]["message"]
     assert precious.read_text() == "not a cache"  # the link's target is kept
+    conn, missing = _post(
+        s.server, "/v1/ingest", {"document": str(tmp_path / "nope.txt"), "output": str(tmp_path / "n.kv")}
+    )
+    assert missing.status == 400 and "document not found" in json.loads(missing.read())["error"]["message"]
     fifo = tmp_path / "fifo.txt"
     os.mkfifo(fifo)
     conn, fifo_doc = _post(s.server, "/v1/ingest", {"document": str(fifo), "output": str(tmp_path / "f.kv")})

@@ -252,8 +252,9 @@ def test__ask_several_questions_in_a_terminal__streamed_qa_records(rocketkv_bin,
         (["ask", "--bogus", "q?"], "No such option: --bogus"),
         (["ingest"], "Missing argument 'document'"),
         (["ask", "--cache", "x.kv", "q?", "--threads", "many"], "--threads"),
+        (["ask", "--cache"], "'--cache' requires an argument"),
     ],
-    ids=["unknown-command", "unknown-option", "missing-argument", "not-an-integer"],
+    ids=["unknown-command", "unknown-option", "missing-argument", "not-an-integer", "missing-value"],
 )
 def test__usage_errors_in_a_terminal__one_line_exit_2(rocketkv_bin, env, args, says):
     """What the option parser refuses reads as every other error does: one line, exit 2 (click's
@@ -274,6 +275,14 @@ def test__ask_focus_several_questions_in_a_terminal__the_note_between_q_and_a(ro
              for line in lines if line.startswith(("Q:", "A:", "rocketkv: focus:"))]  # fmt: skip
     assert kinds == ["Q", "note", "A", "Q", "note", "A"], lines
     assert not [line for line in lines if line.startswith("A:") and "rocketkv:" in line], lines
+
+
+def test__bare_rocketkv_in_a_terminal__shows_the_help(rocketkv_bin, env):
+    """No command: click's help, the commands listed on their own lines (not a one-line error)."""
+    code, shown = run_in_terminal([rocketkv_bin], env, timeout=120)
+    plain = strip_ansi(shown)
+    assert "Commands:" in plain and "Error:" not in plain and "\n  ingest" in plain.replace("\r\n", "\n"), plain
+    assert code in (0, 2), code
 
 
 def test__models_in_a_terminal(rocketkv_bin, env, tmp_path):

@@ -185,7 +185,10 @@ def document_sha256(row: Row) -> str:
         return hashlib.sha256(row.text.encode("utf-8")).hexdigest()
     assert row.document is not None  # a Row has exactly one of document and text
     try:
-        if not stat.S_ISREG(os.stat(row.document).st_mode):  # a FIFO would block, /dev/zero never end
+        mode = os.stat(row.document).st_mode
+        if stat.S_ISDIR(mode):
+            open_document(row.document)  # ingest's message for a folder
+        if not stat.S_ISREG(mode):  # a FIFO would block, /dev/zero never end
             raise InputError(f"{row.document} is not a regular file", "a batch reads each document as a file; "
                              "copy it to one first")  # fmt: skip
         digest = hashlib.sha256()

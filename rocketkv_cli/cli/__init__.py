@@ -37,13 +37,17 @@ class OneLineUsageError(_UsageError):  # type: ignore[misc,valid-type]
     --help'`, instead of click's usage line, hint and error on four lines: a script's log keeps
     one line per failure, as for every other error (docs/usage.md, "Exit codes")."""
 
-    def __init__(self, original) -> None:
-        super().__init__(" ".join(original.format_message().split()).rstrip("."), original.ctx)
+    def __init__(self, original, command_path: str | None = None) -> None:
+        text = " ".join(original.format_message().split())
+        if text.endswith(".") and not text.endswith(".."):  # "Missing argument 'document'." (not "QUESTION...")
+            text = text[:-1]
+        super().__init__(text, original.ctx)
         self.exit_code = original.exit_code
+        ctx = original.ctx  # an option missing its value is raised before the command has a context
+        self.command_path = ctx.command_path if ctx is not None else command_path
 
     def show(self, file=None) -> None:
-        ctx = self.ctx
-        hint = f"; try '{ctx.command_path} --help'" if ctx is not None and ctx.command.add_help_option else ""
+        hint = f"; try '{self.command_path} --help'" if self.command_path else ""
         typer.echo(f"Error: {self.format_message()}{hint}", file=file, err=file is None)
 
 
@@ -51,11 +55,14 @@ class _OneLineUsage:
     """Turns the usage errors of parsing (`make_context`) and of running (`invoke`: a command body's
     `typer.BadParameter`, an unknown command) into `OneLineUsageError`."""
 
-    def make_context(self, *args, **kwargs):
+    def make_context(self, info_name, args, parent=None, **extra):
         try:
-            return super().make_context(*args, **kwargs)  # type: ignore[misc]
+            return super().make_context(info_name, args, parent=parent, **extra)  # type: ignore[misc]
         except _UsageError as exc:
-            raise exc if isinstance(exc, OneLineUsageError) else OneLineUsageError(exc) from None
+            if isinstance(exc, OneLineUsageError) or type(exc).__name__ == "NoArgsIsHelpError":
+                raise  # bare `rocketkv`: click shows the help, as it should
+            path = f"{parent.command_path} {info_name}" if parent is not None else info_name
+            raise OneLineUsageError(exc, path) from None
 
     def invoke(self, ctx):
         try:

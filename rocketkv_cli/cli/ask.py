@@ -88,7 +88,8 @@ def _is_file(text: str) -> bool:
 
 
 def server_note(remote) -> str:
-    """ "answered by the server at URL (threads: 2, as it chose them for this job)" for `--verbose`."""
+    """ "answered by the server at URL (threads: 2, the server's)" for `--verbose`: the threads the
+    server computes with now (`/health`)."""
     from ..serve.client import health
 
     threads = (health(remote) or {}).get("threads")
@@ -101,7 +102,7 @@ def questions_of(args: Optional[list[str]], cache: Optional[Path], questions_fil
     args = list(args or [])
     if cache is None and not args:
         raise usage_error("QUESTION...", "missing: give --cache FILE.kv QUESTION..., or DOC QUESTION...")
-    if cache is not None and args and (args[0] == "-" or _is_file(args[0])):
+    if cache is not None and len(args) > 1 and (args[0] == "-" or _is_file(args[0])):
         # with --cache every argument is a question: a document named too would be asked as one
         raise usage_error("DOC", f"{args[0]!r} is a document, and --cache {cache} names the cache to answer from: "
                                  "give one of them")  # fmt: skip

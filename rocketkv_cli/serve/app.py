@@ -368,7 +368,7 @@ def openai_to_ask(body: dict, max_tokens_limit: int) -> dict:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > max_tokens_limit:
         raise BadRequest(400, f"max_tokens {max_tokens} is over this server's limit {max_tokens_limit}", "UsageError")
-    if body.get("stream") not in (None, True, False):  # "yes" or 1 would pass a truth test
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):  # "yes" or 1 pass a truth test
         raise BadRequest(400, f"field 'stream' must be true or false, got {body['stream']!r}")
     n = body.get("n", 1)
     if n != 1:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import stat
 import threading
 import traceback
 from dataclasses import dataclass, replace
@@ -221,7 +223,13 @@ class IngestRequest:
         if resolved.suffix != ".kv":  # a link named .kv to another file: that file would be replaced
             raise BadRequest(400, f"'output' {output!r} is a link to {str(resolved)!r}, which is not a .kv file")
         document = allowed_path(_field(body, "document", str, required=True), roots, "'document'")
-        if not document.is_file():  # a FIFO or a device would hold the decode lock while it is read
+        try:
+            regular = stat.S_ISREG(os.stat(document).st_mode)
+        except FileNotFoundError:
+            raise BadRequest(400, f"document not found: {document}", hint="check the path") from None
+        except OSError as exc:
+            raise BadRequest(400, f"cannot read document {document}: {exc.strerror}") from None
+        if not regular:  # a FIFO or a device would hold the decode lock while it is read
             raise BadRequest(400, f"'document' {str(document)!r} is not a regular file")
         return cls(
             document=document,
@@ -344,17 +352,16 @@ class SummarizeRequest:
     extractive: bool
     write_from: str | None = None
 
+    # what `rocketkv summarize --cache` sends; ask's sampling, focus and stage-2 fields do not apply
+    FIELDS = frozenset({"cache", "display", "questions", "check_only", "max_new_tokens", "dense", "cite", "model",
+                        "device", "dtype", "weights", "trust_remote_code", "write_from", "extractive",
+                        "token_budget"})  # fmt: skip
+
     @classmethod
     def parse(cls, body: dict, roots: tuple[Path, ...] | None, trust_allowed: bool = False) -> SummarizeRequest:
         """Raises BadRequest for a field of the wrong type or out of range, or a path not allowed."""
-        ask = AskRequest.parse(
-            {**body, "questions": [], "check_only": True},
-            roots,
-            None,
-            trust_allowed,
-            AskRequest.FIELDS | {"write_from", "extractive", "token_budget"},
-            "summarize",
-        )
+        ask = AskRequest.parse({**body, "questions": [], "check_only": True}, roots, None, trust_allowed,
+                               cls.FIELDS, "summarize")  # fmt: skip
         write_from = _field(body, "write_from", str, None)
         if write_from is not None and write_from not in SUMMARY_WRITE_FROM:
             raise BadRequest(400, f"field 'write_from' must be one of {', '.join(SUMMARY_WRITE_FROM)}, "

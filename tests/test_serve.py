@@ -351,6 +351,25 @@ def test__serve_option_values_no_budget_could_be__usage_errors(rocketkv_bin, env
     assert "unexpected" not in r.stderr and "memory_budget" not in r.stderr
 
 
+def test__a_client_that_leaves_mid_body__no_traceback_and_the_server_serves(env, served):
+    """A client that sends half its body and closes the connection: the server logs no traceback
+    ("Exception in ASGI application" before) and keeps serving."""
+    import socket
+
+    s = served("--host", "127.0.0.1", "--port", "0", "--idle-timeout", "0")
+    server = s.server
+    with socket.create_connection((server.host, server.port), timeout=10) as conn:
+        conn.sendall(b"POST /v1/rocketkv/ask HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"cache\": ")  # fmt: skip
+    deadline = time.monotonic() + 30
+    while health(server)["active"] > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    logged = "".join(s.stderr_lines)
+    assert "Traceback" not in logged and "Exception in ASGI" not in logged, logged[-2000:]
+    assert health(server)["status"] == "ok"
+
+
 def test__a_public_host_needs_an_api_key(rocketkv_bin, env):
     r = run(rocketkv_bin, env, "serve", "--host", "0.0.0.0", "--port", "0")
     assert r.returncode == 2 and "--api-key" in r.stderr and "Traceback" not in r.stderr

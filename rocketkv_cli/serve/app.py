@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -155,6 +155,8 @@ def _limited(receive, limit: int):
 async def _json_body(request: Request) -> dict:
     try:
         body = json.loads(await request.body())
+    except ClientDisconnect:  # the client left before its body arrived: nothing to answer, nothing to log
+        raise ClientGone() from None
     except (ValueError, UnicodeDecodeError):
         raise BadRequest(400, "the request body is not JSON") from None
     if not isinstance(body, dict):

@@ -125,8 +125,8 @@ class Task:
         raw, line = d["row"], d["row"].get("line")
         if isinstance(line, bool) or not isinstance(line, int) or line < 1:
             raise ValueError(f"the row's line must be a positive integer, got {line!r}")
-        if set(raw) - {"line", *ROW_FIELDS}:
-            raise ValueError(f"unknown row fields {sorted(set(raw) - {'line', *ROW_FIELDS})}")
+        if unknown := sorted(set(raw) - {"line", *ROW_FIELDS}):
+            raise ValueError(f"unknown row fields {unknown}")
         document = raw.get("document")
         if isinstance(document, str) and not os.path.isabs(document):
             raise ValueError(f"the row's document must be an absolute path, got {document!r}")

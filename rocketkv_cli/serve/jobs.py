@@ -115,6 +115,11 @@ def trusted(body: dict, allowed: bool) -> bool:
     return wanted
 
 
+# the fields of a request answered from one cache (`AskRequest.parse` reads them), ask's and summarize's
+_CACHE_FIELDS = frozenset({"cache", "display", "questions", "check_only", "max_new_tokens", "dense", "cite", "model",
+                           "device", "dtype", "weights", "trust_remote_code"})  # fmt: skip
+
+
 @dataclass(frozen=True)
 class AskRequest:
     """Questions for one cache. `path`: the resolved file; `display`: how the client named it (used
@@ -133,9 +138,8 @@ class AskRequest:
     trust_remote_code: bool
     focus: int | None = None  # `ask --focus N`: answer from the N best passages (`RocketKV.ask_focused`)
 
-    FIELDS = frozenset({"cache", "display", "questions", "check_only", "max_new_tokens", "dense", "hsa", "topk",
-                        "page_size", "n_score_dims", "segments", "segment", "temperature", "top_p", "seed", "cite",
-                        "focus", "model", "device", "dtype", "weights", "trust_remote_code"})  # fmt: skip
+    FIELDS = _CACHE_FIELDS | {"hsa", "topk", "page_size", "n_score_dims", "segments", "segment", "temperature",
+                              "top_p", "seed", "focus"}  # fmt: skip
 
     @classmethod
     def parse(cls, body: dict, roots: tuple[Path, ...] | None, max_tokens_limit: int | None,
@@ -353,9 +357,7 @@ class SummarizeRequest:
     write_from: str | None = None
 
     # what `rocketkv summarize --cache` sends; ask's sampling, focus and stage-2 fields do not apply
-    FIELDS = frozenset({"cache", "display", "questions", "check_only", "max_new_tokens", "dense", "cite", "model",
-                        "device", "dtype", "weights", "trust_remote_code", "write_from", "extractive",
-                        "token_budget"})  # fmt: skip
+    FIELDS = _CACHE_FIELDS | {"write_from", "extractive", "token_budget"}
 
     @classmethod
     def parse(cls, body: dict, roots: tuple[Path, ...] | None, trust_allowed: bool = False) -> SummarizeRequest:

@@ -145,6 +145,7 @@ class RocketKV:
         log: Log = lambda message: None,
         weights: str | None = None,
         threads: int | None = None,
+        compile_step: bool = False,
     ) -> RocketKV:
         """Load a model offline: a preset (`gemma-3-270m`, `smollm2-135m`), a Hugging Face model
         directory, a `.gguf` file or a hub id already in the local cache. device: cpu, cuda[:N]
@@ -159,13 +160,17 @@ class RocketKV:
         the cores this process may use less those other processes kept busy since rocketkv was
         imported (`api.threads`; torch's own default, every core, ran a decode 4x slower beside a
         busy core). The number chosen is `self.threads`.
+        compile_step: decode through a step compiled once by `torch.compile` where it applies
+        (`model/captured.py`: a CPU, the Llama/Mistral layouts, exact attention over the working
+        set): the first answer pays seconds of compilation, later steps run faster; its logits
+        are the eager step's to float32 rounding, not bit for bit (docs/performance.md).
         Raises ModelLoadError; UsageError for a thread count < 1 or above the machine's CPUs."""
         asked = requested_threads(threads)
         loaded = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=log,
                             weights=weights, kept=PreparedTensors(home() / "prepared"))  # fmt: skip
         n_threads = (asked or default_threads(wait=True))[0]  # other processes' load since rocketkv was imported
         apply_threads(n_threads)
-        made = cls(Engine(loaded))
+        made = cls(Engine(loaded, compile_step=compile_step))
         made.threads = n_threads
         return made
 

@@ -87,6 +87,14 @@ MemoryOpt = Annotated[
     typer.Option(metavar="GB", help="Memory for warm models and caches (default: half the machine's)."),
 ]
 MAX_MEMORY_GB = 1_000_000  # a petabyte: beyond it a budget is a typo, not a machine
+CompileOpt = Annotated[
+    bool,
+    typer.Option(
+        "--compile-step",
+        help="Decode through a step compiled once "
+        "(torch.compile; seconds at a model's first answer, then faster steps; docs/performance.md).",
+    ),
+]
 QueueOpt = Annotated[int, typer.Option(min=1, metavar="N", help="Requests in flight before new ones get 503.")]
 
 
@@ -102,6 +110,7 @@ def serve_command(
     max_queue: QueueOpt = DEFAULT_MAX_QUEUE,
     threads: ThreadsOpt = None,
     trust_remote_code: TrustOpt = False,
+    compile_step: CompileOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -132,7 +141,8 @@ def serve_command(
                       port=None if host is None else (8790 if port is None else port), api_key=api_key,
                       allow_dirs=roots, idle_timeout_s=idle_timeout, threads=(requested_threads(threads) or (None,))[0],
                       memory_budget=default_memory_budget() if memory_gb is None else int(memory_gb * 1e9),
-                      max_queue=max_queue, trust_remote_code=trust_remote_code)  # fmt: skip
+                      max_queue=max_queue, trust_remote_code=trust_remote_code,
+                      compile_step=compile_step)  # fmt: skip
     from ..serve.server import serve  # torch and the model stack: only once the options are checked
 
     try:

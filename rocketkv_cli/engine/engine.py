@@ -27,6 +27,7 @@ from ..core.stage1 import gather_tokens
 from ..errors import BudgetError, CacheFormatError, InputError
 from ..methods import LayerPrefill, method_for
 from ..methods.layer_budgets import layer_budgets
+from ..model.captured import CapturedStep
 from ..model.hf import (
     ModelShape,
     Reconstruction,
@@ -65,7 +66,7 @@ class Prefill:
 class Engine:
     """A loaded model plus what rocketkv derives from it once (shape, prompt format, identity)."""
 
-    def __init__(self, loaded: LoadedModel):
+    def __init__(self, loaded: LoadedModel, compile_step: bool = False):
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -74,7 +75,11 @@ class Engine:
         self.stop_ids = stop_token_ids(loaded.model, loaded.tokenizer)
         self.rope_freqs = rope_frequencies(loaded.model, self.shape.head_dim)  # per layer [D/2] or None
         # The decode step without transformers' per-call plumbing (model/step.py); None: model.forward.
-        self.step: DecodeStep | None = decode_step_for(loaded.model, self.shape)
+        self.step: DecodeStep | CapturedStep | None = decode_step_for(loaded.model, self.shape)
+        # compile_step: the step captured once (model/captured.py), where it applies; seconds to
+        # compile at the first decode, then a faster step (docs/performance.md)
+        if compile_step and self.step is not None:
+            self.step = CapturedStep(self.step)
 
     def check_storage(self, storage: KVStorage) -> None:
         """Refuse, before any prefill, a storage this model cannot hold as named: int4 or pre-RoPE

@@ -65,6 +65,8 @@ class _LayerPlan:
     o: Row
     mlp: Row
     gate_up: Any  # the joined gate/up linear (None: not joined)
+    qkv_linear: Any  # the joined q/k/v linear (None: not joined)
+    direct: bool  # False: the modules themselves (hooks), called as the model's forward calls them
     sizes: tuple[int, int, int]  # q, k and v output features
 
 
@@ -119,7 +121,8 @@ class DecodeStep:
             plan = _LayerPlan(
                 watched=_watched(layer), norms=tuple(getattr(layer, n) for n in names), qkv=None,
                 q=attn.q_proj, k=attn.k_proj, v=attn.v_proj, q_norm=attn.q_norm if self.qk_norm else None,
-                k_norm=attn.k_norm if self.qk_norm else None, o=attn.o_proj, mlp=mlp, gate_up=None,
+                k_norm=attn.k_norm if self.qk_norm else None, o=attn.o_proj, mlp=mlp, gate_up=None, qkv_linear=None,
+                direct=False,
                 sizes=(attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features),
             )  # fmt: skip
             return self._keep(i, plan)
@@ -141,7 +144,7 @@ class DecodeStep:
             q=_fast(attn.q_proj), k=_fast(attn.k_proj), v=_fast(attn.v_proj),
             q_norm=_fast_norm(attn.q_norm) if self.qk_norm else None,
             k_norm=_fast_norm(attn.k_norm) if self.qk_norm else None,
-            o=_fast(attn.o_proj), mlp=mlp_fn, gate_up=gate_up,
+            o=_fast(attn.o_proj), mlp=mlp_fn, gate_up=gate_up, qkv_linear=qkv, direct=True,
             sizes=(attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features),
         )  # fmt: skip
         return self._keep(i, plan)

@@ -55,6 +55,7 @@ class ServeConfig:
     max_body_bytes, max_tokens_limit: per-request limits. threads: torch's threads (None: chosen
     before each job, `api.threads.default_threads`).
     trust_remote_code: whether a request may ask to run a model directory's own code (off: refused).
+    compile_step: load models with their decode step compiled (`RocketKV.load(compile_step=True)`).
 
     Raises:
         UsageError: a value no server could take (a public host without a key, a port out of range, …).
@@ -72,6 +73,7 @@ class ServeConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_tokens_limit: int = DEFAULT_MAX_TOKENS
     trust_remote_code: bool = False
+    compile_step: bool = False
 
     def __post_init__(self) -> None:
         if (self.socket is None) == (self.host is None):

@@ -119,7 +119,8 @@ def serve(cfg: ServeConfig, log: Log) -> None:
 
 def state_for(cfg: ServeConfig, url: str) -> ServeState:
     """The server's state for `cfg`: its warm set (budget, threads), limits and counters."""
-    return ServeState(warm=Warm(cfg.memory_budget, cfg.threads), roots=cfg.allow_dirs, api_key=cfg.api_key,
+    warm = Warm(cfg.memory_budget, cfg.threads, cfg.compile_step)
+    return ServeState(warm=warm, roots=cfg.allow_dirs, api_key=cfg.api_key,
                       trust_remote_code=cfg.trust_remote_code, host=cfg.host,
                       url=url, idle_timeout_s=cfg.idle_timeout_s, max_queue=cfg.max_queue,
                       max_body_bytes=cfg.max_body_bytes, max_tokens_limit=cfg.max_tokens_limit)  # fmt: skip

@@ -70,11 +70,12 @@ class Warm:
     server runs one answer at a time with all its threads, so concurrent clients never
     oversubscribe the cores."""
 
-    def __init__(self, memory_budget: int, threads: int | None = None):
+    def __init__(self, memory_budget: int, threads: int | None = None, compile_step: bool = False):
         if memory_budget < 1:
             raise ValueError(f"memory_budget must be ≥ 1 byte, got {memory_budget}")
         self.memory_budget = memory_budget
         self.threads = threads  # None: chosen before each job from the cores other processes leave idle
+        self.compile_step = compile_step  # models decode through a compiled step (`RocketKV.load`)
         self.load = CpuLoad()
         self.current_threads = threads or available_cores()
         self.models: OrderedDict[ModelKey, tuple[RocketKV, int]] = OrderedDict()
@@ -154,7 +155,8 @@ class Warm:
             self.models.move_to_end(key)
             return self.models[key][0]
         rk = RocketKV.load(key.model, device=key.device, dtype=key.dtype, trust_remote_code=key.trust_remote_code,
-                           log=log, weights=key.weights, threads=self.current_threads)  # as `job` set them  # fmt: skip
+                           log=log, weights=key.weights, threads=self.current_threads,  # as `job` set them
+                           compile_step=self.compile_step)  # fmt: skip
         self.models[key] = (rk, _model_bytes(rk))
         self._evict(keep_model=key)
         return rk

@@ -1,0 +1,256 @@
+"""A decode step captured once: each layer's arithmetic compiled by `torch.compile` (inductor).
+
+`DecodeStep` (step.py) calls a layer's modules one by one: on a CPU a SmolLM2 step runs about a
+hundred small tensor operations per layer, each a call from Python, and those calls cost a
+quarter of the step beside the weights' and the keys' bytes (docs/performance.md, "A captured
+decode step"). `CapturedStep` runs each layer as one compiled function over the layer's
+own static buffers: the input norm, the q/k/v projection, RoPE, the new token's key, value and
+position written after the layer's last token (`RocketLayer.append`), exact decode attention over
+the layer's keys (`hf.exact_decode_attention`, with the number of keys a symbolic size: one graph
+for every length), the output projection, the post-attention norm, the gated MLP and both residual
+adds. Inductor fuses the norms, RoPE, the activation and the adds into a few kernels; a bfloat16
+linear's product and the softmax stay torch's kernels (`_inductor_as_eager`). The embedding, RoPE's
+cos and sin, the final norm and the LM head (a certified head among them) stay eager, as in
+`DecodeStep`; one graph serves every layer of one shape.
+
+It computes what `DecodeStep` computes, but not bit for bit: inductor's norms sum their squares in
+another order (float32 rounding), and a bfloat16 linear's input can then round the other way.
+`tests/test_captured.py` holds its logits to the eager step's within a tolerance and its greedy
+tokens equal over many steps; docs/performance.md counts the answers that stay identical on real
+questions.
+
+It runs only where the eager step's attention is exact decode attention over every key of every
+layer (`hf.exact_decode_layers`: no stage-2 HSA, sliding window, soft-cap, attention mass or
+other collector), on a CPU, for the pre-norm layouts (Llama, Mistral, Qwen 2 without biases)
+whose linears are all bfloat16 (`Bf16Linear`, joined as `DecodeStep` joins them) or all plain
+float32 `nn.Linear`s, with SiLU MLPs and transformers' RMSNorms, no hooks, and room in every
+layer's buffers for the token; any other step is `DecodeStep`'s, unchanged. A compilation that
+fails makes every later step eager (`failure` says why).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .hf import RocketCache, exact_decode_attention, exact_decode_layers
+from .linears import Bf16Linear, bf16_matvec
+from .step import _RMS_NORMS, DecodeStep, _hooked, _LayerPlan
+
+_SILU = ("SiLU", "SiLUActivation")  # activations whose forward is F.silu (torch's, transformers')
+
+
+@dataclass(frozen=True)
+class _LayerWeights:
+    """The tensors one layer's compiled function reads, taken from its `_LayerPlan`: norm weights
+    `[C]`; `qkv` the joined q/k/v weight `[nq + nk + nv, C]` or q, k and v one by one; `o`
+    `[C, nq]`; the MLP's `gate_up` joined `[2I, C]` or gate and up; `down` `[C, I]`. All bfloat16
+    (`bf16`) or all float32."""
+
+    plan: _LayerPlan  # what they were read from: read again when the step's plan changes
+    norms: tuple[torch.Tensor, torch.Tensor]
+    qkv: tuple[torch.Tensor, ...]
+    o: torch.Tensor
+    gate_up: tuple[torch.Tensor, ...]
+    down: torch.Tensor
+    eps: float
+    bf16: bool
+
+
+def _linear(w: torch.Tensor, x: torch.Tensor, bf16: bool) -> torch.Tensor:
+    """`w · x`, x `[n]` float32 → `[out]` float32: a bfloat16 weight as `Bf16Linear` multiplies one
+    row in a decode step, a float32 one as `F.linear` (the eager step's call for an `nn.Linear`)."""
+    if bf16:
+        return bf16_matvec(w, x.to(torch.bfloat16)).to(torch.float32)
+    return F.linear(x.view(1, 1, -1), w).view(-1)
+
+
+def _layer(
+    h: torch.Tensor,  # [1, 1, C] float32, the residual stream
+    cos: torch.Tensor,  # [1, D]
+    sin: torch.Tensor,  # [1, D]
+    length: int,  # the layer's tokens before this one
+    position: torch.Tensor,  # [1] int64: this token's RoPE position
+    keys: torch.Tensor,  # [1, Hkv, N, D] float32, the layer's buffers, written at `length`
+    values: torch.Tensor,  # [1, Hkv, N, D]
+    positions: torch.Tensor,  # [1, Hkv, N] int64
+    norms: tuple[torch.Tensor, torch.Tensor],  # _LayerWeights' tensors, passed one by one: a graph
+    qkv: tuple[torch.Tensor, ...],  # of tensors, shared by every layer of these shapes
+    o: torch.Tensor,
+    gate_up: tuple[torch.Tensor, ...],
+    down: torch.Tensor,
+    eps: float,
+    bf16: bool,
+    scaling: float,
+    n_heads: int,
+) -> torch.Tensor:
+    """One pre-norm decoder layer for one token, the operations of `DecodeStep._step` for it (the
+    input norm, q/k/v, RoPE, the append of `RocketLayer.append`, `hf.exact_decode_attention` over
+    the layer's keys, the output projection, the post-attention norm, the gated SiLU MLP, both
+    residual adds): returns the residual stream after the layer `[1, 1, C]`."""
+    c = h.shape[-1]
+    hkv, d = keys.shape[1], keys.shape[3]
+    x = torch.rms_norm(h, (c,), norms[0], eps).view(-1)  # [C]
+    if len(qkv) == 1:
+        joined = _linear(qkv[0], x, bf16)  # [nq + nk + nv]
+    else:
+        joined = torch.cat([_linear(part, x, bf16) for part in qkv])
+    nq, nk = n_heads * d, hkv * d
+    qk = joined[: nq + nk].view(-1, d)  # [H + Hkv, D]
+    half = d // 2
+    qk = qk * cos + torch.cat((-qk[:, half:], qk[:, :half]), dim=-1) * sin  # RoPE, as step._rope
+    keys[:, :, length : length + 1] = qk[n_heads:].view(1, hkv, 1, d)
+    values[:, :, length : length + 1] = joined[nq + nk :].view(1, hkv, 1, d)
+    positions[:, :, length : length + 1] = position.view(1, 1, 1)
+    out = exact_decode_attention(qk[:n_heads].view(1, n_heads, 1, d), keys[:, :, : length + 1],
+                                 values[:, :, : length + 1], scaling)  # [1, H, 1, D]  # fmt: skip
+    h = h + _linear(o, out.reshape(-1), bf16).view(1, 1, c)
+    x = torch.rms_norm(h, (c,), norms[1], eps).view(-1)
+    if len(gate_up) == 1:
+        gu = _linear(gate_up[0], x, bf16)  # [2I]
+        n = gu.shape[0] // 2
+        gate, up = gu[:n], gu[n:]
+    else:
+        gate, up = _linear(gate_up[0], x, bf16), _linear(gate_up[1], x, bf16)
+    return h + _linear(down, F.silu(gate) * up, bf16).view(1, 1, c)
+
+
+def _inductor_as_eager(graph: Any, example_inputs: Any) -> Any:
+    """torch.compile's inductor, keeping a bfloat16 linear's product (`mv`) and the attention's
+    `softmax` as torch's own kernels: inductor's decompositions of them sum in another order,
+    and `mv` is the kernel measured fastest for one row (`linears.bf16_matvec`). The norms,
+    RoPE, the MLP's activation and the adds are inductor's. AOTAutograd's cache is off for the
+    compile (its key does not see the decompositions given here); inductor's own cache, keyed by
+    the graph after decomposition, stays on."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.decomposition import select_decomp_table
+
+    aten = torch.ops.aten
+    kept = {aten.mv.default, aten.mv.out, aten._softmax.default, aten._softmax.out}
+    table = {op: fn for op, fn in select_decomp_table().items() if op not in kept}
+    with functorch_config.patch(enable_autograd_cache=False):
+        return compile_fx(graph, example_inputs, decompositions=table)
+
+
+class CapturedStep:
+    """`step(cache, input_ids [1, 1], positions [1]) → logits [1, V] float32`, as `DecodeStep`,
+    with each layer compiled once (see the module docstring for where it applies; elsewhere it is
+    `eager`'s step). The first captured step compiles (seconds; inductor keeps what it built on
+    disk for the next process); graphs are shared by every layer of one shape.
+
+    `captured_steps` counts the steps it ran compiled; `failure` is why compilation failed (then
+    every step is eager), None while it has not.
+    """
+
+    def __init__(self, eager: DecodeStep):
+        self.eager = eager
+        self.model, self.shape = eager.model, eager.shape
+        self.captured_steps = 0
+        self.failure: str | None = None
+        self._weights: list[_LayerWeights | None] = []
+        self._compiled = torch.compile(_layer, fullgraph=True, backend=_inductor_as_eager)
+
+    def __call__(self, cache: RocketCache, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.failure is not None or not self._applies(cache):
+            return self.eager(cache, input_ids, positions)
+        weights = self._layer_weights()
+        if weights is None:
+            return self.eager(cache, input_ids, positions)
+        lengths = [layer.length for layer in cache.layers]
+        try:
+            with torch.inference_mode():
+                logits = self._step(cache, input_ids, positions, weights)
+        except Exception as err:  # inductor failed to build (no compiler, a torch limit): eager from now on
+            self.failure = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+            for layer, n in zip(cache.layers, lengths, strict=True):  # the eager step writes the slot again
+                layer.length = n
+            return self.eager(cache, input_ids, positions)
+        self.captured_steps += 1
+        return logits
+
+    def _applies(self, cache: RocketCache) -> bool:
+        if self.eager.sandwich or self.eager.qk_norm or _hooked(self.eager._uncalled):
+            return False
+        if exact_decode_layers(cache) is None:
+            return False
+        return all(
+            layer.keys.device.type == "cpu" and layer.keys.dtype == torch.float32
+            and layer.values.dtype == torch.float32 and layer.keys.is_contiguous() and layer.values.is_contiguous()
+            and layer.positions.is_contiguous() and layer.length < layer.keys.shape[2]
+            for layer in cache.layers
+        )  # fmt: skip
+
+    def _layer_weights(self) -> list[_LayerWeights] | None:
+        """Each layer's tensors, read again from the eager step's plans whenever one changed; None
+        when some layer is not of the kind this step compiles."""
+        out = []
+        for i, layer in enumerate(self.eager.layers):
+            plan = self.eager._plan(i, layer)
+            held = self._weights[i] if i < len(self._weights) else None
+            if held is None or held.plan is not plan:
+                held = _weights_of(layer, plan)
+                if i < len(self._weights):
+                    self._weights[i] = held
+                else:
+                    self._weights.append(held)
+            if held is None:
+                return None
+            out.append(held)
+        kinds = {w.bf16 for w in out}
+        return out if len(kinds) == 1 else None
+
+    def _step(
+        self, cache: RocketCache, input_ids: torch.Tensor, positions: torch.Tensor, weights: list[_LayerWeights]
+    ) -> torch.Tensor:
+        inner = self.model.model
+        cache.query_positions = positions
+        h = inner.embed_tokens(input_ids)  # [1, 1, C]
+        cos, sin = inner.rotary_emb(h, positions.unsqueeze(0))  # [1, 1, D]
+        cos, sin = cos[0], sin[0]
+        for i, (layer, w) in enumerate(zip(cache.layers, weights, strict=True)):
+            n = layer.length
+            h = self._compiled(h, cos, sin, n, positions, layer.keys, layer.values, layer.positions, w.norms, w.qkv,
+                               w.o, w.gate_up, w.down, w.eps, w.bf16, self.shape.layers[i].scaling,
+                               self.shape.n_heads)  # fmt: skip
+            layer.length = n + 1
+        logits = self.model.lm_head(inner.norm(h))[:, -1]  # [1, V]
+        if self.eager.softcap is not None:
+            logits = torch.tanh(logits / self.eager.softcap) * self.eager.softcap
+        return logits.float()
+
+
+def _weights_of(layer: Any, plan: _LayerPlan) -> _LayerWeights | None:
+    """A layer's `_LayerWeights`, or None when the layer is not one `_layer` computes as the eager
+    step does (module calls for hooks, q/k norms, biases, another norm, activation or linear)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if not plan.direct or plan.q_norm is not None:
+        return None
+    if any(type(n).__name__ not in _RMS_NORMS or n.weight.dtype != torch.float32 for n in norms):
+        return None
+    if type(getattr(mlp, "act_fn", None)).__name__ not in _SILU or not hasattr(mlp, "gate_proj"):
+        return None
+    linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    qkv: tuple[torch.Tensor, ...]
+    gate_up: tuple[torch.Tensor, ...]
+    if all(type(m) is Bf16Linear and m.bias is None for m in linears):
+        if plan.qkv_linear is None or plan.gate_up is None:
+            return None
+        qkv, gate_up = (plan.qkv_linear.weight_bf16,), (plan.gate_up.weight_bf16,)
+        o, down, bf16 = attn.o_proj.weight_bf16, mlp.down_proj.weight_bf16, True
+    elif all(type(m) is nn.Linear and m.bias is None and m.weight.dtype == torch.float32 for m in linears):
+        qkv = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
+        gate_up = (mlp.gate_proj.weight, mlp.up_proj.weight)
+        o, down, bf16 = attn.o_proj.weight, mlp.down_proj.weight, False
+    else:
+        return None
+    eps = float(norms[0].variance_epsilon)
+    if float(norms[1].variance_epsilon) != eps:
+        return None
+    return _LayerWeights(plan=plan, norms=(norms[0].weight, norms[1].weight), qkv=qkv, o=o, gate_up=gate_up,
+                         down=down, eps=eps, bf16=bf16)  # fmt: skip

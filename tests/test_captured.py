@@ -1,0 +1,151 @@
+"""The captured decode step (model/captured.py) against the eager direct step (model/step.py),
+its torch reference: logits within float32 rounding, the same greedy tokens, and the eager
+step's own result wherever the captured one does not apply."""
+
+import pytest
+import torch
+from conftest import make_engine, text_of_bytes
+
+from rocketkv_cli.core.config import PrefillConfig
+from rocketkv_cli.engine.answer import decode_config_for
+from rocketkv_cli.engine.decoder import Decoder
+from rocketkv_cli.engine.inputs import Document
+from rocketkv_cli.model.captured import CapturedStep
+from rocketkv_cli.model.hf import attention_mass
+from rocketkv_cli.model.weights import quantize_weights
+
+STEPS = 10
+QUESTIONS = ("Which word comes first?", "What is the seventh word?")
+
+
+def _setup(arch: str, weights: str, sparse: bool = False, n_bytes: int = 400):
+    engine = make_engine(arch, torch.float32)
+    quantize_weights(engine.model, weights)
+    cfg = PrefillConfig(token_budget=32, max_new_tokens=8, window_size=8, pool_kernel_size=5)
+    stored = engine.ingest(Document(text_of_bytes(n_bytes, seed=7), "0" * 64, "d.txt"), cfg)
+    return engine, stored, decode_config_for(stored, sparse=sparse)
+
+
+def _run(engine, decoder: Decoder, question: str, tokens: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+    """Logits `[STEPS + 1, V]` of a question's prefill and STEPS decode steps, and the tokens fed:
+    greedy, or `tokens` (teacher forcing, so both steps see the same inputs)."""
+    decoder.reset()
+    with decoder.attention():
+        logits = [decoder.prefill(engine.question_ids(question))[0]]
+        fed = []
+        for i in range(STEPS):
+            fed.append(int(logits[-1].argmax()) if tokens is None else tokens[i])
+            logits.append(decoder.decode_one_token(fed[-1])[0])
+    return torch.stack(logits), fed
+
+
+@pytest.mark.parametrize("weights", ["bf16", "float"])
+def test__captured_step__equals_the_eager_step_to_rounding(weights):
+    """Two questions on one decoder (the tail reset between them), then a decoder with other
+    buffer sizes: every step captured (one graph for any number of keys), logits within float32
+    rounding of the eager step's (bf16 linears: a rounding of their input may flip, 1e-2 of the
+    largest logit), and the same greedy token wherever the eager step's top two differ by more
+    than that."""
+    engine, stored, dec = _setup("llama", weights)
+    eager = engine.step
+    captured = CapturedStep(eager)
+    runs = 0
+    for tail in (64, 41):
+        decoder = Decoder(engine, stored, tail, dec)
+        for question in QUESTIONS:
+            engine.step = eager
+            ref, fed = _run(engine, decoder, question)
+            engine.step = captured
+            got, _ = _run(engine, decoder, question, fed)
+            runs += STEPS
+            assert captured.failure is None, captured.failure
+            assert captured.captured_steps == runs, "every step must run compiled"
+            err = (got - ref).abs()
+            tol = (1e-2 if weights == "bf16" else 1e-4) * float(ref.abs().max())
+            assert float(err.max()) <= tol, f"max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"
+            top2 = ref.topk(2, dim=-1).values
+            clear = (top2[:, 0] - top2[:, 1]) > 2 * tol
+            assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
+    engine.step = eager
+
+
+def test__captured_step__writes_what_the_eager_step_writes():
+    """After the same steps, the layers hold the same keys (to rounding), positions and lengths."""
+    engine, stored, dec = _setup("llama", "float")
+    eager, captured = engine.step, CapturedStep(engine.step)
+    layers = []
+    for step in (eager, captured):
+        engine.step = step
+        decoder = Decoder(engine, stored, 32, dec)
+        _run(engine, decoder, QUESTIONS[0], list(range(65, 65 + STEPS)))
+        layers.append(decoder.cache.layers)
+    engine.step = eager
+    for a, b in zip(*layers, strict=True):
+        assert a.length == b.length and a.n_context == b.n_context
+        assert torch.equal(a.view()[2], b.view()[2])
+        assert torch.allclose(a.view()[0], b.view()[0], atol=1e-5), float((a.view()[0] - b.view()[0]).abs().max())
+
+
+def _eager_and_captured(engine, stored, dec, *, extra=None) -> tuple[torch.Tensor, torch.Tensor, CapturedStep]:
+    eager = engine.step
+    captured = CapturedStep(eager)
+    out = []
+    for step in (eager, captured):
+        engine.step = step
+        with extra() if extra else _null():
+            out.append(_run(engine, Decoder(engine, stored, 32, dec), QUESTIONS[0], list(range(70, 70 + STEPS)))[0])
+    engine.step = eager
+    return out[0], out[1], captured
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+@pytest.mark.parametrize("case", ["hsa", "gemma3_text", "qwen2-bias", "int8", "attention-mass", "hook"])
+def test__captured_step__is_the_eager_step_where_it_does_not_apply(case):
+    """Stage-2 HSA, Gemma's layout (sandwich norms, sliding windows), projections with biases, a
+    weight format it does not compile, an attention mass being collected, a hook: every step is
+    the eager step's, bit for bit, and none is counted as captured."""
+    arch = {"gemma3_text": "gemma3_text", "qwen2-bias": "qwen2"}.get(case, "llama")
+    engine, stored, dec = _setup(arch, "int8" if case == "int8" else "bf16", sparse=case == "hsa", n_bytes=900)
+    if case == "hsa":
+        assert any(dec.uses_hsa(layer.n_kept_tokens) for layer in stored.layers), "HSA must really select"
+    extra = None
+    if case == "attention-mass":
+        extra = lambda: attention_mass(stored.n_context_tokens + 64, torch.device("cpu"))  # noqa: E731
+    if case == "hook":
+        engine.model.model.layers[0].mlp.register_forward_hook(lambda m, i, o: o)
+    ref, got, captured = _eager_and_captured(engine, stored, dec, extra=extra)
+    assert captured.captured_steps == 0
+    assert torch.equal(ref, got), f"max error {float((ref - got).abs().max()):.3g}"
+
+
+def test__captured_step__a_failed_compilation_leaves_the_eager_step():
+    """A compiler that fails (no C++ compiler, a torch limit) is remembered; the step it was
+    building, and every later one, is the eager step's, with the layers as they were."""
+    engine, stored, dec = _setup("llama", "bf16")
+    eager = engine.step
+    captured = CapturedStep(eager)
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        if len(calls) == 2:  # the second layer: the first was written
+            raise RuntimeError("inductor: no working C++ compiler\nmore detail")
+        return captured_compiled(*args)
+
+    captured_compiled, captured._compiled = captured._compiled, broken
+    ref, got, _ = None, None, None
+    engine.step = eager
+    ref, fed = _run(engine, Decoder(engine, stored, 32, dec), QUESTIONS[1])
+    engine.step = captured
+    got, _ = _run(engine, Decoder(engine, stored, 32, dec), QUESTIONS[1], fed)
+    engine.step = eager
+    assert captured.failure == "RuntimeError: inductor: no working C++ compiler"
+    assert captured.captured_steps == 0 and len(calls) == 2
+    assert torch.equal(ref, got)

@@ -1,6 +1,6 @@
 """The captured decode step (model/captured.py) against the eager direct step (model/step.py),
-its torch reference: logits within float32 rounding, the same greedy tokens, and the eager
-step's own result wherever the captured one does not apply."""
+its torch reference: the same logits bit for bit where it applies (its kernels are torch's for
+every sum), and the eager step itself wherever it does not."""
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ from rocketkv_cli.core.config import PrefillConfig
 from rocketkv_cli.engine.answer import decode_config_for
 from rocketkv_cli.engine.decoder import Decoder
 from rocketkv_cli.engine.inputs import Document
-from rocketkv_cli.model.captured import CapturedStep
+from rocketkv_cli.model.captured import CapturedStep, _inductor_as_eager
 from rocketkv_cli.model.hf import attention_mass
 from rocketkv_cli.model.weights import quantize_weights
 
@@ -40,12 +40,11 @@ def _run(engine, decoder: Decoder, question: str, tokens: list[int] | None = Non
 
 
 @pytest.mark.parametrize("weights", ["bf16", "float"])
-def test__captured_step__equals_the_eager_step_to_rounding(weights):
-    """Two questions on one decoder (the tail reset between them), then a decoder with other
-    buffer sizes: every step captured (one graph for any number of keys), logits within float32
-    rounding of the eager step's (bf16 linears: a rounding of their input may flip, 1e-2 of the
-    largest logit), and the same greedy token wherever the eager step's top two differ by more
-    than that."""
+def test__captured_step__equals_the_eager_step_bit_for_bit(weights):
+    """Two questions on one decoder (the tail reset between them), then a decoder whose buffers
+    have other room: every step captured (one graph for any number of keys), the logits equal to
+    the eager step's, not close (a bfloat16 linear's input rounds on a float32 difference, and an
+    answer changes: inductor's own mean of a norm's squares changed 6 of 40 SmolLM2 answers)."""
     engine, stored, dec = _setup("llama", weights)
     eager = engine.step
     captured = CapturedStep(eager)
@@ -61,16 +60,23 @@ def test__captured_step__equals_the_eager_step_to_rounding(weights):
             assert captured.failure is None, captured.failure
             assert captured.captured_steps == runs, "every step must run compiled"
             err = (got - ref).abs()
-            tol = (1e-2 if weights == "bf16" else 1e-4) * float(ref.abs().max())
-            assert float(err.max()) <= tol, f"max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"
-            top2 = ref.topk(2, dim=-1).values
-            clear = (top2[:, 0] - top2[:, 1]) > 2 * tol
-            assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
+            assert torch.equal(got, ref), f"max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"
     engine.step = eager
 
 
+def test__captured_step__norms_of_many_rows_sum_as_torch_does():
+    """The reduction inductor would reorder, alone and large: torch.rms_norm over 4,000 rows of
+    2,304 (inductor's own mean differs in about a quarter of the outputs here) through the
+    captured step's compiler equals the eager call."""
+    x, w = torch.randn(4000, 2304) * 4, torch.rand(2304) + 0.5
+    with torch.inference_mode():
+        ref = torch.rms_norm(x, (2304,), w, 1e-5)
+        got = torch.compile(lambda a: torch.rms_norm(a, (2304,), w, 1e-5), backend=_inductor_as_eager)(x)
+    assert torch.equal(got, ref), f"{int((got != ref).sum())} of {ref.numel()} differ"
+
+
 def test__captured_step__writes_what_the_eager_step_writes():
-    """After the same steps, the layers hold the same keys (to rounding), positions and lengths."""
+    """After the same steps, the layers hold the same keys, values, positions and lengths."""
     engine, stored, dec = _setup("llama", "float")
     eager, captured = engine.step, CapturedStep(engine.step)
     layers = []
@@ -83,7 +89,7 @@ def test__captured_step__writes_what_the_eager_step_writes():
     for a, b in zip(*layers, strict=True):
         assert a.length == b.length and a.n_context == b.n_context
         assert torch.equal(a.view()[2], b.view()[2])
-        assert torch.allclose(a.view()[0], b.view()[0], atol=1e-5), float((a.view()[0] - b.view()[0]).abs().max())
+        assert torch.equal(a.view()[0], b.view()[0]) and torch.equal(a.view()[1], b.view()[1])
 
 
 def _eager_and_captured(engine, stored, dec, *, extra=None) -> tuple[torch.Tensor, torch.Tensor, CapturedStep]:

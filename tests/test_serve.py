@@ -666,3 +666,16 @@ def test__summarize_uses_the_server_with_the_same_output(rocketkv_bin, env, cach
     text_local = run(rocketkv_bin, env, "summarize", "--cache", caches[0], "--no-server", *extra)
     assert text.stdout == text_local.stdout and text.returncode == 0
     assert health(s.server)["served"] == 2
+
+
+def test__compile_step__the_server_decodes_through_the_captured_step(rocketkv_bin, env, caches, served):
+    """`serve --compile-step`: the warm model decodes through the compiled step (counted in
+    /health), and its greedy answers are the in-process ones (the eager step's)."""
+    local = run(rocketkv_bin, env, "ask", "--cache", caches[0], "--no-server", *QUESTIONS)
+    assert local.returncode == 0, local.stderr
+    s = served("--idle-timeout", "0", "--compile-step")
+    remote = run(rocketkv_bin, env, "ask", "--cache", caches[0], *QUESTIONS)
+    assert remote.returncode == 0, remote.stderr
+    assert remote.stdout == local.stdout
+    info = health(s.server)
+    assert info["compile_step"] is True and info["captured_steps"] > 0, info

@@ -29,6 +29,7 @@ from ..engine.answer import decode_config_for
 from ..engine.decoder import Decoder
 from ..engine.engine import Engine
 from ..engine.inputs import Document, tokenize
+from ..model.captured import CapturedStep
 from ..model.hf import PlainDecoder
 from ..model.weights import weights_bytes
 from ..store.format import load_cache, save_cache
@@ -130,6 +131,21 @@ def rocketkv_answer_s(
             token = int(decoder.decode_one_token(token).argmax())
 
         return ttft, _median_step_s(step, steps, warmup)
+
+
+def captured_step_s(engine: Engine, path: Path, question: str, steps: int, warmup: int) -> float | None:
+    """`rocketkv_answer_s`'s median decode step (exact attention over the working set) through the
+    step compiled once (`model/captured.py`, compiled in the warm-up steps); None where it does
+    not apply to this model or device (its steps would be the direct step's)."""
+    if engine.step is None:
+        return None
+    saved = engine.step
+    captured = engine.step = CapturedStep(saved)  # type: ignore[arg-type]
+    try:
+        _, step_s = rocketkv_answer_s(engine, path, question, steps, warmup, sparse=False)
+    finally:
+        engine.step = saved
+    return step_s if captured.captured_steps > warmup + steps // 2 else None
 
 
 def attention_crossover(engine: Engine, sizes: tuple[int, ...], token_budget: int = 512, steps: int = 12) -> list[dict]:
@@ -300,12 +316,13 @@ def bench_one(
     n = stored.n_context_tokens
     log(
         f"{n_tokens} tokens: answer from the file (HSA, then exact attention over the same pruned cache: "
-        "the direct step, the model's forward, the whole store through the step)"
+        "the direct step, the model's forward, the whole store through the step, the captured step)"
     )
     rk_ttft, rk_step = rocketkv_answer_s(engine, path, QUESTION, steps, warmup)
     _, exact_step = rocketkv_answer_s(engine, path, QUESTION, steps, warmup, sparse=False)
     _, forward_step = rocketkv_answer_s(engine, path, QUESTION, steps, warmup, sparse=False, direct=False)
     _, whole_step = rocketkv_answer_s(engine, path, QUESTION, steps, warmup, sparse=False, reselect=False)
+    captured_step = captured_step_s(engine, path, QUESTION, steps, warmup)
     log(f"{n_tokens} tokens: full attention (plain transformers)")
     ids = engine.document_ids(document) + engine.question_ids(QUESTION)
     full_ttft, full_step = full_attention_decode_s(engine, ids, steps, warmup)
@@ -328,6 +345,8 @@ def bench_one(
         "decode_speedup_fraction_of_ideal": (full_step / rk_step) / ideal,
         "budgets": stored.info.budgets_record(),
     }  # fmt: skip
+    if captured_step is not None:
+        row.update(decode_step_captured_s=captured_step, captured_vs_direct=exact_step / captured_step)
     if measure_memory:
         log(f"{n_tokens} tokens: peak memory of ask vs full attention (child processes)")
         row.update(_memory(engine, path, document, workdir))

@@ -178,4 +178,5 @@ class Warm:
         used = sum(n for _, (_, n) in models) + buffers + sum(c.n_bytes for _, c in caches)
         return {"models": [k.model for k, _ in models], "caches": [str(p) for p, _ in caches], "used_bytes": used,
                 "decode_buffers_bytes": buffers, "memory_budget_bytes": self.memory_budget,
-                "reloads": self.reloads}  # fmt: skip
+                "reloads": self.reloads, "compile_step": self.compile_step,
+                "captured_steps": sum(getattr(rk.engine.step, "captured_steps", 0) for _, (rk, _) in models)}  # fmt: skip

@@ -39,13 +39,17 @@ def _run(engine, decoder: Decoder, question: str, tokens: list[int] | None = Non
     return torch.stack(logits), fed
 
 
-@pytest.mark.parametrize("weights", ["bf16", "float"])
-def test__captured_step__equals_the_eager_step_bit_for_bit(weights):
+CASES = [("llama", "bf16"), ("llama", "float"), ("gemma3_text", "float"), ("gemma3_text", "bf16")]
+
+
+@pytest.mark.parametrize("arch, weights", CASES, ids=[f"{a}-{w}" for a, w in CASES])
+def test__captured_step__equals_the_eager_step_bit_for_bit(arch, weights):
     """Two questions on one decoder (the tail reset between them), then a decoder whose buffers
     have other room: every step captured (one graph for any number of keys), the logits equal to
     the eager step's, not close (a bfloat16 linear's input rounds on a float32 difference, and an
-    answer changes: inductor's own mean of a norm's squares changed 6 of 40 SmolLM2 answers)."""
-    engine, stored, dec = _setup("llama", weights)
+    answer changes: inductor's own mean of a norm's squares changed 6 of 40 SmolLM2 answers).
+    Gemma 3's tiny model: sliding-window layers over a context longer than their window."""
+    engine, stored, dec = _setup(arch, weights, n_bytes=700)
     eager = engine.step
     captured = CapturedStep(eager)
     runs = 0
@@ -112,13 +116,18 @@ class _null:
         return False
 
 
-@pytest.mark.parametrize("case", ["hsa", "gemma3_text", "qwen2-bias", "int8", "attention-mass", "hook"])
+NOT_APPLIED = ["hsa", "qwen3-qk-norm", "qwen2-bias", "int8", "gemma-mlp-bf16", "attention-mass", "hook"]
+
+
+@pytest.mark.parametrize("case", NOT_APPLIED)
 def test__captured_step__is_the_eager_step_where_it_does_not_apply(case):
-    """Stage-2 HSA, Gemma's layout (sandwich norms, sliding windows), projections with biases, a
-    weight format it does not compile, an attention mass being collected, a hook: every step is
-    the eager step's, bit for bit, and none is counted as captured."""
-    arch = {"gemma3_text": "gemma3_text", "qwen2-bias": "qwen2"}.get(case, "llama")
-    engine, stored, dec = _setup(arch, "int8" if case == "int8" else "bf16", sparse=case == "hsa", n_bytes=900)
+    """Stage-2 HSA, q/k norms in a pre-norm layout (Qwen 3), projections with biases, a weight
+    format it does not compile (int8; bf16 in Gemma's MLPs only), an attention mass being
+    collected, a hook: every step is the eager step's, bit for bit, and none is counted as
+    captured."""
+    arch = {"qwen3-qk-norm": "qwen3", "qwen2-bias": "qwen2", "gemma-mlp-bf16": "gemma3_text"}.get(case, "llama")
+    weights = {"int8": "int8", "gemma-mlp-bf16": "mlp-bf16"}.get(case, "bf16")
+    engine, stored, dec = _setup(arch, weights, sparse=case == "hsa", n_bytes=900)
     if case == "hsa":
         assert any(dec.uses_hsa(layer.n_kept_tokens) for layer in stored.layers), "HSA must really select"
     extra = None

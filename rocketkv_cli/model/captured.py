@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .hf import RocketCache, exact_decode_attention, exact_decode_layers
+from .hf import RocketCache, decode_attention_is_exact, exact_decode_attention, window_start
 from .linears import Bf16Linear, bf16_matvec
-from .step import _RMS_NORMS, DecodeStep, _hooked, _LayerPlan
+from .step import _RMS_NORMS, _RMS_NORMS_PLUS_ONE, DecodeStep, _hooked, _LayerPlan
 
 _SILU = ("SiLU", "SiLUActivation")  # activations whose forward is F.silu (torch's, transformers')
 
@@ -48,13 +48,16 @@ class _LayerWeights:
     (`bf16`) or all float32."""
 
     plan: _LayerPlan  # what they were read from: read again when the step's plan changes
-    norms: tuple[torch.Tensor, torch.Tensor]
+    norms: tuple[torch.Tensor, ...]  # two (pre-norm) or four (Gemma 3)
     qkv: tuple[torch.Tensor, ...]
     o: torch.Tensor
     gate_up: tuple[torch.Tensor, ...]
     down: torch.Tensor
     eps: float
     bf16: bool
+    qk_norms: tuple[torch.Tensor, ...] = ()  # q_norm and k_norm weights `[D]` (Gemma 3), or none
+    qk_eps: float = 0.0
+    sandwich: bool = False  # Gemma 3: four norms of (1 + w), a GELU (tanh) MLP
 
 
 def _linear(w: torch.Tensor, x: torch.Tensor, bf16: bool) -> torch.Tensor:
@@ -74,7 +77,7 @@ def _layer(
     keys: torch.Tensor,  # [1, Hkv, N, D] float32, the layer's buffers, written at `length`
     values: torch.Tensor,  # [1, Hkv, N, D]
     positions: torch.Tensor,  # [1, Hkv, N] int64
-    norms: tuple[torch.Tensor, torch.Tensor],  # _LayerWeights' tensors, passed one by one: a graph
+    norms: tuple[torch.Tensor, ...],  # _LayerWeights' tensors, passed one by one: a graph
     qkv: tuple[torch.Tensor, ...],  # of tensors, shared by every layer of these shapes
     o: torch.Tensor,
     gate_up: tuple[torch.Tensor, ...],
@@ -115,7 +118,66 @@ def _layer(
     return h + _linear(down, F.silu(gate) * up, bf16).view(1, 1, c)
 
 
-_KEPT = ("mv", "softmax", "mean")  # the operations inductor must leave to torch's kernels
+def _sandwich_layer(
+    h: torch.Tensor,  # [1, 1, C] float32, the residual stream
+    cos: torch.Tensor,  # [1, D]: RoPE of this layer's type (Gemma 3: local or global)
+    sin: torch.Tensor,  # [1, D]
+    length: int,  # the layer's tokens before this one
+    start: int,  # the first key inside the layer's window (0: full attention)
+    position: torch.Tensor,  # [1] int64
+    keys: torch.Tensor,  # [1, Hkv, N, D] float32, written at `length`
+    values: torch.Tensor,  # [1, Hkv, N, D]
+    positions: torch.Tensor,  # [1, Hkv, N] int64
+    norms: tuple[torch.Tensor, ...],  # input, post-attention, pre- and post-MLP norm weights `[C]`
+    qk_norms: tuple[torch.Tensor, ...],  # q_norm and k_norm weights `[D]`
+    qkv: tuple[torch.Tensor, ...],
+    o: torch.Tensor,
+    gate_up: tuple[torch.Tensor, ...],
+    down: torch.Tensor,
+    eps: float,
+    qk_eps: float,
+    bf16: bool,
+    scaling: float,
+    n_heads: int,
+) -> torch.Tensor:
+    """One Gemma 3 decoder layer for one token, the operations of `DecodeStep._step` for it: the
+    norms of `(1 + w)` (`step._fast_norm`), q/k/v, the q and k norms, RoPE, the append, exact
+    decode attention over the keys from `start` (a sliding window's, `hf.window_start`), the output
+    product normed before its residual add, the GELU (tanh) MLP between its two norms and its
+    residual add. Returns `[1, 1, C]`."""
+    c = h.shape[-1]
+    hkv, d = keys.shape[1], keys.shape[3]
+    x = torch.rms_norm(h, (c,), 1.0 + norms[0], eps)  # [1, 1, C]
+    if len(qkv) == 1:
+        joined = _linear(qkv[0], x.view(-1), bf16)
+    else:
+        joined = torch.cat([_linear(part, x.view(-1), bf16) for part in qkv])
+    nq, nk = n_heads * d, hkv * d
+    q = torch.rms_norm(joined[:nq].view(1, 1, n_heads, d), (d,), 1.0 + qk_norms[0], qk_eps)
+    k = torch.rms_norm(joined[nq : nq + nk].view(1, 1, hkv, d), (d,), 1.0 + qk_norms[1], qk_eps)
+    half = d // 2
+    q, k = q.reshape(-1, d), k.reshape(-1, d)
+    q = q * cos + torch.cat((-q[:, half:], q[:, :half]), dim=-1) * sin  # RoPE, as step._rope
+    k = k * cos + torch.cat((-k[:, half:], k[:, :half]), dim=-1) * sin
+    keys[:, :, length : length + 1] = k.view(1, hkv, 1, d)
+    values[:, :, length : length + 1] = joined[nq + nk :].view(1, hkv, 1, d)
+    positions[:, :, length : length + 1] = position.view(1, 1, 1)
+    out = exact_decode_attention(q.view(1, n_heads, 1, d), keys[:, :, start : length + 1],
+                                 values[:, :, start : length + 1], scaling)  # [1, H, 1, D]  # fmt: skip
+    out = _linear(o, out.reshape(-1), bf16).view(1, 1, c)
+    h = h + torch.rms_norm(out, (c,), 1.0 + norms[1], eps)
+    x = torch.rms_norm(h, (c,), 1.0 + norms[2], eps).view(-1)
+    if len(gate_up) == 1:
+        gu = _linear(gate_up[0], x, bf16)  # [2I]
+        n = gu.shape[0] // 2
+        gate, up = gu[:n], gu[n:]
+    else:
+        gate, up = _linear(gate_up[0], x, bf16), _linear(gate_up[1], x, bf16)
+    mlp = _linear(down, F.gelu(gate, approximate="tanh") * up, bf16).view(1, 1, c)
+    return h + torch.rms_norm(mlp, (c,), 1.0 + norms[3], eps)
+
+
+_KEPT = ("mv", "softmax", "mean", "gelu")  # the operations inductor must leave to torch's kernels
 
 
 def _inductor_as_eager(graph: Any, example_inputs: Any) -> Any:
@@ -138,7 +200,7 @@ def _inductor_as_eager(graph: Any, example_inputs: Any) -> Any:
     from torch._inductor.decomposition import select_decomp_table
 
     aten = torch.ops.aten
-    kept = {aten.mv.default, aten.mv.out, aten._softmax.default, aten._softmax.out}
+    kept = {aten.mv.default, aten.mv.out, aten._softmax.default, aten._softmax.out, aten.gelu.default}
     table = {op: fn for op, fn in select_decomp_table().items() if op not in kept}
     mean = aten.mean.dim
     saved, was_fallback = lowering.lowerings.get(mean), mean in lowering.fallbacks
@@ -172,6 +234,10 @@ def _cache_key() -> Any:
     return CacheKey()
 
 
+class _NotThisStep(Exception):
+    """This step is the eager step's (found before any layer ran)."""
+
+
 class CapturedStep:
     """`step(cache, input_ids [1, 1], positions [1]) → logits [1, V] float32`, as `DecodeStep`,
     with each layer compiled once (see the module docstring for where it applies; elsewhere it is
@@ -189,6 +255,7 @@ class CapturedStep:
         self.failure: str | None = None
         self._weights: list[_LayerWeights | None] = []
         self._compiled = torch.compile(_layer, fullgraph=True, backend=_inductor_as_eager)
+        self._sandwich = torch.compile(_sandwich_layer, fullgraph=True, backend=_inductor_as_eager)
 
     def __call__(self, cache: RocketCache, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.failure is not None or not self._applies(cache):
@@ -200,6 +267,8 @@ class CapturedStep:
         try:
             with torch.inference_mode():
                 logits = self._step(cache, input_ids, positions, weights)
+        except _NotThisStep:
+            return self.eager(cache, input_ids, positions)
         except Exception as err:  # inductor failed to build (no compiler, a torch limit): eager from now on
             self.failure = f"{type(err).__name__}: {err}".splitlines()[0][:300]
             for layer, n in zip(cache.layers, lengths, strict=True):  # the eager step writes the slot again
@@ -209,9 +278,9 @@ class CapturedStep:
         return logits
 
     def _applies(self, cache: RocketCache) -> bool:
-        if self.eager.sandwich or self.eager.qk_norm or _hooked(self.eager._uncalled):
+        if (self.eager.qk_norm and not self.eager.sandwich) or _hooked(self.eager._uncalled):
             return False
-        if exact_decode_layers(cache) is None:
+        if not decode_attention_is_exact(cache):
             return False
         return all(
             layer.keys.device.type == "cpu" and layer.keys.dtype == torch.float32
@@ -239,38 +308,82 @@ class CapturedStep:
         kinds = {w.bf16 for w in out}
         return out if len(kinds) == 1 else None
 
+    def _window_starts(self, cache: RocketCache, positions: torch.Tensor) -> list[int] | None:
+        """Per layer, the first key the token attends (0 for full attention; a sliding window's
+        `hf.window_start`, with the token's own position written where the append puts it, as
+        the eager step reads it after the append); None when some window is not a common suffix
+        of its buffer (the eager step then runs its masked reference)."""
+        starts = []
+        for spec, layer in zip(self.shape.layers, cache.layers, strict=True):
+            if spec.sliding_window is None:
+                starts.append(0)
+                continue
+            n = layer.length
+            layer.positions[:, :, n : n + 1] = positions.view(1, 1, 1)
+            start = window_start(layer.positions[:, :, : n + 1], positions, spec)
+            if start is None:
+                return None
+            starts.append(start)
+        return starts
+
     def _step(
         self, cache: RocketCache, input_ids: torch.Tensor, positions: torch.Tensor, weights: list[_LayerWeights]
     ) -> torch.Tensor:
         inner = self.model.model
         cache.query_positions = positions
         h = inner.embed_tokens(input_ids)  # [1, 1, C]
-        cos, sin = inner.rotary_emb(h, positions.unsqueeze(0))  # [1, 1, D]
-        cos, sin = cos[0], sin[0]
+        pos = positions.unsqueeze(0)  # [1, 1]
+        types = self.eager.layer_types
+        rope: dict[str | None, Any] = {None: inner.rotary_emb(h, pos)} if types is None else {}
+        rope.update({t: inner.rotary_emb(h, pos, t) for t in set(types or ())})
+        starts = self._window_starts(cache, positions)
+        if starts is None:
+            raise _NotThisStep
         for i, (layer, w) in enumerate(zip(cache.layers, weights, strict=True)):
             n = layer.length
+            cos, sin = (part[0] for part in rope[None if types is None else types[i]])  # [1, D]
             for buf in (layer.keys, layer.values, layer.positions):
                 torch._dynamo.maybe_mark_dynamic(buf, 2)  # one graph whatever room a decoder's buffers have
+            if w.sandwich:
+                h = self._sandwich(h, cos, sin, n, starts[i], positions, layer.keys, layer.values, layer.positions,
+                                   w.norms, w.qk_norms, w.qkv, w.o, w.gate_up, w.down, w.eps, w.qk_eps, w.bf16,
+                                   self.shape.layers[i].scaling, self.shape.n_heads)  # fmt: skip
+                layer.length = n + 1
+                continue
             h = self._compiled(h, cos, sin, n, positions, layer.keys, layer.values, layer.positions, w.norms, w.qkv,
                                w.o, w.gate_up, w.down, w.eps, w.bf16, self.shape.layers[i].scaling,
                                self.shape.n_heads)  # fmt: skip
             layer.length = n + 1
-        logits = self.model.lm_head(inner.norm(h))[:, -1]  # [1, V]
+        logits = self.model.lm_head(inner.norm(h))[:, -1]  # [1, V]  # fmt: skip
         if self.eager.softcap is not None:
             logits = torch.tanh(logits / self.eager.softcap) * self.eager.softcap
         return logits.float()
 
 
 def _weights_of(layer: Any, plan: _LayerPlan) -> _LayerWeights | None:
-    """A layer's `_LayerWeights`, or None when the layer is not one `_layer` computes as the eager
-    step does (module calls for hooks, q/k norms, biases, another norm, activation or linear)."""
+    """A layer's `_LayerWeights`, or None when the layer is not one `_layer` or `_sandwich_layer`
+    computes as the eager step does (module calls for hooks, biases, another norm, activation or
+    linear, bf16 in some linears only)."""
     attn, mlp = layer.self_attn, layer.mlp
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if not plan.direct or plan.q_norm is not None:
+    sandwich = hasattr(layer, "pre_feedforward_layernorm")
+    names: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    names += ("pre_feedforward_layernorm", "post_feedforward_layernorm") if sandwich else ()
+    norms = [getattr(layer, n) for n in names]
+    qk = [attn.q_norm, attn.k_norm] if sandwich else []
+    if not plan.direct or (plan.q_norm is not None) != sandwich:
         return None
-    if any(type(n).__name__ not in _RMS_NORMS or n.weight.dtype != torch.float32 for n in norms):
+    kinds = _RMS_NORMS_PLUS_ONE if sandwich else _RMS_NORMS
+    if any(type(n).__name__ not in kinds or n.weight.dtype != torch.float32 for n in norms + qk):
         return None
-    if type(getattr(mlp, "act_fn", None)).__name__ not in _SILU or not hasattr(mlp, "gate_proj"):
+    act = getattr(mlp, "act_fn", None)
+    if sandwich:
+        fn: Any = getattr(act, "act", None)  # transformers' GELUTanh: partial(F.gelu, approximate="tanh")
+        tanh = getattr(fn, "func", None) is F.gelu and getattr(fn, "keywords", None) == {"approximate": "tanh"}
+        if type(act).__name__ != "GELUTanh" or not tanh:
+            return None
+    elif type(act).__name__ not in _SILU:
+        return None
+    if not hasattr(mlp, "gate_proj"):
         return None
     linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
     qkv: tuple[torch.Tensor, ...]
@@ -286,8 +399,10 @@ def _weights_of(layer: Any, plan: _LayerPlan) -> _LayerWeights | None:
         o, down, bf16 = attn.o_proj.weight, mlp.down_proj.weight, False
     else:
         return None
-    eps = float(norms[0].variance_epsilon)
-    if float(norms[1].variance_epsilon) != eps:
+    eps = {float(n.eps if sandwich else n.variance_epsilon) for n in norms}
+    qk_eps = {float(n.eps) for n in qk}
+    if len(eps) != 1 or len(qk_eps) > 1:
         return None
-    return _LayerWeights(plan=plan, norms=(norms[0].weight, norms[1].weight), qkv=qkv, o=o, gate_up=gate_up,
-                         down=down, eps=eps, bf16=bf16)  # fmt: skip
+    return _LayerWeights(plan=plan, norms=tuple(n.weight for n in norms), qkv=qkv, o=o, gate_up=gate_up, down=down,
+                         eps=eps.pop(), bf16=bf16, qk_norms=tuple(n.weight for n in qk),
+                         qk_eps=qk_eps.pop() if qk_eps else 0.0, sandwich=sandwich)  # fmt: skip

@@ -188,25 +188,23 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     return out.transpose(1, 2).contiguous(), None
 
 
-def exact_decode_layers(cache: RocketCache) -> list[int] | None:
-    """The layers in which a decode step's attention, as `_attention` would run it now, is
-    `exact_decode_attention` over every key of the layer with nothing else recorded; None when
-    some layer's is not (outside `rocketkv_attention`, a collector active: captured queries,
-    reconstruction or question scores, an `AttentionMass`; stage-2 HSA; a sliding window or a
-    logit soft-cap). Used by `model/captured.py` to run the step it compiles only where it
-    computes what `_attention` computes."""
+def decode_attention_is_exact(cache: RocketCache) -> bool:
+    """Whether a decode step's attention, as `_attention` would run it now, is exact decode
+    attention in every layer (over all its keys, or a sliding window's) with nothing else
+    recorded: False outside `rocketkv_attention`, with a collector active (captured queries,
+    reconstruction or question scores, an `AttentionMass`), with stage-2 HSA in some layer, or a
+    logit soft-cap. Used by `model/captured.py` to run the step it compiles only where it computes
+    what `_attention` computes."""
     session = _SESSION.get()
     if session is None or session.cache is not cache or _MASS.get() is not None:
-        return None
+        return False
     if session.capture_from is not None or session.reconstruct is not None or session.question_scores is not None:
-        return None
+        return False
     dec = session.decode
-    for spec, layer in zip(session.shape.layers, cache.layers, strict=True):
-        if spec.sliding_window is not None or spec.softcap is not None:
-            return None
-        if dec is not None and dec.uses_hsa(layer.n_context):
-            return None
-    return list(range(len(cache.layers)))
+    return not any(
+        spec.softcap is not None or (dec is not None and spec.sliding_window is None and dec.uses_hsa(layer.n_context))
+        for spec, layer in zip(session.shape.layers, cache.layers, strict=True)
+    )
 
 
 def _hsa_step(query, keys, values, layer: RocketLayer, dec: DecodeConfig, spec: LayerSpec) -> torch.Tensor:

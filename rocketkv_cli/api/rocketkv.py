@@ -161,9 +161,9 @@ class RocketKV:
         imported (`api.threads`; torch's own default, every core, ran a decode 4x slower beside a
         busy core). The number chosen is `self.threads`.
         compile_step: decode through a step compiled once by `torch.compile` where it applies
-        (`model/captured.py`: a CPU, the Llama/Mistral layouts, exact attention over the working
-        set): the first answer pays seconds of compilation, later steps run faster; its logits
-        are the eager step's to float32 rounding, not bit for bit (docs/performance.md).
+        (`model/captured.py`: a CPU, the Llama and Gemma 3 layouts, exact attention): the first
+        answer pays seconds of compilation, later steps skip most of the eager step's Python
+        calls; the logits are the eager step's bit for bit (docs/performance.md).
         Raises ModelLoadError; UsageError for a thread count < 1 or above the machine's CPUs."""
         asked = requested_threads(threads)
         loaded = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=log,

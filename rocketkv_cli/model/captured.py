@@ -1,27 +1,28 @@
 """A decode step captured once: each layer's arithmetic compiled by `torch.compile` (inductor).
 
 `DecodeStep` (step.py) calls a layer's modules one by one: on a CPU a SmolLM2 step runs about a
-hundred small tensor operations per layer, each a call from Python, and those calls cost a
-quarter of the step beside the weights' and the keys' bytes (docs/performance.md, "A captured
-decode step"). `CapturedStep` runs each layer as one compiled function over the layer's
-own static buffers: the input norm, the q/k/v projection, RoPE, the new token's key, value and
-position written after the layer's last token (`RocketLayer.append`), exact decode attention over
-the layer's keys (`hf.exact_decode_attention`, the number of keys a symbolic size: one graph for
-every length and every buffer's room), the output projection, the post-attention norm, the gated
-MLP and both residual adds. Inductor fuses the elementwise work (the norms but for their mean,
-RoPE, the activation, the adds, the casts) and calls torch's own kernels for the products, the
-softmax and the norms' mean (`_inductor_as_eager`), so the logits equal `DecodeStep`'s bit for bit
-(`tests/test_captured.py`; 40 of 40 SmolLM2 answers identical, docs/performance.md). The
-embedding, RoPE's cos and sin, the final norm and the LM head (a certified head among them) stay
-eager, as in `DecodeStep`; one graph serves every layer of one shape.
+hundred small tensor operations per layer, each a call from Python (docs/performance.md, "A
+captured decode step"). `CapturedStep` runs each layer as one compiled function over the layer's
+own static buffers (`_layer` for the pre-norm layouts, `_sandwich_layer` for Gemma 3's): the norms,
+the q/k/v projection (and Gemma's q and k norms), RoPE, the new token's key, value and position
+written after the layer's last token (`RocketLayer.append`), exact decode attention over the
+layer's keys or its sliding window's (`hf.exact_decode_attention`; the number of keys a symbolic
+size: one graph for every length and every buffer's room), the output projection, the MLP and
+the residual adds. Inductor fuses the elementwise work (the norms but for their mean, RoPE, the
+SiLU, the adds, the casts) and calls torch's own kernels for the products, the softmax, the
+norms' mean and Gemma's GELU (`_inductor_as_eager`), so the logits equal `DecodeStep`'s bit for
+bit (`tests/test_captured.py`; docs/performance.md counts identical answers). The embedding,
+RoPE's cos and sin, a sliding window's start (`hf.window_start`, a read of the positions), the
+final norm and the LM head (a certified head among them) stay eager, as in `DecodeStep`.
 
-It runs only where the eager step's attention is exact decode attention over every key of every
-layer (`hf.exact_decode_layers`: no stage-2 HSA, sliding window, soft-cap, attention mass or
-other collector), on a CPU, for the pre-norm layouts (Llama, Mistral, Qwen 2 without biases)
+It runs where the eager step's attention is exact decode attention in every layer
+(`hf.decode_attention_is_exact`: no stage-2 HSA, soft-cap, attention mass or other collector), on
+a CPU, for the Llama, Mistral and Qwen 2 layouts without biases or q/k norms and for Gemma 3,
 whose linears are all bfloat16 (`Bf16Linear`, joined as `DecodeStep` joins them) or all plain
-float32 `nn.Linear`s, with SiLU MLPs and transformers' RMSNorms, no hooks, and room in every
-layer's buffers for the token; any other step is `DecodeStep`'s, unchanged. A compilation that
-fails makes every later step eager (`failure` says why).
+float32 `nn.Linear`s, with transformers' RMSNorms and SiLU (GELU tanh for Gemma) MLPs, no hooks,
+room in every layer's buffers for the token and every sliding window a suffix of its buffer; any
+other step is `DecodeStep`'s, unchanged. A compilation that fails makes every later step eager
+(`failure` says why).
 """
 
 from __future__ import annotations

@@ -256,6 +256,15 @@ def test__whitespace_only_stream_longer_than_a_segment_is_refused(engine):
         ingest_stream(engine, TextPieces("  \n" * 2000, "-"), CFG, segment_tokens=300)
 
 
+def test__an_in_memory_text_with_a_nul_is_refused_as_a_file_with_one_is(engine):
+    """`text=` and a batch row's "text" are refused where a document file with the same bytes is
+    (a NUL: binary), naming the byte offset, before any prefill."""
+    from rocketkv_cli.errors import InputError
+
+    with pytest.raises(InputError, match=r"looks binary \(NUL character at byte offset 6\)"):
+        ingest_stream(engine, TextPieces("héllo\x00world", "<text>"), CFG, segment_tokens=300)
+
+
 # --- routing and answering -----------------------------------------------------------------------
 
 

@@ -232,6 +232,13 @@ class TextPieces:
         yield self.text
 
     def check_not_empty(self) -> None:
+        """Refuse what a document file would be refused for: no text, or a NUL character (a file
+        with one is refused as binary; so is an in-memory text: `text=`, a batch row's "text").
+        Raises InputError."""
         if not self.text.strip():
             what = "whitespace only" if self.text else "empty"
             raise InputError(f"document {self.source} is {what}", "give a document with text")
+        if "\x00" in self.text:
+            at = len(self.text[: self.text.index("\x00")].encode("utf-8"))
+            raise InputError(f"document {self.source} looks binary (NUL character at byte offset {at})",
+                             "rocketkv reads text documents")  # fmt: skip

@@ -329,7 +329,8 @@ def test__several_questions__qa_and_lines_formats_say_which_answer_is_which(rock
         (["--cache", "KV", "a?", "--cite", "--format", "lines"], "--cite"),
         (["--cache", "KV", "a?", "--format", "yaml"], "--format"),
         (["--cache", "KV", "--bogus", "a?"], "No such option: --bogus"),
-        (["--cache", "KV", "a?", "--max-new-tokens", "ten"], "'--max-new-tokens'"),
+        (["--cache", "KV", "a?", "--max-new-tokens", "ten"], "'--max-new-tokens': 'ten' is not an integer"),
+        (["--cache", "KV", "a?", "--temperature=warm"], "'--temperature' / '-t': 'warm' is not a number"),
         (["--cache", "KV", "KV", "a?"], "give one of them"),
     ],
     ids=[
@@ -341,6 +342,7 @@ def test__several_questions__qa_and_lines_formats_say_which_answer_is_which(rock
         "unknown-format",
         "unknown-option",
         "not-an-integer",
+        "not-a-number",
         "document-and-cache",
     ],  # fmt: skip
 )

@@ -37,8 +37,8 @@ class OneLineUsageError(_UsageError):  # type: ignore[misc,valid-type]
     --help'`, instead of click's usage line, hint and error on four lines: a script's log keeps
     one line per failure, as for every other error (docs/usage.md, "Exit codes")."""
 
-    def __init__(self, original, command_path: str | None = None) -> None:
-        text = " ".join(original.format_message().split())
+    def __init__(self, original, command_path: str | None = None, args: list[str] | None = None) -> None:
+        text = _with_value(" ".join(original.format_message().split()), getattr(original, "param", None), args)
         if text.endswith(".") and not text.endswith(".."):  # "Missing argument 'document'." (not "QUESTION...")
             text = text[:-1]
         super().__init__(text, original.ctx)
@@ -51,18 +51,40 @@ class OneLineUsageError(_UsageError):  # type: ignore[misc,valid-type]
         typer.echo(f"Error: {self.format_message()}{hint}", file=file, err=file is None)
 
 
+# Typer's messages for a value of the wrong type, which do not say the value
+_NOT_A = {"Input should be a valid integer, unable to parse string as an integer": "an integer",
+          "Input should be a valid number, unable to parse string as a number": "a number"}  # fmt: skip
+
+
+def _with_value(text: str, param, args: list[str] | None) -> str:
+    """`text` with Typer's "Input should be a valid integer, …" replaced by "'abc' is not an
+    integer", the value read back from the command line `args` after the option's flag."""
+    phrase = next((p for p in _NOT_A if p in text), None)
+    if phrase is None or param is None or not args:
+        return text
+    flags = list(getattr(param, "opts", [])) + list(getattr(param, "secondary_opts", []))
+    value = None
+    for i, arg in enumerate(args):
+        if arg in flags and i + 1 < len(args):
+            value = args[i + 1]
+        elif any(arg.startswith(f + "=") for f in flags if f.startswith("--")):
+            value = arg.split("=", 1)[1]
+    return text if value is None else text.replace(phrase, f"{value!r} is not {_NOT_A[phrase]}")
+
+
 class _OneLineUsage:
     """Turns the usage errors of parsing (`make_context`) and of running (`invoke`: a command body's
     `typer.BadParameter`, an unknown command) into `OneLineUsageError`."""
 
     def make_context(self, info_name, args, parent=None, **extra):
+        given = list(args)  # parsing consumes `args`
         try:
             return super().make_context(info_name, args, parent=parent, **extra)  # type: ignore[misc]
         except _UsageError as exc:
             if isinstance(exc, OneLineUsageError) or type(exc).__name__ == "NoArgsIsHelpError":
                 raise  # bare `rocketkv`: click shows the help, as it should
             path = f"{parent.command_path} {info_name}" if parent is not None else info_name
-            raise OneLineUsageError(exc, path) from None
+            raise OneLineUsageError(exc, path, given) from None
 
     def invoke(self, ctx):
         try:

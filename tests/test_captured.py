@@ -18,8 +18,26 @@ STEPS = 10
 QUESTIONS = ("Which word comes first?", "What is the seventh word?")
 
 
+def _odd_llama_engine():
+    """A tiny Llama whose sizes are no multiple of a vector's 16 floats (hidden 84, MLP 100, head
+    dim 14): elementwise kernels end in a partial vector."""
+    from conftest import byte_tokenizer, tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from rocketkv_cli.engine.engine import Engine
+    from rocketkv_cli.model.loading import LoadedModel
+
+    torch.manual_seed(0)
+    cfg = tiny_config("llama")
+    cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads = 84, 100, 6, 2
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval().requires_grad_(False)
+    loaded = LoadedModel(model_id="tiny-odd-llama", model=model, tokenizer=byte_tokenizer(),
+                         device=torch.device("cpu"), dtype=torch.float32)  # fmt: skip
+    return Engine(loaded)
+
+
 def _setup(arch: str, weights: str, sparse: bool = False, n_bytes: int = 400):
-    engine = make_engine(arch, torch.float32)
+    engine = _odd_llama_engine() if arch == "odd-llama" else make_engine(arch, torch.float32)
     quantize_weights(engine.model, weights)
     cfg = PrefillConfig(token_budget=32, max_new_tokens=8, window_size=8, pool_kernel_size=5)
     stored = engine.ingest(Document(text_of_bytes(n_bytes, seed=7), "0" * 64, "d.txt"), cfg)
@@ -39,7 +57,8 @@ def _run(engine, decoder: Decoder, question: str, tokens: list[int] | None = Non
     return torch.stack(logits), fed
 
 
-CASES = [("llama", "bf16"), ("llama", "float"), ("gemma3_text", "float"), ("gemma3_text", "bf16")]
+CASES = [("llama", "bf16"), ("llama", "float"), ("gemma3_text", "float"), ("gemma3_text", "bf16"),
+         ("mistral", "float"), ("mistral", "bf16"), ("odd-llama", "float"), ("odd-llama", "bf16")]  # fmt: skip
 
 
 @pytest.mark.parametrize("arch, weights", CASES, ids=[f"{a}-{w}" for a, w in CASES])
@@ -48,7 +67,8 @@ def test__captured_step__equals_the_eager_step_bit_for_bit(arch, weights):
     have other room: every step captured (one graph for any number of keys), the logits equal to
     the eager step's, not close (a bfloat16 linear's input rounds on a float32 difference, and an
     answer changes: inductor's own mean of a norm's squares changed 6 of 40 SmolLM2 answers).
-    Gemma 3's tiny model: sliding-window layers over a context longer than their window."""
+    Gemma 3's and Mistral's tiny models: sliding-window layers over a context longer than their
+    window; a Llama of sizes no multiple of the vector width."""
     engine, stored, dec = _setup(arch, weights, n_bytes=700)
     eager = engine.step
     captured = CapturedStep(eager)
@@ -77,6 +97,23 @@ def test__captured_step__norms_of_many_rows_sum_as_torch_does():
         ref = torch.rms_norm(x, (2304,), w, 1e-5)
         got = torch.compile(lambda a: torch.rms_norm(a, (2304,), w, 1e-5), backend=_inductor_as_eager)(x)
     assert torch.equal(got, ref), f"{int((got != ref).sum())} of {ref.numel()} differ"
+
+
+def test__captured_step__a_full_buffer_grows_as_the_eager_step_grows_it():
+    """A decoder whose tail has room for fewer tokens than are decoded: the step at a full buffer
+    is the eager step's (its append grows the buffers), the next ones captured again over the
+    grown buffers (another room: the same graph), the logits the eager step's throughout."""
+    engine, stored, dec = _setup("llama", "bf16")
+    eager, captured = engine.step, CapturedStep(engine.step)
+    question = engine.question_ids(QUESTIONS[0])
+    runs = []
+    for step in (eager, captured):
+        engine.step = step
+        decoder = Decoder(engine, stored, len(question) + 3, dec)
+        runs.append(_run(engine, decoder, QUESTIONS[0], list(range(80, 80 + STEPS)))[0])
+    engine.step = eager
+    assert 0 < captured.captured_steps < STEPS, captured.captured_steps
+    assert torch.equal(runs[0], runs[1]), f"max error {float((runs[0] - runs[1]).abs().max()):.3g}"
 
 
 def test__captured_step__writes_what_the_eager_step_writes():

@@ -27,7 +27,9 @@ other step is `DecodeStep`'s, unchanged. A compilation that fails makes every la
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,8 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .hf import RocketCache, decode_attention_is_exact, exact_decode_attention, window_start
-from .linears import Bf16Linear, bf16_matvec
-from .step import _RMS_NORMS, _RMS_NORMS_PLUS_ONE, DecodeStep, _hooked, _LayerPlan
+from .linears import Bf16Linear, bf16_matvec, decode_step
+from .step import DecodeStep, _hooked, _LayerPlan, rms_norm_kind
 
 _SILU = ("SiLU", "SiLUActivation")  # activations whose forward is F.silu (torch's, transformers')
 
@@ -74,6 +76,7 @@ def _layer(
     cos: torch.Tensor,  # [1, D]
     sin: torch.Tensor,  # [1, D]
     length: int,  # the layer's tokens before this one
+    start: int,  # the first key inside the layer's window (0: full attention)
     position: torch.Tensor,  # [1] int64: this token's RoPE position
     keys: torch.Tensor,  # [1, Hkv, N, D] float32, the layer's buffers, written at `length`
     values: torch.Tensor,  # [1, Hkv, N, D]
@@ -106,8 +109,8 @@ def _layer(
     keys[:, :, length : length + 1] = qk[n_heads:].view(1, hkv, 1, d)
     values[:, :, length : length + 1] = joined[nq + nk :].view(1, hkv, 1, d)
     positions[:, :, length : length + 1] = position.view(1, 1, 1)
-    out = exact_decode_attention(qk[:n_heads].view(1, n_heads, 1, d), keys[:, :, : length + 1],
-                                 values[:, :, : length + 1], scaling)  # [1, H, 1, D]  # fmt: skip
+    out = exact_decode_attention(qk[:n_heads].view(1, n_heads, 1, d), keys[:, :, start : length + 1],
+                                 values[:, :, start : length + 1], scaling)  # [1, H, 1, D]  # fmt: skip
     h = h + _linear(o, out.reshape(-1), bf16).view(1, 1, c)
     x = torch.rms_norm(h, (c,), norms[1], eps).view(-1)
     if len(gate_up) == 1:
@@ -178,33 +181,38 @@ def _sandwich_layer(
     return h + torch.rms_norm(mlp, (c,), 1.0 + norms[3], eps)
 
 
-_KEPT = ("mv", "softmax", "mean", "gelu")  # the operations inductor must leave to torch's kernels
+_KEPT = ("mv", "softmax", "mean", "silu", "gelu")  # what inductor must leave to torch's kernels (below)
 
 
 def _inductor_as_eager(graph: Any, example_inputs: Any) -> Any:
-    """torch.compile's inductor, with the operations whose sums it would order otherwise left to
-    torch's own kernels, so that the step's logits equal the eager step's bit for bit: a bfloat16
-    linear's product (`mv`: inductor's decomposition sums in another order, and torch's kernel is
-    the one measured fastest for one row, `linears.bf16_matvec`), the attention's `softmax`, and
-    the `mean` of an RMSNorm's squares (torch's `rms_norm` on a CPU is x², mean, + ε, rsqrt and
-    products; with inductor's own mean, 6 of 40 SmolLM2 answers changed: docs/performance.md).
-    What inductor fuses is elementwise: the rest of the norms, RoPE, the activation, the adds.
+    """torch.compile's inductor, with every operation whose result it would compute another way
+    left to torch's own kernels, so that the step's logits equal the eager step's bit for bit:
+    a bfloat16 linear's product (`mv`: inductor's decomposition sums in another order, and torch's
+    kernel is the one measured fastest for one row, `linears.bf16_matvec`), the attention's
+    `softmax`, the `mean` of an RMSNorm's squares (torch's `rms_norm` on a CPU is x², mean, + ε,
+    rsqrt and products; with inductor's own mean, 6 of 40 SmolLM2 answers changed:
+    docs/performance.md), and the MLPs' `silu` and `gelu` (inductor's exponential and tanh round
+    otherwise in the elements after the last full vector). What inductor fuses is basic arithmetic
+    whose every result is rounded once (adds, products, negation, casts, the norms' rsqrt), so
+    the vector width does not change it.
 
-    Inductor is told through its decomposition table (`mv`, `softmax`) and, while this graph
-    compiles, a fallback for `mean` in place of its lowering (restored afterwards). A custom
-    pass that changes nothing names this choice in inductor's cache key, so that a graph cached
-    by another compile (same graph, inductor's own mean) is never returned here; AOTAutograd's
-    cache, whose key does not see the decompositions, is off for the compile."""
+    Inductor is told through its decomposition table (`mv`, `softmax`, `silu`, `gelu`) and, while
+    this graph compiles, a fallback for `mean` in place of its lowering (inductor's tables restored
+    afterwards; dynamo compiles one graph at a time, under its compile lock). A custom pass that
+    changes nothing names this file's contents in inductor's cache key, so that a graph compiled
+    another way (the same graph with inductor's own mean) is never read back from its cache;
+    AOTAutograd's cache, whose key does not see the decompositions, is off for the compile."""
     from torch._functorch import config as functorch_config
     from torch._inductor import lowering
     from torch._inductor.compile_fx import compile_fx
     from torch._inductor.decomposition import select_decomp_table
 
     aten = torch.ops.aten
-    kept = {aten.mv.default, aten.mv.out, aten._softmax.default, aten._softmax.out, aten.gelu.default}
+    kept = {aten.mv.default, aten.mv.out, aten._softmax.default, aten._softmax.out, aten.silu.default,
+            aten.gelu.default}  # fmt: skip
     table = {op: fn for op, fn in select_decomp_table().items() if op not in kept}
     mean = aten.mean.dim
-    saved, was_fallback = lowering.lowerings.get(mean), mean in lowering.fallbacks
+    saved = (lowering.lowerings.get(mean), mean in lowering.fallbacks, mean in lowering.needs_realized_inputs)
     try:
         lowering.lowerings.pop(mean, None)
         lowering.make_fallback(mean, warn=False)
@@ -213,24 +221,25 @@ def _inductor_as_eager(graph: Any, example_inputs: Any) -> Any:
                               config_patches={"post_grad_custom_post_pass": _cache_key()})  # fmt: skip
     finally:
         lowering.lowerings.pop(mean, None)
-        if saved is not None:
-            lowering.lowerings[mean] = saved
-        if not was_fallback:
+        if saved[0] is not None:
+            lowering.lowerings[mean] = saved[0]
+        if not saved[1]:
             lowering.fallbacks.discard(mean)
+        if not saved[2]:
+            lowering.needs_realized_inputs.discard(mean)
 
 
 def _cache_key() -> Any:
-    """An instance of `CacheKey` (defined here: inductor is imported only to compile)."""
+    """A graph pass that changes nothing, whose `uuid` (this file's SHA-256) enters inductor's
+    cache key. Defined here: inductor is imported only to compile."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     class CacheKey(CustomGraphPass):
-        """A pass that changes nothing; its `uuid` enters inductor's cache key (see above)."""
-
         def __call__(self, graph: Any) -> None:
             return None
 
         def uuid(self) -> str:
-            return "rocketkv captured step: " + ", ".join(_KEPT) + " as torch's kernels (1)"
+            return "rocketkv captured step " + hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
 
     return CacheKey()
 
@@ -259,6 +268,14 @@ class CapturedStep:
         self._sandwich = torch.compile(_sandwich_layer, fullgraph=True, backend=_inductor_as_eager)
 
     def __call__(self, cache: RocketCache, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One token's logits `[1, V]` float32 (see the class). Raises ValueError: input_ids not
+        `[1, 1]` or positions not `[1]`, as `DecodeStep`."""
+        if input_ids.shape != (1, 1) or positions.shape != (1,):
+            return self.eager(cache, input_ids, positions)  # which raises the ValueError
+        with decode_step():  # as DecodeStep: the decode weights (bf16 linears, a certified head)
+            return self._call(cache, input_ids, positions)
+
+    def _call(self, cache: RocketCache, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.failure is not None or not self._applies(cache):
             return self.eager(cache, input_ids, positions)
         weights = self._layer_weights()
@@ -351,8 +368,8 @@ class CapturedStep:
                                    self.shape.layers[i].scaling, self.shape.n_heads)  # fmt: skip
                 layer.length = n + 1
                 continue
-            h = self._compiled(h, cos, sin, n, positions, layer.keys, layer.values, layer.positions, w.norms, w.qkv,
-                               w.o, w.gate_up, w.down, w.eps, w.bf16, self.shape.layers[i].scaling,
+            h = self._compiled(h, cos, sin, n, starts[i], positions, layer.keys, layer.values, layer.positions,
+                               w.norms, w.qkv, w.o, w.gate_up, w.down, w.eps, w.bf16, self.shape.layers[i].scaling,
                                self.shape.n_heads)  # fmt: skip
             layer.length = n + 1
         logits = self.model.lm_head(inner.norm(h))[:, -1]  # [1, V]  # fmt: skip
@@ -373,8 +390,8 @@ def _weights_of(layer: Any, plan: _LayerPlan) -> _LayerWeights | None:
     qk = [attn.q_norm, attn.k_norm] if sandwich else []
     if not plan.direct or (plan.q_norm is not None) != sandwich:
         return None
-    kinds = _RMS_NORMS_PLUS_ONE if sandwich else _RMS_NORMS
-    if any(type(n).__name__ not in kinds or n.weight.dtype != torch.float32 for n in norms + qk):
+    kind = "1+w" if sandwich else "w"
+    if any(rms_norm_kind(n) != kind or n.weight.dtype != torch.float32 for n in norms + qk):
         return None
     act = getattr(mlp, "act_fn", None)
     if sandwich:

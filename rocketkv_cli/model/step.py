@@ -247,19 +247,29 @@ _RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 _RMS_NORMS_PLUS_ONE = ("Gemma3RMSNorm",)
 
 
+def rms_norm_kind(norm: Any) -> str | None:
+    """ "w" for transformers' own RMSNorm of `w · x/rms(x)` (Llama, Mistral, Qwen), "1+w" for
+    Gemma 3's `(1 + w) · x/rms(x)`, None for any other norm (another class, or one whose
+    `forward` a subclass replaced): what `torch.rms_norm` can stand for."""
+    cls = type(norm)
+    own = cls.__module__.startswith("transformers.models.") and cls.forward.__qualname__ == f"{cls.__name__}.forward"
+    if not own:
+        return None
+    return "w" if cls.__name__ in _RMS_NORMS else "1+w" if cls.__name__ in _RMS_NORMS_PLUS_ONE else None
+
+
 def _fast_norm(norm: Any) -> Row:
     """`norm` as a function of float32 rows on a CPU: transformers' RMSNorms as `torch.rms_norm`,
     whose CPU path is the same operations (x², mean, + ε, rsqrt, ·x, ·weight): equal bit for bit
     (`tests/test_step.py`); another input dtype or device (a GPU's fused kernel sums in its own
     order), and any other norm, through its own `forward` (Llama's norm computes a float64 input
     in float32, for one)."""
-    cls = type(norm)
-    own = cls.__module__.startswith("transformers.models.") and cls.forward.__qualname__ == f"{cls.__name__}.forward"
-    if not own or cls.__name__ not in _RMS_NORMS + _RMS_NORMS_PLUS_ONE:
+    kind = rms_norm_kind(norm)
+    if kind is None:
         return norm.forward
     forward, weight, f32 = norm.forward, norm.weight, torch.float32
     shape = (weight.shape[0],)
-    plus_one = cls.__name__ in _RMS_NORMS_PLUS_ONE
+    plus_one = kind == "1+w"
     eps = norm.eps if plus_one else norm.variance_epsilon
 
     def run(x: torch.Tensor) -> torch.Tensor:

@@ -176,8 +176,9 @@ class Warm:
         models, caches = list(self.models.items()), list(self.caches.items())
         buffers = sum(rk.held_bytes() for _, (rk, _) in models)
         captured = sum(getattr(rk.engine.step, "captured_steps", 0) for _, (rk, _) in models)
+        failures = [f for _, (rk, _) in models if (f := getattr(rk.engine.step, "failure", None))]
         used = sum(n for _, (_, n) in models) + buffers + sum(c.n_bytes for _, c in caches)
         return {"models": [k.model for k, _ in models], "caches": [str(p) for p, _ in caches], "used_bytes": used,
                 "decode_buffers_bytes": buffers, "memory_budget_bytes": self.memory_budget,
                 "reloads": self.reloads, "compile_step": self.compile_step,
-                "captured_steps": captured}  # fmt: skip
+                "captured_steps": captured, "compile_failure": failures[0] if failures else None}  # fmt: skip

@@ -11,7 +11,7 @@ ROW_KEYS = {
     "ttft_from_file_s", "ttft_full_reprefill_s", "ttft_speedup", "decode_step_hsa_s", "decode_step_full_s",
     "decode_speedup", "decode_step_exact_pruned_s", "hsa_vs_exact_pruned", "decode_speedup_exact_pruned",
     "decode_step_exact_forward_s", "direct_step_vs_forward", "decode_step_whole_store_s",
-    "working_set_vs_whole_store",
+    "working_set_vs_whole_store", "decode_step_captured_s", "captured_vs_direct",  # the tiny Llama is captured
     "weights_bytes", "hsa_kv_bytes_per_step", "ideal_decode_speedup",
     "decode_speedup_fraction_of_ideal", "budgets", "peak_rss_ask_bytes", "peak_rss_full_bytes", "peak_rss_ratio",
 }  # fmt: skip
@@ -35,6 +35,7 @@ def test__bench__tiny_model_json_schema(rocketkv_bin, tiny_model_dir, tmp_path):
     for row in rows:
         assert set(row) == ROW_KEYS
         assert row["file_bytes"] > 0 and row["peak_rss_ask_bytes"] > 0 and row["decode_step_hsa_s"] > 0
+        assert row["decode_step_captured_s"] > 0 and row["captured_vs_direct"] > 0
         assert row["file_bytes"] < row["full_kv_bytes"], "at budget 64 the pruned file must be smaller than the full KV"
         assert row["hsa_kv_bytes_per_step"] < row["full_kv_bytes"] and row["ideal_decode_speedup"] > 1
     assert [c["kept_tokens"] for c in report["attention_crossover"]] == [256, 512]

@@ -678,4 +678,6 @@ def test__compile_step__the_server_decodes_through_the_captured_step(rocketkv_bi
     assert remote.returncode == 0, remote.stderr
     assert remote.stdout == local.stdout
     info = health(s.server)
-    assert info["compile_step"] is True and info["captured_steps"] > 0, info
+    assert info["compile_step"] is True and info["captured_steps"] > 0 and info["compile_failure"] is None, info
+    status = run(rocketkv_bin, env, "serve", "status")
+    assert f"decode step: compiled, {info['captured_steps']:,} steps captured\n" in status.stdout, status.stdout

@@ -42,6 +42,10 @@ def _status(where: Server, json_out: bool) -> None:
     buffers = info.get("decode_buffers_bytes", 0) / 1e6
     typer.echo(f"memory: {info['used_bytes'] / 1e6:.1f} MB of {info['memory_budget_bytes'] / 1e9:.1f} GB "
                f"(models, caches, and {buffers:.1f} MB of decode buffers)")  # fmt: skip
+    if info.get("compile_step"):
+        failed = info.get("compile_failure")
+        typer.echo(f"decode step: compiled, {info.get('captured_steps', 0):,} steps captured"
+                   + (f"; compiling failed, decoding eagerly: {failed}" if failed else ""))  # fmt: skip
 
 
 def _stop(where: Server) -> None:

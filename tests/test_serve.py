@@ -381,6 +381,7 @@ def test__a_socket_path_that_names_a_file_is_refused_and_kept(rocketkv_bin, env,
     r = run(rocketkv_bin, env, "serve", "--socket", doc, "--idle-timeout", "0")
     assert r.returncode == 1 and "is not a socket" in r.stderr and "Traceback" not in r.stderr
     assert doc.read_bytes() == b"precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.kv"], "the refusal left a lock file beside it"
 
 
 def test__concurrent_clients_get_the_in_process_answers(rocketkv_bin, env, caches, served):

@@ -28,10 +28,14 @@ from .warm import Warm
 Log = Callable[[str], None]
 
 
+def _lock_path(path: Path) -> Path:
+    return path.with_name(path.name + ".lock")
+
+
 def _lock(path: Path) -> int:
     """Take `<socket>.lock` (exclusive, non-blocking). Raises InputError when a server holds it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    lock_path = path.with_name(path.name + ".lock")
+    lock_path = _lock_path(path)
     try:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)  # never through a planted link
     except OSError as exc:
@@ -50,10 +54,13 @@ def _lock(path: Path) -> int:
 def bind_unix(path: Path) -> tuple[socket.socket, int]:
     """A listening Unix socket at `path` (mode 0600 from the start), and the lock's descriptor.
     A stale socket file (its server is gone: the lock was free) is replaced. Raises InputError."""
+    had_lock = _lock_path(path).exists()
     lock_fd = _lock(path)
     try:
         if path.is_symlink() or path.exists():
             if not stat.S_ISSOCK(os.lstat(path).st_mode):  # a mix-up (--socket doc.kv): never delete a file
+                if not had_lock:  # no server can ever listen there: the lock made for it goes too
+                    _lock_path(path).unlink(missing_ok=True)
                 raise InputError(f"{path} exists and is not a socket", "give --socket a new path")
             path.unlink()  # stale: the server that made it no longer holds the lock
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

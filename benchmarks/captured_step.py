@@ -21,14 +21,11 @@ import sys
 import time
 from pathlib import Path
 
+from answer_weights import QUESTIONS as ANSWER_WEIGHTS_QUESTIONS  # benchmarks/ is on sys.path when run
+
 REPO = Path(__file__).resolve().parents[1]
-QUESTIONS = [
-    "Can I charge a fee for distributing copies of the program?", "What must I provide with the object code?",
-    "What happens to my license if I violate the terms?", "Can I add further restrictions to the license?",
-    "What is Corresponding Source?", "Does the license cover patents?",
-    "What does the preamble say about the freedom to change software?",
-    "Who is protected by the GPL's disclaimer of warranty?", "What is a User Product?",
-    "How can I apply these terms to a new program?", "Who publishes this license?",
+QUESTIONS = ANSWER_WEIGHTS_QUESTIONS + [  # the GPL's questions there, then 30 more
+    "Who publishes this license?",
     "What is the purpose of this license?", "Can I sell copies of the program?",
     "What is an aggregate?", "What does convey mean?", "What does propagate mean?",
     "What is the System Libraries exception?", "What are Installation Information?",

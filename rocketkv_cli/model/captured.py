@@ -38,7 +38,7 @@ from torch import nn
 
 from .hf import RocketCache, decode_attention_is_exact, exact_decode_attention, window_start
 from .linears import Bf16Linear, bf16_matvec, decode_step
-from .step import DecodeStep, _hooked, _LayerPlan, rms_norm_kind
+from .step import DecodeStep, _hooked, _LayerPlan, _rope, rms_norm_kind
 
 _SILU = ("SiLU", "SiLUActivation")  # activations whose forward is F.silu (torch's, transformers')
 
@@ -71,6 +71,43 @@ def _linear(w: torch.Tensor, x: torch.Tensor, bf16: bool) -> torch.Tensor:
     return F.linear(x.view(1, 1, -1), w).view(-1)
 
 
+def _products(weights: tuple[torch.Tensor, ...], x: torch.Tensor, bf16: bool) -> torch.Tensor:
+    """`x` `[n]` through one joined weight, or through its parts one by one and joined after:
+    `[sum of out]` (q/k/v as `DecodeStep` runs them, joined or not)."""
+    if len(weights) == 1:
+        return _linear(weights[0], x, bf16)
+    return torch.cat([_linear(w, x, bf16) for w in weights])
+
+
+def _gate_and_up(weights: tuple[torch.Tensor, ...], x: torch.Tensor, bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MLP's gate and up `[I]` each, from one joined `[2I, C]` weight or from the two."""
+    if len(weights) == 1:
+        gu = _linear(weights[0], x, bf16)  # [2I]
+        n = gu.shape[0] // 2
+        return gu[:n], gu[n:]
+    return _linear(weights[0], x, bf16), _linear(weights[1], x, bf16)
+
+
+def _append_and_attend(
+    q: torch.Tensor,  # [1, H, 1, D] after RoPE
+    k: torch.Tensor,  # [1, Hkv, 1, D] after RoPE
+    v: torch.Tensor,  # [1, Hkv, 1, D]
+    keys: torch.Tensor,  # [1, Hkv, N, D]
+    values: torch.Tensor,
+    positions: torch.Tensor,  # [1, Hkv, N] int64
+    length: int,
+    start: int,
+    position: torch.Tensor,  # [1] int64
+    scaling: float,
+) -> torch.Tensor:
+    """`RocketLayer.append` of the token at `length`, then `hf.exact_decode_attention` over the
+    keys from `start` (a sliding window's) to it: `[1, H, 1, D]`."""
+    keys[:, :, length : length + 1] = k
+    values[:, :, length : length + 1] = v
+    positions[:, :, length : length + 1] = position.view(1, 1, 1)
+    return exact_decode_attention(q, keys[:, :, start : length + 1], values[:, :, start : length + 1], scaling)
+
+
 def _layer(
     h: torch.Tensor,  # [1, 1, C] float32, the residual stream
     cos: torch.Tensor,  # [1, D]
@@ -98,27 +135,14 @@ def _layer(
     c = h.shape[-1]
     hkv, d = keys.shape[1], keys.shape[3]
     x = torch.rms_norm(h, (c,), norms[0], eps).view(-1)  # [C]
-    if len(qkv) == 1:
-        joined = _linear(qkv[0], x, bf16)  # [nq + nk + nv]
-    else:
-        joined = torch.cat([_linear(part, x, bf16) for part in qkv])
+    joined = _products(qkv, x, bf16)  # [nq + nk + nv]
     nq, nk = n_heads * d, hkv * d
-    qk = joined[: nq + nk].view(-1, d)  # [H + Hkv, D]
-    half = d // 2
-    qk = qk * cos + torch.cat((-qk[:, half:], qk[:, :half]), dim=-1) * sin  # RoPE, as step._rope
-    keys[:, :, length : length + 1] = qk[n_heads:].view(1, hkv, 1, d)
-    values[:, :, length : length + 1] = joined[nq + nk :].view(1, hkv, 1, d)
-    positions[:, :, length : length + 1] = position.view(1, 1, 1)
-    out = exact_decode_attention(qk[:n_heads].view(1, n_heads, 1, d), keys[:, :, start : length + 1],
-                                 values[:, :, start : length + 1], scaling)  # [1, H, 1, D]  # fmt: skip
+    qk = _rope(joined[: nq + nk].view(-1, d), cos, sin)  # [H + Hkv, D]: q and k at once, as DecodeStep
+    out = _append_and_attend(qk[:n_heads].view(1, n_heads, 1, d), qk[n_heads:].view(1, hkv, 1, d),
+                             joined[nq + nk :].view(1, hkv, 1, d), keys, values, positions, length, start,
+                             position, scaling)  # [1, H, 1, D]  # fmt: skip
     h = h + _linear(o, out.reshape(-1), bf16).view(1, 1, c)
-    x = torch.rms_norm(h, (c,), norms[1], eps).view(-1)
-    if len(gate_up) == 1:
-        gu = _linear(gate_up[0], x, bf16)  # [2I]
-        n = gu.shape[0] // 2
-        gate, up = gu[:n], gu[n:]
-    else:
-        gate, up = _linear(gate_up[0], x, bf16), _linear(gate_up[1], x, bf16)
+    gate, up = _gate_and_up(gate_up, torch.rms_norm(h, (c,), norms[1], eps).view(-1), bf16)
     return h + _linear(down, F.silu(gate) * up, bf16).view(1, 1, c)
 
 
@@ -151,37 +175,18 @@ def _sandwich_layer(
     residual add. Returns `[1, 1, C]`."""
     c = h.shape[-1]
     hkv, d = keys.shape[1], keys.shape[3]
-    x = torch.rms_norm(h, (c,), 1.0 + norms[0], eps)  # [1, 1, C]
-    if len(qkv) == 1:
-        joined = _linear(qkv[0], x.view(-1), bf16)
-    else:
-        joined = torch.cat([_linear(part, x.view(-1), bf16) for part in qkv])
+    joined = _products(qkv, torch.rms_norm(h, (c,), 1.0 + norms[0], eps).view(-1), bf16)
     nq, nk = n_heads * d, hkv * d
     q = torch.rms_norm(joined[:nq].view(1, 1, n_heads, d), (d,), 1.0 + qk_norms[0], qk_eps)
     k = torch.rms_norm(joined[nq : nq + nk].view(1, 1, hkv, d), (d,), 1.0 + qk_norms[1], qk_eps)
-    half = d // 2
-    q, k = q.reshape(-1, d), k.reshape(-1, d)
-    q = q * cos + torch.cat((-q[:, half:], q[:, :half]), dim=-1) * sin  # RoPE, as step._rope
-    k = k * cos + torch.cat((-k[:, half:], k[:, :half]), dim=-1) * sin
-    keys[:, :, length : length + 1] = k.view(1, hkv, 1, d)
-    values[:, :, length : length + 1] = joined[nq + nk :].view(1, hkv, 1, d)
-    positions[:, :, length : length + 1] = position.view(1, 1, 1)
-    out = exact_decode_attention(q.view(1, n_heads, 1, d), keys[:, :, start : length + 1],
-                                 values[:, :, start : length + 1], scaling)  # [1, H, 1, D]  # fmt: skip
+    q, k = _rope(q.reshape(-1, d), cos, sin), _rope(k.reshape(-1, d), cos, sin)  # as DecodeStep: one by one
+    out = _append_and_attend(q.view(1, n_heads, 1, d), k.view(1, hkv, 1, d), joined[nq + nk :].view(1, hkv, 1, d),
+                             keys, values, positions, length, start, position, scaling)  # fmt: skip
     out = _linear(o, out.reshape(-1), bf16).view(1, 1, c)
     h = h + torch.rms_norm(out, (c,), 1.0 + norms[1], eps)
-    x = torch.rms_norm(h, (c,), 1.0 + norms[2], eps).view(-1)
-    if len(gate_up) == 1:
-        gu = _linear(gate_up[0], x, bf16)  # [2I]
-        n = gu.shape[0] // 2
-        gate, up = gu[:n], gu[n:]
-    else:
-        gate, up = _linear(gate_up[0], x, bf16), _linear(gate_up[1], x, bf16)
+    gate, up = _gate_and_up(gate_up, torch.rms_norm(h, (c,), 1.0 + norms[2], eps).view(-1), bf16)
     mlp = _linear(down, F.gelu(gate, approximate="tanh") * up, bf16).view(1, 1, c)
     return h + torch.rms_norm(mlp, (c,), 1.0 + norms[3], eps)
-
-
-_KEPT = ("mv", "softmax", "mean", "silu", "gelu")  # what inductor must leave to torch's kernels (below)
 
 
 def _inductor_as_eager(graph: Any, example_inputs: Any) -> Any:

@@ -202,7 +202,8 @@ def _inductor_as_eager(graph: Any, example_inputs: Any) -> Any:
     the vector width does not change it.
 
     Inductor is told through its decomposition table (`mv`, `softmax`, `silu`, `gelu`) and, while
-    this graph compiles, a fallback for `mean` in place of its lowering (inductor's tables restored
+    this graph compiles, a fallback for each of them and for `mean` (in place of its lowering),
+    registered without inductor's `CI` check (inductor's tables restored
     afterwards; dynamo compiles one graph at a time, under its compile lock). A custom pass that
     changes nothing names this file's contents in inductor's cache key, so that a graph compiled
     another way (the same graph with inductor's own mean) is never read back from its cache;
@@ -216,22 +217,28 @@ def _inductor_as_eager(graph: Any, example_inputs: Any) -> Any:
     kept = {aten.mv.default, aten.mv.out, aten._softmax.default, aten._softmax.out, aten.silu.default,
             aten.gelu.default}  # fmt: skip
     table = {op: fn for op, fn in select_decomp_table().items() if op not in kept}
-    mean = aten.mean.dim
-    saved = (lowering.lowerings.get(mean), mean in lowering.fallbacks, mean in lowering.needs_realized_inputs)
+    # Each kept op and `mean` runs as torch's kernel: a fallback registered here, as inductor itself
+    # registers one for an op it has no lowering for, but without its check (under a `CI`
+    # environment variable) that an op with a decomposition is never a fallback.
+    fallen = [*sorted(kept, key=str), aten.mean.dim]
+    saved = {op: (lowering.lowerings.get(op), op in lowering.fallbacks, op in lowering.needs_realized_inputs)
+             for op in fallen}  # fmt: skip
     try:
-        lowering.lowerings.pop(mean, None)
-        lowering.make_fallback(mean, warn=False)
+        for op in fallen:
+            lowering.lowerings.pop(op, None)
+            lowering.make_fallback(op, warn=False, override_decomp=True)
         with functorch_config.patch(enable_autograd_cache=False):
             return compile_fx(graph, example_inputs, decompositions=table,
                               config_patches={"post_grad_custom_post_pass": _cache_key()})  # fmt: skip
     finally:
-        lowering.lowerings.pop(mean, None)
-        if saved[0] is not None:
-            lowering.lowerings[mean] = saved[0]
-        if not saved[1]:
-            lowering.fallbacks.discard(mean)
-        if not saved[2]:
-            lowering.needs_realized_inputs.discard(mean)
+        for op, (lowered, fallback, realized) in saved.items():
+            lowering.lowerings.pop(op, None)
+            if lowered is not None:
+                lowering.lowerings[op] = lowered
+            if not fallback:
+                lowering.fallbacks.discard(op)
+            if not realized:
+                lowering.needs_realized_inputs.discard(op)
 
 
 def _cache_key() -> Any:

@@ -124,3 +124,28 @@ def test__the_python_api_sets_threads_as_the_command_line_does(tiny_model_dir, t
             s.kill()
             s.wait()
     assert busy[0] == busy[1] and busy[0] < cores, (busy, cores)
+
+
+@pytest.mark.parametrize(
+    "env, want",
+    [({"OMP_NUM_THREADS": "1,1"}, (1, "$OMP_NUM_THREADS")), ({"OMP_NUM_THREADS": " 1 "}, (1, "$OMP_NUM_THREADS")),
+     ({"ROCKETKV_THREADS": "1", "OMP_NUM_THREADS": "x"}, (1, "$ROCKETKV_THREADS"))],
+)  # fmt: skip
+def test__requested_threads__omp_num_threads_in_openmps_list_form_counts_its_first_level(monkeypatch, env, want):
+    for name in ("ROCKETKV_THREADS", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert threads_mod.requested_threads() == want
+
+
+@pytest.mark.parametrize(
+    "name, value", [("OMP_NUM_THREADS", "two"), ("OMP_NUM_THREADS", ",1"), ("ROCKETKV_THREADS", "1,1")]
+)
+def test__requested_threads__anything_else_is_a_usage_error_naming_the_variable(monkeypatch, name, value):
+    from rocketkv_cli.errors import UsageError
+
+    monkeypatch.delenv("ROCKETKV_THREADS", raising=False)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(UsageError, match=f"\\${name}="):
+        threads_mod.requested_threads()

@@ -134,7 +134,8 @@ _SINCE_START = CpuLoad()  # imported when a command starts (`cli.common.setup`)
 
 def requested_threads(threads: int | None = None) -> tuple[int, str] | None:
     """(threads, where the number came from) when one was asked for: `threads` if given, else
-    `$ROCKETKV_THREADS`, else `$OMP_NUM_THREADS`; None: choose (`resolve_threads`). Raises
+    `$ROCKETKV_THREADS`, else `$OMP_NUM_THREADS` (its first level where it lists one per nesting
+    level, as OpenMP reads "4,2"); None: choose (`resolve_threads`). Raises
     UsageError for a value < 1, above the machine's logical CPUs (`os.cpu_count()`), or not a
     number."""
     if threads is not None:
@@ -144,8 +145,10 @@ def requested_threads(threads: int | None = None) -> tuple[int, str] | None:
         if not source:
             return None
         raw = os.environ[source]
+        # OpenMP's list form gives each nesting level its count ("4,2"): the first is the process's
+        level = raw.split(",")[0] if source == "OMP_NUM_THREADS" else raw
         try:
-            threads = int(raw)
+            threads = int(level)
         except ValueError:
             raise UsageError(f"${source}={raw!r} is not a whole number of threads") from None
         source = f"${source}"

@@ -94,3 +94,30 @@ def test__another_preset_than_the_cache_was_built_with__refused_before_loading(r
     for model in (None, "gemma-3-270m", str(tmp_path / "some-model-dir")):
         check_model_choice(as_gemma, model, tmp_path / "d.kv")
     check_model_choice(done.cache, "smollm2-135m", tmp_path / "d.kv")  # built from a directory: its digests decide
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "cuda:-1", "cuda0", "cuda:٣", "CPU"])
+def test__placement__an_unknown_device_name_is_a_model_load_error(device):
+    from rocketkv_cli.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="unknown device"):
+        RocketKV.placement(device)
+
+
+def test__placement__names_each_gpu_one_way():
+    """`cuda` and `cuda:0` are one device wherever models are kept by device (the server's warm
+    models): both resolve to the same name; on a machine without CUDA both are refused."""
+    import torch
+
+    from rocketkv_cli.errors import ModelLoadError
+
+    if not torch.cuda.is_available():
+        for device in ("cuda", "cuda:0"):
+            with pytest.raises(ModelLoadError, match="no CUDA GPU"):
+                RocketKV.placement(device)
+        return
+    current = torch.cuda.current_device()
+    assert RocketKV.placement("cuda")[0] == RocketKV.placement(f"cuda:{current}")[0] == f"cuda:{current}"
+    assert RocketKV.placement("auto")[0] == f"cuda:{current}"
+    with pytest.raises(ModelLoadError, match="CUDA GPU"):
+        RocketKV.placement(f"cuda:{torch.cuda.device_count()}")

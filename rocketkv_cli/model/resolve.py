@@ -49,16 +49,25 @@ def rocketkv_home() -> Path:
 
 
 def resolve_device(device: str) -> torch.device:
-    """`cpu`, `cuda`, `cuda:N` or `auto` → torch.device. Raises ModelLoadError when CUDA is absent."""
+    """`cpu`, `cuda`, `cuda:N` or `auto` → torch.device, canonical: a GPU always with its index
+    (`cuda` is the current one, `cuda:0` on most machines), so that `cuda` and `cuda:0` name one
+    device wherever models are kept by device (the server's warm models). Raises ModelLoadError:
+    CUDA absent, an index past the GPUs present, or an unknown name."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ModelLoadError("--device cuda was requested but no CUDA GPU is available", "use --device cpu")
-        return torch.device(device)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         return torch.device("cpu")
-    raise ModelLoadError(f"unknown device {device!r}", "use cpu, cuda or auto")
+    name, _, index = device.partition(":")
+    if name != "cuda" or (index and not (index.isascii() and index.isdigit())):
+        raise ModelLoadError(f"unknown device {device!r}", "use cpu, cuda, cuda:N or auto")
+    if not torch.cuda.is_available():
+        raise ModelLoadError(f"--device {device} was requested but no CUDA GPU is available", "use --device cpu")
+    n = torch.cuda.device_count()
+    gpu = int(index) if index else torch.cuda.current_device()
+    if gpu >= n:
+        raise ModelLoadError(f"--device {device}: this machine has {n} CUDA GPU{'s' if n != 1 else ''}",
+                             f"use cuda:0{f' to cuda:{n - 1}' if n > 1 else ''}")  # fmt: skip
+    return torch.device("cuda", gpu)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -263,6 +263,21 @@ def edited(ws: Workspace, name: str, **meta) -> Path:
     return _write_header(path, header, data[8 + n :])
 
 
+def page_over_topk(ws: Workspace) -> Path:
+    """Every budgets record of the file with a page larger than its top-k (metadata re-digested)."""
+    path = ws.copy_kv("page.kv")
+    n, header, data = _header(path)
+    meta = header["__metadata__"]
+    budgets = json.loads(meta["budgets"])
+    budgets["page_size"] = 100_000_000
+    meta["budgets"] = json.dumps(budgets)
+    segments = json.loads(meta["segments"])
+    for segment in segments:
+        segment["budgets"]["page_size"] = 100_000_000
+    meta["segments"] = json.dumps(segments)
+    return _write_header(path, header, data[8 + n :])
+
+
 def enormous(ws: Workspace) -> Path:
     path = ws.copy_kv("enormous.kv")
     n, header, data = _header(path)
@@ -625,6 +640,7 @@ CASES: list[Case] = [
     Case("metadata edited to claim other shapes", "cache", lambda ws: ["ask", "--cache", edited(ws, "shapes.kv", head_dim="8"), QUESTION], 1, "disagree with the metadata"),
     Case("n_context_tokens raised (metadata re-digested)", "cache", lambda ws: ["ask", "--cache", edited(ws, "ctx.kv", n_context_tokens="5000"), QUESTION], 1, "malformed metadata"),
     Case("config with max_new_tokens 0 (re-digested)", "cache", lambda ws: ["ask", "--cache", edited(ws, "cfg.kv", config='{"max_new_tokens": 0}'), QUESTION], 1, "malformed metadata"),
+    Case("budgets with a page over topk (re-digested)", "cache", lambda ws: ["ask", "--cache", page_over_topk(ws), QUESTION], 1, "malformed metadata"),
     Case("newer format version", "cache", lambda ws: ["ask", "--cache", edited(ws, "newer.kv", format_version="99"), QUESTION], 1, "newer than this rocketkv"),
     Case("random bytes named .kv", "cache", lambda ws: ["ask", "--cache", ws.file("random.kv", os.urandom(5000)), QUESTION], 1, "not a rocketkv cache"),
     Case("safetensors that is not a cache", "cache", lambda ws: ["ask", "--cache", foreign_safetensors(ws), QUESTION], 1, "not a rocketkv cache"),

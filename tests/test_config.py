@@ -81,6 +81,21 @@ def test__budgets_and_decode_config__validate():
         Budgets(prompt_budget=1, capacity_budget=2, topk=1, page_size=0, n_score_dims=1)
 
 
+def test__resolve_budgets__a_small_topk_caps_the_derived_page():
+    """--topk alone below the derived page (2 here: 20,000 tokens at budget 64) gives pages of topk
+    tokens; the cache it once wrote held page_size 2 > topk 1 and every ask blamed --page-size."""
+    assert derive_budgets(20_000, 128, 64, 64).page_size > 1
+    b = resolve_budgets(PrefillConfig(token_budget=64, topk=1), 20_000, 64)
+    assert (b.topk, b.page_size) == (1, 1)
+
+
+def test__budgets__a_page_over_topk_refused():
+    """Stored budgets are checked as the decode checks them: a file's page larger than its top-k is
+    its own fault (malformed metadata), not an option the user never typed."""
+    with pytest.raises(ValueError, match="page_size must not exceed topk"):
+        Budgets(prompt_budget=8, capacity_budget=9, topk=4, page_size=5, n_score_dims=1)
+
+
 def test__decode_config__page_size_over_topk_refused():
     """A page larger than what one step attends (it once allocated for the page, 13 GB for 1e8)."""
     with pytest.raises(ValueError, match="page_size"):

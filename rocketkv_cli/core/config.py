@@ -300,6 +300,8 @@ class Budgets:
     def __post_init__(self) -> None:
         for name in ("prompt_budget", "capacity_budget", "topk", "page_size", "n_score_dims"):
             _positive(name, getattr(self, name), allow_none=False)
+        if self.page_size > self.topk:  # derive_budgets never gives one: a page never exceeds a step's top-k
+            raise ValueError(f"page_size must not exceed topk ({self.topk}), got {self.page_size}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -360,11 +362,12 @@ def resolve_budgets(cfg: PrefillConfig, n_context_tokens: int, head_dim: int) ->
     """`derive_budgets` for `cfg`, with its explicit overrides applied. Shapes: scalars in tokens."""
     b = derive_budgets(n_context_tokens, cfg.max_new_tokens, cfg.token_budget, head_dim)
     prompt_budget = cfg.prompt_budget if cfg.prompt_budget is not None else b.prompt_budget
+    topk = cfg.topk if cfg.topk is not None else b.topk
     return Budgets(
         prompt_budget=prompt_budget,
         capacity_budget=prompt_budget + cfg.max_new_tokens,
-        topk=cfg.topk if cfg.topk is not None else b.topk,
-        page_size=cfg.page_size if cfg.page_size is not None else b.page_size,
+        topk=topk,
+        page_size=cfg.page_size if cfg.page_size is not None else min(b.page_size, topk),
         n_score_dims=min(head_dim, cfg.n_score_dims) if cfg.n_score_dims is not None else b.n_score_dims,
     )
 

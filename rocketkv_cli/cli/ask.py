@@ -55,7 +55,7 @@ from .options import (
     TrustOpt,
     WeightsOpt,
 )
-from .remote import ask_remote, server_for, server_running
+from .remote import ask_remote, read_here_note, server_for, server_running
 from .sources import DocumentReading, ModelChoice, open_source
 
 
@@ -239,8 +239,7 @@ def ask_command(
         printer.end_line()
         raise
     if server_hint:
-        log("a server is running, but this document was read in this process: ingest it once "
-            "(rocketkv ingest DOC -o DOC.kv) and ask with --cache to answer through the server")  # fmt: skip
+        log(read_here_note("ask"))
     if verbose:
         log(server_note(remote) if remote is not None else threads_note())
         log(timings.summary())

@@ -30,6 +30,13 @@ def server_running(url: str | None) -> bool:
         return False
 
 
+def read_here_note(command: str) -> str:
+    """What `command DOC` says, after its answer, when a server was running but the document was
+    read in this process (a server answers only from a cache)."""
+    return (f"a server is running, but this document was read in this process: ingest it once (rocketkv ingest "
+            f"DOC -o DOC.kv) and {command} with --cache to answer through the server")  # fmt: skip
+
+
 def model_for_server(options: dict) -> dict:
     """`options` with a `model` that names an existing path made absolute (the server resolves
     paths from its own folder, not the client's)."""

@@ -31,7 +31,7 @@ from .options import (
     WeightsOpt,
     one_of,
 )
-from .remote import server_for, summarize_remote
+from .remote import read_here_note, server_for, server_running, summarize_remote
 from .sources import ModelChoice, open_cache
 
 LONG_DOCUMENT_BYTES = 1 << 20  # about 250K tokens of English: several segments, each prefilled in minutes on a CPU
@@ -132,6 +132,7 @@ def summarize_command(
     cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens)
     choice = ModelChoice(model, device, dtype, weights, trust_remote_code)
     remote = server_for(server, no_server) if cache is not None else None
+    server_hint = document is not None and not no_server and server_running(server)  # said once summarized
     partials: list[dict] = []
     on_partial = partial_logger(partials, cite)
     final: Any  # a `Summary` here, its fields from a server
@@ -157,6 +158,8 @@ def summarize_command(
                                            on_partial, extractive=writing is None, cite=cite)  # fmt: skip
                 printer = AnswerPrinter(fmt, stream)
                 print_summary(final, source, time.perf_counter() - t0, partials, extractive, printer, given)
+                if server_hint:
+                    log(read_here_note("summarize"))
                 return
             long_document_hint(document)
             stored = ingest(rk, pieces, cfg, segment_tokens=segment_tokens,
@@ -174,6 +177,8 @@ def summarize_command(
         final = summarize(rk.engine, stored, cfg, max_new_tokens, not dense, on_partial, extractive=writing is None,
                           cite=n_cite, write_from=writing or "document")  # as `rk.summarize`  # fmt: skip
     print_summary(final, source, time.perf_counter() - t0, partials, extractive, AnswerPrinter(fmt, stream), given)
+    if server_hint:
+        log(read_here_note("summarize"))
 
 
 def partial_logger(partials: list[dict], cite: bool = False) -> Callable[[Any], None]:

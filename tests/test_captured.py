@@ -209,3 +209,45 @@ def test__captured_step__a_failed_compilation_leaves_the_eager_step():
     assert captured.failure == "RuntimeError: inductor: no working C++ compiler"
     assert captured.captured_steps == 0 and len(calls) == 2
     assert torch.equal(ref, got)
+
+
+def test__captured_step__each_step_compiles_past_another_steps_graphs():
+    """Dynamo stops compiling a function past `recompile_limit` graphs. Each step keeps its own:
+    with the limit at 2, a Llama's two graphs (fixed sizes, then symbolic) and then a Mistral's
+    two, in one process, all captured (with the functions shared, the Mistral's compile would hit
+    the limit and its every step would be eager)."""
+    import torch._dynamo
+
+    for arch in ("llama", "mistral"):
+        engine, stored, dec = _setup(arch, "bf16")
+        with torch._dynamo.config.patch(recompile_limit=2):
+            ref, got, captured = _eager_and_captured(engine, stored, dec)
+        assert captured.failure is None, captured.failure
+        assert captured.captured_steps > STEPS // 2, arch  # the steps with room in the buffer
+        assert torch.equal(ref, got), f"max error {float((ref - got).abs().max()):.3g}"
+
+
+def test__captured_step__inductor_lowering_in_another_process_is_refused(monkeypatch):
+    """$TORCHINDUCTOR_FX_COMPILE_MODE=subprocess lowers graphs in a child process, where the kept
+    kernels' fallbacks are not registered: the step refuses to compile there and stays eager."""
+    from torch._inductor import compile_fx as compile_fx_module
+
+    monkeypatch.setattr(compile_fx_module, "fx_compile_mode", compile_fx_module.FxCompileMode.SUBPROCESS)
+    engine, stored, dec = _setup("llama", "float")
+    ref, got, captured = _eager_and_captured(engine, stored, dec)
+    assert captured.captured_steps == 0 and "another process" in (captured.failure or ""), captured.failure
+    assert torch.equal(ref, got)
+
+
+def test__captured_step__torch_compile_refused_at_construction_leaves_the_eager_step(monkeypatch):
+    """torch.compile raises on some Pythons (3.15, free-threaded builds before 3.13.3): the step is
+    built anyway, its failure says why, and it decodes as the eager step."""
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("torch.compile is not supported on Python 3.15+")
+
+    monkeypatch.setattr(torch, "compile", refused)
+    engine, stored, dec = _setup("llama", "bf16")
+    ref, got, captured = _eager_and_captured(engine, stored, dec)
+    assert captured.failure == "RuntimeError: torch.compile is not supported on Python 3.15+"
+    assert captured.captured_steps == 0 and torch.equal(ref, got)

@@ -173,3 +173,23 @@ def test__teacher_forced_logits__equal_step_by_step_decode(arch, weights):
     err = (forced - stepwise).abs()
     tol = 1e-9 if weights == "float" else 1e-5 * float(stepwise.abs().max())
     assert float(err.max()) < tol, f"max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"
+
+
+def test__decode_config_for__a_topk_below_the_stored_page_caps_the_page():
+    """`ask --topk 1` on a cache whose pages hold 2 tokens: pages of 1 token (as ingest derives
+    them under --topk), not an error naming a --page-size the user never typed; a page size given
+    with it is checked as given."""
+    from conftest import make_engine, text_of_bytes
+
+    from rocketkv_cli.core.config import PrefillConfig
+    from rocketkv_cli.engine.answer import decode_config_for
+    from rocketkv_cli.engine.inputs import Document
+
+    engine = make_engine("llama")
+    cfg = PrefillConfig(token_budget=32, max_new_tokens=8, window_size=8, pool_kernel_size=5)
+    stored = engine.ingest(Document(text_of_bytes(3000, seed=3), "0" * 64, "d.txt"), cfg)
+    assert stored.info.budgets.page_size > 1, stored.info.budgets
+    dec = decode_config_for(stored, topk=1)
+    assert (dec.topk, dec.page_size) == (1, 1)
+    with pytest.raises(ValueError, match="page_size must not exceed topk"):
+        decode_config_for(stored, topk=1, page_size=2)

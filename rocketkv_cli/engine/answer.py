@@ -132,10 +132,14 @@ def decode_config_for(cache: CompressedKVCache, sparse: bool = True, exact_worki
     exact_working_set: true (a flag typed as the other overrides) for a cache whose questions
     re-select their working set (a store budget): attend that working set exactly (HSA only above
     it), the answering mode docs/frontier.md measured, on every device; `ask --hsa` leaves it off.
-    Raises ValueError: overrides that do not make a valid `DecodeConfig`."""
+    A `topk` override below the stored page size, without a `page_size` override, caps the page
+    at `topk` (as `resolve_budgets` does at ingest). Raises ValueError: overrides that do not make
+    a valid `DecodeConfig`."""
     b = cache.info.budgets
     vals = {"topk": b.topk, "page_size": b.page_size, "n_score_dims": b.n_score_dims}
     vals.update({k: v for k, v in overrides.items() if v is not None})
+    if overrides.get("page_size") is None:  # a --topk below the stored page: pages of topk tokens
+        vals["page_size"] = min(vals["page_size"], vals["topk"])
     if exact_working_set and cache.info.config.store_budget is not None:
         vals["min_hsa_tokens"] = max(vals.get("min_hsa_tokens") or 0, b.prompt_budget)
     vals["n_score_dims"] = min(vals["n_score_dims"], cache.info.identity.head_dim)

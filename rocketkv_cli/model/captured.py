@@ -206,12 +206,20 @@ def _inductor_as_eager(graph: Any, example_inputs: Any) -> Any:
     registered without inductor's `CI` check (inductor's tables restored
     afterwards; dynamo compiles one graph at a time, under its compile lock). A custom pass that
     changes nothing names this file's contents in inductor's cache key, so that a graph compiled
-    another way (the same graph with inductor's own mean) is never read back from its cache;
-    AOTAutograd's cache, whose key does not see the decompositions, is off for the compile."""
+    another way (the same graph with inductor's own mean) is never read back from its cache
+    (torch 2.13's cache passes over these graphs anyway: it cannot key a decomposition table);
+    AOTAutograd's cache, whose key does not see the decompositions, is off for the compile. Where
+    inductor lowers in another process (`$TORCHINDUCTOR_FX_COMPILE_MODE`), none of this would
+    reach it: RuntimeError, and the step stays eager."""
     from torch._functorch import config as functorch_config
+    from torch._inductor import compile_fx as compile_fx_module
     from torch._inductor import lowering
     from torch._inductor.compile_fx import compile_fx
     from torch._inductor.decomposition import select_decomp_table
+
+    if getattr(compile_fx_module, "fx_compile_mode", None) is not compile_fx_module.FxCompileMode.NORMAL:
+        # $TORCHINDUCTOR_FX_COMPILE_MODE: lowered in another process, without the tables below
+        raise RuntimeError("inductor compiles in another process here ($TORCHINDUCTOR_FX_COMPILE_MODE)")
 
     aten = torch.ops.aten
     kept = {aten.mv.default, aten.mv.out, aten._softmax.default, aten._softmax.out, aten.silu.default,
@@ -256,6 +264,24 @@ def _cache_key() -> Any:
     return CacheKey()
 
 
+def _why(err: BaseException) -> str:
+    """The first line of what made a compilation fail, at most 300 characters: the backend's own
+    error where dynamo wrapped it (`BackendCompilerFailed` says only which backend raised)."""
+    inner = getattr(err, "inner_exception", None)
+    err = inner if isinstance(inner, BaseException) else err
+    return (f"{type(err).__name__}: {err}".splitlines() or [""])[0][:300]
+
+
+def _own(fn: Any) -> Any:
+    """`fn` with a code object of its own. Dynamo keeps compiled graphs on the code object and
+    stops compiling a function past `recompile_limit` graphs (8): each model shape, weight format
+    and ε adds one or two, so a process holding several models (the server) would reach it with
+    shared code and decode eagerly from then on."""
+    import types
+
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 class _NotThisStep(Exception):
     """This step is the eager step's (found before any layer ran)."""
 
@@ -263,8 +289,9 @@ class _NotThisStep(Exception):
 class CapturedStep:
     """`step(cache, input_ids [1, 1], positions [1]) → logits [1, V] float32`, as `DecodeStep`,
     with each layer compiled once (see the module docstring for where it applies; elsewhere it is
-    `eager`'s step). The first captured step compiles (seconds; inductor keeps what it built on
-    disk for the next process); graphs are shared by every layer of one shape.
+    `eager`'s step). The first captured step of each process compiles (seconds: inductor's graph
+    cache on disk passes over graphs compiled with a decomposition table of their own); graphs are
+    shared by every layer of one shape.
 
     `captured_steps` counts the steps it ran compiled; `failure` is why compilation failed (then
     every step is eager), None while it has not.
@@ -276,8 +303,13 @@ class CapturedStep:
         self.captured_steps = 0
         self.failure: str | None = None
         self._weights: list[_LayerWeights | None] = []
-        self._compiled = torch.compile(_layer, fullgraph=True, backend=_inductor_as_eager)
-        self._sandwich = torch.compile(_sandwich_layer, fullgraph=True, backend=_inductor_as_eager)
+        self._compiled: Any = None
+        self._sandwich: Any = None
+        try:  # each step its own code objects: dynamo keeps its graphs, and their limit, per code object
+            self._compiled = torch.compile(_own(_layer), fullgraph=True, backend=_inductor_as_eager)
+            self._sandwich = torch.compile(_own(_sandwich_layer), fullgraph=True, backend=_inductor_as_eager)
+        except Exception as err:  # a Python or build that torch.compile refuses: eager
+            self.failure = _why(err)
 
     def __call__(self, cache: RocketCache, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One token's logits `[1, V]` float32 (see the class). Raises ValueError: input_ids not
@@ -300,7 +332,7 @@ class CapturedStep:
         except _NotThisStep:
             return self.eager(cache, input_ids, positions)
         except Exception as err:  # inductor failed to build (no compiler, a torch limit): eager from now on
-            self.failure = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+            self.failure = _why(err)
             for layer, n in zip(cache.layers, lengths, strict=True):  # the eager step writes the slot again
                 layer.length = n
             return self.eager(cache, input_ids, positions)

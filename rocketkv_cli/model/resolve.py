@@ -58,7 +58,7 @@ def resolve_device(device: str) -> torch.device:
     if device == "cpu":
         return torch.device("cpu")
     name, _, index = device.partition(":")
-    if name != "cuda" or (index and not (index.isascii() and index.isdigit())):
+    if name != "cuda" or (device != "cuda" and not (index.isascii() and index.isdigit())):
         raise ModelLoadError(f"unknown device {device!r}", "use cpu, cuda, cuda:N or auto")
     if not torch.cuda.is_available():
         raise ModelLoadError(f"--device {device} was requested but no CUDA GPU is available", "use --device cpu")

@@ -685,3 +685,4 @@ def test__compile_step__the_server_decodes_through_the_captured_step(rocketkv_bi
     assert info["compile_step"] is True and info["captured_steps"] > 0 and info["compile_failure"] is None, info
     status = run(rocketkv_bin, env, "serve", "status")
     assert f"decode step: compiled, {info['captured_steps']:,} steps captured\n" in status.stdout, status.stdout
+    assert any("first answer compiles its decode step" in line for line in s.stderr_lines), s.stderr_lines

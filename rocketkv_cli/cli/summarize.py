@@ -239,7 +239,8 @@ def print_summary(final, source: str, elapsed: float, partials: list[dict], extr
         log(f"summary: the model's output was rejected ({reason})")
     if mode == "extractive":
         why = ("--extractive" if extractive else "the model's output was rejected" if getattr(final, "rejected", ())
-               else "this model's measured default, docs/summaries.md; --write-from document has it write")  # fmt: skip
+               else "this model's measured default, docs/summaries.md; for a summary the model writes: "
+                    "--write-from document")  # fmt: skip
         log(f"summary: extracted sentences ({why})")
         if "max_new_tokens" in given:
             log("summary: --max-new-tokens limits what the model writes; extracted sentences are not limited by it")

@@ -157,6 +157,8 @@ def _run(cfg: ServeConfig, state: ServeState, sock: socket.socket, url: str, log
         threads = cfg.threads or f"{state.warm.current_threads} now, chosen before each request"
         log(f"serving on {url} (threads {threads}, memory budget {cfg.memory_budget / 1e9:.1f} GB, "
             f"idle timeout {cfg.idle_timeout_s:.0f}s); stop with `rocketkv serve stop`")  # fmt: skip
+        if cfg.compile_step:
+            log("--compile-step: each model's first answer compiles its decode step first (10-30 s)")
         try:
             await server.serve(sockets=[sock])
         finally:

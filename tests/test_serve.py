@@ -264,8 +264,15 @@ def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches,
         conn.close()
         return r.status, json.loads(data)
 
+    loop = caches[0].parent / "loop-a.kv"  # a symlink loop inside the allowed folder
+    if not loop.is_symlink():
+        loop.symlink_to(caches[0].parent / "loop-b.kv")
+        (caches[0].parent / "loop-b.kv").symlink_to(loop)
     cases = [
         (("POST", "/v1/rocketkv/ask", b"{not json"), 400),
+        (("POST", "/v1/rocketkv/ask", b"[" * 100_000 + b"]" * 100_000), 400),  # nested past Python's recursion
+        (("POST", "/v1/rocketkv/ask", json.dumps({"cache": str(loop), "questions": ["q"]}).encode()), 400),
+        (("POST", "/v1/ingest", json.dumps({"document": str(loop), "output": str(loop) + ".kv"}).encode()), 400),
         (("POST", "/v1/rocketkv/ask", b"[1]"), 400),
         (("POST", "/v1/rocketkv/ask", json.dumps({"cache": "rel.kv", "questions": ["q"]}).encode()), 400),
         (("POST", "/v1/rocketkv/ask", json.dumps({"cache": str(caches[0]), "questions": []}).encode()), 400),
@@ -371,6 +378,35 @@ def test__a_client_that_leaves_mid_body__no_traceback_and_the_server_serves(env,
     logged = "".join(s.stderr_lines)
     assert "Traceback" not in logged and "Exception in ASGI" not in logged, logged[-2000:]
     assert health(server)["status"] == "ok"
+
+
+def test__a_body_shorter_than_its_content_length__408_and_its_place_in_the_queue_freed(env, served):
+    """A client that announces 100 bytes, sends 10 and keeps its socket open: answered 408 (a JSON
+    error) once the body timeout passes, instead of holding a place in the queue for good."""
+    import socket
+
+    from rocketkv_cli.serve.app import BODY_TIMEOUT_S
+
+    s = served("--host", "127.0.0.1", "--port", "0", "--idle-timeout", "0")
+    server = s.server
+    with socket.create_connection((server.host, server.port), timeout=BODY_TIMEOUT_S + 30) as conn:
+        conn.sendall(b"POST /v1/rocketkv/ask HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"cache\": ")  # fmt: skip
+        time.sleep(1)
+        assert health(server)["active"] == 1
+        t0 = time.monotonic()
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = conn.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+    waited = time.monotonic() - t0
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), reply[:300]
+    assert "did not arrive" in json.loads(body)["error"]["message"]
+    assert BODY_TIMEOUT_S - 5 < waited < BODY_TIMEOUT_S + 20, waited
+    assert health(server)["active"] == 0
 
 
 def test__a_public_host_needs_an_api_key(rocketkv_bin, env):

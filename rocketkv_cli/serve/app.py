@@ -137,16 +137,30 @@ class Guard:
         return None
 
 
-def _limited(receive, limit: int):
-    """`receive` that stops a chunked body (no Content-Length) at `limit` bytes."""
-    seen = [0]
+BODY_TIMEOUT_S = 20.0  # seconds between a request's start and the end of its body
+
+
+def _limited(receive, limit: int, timeout_s: float = BODY_TIMEOUT_S):
+    """`receive` that stops a chunked body (no Content-Length) at `limit` bytes, and a body not
+    complete `timeout_s` seconds after the request began (408: a Content-Length larger than what
+    is sent would otherwise hold a place in the queue for as long as the client keeps its socket
+    open). After the body, `receive` waits as long as it must (a streamed answer's disconnect)."""
+    seen, done, deadline = [0], [False], time.monotonic() + timeout_s
 
     async def wrapped():
-        message = await receive()
+        if done[0]:
+            return await receive()
+        try:
+            message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11 on
+            raise BadRequest(408, f"the request body did not arrive within {timeout_s:.0f} s") from None
         if message["type"] == "http.request":
             seen[0] += len(message.get("body", b""))
             if seen[0] > limit:
                 raise BadRequest(413, f"request body over {limit} bytes")
+            done[0] = not message.get("more_body", False)
+        else:
+            done[0] = True
         return message
 
     return wrapped
@@ -159,6 +173,8 @@ async def _json_body(request: Request) -> dict:
         raise ClientGone() from None
     except (ValueError, UnicodeDecodeError):
         raise BadRequest(400, "the request body is not JSON") from None
+    except RecursionError:  # arrays or objects nested thousands deep
+        raise BadRequest(400, "the request body is JSON nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest(400, "the request body must be a JSON object")
     return body

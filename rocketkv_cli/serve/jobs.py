@@ -87,10 +87,15 @@ def _positive(body: dict, name: str, limit: int | None = None) -> int | None:
 
 def allowed_path(raw: str, roots: tuple[Path, ...] | None, what: str) -> Path:
     """`raw` (an absolute path) resolved, symlinks included, and inside one of `roots` (None: any).
-    Raises BadRequest (400 a relative path, 403 outside the roots)."""
+    Raises BadRequest (400 a relative path or one that cannot be resolved, such as a symlink loop;
+    403 outside the roots)."""
     if not raw or "\x00" in raw or not Path(raw).is_absolute():
         raise BadRequest(400, f"{what} must be an absolute path, got {raw!r}")
-    resolved = Path(raw).resolve()
+    try:
+        resolved = Path(raw).resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop: RuntimeError before Python 3.13, OSError after
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "a symlink loop"
+        raise BadRequest(400, f"{what} {raw} cannot be resolved: {reason}") from None
     if roots is not None and not any(resolved == root or root in resolved.parents for root in roots):
         raise BadRequest(403, f"{raw} is outside the server's allowed folders",
                          hint="start the server with --allow-dir for its folder")  # fmt: skip

@@ -14,7 +14,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from .signals import EXIT_CODES, Terminated, exit_for_signal, install, received
+from .signals import EXIT_CODES, Terminated, defer, exit_for_signal, install, message, received, reported
 
 
 def _exit_now(code: object) -> None:
@@ -34,16 +34,22 @@ def _exit_now(code: object) -> None:
     status = 0 if code is None else code if isinstance(code, int) else 1
     if not isinstance(code, (int, type(None))):
         sys.stderr.write(f"{code}\n")  # what SystemExit would print for a message
+    defer()  # a signal from here on is recorded, not raised inside an exit handler (which prints it)
     try:
         # what a normal exit runs, in its order: threading's exit hooks (idle thread-pool workers
         # are told to stop) and the join of non-daemon threads, then the atexit handlers and
         # weakref finalizers
         getattr(threading, "_shutdown", lambda: None)()
         atexit._run_exitfuncs()
-    except KeyboardInterrupt:  # a signal while those run: its exit code, as everywhere else
+    except KeyboardInterrupt:  # raised by other code while those run: its exit code, as everywhere else
         os._exit(EXIT_CODES[signal.SIGINT])
     except Terminated:
         os._exit(EXIT_CODES[signal.SIGTERM])
+    signum = received()
+    if signum is not None:  # a signal while the exit ran: its line ("terminated after out.kv was written") and code
+        if not reported():
+            sys.stderr.write(f"Error: {message(signum)}\n")
+        status = EXIT_CODES[signum]
     for stream, closed_status in ((sys.stdout, 141), (sys.stderr, status)):
         try:
             if stream is not None:

@@ -42,6 +42,20 @@ def install() -> None:
             signal.signal(signum, _on_signal)
 
 
+def _record(signum: int, frame) -> None:  # pragma: no cover - exercised through subprocess tests
+    _received.append(signum)
+
+
+def defer() -> None:
+    """From now on SIGINT and SIGTERM are only recorded (`received`), not raised: for the exit
+    after a command, whose handlers (`atexit`, finalizers) print an exception raised inside them
+    as a traceback and go on, so the process would exit 0 after a signal. Those ignored at start
+    stay ignored."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(signum) not in (signal.SIG_IGN, None):
+            signal.signal(signum, _record)
+
+
 def received() -> int | None:
     """The first SIGINT/SIGTERM this process received (a signal number), or None."""
     return _received[0] if _received else None
@@ -62,6 +76,11 @@ def note_done(what: str) -> None:
 def message(signum: int) -> str:
     """The one-line message for `signum`: "interrupted", or "interrupted after out.kv was written"."""
     return MESSAGES[signum] + (f" after {' and '.join(_done)}" if _done else "")
+
+
+def reported() -> bool:
+    """Whether a signal's one-line message was printed already."""
+    return bool(_reported)
 
 
 def mark_reported(signum: int) -> None:

@@ -11,6 +11,7 @@ import inspect
 import json
 import os
 import random
+import signal
 import struct
 import subprocess
 import sys
@@ -530,6 +531,28 @@ def test__fast_exit__an_open_thread_pool_does_not_hang_the_exit(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stdout) == (4, "ran\n"), proc.stderr
+
+
+@pytest.mark.parametrize(
+    "signum, status, word", [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")]
+)
+def test__fast_exit__a_signal_while_exit_handlers_run__its_line_and_code_no_traceback(signum, status, word):
+    """SIGTERM in the few milliseconds after `ingest` printed its file, while the exit handlers
+    ran: it was raised inside an atexit callback, which Python prints as a traceback and ignores,
+    and the process exited 0. Now the signal is recorded there and the exit is the signal's."""
+    script = (
+        "import atexit, os, time, torch\n"
+        "from rocketkv_cli import signals\n"
+        "from rocketkv_cli.entry import _exit_now\n"
+        "signals.install()\n"
+        "signals.note_done('out.kv was written')\n"
+        f"atexit.register(lambda: (os.kill(os.getpid(), {int(signum)}), time.sleep(0.3), print('handler done')))\n"
+        "_exit_now(0)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == status, proc.stderr
+    assert proc.stdout == "handler done\n", "the exit handler runs to its end"
+    assert proc.stderr == f"Error: {word} after out.kv was written\n", proc.stderr
 
 
 def test__interrupt_that_a_library_swallowed__still_exits_as_the_interrupt():

@@ -11,6 +11,7 @@ module: no import circle.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -28,7 +29,6 @@ def _exit_now(code: object) -> None:
     if "torch" not in sys.modules:
         return
     import atexit
-    import os
     import threading
 
     status = 0 if code is None else code if isinstance(code, int) else 1
@@ -64,6 +64,8 @@ def _exit_now(code: object) -> None:
 def main() -> None:
     """Console-script entry point (`rocketkv`, `python -m rocketkv_cli`)."""
     install()
+    if not os.environ.get("OMP_NUM_THREADS", "x").strip():  # set but empty: unset, as rocketkv reads it, before
+        del os.environ["OMP_NUM_THREADS"]  # torch loads OpenMP, which warns twice about an empty value
     try:
         from .cli import app, with_bare_ray  # the slow imports: from here on an interrupt is ours to report
 

@@ -536,6 +536,16 @@ def test__ingest_from_stdin_without_an_output__a_usage_error(rocketkv_bin, env):
     assert "needs an output file" in error and "-o FILE.kv" in error, error
 
 
+def test__an_empty_omp_num_threads_is_unset__no_openmp_warnings(rocketkv_bin, env, kv):
+    """`OMP_NUM_THREADS= rocketkv ask …` (a shell's way to unset it for one command): chosen as if
+    unset, and OpenMP, loaded with torch, does not print its "Invalid value" warning twice."""
+    base = {k: v for k, v in env.items() if k not in ("ROCKETKV_THREADS", "OMP_NUM_THREADS")}
+    r = run(rocketkv_bin, {**base, "OMP_NUM_THREADS": ""}, "ask", "--cache", kv, "--no-server", "-v", "Code?")
+    assert r.returncode == 0, r.stderr
+    assert "Invalid value" not in r.stderr and "libgomp" not in r.stderr, r.stderr
+    assert "$OMP_NUM_THREADS" not in r.stderr, r.stderr  # the count was chosen, not read from it
+
+
 def test__verbose_names_the_threads_chosen_when_the_model_loaded(rocketkv_bin, env, kv):
     """Without --threads the count is chosen when the model loads, from the cores this process may
     use and how busy other processes kept them; `-v` says which (and an explicit count says so)."""
@@ -728,18 +738,20 @@ def test__option_values_no_input_could_satisfy__exit_2_before_the_model_loads(ro
 
 
 @pytest.mark.parametrize(
-    "args, says",
+    "args, says, code",
     [
-        (["--page-size", "999"], "invalid option: --page-size must not exceed --topk"),
-        (["--topk", "8", "--page-size", "16"], "invalid option: --page-size must not exceed --topk (8), got 16"),
+        (["--page-size", "999"], "invalid option: --page-size must not exceed --topk", 1),
+        (["--topk", "8", "--page-size", "16"], "invalid option: --page-size must not exceed --topk (8), got 16", 2),
     ],
     ids=["page-over-the-files-topk", "page-over-the-given-topk"],
 )
 def test__stage2_override_the_cache_cannot_take__refused_before_the_model_loads(rocketkv_bin, env, kv, tmp_path,
-                                                                                args, says):  # fmt: skip
+                                                                                args, says, code):  # fmt: skip
+    """A page over the file's top-k depends on the file (exit 1); over a top-k given with it, it is
+    a usage error whatever the file (exit 2, as ingest refuses the same pair)."""
     # --model names nothing: the refusal must come from the file's budgets, before any model load
     r = run(rocketkv_bin, env, "ask", "--cache", kv, "q?", *args, "--model", tmp_path / "no-such-model")
-    assert says in assert_one_line_error(r) and "no-such-model" not in r.stderr
+    assert says in assert_one_line_error(r, code=code) and "no-such-model" not in r.stderr
 
 
 def test__questions_on_stdin_that_are_not_utf8__refused_like_a_questions_file(rocketkv_bin, env, kv, tmp_path):

@@ -140,7 +140,15 @@ def test__requested_threads__omp_num_threads_in_openmps_list_form_counts_its_fir
 
 
 @pytest.mark.parametrize(
-    "name, value", [("OMP_NUM_THREADS", "two"), ("OMP_NUM_THREADS", ",1"), ("ROCKETKV_THREADS", "1,1")]
+    "name, value",
+    [
+        ("OMP_NUM_THREADS", "two"),
+        ("OMP_NUM_THREADS", ",1"),
+        ("ROCKETKV_THREADS", "1,1"),
+        ("ROCKETKV_THREADS", "１"),
+        ("OMP_NUM_THREADS", "1_0"),
+        ("ROCKETKV_THREADS", "+1"),
+    ],
 )
 def test__requested_threads__anything_else_is_a_usage_error_naming_the_variable(monkeypatch, name, value):
     from rocketkv_cli.errors import UsageError

@@ -51,9 +51,12 @@ def check_decode_options(cache: AnyCache, dense: bool = False, hsa: bool = False
     non-positive count), before any model loads: `RocketKV.ask` would refuse them only after.
 
     Raises:
-        UsageError: dense and hsa together. InputError: an override `DecodeConfig` rejects.
+        UsageError: dense and hsa together, or a page size over a top-k both given (no cache makes
+        that valid). InputError: an override `DecodeConfig` rejects with the cache's budgets.
     """
     AttentionChoice(dense=dense, hsa=hsa)  # the one check of the pair (UsageError)
+    if topk is not None and page_size is not None and page_size > topk:  # as ingest refuses the pair
+        raise UsageError(f"invalid option: page_size must not exceed topk ({topk}), got {page_size}")
     first = cache.segments[0] if isinstance(cache, SegmentedKVCache) else cache
     try:
         decode_config_for(first, sparse=not dense, topk=topk, page_size=page_size, n_score_dims=n_score_dims)

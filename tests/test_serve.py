@@ -317,6 +317,10 @@ def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches,
     unknown = json.dumps({"cache": str(caches[0]), "questions": ["q"], "model": "no-such-model"}).encode()
     got, data = send("POST", "/v1/rocketkv/ask", unknown)  # the request's mistake, not the server's
     assert got == 400 and data["error"]["type"] == "ModelLoadError", (got, data)
+    for field, value in (("max_tokens", "8"), ("max_tokens", 0), ("max_completion_tokens", 2.5)):
+        chat = {"model": f"kv:{caches[0]}", "messages": [{"role": "user", "content": "q"}], field: value}
+        got, data = send("POST", "/v1/chat/completions", json.dumps(chat).encode())  # named as the client sent it
+        assert got == 400 and f"field '{field}' must be a positive integer" in data["error"]["message"], (got, data)
     misspelt = {"cache": str(caches[0]), "questions": ["q"], "max_tokens": 3}  # ask's field is max_new_tokens
     got, data = send("POST", "/v1/rocketkv/ask", json.dumps(misspelt).encode())  # not answered with the default
     assert got == 400 and "unknown field 'max_tokens'" in data["error"]["message"], (got, data)

@@ -383,9 +383,13 @@ def openai_to_ask(body: dict, max_tokens_limit: int) -> dict:
         content = "".join(str(p) for p in parts)
     if not isinstance(content, str):
         raise BadRequest(400, "the user message's content must be text")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > max_tokens_limit:
-        raise BadRequest(400, f"max_tokens {max_tokens} is over this server's limit {max_tokens_limit}", "UsageError")
+    tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(tokens_field)
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+        raise BadRequest(400, f"field {tokens_field!r} must be a positive integer, got {max_tokens!r}", "UsageError")
+    if max_tokens is not None and max_tokens > max_tokens_limit:
+        raise BadRequest(400, f"{tokens_field} {max_tokens} is over this server's limit {max_tokens_limit}",
+                         "UsageError")  # fmt: skip
     if body.get("stream") is not None and not isinstance(body["stream"], bool):  # "yes" or 1 pass a truth test
         raise BadRequest(400, f"field 'stream' must be true or false, got {body['stream']!r}")
     n = body.get("n", 1)

@@ -250,11 +250,12 @@ def test__ask_several_questions_in_a_terminal__streamed_qa_records(rocketkv_bin,
     [
         (["frob"], "No such command 'frob'"),
         (["ask", "--bogus", "q?"], "No such option: --bogus"),
-        (["ingest"], "Missing argument 'document'"),
+        (["ingest"], "Missing argument 'DOCUMENT'"),  # as the usage line and --help spell it
         (["ask", "--cache", "x.kv", "q?", "--threads", "many"], "--threads"),
         (["ask", "--cache"], "'--cache' requires an argument"),
+        (["ask"], "Error: no question: give --cache FILE.kv QUESTION..., or DOC QUESTION...; try"),
     ],
-    ids=["unknown-command", "unknown-option", "missing-argument", "not-an-integer", "missing-value"],
+    ids=["unknown-command", "unknown-option", "missing-argument", "not-an-integer", "missing-value", "no-question"],
 )
 def test__usage_errors_in_a_terminal__one_line_exit_2(rocketkv_bin, env, args, says):
     """What the option parser refuses reads as every other error does: one line, exit 2 (click's

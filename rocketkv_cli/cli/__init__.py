@@ -38,7 +38,11 @@ class OneLineUsageError(_UsageError):  # type: ignore[misc,valid-type]
     one line per failure, as for every other error (docs/usage.md, "Exit codes")."""
 
     def __init__(self, original, command_path: str | None = None, args: list[str] | None = None) -> None:
-        text = _with_value(" ".join(original.format_message().split()), getattr(original, "param", None), args)
+        param = getattr(original, "param", None)
+        text = _with_value(" ".join(original.format_message().split()), param, args)
+        if param is not None and type(original).__name__ == "MissingParameter" and param.param_type_name == "argument":
+            # "Missing argument 'document'": the name as the usage line and --help spell it
+            text = text.replace(f"'{param.name}'", f"'{param.metavar or param.name.upper()}'")
         if text.endswith(".") and not text.endswith(".."):  # "Missing argument 'document'." (not "QUESTION...")
             text = text[:-1]
         super().__init__(text, original.ctx)

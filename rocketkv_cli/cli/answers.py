@@ -97,6 +97,17 @@ def usage_error(param: str, message: str) -> typer.BadParameter:
     return typer.BadParameter(message, param_hint=param)
 
 
+class _Missing(typer.BadParameter):
+    def format_message(self) -> str:
+        return self.message
+
+
+def missing_arguments(message: str) -> typer.BadParameter:
+    """A usage error (exit 2) for arguments not given at all: `message` alone, not click's "Invalid
+    value for …" (nothing was given to be invalid)."""
+    return _Missing(message)
+
+
 def resolve_format(fmt: str, json_out: bool, stream: bool | None, n_questions: int | None, cite: bool = False):
     """(format, stream) from the options; `n_questions` None = not known in advance (chat).
 

@@ -25,6 +25,7 @@ from .answers import (
     answer_log,
     check_focus,
     focus_passages_note,
+    missing_arguments,
     resolve_format,
     sampling_note,
     usage_error,
@@ -101,7 +102,7 @@ def questions_of(args: Optional[list[str]], cache: Optional[Path], questions_fil
     (torch) is imported. Raises typer.BadParameter (exit 2), UsageError, InputError."""
     args = list(args or [])
     if cache is None and not args:
-        raise usage_error("QUESTION...", "missing: give --cache FILE.kv QUESTION..., or DOC QUESTION...")
+        raise missing_arguments("no question: give --cache FILE.kv QUESTION..., or DOC QUESTION...")
     if cache is not None and len(args) > 1 and (args[0] == "-" or _is_file(args[0])):
         # with --cache every argument is a question: a document named too would be asked as one
         raise usage_error("DOC", f"{args[0]!r} is a document, and --cache {cache} names the cache to answer from: "

@@ -43,13 +43,24 @@ def install() -> None:
 
 
 def _record(signum: int, frame) -> None:  # pragma: no cover - exercised through subprocess tests
+    if _received:  # the second: the exit is stuck (a thread that never ends, a slow handler): end it now
+        import os
+
+        if not _reported:
+            try:
+                sys.stderr.write(f"Error: {message(signum)}\n")
+                sys.stderr.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        os._exit(EXIT_CODES[signum])
     _received.append(signum)
 
 
 def defer() -> None:
-    """From now on SIGINT and SIGTERM are only recorded (`received`), not raised: for the exit
-    after a command, whose handlers (`atexit`, finalizers) print an exception raised inside them
-    as a traceback and go on, so the process would exit 0 after a signal. Those ignored at start
+    """From now on a first SIGINT or SIGTERM is only recorded (`received`), not raised: for the
+    exit after a command, whose handlers (`atexit`, finalizers) print an exception raised inside
+    them as a traceback and go on, so the process would exit 0 after a signal. A second one ends
+    the process at once with its line and code, as the exit may be stuck. Those ignored at start
     stay ignored."""
     for signum in (signal.SIGINT, signal.SIGTERM):
         if signal.getsignal(signum) not in (signal.SIG_IGN, None):

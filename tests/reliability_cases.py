@@ -640,7 +640,7 @@ CASES: list[Case] = [
     Case("metadata edited to claim other shapes", "cache", lambda ws: ["ask", "--cache", edited(ws, "shapes.kv", head_dim="8"), QUESTION], 1, "disagree with the metadata"),
     Case("n_context_tokens raised (metadata re-digested)", "cache", lambda ws: ["ask", "--cache", edited(ws, "ctx.kv", n_context_tokens="5000"), QUESTION], 1, "malformed metadata"),
     Case("config with max_new_tokens 0 (re-digested)", "cache", lambda ws: ["ask", "--cache", edited(ws, "cfg.kv", config='{"max_new_tokens": 0}'), QUESTION], 1, "malformed metadata"),
-    Case("budgets with a page over topk (re-digested)", "cache", lambda ws: ["ask", "--cache", page_over_topk(ws), QUESTION], 1, "malformed metadata"),
+    Case("budgets with a page over topk (re-digested)", "cache", lambda ws: ["ask", "--cache", page_over_topk(ws), QUESTION], 1, "larger than its top-k"),
     Case("newer format version", "cache", lambda ws: ["ask", "--cache", edited(ws, "newer.kv", format_version="99"), QUESTION], 1, "newer than this rocketkv"),
     Case("random bytes named .kv", "cache", lambda ws: ["ask", "--cache", ws.file("random.kv", os.urandom(5000)), QUESTION], 1, "not a rocketkv cache"),
     Case("safetensors that is not a cache", "cache", lambda ws: ["ask", "--cache", foreign_safetensors(ws), QUESTION], 1, "not a rocketkv cache"),

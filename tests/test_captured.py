@@ -211,13 +211,34 @@ def test__captured_step__a_failed_compilation_leaves_the_eager_step():
     assert torch.equal(ref, got)
 
 
-def test__captured_step__each_step_compiles_past_another_steps_graphs():
-    """Dynamo stops compiling a function past `recompile_limit` graphs. Each step keeps its own:
+def test__captured_step__a_model_loaded_again_reuses_its_graphs(monkeypatch):
+    """A model of the same configuration loaded again (the server evicts and reloads): its step
+    compiles nothing new, and decodes captured at once."""
+    from torch._dynamo.utils import counters
+
+    from rocketkv_cli.model import captured as captured_module
+
+    monkeypatch.setattr(captured_module, "_COMPILED", {})
+    engine, stored, dec = _setup("llama", "bf16")
+    first = _eager_and_captured(engine, stored, dec)[2]
+    assert first.failure is None and first.captured_steps > 0, first.failure
+    graphs = counters["stats"]["unique_graphs"]
+    engine, stored, dec = _setup("llama", "bf16")  # another model object of the same configuration
+    ref, got, again = _eager_and_captured(engine, stored, dec)
+    assert again.captured_steps == first.captured_steps and torch.equal(ref, got)
+    assert counters["stats"]["unique_graphs"] == graphs, "a reloaded model compiled again"
+
+
+def test__captured_step__each_model_compiles_past_another_models_graphs(monkeypatch):
+    """Dynamo stops compiling a function past `recompile_limit` graphs. Each model configuration keeps its own:
     with the limit at 2, a Llama's two graphs (fixed sizes, then symbolic) and then a Mistral's
     two, in one process, all captured (with the functions shared, the Mistral's compile would hit
     the limit and its every step would be eager)."""
     import torch._dynamo
 
+    from rocketkv_cli.model import captured as captured_module
+
+    monkeypatch.setattr(captured_module, "_COMPILED", {})
     for arch in ("llama", "mistral"):
         engine, stored, dec = _setup(arch, "bf16")
         with torch._dynamo.config.patch(recompile_limit=2):
@@ -232,7 +253,10 @@ def test__captured_step__inductor_lowering_in_another_process_is_refused(monkeyp
     kernels' fallbacks are not registered: the step refuses to compile there and stays eager."""
     from torch._inductor import compile_fx as compile_fx_module
 
+    from rocketkv_cli.model import captured as captured_module
+
     monkeypatch.setattr(compile_fx_module, "fx_compile_mode", compile_fx_module.FxCompileMode.SUBPROCESS)
+    monkeypatch.setattr(captured_module, "_COMPILED", {})  # a model this process compiled before keeps its graphs
     engine, stored, dec = _setup("llama", "float")
     ref, got, captured = _eager_and_captured(engine, stored, dec)
     assert captured.captured_steps == 0 and "another process" in (captured.failure or ""), captured.failure
@@ -246,7 +270,10 @@ def test__captured_step__torch_compile_refused_at_construction_leaves_the_eager_
     def refused(*args, **kwargs):
         raise RuntimeError("torch.compile is not supported on Python 3.15+")
 
+    from rocketkv_cli.model import captured as captured_module
+
     monkeypatch.setattr(torch, "compile", refused)
+    monkeypatch.setattr(captured_module, "_COMPILED", {})
     engine, stored, dec = _setup("llama", "bf16")
     ref, got, captured = _eager_and_captured(engine, stored, dec)
     assert captured.failure == "RuntimeError: torch.compile is not supported on Python 3.15+"

@@ -555,6 +555,33 @@ def test__fast_exit__a_signal_while_exit_handlers_run__its_line_and_code_no_trac
     assert proc.stderr == f"Error: {word} after out.kv was written\n", proc.stderr
 
 
+def test__fast_exit__stuck_on_a_thread__a_second_ctrl_c_ends_it():
+    """An exit waiting for a thread that never ends: the first Ctrl-C is recorded, the second ends
+    the process at once with the interrupt's line and code (not only SIGKILL)."""
+    script = (
+        "import threading, time, torch\n"
+        "from rocketkv_cli import signals\n"
+        "from rocketkv_cli.entry import _exit_now\n"
+        "signals.install()\n"
+        "threading.Thread(target=time.sleep, args=(120,)).start()  # not a daemon: the exit waits for it\n"
+        "print('ready', flush=True)\n"
+        "_exit_now(0)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert proc.poll() is None, "one Ctrl-C is recorded; the exit goes on"
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=20)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert code == 130 and proc.stderr.read() == "Error: interrupted\n"
+
+
 def test__interrupt_that_a_library_swallowed__still_exits_as_the_interrupt():
     """A Ctrl-C received while a command ran, which a library turned into a normal exit (Typer
     exits 130 silently while it parses; others return 0): the one line and 130, not the raw code."""

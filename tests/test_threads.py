@@ -148,6 +148,7 @@ def test__requested_threads__omp_num_threads_in_openmps_list_form_counts_its_fir
         ("ROCKETKV_THREADS", "１"),
         ("OMP_NUM_THREADS", "1_0"),
         ("ROCKETKV_THREADS", "+1"),
+        ("ROCKETKV_THREADS", "\u00a01"),
     ],
 )
 def test__requested_threads__anything_else_is_a_usage_error_naming_the_variable(monkeypatch, name, value):

@@ -149,7 +149,7 @@ def requested_threads(threads: int | None = None) -> tuple[int, str] | None:
         # OpenMP's list form gives each nesting level its count ("4,2"): the first is the process's
         level = raw.split(",")[0] if source == "OMP_NUM_THREADS" else raw
         try:
-            if not re.fullmatch(r"\s*[0-9]+\s*", level):  # int() takes "１", "1_0" and "+1": OpenMP does not
+            if not re.fullmatch(r"[ \t]*[0-9]+[ \t]*", level):  # int() takes "１", "1_0" and "+1": OpenMP does not
                 raise ValueError(level)
             threads = int(level)
         except ValueError:

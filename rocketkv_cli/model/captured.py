@@ -272,14 +272,27 @@ def _why(err: BaseException) -> str:
     return (f"{type(err).__name__}: {err}".splitlines() or [""])[0][:300]
 
 
-def _own(fn: Any) -> Any:
-    """`fn` with a code object of its own. Dynamo keeps compiled graphs on the code object and
-    stops compiling a function past `recompile_limit` graphs (8): each model shape, weight format
-    and ε adds one or two, so a process holding several models (the server) would reach it with
-    shared code and decode eagerly from then on."""
+_COMPILED: dict[tuple, tuple[Any, Any]] = {}  # model key → (compiled `_layer`, compiled `_sandwich_layer`)
+
+
+def _compiled_for(model: nn.Module) -> tuple[Any, Any]:
+    """The compiled layer functions for `model`'s kind, shared by every step over a model of the
+    same configuration (a model the server evicts and loads again reuses its graphs) and by no
+    other: dynamo keeps compiled graphs on a function's code object and stops compiling it past
+    `recompile_limit` graphs (8), each model configuration and weight format adding one or two,
+    so one copy of the code for every model would stop compiling in a process that holds several
+    (the server). Kept for the process's life: one pair per configuration loaded."""
+    import json
     import types
 
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    config = getattr(model, "config", None)
+    key = (type(model).__name__, json.dumps(config.to_dict(), sort_keys=True, default=str) if config else "")
+    if key not in _COMPILED:
+        own = [types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+               for fn in (_layer, _sandwich_layer)]  # fmt: skip
+        _COMPILED[key] = (torch.compile(own[0], fullgraph=True, backend=_inductor_as_eager),
+                          torch.compile(own[1], fullgraph=True, backend=_inductor_as_eager))  # fmt: skip
+    return _COMPILED[key]
 
 
 class _NotThisStep(Exception):
@@ -289,9 +302,10 @@ class _NotThisStep(Exception):
 class CapturedStep:
     """`step(cache, input_ids [1, 1], positions [1]) → logits [1, V] float32`, as `DecodeStep`,
     with each layer compiled once (see the module docstring for where it applies; elsewhere it is
-    `eager`'s step). The first captured step of each process compiles (seconds: inductor's graph
-    cache on disk passes over graphs compiled with a decomposition table of their own); graphs are
-    shared by every layer of one shape.
+    `eager`'s step). The first captured step of each model configuration in a process compiles
+    (seconds: inductor's graph cache on disk passes over graphs compiled with a decomposition table
+    of their own); graphs are shared by every layer of one shape and by every later step over a
+    model of the same configuration (`_compiled_for`).
 
     `captured_steps` counts the steps it ran compiled; `failure` is why compilation failed (then
     every step is eager), None while it has not.
@@ -305,9 +319,8 @@ class CapturedStep:
         self._weights: list[_LayerWeights | None] = []
         self._compiled: Any = None
         self._sandwich: Any = None
-        try:  # each step its own code objects: dynamo keeps its graphs, and their limit, per code object
-            self._compiled = torch.compile(_own(_layer), fullgraph=True, backend=_inductor_as_eager)
-            self._sandwich = torch.compile(_own(_sandwich_layer), fullgraph=True, backend=_inductor_as_eager)
+        try:  # code objects of this model's configuration: dynamo's graphs, and their limit, are per code object
+            self._compiled, self._sandwich = _compiled_for(self.model)
         except Exception as err:  # a Python or build that torch.compile refuses: eager
             self.failure = _why(err)
 

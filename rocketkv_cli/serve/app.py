@@ -386,7 +386,8 @@ def openai_to_ask(body: dict, max_tokens_limit: int) -> dict:
     tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = body.get(tokens_field)
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
-        raise BadRequest(400, f"field {tokens_field!r} must be a positive integer, got {max_tokens!r}", "UsageError")
+        given = repr(max_tokens)[:40]
+        raise BadRequest(400, f"field {tokens_field!r} must be a positive integer, got {given}", "UsageError")
     if max_tokens is not None and max_tokens > max_tokens_limit:
         raise BadRequest(400, f"{tokens_field} {max_tokens} is over this server's limit {max_tokens_limit}",
                          "UsageError")  # fmt: skip

@@ -120,6 +120,8 @@ def metadata_info(meta: dict[str, str], path: str, rebuild: str) -> CacheInfo:
         weights = meta.get("weights", "float") if version >= 3 else "float"
         if weights not in WEIGHT_FORMATS:
             raise ValueError("weights")
+    except PageOverTopk as exc:  # a file an earlier rocketkv wrote itself: not damage
+        raise CacheFormatError(f"{path}: {exc}", rebuild) from exc
     except (TypeError, ValueError, KeyError, RecursionError) as exc:  # JSONDecodeError is a ValueError
         raise CacheFormatError(f"{path}: malformed metadata (config, budgets, storage or layer windows)",
                                rebuild) from exc  # fmt: skip
@@ -137,13 +139,26 @@ def metadata_info(meta: dict[str, str], path: str, rebuild: str) -> CacheInfo:
     )  # fmt: skip
 
 
+class PageOverTopk(ValueError):
+    """Stored budgets whose page holds more tokens than a decode step attends (`ingest --topk`
+    below the derived page wrote such files before 2026-12-06; a decode refuses that page)."""
+
+    def __init__(self, page_size: int, topk: int):
+        super().__init__(f"its pages ({page_size} tokens) are larger than its top-k ({topk}): written with --topk "
+                         "below the page size, which rocketkv no longer writes")  # fmt: skip
+
+
 def parse_budgets(raw: Any) -> tuple[Budgets, int]:
-    """(Budgets, pool kernel) of a stored budgets record. Raises TypeError/ValueError/KeyError."""
+    """(Budgets, pool kernel) of a stored budgets record. Raises TypeError/ValueError/KeyError
+    (PageOverTopk: a page larger than the top-k)."""
     if not isinstance(raw, dict):
         raise ValueError("budgets")
     kernel = raw.get("pool_kernel_size", 0)
     if not is_count(kernel):
         raise ValueError("pool_kernel_size")
+    page, topk = raw.get("page_size"), raw.get("topk")
+    if isinstance(page, int) and isinstance(topk, int) and is_count(page) and is_count(topk) and page > topk:
+        raise PageOverTopk(page, topk)
     return Budgets(**{k: raw[k] for k in BUDGET_FIELDS}), kernel
 
 

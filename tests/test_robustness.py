@@ -549,7 +549,10 @@ def test__fast_exit__a_signal_while_exit_handlers_run__its_line_and_code_no_trac
         f"atexit.register(lambda: (os.kill(os.getpid(), {int(signum)}), time.sleep(0.3), print('handler done')))\n"
         "_exit_now(0)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    from reliability_cases import default_sigint
+
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          preexec_fn=default_sigint)  # a background job starts with SIGINT ignored  # fmt: skip
     assert proc.returncode == status, proc.stderr
     assert proc.stdout == "handler done\n", "the exit handler runs to its end"
     assert proc.stderr == f"Error: {word} after out.kv was written\n", proc.stderr
@@ -567,7 +570,10 @@ def test__fast_exit__stuck_on_a_thread__a_second_ctrl_c_ends_it():
         "print('ready', flush=True)\n"
         "_exit_now(0)\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    from reliability_cases import default_sigint
+
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_sigint)  # a background job starts with SIGINT ignored  # fmt: skip
     try:
         assert proc.stdout.readline() == "ready\n"
         time.sleep(0.5)

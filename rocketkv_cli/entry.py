@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 
-from .signals import EXIT_CODES, Terminated, defer, exit_for_signal, install, message, received, reported
+from .signals import EXIT_CODES, Terminated, defer, exit_for_signal, install, received, report
 
 
 def _exit_now(code: object) -> None:
@@ -47,8 +47,7 @@ def _exit_now(code: object) -> None:
         os._exit(EXIT_CODES[signal.SIGTERM])
     signum = received()
     if signum is not None:  # a signal while the exit ran: its line ("terminated after out.kv was written") and code
-        if not reported():
-            sys.stderr.write(f"Error: {message(signum)}\n")
+        report(signum)
         status = EXIT_CODES[signum]
     for stream, closed_status in ((sys.stdout, 141), (sys.stderr, status)):
         try:

@@ -46,12 +46,7 @@ def _record(signum: int, frame) -> None:  # pragma: no cover - exercised through
     if _received:  # the second: the exit is stuck (a thread that never ends, a slow handler): end it now
         import os
 
-        if not _reported:
-            try:
-                sys.stderr.write(f"Error: {message(signum)}\n")
-                sys.stderr.flush()
-            except (OSError, ValueError, AttributeError):
-                pass
+        report(signum)
         os._exit(EXIT_CODES[signum])
     _received.append(signum)
 
@@ -89,11 +84,6 @@ def message(signum: int) -> str:
     return MESSAGES[signum] + (f" after {' and '.join(_done)}" if _done else "")
 
 
-def reported() -> bool:
-    """Whether a signal's one-line message was printed already."""
-    return bool(_reported)
-
-
 def mark_reported(signum: int) -> None:
     """Note that the message for `signum` was printed (so that it is printed once)."""
     _reported.append(signum)
@@ -104,11 +94,17 @@ def exit_for_signal(signum: int) -> None:
     with its code (no Rich needed)."""
     for other in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not interrupt the exit itself
         signal.signal(other, signal.SIG_IGN)
-    if not _reported:
-        try:
-            sys.stderr.write(f"Error: {message(signum)}\n")
-            sys.stderr.flush()
-        except (OSError, ValueError, AttributeError):  # stderr closed: the exit code still says it
-            pass
-        mark_reported(signum)
+    report(signum)
     raise SystemExit(EXIT_CODES[signum])
+
+
+def report(signum: int) -> None:
+    """Print the one-line message for `signum` on stderr, once per process (no Rich needed)."""
+    if _reported:
+        return
+    try:
+        sys.stderr.write(f"Error: {message(signum)}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):  # stderr closed: the exit code still says it
+        pass
+    mark_reported(signum)

@@ -148,12 +148,9 @@ def requested_threads(threads: int | None = None) -> tuple[int, str] | None:
         raw = os.environ[source]
         # OpenMP's list form gives each nesting level its count ("4,2"): the first is the process's
         level = raw.split(",")[0] if source == "OMP_NUM_THREADS" else raw
-        try:
-            if not re.fullmatch(r"[ \t]*[0-9]+[ \t]*", level):  # int() takes "１", "1_0" and "+1": OpenMP does not
-                raise ValueError(level)
-            threads = int(level)
-        except ValueError:
-            raise UsageError(f"${source}={raw!r} is not a whole number of threads") from None
+        if not re.fullmatch(r"[ \t]*[0-9]+[ \t]*", level):  # int() takes "１", "1_0" and "+1": OpenMP does not
+            raise UsageError(f"${source}={raw!r} is not a whole number of threads")
+        threads = int(level)
         source = f"${source}"
     return _checked(threads, source), source
 

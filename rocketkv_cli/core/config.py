@@ -287,6 +287,15 @@ class PrefillConfig:
         return max(prompt_budget, stored)
 
 
+class PageOverTopk(ValueError):
+    """Budgets whose page holds more tokens than a decode step attends (`ingest --topk` below the
+    derived page wrote such files before 2026-12-06)."""
+
+    def __init__(self, page_size: int, topk: int):
+        super().__init__(f"page_size must not exceed topk ({topk}), got {page_size}")
+        self.page_size, self.topk = page_size, topk
+
+
 @dataclass(frozen=True)
 class Budgets:
     """Derived per-layer, per-KV-head budgets in tokens (docs/algorithm.md §1)."""
@@ -301,7 +310,7 @@ class Budgets:
         for name in ("prompt_budget", "capacity_budget", "topk", "page_size", "n_score_dims"):
             _positive(name, getattr(self, name), allow_none=False)
         if self.page_size > self.topk:  # derive_budgets never gives one: a page never exceeds a step's top-k
-            raise ValueError(f"page_size must not exceed topk ({self.topk}), got {self.page_size}")
+            raise PageOverTopk(self.page_size, self.topk)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..core.cache import AnyCache, CacheInfo, CompressedKVCache, ModelIdentity, SegmentedKVCache, SegmentInfo
-from ..core.config import WEIGHT_FORMATS, Budgets, PrefillConfig
+from ..core.config import WEIGHT_FORMATS, Budgets, PageOverTopk, PrefillConfig
 from ..core.storage import KVStorage
 from ..errors import CacheFormatError
 from .header import FORMAT_VERSION, MAX_HEAD_DIM, MAX_KV_HEADS, MAX_TOKENS, is_count
@@ -121,7 +121,9 @@ def metadata_info(meta: dict[str, str], path: str, rebuild: str) -> CacheInfo:
         if weights not in WEIGHT_FORMATS:
             raise ValueError("weights")
     except PageOverTopk as exc:  # a file an earlier rocketkv wrote itself: not damage
-        raise CacheFormatError(f"{path}: {exc}", rebuild) from exc
+        raise CacheFormatError(f"{path}: its pages ({exc.page_size} tokens) are larger than its top-k ({exc.topk}): "
+                               "written with --topk below the page size, which rocketkv no longer writes",
+                               rebuild) from exc  # fmt: skip
     except (TypeError, ValueError, KeyError, RecursionError) as exc:  # JSONDecodeError is a ValueError
         raise CacheFormatError(f"{path}: malformed metadata (config, budgets, storage or layer windows)",
                                rebuild) from exc  # fmt: skip
@@ -139,15 +141,6 @@ def metadata_info(meta: dict[str, str], path: str, rebuild: str) -> CacheInfo:
     )  # fmt: skip
 
 
-class PageOverTopk(ValueError):
-    """Stored budgets whose page holds more tokens than a decode step attends (`ingest --topk`
-    below the derived page wrote such files before 2026-12-06; a decode refuses that page)."""
-
-    def __init__(self, page_size: int, topk: int):
-        super().__init__(f"its pages ({page_size} tokens) are larger than its top-k ({topk}): written with --topk "
-                         "below the page size, which rocketkv no longer writes")  # fmt: skip
-
-
 def parse_budgets(raw: Any) -> tuple[Budgets, int]:
     """(Budgets, pool kernel) of a stored budgets record. Raises TypeError/ValueError/KeyError
     (PageOverTopk: a page larger than the top-k)."""
@@ -156,9 +149,6 @@ def parse_budgets(raw: Any) -> tuple[Budgets, int]:
     kernel = raw.get("pool_kernel_size", 0)
     if not is_count(kernel):
         raise ValueError("pool_kernel_size")
-    page, topk = raw.get("page_size"), raw.get("topk")
-    if isinstance(page, int) and isinstance(topk, int) and is_count(page) and is_count(topk) and page > topk:
-        raise PageOverTopk(page, topk)
     return Budgets(**{k: raw[k] for k in BUDGET_FIELDS}), kernel
 
 

@@ -158,7 +158,8 @@ def _run(cfg: ServeConfig, state: ServeState, sock: socket.socket, url: str, log
         log(f"serving on {url} (threads {threads}, memory budget {cfg.memory_budget / 1e9:.1f} GB, "
             f"idle timeout {cfg.idle_timeout_s:.0f}s); stop with `rocketkv serve stop`")  # fmt: skip
         if cfg.compile_step:
-            log("--compile-step: each model's first answer compiles its decode step first (10-30 s)")
+            log("--compile-step: each model's first answer compiles its decode step first (seconds: about 10 here, "
+                "more on a fresh machine)")  # fmt: skip
         try:
             await server.serve(sockets=[sock])
         finally:

@@ -286,6 +286,7 @@ class RocketKV:
         max_new = self._max_new(cache, max_new_tokens)
         overrides = self._overrides(dense, hsa, topk, page_size, n_score_dims)
         check_cite(cache, cite, segments)
+        unused_overrides_note(cache, dense, overrides, log)
         try:
             sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
             if isinstance(cache, SegmentedKVCache):
@@ -398,6 +399,7 @@ class RocketKV:
         max_new = self._max_new(cache, max_new_tokens)
         overrides = self._overrides(dense, hsa, topk, page_size, n_score_dims)
         check_cite(cache, cite, segments)
+        unused_overrides_note(cache, dense, overrides, log)
         try:
             sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
             first = cache.segments[0] if isinstance(cache, SegmentedKVCache) else cache
@@ -505,3 +507,39 @@ __all__ = [
     "open_document",
     "read_cache",
 ]
+
+
+_STAGE2_FLAGS = (("topk", "--topk"), ("page_size", "--page-size"), ("n_score_dims", "--n-score-dims"))
+
+
+def unused_overrides_note(cache: AnyCache, dense: bool, overrides: dict[str, int | None], log: Log) -> None:
+    """Log a note when stage-2 overrides (`--topk`, `--page-size`, `--n-score-dims`) were given
+    but no layer of `cache` will be attended with HSA, so they change nothing: `dense`, every
+    question's re-selected working set attended exactly (a store-budget cache without `--hsa`),
+    or no layer storing more than `max(topk, min_hsa_tokens)` tokens (the device's crossover,
+    `HSA_MIN_TOKENS`). Says nothing when some layer may use HSA, or when the overrides are
+    invalid (the caller's check reports those)."""
+    given = [flag for name, flag in _STAGE2_FLAGS if overrides.get(name) is not None]
+    if not given:
+        return
+    what = f"{'/'.join(given)} {'tunes' if len(given) == 1 else 'tune'} stage-2 HSA"
+    if dense:
+        log(f"note: {what}, which --dense turns off: {'it has' if len(given) == 1 else 'they have'} no effect")
+        return
+    working_set, bound = 0, 0  # the largest re-selected working set; the crossover's bound
+    for part in cache.segments if isinstance(cache, SegmentedKVCache) else (cache,):
+        try:
+            decode = decode_config_for(part, sparse=True, **overrides)
+        except ValueError:
+            return
+        if part.info.config.store_budget is not None and overrides.get("exact_working_set"):
+            working_set = max(working_set, part.info.budgets.prompt_budget)
+            continue
+        longest = part.info.n_context_tokens if isinstance(cache, SegmentedKVCache) else part.max_kept_tokens
+        if decode.uses_hsa(longest):
+            return
+        bound = max(bound, decode.topk, decode.min_hsa_tokens)
+    why = f"no layer stores more than {bound:,} tokens, where exact attention is faster on this device"
+    if working_set:
+        why = f"each question's working set of up to {working_set:,} tokens per layer is attended exactly"
+    log(f"note: {what}, which no layer uses here: {why} (add --hsa to use HSA)")

@@ -112,10 +112,14 @@ def test__ask_uses_the_running_server_and_answers_byte_identically(rocketkv_bin,
     sock = Path(env["ROCKETKV_HOME"]) / "serve.sock"
     assert s.url == f"unix:{sock}"
     assert stat.S_IMODE(sock.stat().st_mode) == 0o600  # only this user can connect
-    for _ in range(2):  # the first request loads the model and the cache, the second finds them warm
+    for first in (True, False):  # the first request loads the model and the cache, the second finds them warm
         remote = run(rocketkv_bin, env, "ask", "--cache", cache, *QUESTIONS)
         assert remote.returncode == 0, remote.stderr
         assert remote.stdout == local.stdout
+        # the load is said once, to the client that waited for it (as in-process `ask` says it) and in the server's log
+        loaded = [line for line in remote.stderr.splitlines() if "loaded " in line]
+        assert len(loaded) == first and all(line.endswith("(in the server)") for line in loaded), remote.stderr
+    assert sum("loaded " in line for line in s.stderr_lines) == 1, s.stderr_lines
     remote_json = run(rocketkv_bin, env, "ask", "--cache", cache, "--json", "--cite", *QUESTIONS[:2])
     assert without_timings(remote_json.stdout) == without_timings(local_json.stdout)
     info = health(s.server)
@@ -314,9 +318,14 @@ def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches,
         got, data = send("POST", "/v1/rocketkv/ask", json.dumps({"cache": str(caches[0]), "questions": ["q"],
                                                                 **field}).encode())  # fmt: skip
         assert got == 403, (field, data)
-    unknown = json.dumps({"cache": str(caches[0]), "questions": ["q"], "model": "no-such-model"}).encode()
-    got, data = send("POST", "/v1/rocketkv/ask", unknown)  # the request's mistake, not the server's
-    assert got == 400 and data["error"]["type"] == "ModelLoadError", (got, data)
+    unknown = {"cache": str(caches[0]), "questions": ["q"], "model": "no-such-model"}
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/rocketkv/ask", body=json.dumps(unknown).encode(),
+                 headers={"Authorization": f"Bearer {'k' * 16}", "Content-Type": "application/json"})  # fmt: skip
+    r = conn.getresponse()
+    events = [json.loads(line) for line in r.read().splitlines()]  # the load is announced, then fails
+    assert r.status == 200 and [e["event"] for e in events] == ["status", "error", "done"], events
+    assert events[1]["type"] == "ModelLoadError", events  # the request's mistake, not the server's
     for field, value in (("max_tokens", "8"), ("max_tokens", 0), ("max_completion_tokens", 2.5)):
         chat = {"model": f"kv:{caches[0]}", "messages": [{"role": "user", "content": "q"}], field: value}
         got, data = send("POST", "/v1/chat/completions", json.dumps(chat).encode())  # named as the client sent it
@@ -608,6 +617,7 @@ def test__ask_through_the_server_in_a_terminal(rocketkv_bin, env, caches, served
     assert code == 0, shown
     text = strip_ansi(shown).replace("\r\n", "\n")
     assert local.stdout.strip() in text and "Traceback" not in text
+    assert "in the server" in text.split("loaded ")[0], text  # the spinner while the server loaded the model
 
 
 def test__chat_from_a_pipe_uses_the_server_with_the_same_output(rocketkv_bin, env, caches, served):

@@ -178,6 +178,14 @@ class RocketKV:
     def model_id(self) -> str:
         return self.engine.loaded.model_id
 
+    @property
+    def description(self) -> str:
+        """The model as its load line names it: "gemma-3-270m on cpu (float32, head-int4 weights)"."""
+        loaded = self.engine.loaded
+        weights = f", {loaded.weights} weights" if loaded.weights != "float" else ""
+        what = str(loaded.dtype).removeprefix("torch.") + weights
+        return f"{loaded.model_id} on {loaded.device} ({what})"
+
     def ingest(
         self,
         document: str | Path | TextStream | None = None,

@@ -47,6 +47,11 @@ def log(message: str) -> None:
         err.print(f"[dim]rocketkv:[/dim] {escape(message)}", emoji=False, soft_wrap=True)
 
 
+def spinners() -> bool:
+    """Whether spinners and bars are drawn: stderr is a terminal and --quiet was not given."""
+    return err.is_terminal and not _state["quiet"]
+
+
 def fail(message: str, code: int = 1) -> typer.Exit:
     one_line = message.replace("\r", "\\r").replace("\n", "\\n")
     err.print(f"[bold red]Error:[/bold red] {escape(one_line)}", soft_wrap=True, emoji=False)
@@ -225,10 +230,7 @@ def load_engine(model: Optional[str], device: str, dtype: str, trust_remote_code
     ):
         rk = RocketKV.load(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, log=log,
                            weights=weights, threads=_state["threads"][0])  # fmt: skip
-    loaded = rk.engine.loaded
-    dtype_name = str(loaded.dtype).removeprefix("torch.")
-    what = dtype_name + (f", {loaded.weights} weights" if loaded.weights != "float" else "")
-    log(f"loaded {loaded.model_id} on {loaded.device} ({what}) in {time.perf_counter() - t0:.1f}s")
+    log(f"loaded {rk.description} in {time.perf_counter() - t0:.1f}s")
     return rk
 
 

@@ -6,14 +6,14 @@ the `--json` records and the exit codes do not depend on where the answer was co
 from __future__ import annotations
 
 import os
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 from ..errors import UsageError
 from ..serve.client import Server, ServerError, events, locate
 from .answers import AnswerPrinter
-from .common import Timings, log
+from .common import Timings, err, log, spinners
 
 
 def server_for(url: str | None, no_server: bool) -> Server | None:
@@ -55,6 +55,25 @@ def cache_fields(cache: Path, command: str = "ask") -> dict:
     return {"cache": os.path.abspath(cache), "display": str(cache)}
 
 
+def server_events(server: Server, path: str, body: dict) -> Iterator[dict]:
+    """`events` of a request, with the server's `status` events (a model loading there) shown as
+    a spinner on a terminal until the next event (dropped elsewhere: its `log` line follows)."""
+    shown = None
+    try:
+        for event in events(server, path, body):
+            if shown is not None:
+                shown.stop()
+                shown = None
+            if event.get("event") != "status":
+                yield event
+            elif spinners():
+                shown = err.status(str(event.get("message", "")), spinner="dots")
+                shown.start()
+    finally:
+        if shown is not None:
+            shown.stop()
+
+
 def answer_log_of(record: dict) -> str:
     """The stderr line after an answer, from its `--json` record (as `answers.answer_log`)."""
     seed = f", seed {record['sampling']['seed']}" if "sampling" in record else ""
@@ -73,7 +92,7 @@ def ask_remote(server: Server, cache: Path, questions: list[str], options: dict,
     body = {**cache_fields(cache), "questions": questions, **model_for_server(options)}
     done = 0
     printer.start(questions[0])
-    for event in events(server, "/v1/rocketkv/ask", body):
+    for event in server_events(server, "/v1/rocketkv/ask", body):
         kind = event.get("event")
         if kind == "piece":
             printer.piece(event["text"])
@@ -106,14 +125,14 @@ class RemoteChat:
         fields = cache_fields(cache, "chat")
         self.server = server
         self.body = {**fields, **model_for_server(options)}
-        for _ in events(server, "/v1/rocketkv/ask", {**self.body, "questions": [], "check_only": True}):
+        for _ in server_events(server, "/v1/rocketkv/ask", {**self.body, "questions": [], "check_only": True}):
             pass  # "checked": the cache, the model and the options passed the session's checks
 
     def turn(self, question: str) -> Turn:
         """The answer's pieces as they are decoded; returns (text, record, citations, log line).
         Closing the generator early (Ctrl-C) closes the connection, which cancels the answer there."""
         result = None
-        for event in events(self.server, "/v1/rocketkv/ask", {**self.body, "questions": [question]}):
+        for event in server_events(self.server, "/v1/rocketkv/ask", {**self.body, "questions": [question]}):
             if event.get("event") == "piece":
                 yield event["text"]
             elif event.get("event") == "log":
@@ -134,7 +153,7 @@ def summarize_remote(server: Server, cache: Path, options: dict, on_partial) -> 
     (text, n_answer_tokens, stop_reason, mode, rejected). Raises the server's error as its type."""
     body = {**cache_fields(cache, "summarize"), **model_for_server(options)}
     final = None
-    for event in events(server, "/v1/rocketkv/summarize", body):
+    for event in server_events(server, "/v1/rocketkv/summarize", body):
         if event.get("event") == "partial":
             on_partial(SimpleNamespace(**{k: v for k, v in event.items() if k != "event"}))
         elif event.get("event") == "summary":

@@ -227,10 +227,15 @@ def _ndjson(job: Job, first: dict | None) -> StreamingResponse:
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 
 
-async def _start(request: Request, work, *args) -> tuple[Job, dict | None]:
+async def _start(request: Request, work, *args, skip: tuple[str, ...] = ()) -> tuple[Job, dict | None]:
+    """Run `work` as a job; (the job, its first event). An error as the first event is the
+    response's HTTP status; events of the kinds in `skip` (a model's load: `status`, `log`, which
+    an OpenAI client has no use for) are dropped first, so that an error after them is one too."""
     job = Job(asyncio.get_running_loop())
     job.run(work, *args)
     first = await _next_event(job, request)
+    while first is not None and first.get("event") in skip:
+        first = await _next_event(job, request)
     if first is not None and first.get("event") == "error":
         raise _status_of(first)
     return job, first
@@ -268,7 +273,7 @@ def build_app(state: ServeState) -> Guard:
         body = await _json_body(request)
         req = AskRequest.parse(openai_to_ask(body, state.max_tokens_limit), state.roots, state.max_tokens_limit,
                                state.trust_remote_code)  # fmt: skip
-        job, first = await _start(request, answer_job, state.warm, req)
+        job, first = await _start(request, answer_job, state.warm, req, skip=("status", "log"))
         ident, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body["model"]
         if not body.get("stream"):
             text, record, event = [], None, first

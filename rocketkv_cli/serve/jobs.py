@@ -294,8 +294,9 @@ class Job:
         threading.Thread(target=target, name="rocketkv-job", daemon=True).start()
 
 
-def _open(warm: Warm, req: AskRequest):
-    """The cache and the model for `req`, checked as `rocketkv ask` checks them."""
+def _open(warm: Warm, req: AskRequest, job: Job):
+    """The cache and the model for `req`, checked as `rocketkv ask` checks them; a model loaded for
+    it is announced to the client (a `status` event before, a `log` event after)."""
     try:
         stored = warm.cache(req.path)
     except FileNotFoundError:
@@ -309,7 +310,8 @@ def _open(warm: Warm, req: AskRequest):
                          page_size=opts["page_size"], n_score_dims=opts["n_score_dims"])  # fmt: skip
     key = ModelKey(req.model or stored.info.identity.model_id, req.device, req.dtype or stored.info.dtype,
                    req.weights or decode_weights_for(stored), req.trust_remote_code)  # fmt: skip
-    rk = warm.model(key)
+    rk = warm.model(key, log=lambda message: job.emit({"event": "log", "message": message}),
+                    loading=lambda message: job.emit({"event": "status", "message": message}))  # fmt: skip
     warm.check(rk, key, req.path, stored, req.display)
     return rk, stored
 
@@ -319,7 +321,7 @@ def answer_job(job: Job, warm: Warm, req: AskRequest) -> None:
     decoded, an `answer` event (the `--json` record; citations with unrounded weights) per answer."""
     with warm.job():
         job.check()
-        rk, stored = _open(warm, req)
+        rk, stored = _open(warm, req, job)
         if req.check_only:  # what `rocketkv chat` asks before its prompt: every option checked as a session does
             rk.session(stored, **req.options)
             job.emit({"event": "checked"})
@@ -387,7 +389,7 @@ def summarize_job(job: Job, warm: Warm, req: SummarizeRequest) -> None:
 
     with warm.job():
         job.check()
-        rk, stored = _open(warm, req.ask)
+        rk, stored = _open(warm, req.ask, job)
         cite = req.ask.options["cite"]  # checked by `_open`
 
         def cited(summary) -> dict:

@@ -111,7 +111,7 @@ def serve(cfg: ServeConfig, log: Log) -> None:
         url = f"http://{cfg.host}:{sock.getsockname()[1]}"
     identity = os.stat(cfg.socket).st_ino if cfg.socket is not None else None
     try:  # from here on the socket is removed however the server ends (a signal while it starts too)
-        _run(cfg, state_for(cfg, url), sock, url, log)
+        _run(cfg, state_for(cfg, url, log), sock, url, log)
     finally:
         sock.close()
         if cfg.socket is not None:
@@ -124,9 +124,10 @@ def serve(cfg: ServeConfig, log: Log) -> None:
             os.close(lock_fd)
 
 
-def state_for(cfg: ServeConfig, url: str) -> ServeState:
-    """The server's state for `cfg`: its warm set (budget, threads), limits and counters."""
-    warm = Warm(cfg.memory_budget, cfg.threads, cfg.compile_step)
+def state_for(cfg: ServeConfig, url: str, log: Log = lambda message: None) -> ServeState:
+    """The server's state for `cfg`: its warm set (budget, threads; its model loads logged with
+    `log`), limits and counters."""
+    warm = Warm(cfg.memory_budget, cfg.threads, cfg.compile_step, log)
     return ServeState(warm=warm, roots=cfg.allow_dirs, api_key=cfg.api_key,
                       trust_remote_code=cfg.trust_remote_code, host=cfg.host,
                       url=url, idle_timeout_s=cfg.idle_timeout_s, max_queue=cfg.max_queue,

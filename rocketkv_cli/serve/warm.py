@@ -13,8 +13,9 @@ import contextlib
 import dataclasses
 import os
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,12 +71,14 @@ class Warm:
     server runs one answer at a time with all its threads, so concurrent clients never
     oversubscribe the cores."""
 
-    def __init__(self, memory_budget: int, threads: int | None = None, compile_step: bool = False):
+    def __init__(self, memory_budget: int, threads: int | None = None, compile_step: bool = False,
+                 log: Callable[[str], None] = lambda message: None):  # fmt: skip
         if memory_budget < 1:
             raise ValueError(f"memory_budget must be ≥ 1 byte, got {memory_budget}")
         self.memory_budget = memory_budget
         self.threads = threads  # None: chosen before each job from the cores other processes leave idle
         self.compile_step = compile_step  # models decode through a compiled step (`RocketKV.load`)
+        self.log = log  # the server's own log (its stderr): each model it loads
         self.load = CpuLoad()
         self.current_threads = threads or available_cores()
         self.models: OrderedDict[ModelKey, tuple[RocketKV, int]] = OrderedDict()
@@ -145,18 +148,25 @@ class Warm:
         for rk, _ in self.models.values():
             rk.release(warm.cache)
 
-    def model(self, key: ModelKey, log=lambda message: None) -> RocketKV:
+    def model(self, key: ModelKey, log=lambda message: None, loading=lambda message: None) -> RocketKV:
         """The model for `key`, loaded on first use; `auto` device and dtype are resolved first,
         so that a request naming them and one naming what they resolve to share one model.
+        A load is announced with `loading(message)` before it starts (the client's spinner), and
+        its "loaded ... in N s" line goes to `log` (the client) and to the server's own log.
         Raises ModelLoadError."""
         device, dtype = RocketKV.placement(key.device, key.dtype)
         key = dataclasses.replace(key, device=device, dtype=dtype)
         if key in self.models:
             self.models.move_to_end(key)
             return self.models[key][0]
+        loading(f"loading {key.model} in the server")
+        t0 = time.perf_counter()
         rk = RocketKV.load(key.model, device=key.device, dtype=key.dtype, trust_remote_code=key.trust_remote_code,
                            log=log, weights=key.weights, threads=self.current_threads,  # as `job` set them
                            compile_step=self.compile_step)  # fmt: skip
+        line = f"loaded {rk.description} in {time.perf_counter() - t0:.1f}s"
+        self.log(line)
+        log(line + " (in the server)")
         self.models[key] = (rk, _model_bytes(rk))
         self._evict(keep_model=key)
         return rk

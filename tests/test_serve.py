@@ -635,6 +635,33 @@ def test__chat_from_a_pipe_uses_the_server_with_the_same_output(rocketkv_bin, en
     assert health(s.server)["served"] == 5  # remote: 1 check + 3 questions, then the refused check
 
 
+def test__a_server_stopped_mid_answer__tells_its_client_and_logs_no_traceback(rocketkv_bin, env, caches, served,
+                                                                              tmp_path):  # fmt: skip
+    """SIGTERM while an answer streams: the answer ends at once with one line for the client (exit 1)
+    and the server stops with its one "stopped" line, exit 0: uvicorn's graceful shutdown used to
+    wait 3 s, then cancel the response mid-stream (a 60-line traceback in the server's log)."""
+    questions = tmp_path / "q.txt"
+    questions.write_text("".join(f"What is item {i}?\n" for i in range(900)))  # far more work than 3 s
+    s = served("--idle-timeout", "0", "--socket", tmp_path / "s.sock")
+    client = subprocess.Popen([rocketkv_bin, "ask", "--cache", str(caches[0]), "--questions-file", str(questions),
+                               "--max-new-tokens", "64", "--server", s.url], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        for _ in range(4):  # answers are streaming from the server
+            assert client.stdout.readline(), client.stderr.read()
+        s.proc.send_signal(signal.SIGTERM)
+        out, err = client.communicate(timeout=60)
+    finally:
+        client.kill()
+    errors = [line for line in err.splitlines() if line.startswith("Error:")]
+    assert client.returncode == 1 and errors and "stopped before the answer was complete" in errors[0], err
+    assert "Traceback" not in err
+    assert s.proc.wait(timeout=60) == 0
+    time.sleep(0.2)  # the reader thread takes the last lines
+    log = "".join(s.stderr_lines)
+    assert "stopped (SIGTERM)" in log and "Traceback" not in log and "ERROR" not in log, log
+
+
 def _send(server: Server, path: str, body: dict, timeout: float = 300):
     """The request sent, its response not read yet (the server answers once the work has started)."""
     conn = server.connection(timeout)

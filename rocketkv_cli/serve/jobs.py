@@ -255,6 +255,7 @@ class Job:
 
     cancelled_total = 0  # jobs stopped because their client went away (for /health and tests)
     live = 0  # job threads not yet ended (waiting for the lock or working): the queue bound counts them
+    running: set[Job] = set()  # those jobs (under `_live_lock`), for `stop_all`
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
@@ -262,8 +263,26 @@ class Job:
         self.cancelled = threading.Event()
 
     def emit(self, event: dict | None) -> None:
-        """Hand `event` to the HTTP side (None ends the stream)."""
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        """Hand `event` to the HTTP side (None ends the stream); nothing once the server's loop has
+        ended (a job that outlived a stop: its client was already told)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the event loop is closed
+            pass
+
+    @classmethod
+    def stop_all(cls) -> None:
+        """The server is stopping: every job not yet ended is cancelled and its stream ends now with
+        an error event (503: the client says so in one line and exits 1), not when uvicorn's
+        graceful shutdown runs out and cancels the response mid-stream (a traceback in the log)."""
+        with _live_lock:
+            jobs = list(cls.running)
+        for job in jobs:
+            job.cancelled.set()
+            job.emit({"event": "error", "type": "ServerError", "code": 503,
+                      "message": "the rocketkv server was stopped before the answer was complete",
+                      "hint": "start it again with `rocketkv serve`, or pass --no-server"})  # fmt: skip
+            job.emit(None)
 
     def check(self) -> None:
         if self.cancelled.is_set():
@@ -287,10 +306,12 @@ class Job:
             finally:
                 with _live_lock:
                     Job.live -= 1
+                    Job.running.discard(self)
                 self.emit(None)
 
         with _live_lock:
             Job.live += 1
+            Job.running.add(self)
         threading.Thread(target=target, name="rocketkv-job", daemon=True).start()
 
 

@@ -23,6 +23,7 @@ from ..api.rocketkv import configure
 from ..errors import InputError
 from .app import ServeState, build_app
 from .config import ServeConfig
+from .jobs import Job
 from .warm import Warm
 
 Log = Callable[[str], None]
@@ -145,14 +146,15 @@ def _run(cfg: ServeConfig, state: ServeState, sock: socket.socket, url: str, log
         state.stop = asyncio.Event()
 
         async def watch() -> None:
-            while not state.stop.is_set():  # type: ignore[union-attr]
-                await asyncio.sleep(0.2)
+            while not state.stop.is_set() and not server.should_exit:  # type: ignore[union-attr]
+                await asyncio.sleep(0.2)  # (uvicorn sets should_exit on SIGINT and SIGTERM)
                 idle = time.monotonic() - state.last_activity
                 if cfg.idle_timeout_s and state.active == 0 and idle > cfg.idle_timeout_s:
                     why["reason"] = f"idle for {cfg.idle_timeout_s:.0f}s"
                     log(f"idle for {cfg.idle_timeout_s:.0f}s: stopping")
                     break
             server.should_exit = True
+            Job.stop_all()  # answers in progress end now, each client told in one line
 
         watcher = asyncio.create_task(watch())
         threads = cfg.threads or f"{state.warm.current_threads} now, chosen before each request"

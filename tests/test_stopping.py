@@ -40,6 +40,23 @@ def test__answer_that_is_the_template__is_cut_to_nothing():
     assert AnswerText("\n1. The keeper.", STOPS).stop_at() is None  # a line break, then an answer
 
 
+def test__chat_framing__an_echo_of_the_prompts_question_line_is_cut():
+    """A chat model that echoes its prompt's last line after the answer ("…\\n\\nQuestion: …", seen
+    with SmolLM2) is cut there, as the plain framing's answers are; its paragraphs are kept (a chat
+    answer may have several, unlike the plain framing's one-paragraph answers)."""
+    from rocketkv_cli.model.templates import prompt_format
+
+    tok = byte_tokenizer()
+    tok.chat_template = ("{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")  # fmt: skip
+    fmt = prompt_format(tok)
+    assert fmt.template_id.startswith("chat-") and fmt.before_question.endswith("Question: ")
+    echoed = "The document returns a list of settings.\n\nQuestion: What does GET /health return?"
+    assert AnswerText(echoed, fmt.stop_strings).text() == "The document returns a list of settings."
+    two = "First part.\n\nSecond part, where a question: is not a line start."
+    assert AnswerText(two, fmt.stop_strings).text() == two
+
+
 def test__counting_loop__ends_the_answer_as_written():
     """issue 17 item 3: "1. 2. … 34." ran to the token limit. Units "0", "." repeat with period
     2: found once 24 whole units repeat the two before them; a progression is kept as written

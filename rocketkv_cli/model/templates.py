@@ -16,6 +16,9 @@ from pathlib import Path
 _DOC = "\x00ROCKETKV_DOCUMENT\x00"
 _QUESTION = "\x00ROCKETKV_QUESTION\x00"
 PLAIN_STOP_STRINGS = ("\n\n", "\nQuestion:")
+# the chat prompt's user message ends "Question: {question}"; a chat model that echoes its prompt
+# after the answer starts a line with it (SmolLM2: "… object code.\n\nQuestion: What …?")
+CHAT_STOP_STRINGS = ("\nQuestion:",)
 SUMMARY_PLAIN_STOP_STRINGS = ("\n\n",)  # the continuation is one paragraph
 
 
@@ -89,7 +92,7 @@ def prompt_format(tokenizer) -> PromptFormat:
         before_question=before_q,
         after_question=after_q,
         add_special_tokens=not has_chat,
-        stop_strings=() if has_chat else PLAIN_STOP_STRINGS,
+        stop_strings=CHAT_STOP_STRINGS if has_chat else PLAIN_STOP_STRINGS,
     )
     if has_chat:  # a chat model is asked `summarize.txt` as a question (docs/framings.md)
         return fmt

@@ -109,6 +109,12 @@ def test__text_file_as_cache__refused_before_torch_with_a_hint(rocketkv_bin, env
     assert r.stdout.split() == ["False", "1"], (r.stdout, r.stderr)
     assert f"{doc} is a text document, not a rocketkv cache" in r.stderr, r.stderr
     assert f"rocketkv ask {doc} QUESTION" in r.stderr, r.stderr
+    named = doc.parent / "named-as-a-cache.kv"  # text in a file named as a cache: damaged, not a document to ask
+    named.write_text(doc.read_text())
+    r = subprocess.run([sys.executable, "-c", probe, str(named)], env=env, capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["False", "1"], (r.stdout, r.stderr)
+    assert f"{named} holds text, not a rocketkv cache: damaged, or not written by rocketkv" in r.stderr, r.stderr
+    assert "rocketkv ask" not in r.stderr and "rocketkv ingest DOC -o FILE.kv --force" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize(

@@ -254,8 +254,19 @@ def test__ask_several_questions_in_a_terminal__streamed_qa_records(rocketkv_bin,
         (["ask", "--cache", "x.kv", "q?", "--threads", "many"], "--threads"),
         (["ask", "--cache"], "'--cache' requires an argument"),
         (["ask"], "Error: no question: give --cache FILE.kv QUESTION..., or DOC QUESTION...; try"),
+        (["ask", "What is it?"], "Error: no cache and no document for 'What is it?': give --cache FILE.kv"),
+        (["asj"], "No such command 'asj'. Did you mean 'ask'? Try 'rocketkv --help'"),
     ],
-    ids=["unknown-command", "unknown-option", "missing-argument", "not-an-integer", "missing-value", "no-question"],
+    ids=[
+        "unknown-command",
+        "unknown-option",
+        "missing-argument",
+        "not-an-integer",
+        "missing-value",
+        "no-question",
+        "a-question-without-cache",
+        "a-misspelt-command",
+    ],  # fmt: skip
 )
 def test__usage_errors_in_a_terminal__one_line_exit_2(rocketkv_bin, env, args, says):
     """What the option parser refuses reads as every other error does: one line, exit 2 (click's

@@ -113,6 +113,9 @@ def check_cache_file(path: str | Path, command: str = "ask") -> None:
     # the safetensors framing, checked here without torch (as `store.header.parse_header` checks it
     # again): a text file given as a cache is refused at once, not after the seconds of an import
     hint = "give a .kv file written by: rocketkv ingest DOC -o FILE.kv"
+    if _looks_like_text(head) and p.suffix.lower() == ".kv":  # named as a cache: not a document to ask
+        raise CacheFormatError(f"{path} holds text, not a rocketkv cache: damaged, or not written by rocketkv",
+                               "rebuild it: rocketkv ingest DOC -o FILE.kv --force")  # fmt: skip
     if _looks_like_text(head):
         raise CacheFormatError(f"{path} is a text document, not a rocketkv cache",
                                _text_hint(command, shlex.quote(str(path))))  # fmt: skip

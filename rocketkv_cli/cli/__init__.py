@@ -51,7 +51,8 @@ class OneLineUsageError(_UsageError):  # type: ignore[misc,valid-type]
         self.command_path = ctx.command_path if ctx is not None else command_path
 
     def show(self, file=None) -> None:
-        hint = f"; try '{self.command_path} --help'" if self.command_path else ""
+        joint = " Try" if self.format_message().endswith("?") else "; try"  # "Did you mean 'ask'? Try …"
+        hint = f"{joint} '{self.command_path} --help'" if self.command_path else ""
         typer.echo(f"Error: {self.format_message()}{hint}", file=file, err=file is None)
 
 

@@ -103,6 +103,10 @@ def questions_of(args: Optional[list[str]], cache: Optional[Path], questions_fil
     args = list(args or [])
     if cache is None and not args:
         raise missing_arguments("no question: give --cache FILE.kv QUESTION..., or DOC QUESTION...")
+    if cache is None and len(args) == 1 and questions_file is None and args[0] != "-" and not _is_file(args[0]):
+        # one argument, not a file: a question without --cache (not a document without its question)
+        raise missing_arguments(f"no cache and no document for {args[0]!r}: give --cache FILE.kv QUESTION..., "
+                                "or DOC QUESTION...")  # fmt: skip
     if cache is not None and len(args) > 1 and (args[0] == "-" or _is_file(args[0])):
         # with --cache every argument is a question: a document named too would be asked as one
         raise usage_error("DOC", f"{args[0]!r} is a document, and --cache {cache} names the cache to answer from: "

@@ -130,6 +130,12 @@ def test__ask_uses_the_running_server_and_answers_byte_identically(rocketkv_bin,
     assert one.stdout == one_local.stdout and one.returncode == 0
     verbose = run(rocketkv_bin, env, "ask", "--cache", cache, "-v", QUESTIONS[0])
     assert f"answered by the server at {s.url} (threads: " in verbose.stderr, verbose.stderr  # as --no-server's -v
+    assert "--threads" not in verbose.stderr, verbose.stderr
+    threads = run(rocketkv_bin, env, "ask", "--cache", cache, "--threads", "1", QUESTIONS[0])  # the server's apply
+    here = run(rocketkv_bin, env, "ask", "--cache", cache, "--threads", "1", "--no-server", QUESTIONS[0])
+    assert threads.returncode == 0 and threads.stdout == here.stdout, threads.stderr
+    assert "note: --threads" not in here.stderr, here.stderr
+    assert f"note: --threads 1 is not used: the server at {s.url} computes with its own threads" in threads.stderr
 
 
 def test__ask_focus__through_the_server_as_in_process(rocketkv_bin, env, caches, served):

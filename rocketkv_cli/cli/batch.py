@@ -139,7 +139,7 @@ def batch_command(
     if workers is None and ray is None:
         from .remote import model_for_server, server_for
 
-        found = server_for(server, no_server)
+        found = server_for(server, no_server, threads)
         if found is not None:
             import json
 

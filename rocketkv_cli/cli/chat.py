@@ -177,7 +177,7 @@ def chat_command(
         check_focus(options)
         focus_passages_note(ctx, focus)
     choice = ModelChoice(model, device, dtype, weights, trust_remote_code)
-    remote = server_for(server, no_server) if cache is not None else None
+    remote = server_for(server, no_server, threads) if cache is not None else None
     turn: Callable[[str], Turn]
     if remote is not None and cache is not None:  # a server only with --cache
         cache_budget_note(budget, cache)

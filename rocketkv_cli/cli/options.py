@@ -131,7 +131,8 @@ SegmentsOpt = Annotated[
     int, typer.Option("--segments", min=1, help="Segmented caches: answer from the N segments that best match.")
 ]
 SegmentOpt = Annotated[
-    Optional[int], typer.Option("--segment", min=0, help="Segmented caches: answer from segment N (numbered from 0; no routing).")
+    Optional[int],
+    typer.Option("--segment", min=0, help="Segmented caches: answer from segment N (numbered from 0; no routing)."),
 ]
 DenseOpt = Annotated[
     bool,

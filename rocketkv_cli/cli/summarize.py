@@ -131,7 +131,7 @@ def summarize_command(
     n_cite = passages if cite else 0
     cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens)
     choice = ModelChoice(model, device, dtype, weights, trust_remote_code)
-    remote = server_for(server, no_server) if cache is not None else None
+    remote = server_for(server, no_server, threads) if cache is not None else None
     server_hint = document is not None and not no_server and server_running(server)  # said once summarized
     partials: list[dict] = []
     on_partial = partial_logger(partials, cite)

@@ -169,6 +169,7 @@ def test__rerun__skips_answered_rows_retries_bad_ones_and_reuses_the_cache(job, 
     stamps = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (root / "cache").glob("*.kv")}
     again = run(rocketkv_bin, env, *cmd)
     assert again.returncode == 1 and "skipping 4 rows already answered" in again.stderr, again.stderr
+    assert f"resuming {results}: dropped 4 error lines, to retry them" in again.stderr, again.stderr  # not "repaired"
     after = lines_of(results)
     assert [r for r in after if "error" not in r] == [r for r in before if "error" not in r]
     assert sorted(r["line"] for r in after if "error" in r) == [5, 6, 7, 8]  # redone once, not duplicated

@@ -52,7 +52,9 @@ def run_batch(
     try:
         done = results.open(rows)
         if sum(results.dropped.values()):
-            log(f"repaired {output}: dropped " + ", ".join(f"{n} {k} lines" for k, n in results.dropped.items() if n))
+            why = {"error": "error lines, to retry them", "torn": "lines cut by a crash",
+                   "stale": "lines of changed rows"}  # fmt: skip
+            log(f"resuming {output}: dropped " + ", ".join(f"{n} {why[k]}" for k, n in results.dropped.items() if n))
         tasks = plan(rows, done)
         tracker = Tracker(results, tasks, on_progress)
         for row in rows:

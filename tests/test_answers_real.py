@@ -37,6 +37,8 @@ def test__counting_loop_stops_as_a_repetition(gemma, harbor):
     """issue 17 item 3: "1. 2. … 34." ran to the token limit."""
     (a,) = gemma.ask(harbor, ["List every number in the document."], max_new_tokens=128)
     assert a.stop_reason == "repetition" and a.n_answer_tokens < 128, a
+    # the loop's repeat was decoded, then cut: the record says how many tokens the decode time covers
+    assert a.n_decoded_tokens > a.n_answer_tokens and a.to_dict(cache="h.kv")["n_decoded_tokens"] == a.n_decoded_tokens
 
 
 def test__cite__the_first_passage_holds_the_fact(gemma, harbor):

@@ -850,3 +850,17 @@ def test__a_cache_file_named_dash__is_read_as_a_file(rocketkv_bin, env, kv, tmp_
     r = run(rocketkv_bin, env, "inspect", "./-", cwd=tmp_path)
     assert r.returncode == 0 and "storage" in r.stdout, r.stderr
     assert "cannot come from stdin" in assert_one_line_error(run(rocketkv_bin, env, "inspect", "-"), code=2)
+
+
+def test__answer_line_and_verbose_timing__count_the_tokens_decoded_not_only_those_kept():
+    """An answer cut at a loop kept 5 of the 9 tokens decoded in its 1.0 s of decode: the line after
+    it says both, and --verbose's per-token time divides by the steps run (8), not the kept (4)."""
+    from rocketkv_cli.cli.answers import answer_log_of, decode_timing
+
+    record = {"n_answer_tokens": 5, "n_decoded_tokens": 9, "stop_reason": "repetition", "prefill_s": 0.5,
+              "decode_s": 1.0}  # fmt: skip
+    assert answer_log_of(record) == "answered in 1.50s (5 tokens of 9 decoded, stop: repetition)"
+    assert decode_timing(record) == ("decode 9 tokens (125 ms/token)", 1.0)
+    whole = {k: v for k, v in record.items() if k != "n_decoded_tokens"} | {"stop_reason": "eos"}
+    assert answer_log_of(whole) == "answered in 1.50s (5 tokens, stop: eos)"
+    assert decode_timing(whole) == ("decode 5 tokens (250 ms/token)", 1.0)

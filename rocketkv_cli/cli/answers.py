@@ -227,7 +227,22 @@ def sampling_note(temperature: float, seed: int | None) -> str | None:
 
 
 def answer_log(ans) -> str:
-    """The stderr line after an answer: time, tokens, why it stopped, the seed when sampled."""
-    seed = f", seed {ans.sampling.seed}" if ans.sampling is not None else ""
-    seconds = ans.prefill_s + ans.decode_s
-    return f"answered in {seconds:.2f}s ({ans.n_answer_tokens} tokens, stop: {ans.stop_reason}{seed})"
+    """The stderr line after an `Answer` (`answer_log_of` its record)."""
+    return answer_log_of(ans.to_dict(cache=""))
+
+
+def answer_log_of(record: dict) -> str:
+    """The stderr line after an answer, from its `--json` record: time, tokens (and those decoded
+    when some were cut: a loop's repeat), why it stopped, the seed when sampled."""
+    seed = f", seed {record['sampling']['seed']}" if "sampling" in record else ""
+    seconds = record["prefill_s"] + record["decode_s"]
+    n = record["n_answer_tokens"]
+    tokens = f"{n} tokens of {record['n_decoded_tokens']} decoded" if "n_decoded_tokens" in record else f"{n} tokens"
+    return f"answered in {seconds:.2f}s ({tokens}, stop: {record['stop_reason']}{seed})"
+
+
+def decode_timing(record: dict) -> tuple[str, float]:
+    """(label, seconds) of an answer's decode for `--verbose`, per token over every token decoded."""
+    n = record.get("n_decoded_tokens", record["n_answer_tokens"])
+    per = f" ({1e3 * record['decode_s'] / (n - 1):.0f} ms/token)" if n > 1 else ""
+    return f"decode {n} tokens{per}", record["decode_s"]

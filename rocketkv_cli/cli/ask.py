@@ -24,6 +24,7 @@ from .answers import (
     TopPOpt,
     answer_log,
     check_focus,
+    decode_timing,
     focus_passages_note,
     missing_arguments,
     resolve_format,
@@ -150,9 +151,8 @@ def print_answers(answers, questions: list[str], source: str, printer: AnswerPri
         printer.start(question)
         ans = next(it)
         if timings is not None:
-            per = f" ({1e3 * ans.decode_s / (ans.n_answer_tokens - 1):.0f} ms/token)" if ans.n_answer_tokens > 1 else ""
             timings.add(f"question {i + 1} prefill", ans.prefill_s)
-            timings.add(f"decode {ans.n_answer_tokens} tokens{per}", ans.decode_s)
+            timings.add(*decode_timing(ans.to_dict(cache=source)))
         printer.finish(ans.text, ans.to_dict(cache=source), ans.citations)
         log(answer_log(ans))
 

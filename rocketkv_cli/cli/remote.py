@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 from ..errors import UsageError
 from ..serve.client import Server, ServerError, events, locate
-from .answers import AnswerPrinter
+from .answers import AnswerPrinter, answer_log_of, decode_timing
 from .common import Timings, err, log, spinners
 
 
@@ -79,14 +79,6 @@ def server_events(server: Server, path: str, body: dict) -> Iterator[dict]:
             shown.stop()
 
 
-def answer_log_of(record: dict) -> str:
-    """The stderr line after an answer, from its `--json` record (as `answers.answer_log`)."""
-    seed = f", seed {record['sampling']['seed']}" if "sampling" in record else ""
-    seconds = record["prefill_s"] + record["decode_s"]
-    return (f"answered in {seconds:.2f}s ({record['n_answer_tokens']} tokens, stop: {record['stop_reason']}"
-            f"{seed})")  # fmt: skip
-
-
 def ask_remote(server: Server, cache: Path, questions: list[str], options: dict, printer: AnswerPrinter,
                timings: Timings | None = None) -> None:  # fmt: skip
     """Answer `questions` from `cache` on `server` and print them as `ask` does.
@@ -110,10 +102,9 @@ def ask_remote(server: Server, cache: Path, questions: list[str], options: dict,
             printer.finish(record["answer"], record, citations)
             log(answer_log_of(record))
             if timings is not None:
-                n = record["n_answer_tokens"]
-                per = f" ({1e3 * record['decode_s'] / (n - 1):.0f} ms/token)" if n > 1 else ""
+                label, seconds = decode_timing(record)
                 timings.add(f"question {done + 1} prefill (server)", record["prefill_s"])
-                timings.add(f"decode {n} tokens{per} (server)", record["decode_s"])
+                timings.add(f"{label} (server)", seconds)
             done += 1
             if done < len(questions):
                 printer.start(questions[done])

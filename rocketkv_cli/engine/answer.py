@@ -95,14 +95,17 @@ class Answer:
     segments: tuple[int, ...] | None = None
     sampling: Sampling | None = None
     citations: tuple[Any, ...] | None = None
+    n_decoded_tokens: int | None = None  # tokens decoded, those cut (a loop's repeat, a stop string) included
 
     def to_dict(self, cache: str) -> dict:
         """The `ask --json` record (stable keys; `segments` only for segmented caches, `sampling`
-        only when sampled)."""
+        only when sampled, `n_decoded_tokens` only when some decoded tokens were cut)."""
         row = {"question": self.question, "answer": self.text, "cache": cache,
                "n_question_tokens": self.n_question_tokens, "n_answer_tokens": self.n_answer_tokens,
                "stop_reason": self.stop_reason, "prefill_s": round(self.prefill_s, 4),
                "decode_s": round(self.decode_s, 4)}  # fmt: skip
+        if self.n_decoded_tokens is not None and self.n_decoded_tokens != self.n_answer_tokens:
+            row["n_decoded_tokens"] = self.n_decoded_tokens
         if self.segments is not None:
             row["segments"] = list(self.segments)
         if self.sampling is not None:
@@ -367,7 +370,7 @@ def stream_answer(
     decode_text = lambda tokens: engine.tokenizer.decode(tokens, skip_special_tokens=True)
     t0 = time.perf_counter()
     state = AnswerTokens(decode_text, stops)
-    reason = "length"
+    reason, decoded = "length", 0
     with decoder.attention():
         logits = decoder.prefill(ids)
         t1 = time.perf_counter()
@@ -380,6 +383,7 @@ def stream_answer(
             if token in engine.stop_ids:
                 reason = "eos"
                 break
+            decoded += 1
             stopped = state.add(token)
             if stopped is not None:
                 reason = stopped
@@ -397,6 +401,7 @@ def stream_answer(
         question=question, text=state.text(), n_question_tokens=len(ids), n_answer_tokens=len(out),
         stop_reason=reason, token_ids=tuple(out), prefill_s=t1 - t0, decode_s=time.perf_counter() - t1,
         sampling=None if seed is None else Sampling(sampling.temperature, sampling.top_p, seed),
+        n_decoded_tokens=decoded,
     )  # fmt: skip
 
 

@@ -668,6 +668,28 @@ def test__a_server_stopped_mid_answer__tells_its_client_and_logs_no_traceback(ro
     assert "stopped (SIGTERM)" in log and "Traceback" not in log and "ERROR" not in log, log
 
 
+def test__a_cache_whose_name_is_not_utf8__answered_and_the_server_stays_healthy(rocketkv_bin, env, caches, served,
+                                                                                tmp_path):  # fmt: skip
+    """A file name that is not UTF-8 (Latin-1 `café.kv`) reached the server as a lone surrogate:
+    encoding the response failed mid-stream, and once the cache was warm /health failed for good,
+    so `serve status` and `serve stop` said no server was running while it held the socket."""
+    odd = Path(os.fsdecode(bytes(tmp_path) + b"/caf\xe9.kv"))
+    odd.write_bytes(caches[0].read_bytes())
+    s = served("--idle-timeout", "0", "--socket", tmp_path / "s.sock")
+
+    def run_odd(*args):  # the output names the file: bytes that are not UTF-8
+        return subprocess.run([rocketkv_bin, *map(str, args)], capture_output=True, text=True, env=env, timeout=300,
+                              errors="surrogateescape")  # fmt: skip
+
+    here = run_odd("ask", "--cache", odd, QUESTIONS[0], "--no-server")
+    there = run_odd("ask", "--cache", odd, QUESTIONS[0], "--server", s.url)
+    assert there.returncode == 0 and there.stdout == here.stdout, there.stderr
+    assert health(s.server)["caches"] == [str(odd)]  # JSON, read back as the name the server holds
+    status = run_odd("serve", "status", "--socket", tmp_path / "s.sock")
+    assert status.returncode == 0 and "running: pid" in status.stdout, status.stdout + status.stderr
+    assert "Traceback" not in "".join(s.stderr_lines)
+
+
 def _send(server: Server, path: str, body: dict, timeout: float = 300):
     """The request sent, its response not read yet (the server answers once the work has started)."""
     conn = server.connection(timeout)

@@ -24,10 +24,12 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse as StarletteJSON
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import __version__
@@ -78,6 +80,24 @@ class ServeState:
                 "active": self.active, "served": self.served, "max_queue": self.max_queue,
                 "idle_timeout_s": self.idle_timeout_s, "cancelled": Job.cancelled_total,
                 **self.warm.describe()}  # fmt: skip
+
+
+def encoded(obj: Any) -> bytes:
+    """`obj` as JSON in UTF-8; where a string holds a lone surrogate (a file name that is not UTF-8,
+    a `\\ud800` sent in a request), the whole text in ASCII escapes instead, which every JSON reader
+    reads back, rather than a UnicodeEncodeError that cut the response (and broke /health for good
+    once such a path was warm)."""
+    try:
+        return json.dumps(obj, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return json.dumps(obj).encode()
+
+
+class JSONResponse(StarletteJSON):
+    """Starlette's JSON response, encoded by `encoded`."""
+
+    def render(self, content: Any) -> bytes:
+        return encoded(content)
 
 
 def error_response(exc: BadRequest) -> JSONResponse:
@@ -221,7 +241,7 @@ def _ndjson(job: Job, first: dict | None) -> StreamingResponse:
 
     async def lines() -> AsyncIterator[bytes]:
         async for event in _events(job, first):
-            yield (json.dumps(event, ensure_ascii=False) + "\n").encode()
+            yield encoded(event) + b"\n"
         yield b'{"event": "done"}\n'
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
@@ -294,7 +314,7 @@ def build_app(state: ServeState) -> Guard:
                 choice = {"index": 0, "delta": delta, "finish_reason": finish}
                 data = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
                         "choices": [choice]}  # fmt: skip
-                return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+                return b"data: " + encoded(data) + b"\n\n"
 
             yield chunk({"role": "assistant", "content": ""}, None)
             async for event in _events(job, first):
@@ -304,7 +324,7 @@ def build_app(state: ServeState) -> Guard:
                     yield chunk({}, FINISH.get(event["record"]["stop_reason"], "stop"))
                 elif event["event"] == "error":
                     err = {"error": {k: event.get(k) for k in ("message", "type", "hint")}}
-                    yield f"data: {json.dumps(err, ensure_ascii=False)}\n\n".encode()
+                    yield b"data: " + encoded(err) + b"\n\n"
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(sse(), media_type="text/event-stream")
@@ -315,7 +335,7 @@ def build_app(state: ServeState) -> Guard:
 
         async def sse() -> AsyncIterator[bytes]:
             async for event in _events(job, first):
-                yield f"event: {event['event']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
+                yield f"event: {event['event']}\ndata: ".encode() + encoded(event) + b"\n\n"
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 

@@ -378,6 +378,14 @@ def test__batch_usage_errors(rocketkv_bin, env, tmp_path):
         and r.stderr.strip() == f"Error: manifest not found: {tmp_path / 'none.jsonl'} — check the path"
     )
     assert run(rocketkv_bin, env, "batch", tmp_path / "none.jsonl", "--workers", "0").returncode == 2
+    # devices: /dev/zero as the manifest, or /dev/full as the results file (read to its end to resume), were
+    # read until the machine ran out of memory
+    r = run(rocketkv_bin, env, "batch", "/dev/zero")
+    assert r.returncode == 1 and r.stderr.strip() == "Error: /dev/zero is a device, not a manifest — give a .jsonl file"
+    r = run(rocketkv_bin, env, "batch", manifest, "-o", "/dev/full")
+    assert r.returncode == 1 and r.stderr.strip().startswith("Error: results path /dev/full is not a regular file"), (
+        r.stderr
+    )
 
 
 def test__batch_in_a_terminal__draws_the_bar_with_rates(many, rocketkv_bin, env, tiny_model_dir, tmp_path):

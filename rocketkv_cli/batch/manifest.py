@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
 import tempfile
 from collections.abc import Iterable
@@ -23,6 +24,7 @@ from ..api.preflight import check_questions
 from ..errors import InputError, OutputError
 
 ROW_FIELDS = ("id", "document", "text", "questions", "summary")
+MAX_MANIFEST_BYTES = 1 << 30  # 1 GiB of rows; more is a mistake (a device, a runaway pipe), not a batch
 RowId = str | int
 
 
@@ -75,13 +77,19 @@ def read_manifest(path: Path) -> list[Row | BadRow]:
     earlier line makes a `BadRow`. Raises InputError: the manifest itself cannot be read.
     """
     try:
-        data = path.read_bytes()
+        mode = os.stat(path).st_mode
+        if stat.S_ISDIR(mode):
+            raise InputError(f"{path} is a directory, not a manifest", "give a .jsonl file")
+        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):  # /dev/zero would be read until memory ran out
+            raise InputError(f"{path} is a device, not a manifest", "give a .jsonl file")
+        with open(path, "rb") as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)  # a pipe (`<(…)`) has no size to check first
     except FileNotFoundError:
         raise InputError(f"manifest not found: {path}", "check the path") from None
-    except IsADirectoryError:
-        raise InputError(f"{path} is a directory, not a manifest", "give a .jsonl file") from None
     except OSError as exc:
         raise InputError(f"cannot read manifest {path}: {exc.strerror}") from None
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise InputError(f"manifest {path} is larger than {MAX_MANIFEST_BYTES >> 30} GiB", "split it into several")
     base = path.resolve().parent
     rows: list[Row | BadRow] = []
     first_line: dict[str, int] = {}
@@ -225,11 +233,16 @@ class Results:
     def _read(self) -> bytes:
         assert self.path is not None
         try:
+            mode = os.stat(self.path).st_mode
+            if stat.S_ISDIR(mode):
+                raise OutputError(f"results path {self.path} is a directory", "give a file name with -o")
+            if not stat.S_ISREG(mode):  # a device or a pipe: it is read to its end, then rewritten in place
+                hint = "give -o a file name, or -o - to print the results"
+                raise OutputError(f"results path {self.path} is not a regular file: a results file is resumed and "
+                                  "rewritten in place", hint)  # fmt: skip
             return self.path.read_bytes()
         except FileNotFoundError:
             return b""
-        except IsADirectoryError:
-            raise OutputError(f"results path {self.path} is a directory", "give a file name with -o") from None
         except OSError as exc:
             raise OutputError(f"cannot read results file {self.path}: {exc.strerror}") from None
 

@@ -344,6 +344,12 @@ def test__results_file__what_a_crash_leaves_of_a_new_one_is_resumed(content, tmp
         ('{"id": "x", "text": "t"}', "line 1: nothing to do"),
         ('{"id": "x", "text": "t", "summary": "yes"}', 'line 1: "summary" must be true or false'),
         ('{"id": "x", "text": "\\ud800", "questions": ["Q?"]}', 'line 1: "text" is not valid UTF-8 text'),
+        # each of these stopped the whole batch with an "unexpected" error, the rows after it never run
+        ('{"id": "\\ud800", "text": "t", "questions": ["Q?"]}', 'line 1: "id" is not valid Unicode'),
+        ('{"id": "x", "document": "a\\u0000b", "questions": ["Q?"]}', 'line 1: "document" "a\\u0000b" is not a file'),
+        ('{"id": "x", "document": "\\udc80", "questions": ["Q?"]}', 'line 1: "document" "\\udc80" is not a file'),
+        ('{"id": ' + "9" * 5000 + ', "text": "t", "questions": ["Q?"]}', "line 1 cannot be read as JSON (Exceeds"),
+        ("[" * 100_000 + "]" * 100_000, "line 1 cannot be read as JSON (nested too deeply)"),
     ],
 )
 def test__manifest_rows__each_mistake_named(line, message, tmp_path):

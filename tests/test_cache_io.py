@@ -156,6 +156,17 @@ def test__load__header_claiming_enormous_tensor_refused_before_allocation(kv_fil
         load_cache(kv_file)
 
 
+def test__load__header_with_an_integer_json_cannot_read__refused_as_unreadable(kv_file):
+    """A shape of 5,000 digits is JSON, but past Python's limit for reading an integer: a
+    ValueError (not a JSONDecodeError) that escaped as "unexpected ValueError"."""
+    data = kv_file.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    raw = data[8 : 8 + n].replace(b'"shape":[', b'"shape":[' + b"9" * 5000 + b",", 1)
+    kv_file.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+    with pytest.raises(CacheFormatError, match="unreadable header"):
+        load_cache(kv_file)
+
+
 def test__load__random_bytes_and_foreign_safetensors_refused(tmp_path):
     junk = tmp_path / "junk.kv"
     junk.write_bytes(os.urandom(4096))

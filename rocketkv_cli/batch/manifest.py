@@ -108,6 +108,15 @@ def read_manifest(path: Path) -> list[Row | BadRow]:
     return rows
 
 
+def _unicode(text: str) -> bool:
+    """Whether `text` can be written as UTF-8 (JSON's `\\ud800` escapes can make a lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse_row(raw: bytes, number: int, base: Path) -> Row | BadRow:
     """One manifest line as a `Row`, or a `BadRow` saying what is wrong with it."""
     where = f"line {number}"
@@ -118,6 +127,9 @@ def parse_row(raw: bytes, number: int, base: Path) -> Row | BadRow:
     except json.JSONDecodeError as exc:
         return BadRow(number, None, f"{where} is not valid JSON ({exc.msg} at column {exc.colno})"
                       " — write one JSON object per line")  # fmt: skip
+    except (ValueError, RecursionError) as exc:  # an integer of over 4,300 digits; nesting past Python's recursion
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc).split(";")[0]
+        return BadRow(number, None, f"{where} cannot be read as JSON ({why}) — write one JSON object per line")
     if not isinstance(obj, dict):
         return BadRow(number, None, f"{where} is not a JSON object — write one object per line")
     row_id = obj.get("id")
@@ -125,6 +137,9 @@ def parse_row(raw: bytes, number: int, base: Path) -> Row | BadRow:
         return BadRow(number, None, f'{where}: no id — give each row an "id" (a string or an integer)')
     if isinstance(row_id, bool) or not isinstance(row_id, (str, int)):
         return BadRow(number, None, f'{where}: "id" must be a string or an integer, got {json.dumps(row_id)}')
+    if isinstance(row_id, str) and not _unicode(row_id):  # its results line could not be written
+        return BadRow(number, None, f'{where}: "id" is not valid Unicode (an escape of half a surrogate pair, '
+                                    f"{json.dumps(row_id)})")  # fmt: skip
     try:
         return Row(number, row_id, *_fields(obj, where, base))
     except InputError as exc:
@@ -140,13 +155,13 @@ def _fields(obj: dict[str, Any], where: str, base: Path) -> tuple[str | None, st
         raise InputError(f'{where}: give "document" (a path) or "text", {"not both" if document else "none given"}')
     if document is not None and (not isinstance(document, str) or not document):
         raise InputError(f'{where}: "document" must be a file path (a non-empty string)')
+    if document is not None and ("\x00" in document or not _unicode(document)):
+        raise InputError(f'{where}: "document" {json.dumps(document)} is not a file path (a NUL byte or half a '
+                         "surrogate pair)")  # fmt: skip
     if text is not None and not isinstance(text, str):
         raise InputError(f'{where}: "text" must be a string')
-    if text is not None:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            raise InputError(f'{where}: "text" is not valid UTF-8 text', "check the text's encoding") from None
+    if text is not None and not _unicode(text):
+        raise InputError(f'{where}: "text" is not valid UTF-8 text', "check the text's encoding")
     questions = obj.get("questions", [])
     if not isinstance(questions, list) or not all(isinstance(q, str) for q in questions):
         raise InputError(f'{where}: "questions" must be a list of strings')

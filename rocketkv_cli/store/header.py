@@ -115,7 +115,7 @@ def parse_header(f: CacheFile, rebuild: str) -> dict:
         raise CacheFormatError(f"{f.shown} is not a rocketkv cache (bad header length)", rebuild)
     try:
         header = json.loads(bytes(f.read(8, 8 + n, rebuild)))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: JSON, or an int of 4,300+ digits
         raise CacheFormatError(f"{f.shown} is not a rocketkv cache (unreadable header)", rebuild) from exc
     if not isinstance(header, dict):
         raise CacheFormatError(f"{f.shown} is not a rocketkv cache (unreadable header)", rebuild)

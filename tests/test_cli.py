@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -864,3 +865,26 @@ def test__answer_line_and_verbose_timing__count_the_tokens_decoded_not_only_thos
     whole = {k: v for k, v in record.items() if k != "n_decoded_tokens"} | {"stop_reason": "eos"}
     assert answer_log_of(whole) == "answered in 1.50s (5 tokens, stop: eos)"
     assert decode_timing(whole) == ("decode 5 tokens (250 ms/token)", 1.0)
+
+
+def test__chat_with_questions_piped_in__ctrl_c_stops_it_with_130(rocketkv_bin, env, kv, tmp_path):
+    """At a prompt Ctrl-C cancels one answer and the session goes on; with questions piped in (a
+    script) it used to do the same and exit 0, the interrupted answer missing from the output:
+    it stops the command as it stops `ask` (exit 130, "interrupted")."""
+    from reliability_cases import default_sigint
+
+    questions = tmp_path / "q.txt"
+    questions.write_text("".join(f"What is item {i}?\n" for i in range(2000)))
+    with questions.open() as stdin:
+        chat = subprocess.Popen([rocketkv_bin, "chat", "--cache", str(kv), "--no-server", "--max-new-tokens", "64"],
+                                stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                preexec_fn=default_sigint)  # fmt: skip
+        try:
+            for _ in range(4):  # answering
+                assert chat.stdout.readline(), chat.stderr.read()
+            chat.send_signal(signal.SIGINT)
+            out, err = chat.communicate(timeout=120)
+        finally:
+            chat.kill()
+    assert chat.returncode == 130 and "Error: interrupted" in err and "answer cancelled" not in err, err
+    assert out.count("Q: ") < 1000  # it stopped, rather than answering the rest

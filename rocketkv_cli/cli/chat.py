@@ -160,7 +160,7 @@ def chat_command(
     """Ask questions one after another from a prompt; the model and cache load once.
 
     Ctrl-C cancels the answer being printed, Ctrl-D quits. Questions can also come from a pipe,
-    one per line. With --cache, a running `rocketkv serve` answers (--no-server: this process).
+    one per line (there Ctrl-C stops the command). With --cache, a running `rocketkv serve` answers (--no-server: this process).
     """
     setup(quiet, threads)
     if (document is None) == (cache is None):
@@ -217,6 +217,8 @@ def converse(prompt: Prompt, turn: Callable[[str], Turn], source: str, json_out:
                 err.print()
             break
         except KeyboardInterrupt:
+            if not interactive:  # questions piped in: Ctrl-C stops the command (exit 130), as it stops `ask`
+                raise
             handled()  # this Ctrl-C only cleared the line
             err.print()  # a new prompt on its own line, like a shell
             continue
@@ -224,13 +226,14 @@ def converse(prompt: Prompt, turn: Callable[[str], Turn], source: str, json_out:
         if not question:
             continue
         prompt.remember()
-        failed = not answer_turn(printer, turn, question) or failed
+        failed = not answer_turn(printer, turn, question, interactive) or failed
     return failed and not interactive
 
 
-def answer_turn(printer: AnswerPrinter, turn: Callable[[str], Turn], question: str) -> bool:
+def answer_turn(printer: AnswerPrinter, turn: Callable[[str], Turn], question: str, interactive: bool = True) -> bool:
     """One question answered and printed as it is decoded. Returns False when it could not be
-    answered (one error line on stderr); Ctrl-C cancels only this answer."""
+    answered (one error line on stderr); Ctrl-C cancels only this answer at a prompt (`interactive`),
+    and stops the command when the questions are piped in (a script's answers would be missing)."""
     try:
         check_questions([question])  # the API's check (InputError: not UTF-8)
         printer.start(question)
@@ -244,8 +247,10 @@ def answer_turn(printer: AnswerPrinter, turn: Callable[[str], Turn], question: s
         printer.finish(text, record, citations)
         log(line)
     except KeyboardInterrupt:
-        handled()  # this Ctrl-C only cancelled the answer: the session goes on
         printer.interrupted()
+        if not interactive:
+            raise
+        handled()  # this Ctrl-C only cancelled the answer: the session goes on
         log("answer cancelled")
     except RocketKVError as exc:  # this question only: the session goes on
         printer.interrupted()

@@ -121,3 +121,26 @@ def test__placement__names_each_gpu_one_way():
     assert RocketKV.placement("auto")[0] == f"cuda:{current}"
     with pytest.raises(ModelLoadError, match="CUDA GPU"):
         RocketKV.placement(f"cuda:{torch.cuda.device_count()}")
+
+
+def test__wrong_values_and_types__one_line_errors_not_silent_answers(rk, doc, tmp_path):
+    """`max_new_tokens` -5 answered nothing, 0 took the default and 2.5 was taken; a bytes question
+    was "empty"; a path given as the cache failed with an AttributeError."""
+    from rocketkv_cli.errors import UsageError
+
+    out = tmp_path / "v.kv"
+    rk.ingest(str(doc), output=out, token_budget=64, max_new_tokens=6)
+    cache = rk.open(out)
+    for bad in (-5, 0, 2.5, True, "8"):
+        with pytest.raises(UsageError, match=f"max_new_tokens must be a positive integer, got {bad!r}"):
+            list(rk.ask(cache, "What is the code?", max_new_tokens=bad))
+        with pytest.raises(UsageError, match="max_new_tokens must be a positive integer"):
+            rk.session(cache, max_new_tokens=bad)
+        with pytest.raises(UsageError, match="max_new_tokens must be a positive integer"):
+            rk.summarize(cache, max_new_tokens=bad)
+    with pytest.raises(InputError, match=r"a question must be text \(str\), got bytes"):
+        list(rk.ask(cache, b"What is the code?"))
+    with pytest.raises(UsageError, match="cache must be an opened cache, got a path"):
+        list(rk.ask(str(out), "What is the code?"))
+    with pytest.raises(UsageError, match="cache must be an opened cache, got a path"):
+        rk.summarize(out)

@@ -290,7 +290,8 @@ class RocketKV:
             for a cache without token offsets, or with segments > 1. BudgetError: a question that
             does not fit the context.
         """
-        qs = [questions] if isinstance(questions, str) else list(questions)
+        _check_cache(cache)
+        qs = [questions] if isinstance(questions, (str, bytes)) else list(questions)  # bytes: refused as bytes
         max_new = self._max_new(cache, max_new_tokens)
         overrides = self._overrides(dense, hsa, topk, page_size, n_score_dims)
         check_cite(cache, cite, segments)
@@ -445,6 +446,11 @@ class RocketKV:
         }  # a re-selected working set is attended exactly unless --hsa
 
     def _max_new(self, cache: AnyCache, max_new_tokens: int | None) -> int:
+        """The answer's token limit: `max_new_tokens`, else the cache's plan. Raises UsageError: not
+        None or a positive integer (0 took the default, -5 answered nothing, 2.5 was taken)."""
+        _check_cache(cache)
+        if max_new_tokens is not None:
+            _positive_count("max_new_tokens", max_new_tokens)
         return max_new_tokens or cache.info.config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
 
     def summarize(
@@ -471,6 +477,8 @@ class RocketKV:
         `summaries` module docstring). Neither `extractive` nor `write_from` given: the model's
         measured default (`core.config.summary_writing`: the presets extract). Raises BudgetError,
         InputError (`cite` for a cache without token offsets), UsageError (an unknown `write_from`)."""
+        _check_cache(cache)
+        _positive_count("max_new_tokens", max_new_tokens)
         try:
             writing = summary_writing(self.model_id, extractive, write_from, extractable(cache))
         except ValueError as exc:
@@ -515,6 +523,19 @@ __all__ = [
     "open_document",
     "read_cache",
 ]
+
+
+def _positive_count(name: str, value: object) -> None:
+    """Raises UsageError unless `value` is an integer ≥ 1 (a bool is not)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_cache(cache: object) -> None:
+    """Raises UsageError unless `cache` is an opened cache (`RocketKV.open`), naming what it got."""
+    if not isinstance(cache, (CompressedKVCache, SegmentedKVCache)):
+        what = "a path" if isinstance(cache, (str, Path)) else type(cache).__name__
+        raise UsageError(f"cache must be an opened cache, got {what}", "open it first: cache = rk.open(path)")
 
 
 _STAGE2_FLAGS = (("topk", "--topk"), ("page_size", "--page-size"), ("n_score_dims", "--n-score-dims"))

@@ -160,7 +160,8 @@ def chat_command(
     """Ask questions one after another from a prompt; the model and cache load once.
 
     Ctrl-C cancels the answer being printed, Ctrl-D quits. Questions can also come from a pipe,
-    one per line (there Ctrl-C stops the command). With --cache, a running `rocketkv serve` answers (--no-server: this process).
+    one per line (there Ctrl-C stops the command). With --cache, a running `rocketkv serve`
+    answers (--no-server: this process).
     """
     setup(quiet, threads)
     if (document is None) == (cache is None):

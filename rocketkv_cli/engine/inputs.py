@@ -28,7 +28,10 @@ def check_questions(questions: Iterable[str]) -> list[str]:
 
     Raises InputError with one-line messages (empty question, not UTF-8, none given)."""
     qs = list(questions)
-    if any(not isinstance(q, str) or not q.strip() for q in qs):
+    wrong = [q for q in qs if not isinstance(q, str)]
+    if wrong:
+        raise InputError(f"a question must be text (str), got {type(wrong[0]).__name__}", "decode bytes first")
+    if any(not q.strip() for q in qs):
         raise InputError("empty question", "give each question some text")
     for q in qs:
         try:

@@ -144,3 +144,8 @@ def test__wrong_values_and_types__one_line_errors_not_silent_answers(rk, doc, tm
         list(rk.ask(str(out), "What is the code?"))
     with pytest.raises(UsageError, match="cache must be an opened cache, got a path"):
         rk.summarize(out)
+    from rocketkv_cli.errors import BudgetError
+
+    with pytest.raises(BudgetError, match="an answer of up to 1,000,000,000 tokens leaves no room for a question") as e:
+        list(rk.ask(cache, "What is the code?", max_new_tokens=10**9))
+    assert e.value.hint == "lower --max-new-tokens"  # shortening the question could not help

@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.text import Text
 
 from ..errors import UsageError
-from .answers import FocusOpt
+from .answers import FocusOpt, usage_error
 from .common import _state, err, fail, log, prefill_config, setup, storage
 from .options import (
     BudgetOpt,
@@ -118,6 +118,8 @@ def batch_command(
     from ..api.rocketkv import DEFAULT_MODEL, configure
     from ..batch.run import BatchSettings, run_batch
 
+    if not manifest.name:  # "" or "/": no file name to read, nor to name the results after
+        raise usage_error("MANIFEST", f"{str(manifest)!r} names no file")
     setup(quiet)
     configure(quiet, progress_bars=err.is_terminal and not quiet)  # transformers offline and silent (one worker too)
     out = None if output == "-" else Path(output) if output is not None else default_output(manifest)

@@ -157,10 +157,15 @@ def prepare_questions(
     Raises:
         InputError: an empty question. BudgetError: a question that does not fit the context.
     """
-    room = engine.shape.max_context_tokens - cache.n_context_tokens - max_new_tokens
+    context = engine.shape.max_context_tokens
+    room = context - cache.n_context_tokens - max_new_tokens
     prepared, qs = [], list(questions)
     for question in check_questions(qs) if qs else []:  # empty, not UTF-8: InputError
         ids = engine.question_ids(question)
+        if room <= 0:  # no question could fit: the answer's length is what to change
+            raise BudgetError(f"an answer of up to {max_new_tokens:,} tokens leaves no room for a question: the "
+                              f"document holds {cache.n_context_tokens:,} of the model's {context:,}",
+                              "lower --max-new-tokens")  # fmt: skip
         if len(ids) > room:
             raise BudgetError(
                 f"question is {len(ids)} tokens; only {max(room, 0)} fit after the document and the answer",

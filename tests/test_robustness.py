@@ -617,3 +617,11 @@ def test__an_interrupt_after_the_output_was_written__says_so(monkeypatch):
     signals.note_done("out.kv was written")
     assert signals.message(signal.SIGINT) == "interrupted after out.kv was written"
     assert signals.message(signal.SIGTERM) == "terminated after out.kv was written"
+
+
+def test__pid_alive__a_pid_past_the_systems_range_is_not_alive():
+    """A damaged checkpoint owner file (`inspect` reads it beside the cache) held a pid of 20 digits:
+    `os.kill` raised OverflowError, and `inspect` failed with "unexpected OverflowError"."""
+    from rocketkv_cli.store.atomic import pid_alive
+
+    assert pid_alive(os.getpid()) and not pid_alive(10**20) and not pid_alive(0)

@@ -324,14 +324,16 @@ def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches,
         got, data = send("POST", "/v1/rocketkv/ask", json.dumps({"cache": str(caches[0]), "questions": ["q"],
                                                                 **field}).encode())  # fmt: skip
         assert got == 403, (field, data)
-    unknown = {"cache": str(caches[0]), "questions": ["q"], "model": "no-such-model"}
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    conn.request("POST", "/v1/rocketkv/ask", body=json.dumps(unknown).encode(),
-                 headers={"Authorization": f"Bearer {'k' * 16}", "Content-Type": "application/json"})  # fmt: skip
+    unknown = json.dumps({"cache": str(caches[0]), "questions": ["q"], "model": "no-such-model"}).encode()
+    got, data = send("POST", "/v1/rocketkv/ask", unknown)  # the request's mistake, not the server's
+    assert got == 400 and data["error"]["type"] == "ModelLoadError", (got, data)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)  # a client that shows a model's load (the CLI)
+    conn.request("POST", "/v1/rocketkv/ask", body=unknown, headers={"Authorization": f"Bearer {'k' * 16}",
+                 "Content-Type": "application/json", "X-RocketKV-Events": "status"})  # fmt: skip
     r = conn.getresponse()
     events = [json.loads(line) for line in r.read().splitlines()]  # the load is announced, then fails
     assert r.status == 200 and [e["event"] for e in events] == ["status", "error", "done"], events
-    assert events[1]["type"] == "ModelLoadError", events  # the request's mistake, not the server's
+    assert events[1]["type"] == "ModelLoadError", events
     for field, value in (("max_tokens", "8"), ("max_tokens", 0), ("max_completion_tokens", 2.5)):
         chat = {"model": f"kv:{caches[0]}", "messages": [{"role": "user", "content": "q"}], field: value}
         got, data = send("POST", "/v1/chat/completions", json.dumps(chat).encode())  # named as the client sent it
@@ -649,19 +651,27 @@ def test__a_server_stopped_mid_answer__tells_its_client_and_logs_no_traceback(ro
     questions = tmp_path / "q.txt"
     questions.write_text("".join(f"What is item {i}?\n" for i in range(900)))  # far more work than 3 s
     s = served("--idle-timeout", "0", "--socket", tmp_path / "s.sock")
-    client = subprocess.Popen([rocketkv_bin, "ask", "--cache", str(caches[0]), "--questions-file", str(questions),
-                               "--max-new-tokens", "64", "--server", s.url], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    argv = [rocketkv_bin, "ask", "--cache", str(caches[0]), "--questions-file", str(questions), "--max-new-tokens",
+            "64", "--server", s.url]  # fmt: skip
+    client = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    waiting = None
     try:
         for _ in range(4):  # answers are streaming from the server
             assert client.stdout.readline(), client.stderr.read()
+        waiting = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        deadline = time.monotonic() + 60
+        while health(s.server)["active"] < 2 and time.monotonic() < deadline:  # its request waits for its turn
+            time.sleep(0.05)
         s.proc.send_signal(signal.SIGTERM)
-        out, err = client.communicate(timeout=60)
+        outs = [p.communicate(timeout=60) for p in (client, waiting)]
     finally:
-        client.kill()
-    errors = [line for line in err.splitlines() if line.startswith("Error:")]
-    assert client.returncode == 1 and errors and "stopped before the answer was complete" in errors[0], err
-    assert "Traceback" not in err
+        for p in (client, waiting):
+            if p is not None:
+                p.kill()
+    for p, (_, err) in zip((client, waiting), outs):  # the one answering and the one waiting: not retried
+        errors = [line for line in err.splitlines() if line.startswith("Error:")]
+        assert p.returncode == 1 and errors and "stopped before the answer was complete" in errors[0], err
+        assert "Traceback" not in err
     assert s.proc.wait(timeout=60) == 0
     time.sleep(0.2)  # the reader thread takes the last lines
     log = "".join(s.stderr_lines)

@@ -101,7 +101,7 @@ class JSONResponse(StarletteJSON):
 
 
 def error_response(exc: BadRequest) -> JSONResponse:
-    headers = {"Retry-After": "1"} if exc.status == 503 else None
+    headers = {"Retry-After": "1"} if exc.status == 503 and exc.retry else None  # busy, not stopping
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
@@ -219,7 +219,7 @@ def _status_of(event: dict) -> BadRequest:
     kind = str(event.get("type", "RocketKVError"))
     code = event.get("code")
     status = code if isinstance(code, int) else ERROR_STATUS.get(kind, 500)
-    return BadRequest(status, str(event.get("message")), kind, event.get("hint"))
+    return BadRequest(status, str(event.get("message")), kind, event.get("hint"), retry=False)
 
 
 async def _events(job: Job, first: dict | None) -> AsyncIterator[dict]:
@@ -252,6 +252,7 @@ async def _start(request: Request, work, *args, skip: tuple[str, ...] = ()) -> t
     response's HTTP status; events of the kinds in `skip` (a model's load: `status`, `log`, which
     an OpenAI client has no use for) are dropped first, so that an error after them is one too."""
     job = Job(asyncio.get_running_loop())
+    job.announce = request.headers.get("x-rocketkv-events", "").strip().lower() == "status" and not skip
     job.run(work, *args)
     first = await _next_event(job, request)
     while first is not None and first.get("event") in skip:

@@ -82,7 +82,8 @@ class Server:
         return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
 
     def headers(self) -> dict[str, str]:
-        base = {"Content-Type": "application/json", "Accept": "application/x-ndjson"}
+        # X-RocketKV-Events: this client shows `status` events (a model loading there: a spinner)
+        base = {"Content-Type": "application/json", "Accept": "application/x-ndjson", "X-RocketKV-Events": "status"}
         if self.api_key:
             base["Authorization"] = f"Bearer {self.api_key}"
         return base
@@ -221,7 +222,8 @@ def _send(server: Server, path: str, body: dict) -> tuple[http.client.HTTPConnec
         except (OSError, http.client.HTTPException):
             conn.close()
             raise _lost(server) from None
-        if response.status != 503 or time.monotonic() > deadline:
+        busy = response.status == 503 and response.getheader("Retry-After") is not None  # not a server stopping
+        if not busy or time.monotonic() > deadline:
             return conn, response
         response.read()
         conn.close()

@@ -40,11 +40,13 @@ _live_lock = threading.Lock()
 
 class BadRequest(Exception):
     """A request refused before any work: HTTP `status`, error `type` (a rocketkv_cli.errors name
-    where the CLI would raise that type), a one-line `message` and a `hint`."""
+    where the CLI would raise that type), a one-line `message` and a `hint`; `retry`: a 503 that
+    says Retry-After (the queue is full; not a server that is stopping, which a retry cannot reach)."""
 
-    def __init__(self, status: int, message: str, kind: str = "InputError", hint: str | None = None):
+    def __init__(self, status: int, message: str, kind: str = "InputError", hint: str | None = None,
+                 retry: bool = True):  # fmt: skip
         super().__init__(message)
-        self.status, self.message, self.kind, self.hint = status, message, kind, hint
+        self.status, self.message, self.kind, self.hint, self.retry = status, message, kind, hint, retry
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "hint": self.hint, "param": None,
@@ -261,6 +263,7 @@ class Job:
         self.loop = loop
         self.queue: asyncio.Queue[dict | None] = asyncio.Queue()
         self.cancelled = threading.Event()
+        self.announce = False  # the client asked for `status` events (header X-RocketKV-Events: status)
 
     def emit(self, event: dict | None) -> None:
         """Hand `event` to the HTTP side (None ends the stream); nothing once the server's loop has
@@ -317,7 +320,9 @@ class Job:
 
 def _open(warm: Warm, req: AskRequest, job: Job):
     """The cache and the model for `req`, checked as `rocketkv ask` checks them; a model loaded for
-    it is announced to the client (a `status` event before, a `log` event after)."""
+    it is announced to a client that asked for it (`job.announce`: a `status` event before, a `log`
+    event after; other clients keep an error as the response's HTTP status whether or not the
+    model was warm)."""
     try:
         stored = warm.cache(req.path)
     except FileNotFoundError:
@@ -331,8 +336,11 @@ def _open(warm: Warm, req: AskRequest, job: Job):
                          page_size=opts["page_size"], n_score_dims=opts["n_score_dims"])  # fmt: skip
     key = ModelKey(req.model or stored.info.identity.model_id, req.device, req.dtype or stored.info.dtype,
                    req.weights or decode_weights_for(stored), req.trust_remote_code)  # fmt: skip
-    rk = warm.model(key, log=lambda message: job.emit({"event": "log", "message": message}),
-                    loading=lambda message: job.emit({"event": "status", "message": message}))  # fmt: skip
+    if not job.announce:
+        rk = warm.model(key)
+    else:
+        rk = warm.model(key, log=lambda message: job.emit({"event": "log", "message": message}),
+                        loading=lambda message: job.emit({"event": "status", "message": message}))  # fmt: skip
     warm.check(rk, key, req.path, stored, req.display)
     return rk, stored
 

@@ -635,6 +635,7 @@ def test__chat_from_a_pipe_uses_the_server_with_the_same_output(rocketkv_bin, en
     s = served("--idle-timeout", "0")
     remote = run(rocketkv_bin, env, "chat", "--cache", caches[0], stdin=questions)
     assert remote.returncode == local.returncode == 0, remote.stderr
+    assert "(in the server)" in remote.stderr, remote.stderr  # the model loaded for it is said, as ask says it
     assert remote.stdout == local.stdout and local.stdout.count("Q: ") == 3
     bad = run(rocketkv_bin, env, "chat", "--cache", caches[0], "--segment", "3", stdin="q\n")
     assert (bad.returncode, bad.stdout) == (local_bad.returncode, local_bad.stdout) and bad.returncode == 1
@@ -779,6 +780,7 @@ def test__summarize_uses_the_server_with_the_same_output(rocketkv_bin, env, cach
     s = served("--idle-timeout", "0")
     remote = run(rocketkv_bin, env, "summarize", "--cache", caches[0], "--json", *extra)
     assert remote.returncode == 0, remote.stderr
+    assert "(in the server)" in remote.stderr, remote.stderr  # the model loaded for it is said, as ask says it
     drop = lambda out: {k: v for k, v in json.loads(out).items() if k != "summarize_s"}  # noqa: E731
     assert drop(remote.stdout) == drop(local.stdout)
     text = run(rocketkv_bin, env, "summarize", "--cache", caches[0], *extra)

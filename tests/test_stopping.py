@@ -41,20 +41,28 @@ def test__answer_that_is_the_template__is_cut_to_nothing():
 
 
 def test__chat_framing__an_echo_of_the_prompts_question_line_is_cut():
-    """A chat model that echoes its prompt's last line after the answer ("…\\n\\nQuestion: …", seen
-    with SmolLM2) is cut there, as the plain framing's answers are; its paragraphs are kept (a chat
-    answer may have several, unlike the plain framing's one-paragraph answers)."""
+    """A chat model that goes on, after a blank line, to echo its prompt's last line ("…\\n\\nQuestion:
+    <the question>", seen with SmolLM2) is cut there; a chat answer keeps its paragraphs, quotes of
+    other questions, and a restatement of this one before its answer (those are answers)."""
     from rocketkv_cli.model.templates import prompt_format
 
     tok = byte_tokenizer()
     tok.chat_template = ("{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}"
                          "{% if add_generation_prompt %}<|assistant|>{% endif %}")  # fmt: skip
     fmt = prompt_format(tok)
+    question = "What does GET /health return for a server that is busy?"
     assert fmt.template_id.startswith("chat-") and fmt.before_question.endswith("Question: ")
-    echoed = "The document returns a list of settings.\n\nQuestion: What does GET /health return?"
-    assert AnswerText(echoed, fmt.stop_strings).text() == "The document returns a list of settings."
-    two = "First part.\n\nSecond part, where a question: is not a line start."
-    assert AnswerText(two, fmt.stop_strings).text() == two
+    stops = fmt.stop_strings + fmt.echo_stops(question)
+    echoed = f"A list of settings.\n\nQuestion: {question}\nAnswer: a list."
+    assert AnswerText(echoed, stops).text() == "A list of settings."
+    kept = [
+        "First part.\n\nSecond part.",
+        "The FAQ asks:\nQuestion: Can I sell copies?\n\nQuestion: Can I charge a fee?",
+        f"Question: {question} Answer: a list.",
+        f"A list.\nQuestion: {question}",  # no blank line before it
+    ]
+    assert [AnswerText(text, stops).text() for text in kept] == kept
+    assert prompt_format(byte_tokenizer()).echo_stops(question) == ()  # the plain framing's stops cut echoes
 
 
 def test__counting_loop__ends_the_answer_as_written():

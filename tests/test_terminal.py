@@ -321,3 +321,14 @@ def test__ask_in_a_terminal__ctrl_c_mid_answer_ends_the_answer_line_then_130(roc
     error = shown.index("Error: interrupted")
     assert shown[:error].rstrip(" ").endswith(("\n", "^C\r\n", "\r\n")), repr(shown[error - 80 : error + 20])
     assert "Traceback" not in shown
+
+
+def test__a_model_path_with_brackets__shown_as_written_in_the_spinner(rocketkv_bin, env, kv, tmp_path):
+    """The spinner's text was read as Rich markup: a model folder named `a[/b]` failed with
+    "unexpected MarkupError" before anything loaded; it is the model's own error now."""
+    odd = tmp_path / "a[/b]"
+    code, shown = run_in_terminal([rocketkv_bin, "ask", "--cache", str(kv), "q?", "--no-server", "--model", str(odd)],
+                                  env, timeout=120)  # fmt: skip
+    text = strip_ansi(shown)
+    assert code == 1 and "MarkupError" not in text and "Traceback" not in text, text
+    assert "a[/b]" in text.split("Error:")[-1], text  # the error names the folder as given

@@ -555,7 +555,7 @@ def unused_overrides_note(cache: AnyCache, dense: bool, overrides: dict[str, int
     if dense:
         log(f"note: {what}, which --dense turns off: {'it has' if len(given) == 1 else 'they have'} no effect")
         return
-    working_set, bound = 0, 0  # the largest re-selected working set; the crossover's bound
+    working_set, bound, covered = 0, 0, True  # covered: top-k alone (not the device) made every layer exact
     for part in cache.segments if isinstance(cache, SegmentedKVCache) else (cache,):
         try:
             decode = decode_config_for(part, sparse=True, **overrides)
@@ -564,11 +564,16 @@ def unused_overrides_note(cache: AnyCache, dense: bool, overrides: dict[str, int
         if part.info.config.store_budget is not None and overrides.get("exact_working_set"):
             working_set = max(working_set, part.info.budgets.prompt_budget)
             continue
+        # a segment's context bounds what its layers store without reading them (a book's segments)
         longest = part.info.n_context_tokens if isinstance(cache, SegmentedKVCache) else part.max_kept_tokens
         if decode.uses_hsa(longest):
             return
-        bound = max(bound, decode.topk, decode.min_hsa_tokens)
-    why = f"no layer stores more than {bound:,} tokens, where exact attention is faster on this device"
+        bound, covered = max(bound, decode.topk, decode.min_hsa_tokens), covered and longest <= decode.topk
     if working_set:
         why = f"each question's working set of up to {working_set:,} tokens per layer is attended exactly"
+    elif covered:  # --hsa would not change it: HSA reads top-k tokens, and that is all of them
+        log(f"note: {what}, which no layer uses here: the top-k covers every token each layer stores")
+        return
+    else:
+        why = f"no layer stores more than {bound:,} tokens, where exact attention is faster on this device"
     log(f"note: {what}, which no layer uses here: {why} (add --hsa to use HSA)")

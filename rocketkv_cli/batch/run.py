@@ -53,7 +53,7 @@ def run_batch(
         done = results.open(rows)
         if sum(results.dropped.values()):
             why = {"error": "error lines, to retry them", "torn": "lines cut by a crash",
-                   "stale": "lines of changed rows"}  # fmt: skip
+                   "stale": "lines of changed or repeated rows"}  # fmt: skip
             log(f"resuming {output}: dropped " + ", ".join(f"{n} {why[k]}" for k, n in results.dropped.items() if n))
         tasks = plan(rows, done)
         tracker = Tracker(results, tasks, on_progress)

@@ -224,7 +224,7 @@ def load_engine(model: Optional[str], device: str, dtype: str, trust_remote_code
     model = model or DEFAULT_MODEL
     t0 = time.perf_counter()
     with (
-        err.status(f"loading {model}", spinner="dots")
+        err.status(escape(f"loading {model}"), spinner="dots")  # a path may hold "[/b]"
         if err.is_terminal and not _state["quiet"]
         else contextlib.nullcontext()
     ):

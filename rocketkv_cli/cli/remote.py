@@ -10,6 +10,8 @@ from collections.abc import Generator, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
+from rich.markup import escape
+
 from ..errors import UsageError
 from ..serve.client import Server, ServerError, events, locate
 from .answers import AnswerPrinter, answer_log_of, decode_timing
@@ -72,7 +74,7 @@ def server_events(server: Server, path: str, body: dict) -> Iterator[dict]:
             if event.get("event") != "status":
                 yield event
             elif spinners():
-                shown = err.status(str(event.get("message", "")), spinner="dots")
+                shown = err.status(escape(str(event.get("message", ""))), spinner="dots")
                 shown.start()
     finally:
         if shown is not None:
@@ -121,8 +123,9 @@ class RemoteChat:
         fields = cache_fields(cache, "chat")
         self.server = server
         self.body = {**fields, **model_for_server(options)}
-        for _ in server_events(server, "/v1/rocketkv/ask", {**self.body, "questions": [], "check_only": True}):
-            pass  # "checked": the cache, the model and the options passed the session's checks
+        for event in server_events(server, "/v1/rocketkv/ask", {**self.body, "questions": [], "check_only": True}):
+            if event.get("event") == "log":  # the model loaded for it; else "checked": the options passed
+                log(event["message"])
 
     def turn(self, question: str) -> Turn:
         """The answer's pieces as they are decoded; returns (text, record, citations, log line).
@@ -150,7 +153,9 @@ def summarize_remote(server: Server, cache: Path, options: dict, on_partial) -> 
     body = {**cache_fields(cache, "summarize"), **model_for_server(options)}
     final = None
     for event in server_events(server, "/v1/rocketkv/summarize", body):
-        if event.get("event") == "partial":
+        if event.get("event") == "log":
+            log(event["message"])
+        elif event.get("event") == "partial":
             on_partial(SimpleNamespace(**{k: v for k, v in event.items() if k != "event"}))
         elif event.get("event") == "summary":
             final = SimpleNamespace(**{k: v for k, v in event.items() if k != "event"})

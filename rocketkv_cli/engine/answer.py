@@ -371,7 +371,8 @@ def stream_answer(
     """
     seed = None if sampling.greedy else (sampling.seed if sampling.seed is not None else secrets.randbits(63))
     rng = torch.Generator().manual_seed(seed) if seed is not None else None
-    skip_blank = any(s.startswith("\n") for s in stops)
+    skip_blank = any(not s.strip() for s in stops)  # a blank first token would end the answer at once
+    stops = stops + engine.prompt.echo_stops(question)
     decode_text = lambda tokens: engine.tokenizer.decode(tokens, skip_special_tokens=True)
     t0 = time.perf_counter()
     state = AnswerTokens(decode_text, stops)

@@ -3,9 +3,9 @@
 Pure text rules over the decoded answer (docs/algorithm.md §4), shared by every decoding mode:
 
 - stop strings: the answer is cut at the first stop string of the framing (for the plain framing
-  `\\n\\n` and `\\nQuestion:`, for a chat template `\\nQuestion:`: the prompt echoed); the answer's
-  start counts as the start of a line, so an answer that *is* the template (`Question: … Answer:`)
-  is cut there too (issue 17 item 3).
+  `\\n\\n` and `\\nQuestion:`; for a chat template, after a blank line, the prompt's question line
+  echoed: `PromptFormat.echo_stops`); the answer's start counts as the start of a line, so an
+  answer that *is* the template (`Question: … Answer:`) is cut there too (issue 17 item 3).
 - loops: the text is read as units — numbers (every number the same unit, so that counting
   "1. 2. 3. …" repeats), words (lower-cased, in pieces of at most 12 characters, so scripts
   without spaces still have units) and punctuation marks; whitespace is ignored, so a loop that

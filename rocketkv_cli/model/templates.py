@@ -16,9 +16,7 @@ from pathlib import Path
 _DOC = "\x00ROCKETKV_DOCUMENT\x00"
 _QUESTION = "\x00ROCKETKV_QUESTION\x00"
 PLAIN_STOP_STRINGS = ("\n\n", "\nQuestion:")
-# the chat prompt's user message ends "Question: {question}"; a chat model that echoes its prompt
-# after the answer starts a line with it (SmolLM2: "… object code.\n\nQuestion: What …?")
-CHAT_STOP_STRINGS = ("\nQuestion:",)
+ECHO_PREFIX_CHARS = 32  # how much of the question an echo must repeat to be cut (`PromptFormat.echo_stops`)
 SUMMARY_PLAIN_STOP_STRINGS = ("\n\n",)  # the continuation is one paragraph
 
 
@@ -50,6 +48,16 @@ class PromptFormat:
 
     def question_text(self, question: str) -> str:
         return self.before_question + question + self.after_question
+
+    def echo_stops(self, question: str) -> tuple[str, ...]:
+        """Stop strings that cut an echo of `question`'s prompt line after an answer: the chat
+        prompt ends "Question: {question}", and a chat model may go on, after a blank line, to
+        repeat it (SmolLM2: "… object code.\\n\\nQuestion: What must I provide …?"). Only that
+        line with this question's first `ECHO_PREFIX_CHARS` characters, after a blank line, so a
+        Q&A-style answer that quotes other questions, or restates this one before answering, is
+        kept. The plain framing needs none (its stop strings end an answer at any blank line)."""
+        prefix = " ".join(question.split())[:ECHO_PREFIX_CHARS]
+        return (f"\n\nQuestion: {prefix}",) if self.template_id.startswith("chat") and prefix else ()
 
 
 def follow_up(tokenizer, prompt: PromptFormat, template: str) -> str:
@@ -92,7 +100,7 @@ def prompt_format(tokenizer) -> PromptFormat:
         before_question=before_q,
         after_question=after_q,
         add_special_tokens=not has_chat,
-        stop_strings=CHAT_STOP_STRINGS if has_chat else PLAIN_STOP_STRINGS,
+        stop_strings=() if has_chat else PLAIN_STOP_STRINGS,
     )
     if has_chat:  # a chat model is asked `summarize.txt` as a question (docs/framings.md)
         return fmt

@@ -218,6 +218,11 @@ def test__a_server_named_with_server_must_answer(rocketkv_bin, env, caches, tmp_
     assert r.returncode == 1 and "no rocketkv server answers at unix:" in r.stderr and "Traceback" not in r.stderr
     r = run(rocketkv_bin, env, "ask", "--cache", caches[0], "--server", "ftp://x", "q?")
     assert r.returncode == 2 and "Traceback" not in r.stderr
+    # named by the environment: the message names it, not an option nobody typed
+    r = run(rocketkv_bin, {**env, "ROCKETKV_SERVER": "ftp://x"}, "ask", "--cache", caches[0], "q?")
+    assert r.returncode == 2 and "$ROCKETKV_SERVER=ftp://x" in r.stderr and "--server" not in r.stderr, r.stderr
+    r = run(rocketkv_bin, {**env, "ROCKETKV_SERVER": f"unix:{tmp_path}/none.sock"}, "ask", "--cache", caches[0], "q?")
+    assert r.returncode == 1 and "($ROCKETKV_SERVER)" in r.stderr and "unset $ROCKETKV_SERVER" in r.stderr, r.stderr
 
 
 def test__the_client_path_imports_neither_torch_nor_transformers(env, caches, served):

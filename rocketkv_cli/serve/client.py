@@ -157,10 +157,17 @@ def locate(url: str | None, no_server: bool) -> Server | None:
     api_key = os.environ.get("ROCKETKV_API_KEY") or None
     named = url or os.environ.get("ROCKETKV_SERVER") or None
     if named:
-        server = parse_url(named, api_key)
+        try:
+            server = parse_url(named, api_key)
+        except errors.UsageError as exc:  # name where the URL came from: the option or the environment
+            if url:
+                raise
+            raise errors.UsageError(exc.message.replace("--server ", "$ROCKETKV_SERVER=", 1), exc.hint) from None
         if health(server) is None:
-            raise ServerError(f"no rocketkv server answers at {server.url}",
-                              "start one with `rocketkv serve`, or answer here without --server")  # fmt: skip
+            where = "" if url else " ($ROCKETKV_SERVER)"
+            instead = "answer here without --server" if url else "unset $ROCKETKV_SERVER, or pass --no-server"
+            raise ServerError(f"no rocketkv server answers at {server.url}{where}",
+                              f"start one with `rocketkv serve`, or {instead}")  # fmt: skip
         return server
     path = default_socket()
     try:

@@ -144,6 +144,10 @@ def test__wrong_values_and_types__one_line_errors_not_silent_answers(rk, doc, tm
         list(rk.ask(str(out), "What is the code?"))
     with pytest.raises(UsageError, match="cache must be an opened cache, got a path"):
         rk.summarize(out)
+    with pytest.raises(UsageError, match="cache must be an opened cache, got a path"):
+        rk.ask_focused(str(out), "What is the code?")
+    numpy = pytest.importorskip("numpy")
+    assert list(rk.ask(cache, "What is the code?", max_new_tokens=numpy.int64(2)))[0].n_answer_tokens <= 2
     from rocketkv_cli.errors import BudgetError
 
     with pytest.raises(BudgetError, match="an answer of up to 1,000,000,000 tokens leaves no room for a question") as e:

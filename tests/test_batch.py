@@ -347,7 +347,7 @@ def test__results_file__what_a_crash_leaves_of_a_new_one_is_resumed(content, tmp
         # each of these stopped the whole batch with an "unexpected" error, the rows after it never run
         ('{"id": "\\ud800", "text": "t", "questions": ["Q?"]}', 'line 1: "id" is not valid Unicode'),
         ('{"id": "x", "document": "a\\u0000b", "questions": ["Q?"]}', 'line 1: "document" "a\\u0000b" is not a file'),
-        ('{"id": "x", "document": "\\udc80", "questions": ["Q?"]}', 'line 1: "document" "\\udc80" is not a file'),
+        ('{"id": "x", "document": "\\ud800", "questions": ["Q?"]}', 'line 1: "document" "\\ud800" is not a file'),
         ('{"id": ' + "9" * 5000 + ', "text": "t", "questions": ["Q?"]}', "line 1 cannot be read as JSON (Exceeds"),
         ("[" * 100_000 + "]" * 100_000, "line 1 cannot be read as JSON (nested too deeply)"),
     ],
@@ -355,6 +355,13 @@ def test__results_file__what_a_crash_leaves_of_a_new_one_is_resumed(content, tmp
 def test__manifest_rows__each_mistake_named(line, message, tmp_path):
     row = parse_row(line.encode(), 1, tmp_path)
     assert isinstance(row, BadRow) and message in row.error, row
+
+
+def test__manifest_row__a_file_name_that_is_not_utf8_is_a_name():
+    """A Latin-1 `café.txt` reaches JSON as Python writes such names (`\\udce9`, `os.fsdecode`): a
+    file the row can read, not "half a surrogate pair"."""
+    row = parse_row(b'{"id": "x", "document": "caf\\udce9.txt", "questions": ["Q?"]}', 1, Path("/docs"))
+    assert not isinstance(row, BadRow) and os.fsencode(row.document) == b"/docs/caf\xe9.txt", row
 
 
 def test__manifest__paths_relative_to_it_and_duplicate_ids(tmp_path):

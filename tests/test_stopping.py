@@ -63,6 +63,9 @@ def test__chat_framing__an_echo_of_the_prompts_question_line_is_cut():
     ]
     assert [AnswerText(text, stops).text() for text in kept] == kept
     assert prompt_format(byte_tokenizer()).echo_stops(question) == ()  # the plain framing's stops cut echoes
+    for odd in ("What  must I provide?", " What must I provide?", "What must\nI provide?"):  # echoed as written
+        echo = f"A list.\n\nQuestion: {odd}"
+        assert AnswerText(echo, fmt.echo_stops(odd)).text() == "A list.", odd
 
 
 def test__counting_loop__ends_the_answer_as_written():

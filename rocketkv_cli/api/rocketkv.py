@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import operator
 import shutil
 import time
 import weakref
@@ -351,6 +352,9 @@ class RocketKV:
         as `ask_focused`'s (raised when the iteration starts); `on_chosen` gets the passages first."""
 
         def steps() -> Generator[str, None, Answer]:
+            _check_cache(cache)
+            if max_new_tokens is not None:
+                _positive_count("max_new_tokens", max_new_tokens)
             check_questions([question])
             check_ranking(ranking, passages)  # before any work
             if cite:
@@ -526,8 +530,12 @@ __all__ = [
 
 
 def _positive_count(name: str, value: object) -> None:
-    """Raises UsageError unless `value` is an integer ≥ 1 (a bool is not)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """Raises UsageError unless `value` is an integer ≥ 1 (any integer type, numpy's too; a bool is not)."""
+    try:
+        count = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        count = 0
+    if isinstance(value, bool) or count < 1:
         raise UsageError(f"{name} must be a positive integer, got {value!r}")
 
 
@@ -535,7 +543,8 @@ def _check_cache(cache: object) -> None:
     """Raises UsageError unless `cache` is an opened cache (`RocketKV.open`), naming what it got."""
     if not isinstance(cache, (CompressedKVCache, SegmentedKVCache)):
         what = "a path" if isinstance(cache, (str, Path)) else type(cache).__name__
-        raise UsageError(f"cache must be an opened cache, got {what}", "open it first: cache = rk.open(path)")
+        hint = "use its .cache" if isinstance(cache, Ingested) else "open it first: cache = rk.open(path)"
+        raise UsageError(f"cache must be an opened cache, got {what}", hint)
 
 
 _STAGE2_FLAGS = (("topk", "--topk"), ("page_size", "--page-size"), ("n_score_dims", "--n-score-dims"))

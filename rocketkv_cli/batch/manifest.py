@@ -82,6 +82,8 @@ def read_manifest(path: Path) -> list[Row | BadRow]:
             raise InputError(f"{path} is a directory, not a manifest", "give a .jsonl file")
         if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):  # /dev/zero would be read until memory ran out
             raise InputError(f"{path} is a device, not a manifest", "give a .jsonl file")
+        if stat.S_ISREG(mode) and os.stat(path).st_size > MAX_MANIFEST_BYTES:
+            raise InputError(f"manifest {path} is larger than {MAX_MANIFEST_BYTES >> 30} GiB", "split it into several")
         with open(path, "rb") as f:
             data = f.read(MAX_MANIFEST_BYTES + 1)  # a pipe (`<(…)`) has no size to check first
     except FileNotFoundError:
@@ -112,6 +114,17 @@ def _unicode(text: str) -> bool:
     """Whether `text` can be written as UTF-8 (JSON's `\\ud800` escapes can make a lone surrogate)."""
     try:
         text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _file_name(path: str) -> bool:
+    """Whether `path` is a name the file system can have: the bytes of a name that is not UTF-8
+    come back as `\\udc80`-`\\udcff` escapes (Python's way, `os.fsencode`), half of any other pair
+    cannot be a name."""
+    try:
+        os.fsencode(path)
     except UnicodeEncodeError:
         return False
     return True
@@ -155,7 +168,7 @@ def _fields(obj: dict[str, Any], where: str, base: Path) -> tuple[str | None, st
         raise InputError(f'{where}: give "document" (a path) or "text", {"not both" if document else "none given"}')
     if document is not None and (not isinstance(document, str) or not document):
         raise InputError(f'{where}: "document" must be a file path (a non-empty string)')
-    if document is not None and ("\x00" in document or not _unicode(document)):
+    if document is not None and ("\x00" in document or not _file_name(document)):
         raise InputError(f'{where}: "document" {json.dumps(document)} is not a file path (a NUL byte or half a '
                          "surrogate pair)")  # fmt: skip
     if text is not None and not isinstance(text, str):

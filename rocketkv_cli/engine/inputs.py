@@ -30,7 +30,9 @@ def check_questions(questions: Iterable[str]) -> list[str]:
     qs = list(questions)
     wrong = [q for q in qs if not isinstance(q, str)]
     if wrong:
-        raise InputError(f"a question must be text (str), got {type(wrong[0]).__name__}", "decode bytes first")
+        kind = type(wrong[0]).__name__
+        hint = "decode bytes first" if kind == "bytes" else None
+        raise InputError(f"a question must be text (str), got {kind}", hint)
     if any(not q.strip() for q in qs):
         raise InputError("empty question", "give each question some text")
     for q in qs:

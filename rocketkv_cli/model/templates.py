@@ -53,11 +53,14 @@ class PromptFormat:
         """Stop strings that cut an echo of `question`'s prompt line after an answer: the chat
         prompt ends "Question: {question}", and a chat model may go on, after a blank line, to
         repeat it (SmolLM2: "… object code.\\n\\nQuestion: What must I provide …?"). Only that
-        line with this question's first `ECHO_PREFIX_CHARS` characters, after a blank line, so a
+        line with this question's first `ECHO_PREFIX_CHARS` characters (as written, or with its
+        spaces tidied), after a blank line, so a
         Q&A-style answer that quotes other questions, or restates this one before answering, is
         kept. The plain framing needs none (its stop strings end an answer at any blank line)."""
-        prefix = " ".join(question.split())[:ECHO_PREFIX_CHARS]
-        return (f"\n\nQuestion: {prefix}",) if self.template_id.startswith("chat") and prefix else ()
+        if not self.template_id.startswith("chat") or not question.strip():
+            return ()
+        forms = (question, question.strip(), " ".join(question.split()))  # as written, or its spaces tidied
+        return tuple(dict.fromkeys(f"\n\nQuestion: {form[:ECHO_PREFIX_CHARS]}" for form in forms))
 
 
 def follow_up(tokenizer, prompt: PromptFormat, template: str) -> str:

@@ -94,10 +94,13 @@ def encoded(obj: Any) -> bytes:
 
 
 class JSONResponse(StarletteJSON):
-    """Starlette's JSON response, encoded by `encoded`."""
+    """Starlette's JSON response; where a string holds a lone surrogate, in ASCII escapes (as `encoded`)."""
 
     def render(self, content: Any) -> bytes:
-        return encoded(content)
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, allow_nan=False, separators=(",", ":")).encode()
 
 
 def error_response(exc: BadRequest) -> JSONResponse:

@@ -291,9 +291,8 @@ class RocketKV:
             for a cache without token offsets, or with segments > 1. BudgetError: a question that
             does not fit the context.
         """
-        _check_cache(cache)
         qs = [questions] if isinstance(questions, (str, bytes)) else list(questions)  # bytes: refused as bytes
-        max_new = self._max_new(cache, max_new_tokens)
+        max_new = self._max_new(cache, max_new_tokens)  # checks the cache first
         overrides = self._overrides(dense, hsa, topk, page_size, n_score_dims)
         check_cite(cache, cite, segments)
         unused_overrides_note(cache, dense, overrides, log)
@@ -573,8 +572,10 @@ def unused_overrides_note(cache: AnyCache, dense: bool, overrides: dict[str, int
         if part.info.config.store_budget is not None and overrides.get("exact_working_set"):
             working_set = max(working_set, part.info.budgets.prompt_budget)
             continue
-        # a segment's context bounds what its layers store without reading them (a book's segments)
-        longest = part.info.n_context_tokens if isinstance(cache, SegmentedKVCache) else part.max_kept_tokens
+        # a segment's context bounds what its layers store; one cache's header says it (no layer is read)
+        longest = (
+            part.info.n_context_tokens if isinstance(cache, SegmentedKVCache) else max(kept_tokens_per_layer(part))
+        )
         if decode.uses_hsa(longest):
             return
         bound, covered = max(bound, decode.topk, decode.min_hsa_tokens), covered and longest <= decode.topk

@@ -82,8 +82,11 @@ def read_manifest(path: Path) -> list[Row | BadRow]:
             raise InputError(f"{path} is a directory, not a manifest", "give a .jsonl file")
         if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):  # /dev/zero would be read until memory ran out
             raise InputError(f"{path} is a device, not a manifest", "give a .jsonl file")
+        too_large = InputError(
+            f"manifest {path} is larger than {MAX_MANIFEST_BYTES >> 30} GiB", "split it into several"
+        )
         if stat.S_ISREG(mode) and os.stat(path).st_size > MAX_MANIFEST_BYTES:
-            raise InputError(f"manifest {path} is larger than {MAX_MANIFEST_BYTES >> 30} GiB", "split it into several")
+            raise too_large
         with open(path, "rb") as f:
             data = f.read(MAX_MANIFEST_BYTES + 1)  # a pipe (`<(…)`) has no size to check first
     except FileNotFoundError:
@@ -91,7 +94,7 @@ def read_manifest(path: Path) -> list[Row | BadRow]:
     except OSError as exc:
         raise InputError(f"cannot read manifest {path}: {exc.strerror}") from None
     if len(data) > MAX_MANIFEST_BYTES:
-        raise InputError(f"manifest {path} is larger than {MAX_MANIFEST_BYTES >> 30} GiB", "split it into several")
+        raise too_large
     base = path.resolve().parent
     rows: list[Row | BadRow] = []
     first_line: dict[str, int] = {}
@@ -110,21 +113,12 @@ def read_manifest(path: Path) -> list[Row | BadRow]:
     return rows
 
 
-def _unicode(text: str) -> bool:
-    """Whether `text` can be written as UTF-8 (JSON's `\\ud800` escapes can make a lone surrogate)."""
+def _encodes(text: str, encode=lambda t: t.encode("utf-8")) -> bool:
+    """Whether `encode(text)` works: UTF-8 by default (JSON's `\\ud800` escapes can make a lone
+    surrogate); `os.fsencode` for a file name (the bytes of a name that is not UTF-8 come back as
+    `\\udc80`-`\\udcff` escapes, Python's way; half of any other pair cannot be a name)."""
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _file_name(path: str) -> bool:
-    """Whether `path` is a name the file system can have: the bytes of a name that is not UTF-8
-    come back as `\\udc80`-`\\udcff` escapes (Python's way, `os.fsencode`), half of any other pair
-    cannot be a name."""
-    try:
-        os.fsencode(path)
+        encode(text)
     except UnicodeEncodeError:
         return False
     return True
@@ -150,7 +144,7 @@ def parse_row(raw: bytes, number: int, base: Path) -> Row | BadRow:
         return BadRow(number, None, f'{where}: no id — give each row an "id" (a string or an integer)')
     if isinstance(row_id, bool) or not isinstance(row_id, (str, int)):
         return BadRow(number, None, f'{where}: "id" must be a string or an integer, got {json.dumps(row_id)}')
-    if isinstance(row_id, str) and not _unicode(row_id):  # its results line could not be written
+    if isinstance(row_id, str) and not _encodes(row_id):  # its results line could not be written
         return BadRow(number, None, f'{where}: "id" is not valid Unicode (an escape of half a surrogate pair, '
                                     f"{json.dumps(row_id)})")  # fmt: skip
     try:
@@ -168,12 +162,12 @@ def _fields(obj: dict[str, Any], where: str, base: Path) -> tuple[str | None, st
         raise InputError(f'{where}: give "document" (a path) or "text", {"not both" if document else "none given"}')
     if document is not None and (not isinstance(document, str) or not document):
         raise InputError(f'{where}: "document" must be a file path (a non-empty string)')
-    if document is not None and ("\x00" in document or not _file_name(document)):
+    if document is not None and ("\x00" in document or not _encodes(document, os.fsencode)):
         raise InputError(f'{where}: "document" {json.dumps(document)} is not a file path (a NUL byte or half a '
                          "surrogate pair)")  # fmt: skip
     if text is not None and not isinstance(text, str):
         raise InputError(f'{where}: "text" must be a string')
-    if text is not None and not _unicode(text):
+    if text is not None and not _encodes(text):
         raise InputError(f'{where}: "text" is not valid UTF-8 text', "check the text's encoding")
     questions = obj.get("questions", [])
     if not isinstance(questions, list) or not all(isinstance(q, str) for q in questions):

@@ -11,7 +11,7 @@ from rich.text import Text
 
 from ..errors import UsageError
 from .answers import FocusOpt, usage_error
-from .common import _state, err, fail, log, prefill_config, setup, storage
+from .common import err, fail, log, prefill_config, setup, spinners, storage
 from .options import (
     BudgetOpt,
     DeviceOpt,
@@ -44,7 +44,7 @@ def batch_bar() -> Progress:
     return Progress(
         TextColumn("{task.description}"), BarColumn(bar_width=16), MofNCompleteColumn(), TextColumn("documents"),
         _Rates(), TextColumn("ETA"), TimeRemainingColumn(), console=err,
-        disable=_state["quiet"] or not err.is_terminal, transient=True,
+        disable=not spinners(), transient=True,
     )  # fmt: skip
 
 

@@ -202,7 +202,7 @@ def threads_note() -> str:
 def starting():
     """A spinner on a terminal while torch and transformers are imported (several seconds on a
     small CPU, before any other output), unless quiet."""
-    if err.is_terminal and not _state.get("quiet"):
+    if spinners():
         with err.status("starting (importing torch)", spinner="dots"):
             yield
     else:
@@ -218,14 +218,14 @@ def load_engine(model: Optional[str], device: str, dtype: str, trust_remote_code
     from ..api.threads import apply, resolve_threads
 
     quiet = _state["quiet"]
-    configure(quiet, progress_bars=err.is_terminal and not quiet)
+    configure(quiet, progress_bars=spinners())
     _state["threads"] = _state.get("threads") or resolve_threads()  # the default measured now, after the imports
     apply(_state["threads"][0])
     model = model or DEFAULT_MODEL
     t0 = time.perf_counter()
     with (
         err.status(escape(f"loading {model}"), spinner="dots")  # a path may hold "[/b]"
-        if err.is_terminal and not _state["quiet"]
+        if spinners()
         else contextlib.nullcontext()
     ):
         rk = RocketKV.load(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, log=log,
@@ -255,7 +255,7 @@ def progress_bar() -> Progress:
         _TokenRate(),
         TimeRemainingColumn(),
         console=err,
-        disable=_state["quiet"] or not err.is_terminal,
+        disable=not spinners(),
         transient=True,
     )
 
@@ -265,7 +265,7 @@ def steps_bar() -> Progress:
     Result lines printed while it runs go through `print_row`."""
     return Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TextColumn("ETA"), TimeRemainingColumn(), console=err, disable=_state["quiet"] or not err.is_terminal,
+        TextColumn("ETA"), TimeRemainingColumn(), console=err, disable=not spinners(),
         transient=True,
     )  # fmt: skip
 

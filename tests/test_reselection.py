@@ -156,6 +156,52 @@ def test__question_prefix__split_prefill_matches_one_forward(engine, stored):
     assert all(torch.equal(x, y) for x, y in zip(wa, wb)), "working sets differ"
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test__long_question__prefilled_in_chunks_as_one_forward(arch, monkeypatch):
+    """A question longer than `QUESTION_CHUNK_TOKENS` runs in forwards of at most that many
+    tokens (its attention over its own tokens stays linear, an interrupt waits one chunk), with
+    the logits, working sets and citation mass of one forward (float32 rounding: the question's attention runs in float32; the mass of the
+    question's last query only, not each chunk's last)."""
+    from rocketkv_cli.engine import decoder as decoder_module
+    from rocketkv_cli.model.hf import attention_mass
+
+    engine = make_engine(arch)
+    stored = engine.ingest(DOC, CFG)
+    ids = engine.question_ids("Which of these letters comes first, and which last? " * 3)
+    counts, hook = _count_tokens(engine)
+    out = []
+    try:
+        for chunk in (10_000, 13):
+            monkeypatch.setattr(decoder_module, "QUESTION_CHUNK_TOKENS", chunk)
+            decoder = Decoder(engine, stored, 300, decode_config_for(stored))
+            del counts[:]
+            with attention_mass(stored.n_context_tokens + 400, engine.loaded.device) as mass, decoder.attention():
+                logits = decoder.prefill(ids)
+            work = [decoder.cache.layers[i].positions[0, :, : decoder.cache.layers[i].n_context].clone()
+                    for i in _full_layers(engine)]  # fmt: skip
+            out.append((logits, work, dict(mass.layers), list(counts), decoder.position))
+    finally:
+        hook.remove()
+    (a, wa, ma, ca, pa), (b, wb, mb, cb, pb) = out
+    p = len(engine.question_prefix)
+    assert ca == [p, len(ids) - p] and cb[0] == p and len(cb) > 3 and max(cb[1:]) <= 13 and sum(cb) == len(ids), cb
+    assert pa == pb == stored.n_context_tokens + len(ids)
+    err = (a - b).abs()
+    assert float(err.max()) < 1e-5, f"max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"
+    assert int(a.argmax()) == int(b.argmax())
+    assert all(torch.equal(x, y) for x, y in zip(wa, wb, strict=True)), "working sets differ"
+    assert ma.keys() == mb.keys() and ma
+    for i in ma:
+        merr = (ma[i] - mb[i]).abs()
+        assert float(merr.max()) < 1e-6, f"layer {i}: mass max error {float(merr.max()):.3g}"
+
+
+def test__prefill__no_ids_is_refused(engine, stored):
+    decoder = Decoder(engine, stored, 300, decode_config_for(stored))
+    with decoder.attention(), pytest.raises(ValueError, match="at least one"):
+        decoder.prefill([])
+
+
 def test__working_set__leaves_the_stored_buffers_unwritten_and_reuses_its_own(engine, stored):
     """A question's working set is gathered beside the stored context (not over it): the stored
     buffers keep their bytes while it is selected, and the next question reuses its buffers."""

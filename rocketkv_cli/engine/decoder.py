@@ -32,6 +32,12 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 
+QUESTION_CHUNK_TOKENS = 1024
+"""A question's prefill runs in forwards of at most this many tokens (as a document's does):
+its attention over its own tokens stays linear in its length and an interrupt is honoured within
+a chunk. Questions this short or shorter run in one forward."""
+
+
 class Decoder:
     """Answering state over one compressed cache: static KV buffers holding the stored context
     followed by a preallocated tail of `tail_tokens` (question + answer), and the two verbs.
@@ -81,7 +87,10 @@ class Decoder:
         that starts with the engine's `question_prefix` runs it as a forward of its own, once per
         decoder (kept at the head of the tail across `reset`s), and then only the rest of its ids:
         the same computation wherever the prefix came from, so answers do not depend on whether
-        it was kept."""
+        it was kept. Ids run in forwards of `QUESTION_CHUNK_TOKENS` (re-selection scores summed
+        over them). Raises ValueError: no ids."""
+        if not ids:
+            raise ValueError("prefill needs at least one token id")
         first = self.position == self._base  # a question's first prefill
         scores: dict[int, torch.Tensor] | None = None
         p = len(self.prefix)
@@ -90,15 +99,26 @@ class Decoder:
             ids = ids[p:]
         elif first and self._base != self.n_context_tokens:  # the tail holds a prefix these ids lack
             self._drop_prefix()
-        positions = torch.arange(self.position, self.position + len(ids), device=self._position.device)
-        if self.reselection is None or not first:
-            logits = forward_tokens(self.engine.model, self.cache, self.engine.ids(ids), positions)
-        else:
-            with rocketkv_attention(self.engine.model, self.cache, self.engine.shape, decode=self.decode,
-                                    question=True, question_scores=scores) as session:  # fmt: skip
-                logits = forward_tokens(self.engine.model, self.cache, self.engine.ids(ids), positions)
-            self.select_working_set(session.question_scores or {}, self.reselection)
-        self.position += len(ids)
+        question = self.reselection is not None and first
+        mass = active_attention_mass()
+        logits = torch.empty(0)
+        for start in range(0, len(ids), QUESTION_CHUNK_TOKENS):
+            piece = ids[start : start + QUESTION_CHUNK_TOKENS]
+            positions = torch.arange(self.position, self.position + len(piece), device=self._position.device)
+            # an AttentionMass of "last" queries wants the question's last one, not each chunk's
+            last = start + len(piece) == len(ids)
+            paused = attention_mass_paused() if mass is not None and mass.queries == "last" and not last else None
+            with paused or contextlib.nullcontext():
+                if not question:
+                    logits = forward_tokens(self.engine.model, self.cache, self.engine.ids(piece), positions)
+                else:
+                    with rocketkv_attention(self.engine.model, self.cache, self.engine.shape, decode=self.decode,
+                                            question=True, question_scores=scores) as session:  # fmt: skip
+                        logits = forward_tokens(self.engine.model, self.cache, self.engine.ids(piece), positions)
+                    scores = session.question_scores
+            self.position += len(piece)
+        if question and self.reselection is not None:
+            self.select_working_set(scores or {}, self.reselection)
         return logits
 
     def _prefill_prefix(self) -> dict[int, torch.Tensor]:

@@ -399,6 +399,13 @@ def test__batch_usage_errors(rocketkv_bin, env, tmp_path):
     assert r.returncode == 1 and r.stderr.strip().startswith("Error: results path /dev/full is not a regular file"), (
         r.stderr
     )
+    # a run that fails before its first line (the model does not load) leaves no empty results file,
+    # and an existing one as it was
+    r = run(rocketkv_bin, env, "batch", manifest, "-o", tmp_path / "new.jsonl", "--model", "nosuch")
+    assert r.returncode == 1 and "unknown model 'nosuch'" in r.stderr and not (tmp_path / "new.jsonl").exists()
+    (tmp_path / "old.jsonl").write_bytes(b"")
+    r = run(rocketkv_bin, env, "batch", manifest, "-o", tmp_path / "old.jsonl", "--model", "nosuch")
+    assert r.returncode == 1 and (tmp_path / "old.jsonl").read_bytes() == b""
 
 
 def test__batch_in_a_terminal__draws_the_bar_with_rates(many, rocketkv_bin, env, tiny_model_dir, tmp_path):

@@ -10,6 +10,7 @@ it can skip what is answered and redo the rest.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
@@ -196,6 +197,7 @@ class Results:
     def __init__(self, path: Path | None):
         self.path = path
         self._fd: int | None = None
+        self._created = self._wrote = False  # a file this run made, and whether a line went into it
         self.dropped = {"error": 0, "torn": 0, "stale": 0}
 
     def open(self, rows: Iterable[Row | BadRow]) -> set[tuple[str, str, int]]:
@@ -289,6 +291,7 @@ class Results:
             raise OutputError(f"output directory {self.path.parent} does not exist",
                               f"create it first: mkdir -p {self.path.parent}")  # fmt: skip
         try:
+            self._created = not self.path.exists()
             return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         except OSError as exc:
             raise OutputError(f"cannot write results file {self.path}: {exc.strerror}") from None
@@ -301,14 +304,21 @@ class Results:
             sys.stdout.flush()
             return
         data = line.encode("utf-8", "surrogateescape")
+        self._wrote = True
         while data:
             data = data[os.write(self._fd, data) :]
         os.fsync(self._fd)
 
     def close(self) -> None:
+        """Close the file; one this run created and wrote nothing into (the model did not load,
+        Ray was unreachable) is removed, so a failed run leaves no empty results file behind."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+            if self._created and not self._wrote and self.path is not None:
+                with contextlib.suppress(OSError):
+                    if self.path.stat().st_size == 0:
+                        self.path.unlink()
 
 
 def _is_result(raw: bytes) -> bool:

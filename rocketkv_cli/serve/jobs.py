@@ -461,7 +461,8 @@ class BatchTaskRequest:
     @classmethod
     def parse(cls, body: dict, roots: tuple[Path, ...] | None, trust_allowed: bool = False) -> BatchTaskRequest:
         """Raises BadRequest: a malformed task or settings, a path outside the allowed roots (the
-        cache folder, the row's document, a model folder), model code not allowed."""
+        cache folder, the row's document, a model folder), a cache folder that does not exist,
+        model code not allowed."""
         only_known(body, frozenset({"task", "settings", "cache_dir"}), "batch")
         raw_task, raw_settings = (
             _field(body, "task", dict, required=True),
@@ -472,7 +473,10 @@ class BatchTaskRequest:
             settings = BatchSettings.from_dict(raw_settings)
         except (KeyError, TypeError, ValueError) as exc:
             raise BadRequest(400, f"not a batch task: {exc}", "UsageError") from None
-        cache_dir = allowed_path(_field(body, "cache_dir", str, required=True), roots, "'cache_dir'")
+        raw_dir = _field(body, "cache_dir", str, required=True)
+        cache_dir = allowed_path(raw_dir, roots, "'cache_dir'")
+        if not cache_dir.is_dir():
+            raise BadRequest(400, f"'cache_dir' {raw_dir} is not a folder", hint="create it first (mkdir -p)")
         if task.row.document is not None:
             allowed_path(task.row.document, roots, "the document")
         model = model_choice({"model": settings.model}, roots)

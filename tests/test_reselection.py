@@ -160,8 +160,9 @@ def test__question_prefix__split_prefill_matches_one_forward(engine, stored):
 def test__long_question__prefilled_in_chunks_as_one_forward(arch, monkeypatch):
     """A question longer than `QUESTION_CHUNK_TOKENS` runs in forwards of at most that many
     tokens (its attention over its own tokens stays linear, an interrupt waits one chunk), with
-    the logits, working sets and citation mass of one forward (float32 rounding: the question's attention runs in float32; the mass of the
-    question's last query only, not each chunk's last)."""
+    the logits, working sets and citation mass of one forward (to float32 rounding: the
+    question's attention runs in float32; the mass of the question's last query only, not each
+    chunk's last)."""
     from rocketkv_cli.engine import decoder as decoder_module
     from rocketkv_cli.model.hf import attention_mass
 

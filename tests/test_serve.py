@@ -365,8 +365,11 @@ def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches,
                 "settings": {**settings, "device": 5} if fixed == "device" else settings}  # fmt: skip
         got, data = send("POST", "/v1/rocketkv/batch", json.dumps(body).encode())
         assert got == 400 and fixed in data["error"]["message"], (task, got, data)
-    body = {"task": {"row": row, "questions": [0], "summary": False}, "settings": settings,
-            "cache_dir": str(caches[0].parent / "no-such-folder")}  # was an unexpected FileNotFoundError
+    body = {
+        "task": {"row": row, "questions": [0], "summary": False},
+        "settings": settings,
+        "cache_dir": str(caches[0].parent / "no-such-folder"),
+    }  # was an unexpected FileNotFoundError
     got, data = send("POST", "/v1/rocketkv/batch", json.dumps(body).encode())
     assert got == 400 and "'cache_dir'" in data["error"]["message"] and "not a folder" in data["error"]["message"], data
     for stream in ("yes", 1):  # 1 == True in Python: a truth test or `in (True, False)` took it

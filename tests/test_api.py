@@ -138,6 +138,11 @@ def test__wrong_values_and_types__one_line_errors_not_silent_answers(rk, doc, tm
             rk.session(cache, max_new_tokens=bad)
         with pytest.raises(UsageError, match="max_new_tokens must be a positive integer"):
             rk.summarize(cache, max_new_tokens=bad)
+    for bad in (0, -1, 1.5):  # a cache of one segment took segments=0 silently
+        with pytest.raises(UsageError, match=f"segments must be a positive integer, got {bad!r}"):
+            list(rk.ask(cache, "What is the code?", segments=bad))
+        with pytest.raises(UsageError, match="segments must be a positive integer"):
+            rk.session(cache, segments=bad)
     with pytest.raises(InputError, match=r"a question must be text \(str\), got bytes"):
         list(rk.ask(cache, b"What is the code?"))
     with pytest.raises(UsageError, match="cache must be an opened cache, got a path"):

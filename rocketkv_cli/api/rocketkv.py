@@ -289,11 +289,13 @@ class RocketKV:
         Raises:
             InputError: an empty question, a bad override, sampling option or segment; `cite`
             for a cache without token offsets, or with segments > 1. BudgetError: a question that
-            does not fit the context.
+            does not fit the context. UsageError: max_new_tokens or segments not a positive
+            integer, cache not an opened cache.
         """
         qs = [questions] if isinstance(questions, (str, bytes)) else list(questions)  # bytes: refused as bytes
         max_new = self._max_new(cache, max_new_tokens)  # checks the cache first
         overrides = self._overrides(dense, hsa, topk, page_size, n_score_dims)
+        _positive_count("segments", segments)  # whatever the cache: 0 was taken where it had one segment
         check_cite(cache, cite, segments)
         unused_overrides_note(cache, dense, overrides, log)
         try:
@@ -406,10 +408,11 @@ class RocketKV:
         """A `Session` answering questions one at a time from `cache` (what `rocketkv chat` runs):
         the decode buffers are made once, not per question. Options as `ask`.
         Raises:
-            InputError: a bad override, sampling option or segment.
+            InputError: a bad override, sampling option or segment. UsageError: as `ask`'s.
         """
         max_new = self._max_new(cache, max_new_tokens)
         overrides = self._overrides(dense, hsa, topk, page_size, n_score_dims)
+        _positive_count("segments", segments)  # whatever the cache: 0 was taken where it had one segment
         check_cite(cache, cite, segments)
         unused_overrides_note(cache, dense, overrides, log)
         try:

@@ -136,6 +136,11 @@ def test__ask_uses_the_running_server_and_answers_byte_identically(rocketkv_bin,
     assert threads.returncode == 0 and threads.stdout == here.stdout, threads.stderr
     assert "note: --threads" not in here.stderr, here.stderr
     assert f"note: --threads 1 is not used: the server at {s.url} computes with its own threads" in threads.stderr
+    missing = run(rocketkv_bin, env, "ask", "--cache", cache.with_name("none.kv"), "--threads", "1", QUESTIONS[0])
+    assert missing.returncode == 1 and missing.stderr.startswith("Error: cache file not found"), missing.stderr
+    for argv in (["summarize", "--cache", cache.with_name("none.kv")], ["chat", "--cache", cache.with_name("none.kv")]):
+        r = run(rocketkv_bin, env, *argv, "--threads", "1")
+        assert r.returncode == 1 and r.stderr.startswith("Error: cache file not found"), r.stderr
 
 
 def test__ask_focus__through_the_server_as_in_process(rocketkv_bin, env, caches, served):

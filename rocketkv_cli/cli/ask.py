@@ -57,7 +57,7 @@ from .options import (
     TrustOpt,
     WeightsOpt,
 )
-from .remote import ask_remote, read_here_note, server_for, server_running
+from .remote import ask_remote, read_here_note, server_for, server_running, unused_threads_note
 from .sources import DocumentReading, ModelChoice, open_source
 
 
@@ -225,13 +225,14 @@ def ask_command(
     choice = ModelChoice(model, device, dtype, weights, trust_remote_code)
     printer = AnswerPrinter(fmt, stream)
     local = no_server or len(questions) > MAX_QUESTIONS
-    remote = server_for(server, local, threads) if doc is None else None
+    remote = server_for(server, local) if doc is None else None
     server_hint = doc is not None and not local and server_running(server)  # said once answered, never before an error
     try:
         if remote is not None and cache is not None:  # doc is None: --cache was given
             cache_budget_note(budget, cache)
             focused = {} if focus is None else {"focus": focus}
             ask_remote(remote, cache, questions, {**options, **focused, **choice.for_server()}, printer, timings)
+            unused_threads_note(remote, threads)
         else:
             reading = DocumentReading(encoding, errors, segment_tokens)
             rk, stored, source = open_source(doc, cache, choice, budget, options, reading, timings)

@@ -139,9 +139,9 @@ def batch_command(
         raise UsageError(f"invalid option: {exc}") from None
     remote = None
     if workers is None and ray is None:
-        from .remote import model_for_server, server_for
+        from .remote import model_for_server, server_for, unused_threads_note
 
-        found = server_for(server, no_server, threads)
+        found = server_for(server, no_server)
         if found is not None:
             import json
 
@@ -150,6 +150,7 @@ def batch_command(
             sent = {**settings.to_dict(), **model_for_server({"model": settings.model})}
             cache_abs = str(folder.resolve())
             log(f"rows run by the server at {found.url}")
+            unused_threads_note(found, threads)
 
             def remote(task):
                 body = {"task": json.loads(task.to_json()), "cache_dir": cache_abs, "settings": sent}

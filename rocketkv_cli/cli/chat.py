@@ -58,7 +58,7 @@ from .options import (
     TrustOpt,
     WeightsOpt,
 )
-from .remote import RemoteChat, Turn, server_for
+from .remote import RemoteChat, Turn, server_for, unused_threads_note
 from .sources import DocumentReading, ModelChoice, open_source
 
 PROMPT = "> "
@@ -178,12 +178,13 @@ def chat_command(
         check_focus(options)
         focus_passages_note(ctx, focus)
     choice = ModelChoice(model, device, dtype, weights, trust_remote_code)
-    remote = server_for(server, no_server, threads) if cache is not None else None
+    remote = server_for(server, no_server) if cache is not None else None
     turn: Callable[[str], Turn]
     if remote is not None and cache is not None:  # a server only with --cache
         cache_budget_note(budget, cache)
         focused = {} if focus is None else {"focus": focus}
         turn, source = RemoteChat(remote, cache, {**options, **focused, **choice.for_server()}).turn, str(cache)
+        unused_threads_note(remote, threads)  # the server took the cache and options
     else:
         reading = DocumentReading(encoding, errors, segment_tokens)
         rk, stored, source = open_source(document, cache, choice, budget, options, reading, command="chat")

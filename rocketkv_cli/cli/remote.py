@@ -18,15 +18,19 @@ from .answers import AnswerPrinter, answer_log_of, decode_timing
 from .common import Timings, err, log, spinners
 
 
-def server_for(url: str | None, no_server: bool, threads: int | None = None) -> Server | None:
-    """The server to answer through, or None (in this process); a `--threads` given (`threads`)
-    that the server will not use is said on stderr. Raises ServerError for a `--server` that does
-    not answer, UsageError for a malformed URL."""
-    found = locate(url, no_server)
-    if found is not None and threads is not None:
-        log(f"note: --threads {threads} is not used: the server at {found.url} computes with its own threads "
+def server_for(url: str | None, no_server: bool) -> Server | None:
+    """The server to answer through, or None (in this process). Raises ServerError for a
+    `--server` that does not answer, UsageError for a malformed URL."""
+    return locate(url, no_server)
+
+
+def unused_threads_note(server: Server | None, threads: int | None) -> None:
+    """Say on stderr that a `--threads` given (`threads`) is not used by `server` (nothing when no
+    server answers or none was given). Called once the server has taken the request, so that an
+    error (a cache not found) is not preceded by a note about threads."""
+    if server is not None and threads is not None:
+        log(f"note: --threads {threads} is not used: the server at {server.url} computes with its own threads "
             "(rocketkv serve --threads N); --no-server computes here")  # fmt: skip
-    return found
 
 
 def server_running(url: str | None) -> bool:

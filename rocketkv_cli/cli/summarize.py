@@ -31,7 +31,7 @@ from .options import (
     WeightsOpt,
     one_of,
 )
-from .remote import read_here_note, server_for, server_running, summarize_remote
+from .remote import read_here_note, server_for, server_running, summarize_remote, unused_threads_note
 from .sources import ModelChoice, open_cache
 
 LONG_DOCUMENT_BYTES = 1 << 20  # about 250K tokens of English: several segments, each prefilled in minutes on a CPU
@@ -131,7 +131,7 @@ def summarize_command(
     n_cite = passages if cite else 0
     cfg = prefill_config(token_budget=budget, max_new_tokens=max_new_tokens)
     choice = ModelChoice(model, device, dtype, weights, trust_remote_code)
-    remote = server_for(server, no_server, threads) if cache is not None else None
+    remote = server_for(server, no_server) if cache is not None else None
     server_hint = document is not None and not no_server and server_running(server)  # said once summarized
     partials: list[dict] = []
     on_partial = partial_logger(partials, cite)
@@ -143,6 +143,7 @@ def summarize_command(
                                                  **({"write_from": write_from} if write_from else {}),
                                                  **choice.for_server()},
                                  on_partial)  # fmt: skip
+        unused_threads_note(remote, threads)
     else:
         from ..core.config import summary_writing
 

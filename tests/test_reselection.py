@@ -162,8 +162,10 @@ def test__long_question__prefilled_in_chunks_as_one_forward(arch, monkeypatch):
     tokens (its attention over its own tokens stays linear, an interrupt waits one chunk), with
     the logits, working sets and citation mass of one forward (to float32 rounding: the
     question's attention runs in float32; the mass of the question's last query only, not each
-    chunk's last)."""
+    chunk's last). The later chunks' sliding-window layers attend only the keys some query of the
+    chunk can see (`hf.hidden_keys`)."""
     from rocketkv_cli.engine import decoder as decoder_module
+    from rocketkv_cli.model import hf
     from rocketkv_cli.model.hf import attention_mass
 
     engine = make_engine(arch)
@@ -172,8 +174,9 @@ def test__long_question__prefilled_in_chunks_as_one_forward(arch, monkeypatch):
     counts, hook = _count_tokens(engine)
     out = []
     try:
-        for chunk in (10_000, 13):
+        for chunk, slice_min in ((10_000, 10_000), (13, 8)):  # chunks, and their sliding-window keys sliced
             monkeypatch.setattr(decoder_module, "QUESTION_CHUNK_TOKENS", chunk)
+            monkeypatch.setattr(hf, "WINDOW_SLICE_MIN_KEYS", slice_min)
             decoder = Decoder(engine, stored, 300, decode_config_for(stored))
             del counts[:]
             with attention_mass(stored.n_context_tokens + 400, engine.loaded.device) as mass, decoder.attention():
@@ -195,6 +198,63 @@ def test__long_question__prefilled_in_chunks_as_one_forward(arch, monkeypatch):
     for i in ma:
         merr = (ma[i] - mb[i]).abs()
         assert float(merr.max()) < 1e-6, f"layer {i}: mass max error {float(merr.max()):.3g}"
+
+
+def test__long_question__progress_reported_per_chunk_and_a_raising_callback_abandons_it(engine, stored, monkeypatch):
+    """`question_progress` hears (0, n) and then each chunk's end; a callback that raises (a
+    request whose client left, an interrupt) stops the prefill before the next chunk, and the
+    next question answers as from a fresh decoder. A question of one chunk reports nothing."""
+    from rocketkv_cli.engine import decoder as decoder_module
+
+    monkeypatch.setattr(decoder_module, "QUESTION_CHUNK_TOKENS", 20)
+    ids = engine.question_ids("Which of these letters comes first, and which last? " * 2)
+    n = len(ids) - len(engine.question_prefix)
+    heard: list[tuple[int, int]] = []
+    decoder = Decoder(engine, stored, 300, decode_config_for(stored))
+    with decoder_module.question_progress(lambda done, total: heard.append((done, total))), decoder.attention():
+        want = decoder.prefill(ids)
+    assert heard == [(0, n)] + [(min(n, d), n) for d in range(20, n + 20, 20)], heard
+    decoder.reset()
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_40(done: int, total: int) -> None:
+        if done >= 40:
+            raise Stop
+
+    counts, hook = _count_tokens(engine)
+    try:
+        with pytest.raises(Stop), decoder_module.question_progress(stop_at_40), decoder.attention():
+            decoder.prefill(ids)
+    finally:
+        hook.remove()
+    assert counts == [20, 20], counts  # the prefix was kept; two chunks, then the stop
+    decoder.reset()
+    with decoder.attention():
+        assert torch.equal(decoder.prefill(ids), want)
+    del heard[:]
+    with decoder_module.question_progress(lambda done, total: heard.append((done, total))), decoder.attention():
+        decoder.reset()
+        decoder.prefill(engine.question_ids("Short?"))
+    assert heard == []
+
+
+def test__hidden_keys__the_leading_keys_no_query_sees_in_any_head(monkeypatch):
+    """Sliding window 4, queries at 9…14: a key is seen by some query when its position is > 5.
+    The count is the fewest leading unseen keys over the heads; below the minimum, 0."""
+    from rocketkv_cli.model import hf
+
+    monkeypatch.setattr(hf, "WINDOW_SLICE_MIN_KEYS", 3)
+    head0 = [0, 1, 2, 3, 4, 9, 10, 11, 12, 13, 14]  # a stored window then a tail: 5 unseen in front
+    head1 = [0, 1, 5, 2, 3, 4, 9, 10, 11, 12, 13]  # order does not matter: 6 unseen in front
+    head2 = [0, 1, 6, 2, 3, 9, 10, 11, 12, 13, 14]  # 6 is seen (by the query at 9): 2 unseen in front
+    q = torch.tensor([9, 10, 11, 12, 13, 14])
+    for heads, want in (([head0, head0], 5), ([head1, head1], 6), ([head0, head1], 5), ([head0, head2], 0)):
+        assert hf.hidden_keys(torch.tensor([heads]), q, 4) == want, heads  # [1, Hkv, 11]
+    monkeypatch.setattr(hf, "WINDOW_SLICE_MIN_KEYS", 6)
+    assert hf.hidden_keys(torch.tensor([[head0, head0]]), q, 4) == 0  # 5 < 6: not worth a different sum
+    assert hf.hidden_keys(torch.tensor([[head1, head1]]), q, 4) == 6
 
 
 def test__prefill__no_ids_is_refused(engine, stored):

@@ -184,6 +184,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     else:
         if layer.n_context == 0:  # ingest: positions are shared by all heads
             k_pos = k_pos[:, :1]
+        if spec.sliding_window is not None and (start := hidden_keys(k_pos, q_pos, spec.sliding_window)):
+            keys, values, k_pos = keys[:, :, start:], values[:, :, start:], k_pos[..., start:]
         out = exact_attention(query, keys, values, k_pos, q_pos, spec.scaling, spec.sliding_window, spec.softcap)
     return out.transpose(1, 2).contiguous(), None
 
@@ -231,6 +233,27 @@ def _teacher_forced(query, keys, values, k_pos, q_pos, layer, dec, spec, hsa_fro
         visible = n_before + i + 1
         outs.append(_hsa_step(query[:, :, i : i + 1], keys[:, :, :visible], values[:, :, :visible], layer, dec, spec))
     return torch.cat(outs, dim=2)
+
+
+WINDOW_SLICE_MIN_KEYS = 1024
+"""`hidden_keys` slices a sliding-window layer's keys only when at least this many lead the
+buffer unseen: a long question's later chunks (the window is a few hundred tokens, the tail
+behind it thousands). Slicing changes the attention kernel's summation blocks (float rounding),
+so a short question, which hides at most its framing's few dozen, is computed as before."""
+
+
+def hidden_keys(key_positions: torch.Tensor, query_positions: torch.Tensor, window: int) -> int:
+    """How many keys at the front of a sliding-window layer's buffer no query sees, in every KV
+    head (0 when fewer than `WINDOW_SLICE_MIN_KEYS`): exact attention over the rest equals it over
+    all of them (those keys are masked for every query, `core.attention.position_mask`: q − window
+    < k ≤ q), and costs the window and the queries' own tokens, not the whole tail.
+
+    key_positions `[B, Hkv, S]` or `[B, 1, S]` int64; query_positions `[T]` int64."""
+    if key_positions.shape[-1] < WINDOW_SLICE_MIN_KEYS:
+        return 0
+    seen = key_positions > query_positions.min() - window  # [B, Hkv, S]: visible to some query (none is future)
+    leading = int((seen.cumsum(-1) == 0).sum(-1).min())  # unseen keys before each head's first seen one
+    return leading if leading >= WINDOW_SLICE_MIN_KEYS else 0
 
 
 def window_start(key_positions: torch.Tensor, query_position: torch.Tensor, spec: LayerSpec) -> int | None:

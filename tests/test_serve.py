@@ -643,6 +643,15 @@ def test__ask_through_the_server_in_a_terminal(rocketkv_bin, env, caches, served
     text = strip_ansi(shown).replace("\r\n", "\n")
     assert local.stdout.strip() in text and "Traceback" not in text
     assert "in the server" in text.split("loaded ")[0], text  # the spinner while the server loaded the model
+    # a long question (three chunks): its reading is shown, here and through the server, and answered alike
+    long = "Which letters come first? " + text_of_bytes(2600, seed=3)
+    argv = [rocketkv_bin, "ask", "--cache", str(caches[0]), "--max-new-tokens", "4", long]
+    shown_here = strip_ansi(run_in_terminal([*argv[:-1], "--no-server", long], env)[1]).replace("\r\n", "\n")
+    shown_there = strip_ansi(run_in_terminal(argv, env)[1]).replace("\r\n", "\n")
+    assert re.search(r"reading the question .*/2,6\d\d tokens", shown_here), shown_here[-1500:]
+    assert "reading the question in the server: " in shown_there, shown_there[-1500:]
+    answer_of = lambda shown: shown.rstrip().splitlines()[-2]  # noqa: E731 - the line above "answered in …"
+    assert answer_of(shown_here) == answer_of(shown_there), (shown_here[-500:], shown_there[-500:])
 
 
 def test__chat_from_a_pipe_uses_the_server_with_the_same_output(rocketkv_bin, env, caches, served):
@@ -820,3 +829,75 @@ def test__compile_step__the_server_decodes_through_the_captured_step(rocketkv_bi
     status = run(rocketkv_bin, env, "serve", "status")
     assert f"decode step: compiled, {info['captured_steps']:,} steps captured\n" in status.stdout, status.stdout
     assert any("first answer compiles its decode step" in line for line in s.stderr_lines), s.stderr_lines
+
+
+def test__a_long_question__its_reading_and_a_wait_are_status_events(env, caches, served):
+    """A question prefilled in chunks tells a client that shows status events (the CLI: a spinner)
+    how far the server has read it, and a request waiting behind it says it waits; the job checks
+    between chunks whether its client left. Both were silent: the second client of two waited
+    with nothing on its screen."""
+    import http.client
+
+    s = served("--host", "127.0.0.1", "--port", "0", "--idle-timeout", "0", "--allow-dir", caches[0].parent)
+    server = s.server
+
+    def post(questions: list[str], max_new_tokens: int):
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=120)
+        body = {"cache": str(caches[0]), "questions": questions, "max_new_tokens": max_new_tokens}
+        conn.request("POST", "/v1/rocketkv/ask", body=json.dumps(body),
+                     headers={"Content-Type": "application/json", "X-RocketKV-Events": "status"})  # fmt: skip
+        return conn.getresponse()
+
+    long = "Which letters come first? " + text_of_bytes(2600, seed=3)  # ~2,600 ids: three chunks
+    first = post([long], 200)
+    statuses = []
+    for line in first:
+        event = json.loads(line)
+        assert event["event"] == "status", event
+        statuses.append(event["message"])
+        break  # the model is loading for it: the decode lock is held
+    second = post(["Which letter?"], 4)
+    waited = json.loads(second.readline())
+    assert waited == {"event": "status", "message": "waiting: the server is busy with another request"}, waited
+    rest = [json.loads(line) for line in first]
+    statuses += [e["message"] for e in rest if e["event"] == "status"]
+    assert statuses[0].startswith("loading "), statuses  # the model, in the server (under the decode lock)
+    found = [re.fullmatch(r"reading the question in the server: ([\d,]+) of ([\d,]+) tokens", m) for m in statuses[1:]]
+    assert all(found) and len(found) >= 4, statuses
+    done = [int(m[1].replace(",", "")) for m in found if m]
+    total = {int(m[2].replace(",", "")) for m in found if m}
+    assert done[0] == 0 and done == sorted(done) and len(total) == 1 and done[-1] in total, statuses
+    assert rest[-1]["event"] == "done" and any(e["event"] == "answer" for e in rest), rest[-3:]
+    assert [json.loads(line)["event"] for line in second][-2:] == ["answer", "done"]
+    # a client that does not ask for status events gets none of them
+    plain = http.client.HTTPConnection(server.host, server.port, timeout=120)
+    plain.request("POST", "/v1/rocketkv/ask", body=json.dumps({"cache": str(caches[0]), "questions": [long],
+                  "max_new_tokens": 2}), headers={"Content-Type": "application/json"})  # fmt: skip
+    events_plain = [json.loads(line) for line in plain.getresponse()]
+    assert "status" not in {e.get("event") for e in events_plain}, events_plain[:3]
+
+
+def test__job_reading__a_job_whose_client_left_stops_between_chunks():
+    """`Job.reading` is the long question's per-chunk callback in the server: once the client has
+    gone (`cancelled`), the next chunk raises Cancelled (the job ends, its decoder reset), not
+    after the whole question has been read (minutes, with the decode lock held)."""
+    import asyncio
+
+    from rocketkv_cli.serve.jobs import Cancelled, Job
+
+    loop = asyncio.new_event_loop()
+    try:
+        job = Job(loop)
+        job.reading(1024, 4096)  # a client still there: nothing raised, no event (it did not ask for status)
+        loop.run_until_complete(asyncio.sleep(0))  # what the job handed over reaches the queue
+        assert job.queue.empty()
+        job.announce = True
+        job.reading(1024, 4096)
+        loop.run_until_complete(asyncio.sleep(0))
+        assert job.queue.get_nowait() == {"event": "status", "message": "reading the question in the server: "
+                                                                        "1,024 of 4,096 tokens"}  # fmt: skip
+        job.cancelled.set()
+        with pytest.raises(Cancelled):
+            job.reading(2048, 4096)
+    finally:
+        loop.close()

@@ -36,6 +36,7 @@ from ..core.config import (
 )
 from ..core.quant import KVStorage
 from ..engine.answer import Answer, KeptAnswerer, Sampling, TextCallback, answer, decode_config_for, hsa_min_tokens
+from ..engine.decoder import question_progress as question_progress
 from ..engine.engine import Engine, TokenProgress
 from ..errors import InputError, UsageError
 from ..model.loading import DEFAULT_MODEL, load_model

@@ -31,7 +31,7 @@ from .answers import (
     sampling_note,
     usage_error,
 )
-from .common import Timings, cache_budget_note, log, setup, threads_note
+from .common import Timings, cache_budget_note, log, question_bar, setup, threads_note
 from .options import (
     CacheOpt,
     DenseOpt,
@@ -149,7 +149,8 @@ def print_answers(answers, questions: list[str], source: str, printer: AnswerPri
     it = iter(answers)
     for i, question in enumerate(questions):
         printer.start(question)
-        ans = next(it)
+        with question_bar():  # a long question's reading, on a terminal
+            ans = next(it)
         if timings is not None:
             timings.add(f"question {i + 1} prefill", ans.prefill_s)
             timings.add(*decode_timing(ans.to_dict(cache=source)))

@@ -35,7 +35,7 @@ from .answers import (
     focus_passages_note,
     sampling_note,
 )
-from .common import cache_budget_note, err, fail, log, setup
+from .common import cache_budget_note, err, fail, log, question_bar, setup
 from .options import (
     CacheOpt,
     DenseOpt,
@@ -113,8 +113,9 @@ def local_turns(stream_of: Callable[[str], Any], source: str) -> Callable[[str],
     `stream_of(question)` is an `AnswerStream` (`Session.stream`, `RocketKV.stream_focused`)."""
 
     def turn(question: str) -> Turn:
-        stream = stream_of(question)
-        yield from stream
+        with question_bar():  # a long question's reading, on a terminal
+            stream = stream_of(question)
+            yield from stream
         answer = stream.answer
         assert answer is not None  # set when the iteration ends
         return answer.text, answer.to_dict(cache=source), answer.citations, answer_log(answer)

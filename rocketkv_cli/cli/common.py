@@ -260,6 +260,34 @@ def progress_bar() -> Progress:
     )
 
 
+@contextlib.contextmanager
+def question_bar():
+    """Around answering in this process: a question long enough to be prefilled in chunks (over
+    1,024 tokens) draws a progress bar while it is read (tokens, tokens/s, ETA; a terminal only),
+    gone before its answer is printed. Short questions draw nothing."""
+    from ..api.rocketkv import question_progress
+
+    bar = progress_bar()
+    task = None
+
+    def report(done: int, total: int) -> None:
+        nonlocal task
+        if task is None:
+            task = bar.add_task("reading the question", total=total)
+            bar.start()
+        bar.update(task, completed=done)
+        if done >= total:
+            bar.stop()
+            bar.remove_task(task)
+            task = None
+
+    try:
+        with question_progress(report):
+            yield
+    finally:
+        bar.stop()
+
+
 def steps_bar() -> Progress:
     """A bar over counted steps (eval's runs, bench's measurements): description, M/N, elapsed, ETA.
     Result lines printed while it runs go through `print_row`."""

@@ -67,15 +67,20 @@ def cache_fields(cache: Path, command: str = "ask") -> dict:
 
 
 def server_events(server: Server, path: str, body: dict) -> Iterator[dict]:
-    """`events` of a request, with the server's `status` events (a model loading there) shown as
-    a spinner on a terminal until the next event (dropped elsewhere: its `log` line follows)."""
+    """`events` of a request, with the server's `status` events (a model loading there, a long
+    question read, a wait behind another request) shown as a spinner on a terminal until the next
+    other event (dropped elsewhere)."""
     shown = None
     try:
         for event in events(server, path, body):
+            status = event.get("event") == "status"
+            if shown is not None and status:  # the next status: the same spinner, its text updated
+                shown.update(escape(str(event.get("message", ""))))
+                continue
             if shown is not None:
                 shown.stop()
                 shown = None
-            if event.get("event") != "status":
+            if not status:
                 yield event
             elif spinners():
                 shown = err.status(escape(str(event.get("message", ""))), spinner="dots")

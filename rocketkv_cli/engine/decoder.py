@@ -10,7 +10,8 @@ No argument parsing or printing here.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,6 +37,22 @@ QUESTION_CHUNK_TOKENS = 1024
 """A question's prefill runs in forwards of at most this many tokens (as a document's does):
 its attention over its own tokens stays linear in its length and an interrupt is honoured within
 a chunk. Questions this short or shorter run in one forward."""
+
+PrefillProgress = Callable[[int, int], None]
+_PROGRESS: contextvars.ContextVar[PrefillProgress | None] = contextvars.ContextVar("rocketkv_progress", default=None)
+
+
+@contextlib.contextmanager
+def question_progress(callback: PrefillProgress) -> Iterator[None]:
+    """Inside the block, a prefill of more than `QUESTION_CHUNK_TOKENS` ids (a long question)
+    calls `callback(done, total)`, in tokens: (0, total) before its first chunk, then after each.
+    The callback may raise (an interrupt, a request whose client left) to abandon the prefill
+    between chunks; the answer's decoder is reset as after any error (`Answerer.stream`)."""
+    token = _PROGRESS.set(callback)
+    try:
+        yield
+    finally:
+        _PROGRESS.reset(token)
 
 
 class Decoder:
@@ -88,7 +105,8 @@ class Decoder:
         decoder (kept at the head of the tail across `reset`s), and then only the rest of its ids:
         the same computation wherever the prefix came from, so answers do not depend on whether
         it was kept. Ids run in forwards of `QUESTION_CHUNK_TOKENS` (re-selection scores summed
-        over them). Raises ValueError: no ids."""
+        over them), each reported to a `question_progress` callback when there are several.
+        Raises ValueError: no ids."""
         if not ids:
             raise ValueError("prefill needs at least one token id")
         first = self.position == self._base  # a question's first prefill
@@ -101,6 +119,9 @@ class Decoder:
             self._drop_prefix()
         question = self.reselection is not None and first
         mass = active_attention_mass()
+        report = _PROGRESS.get() if len(ids) > QUESTION_CHUNK_TOKENS else None
+        if report is not None:
+            report(0, len(ids))
         logits = torch.empty(0)
         for start in range(0, len(ids), QUESTION_CHUNK_TOKENS):
             piece = ids[start : start + QUESTION_CHUNK_TOKENS]
@@ -117,6 +138,8 @@ class Decoder:
                         logits = forward_tokens(self.engine.model, self.cache, self.engine.ids(piece), positions)
                     scores = session.question_scores
             self.position += len(piece)
+            if report is not None:
+                report(start + len(piece), len(ids))
         if question and self.reselection is not None:
             self.select_working_set(scores or {}, self.reselection)
         return logits

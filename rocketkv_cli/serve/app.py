@@ -56,7 +56,8 @@ FINISH = {"length": "length"}  # every other stop reason (eos, stop string, repe
 @dataclass
 class ServeState:
     """The server's settings and counters. `roots`: the allowed folders (None: any path); `active`:
-    requests being answered or waiting for the decode lock; `last_activity`: monotonic seconds."""
+    requests being answered or waiting for the decode lock; `last_activity`: monotonic seconds.
+    `in_flight()` also counts jobs still running whose client has left (a long question's chunk)."""
 
     warm: Warm
     roots: tuple[Path, ...] | None
@@ -74,10 +75,13 @@ class ServeState:
     served: int = 0
     stop: asyncio.Event | None = None
 
+    def in_flight(self) -> int:
+        return max(self.active, Job.live)
+
     def health(self) -> dict:
         return {"service": "rocketkv", "status": "ok", "version": __version__, "pid": os.getpid(), "url": self.url,
                 "threads": self.warm.current_threads, "uptime_s": round(time.monotonic() - self.started, 1),
-                "active": self.active, "served": self.served, "max_queue": self.max_queue,
+                "active": self.in_flight(), "served": self.served, "max_queue": self.max_queue,
                 "idle_timeout_s": self.idle_timeout_s, "cancelled": Job.cancelled_total,
                 **self.warm.describe()}  # fmt: skip
 
@@ -153,9 +157,9 @@ class Guard:
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > state.max_body_bytes):
             return BadRequest(413, f"request body over {state.max_body_bytes} bytes")
-        busy = max(state.active, Job.live)  # a left client's job may still wait for the lock: it counts
+        busy = state.in_flight()  # a left client's job may still wait for the lock: it counts
         if scope["method"] == "POST" and scope["path"] != "/v1/rocketkv/shutdown" and busy >= state.max_queue:
-            return BadRequest(503, f"the server is busy ({state.active} requests in flight)", "RocketKVError",
+            return BadRequest(503, f"the server is busy ({busy} requests in flight)", "RocketKVError",
                               "try again in a moment")  # fmt: skip
         return None
 

@@ -28,6 +28,7 @@ from ..api.rocketkv import (
     check_decode_options,
     check_model_choice,
     decode_weights_for,
+    question_progress,
 )
 from ..batch.tasks import BatchSettings, Task
 from ..core.config import SUMMARY_WRITE_FROM, focus_conflicts
@@ -291,6 +292,22 @@ class Job:
         if self.cancelled.is_set():
             raise Cancelled()
 
+    def status(self, message: str) -> None:
+        """A `status` event (the CLI shows it in a spinner until the next event), to a client that
+        asked for them (`announce`)."""
+        if self.announce:
+            self.emit({"event": "status", "message": message})
+
+    def waiting(self) -> None:
+        """Called when this job waits for the decode lock behind another request."""
+        self.status("waiting: the server is busy with another request")
+
+    def reading(self, done: int, total: int) -> None:
+        """A long question's prefill, chunk by chunk (`question_progress`): the client told, and
+        the work abandoned between chunks once its client has gone (Cancelled)."""
+        self.check()
+        self.status(f"reading the question in the server: {done:,} of {total:,} tokens")
+
     def run(self, work, *args) -> None:
         """Start `work(job, *args)` in a thread; its errors become an `error` event, then None."""
 
@@ -340,7 +357,7 @@ def _open(warm: Warm, req: AskRequest, job: Job):
         rk = warm.model(key)
     else:
         rk = warm.model(key, log=lambda message: job.emit({"event": "log", "message": message}),
-                        loading=lambda message: job.emit({"event": "status", "message": message}))  # fmt: skip
+                        loading=job.status)  # fmt: skip
     warm.check(rk, key, req.path, stored, req.display)
     return rk, stored
 
@@ -348,7 +365,7 @@ def _open(warm: Warm, req: AskRequest, job: Job):
 def answer_job(job: Job, warm: Warm, req: AskRequest) -> None:
     """Answer `req`'s questions one at a time under the decode lock: `piece` events as text is
     decoded, an `answer` event (the `--json` record; citations with unrounded weights) per answer."""
-    with warm.job():
+    with warm.job(job.waiting):
         job.check()
         rk, stored = _open(warm, req, job)
         if req.check_only:  # what `rocketkv chat` asks before its prompt: every option checked as a session does
@@ -371,12 +388,13 @@ def answer_job(job: Job, warm: Warm, req: AskRequest) -> None:
                             for q in req.questions)  # fmt: skip
         else:
             answers = rk.ask(stored, list(req.questions), on_text=piece, log=log, **req.options)
-        for ans in answers:
-            citations = None if ans.citations is None else [
-                {"start": c.start, "end": c.end, "first_line": c.first_line, "last_line": c.last_line,
-                 "weight": c.weight, "text": c.text} for c in ans.citations]  # fmt: skip
-            job.emit({"event": "answer", "record": ans.to_dict(cache=req.display), "citations": citations})
-            job.check()
+        with question_progress(job.reading):  # a long question: its client told, and stopped if it leaves
+            for ans in answers:
+                citations = None if ans.citations is None else [
+                    {"start": c.start, "end": c.end, "first_line": c.first_line, "last_line": c.last_line,
+                     "weight": c.weight, "text": c.text} for c in ans.citations]  # fmt: skip
+                job.emit({"event": "answer", "record": ans.to_dict(cache=req.display), "citations": citations})
+                job.check()
 
 
 @dataclass(frozen=True)
@@ -416,7 +434,7 @@ def summarize_job(job: Job, warm: Warm, req: SummarizeRequest) -> None:
     from ..api.summaries import extractable, summarize
     from ..core.config import PrefillConfig, summary_writing
 
-    with warm.job():
+    with warm.job(job.waiting):
         job.check()
         rk, stored = _open(warm, req.ask, job)
         cite = req.ask.options["cite"]  # checked by `_open`
@@ -492,7 +510,7 @@ def batch_job(job: Job, warm: Warm, req: BatchTaskRequest) -> None:
     def log(message: str) -> None:
         job.emit({"event": "log", "message": message})
 
-    with warm.job():
+    with warm.job(job.waiting):
         job.check()
         s = req.settings
         rk = warm.model(ModelKey(s.model, s.device, s.dtype, None, s.trust_remote_code), log)
@@ -504,7 +522,7 @@ def batch_job(job: Job, warm: Warm, req: BatchTaskRequest) -> None:
 def ingest_job(job: Job, warm: Warm, req: IngestRequest) -> None:
     """Ingest `req.document` into `req.output` under the decode lock: `progress` events (tokens
     done, total), then `written` with the file's path, bytes and seconds."""
-    with warm.job():
+    with warm.job(job.waiting):
         job.check()
         key = ModelKey(req.model or DEFAULT_MODEL, "auto", "auto", None, False)
         rk: RocketKV = warm.model(key)

@@ -149,7 +149,7 @@ def _run(cfg: ServeConfig, state: ServeState, sock: socket.socket, url: str, log
             while not state.stop.is_set() and not server.should_exit:  # type: ignore[union-attr]
                 await asyncio.sleep(0.2)  # (uvicorn sets should_exit on SIGINT and SIGTERM)
                 idle = time.monotonic() - state.last_activity
-                if cfg.idle_timeout_s and state.active == 0 and idle > cfg.idle_timeout_s:
+                if cfg.idle_timeout_s and state.in_flight() == 0 and idle > cfg.idle_timeout_s:
                     why["reason"] = f"idle for {cfg.idle_timeout_s:.0f}s"
                     log(f"idle for {cfg.idle_timeout_s:.0f}s: stopping")
                     break

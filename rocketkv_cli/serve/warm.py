@@ -92,11 +92,15 @@ class Warm:
         return sum(n + rk.held_bytes() for rk, n in models) + sum(c.n_bytes for c in caches)
 
     @contextlib.contextmanager
-    def job(self) -> Iterator[None]:
+    def job(self, waiting: Callable[[], None] = lambda: None) -> Iterator[None]:
         """The decode lock for one job, run with the threads chosen for it (`--threads`, else the
         cores other processes left idle since the last job started: `api.threads.CpuLoad`); when
-        the job ends (or fails) what is held is `settle`d."""
-        with self.lock:
+        the job ends (or fails) what is held is `settle`d. `waiting()` is called first when
+        another job holds the lock."""
+        if not self.lock.acquire(blocking=False):
+            waiting()
+            self.lock.acquire()
+        try:
             if self.threads is None and (busy := self.load.elsewhere()) is not None:
                 self.current_threads = threads_for(available_cores(), self.load.n_cores, busy)
             apply(self.current_threads)
@@ -104,6 +108,8 @@ class Warm:
                 yield
             finally:
                 self.settle()
+        finally:
+            self.lock.release()
 
     def settle(self) -> None:
         """After a job (under `lock`): evict least recently used entries until what is held fits

@@ -45,6 +45,8 @@ class OneLineUsageError(_UsageError):  # type: ignore[misc,valid-type]
             text = text.replace(f"'{param.name}'", f"'{param.metavar or param.name.upper()}'")
         if text.endswith(".") and not text.endswith(".."):  # "Missing argument 'document'." (not "QUESTION...")
             text = text[:-1]
+        if type(original).__name__ == "NoSuchOption" and any(_text_like(a) for a in args or ()):
+            text += " (text that starts with '-', such as a question, goes after --)"
         super().__init__(text, original.ctx)
         self.exit_code = original.exit_code
         ctx = original.ctx  # an option missing its value is raised before the command has a context
@@ -54,6 +56,12 @@ class OneLineUsageError(_UsageError):  # type: ignore[misc,valid-type]
         joint = " Try" if self.format_message().endswith("?") else "; try"  # "Did you mean 'ask'? Try …"
         hint = f"{joint} '{self.command_path} --help'" if self.command_path else ""
         typer.echo(f"Error: {self.format_message()}{hint}", file=file, err=file is None)
+
+
+def _text_like(arg: str) -> bool:
+    """Whether a command-line argument that starts with '-' reads as text, not an option: it holds
+    whitespace ("- apples\n- pears", "-v is verbose?") or a digit follows the dash ("-3 °C?")."""
+    return arg.startswith("-") and not arg.startswith("--") and (any(c.isspace() for c in arg) or arg[1:2].isdigit())
 
 
 # Typer's messages for a value of the wrong type, which do not say the value

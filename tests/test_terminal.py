@@ -218,6 +218,7 @@ def test__chat_in_a_terminal__history_ctrl_c_cancels_the_answer_ctrl_d_quits(roc
     assert shown.count("rocketkv: loaded") == 1 and shown.count("rocketkv: answer cancelled") == 2
     assert "Traceback" not in shown and "Error:" not in shown
     assert question in (home / "chat_history").read_text()
+    assert "answered from the document on its own" in " ".join(shown.split()), shown[:600]  # no memory: said
 
 
 def test__chat_focus_in_a_terminal__names_the_passages_then_streams_the_answer(rocketkv_bin, env, kv, tmp_path):

@@ -160,7 +160,8 @@ def chat_command(
 ) -> None:
     """Ask questions one after another from a prompt; the model and cache load once.
 
-    Ctrl-C cancels the answer being printed, Ctrl-D quits. Questions can also come from a pipe,
+    Each question is answered from the document on its own: an answer does not see the earlier
+    questions or answers (ask a follow-up in full). Ctrl-C cancels the answer being printed, Ctrl-D quits. Questions can also come from a pipe,
     one per line (there Ctrl-C stops the command). With --cache, a running `rocketkv serve`
     answers (--no-server: this process).
     """
@@ -210,7 +211,8 @@ def converse(prompt: Prompt, turn: Callable[[str], Turn], source: str, json_out:
     printer = AnswerPrinter(fmt, stream=not json_out and (interactive or sys.stdout.isatty()),
                             show_question=not interactive)  # fmt: skip
     if interactive:
-        log(f"chat with {source}: type a question and press Enter; Ctrl-C cancels an answer, Ctrl-D quits")
+        log(f"chat with {source}: type a question and press Enter (each is answered from the document on its own, "
+            "without the earlier ones); Ctrl-C cancels an answer, Ctrl-D quits")  # fmt: skip
     failed = False
     while True:
         try:

@@ -62,6 +62,7 @@ from .remote import RemoteChat, Turn, server_for, unused_threads_note
 from .sources import DocumentReading, ModelChoice, open_source
 
 PROMPT = "> "
+HISTORY_MAX_CHARS = 2000
 
 
 class Prompt:
@@ -100,7 +101,12 @@ class Prompt:
         return line
 
     def remember(self) -> None:
+        """Save the history file; a question over `HISTORY_MAX_CHARS` (a pasted passage) is left
+        out of it, so that Up does not bring back kilobytes."""
         if self.readline is not None:
+            n = self.readline.get_current_history_length()
+            if n and len(self.readline.get_history_item(n) or "") > HISTORY_MAX_CHARS:
+                self.readline.remove_history_item(n - 1)  # get is 1-based, remove 0-based
             try:
                 self.history.parent.mkdir(parents=True, exist_ok=True)
                 self.readline.write_history_file(str(self.history))
@@ -161,9 +167,9 @@ def chat_command(
     """Ask questions one after another from a prompt; the model and cache load once.
 
     Each question is answered from the document on its own: an answer does not see the earlier
-    questions or answers (ask a follow-up in full). Ctrl-C cancels the answer being printed, Ctrl-D quits. Questions can also come from a pipe,
-    one per line (there Ctrl-C stops the command). With --cache, a running `rocketkv serve`
-    answers (--no-server: this process).
+    questions or answers (ask a follow-up in full). Ctrl-C cancels the answer being printed,
+    Ctrl-D quits. Questions can also come from a pipe, one per line (there Ctrl-C stops the
+    command). With --cache, a running `rocketkv serve` answers (--no-server: this process).
     """
     setup(quiet, threads)
     if (document is None) == (cache is None):

@@ -406,6 +406,9 @@ def test__batch_usage_errors(rocketkv_bin, env, tmp_path):
     (tmp_path / "old.jsonl").write_bytes(b"")
     r = run(rocketkv_bin, env, "batch", manifest, "-o", tmp_path / "old.jsonl", "--model", "nosuch")
     assert r.returncode == 1 and (tmp_path / "old.jsonl").read_bytes() == b""
+    (tmp_path / "none.jsonl").write_bytes(b"")  # a manifest of no rows: a success, whose results file is kept
+    r = run(rocketkv_bin, env, "batch", tmp_path / "none.jsonl", "-o", tmp_path / "empty.jsonl", "--no-server")
+    assert r.returncode == 0 and (tmp_path / "empty.jsonl").read_bytes() == b"", r.stderr
 
 
 def test__batch_in_a_terminal__draws_the_bar_with_rates(many, rocketkv_bin, env, tiny_model_dir, tmp_path):

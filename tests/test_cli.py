@@ -341,6 +341,7 @@ def test__several_questions__qa_and_lines_formats_say_which_answer_is_which(rock
             "(text that starts with '-', such as a question, goes after --)",
         ),
         (["--cache", "KV", "-3 degrees?"], "No such option: -3 (text that starts with '-'"),
+        (["--cache", "KV", "--bogus", "--", "- apples"], "--verbose); try"),  # after --: no hint
         (["--cache", "KV", "a?", "--max-new-tokens", "ten"], "'--max-new-tokens': 'ten' is not an integer"),
         (["--cache", "KV", "a?", "--temperature=warm"], "'--temperature' / '-t': 'warm' is not a number"),
         (["--cache", "KV", "KV", "a?"], "give one of them"),
@@ -355,6 +356,7 @@ def test__several_questions__qa_and_lines_formats_say_which_answer_is_which(rock
         "unknown-option",
         "a-list-as-question",
         "a-number-as-question",
+        "unknown-option-text-after-dashes",
         "not-an-integer",
         "not-a-number",
         "document-and-cache",

@@ -213,23 +213,24 @@ def test__long_question__progress_reported_per_chunk_and_a_raising_callback_aban
     decoder = Decoder(engine, stored, 300, decode_config_for(stored))
     with decoder_module.question_progress(lambda done, total: heard.append((done, total))), decoder.attention():
         want = decoder.prefill(ids)
-    assert heard == [(0, n)] + [(min(n, d), n) for d in range(20, n + 20, 20)], heard
+    size = -(-n // -(-n // 20))  # chunks of even size, at most 20
+    assert size < 20 and heard == [(0, n)] + [(min(n, d), n) for d in range(size, n + size, size)], heard
     decoder.reset()
 
     class Stop(Exception):
         pass
 
-    def stop_at_40(done: int, total: int) -> None:
-        if done >= 40:
+    def stop_after_two(done: int, total: int) -> None:
+        if done >= 2 * size:
             raise Stop
 
     counts, hook = _count_tokens(engine)
     try:
-        with pytest.raises(Stop), decoder_module.question_progress(stop_at_40), decoder.attention():
+        with pytest.raises(Stop), decoder_module.question_progress(stop_after_two), decoder.attention():
             decoder.prefill(ids)
     finally:
         hook.remove()
-    assert counts == [20, 20], counts  # the prefix was kept; two chunks, then the stop
+    assert counts == [size, size], counts  # the prefix was kept; two chunks, then the stop
     decoder.reset()
     with decoder.attention():
         assert torch.equal(decoder.prefill(ids), want)
@@ -238,6 +239,31 @@ def test__long_question__progress_reported_per_chunk_and_a_raising_callback_aban
         decoder.reset()
         decoder.prefill(engine.question_ids("Short?"))
     assert heard == []
+
+
+@pytest.mark.parametrize("rest", [1, 2])
+def test__long_question__no_chunk_of_one_token_is_run_as_a_decode_step(rest, monkeypatch):
+    """A question of k chunks and `rest` ids more: the chunks are of even size, so none holds one
+    token, which `_attention` would run as a decode step (stage-2 HSA, approximate) instead of
+    the question's exact attention: logits as one forward's (a cache without a store budget,
+    HSA on every layer). The first version ran a last chunk of one token: 0.07 apart."""
+    from rocketkv_cli.engine import decoder as decoder_module
+
+    engine = make_engine("llama")
+    cfg = PrefillConfig(token_budget=32, max_new_tokens=8, window_size=8, pool_kernel_size=5)
+    small = engine.ingest(DOC, cfg)
+    dec = decode_config_for(small, topk=8, page_size=4)
+    assert dec.uses_hsa(32), dec
+    ids = engine.question_ids("Which of these letters comes first, and which last? " * 2)
+    n = len(ids) - len(engine.question_prefix)
+    out = []
+    for chunk in (10_000, n - rest):
+        monkeypatch.setattr(decoder_module, "QUESTION_CHUNK_TOKENS", chunk)
+        decoder = Decoder(engine, small, 300, dec)
+        with decoder.attention():
+            out.append(decoder.prefill(ids))
+    err = (out[0] - out[1]).abs()
+    assert float(err.max()) < 1e-5, f"max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"
 
 
 def test__hidden_keys__the_leading_keys_no_query_sees_in_any_head(monkeypatch):

@@ -309,13 +309,14 @@ class Results:
             data = data[os.write(self._fd, data) :]
         os.fsync(self._fd)
 
-    def close(self) -> None:
-        """Close the file; one this run created and wrote nothing into (the model did not load,
-        Ray was unreachable) is removed, so a failed run leaves no empty results file behind."""
+    def close(self, failed: bool = False) -> None:
+        """Close the file. After a `failed` run (the model did not load, Ray was unreachable), a
+        file this run created and wrote nothing into is removed: no empty results file is left
+        behind. A run that succeeded keeps it, even empty (a manifest of no rows)."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-            if self._created and not self._wrote and self.path is not None:
+            if failed and self._created and not self._wrote and self.path is not None:
                 with contextlib.suppress(OSError):
                     if self.path.stat().st_size == 0:
                         self.path.unlink()

@@ -49,6 +49,7 @@ def run_batch(
         raise OutputError(f"-o {output} is the manifest itself", "choose another results file")
     cache_dir = cache_dir.resolve()
     results = Results(output)
+    failed = True
     try:
         done = results.open(rows)
         if sum(results.dropped.values()):
@@ -89,8 +90,9 @@ def run_batch(
 
                 run_in_pool(tasks, cache_dir, settings, workers or 1, tracker, log)
         on_progress(tracker.state)
+        failed = False
     finally:
-        results.close()
+        results.close(failed)
     return BatchReport(n_rows=len(rows), n_skipped=skipped, n_written=tracker.written,
                        n_errors=tracker.state.errors, dropped=dict(results.dropped))  # fmt: skip
 

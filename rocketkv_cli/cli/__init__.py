@@ -45,7 +45,8 @@ class OneLineUsageError(_UsageError):  # type: ignore[misc,valid-type]
             text = text.replace(f"'{param.name}'", f"'{param.metavar or param.name.upper()}'")
         if text.endswith(".") and not text.endswith(".."):  # "Missing argument 'document'." (not "QUESTION...")
             text = text[:-1]
-        if type(original).__name__ == "NoSuchOption" and any(_text_like(a) for a in args or ()):
+        before_dashes = (args or [])[: (args or []).index("--")] if "--" in (args or []) else (args or [])
+        if type(original).__name__ == "NoSuchOption" and any(_text_like(a) for a in before_dashes):
             text += " (text that starts with '-', such as a question, goes after --)"
         super().__init__(text, original.ctx)
         self.exit_code = original.exit_code

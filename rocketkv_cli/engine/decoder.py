@@ -104,8 +104,8 @@ class Decoder:
         that starts with the engine's `question_prefix` runs it as a forward of its own, once per
         decoder (kept at the head of the tail across `reset`s), and then only the rest of its ids:
         the same computation wherever the prefix came from, so answers do not depend on whether
-        it was kept. Ids run in forwards of `QUESTION_CHUNK_TOKENS` (re-selection scores summed
-        over them), each reported to a `question_progress` callback when there are several.
+        it was kept. Ids run in forwards of at most `QUESTION_CHUNK_TOKENS`, of even sizes
+        (re-selection scores summed over them), each reported to a `question_progress` callback when there are several.
         Raises ValueError: no ids."""
         if not ids:
             raise ValueError("prefill needs at least one token id")
@@ -123,8 +123,11 @@ class Decoder:
         if report is not None:
             report(0, len(ids))
         logits = torch.empty(0)
-        for start in range(0, len(ids), QUESTION_CHUNK_TOKENS):
-            piece = ids[start : start + QUESTION_CHUNK_TOKENS]
+        # chunks of even size: a last chunk of one token would be attended as a decode step (HSA)
+        n_chunks = -(-len(ids) // QUESTION_CHUNK_TOKENS)  # ceil
+        size = -(-len(ids) // n_chunks)  # ceil: every chunk holds size or size - 1 ids, so 2+ when there are 2+
+        for start in range(0, len(ids), size):
+            piece = ids[start : start + size]
             positions = torch.arange(self.position, self.position + len(piece), device=self._position.device)
             # an AttentionMass of "last" queries wants the question's last one, not each chunk's
             last = start + len(piece) == len(ids)

@@ -184,7 +184,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     else:
         if layer.n_context == 0:  # ingest: positions are shared by all heads
             k_pos = k_pos[:, :1]
-        if spec.sliding_window is not None and (start := hidden_keys(k_pos, q_pos, spec.sliding_window)):
+        if (spec.sliding_window is not None and query.shape[2] > 1  # a prefill: a GPU decode step never reads back
+                and (start := hidden_keys(k_pos, q_pos, spec.sliding_window))):  # fmt: skip
             keys, values, k_pos = keys[:, :, start:], values[:, :, start:], k_pos[..., start:]
         out = exact_attention(query, keys, values, k_pos, q_pos, spec.scaling, spec.sliding_window, spec.softcap)
     return out.transpose(1, 2).contiguous(), None

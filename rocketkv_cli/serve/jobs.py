@@ -298,9 +298,13 @@ class Job:
         if self.announce:
             self.emit({"event": "status", "message": message})
 
-    def waiting(self) -> None:
-        """Called when this job waits for the decode lock behind another request."""
-        self.status("waiting: the server is busy with another request")
+    def waiting(self, waited: float | None) -> None:
+        """Called when this job waits for the decode lock behind another request (None), and when
+        its turn came (the seconds it waited): the client's spinner says which."""
+        if waited is None:
+            self.status("waiting: the server is busy with another request")
+        else:
+            self.status(f"working on this request in the server (after waiting {waited:.1f} s)")
 
     def reading(self, done: int, total: int) -> None:
         """A long question's prefill, chunk by chunk (`question_progress`): the client told, and

@@ -92,14 +92,16 @@ class Warm:
         return sum(n + rk.held_bytes() for rk, n in models) + sum(c.n_bytes for c in caches)
 
     @contextlib.contextmanager
-    def job(self, waiting: Callable[[], None] = lambda: None) -> Iterator[None]:
+    def job(self, waiting: Callable[[float | None], None] = lambda waited: None) -> Iterator[None]:
         """The decode lock for one job, run with the threads chosen for it (`--threads`, else the
         cores other processes left idle since the last job started: `api.threads.CpuLoad`); when
-        the job ends (or fails) what is held is `settle`d. `waiting()` is called first when
-        another job holds the lock."""
+        the job ends (or fails) what is held is `settle`d. When another job holds the lock,
+        `waiting(None)` is called before the wait and `waiting(seconds waited)` after it."""
         if not self.lock.acquire(blocking=False):
-            waiting()
+            t0 = time.monotonic()
+            waiting(None)
             self.lock.acquire()
+            waiting(time.monotonic() - t0)
         try:
             if self.threads is None and (busy := self.load.elsewhere()) is not None:
                 self.current_threads = threads_for(available_cores(), self.load.n_cores, busy)

@@ -105,8 +105,8 @@ class Decoder:
         decoder (kept at the head of the tail across `reset`s), and then only the rest of its ids:
         the same computation wherever the prefix came from, so answers do not depend on whether
         it was kept. Ids run in forwards of at most `QUESTION_CHUNK_TOKENS`, of even sizes
-        (re-selection scores summed over them), each reported to a `question_progress` callback when there are several.
-        Raises ValueError: no ids."""
+        (re-selection scores summed over them), each reported to a `question_progress` callback
+        when there are several. Raises ValueError: no ids."""
         if not ids:
             raise ValueError("prefill needs at least one token id")
         first = self.position == self._base  # a question's first prefill
@@ -117,7 +117,7 @@ class Decoder:
             ids = ids[p:]
         elif first and self._base != self.n_context_tokens:  # the tail holds a prefix these ids lack
             self._drop_prefix()
-        question = self.reselection is not None and first
+        reselect = self.reselection if first else None  # a question's working set is chosen after its prefill
         mass = active_attention_mass()
         report = _PROGRESS.get() if len(ids) > QUESTION_CHUNK_TOKENS else None
         if report is not None:
@@ -131,9 +131,9 @@ class Decoder:
             positions = torch.arange(self.position, self.position + len(piece), device=self._position.device)
             # an AttentionMass of "last" queries wants the question's last one, not each chunk's
             last = start + len(piece) == len(ids)
-            paused = attention_mass_paused() if mass is not None and mass.queries == "last" and not last else None
-            with paused or contextlib.nullcontext():
-                if not question:
+            pause = mass is not None and mass.queries == "last" and not last
+            with attention_mass_paused() if pause else contextlib.nullcontext():
+                if reselect is None:
                     logits = forward_tokens(self.engine.model, self.cache, self.engine.ids(piece), positions)
                 else:
                     with rocketkv_attention(self.engine.model, self.cache, self.engine.shape, decode=self.decode,
@@ -143,8 +143,8 @@ class Decoder:
             self.position += len(piece)
             if report is not None:
                 report(start + len(piece), len(ids))
-        if question and self.reselection is not None:
-            self.select_working_set(scores or {}, self.reselection)
+        if reselect is not None:
+            self.select_working_set(scores or {}, reselect)
         return logits
 
     def _prefill_prefix(self) -> dict[int, torch.Tensor]:

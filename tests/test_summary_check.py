@@ -193,6 +193,22 @@ def test__extract_sentences__skips_short_and_repeated_sentences():
     assert sc.extract_sentences("Cat mat. Dog.", 3) == ["Cat mat.", "Dog."]  # too few of 6+ words: all of them
 
 
+def test__extract_sentences__prefers_whole_sentences_to_clauses_that_lead_on():
+    # The GPL's "… in one of these ways:" (its list follows) was extracted beside an unrelated
+    # sentence; a KJV verse ending in ":" or ";" leads into the next verse the same way.
+    lead = "You may convey the cat and the fish and the mat in one of these ways:"  # the most central
+    text = (lead + "\n\n" + CATS + "\n\nThe cat may keep the fish on the mat; "
+            "\n\nThe dog barked at the cat on the mat all day long.")  # fmt: skip
+    assert sc.extract_sentences(lead + "\n\n" + CATS, 1) == ["The cat ate the fish near the mat."]
+    out = sc.extract_sentences(text, 3)
+    assert all(s[-1] in ".!?" for s in out), out
+    # ended by a closing quote or bracket still ends a sentence; too few whole sentences: all candidates
+    quoted = 'He said "the cat ate the fish near the mat."'
+    assert sc.extract_sentences(quoted, 1) == [quoted]
+    clause = "The cat and the fish and the mat and more:"
+    assert sc.extract_sentences(clause, 1) == [clause]
+
+
 def test__extract_sentences__a_paragraph_without_full_stops_is_cut_at_60_words():
     listing = " ".join(f"item{i} river" for i in range(40))  # letter words: item (digits split it), river: 80
     (out,) = sc.extract_sentences(listing)

@@ -48,6 +48,7 @@ URL = re.compile(r"(?:https?://|www\.)\S+|<?\S+@\S+\.\S+>?")
 _WORD = re.compile(r"[^\W_]+")
 _LETTERS = re.compile(r"[^\W\d_]+")
 _UNIT_END = re.compile(r"(?<=[.!?])\s+|\n+")  # sentences of a summary: after . ! ? or at a line end
+_ENDED = re.compile(r"[.!?][\"'”’)\]]*\s*$")  # a whole sentence's end, not a clause's (: ; ,)
 _SENTENCE_END = re.compile(r"(?:(?<=[.!?])|(?<=[.!?][\"'”’)]))\s+(?=[\"'“‘(]?[A-Z0-9])")
 _OPENERS = "\"'“‘([ \t"
 
@@ -281,9 +282,12 @@ def extract_sentences(text: str, n: int | None = None, names: Iterable[str] | No
 
     Centrality (TF-IDF, `_centrality`): each sentence is a vector of its content words' counts
     times idf(w) = ln(1 + N/df(w)) (N sentences, df = sentences holding w); its score is the cosine
-    with the whole text's vector (the sum of all sentences'). Candidates have 6–60 words (all
-    sentences when fewer than n do; one chosen then with more than 60 words — a paragraph without
-    full stops, such as a list or code — keeps its first 60 words and " …"); a sentence equal to
+    with the whole text's vector (the sum of all sentences'). Candidates have 6–60 words and end a
+    sentence (. ! ? before any closing quotes or brackets: not a clause that a colon or semicolon
+    leads into the next sentence or verse, which reads as a non sequitur beside the next one
+    chosen); all sentences are candidates when fewer than n are (one chosen then with more than 60
+    words — a paragraph without full stops, such as a list or code — keeps its first 60 words and
+    " …"); a sentence equal to
     an earlier one is skipped, and so is one that would make the chosen sentences repeat a sentence
     or an 8-word run (the degenerate rule: KJV verses share whole phrases); ties go to the earlier
     sentence. n defaults to N/25 rounded, kept
@@ -329,9 +333,9 @@ def outline_placed(
     its summaries (`extract_sentences`' centrality, candidates and repeat rule, centrality within
     the stretch). Then coverage as in `extract_sentences`, for `names` (the whole document's): from
     any of the summaries' sentences first, then, when those cannot name enough, from `texts` (part
-    j's own text, its sentences of 6–60 words if it has any, placed after its summary's). Sentences
-    verbatim (cut at 60 words), in part order, each with its part j and where it was found (0: part
-    j's summary, 1: part j's text); empty when the summaries hold no sentence.
+    j's own text, its sentences of 6–60 words that end a sentence if it has any, placed after its
+    summary's). Sentences verbatim (cut at 60 words), in part order, each with its part j and where
+    it was found (0: part j's summary, 1: part j's text); empty when the summaries hold no sentence.
     """
     n = len(summaries)
     g = max(1, min(groups, n))
@@ -409,8 +413,8 @@ class _Chooser:
         return out
 
     def sized(self, indices: list[int]) -> list[int]:
-        """Those of `indices` with 6–60 words."""
-        return [i for i in indices if 6 <= len(_LETTERS.findall(self.all[i])) <= 60]
+        """Those of `indices` with 6–60 words that end a sentence (`_ENDED`)."""
+        return [i for i in indices if 6 <= len(_LETTERS.findall(self.all[i])) <= 60 and _ENDED.search(self.all[i])]
 
     def repeats(self, chosen: list[int]) -> bool:
         """The degenerate rule "repeated sentence" on the chosen sentences' joined text."""

@@ -136,6 +136,11 @@ def test__ask_uses_the_running_server_and_answers_byte_identically(rocketkv_bin,
     assert threads.returncode == 0 and threads.stdout == here.stdout, threads.stderr
     assert "note: --threads" not in here.stderr, here.stderr
     assert f"note: --threads 1 is not used: the server at {s.url} computes with its own threads" in threads.stderr
+    argv = [rocketkv_bin, "ask", "--cache", str(cache), "--threads", "1", "--stream", QUESTIONS[0]]
+    both = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=300)
+    assert both.returncode == 0 and here.stdout.strip() in both.stdout, both.stdout
+    # the note is said when the server takes the request, never after (or inside) the answer
+    assert both.stdout.index("note: --threads 1") < both.stdout.index(here.stdout.strip()), both.stdout
     missing = run(rocketkv_bin, env, "ask", "--cache", cache.with_name("none.kv"), "--threads", "1", QUESTIONS[0])
     assert missing.returncode == 1 and missing.stderr.startswith("Error: cache file not found"), missing.stderr
     for argv in (["summarize", "--cache", cache.with_name("none.kv")], ["chat", "--cache", cache.with_name("none.kv")]):

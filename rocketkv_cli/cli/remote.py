@@ -6,7 +6,7 @@ the `--json` records and the exit codes do not depend on where the answer was co
 from __future__ import annotations
 
 import os
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -91,16 +91,22 @@ def server_events(server: Server, path: str, body: dict) -> Iterator[dict]:
 
 
 def ask_remote(server: Server, cache: Path, questions: list[str], options: dict, printer: AnswerPrinter,
-               timings: Timings | None = None) -> None:  # fmt: skip
+               timings: Timings | None = None, accepted: Callable[[], None] | None = None) -> None:  # fmt: skip
     """Answer `questions` from `cache` on `server` and print them as `ask` does.
 
     options: `RocketKV.ask`'s keyword options and the model choice (model, device, dtype, weights,
-    trust_remote_code). Raises the server's error as its rocketkv type; ServerError when the
-    server goes away before the last answer."""
+    trust_remote_code). `accepted` is called once the server has taken the request (its first
+    event; before the first question's header, so that a note it prints never lands inside an
+    answer). Raises the server's error as its rocketkv type; ServerError when the server goes
+    away before the last answer."""
     body = {**cache_fields(cache), "questions": questions, **model_for_server(options)}
-    done = 0
-    printer.start(questions[0])
+    done, started = 0, False
     for event in server_events(server, "/v1/rocketkv/ask", body):
+        if not started:
+            if accepted is not None:
+                accepted()
+            printer.start(questions[0])
+            started = True
         kind = event.get("event")
         if kind == "piece":
             printer.piece(event["text"])

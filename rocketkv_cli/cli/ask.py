@@ -232,8 +232,8 @@ def ask_command(
         if remote is not None and cache is not None:  # doc is None: --cache was given
             cache_budget_note(budget, cache)
             focused = {} if focus is None else {"focus": focus}
-            ask_remote(remote, cache, questions, {**options, **focused, **choice.for_server()}, printer, timings,
-                       accepted=lambda: unused_threads_note(remote, threads))
+            said = lambda: unused_threads_note(remote, threads)  # noqa: E731 (once the server took the request)
+            ask_remote(remote, cache, questions, {**options, **focused, **choice.for_server()}, printer, timings, said)
         else:
             reading = DocumentReading(encoding, errors, segment_tokens)
             rk, stored, source = open_source(doc, cache, choice, budget, options, reading, timings)

@@ -221,6 +221,28 @@ def test__chat_in_a_terminal__history_ctrl_c_cancels_the_answer_ctrl_d_quits(roc
     assert "answered from the document on its own" in " ".join(shown.split()), shown[:600]  # no memory: said
 
 
+def test__chat_in_a_terminal__a_line_and_ctrl_d_typed_during_an_answer_are_kept(rocketkv_bin, env, kv, tmp_path):
+    """Typed while an answer is printed: a whole question is asked next (shown after the prompt),
+    and a Ctrl-D then quits, 0 (readline took a Ctrl-D typed ahead for nothing and the prompt
+    waited)."""
+    term = Terminal([rocketkv_bin, "chat", "--cache", str(kv), "--max-new-tokens", "1000", "--temperature", "1.5",
+                     "--seed", "5"], {**env, "ROCKETKV_HOME": str(tmp_path / "home")})  # fmt: skip
+    try:
+        at = term.expect("> ")
+        term.send("Tell me everything, at length.\r")  # 615 tokens (the test above)
+        start = term.expect("at length.\r\n", at)
+        while len(term.plain()) < start + 40:  # the answer is being printed
+            assert term._read(1.0) or term.proc.poll() is None, term.plain()[-2000:]
+        term.send("Which word?\r\x04")
+        at = term.expect("> Which word?\r\n", start)
+        code = term.wait(timeout=60)
+    finally:
+        term.proc.kill()
+    shown = term.plain()
+    assert code == 0, shown[-2000:]
+    assert "Traceback" not in shown and "Error:" not in shown, shown[-2000:]
+
+
 def test__chat_focus_in_a_terminal__names_the_passages_then_streams_the_answer(rocketkv_bin, env, kv, tmp_path):
     """`chat --focus 1 --cite`: after a question, the stderr line naming the passage it is answered
     from, on its own line, then the answer and its Sources; Ctrl-D quits, 0."""

@@ -10,6 +10,8 @@ and the exit code is 1.
 
 from __future__ import annotations
 
+import os
+import select
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -91,7 +93,17 @@ class Prompt:
     def read(self) -> str:
         """The next line. Raises EOFError at the end (Ctrl-D), KeyboardInterrupt on Ctrl-C."""
         if self.readline is not None:
-            return input(PROMPT)
+            ahead = self._typed_ahead()
+            if ahead is None:
+                return input(PROMPT)
+            if not ahead:  # Ctrl-D typed during the answer
+                sys.stdout.write(PROMPT + "\n")
+                raise EOFError
+            line = ahead.rstrip("\n")
+            sys.stdout.write(PROMPT + line + "\n")  # as readline would have shown it
+            if line.strip():
+                self.readline.add_history(line)
+            return line
         if self.interactive:
             sys.stderr.write(PROMPT)
             sys.stderr.flush()
@@ -99,6 +111,17 @@ class Prompt:
         if not line:
             raise EOFError
         return line
+
+    @staticmethod
+    def _typed_ahead() -> str | None:
+        """A whole line (or Ctrl-D: "") typed while an answer was printed, or None. The terminal
+        holds it in its line discipline, where readline, switching the terminal to its own mode,
+        would take a Ctrl-D for nothing (the prompt waited on); read in that mode, it is what it was
+        typed as. A part of a line typed ahead is not ready to read, and readline takes it."""
+        fd = sys.stdin.fileno()
+        if not select.select([fd], [], [], 0)[0]:
+            return None
+        return os.read(fd, 1 << 16).decode("utf-8", "surrogateescape")
 
     def remember(self) -> None:
         """Save the history file; a question over `HISTORY_MAX_CHARS` (a pasted passage) is left

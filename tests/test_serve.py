@@ -910,3 +910,36 @@ def test__job_reading__a_job_whose_client_left_stops_between_chunks():
             job.reading(2048, 4096)
     finally:
         loop.close()
+
+
+def test__job_waiting__a_long_wait_is_said_on_the_clients_stderr():
+    """The answer's "answered in N s" leaves out a wait behind another request in the server (a
+    busy server looked fast): a wait of a second or more is a `log` event (the CLI prints it),
+    to a client that asked for status events only; a short one is a status event alone."""
+    import asyncio
+
+    from rocketkv_cli.serve.jobs import Job
+
+    loop = asyncio.new_event_loop()
+
+    def events(job: Job) -> list[dict]:
+        loop.run_until_complete(asyncio.sleep(0))
+        out = []
+        while not job.queue.empty():
+            out.append(job.queue.get_nowait())
+        return out
+
+    try:
+        plain = Job(loop)
+        plain.waiting(None)
+        plain.waiting(12.34)
+        assert events(plain) == []
+        job = Job(loop)
+        job.announce = True
+        job.waiting(0.4)
+        assert events(job) == [{"event": "status", "message": "working on this request in the server (after waiting "
+                                                              "0.4 s)"}]  # fmt: skip
+        job.waiting(12.34)
+        assert events(job)[1:] == [{"event": "log", "message": "waited 12.3 s in the server behind another request"}]
+    finally:
+        loop.close()

@@ -252,6 +252,9 @@ class IngestRequest:
         )
 
 
+WAIT_NOTE_S = 1.0  # a wait for the decode lock this long is said on the client's stderr (`Job.waiting`)
+
+
 class Job:
     """One request's work: events go from the worker thread to the request's asyncio queue;
     `cancelled` is set when the client goes away."""
@@ -300,11 +303,15 @@ class Job:
 
     def waiting(self, waited: float | None) -> None:
         """Called when this job waits for the decode lock behind another request (None), and when
-        its turn came (the seconds it waited): the client's spinner says which."""
+        its turn came (the seconds it waited): the client's spinner says which, and a wait of
+        `WAIT_NOTE_S` or more is said in a `log` event too (the answer's own time, said after it,
+        leaves the wait out), both only to a client that asked for status events (`announce`)."""
         if waited is None:
             self.status("waiting: the server is busy with another request")
-        else:
-            self.status(f"working on this request in the server (after waiting {waited:.1f} s)")
+            return
+        self.status(f"working on this request in the server (after waiting {waited:.1f} s)")
+        if self.announce and waited >= WAIT_NOTE_S:
+            self.emit({"event": "log", "message": f"waited {waited:.1f} s in the server behind another request"})
 
     def reading(self, done: int, total: int) -> None:
         """A long question's prefill, chunk by chunk (`question_progress`): the client told, and

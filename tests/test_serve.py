@@ -570,6 +570,35 @@ def test__killed_server_one_line_then_stale_socket_replaced(rocketkv_bin, env, c
     assert again.url == s.url and health(again.server) is not None
 
 
+def test__ask_right_after_serve_waits_for_the_server_to_start(rocketkv_bin, env, caches, tmp_path):
+    """`rocketkv serve &` then `ask` at once (the README's order): the server binds its socket
+    before it imports torch, and the ask waits for it (said on stderr) and is answered there; it
+    was answered in its own process beside the server's imports (a second torch import on the
+    same cores). A second `serve` is refused while the first starts."""
+    home = tmp_path / "home"
+    environ = {**env, "ROCKETKV_HOME": str(home)}
+    proc = subprocess.Popen([rocketkv_bin, "serve", "--idle-timeout", "0"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=environ)  # fmt: skip
+    lock = home / "serve.sock.lock"
+    try:
+        deadline = time.monotonic() + 60
+        while not (lock.exists() and lock.read_text() == f"{proc.pid} starting\n"):
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not take its lock"
+            time.sleep(0.01)
+        asked = run(rocketkv_bin, environ, "ask", "--cache", caches[0], "-v", QUESTIONS[0])
+        assert asked.returncode == 0, asked.stderr
+        assert f"rocketkv: waiting for the rocketkv server to start (pid {proc.pid})" in asked.stderr, asked.stderr
+        assert "answered by the server at unix:" in asked.stderr, asked.stderr
+        assert lock.read_text() == f"{proc.pid} ready\n"
+        twice = run(rocketkv_bin, environ, "serve", "--idle-timeout", "0")
+        assert twice.returncode == 1 and "already running" in twice.stderr, twice.stderr
+        local = run(rocketkv_bin, environ, "ask", "--cache", caches[0], "--no-server", QUESTIONS[0])
+        assert asked.stdout == local.stdout
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
 def test__status_stop_and_idle_timeout(rocketkv_bin, env, served):
     none = run(rocketkv_bin, env, "serve", "status")
     assert none.returncode == 1 and "no rocketkv server is running" in none.stderr

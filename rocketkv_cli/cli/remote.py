@@ -5,6 +5,7 @@ the `--json` records and the exit codes do not depend on where the answer was co
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
@@ -19,9 +20,22 @@ from .common import Timings, err, log, spinners
 
 
 def server_for(url: str | None, no_server: bool) -> Server | None:
-    """The server to answer through, or None (in this process). Raises ServerError for a
-    `--server` that does not answer, UsageError for a malformed URL."""
-    return locate(url, no_server)
+    """The server to answer through, or None (in this process); a server still starting (`rocketkv
+    serve &` a moment ago) is waited for, said on stderr. Raises ServerError for a `--server` that
+    does not answer, UsageError for a malformed URL."""
+    return locate(url, no_server, starting_said)
+
+
+@contextlib.contextmanager
+def starting_said(pid: int) -> Iterator[None]:
+    """While a starting server (`pid`) is waited for: a spinner on a terminal, else one line."""
+    message = f"waiting for the rocketkv server to start (pid {pid})"
+    if not spinners():
+        log(message)
+        yield
+        return
+    with err.status(escape(message), spinner="dots"):
+        yield
 
 
 def unused_threads_note(server: Server | None, threads: int | None) -> None:

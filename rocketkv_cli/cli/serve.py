@@ -12,12 +12,13 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..serve.client import Server, ServerError, default_socket, health, parse_url, post
+from ..serve.client import Server, ServerError, default_socket, health, parse_url, post, starting_pid, wait_started
 from ..serve.config import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_QUEUE, ServeConfig, default_memory_budget
 from ..signals import Terminated, handled, received
 from .answers import usage_error
 from .common import log, setup
 from .options import JsonOpt, QuietOpt, ThreadsOpt, TrustOpt
+from .remote import starting_said
 
 ACTIONS = ("start", "status", "stop")
 
@@ -28,8 +29,17 @@ def _where(socket: Optional[Path], host: Optional[str], port: Optional[int], api
     return Server(path=str(socket or default_socket()), api_key=api_key)
 
 
-def _status(where: Server, json_out: bool) -> None:
+def _health(where: Server) -> dict | None:
+    """`/health` of the server at `where`, waiting for one still starting there (`starting_pid`)."""
     info = health(where)
+    if info is None and where.path is not None and (pid := starting_pid(Path(where.path))) is not None:
+        with starting_said(pid):
+            info = wait_started(where, pid)
+    return info
+
+
+def _status(where: Server, json_out: bool) -> None:
+    info = _health(where)
     if info is None:
         raise ServerError(f"no rocketkv server is running on {where.url}", "start one with `rocketkv serve`")
     if json_out:
@@ -49,7 +59,7 @@ def _status(where: Server, json_out: bool) -> None:
 
 
 def _stop(where: Server) -> None:
-    if health(where) is None:
+    if _health(where) is None:
         raise ServerError(f"no rocketkv server is running on {where.url}", "nothing to stop")
     status, _ = post(where, "/v1/rocketkv/shutdown", {})
     if status != 200:

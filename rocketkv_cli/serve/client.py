@@ -5,7 +5,8 @@ fraction of a second.
 
 Where the server is (`locate`): `--server URL` (`unix:/path/to/socket` or `http://host:port`),
 else `$ROCKETKV_SERVER`, else the default socket `$ROCKETKV_HOME/serve.sock` when a server answers
-there. A socket file that nobody listens on (left by a killed server) counts as no server.
+there. A socket file that nobody listens on (left by a killed server) counts as no server; a
+server still starting there (its lock file says so, `starting_pid`) is waited for.
 The API key for a TCP server comes from `$ROCKETKV_API_KEY`.
 
 The native protocol (`POST /v1/rocketkv/ask`): a JSON body, and a response of newline-delimited
@@ -23,7 +24,8 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -36,6 +38,8 @@ HEALTH_TIMEOUT_S = 2.0  # a warm server answers /health in milliseconds; a busy 
 MAX_QUESTIONS = 1000  # per request; `ask` with more answers in its own process
 BUSY_WAIT_S = 600.0  # how long a client waits for a busy server (503) before it reports it
 UNIX_PATH_MAX = 107  # bytes in sockaddr_un.sun_path, less the terminating NUL (Linux)
+STARTING_WAIT_S = 120.0  # how long a client waits for a server that is starting (its imports: seconds)
+LOCK_STARTING, LOCK_READY = "starting", "ready"  # what a server's lock file says after its pid
 
 
 def home() -> Path:
@@ -146,12 +150,16 @@ def health(server: Server, timeout: float = HEALTH_TIMEOUT_S) -> dict | None:
     return data if response.status == 200 and isinstance(data, dict) and data.get("service") == "rocketkv" else None
 
 
-def locate(url: str | None, no_server: bool) -> Server | None:
+def locate(url: str | None, no_server: bool,
+           waiting: Callable[[int], AbstractContextManager] | None = None) -> Server | None:  # fmt: skip
     """The server to use, or None (answer in this process).
 
     `no_server`: None. `url` (or `$ROCKETKV_SERVER`): that server, which must answer (raises
     ServerError otherwise: the user asked for it). Otherwise the default socket when a server
-    answers on it; None when there is none or it is stale (a killed server's socket file)."""
+    answers on it; None when there is none or it is stale (a killed server's socket file). A server
+    still starting there (`starting_pid`) is waited for with the context `waiting(pid)` held (the
+    CLI shows a spinner); without `waiting` it is returned at once (its requests wait in the
+    socket's backlog until it serves)."""
     if no_server:
         return None
     api_key = os.environ.get("ROCKETKV_API_KEY") or None
@@ -170,16 +178,61 @@ def locate(url: str | None, no_server: bool) -> Server | None:
                               f"start one with `rocketkv serve`, or {instead}")  # fmt: skip
         return server
     path = default_socket()
-    try:
-        if os.stat(path).st_uid != os.getuid():  # another user's socket: never send them our questions
-            return None
-    except OSError:
-        return None
     server = Server(path=str(path), api_key=api_key)
-    info = health(server)
+    pid = starting_pid(path)
+    if pid is not None:  # `rocketkv serve &` a moment ago: its socket is bound, torch still importing
+        if waiting is None:
+            return server
+        with waiting(pid):
+            info = wait_started(server, pid)
+    else:
+        try:
+            if os.stat(path).st_uid != os.getuid():  # another user's socket: never send them our questions
+                return None
+        except OSError:
+            return None
+        info = health(server)
     if info is None or info.get("version") != __version__:  # an older server left running: answer here
         return None
     return server
+
+
+def starting_pid(path: Path) -> int | None:
+    """The pid of a live server of this user that has bound the socket at `path` and is still
+    starting (importing torch, seconds), as its lock file `<path>.lock` says ("PID starting"); else
+    None (no lock file, another user's, a server serving already, or its process gone)."""
+    try:
+        fd = os.open(path.with_name(path.name + ".lock"), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_uid != os.getuid():
+            return None
+        said = os.read(fd, 64).decode("ascii", "replace").split()
+    finally:
+        os.close(fd)
+    if len(said) != 2 or said[1] != LOCK_STARTING or not said[0].isdigit():
+        return None
+    pid = int(said[0])
+    try:
+        os.kill(pid, 0)  # no signal sent: whether the process exists
+    except ProcessLookupError:
+        return None  # killed while it started: its lock is free, the socket stale
+    except PermissionError:
+        pass
+    return pid
+
+
+def wait_started(server: Server, pid: int, timeout: float = STARTING_WAIT_S) -> dict | None:
+    """`/health` of a server that is starting (`starting_pid`), once it answers; None when its
+    process ends first or it has not answered within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = health(server, timeout=1.0)  # connections wait in the socket's backlog until it serves
+        if info is not None or starting_pid(Path(str(server.path))) != pid:
+            return info or health(server)
+        time.sleep(0.1)
+    return None
 
 
 def _raise_error(event: dict) -> None:

@@ -4,6 +4,11 @@
 One server per socket: the server holds an exclusive `flock` on `<socket>.lock` for its whole life.
 A socket file whose lock is free was left by a server that died (SIGKILL, a crash): it is stale and
 is replaced. The kernel releases the lock of a killed process, so no pid guessing is needed.
+
+The socket is bound before torch and the model stack are imported (seconds): a second server is
+refused at once, and a client started right after `rocketkv serve &` finds the socket and waits for
+the server (`client.starting_pid`: the lock file says "PID starting", then "PID ready") instead of
+answering in its own process beside the server's imports.
 """
 
 from __future__ import annotations
@@ -16,15 +21,14 @@ import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import uvicorn
-
-from ..api.rocketkv import configure
 from ..errors import InputError
-from .app import ServeState, build_app
+from .client import LOCK_READY, LOCK_STARTING
 from .config import ServeConfig
-from .jobs import Job
-from .warm import Warm
+
+if TYPE_CHECKING:
+    from .app import ServeState
 
 Log = Callable[[str], None]
 
@@ -47,9 +51,15 @@ def _lock(path: Path) -> int:
         os.close(fd)
         raise InputError(f"a rocketkv server is already running on {path}",
                          "see `rocketkv serve status`, or stop it with `rocketkv serve stop`") from None  # fmt: skip
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
+    mark(fd, LOCK_STARTING)
     return fd
+
+
+def mark(lock_fd: int, state: str) -> None:
+    """Say in the lock file whether the server is still starting (`LOCK_STARTING`) or serving
+    (`LOCK_READY`): "PID STATE" (read by `client.starting_pid`)."""
+    os.ftruncate(lock_fd, 0)
+    os.pwrite(lock_fd, f"{os.getpid()} {state}\n".encode(), 0)
 
 
 def bind_unix(path: Path) -> tuple[socket.socket, int]:
@@ -101,7 +111,6 @@ def serve(cfg: ServeConfig, log: Log) -> None:
     idle for `cfg.idle_timeout_s`; its socket is removed however it ends. Raises InputError when
     the socket cannot be had; KeyboardInterrupt or `signals.Terminated` (after the shutdown and
     the cleanup) when a signal stopped it (`cli/serve.py` logs that stop; `_run` the others)."""
-    configure(quiet=True, progress_bars=False)
     lock_fd = None
     if cfg.socket is not None:
         sock, lock_fd = bind_unix(cfg.socket)
@@ -112,7 +121,15 @@ def serve(cfg: ServeConfig, log: Log) -> None:
         url = f"http://{cfg.host}:{sock.getsockname()[1]}"
     identity = os.stat(cfg.socket).st_ino if cfg.socket is not None else None
     try:  # from here on the socket is removed however the server ends (a signal while it starts too)
-        _run(cfg, state_for(cfg, url, log), sock, url, log)
+        from ..api.rocketkv import configure  # torch and the model stack (seconds): after the socket is had
+
+        configure(quiet=True, progress_bars=False)
+
+        def ready() -> None:
+            if lock_fd is not None:
+                mark(lock_fd, LOCK_READY)
+
+        _run(cfg, state_for(cfg, url, log), sock, url, log, ready)
     finally:
         sock.close()
         if cfg.socket is not None:
@@ -128,6 +145,9 @@ def serve(cfg: ServeConfig, log: Log) -> None:
 def state_for(cfg: ServeConfig, url: str, log: Log = lambda message: None) -> ServeState:
     """The server's state for `cfg`: its warm set (budget, threads; its model loads logged with
     `log`), limits and counters."""
+    from .app import ServeState
+    from .warm import Warm
+
     warm = Warm(cfg.memory_budget, cfg.threads, cfg.compile_step, log)
     return ServeState(warm=warm, roots=cfg.allow_dirs, api_key=cfg.api_key,
                       trust_remote_code=cfg.trust_remote_code, host=cfg.host,
@@ -135,9 +155,16 @@ def state_for(cfg: ServeConfig, url: str, log: Log = lambda message: None) -> Se
                       max_body_bytes=cfg.max_body_bytes, max_tokens_limit=cfg.max_tokens_limit)  # fmt: skip
 
 
-def _run(cfg: ServeConfig, state: ServeState, sock: socket.socket, url: str, log: Log) -> None:
+def _run(cfg: ServeConfig, state: ServeState, sock: socket.socket, url: str, log: Log,
+         ready: Callable[[], None] = lambda: None) -> None:  # fmt: skip
     """uvicorn on `sock` until a shutdown request, a signal (re-raised after the shutdown:
-    KeyboardInterrupt or `signals.Terminated`) or the idle timeout; logs why it stopped."""
+    KeyboardInterrupt or `signals.Terminated`) or the idle timeout; logs why it stopped. `ready()`
+    is called once uvicorn accepts connections."""
+    import uvicorn
+
+    from .app import build_app
+    from .jobs import Job
+
     server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning", access_log=False, lifespan="off",
                                            timeout_graceful_shutdown=3))  # fmt: skip
     why = {"reason": "shutdown request"}
@@ -146,8 +173,12 @@ def _run(cfg: ServeConfig, state: ServeState, sock: socket.socket, url: str, log
         state.stop = asyncio.Event()
 
         async def watch() -> None:
+            said_ready = False
             while not state.stop.is_set() and not server.should_exit:  # type: ignore[union-attr]
                 await asyncio.sleep(0.2)  # (uvicorn sets should_exit on SIGINT and SIGTERM)
+                if server.started and not said_ready:
+                    ready()
+                    said_ready = True
                 idle = time.monotonic() - state.last_activity
                 if cfg.idle_timeout_s and state.in_flight() == 0 and idle > cfg.idle_timeout_s:
                     why["reason"] = f"idle for {cfg.idle_timeout_s:.0f}s"

@@ -461,3 +461,29 @@ def test__segmented_adaptive_layer_budgets__round_trip_and_answer(engine, tmp_pa
     assert sum(counts) == len(full) * merged.info.budgets.prompt_budget, counts
     a = next(answer(engine, merged, ["which line?"], 4, decode_config_for(merged)))
     assert a.n_answer_tokens >= 1
+
+
+def test__cli_ingest_never_writes_checkpoints_through_a_planted_link(rocketkv_bin, tiny_model_dir, tmp_path):
+    """A link planted where a segmented ingest keeps its checkpoints (`.OUT.segments`) made the
+    ingest write its checkpoint files, and its owner line, into the folder linked to (a server's
+    ingest too, outside its --allow-dir). Refused in one line, exit 1, nothing written there."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "owner").write_text("precious\n")
+    (victim / "000000.kv").write_text("precious too\n")
+    doc = tmp_path / "doc.txt"
+    doc.write_text(lines_text(40))  # several 512-token segments
+    out = tmp_path / "m.kv"
+    (tmp_path / ".m.kv.segments").symlink_to(victim)
+    r = subprocess.run([rocketkv_bin, "ingest", str(doc), "-o", str(out), "--model", str(tiny_model_dir),
+                        "--segment-tokens", "512", "--budget", "64"], env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
+    link = tmp_path / ".m.kv.segments"
+    said = (f"Error: the checkpoint folder {link} is a symbolic link; rocketkv writes an ingest's checkpoints only "
+            f"into a folder of its own — remove {link}")  # fmt: skip
+    assert errors == [said], r.stderr
+    assert "Traceback" not in r.stderr and not out.exists()
+    assert sorted(p.name for p in victim.iterdir()) == ["000000.kv", "owner"]
+    assert (victim / "owner").read_text() == "precious\n" and (victim / "000000.kv").read_text() == "precious too\n"

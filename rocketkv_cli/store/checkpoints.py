@@ -27,8 +27,14 @@ class Checkpoints:
     """
 
     def __init__(self, target: Path):
+        """Raises OutputError: the folder's name is taken by a symbolic link or a file (checkpoints
+        are written only into a folder of rocketkv's own, never through a link planted there)."""
         self.dir = checkpoint_folder(target)
         self._claimed = False
+        if self.dir.is_symlink() or (self.dir.exists() and not self.dir.is_dir()):
+            what = "a symbolic link" if self.dir.is_symlink() else "not a folder"
+            raise OutputError(f"the checkpoint folder {self.dir} is {what}; rocketkv writes an ingest's "
+                              "checkpoints only into a folder of its own", f"remove {self.dir}")  # fmt: skip
 
     def _path(self, index: int) -> Path:
         return self.dir / f"{index:06d}.kv"

@@ -39,7 +39,11 @@ def checkpoint_folder(target: Path) -> Path:
 
 def claim_folder(folder: Path) -> None:
     """Record this process as the one writing into `folder` (see `abandoned_checkpoints`)."""
-    (folder / OWNER_FILE).write_text(f"{os.getpid()} {host_tag()}\n")
+    path = folder / OWNER_FILE
+    path.unlink(missing_ok=True)  # a link planted in its place is removed, never written through
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{os.getpid()} {host_tag()}\n")
 
 
 @dataclass(frozen=True)

@@ -353,6 +353,10 @@ def _is_fifo(ws: Workspace) -> None:
     assert stat.S_ISFIFO((ws.root / "pipe.kv").stat().st_mode), "the FIFO was replaced"
 
 
+def _dev_stdout_kept(ws: Workspace) -> None:
+    assert os.path.islink("/dev/stdout"), "/dev/stdout was replaced"
+
+
 def read_only_dir(ws: Workspace) -> Path:
     path = ws.root / "ro"
     path.mkdir(exist_ok=True)
@@ -629,6 +633,10 @@ CASES: list[Case] = [
     Case("-o the document itself (no --force)", "outputs", lambda ws: ["ingest", ws.file("self2.txt", b"some words " * 40), "-o", ws.root / "self2.txt", *M(ws)], 1, "the document itself", before_model=True, check=_untouched("self2.txt", b"some words " * 40), notes="not 'pass --force': that would not help"),
     Case("stdin read from the output file (--force)", "outputs", lambda ws: [], 1, "the document itself", shell=lambda ws: f"{Q(ROCKETKV)} ingest - -o {Q(ws.file('self3.txt', b'some words ' * 40))} --force --model {Q(ws.model)} < {Q(ws.root / 'self3.txt')}", before_model=True, check=_untouched("self3.txt", b"some words " * 40)),
     Case("-o under a file (doc.txt/x.kv)", "outputs", lambda ws: ["ingest", ws.doc, "-o", ws.doc / "x.kv", *M(ws)], 1, "is a file", before_model=True, notes="not 'mkdir -p', which would fail there"),
+    Case("--questions-file /dev/zero", "input", lambda ws: ["ask", "--cache", ws.kv, "--questions-file", "/dev/zero", *M(ws)], 1, "holds more than 16 MB of questions", before_model=True, notes="it was read until the machine ran out of memory"),
+    Case("--questions-file - from /dev/zero", "input", lambda ws: [], 1, "stdin holds more than 16 MB", shell=lambda ws: f"{Q(ROCKETKV)} ask --cache {Q(ws.kv)} --questions-file - --model {Q(ws.model)} < /dev/zero", before_model=True),
+    Case("chat from /dev/zero", "input", lambda ws: [], 1, "a line of the input is over", shell=lambda ws: f"{Q(ROCKETKV)} chat --cache {Q(ws.kv)} --model {Q(ws.model)} < /dev/zero", notes="one endless line: read up to 4M characters, not whole"),
+    Case("-o /dev/stdout (--force)", "outputs", lambda ws: ["ingest", ws.doc, "-o", "/dev/stdout", "--force", *M(ws)], 1, "is a system path", before_model=True, check=_dev_stdout_kept, notes="as root, the link /dev/stdout was replaced by the cache file"),
     Case("-o a FIFO (--force)", "outputs", lambda ws: ["ingest", ws.doc, "-o", fifo(ws), "--force", *M(ws)], 1, "not a regular file", check=_is_fifo),
     # cache files
     Case("cache from another model", "cache", lambda ws: ["ask", "--cache", ws.kv, QUESTION, "--model", other_model(ws)], 1, "another model"),

@@ -405,6 +405,27 @@ def test__chat_from_a_pipe__loads_once_answers_each_line_as_ask_does(rocketkv_bi
     ]
 
 
+def test__chat_commands__help_and_quit_are_not_asked_as_questions(rocketkv_bin, env, kv):
+    """`/help` printed help and `/quit` quit (they were answered as questions, as was `quit` at
+    a prompt); an unknown `/word` says so; the lines after `/quit` are not read."""
+    expected = ask_json(rocketkv_bin, env, kv, QS[0])
+    r = run(rocketkv_bin, env, "chat", "--cache", kv, "--json", stdin=f"/help\n/nope\n{QS[0]}\n/quit\n{QS[2]}\n")
+    assert r.returncode == 0, r.stderr
+    drop = lambda row: {k: v for k, v in row.items() if k not in ("prefill_s", "decode_s")}
+    assert [drop(json.loads(line)) for line in r.stdout.splitlines()] == [drop(row) for row in expected]
+    assert "rocketkv: type a question and press Enter" in r.stderr, r.stderr
+    assert "rocketkv: unknown command /nope: /help lists what chat takes" in r.stderr, r.stderr
+
+
+def test__ask_dash__reads_the_questions_from_stdin(rocketkv_bin, env, kv):
+    """`echo QUESTION | rocketkv ask --cache F.kv -` asks the piped question (it asked "-")."""
+    expected = run(rocketkv_bin, env, "ask", "--cache", kv, QS[0], QS[2])
+    piped = run(rocketkv_bin, env, "ask", "--cache", kv, "-", stdin=f"{QS[0]}\n{QS[2]}\n")
+    assert piped.returncode == 0 and piped.stdout == expected.stdout, piped.stderr
+    none = run(rocketkv_bin, env, "ask", "--cache", kv)
+    assert none.returncode == 2 and "or - to read them from stdin" in none.stderr, none.stderr
+
+
 def test__cite__passages_map_to_the_document_characters_and_lines(rocketkv_bin, env, kv, doc):
     """Each citation's characters [start, end) of the source, whitespace normalised, are its
     text, and its line is the line of `start` in the source (checked on the document itself)."""

@@ -60,23 +60,33 @@ from .options import (
 from .remote import ask_remote, read_here_note, server_for, server_running, unused_threads_note
 from .sources import DocumentReading, ModelChoice, open_source
 
+MAX_QUESTIONS_BYTES = 16 * 2**20  # a questions file (or stdin) larger than this is refused, not read on
+
 
 def read_questions(positional: list[str], questions_file: Optional[str], doc_is_stdin: bool) -> list[str]:
-    """Questions from arguments and a file (`-` = stdin), one per line; may be empty. Raises InputError."""
+    """Questions from arguments and a file (`-` = stdin), one per line; may be empty. Raises
+    InputError (a file that cannot be read or decoded, or over `MAX_QUESTIONS_BYTES`: `/dev/zero`
+    was read until the machine ran out of memory)."""
     questions = list(positional)
     if questions_file is not None:
+        where = "stdin" if questions_file == "-" else f"questions file {questions_file}"
         if questions_file == "-":
             if doc_is_stdin:
                 raise UsageError("the document and the questions cannot both come from stdin")
-            try:
-                text = sys.stdin.buffer.read().decode("utf-8-sig")
-            except UnicodeDecodeError as exc:  # as a questions file given by path is refused
-                raise InputError(f"cannot read questions from stdin: {exc}") from None
+            data = sys.stdin.buffer.read(MAX_QUESTIONS_BYTES + 1)
         else:
             try:
-                text = Path(questions_file).read_text(encoding="utf-8-sig")
-            except (OSError, UnicodeDecodeError) as exc:
-                raise InputError(f"cannot read questions file {questions_file}: {exc}") from None
+                with open(questions_file, "rb") as f:
+                    data = f.read(MAX_QUESTIONS_BYTES + 1)
+            except OSError as exc:
+                raise InputError(f"cannot read {where}: {exc}") from None
+        if len(data) > MAX_QUESTIONS_BYTES:
+            raise InputError(f"{where} holds more than {MAX_QUESTIONS_BYTES // 2**20} MB of questions",
+                             "give questions one per line; a document is given as DOC or --cache")  # fmt: skip
+        try:
+            text = data.decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            raise InputError(f"cannot read {where}: {exc}") from None
         questions += [line.strip() for line in text.split("\n") if line.strip()]  # only \n ends a question
     return check_questions(questions) if questions else questions  # none: `questions_of` says why
 
@@ -113,12 +123,15 @@ def questions_of(args: Optional[list[str]], cache: Optional[Path], questions_fil
         raise usage_error("DOC", f"{args[0]!r} is a document, and --cache {cache} names the cache to answer from: "
                                  "give one of them")  # fmt: skip
     doc, rest = (None, args) if cache is not None else (args[0], args[1:])
+    if rest == ["-"] and questions_file is None:  # `echo QUESTION | rocketkv ask --cache F.kv -`
+        rest, questions_file = [], "-"
     questions = read_questions(rest, questions_file, doc == "-")
     if not questions and questions_file is not None:  # given, but it holds no question
         where = "stdin" if questions_file == "-" else questions_file
         raise InputError(f"no questions in {where}", "write one question per line")
     if not questions:
-        raise usage_error("QUESTION...", "missing: pass questions as arguments or with --questions-file")
+        raise usage_error("QUESTION...", "missing: pass questions as arguments, or - to read them from stdin "
+                                         "(one per line; --questions-file FILE reads a file)")  # fmt: skip
     return doc, questions
 
 
@@ -165,7 +178,7 @@ def ask_command(
         typer.Argument(
             metavar="[DOC] QUESTION...",
             show_default=False,
-            help="The questions (with --cache), or a document then the questions.",
+            help="The questions (with --cache), or a document then the questions; - reads them from stdin.",
         ),
     ] = None,
     cache: CacheOpt = None,

@@ -11,6 +11,7 @@ and the exit code is 1.
 from __future__ import annotations
 
 import os
+import re
 import select
 import sys
 from collections.abc import Callable
@@ -21,7 +22,7 @@ import typer
 
 from ..api.preflight import check_questions
 from ..core.config import AttentionChoice
-from ..errors import RocketKVError, UsageError
+from ..errors import InputError, RocketKVError, UsageError
 from ..serve.client import home
 from ..signals import handled
 from .answers import (
@@ -65,6 +66,7 @@ from .sources import DocumentReading, ModelChoice, open_source
 
 PROMPT = "> "
 HISTORY_MAX_CHARS = 2000
+MAX_LINE_CHARS = 4 * 2**20  # a question read from a pipe longer than this ends the chat (InputError)
 
 
 class Prompt:
@@ -107,9 +109,12 @@ class Prompt:
         if self.interactive:
             sys.stderr.write(PROMPT)
             sys.stderr.flush()
-        line = sys.stdin.readline()
+        line = sys.stdin.readline(MAX_LINE_CHARS + 1)  # `< /dev/zero` is one endless line: never read whole
         if not line:
             raise EOFError
+        if len(line) > MAX_LINE_CHARS and not line.endswith("\n"):
+            raise InputError(f"a line of the input is over {MAX_LINE_CHARS:,} characters",
+                             "give one question per line; a document is given as DOC or --cache")  # fmt: skip
         return line
 
     @staticmethod
@@ -232,6 +237,25 @@ def chat_command(
         raise typer.Exit(1)
 
 
+QUIT_COMMANDS = ("/quit", "/exit", "/bye")
+HELP = ("type a question and press Enter: it is answered from the document on its own (a follow-up needs "
+        "its own full question); Ctrl-C cancels an answer or clears the line; Up brings back earlier questions; "
+        "Ctrl-D or /quit quits")  # fmt: skip
+
+
+def typed_command(line: str, interactive: bool) -> str | None:
+    """What a line is when it is not a question: "quit" (/quit, /exit, /bye; on a terminal also a
+    bare quit or exit), a message to print (/help, /?, or an unknown /word), or None (a question)."""
+    word = line.lower()
+    if word in QUIT_COMMANDS or (interactive and word in ("quit", "exit")):
+        return "quit"
+    if word in ("/help", "/?", "?") and (interactive or word != "?"):
+        return HELP
+    if re.fullmatch(r"/[a-z]+", word):
+        return f"unknown command {line}: /help lists what chat takes (a question is plain text)"
+    return None
+
+
 def converse(prompt: Prompt, turn: Callable[[str], Turn], source: str, json_out: bool) -> bool:
     """Read questions from `prompt` and answer each with `turn` until the end of the input (Ctrl-D).
     Returns True when a question piped in could not be answered (the exit code is then 1)."""
@@ -241,7 +265,7 @@ def converse(prompt: Prompt, turn: Callable[[str], Turn], source: str, json_out:
                             show_question=not interactive)  # fmt: skip
     if interactive:
         log(f"chat with {source}: type a question and press Enter (each is answered from the document on its own, "
-            "without the earlier ones); Ctrl-C cancels an answer, Ctrl-D quits")  # fmt: skip
+            "without the earlier ones); Ctrl-C cancels an answer, Ctrl-D or /quit quits, /help")  # fmt: skip
     failed = False
     while True:
         try:
@@ -258,6 +282,12 @@ def converse(prompt: Prompt, turn: Callable[[str], Turn], source: str, json_out:
             continue
         question = line.strip()
         if not question:
+            continue
+        command = typed_command(question, interactive)
+        if command == "quit":
+            break
+        if command is not None:
+            log(command)
             continue
         prompt.remember()
         failed = not answer_turn(printer, turn, question, interactive) or failed

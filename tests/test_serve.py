@@ -293,12 +293,19 @@ def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches,
     if not loop.is_symlink():
         loop.symlink_to(caches[0].parent / "loop-b.kv")
         (caches[0].parent / "loop-b.kv").symlink_to(loop)
+    surrogate_ingest = json.dumps(
+        {"document": f"{caches[0].parent}/\udfff.txt", "output": str(caches[0].parent / "x.kv")}
+    )
+    surrogate_chat = b'{"model": "kv:/tmp/\\ud800.kv", "messages": [{"role": "user", "content": "q"}]}'
     cases = [
         (("POST", "/v1/rocketkv/ask", b"{not json"), 400),
         (("POST", "/v1/rocketkv/ask", b"[" * 100_000 + b"]" * 100_000), 400),  # nested past Python's recursion
         (("POST", "/v1/rocketkv/ask", json.dumps({"cache": str(loop), "questions": ["q"]}).encode()), 400),
         (("POST", "/v1/ingest", json.dumps({"document": str(loop), "output": str(loop) + ".kv"}).encode()), 400),
         (("POST", "/v1/rocketkv/ask", b"[1]"), 400),
+        (("POST", "/v1/rocketkv/ask", b'{"cache": "/tmp/\\ud800.kv", "questions": ["q"]}'), 400),  # a lone surrogate
+        (("POST", "/v1/ingest", surrogate_ingest.encode()), 400),
+        (("POST", "/v1/chat/completions", surrogate_chat), 400),
         (("POST", "/v1/rocketkv/ask", json.dumps({"cache": "rel.kv", "questions": ["q"]}).encode()), 400),
         (("POST", "/v1/rocketkv/ask", json.dumps({"cache": str(caches[0]), "questions": []}).encode()), 400),
         (

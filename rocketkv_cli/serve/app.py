@@ -363,6 +363,11 @@ def build_app(state: ServeState) -> Guard:
         status = getattr(exc, "status_code", 404)
         return error_response(BadRequest(status, f"no such endpoint: {request.method} {request.url.path}"))
 
+    async def failed(request: Request, exc: Exception) -> Response:
+        """A failure no check foresaw: a JSON 500 (the client's one line), the trace in the server's
+        log (Starlette logs it after this response)."""
+        return error_response(BadRequest(500, f"the server failed: {exc!r}", "RocketKVError"))
+
     app = Starlette(
         routes=[
             Route("/health", health, methods=["GET"]),
@@ -374,7 +379,7 @@ def build_app(state: ServeState) -> Guard:
             Route("/v1/ingest", ingest, methods=["POST"]),
             Route("/v1/rocketkv/shutdown", shutdown, methods=["POST"]),
         ],
-        exception_handlers={BadRequest: refused, ClientGone: gone, 404: not_found, 405: not_found},
+        exception_handlers={BadRequest: refused, ClientGone: gone, 404: not_found, 405: not_found, Exception: failed},
     )
     return Guard(app, state)
 

@@ -636,6 +636,8 @@ CASES: list[Case] = [
     Case("--questions-file /dev/zero", "input", lambda ws: ["ask", "--cache", ws.kv, "--questions-file", "/dev/zero", *M(ws)], 1, "holds more than 16 MB of questions", before_model=True, notes="it was read until the machine ran out of memory"),
     Case("--questions-file - from /dev/zero", "input", lambda ws: [], 1, "stdin holds more than 16 MB", shell=lambda ws: f"{Q(ROCKETKV)} ask --cache {Q(ws.kv)} --questions-file - --model {Q(ws.model)} < /dev/zero", before_model=True),
     Case("chat from /dev/zero", "input", lambda ws: [], 1, "a line of the input is over", shell=lambda ws: f"{Q(ROCKETKV)} chat --cache {Q(ws.kv)} --model {Q(ws.model)} < /dev/zero", notes="one endless line: read up to 4M characters, not whole"),
+    Case("-o a name of 300 characters", "outputs", lambda ws: ["ingest", ws.doc, "-o", ws.root / ("a" * 300 + ".kv"), *M(ws)], 1, "file name too long", notes="it was 'unexpected OSError'"),
+    Case("--encoding utf-16 on a file without a BOM", "input", lambda ws: ["ingest", ws.file("nobom.txt", b"hello world\n"), "-o", ws.root / "nobom.kv", "--encoding", "utf-16", *M(ws)], 1, "is not valid utf-16", check=_no_file("nobom.kv"), notes="it was 'unexpected UnicodeError'"),
     Case("-o /dev/stdout (--force)", "outputs", lambda ws: ["ingest", ws.doc, "-o", "/dev/stdout", "--force", *M(ws)], 1, "is a system path", before_model=True, check=_dev_stdout_kept, notes="as root, the link /dev/stdout was replaced by the cache file"),
     Case("-o a FIFO (--force)", "outputs", lambda ws: ["ingest", ws.doc, "-o", fifo(ws), "--force", *M(ws)], 1, "not a regular file", check=_is_fifo),
     # cache files

@@ -113,6 +113,8 @@ class TextStream:
                 raise InputError(
                     f"{path} is not valid {encoding} (byte offset {self.bytes_read + exc.start})", hint
                 ) from exc
+            except UnicodeError as exc:  # a codec's own complaint ("UTF-16 stream does not start with BOM")
+                raise InputError(f"{path} is not valid {encoding}: {exc}", hint) from exc
             self.bytes_read += len(block)
             yield text
         pending = len(decoder.getstate()[0])
@@ -123,6 +125,8 @@ class TextStream:
             raise InputError(
                 f"{path} is not valid {encoding} (incomplete character at byte offset {at})", hint
             ) from exc
+        except UnicodeError as exc:
+            raise InputError(f"{path} is not valid {encoding}: {exc}", hint) from exc
 
     def _blocks(self) -> Iterator[bytes]:
         """The raw blocks, the one `validate` peeked at first."""

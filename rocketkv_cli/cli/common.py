@@ -8,6 +8,7 @@ One module per command beside this one; each parses, calls the Python API
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import os
@@ -132,6 +133,13 @@ def command(fn):
             raise _stdout_closed() from None
         except MemoryError:
             raise fail("out of memory — try a smaller --chunk-tokens or --budget, or a shorter document") from None
+        except OSError as exc:  # the system refused a file operation nothing checked for: say what and why
+            signum = received()
+            if signum is not None:
+                raise _signal_exit(signum) from None
+            if os.environ.get("ROCKETKV_DEBUG") == "1":
+                raise
+            raise fail(os_error_line(exc)) from None
         except Exception as exc:  # unexpected: still one line unless debugging
             signum = received()
             if signum is not None:  # the interrupt surfaced as another error on its way up
@@ -144,6 +152,20 @@ def command(fn):
             ) from None
 
     return wrapper
+
+
+def os_error_line(exc: OSError) -> str:
+    """The one line for an OSError that reached a command: the system's reason and the file, with
+    what to do for a full disk or a name too long."""
+    name = exc.filename if isinstance(exc.filename, str) else None
+    shown = name if name is None or len(name) <= 120 else name[:60] + "…" + name[-40:]
+    where = f": {shown}" if shown else ""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"no space left on the device{where} — free some space and run the command again "
+                "(an ingest or a batch resumes where it stopped)")  # fmt: skip
+    if exc.errno == errno.ENAMETOOLONG:
+        return f"file name too long{where} — use a shorter name"
+    return f"{exc.strerror or exc}{where}"
 
 
 def process_age_s() -> float | None:

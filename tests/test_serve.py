@@ -270,6 +270,14 @@ def test__openai_client_over_tcp_streaming_and_not(rocketkv_bin, env, caches, se
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model=f"kv:{caches[0].parent}/nope.kv",
                                        messages=[{"role": "user", "content": "q"}])  # fmt: skip
+    question = [{"role": "user", "content": QUESTIONS[0]}]
+    for field in ({"stop": ["document"]}, {"logprobs": True}, {"response_format": {"type": "json_object"}}):
+        with pytest.raises(openai.BadRequestError, match=f"field '{next(iter(field))}' is not supported"):
+            client.chat.completions.create(model=model, messages=question, **field)  # was accepted, then ignored
+    same = client.chat.completions.create(
+        model=model, messages=question, stop=None, logprobs=False, presence_penalty=0, response_format={"type": "text"}
+    )  # defaults: fine
+    assert same.choices[0].message.content == expected
     assert health(s.server)["status"] == "ok"  # refusals leave it serving
 
 

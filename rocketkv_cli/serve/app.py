@@ -434,6 +434,9 @@ def openai_to_ask(body: dict, max_tokens_limit: int) -> dict:
     n = body.get("n", 1)
     if n != 1:
         raise BadRequest(400, "only n = 1 is supported", "UsageError")
+    for name in unsupported_fields(body):  # never accepted and then ignored: the client would rely on them
+        raise BadRequest(400, f"field {name!r} is not supported by rocketkv", "UsageError",
+                         "leave it out (docs/serve.md lists the fields honoured)")  # fmt: skip
     return {
         "cache": cache,
         "questions": [content],
@@ -443,6 +446,21 @@ def openai_to_ask(body: dict, max_tokens_limit: int) -> dict:
         "top_p": body.get("top_p", 1.0),
         "seed": body.get("seed"),
     }
+
+
+def unsupported_fields(body: dict) -> list[str]:
+    """The OpenAI chat-completion fields of `body` that ask for something rocketkv does not do
+    (stop strings, log-probabilities, a response format, tools, logit bias, penalties): those
+    given with a value other than their default."""
+    defaults: dict[str, tuple] = {"stop": (None, [], ""), "logprobs": (None, False), "top_logprobs": (None, 0),
+                                  "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
+                                  "function_call": (None, "none"), "logit_bias": (None, {}),
+                                  "presence_penalty": (None, 0), "frequency_penalty": (None, 0)}  # fmt: skip
+    found = [name for name, ok in defaults.items() if name in body and body[name] not in ok]
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        found.append("response_format")
+    return found
 
 
 def completion(ident: str, created: int, model: str, record: dict) -> dict:

@@ -635,6 +635,23 @@ def test__status_stop_and_idle_timeout(rocketkv_bin, env, served):
     assert any("stopped (idle for 1s)" in line for line in idle.stderr_lines), idle.stderr_lines
 
 
+def test__status_and_stop_without_port_name_a_running_tcp_server(rocketkv_bin, env, served):
+    """`rocketkv serve --port P` then `serve status` / `serve stop` (the socket's): they said no
+    server runs, nothing more; they name the TCP server and how to reach it."""
+    s = served("--host", "127.0.0.1", "--port", "0", "--idle-timeout", "0")
+    port = s.url.rsplit(":", 1)[1]
+    for action in ("status", "stop"):
+        r = run(rocketkv_bin, env, "serve", action)
+        assert r.returncode == 1, r.stderr
+        assert f"— one runs on {s.url}: name it with --port {port}" in r.stderr, r.stderr
+    stop = run(rocketkv_bin, env, "serve", "stop", "--port", port)
+    assert stop.returncode == 0, stop.stderr
+    assert s.proc.wait(timeout=30) == 0
+    assert not (Path(env["ROCKETKV_HOME"]) / "tcp-servers" / str(s.proc.pid)).exists()  # its note removed
+    r = run(rocketkv_bin, env, "serve", "status")
+    assert r.returncode == 1 and "one runs on" not in r.stderr, r.stderr
+
+
 def test__ctrl_c_in_a_terminal_and_sigterm_in_a_pipe_stop_the_server_cleanly(rocketkv_bin, env, served, tmp_path):
     """Ctrl-C (a foreground server in a terminal) and SIGTERM (a service manager) are how a server
     is stopped: one "stopped" line, exit 0, its socket removed; not "Error: interrupted"."""

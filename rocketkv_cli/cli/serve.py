@@ -12,7 +12,17 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..serve.client import Server, ServerError, default_socket, health, parse_url, post, starting_pid, wait_started
+from ..serve.client import (
+    Server,
+    ServerError,
+    default_socket,
+    health,
+    parse_url,
+    post,
+    starting_pid,
+    tcp_servers,
+    wait_started,
+)
 from ..serve.config import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_QUEUE, ServeConfig, default_memory_budget
 from ..signals import Terminated, handled, received
 from .answers import usage_error
@@ -38,10 +48,21 @@ def _health(where: Server) -> dict | None:
     return info
 
 
+def _none_running(where: Server, hint: str) -> ServerError:
+    """ "no rocketkv server is running on URL", naming the TCP servers that do run when `where` is a
+    socket (a server started with --port is found with --port too)."""
+    others = tcp_servers() if where.path is not None else []
+    if others:
+        host, port = others[0].removeprefix("http://").rsplit(":", 1)
+        named = f"--port {port}" if host == "127.0.0.1" else f"--host {host} --port {port}"
+        hint = f"one runs on {', '.join(others)}: name it with {named}"
+    return ServerError(f"no rocketkv server is running on {where.url}", hint)
+
+
 def _status(where: Server, json_out: bool) -> None:
     info = _health(where)
     if info is None:
-        raise ServerError(f"no rocketkv server is running on {where.url}", "start one with `rocketkv serve`")
+        raise _none_running(where, "start one with `rocketkv serve`")
     if json_out:
         typer.echo(json.dumps(info))
         return
@@ -60,7 +81,7 @@ def _status(where: Server, json_out: bool) -> None:
 
 def _stop(where: Server) -> None:
     if _health(where) is None:
-        raise ServerError(f"no rocketkv server is running on {where.url}", "nothing to stop")
+        raise _none_running(where, "nothing to stop")
     status, _ = post(where, "/v1/rocketkv/shutdown", {})
     if status != 200:
         raise ServerError(f"the server at {where.url} refused to stop (HTTP {status})", "check ROCKETKV_API_KEY")

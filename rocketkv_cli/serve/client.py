@@ -40,6 +40,7 @@ BUSY_WAIT_S = 600.0  # how long a client waits for a busy server (503) before it
 UNIX_PATH_MAX = 107  # bytes in sockaddr_un.sun_path, less the terminating NUL (Linux)
 STARTING_WAIT_S = 120.0  # how long a client waits for a server that is starting (its imports: seconds)
 LOCK_STARTING, LOCK_READY = "starting", "ready"  # what a server's lock file says after its pid
+TCP_SERVERS = "tcp-servers"  # $ROCKETKV_HOME/tcp-servers/PID: the URL of each TCP server running
 
 
 def home() -> Path:
@@ -197,6 +198,32 @@ def locate(url: str | None, no_server: bool,
     return server
 
 
+def tcp_servers() -> list[str]:
+    """The URLs of this user's TCP servers still running (`server.list_tcp_server`), by pid."""
+    found = []
+    try:
+        entries = sorted((home() / TCP_SERVERS).iterdir(), key=lambda p: p.name)
+    except OSError:
+        return []
+    for entry in entries:
+        if entry.name.isdigit() and _alive(int(entry.name)):
+            try:
+                found.append(entry.read_text().strip())
+            except OSError:
+                pass
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # no signal sent: whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 def starting_pid(path: Path) -> int | None:
     """The pid of a live server of this user that has bound the socket at `path` and is still
     starting (importing torch, seconds), as its lock file `<path>.lock` says ("PID starting"); else
@@ -214,13 +241,7 @@ def starting_pid(path: Path) -> int | None:
     if len(said) != 2 or said[1] != LOCK_STARTING or not said[0].isdigit():
         return None
     pid = int(said[0])
-    try:
-        os.kill(pid, 0)  # no signal sent: whether the process exists
-    except ProcessLookupError:
-        return None  # killed while it started: its lock is free, the socket stale
-    except PermissionError:
-        pass
-    return pid
+    return pid if _alive(pid) else None  # one killed while it started: its lock is free, the socket stale
 
 
 def wait_started(server: Server, pid: int, timeout: float = STARTING_WAIT_S) -> dict | None:

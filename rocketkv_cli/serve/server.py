@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import InputError
-from .client import LOCK_READY, LOCK_STARTING
+from .client import LOCK_READY, LOCK_STARTING, TCP_SERVERS, home
 from .config import ServeConfig
 
 if TYPE_CHECKING:
@@ -120,6 +120,7 @@ def serve(cfg: ServeConfig, log: Log) -> None:
         sock = bind_tcp(cfg.host, cfg.port)
         url = f"http://{cfg.host}:{sock.getsockname()[1]}"
     identity = os.stat(cfg.socket).st_ino if cfg.socket is not None else None
+    listed = None if cfg.socket is not None else list_tcp_server(url)
     try:  # from here on the socket is removed however the server ends (a signal while it starts too)
         from ..api.rocketkv import configure  # torch and the model stack (seconds): after the socket is had
 
@@ -140,6 +141,22 @@ def serve(cfg: ServeConfig, log: Log) -> None:
                 pass
         if lock_fd is not None:
             os.close(lock_fd)
+        if listed is not None:
+            listed.unlink(missing_ok=True)
+
+
+def list_tcp_server(url: str) -> Path | None:
+    """Note this TCP server in `$ROCKETKV_HOME/tcp-servers/PID` (its URL), so that `rocketkv serve
+    status` and `stop` without --port can name it (`client.tcp_servers`); None when that cannot be
+    written (only the hint is lost)."""
+    folder = home() / TCP_SERVERS
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / str(os.getpid())
+        path.write_text(url + "\n")
+    except OSError:
+        return None
+    return path
 
 
 def state_for(cfg: ServeConfig, url: str, log: Log = lambda message: None) -> ServeState:

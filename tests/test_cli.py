@@ -922,3 +922,25 @@ def test__chat_with_questions_piped_in__ctrl_c_stops_it_with_130(rocketkv_bin, e
             chat.kill()
     assert chat.returncode == 130 and "Error: interrupted" in err and "answer cancelled" not in err, err
     assert out.count("Q: ") < 1000  # it stopped, rather than answering the rest
+
+
+def test__ask_a_large_document_in_memory__says_it_is_not_saved_and_how_to_keep_it(rocketkv_bin, env, tiny_model_dir,
+                                                                                   tmp_path):  # fmt: skip
+    """`ask BOOK.txt QUESTION` read the whole KJV in memory for 76 minutes with nothing saying that
+    nothing is kept; a document over 256 KB now gets a note, before the work, naming the ingest that
+    keeps it. A small one does not (the note would be noise)."""
+    big = tmp_path / "big.txt"
+    big.write_text("the river ran by the stone wall.\n" * 9000)  # 297 KB
+    proc = subprocess.Popen([rocketkv_bin, "ask", str(big), "Where?", "--model", str(tiny_model_dir)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        first = proc.stderr.readline()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert first.startswith(f"rocketkv: note: {big} (0.3 MB) is read in memory for this command and not saved"), first
+    assert f"rocketkv ingest {big} -o {big}.kv (resumable), then rocketkv ask --cache {big}.kv" in first, first
+    small = tmp_path / "small.txt"
+    small.write_text("The secret code is 4242.\n")
+    r = run(rocketkv_bin, env, "ask", small, "What is the code?", "--model", tiny_model_dir, "--max-new-tokens", "2")
+    assert r.returncode == 0 and "read in memory" not in r.stderr, r.stderr

@@ -7,12 +7,14 @@ The option-to-request translation shared by those commands lives here (`ModelCho
 
 from __future__ import annotations
 
+import os
+import shlex
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
 from ..core.config import DEFAULT_TOKEN_BUDGET
-from .common import Timings, cache_budget_note, ingest, load_engine, open_stream, prefill_config, starting
+from .common import Timings, cache_budget_note, ingest, load_engine, log, open_stream, prefill_config, starting
 
 DECODE_OPTIONS = ("dense", "hsa", "topk", "page_size", "n_score_dims")  # checked against a file's budgets
 
@@ -89,6 +91,24 @@ def ingest_in_memory(document: str, choice: ModelChoice, cfg, reading: DocumentR
     return rk, ingest(rk, stream, cfg, segment_tokens=reading.segment_tokens, explicit=explicit).cache
 
 
+IN_MEMORY_NOTE_BYTES = 256 * 1024  # about 64K tokens: minutes of prefill on a CPU
+
+
+def in_memory_note(document: str, command: str) -> None:
+    """Say, before a long prefill, that a large DOC is read in memory and kept nowhere, and how
+    to keep it (an ingest, resumable, then --cache): the KJV asked this way read for 76 minutes
+    with nothing saved, and Ctrl-C lost it all."""
+    try:
+        size = os.path.getsize(document) if document != "-" and os.path.isfile(document) else 0
+    except OSError:
+        return
+    if size > IN_MEMORY_NOTE_BYTES:
+        name = shlex.quote(document)
+        log(f"note: {document} ({size / 1e6:.1f} MB) is read in memory for this command and not saved; to ask it "
+            f"again in seconds, keep its cache once: rocketkv ingest {name} -o {shlex.quote(document + '.kv')} "
+            f"(resumable), then rocketkv {command} --cache {shlex.quote(document + '.kv')}")  # fmt: skip
+
+
 def open_source(document: Optional[str], cache: Optional[Path], choice: ModelChoice, budget: Optional[int],
                 options: dict, reading: DocumentReading, timings: Timings | None = None,
                 command: str = "ask"):  # fmt: skip
@@ -105,6 +125,7 @@ def open_source(document: Optional[str], cache: Optional[Path], choice: ModelCho
                                 command=command)  # fmt: skip
         return rk, stored, str(cache)
     given = ("max_new_tokens",) + (("token_budget",) if budget is not None else ())  # else the model's own budget
+    in_memory_note(document, command)
     rk, stored = ingest_in_memory(document, choice, memory_config(budget, options.get("max_new_tokens")), reading,
                                   given)  # fmt: skip
     return rk, stored, document

@@ -500,3 +500,25 @@ def test__with_a_running_server__rows_run_there_with_the_same_results(rocketkv_b
         assert len([r for r in lines_of(allowed / "mixed.out.jsonl") if "error" not in r]) == 4
     finally:
         s.stop()
+
+
+def test__batch_bar__rates_and_time_left_are_averages_over_the_run():
+    """Two small documents done in 16 ms, then a third ingesting for 45 s: the bar read
+    "2/3 documents 125.12/s … ETA 0:00:01" the whole time (Rich's windowed speed). Now the rates
+    are what is done over the time elapsed, and the time left follows from them."""
+    from rich.progress import Progress
+
+    from rocketkv_cli.cli.batch import _Left, _Rates
+
+    now = [100.0]
+    bar = Progress(get_time=lambda: now[0], disable=True)
+    task_id = bar.add_task("batch", total=3, answers=0)
+    now[0] += 0.016
+    bar.update(task_id, completed=2, answers=4)
+    now[0] += 45
+    task = bar.tasks[0]
+    assert _Rates().render(task).plain == "0.04/s  0.09 questions/s"  # 2 and 4 in 45.016 s
+    assert _Left().render(task).plain == "0:00:23"  # one left at 22.5 s each
+    bar.add_task("batch", total=3, answers=0)
+    fresh = bar.tasks[1]
+    assert _Left().render(fresh).plain == "-:--:--" and _Rates().render(fresh).plain == "–/s  – questions/s"

@@ -879,6 +879,12 @@ def test__summarize_uses_the_server_with_the_same_output(rocketkv_bin, env, cach
     text_local = run(rocketkv_bin, env, "summarize", "--cache", caches[0], "--no-server", *extra)
     assert text.stdout == text_local.stdout and text.returncode == 0
     assert health(s.server)["served"] == 2
+    conn = s.server.connection(120)  # a client that shows status events (the CLI's spinner) is told it summarizes
+    body = {"cache": str(caches[0]), "extractive": "--extractive" in extra}
+    conn.request("POST", "/v1/rocketkv/summarize", body=json.dumps(body),
+                 headers={"Content-Type": "application/json", "X-RocketKV-Events": "status"})  # fmt: skip
+    said = [json.loads(line) for line in conn.getresponse()]
+    assert {"event": "status", "message": "summarizing in the server"} in said, said
 
 
 def test__compile_step__the_server_decodes_through_the_captured_step(rocketkv_bin, env, caches, served):

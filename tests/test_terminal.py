@@ -93,6 +93,15 @@ def test__summarize_in_a_terminal(rocketkv_bin, env, doc, tiny_model_dir):
     check_terminal_run(code, shown)
 
 
+def test__summarize_a_cache_in_a_terminal__a_spinner_while_the_model_writes(rocketkv_bin, env, kv):
+    """`summarize --cache` with the model writing drew nothing for seconds (a blank screen until
+    its result); a "summarizing" spinner now shows, and its lines come out whole."""
+    code, shown = run_in_terminal([rocketkv_bin, "summarize", "--cache", str(kv), "--no-server", "--write-from",
+                                   "document", "--max-new-tokens", "24"], env)  # fmt: skip
+    check_terminal_run(code, shown, want_bar=False)
+    assert any(f"{ch} summarizing" in strip_ansi(shown) for ch in SPINNER), strip_ansi(shown)[-2000:]
+
+
 def test__eval_in_a_terminal(rocketkv_bin, env, tiny_model_dir):
     code, shown = run_in_terminal([rocketkv_bin, "eval", "--model", str(tiny_model_dir), "--context-tokens", "300",
                                    "--budgets", "96", "--methods", "full,rocketkv", "--tasks", "niah_noise",

@@ -465,6 +465,7 @@ def summarize_job(job: Job, warm: Warm, req: SummarizeRequest) -> None:
             job.check()
             job.emit({"event": "partial", "level": event.level, "index": event.index, "total": event.total,
                       "text": event.text, "mode": event.mode, **cited(event)})  # fmt: skip
+            job.status("summarizing in the server")  # the spinner again until the next part or the summary
 
         try:
             cfg = PrefillConfig(token_budget=req.token_budget, max_new_tokens=req.max_new_tokens)
@@ -473,6 +474,7 @@ def summarize_job(job: Job, warm: Warm, req: SummarizeRequest) -> None:
         writing = summary_writing(
             rk.model_id, req.extractive, req.write_from, extractable(stored)
         )  # checked by `parse`
+        job.status("summarizing in the server")  # a model writing takes seconds: the client's spinner says so
         final = summarize(rk.engine, stored, cfg, req.max_new_tokens, not req.ask.options["dense"], on_partial,
                           extractive=writing is None, cite=cite,
                           write_from=writing or "document")  # as `rk.summarize`, with citations  # fmt: skip

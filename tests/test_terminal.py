@@ -3,6 +3,7 @@ when stderr is a terminal, which no piped test exercises (a crash hid there: iss
 
 import os
 import signal
+import subprocess
 
 import pytest
 from conftest import run_in_terminal, strip_ansi, text_of_bytes
@@ -61,6 +62,19 @@ def test__segmented_ingest_in_a_terminal(rocketkv_bin, env, doc, tiny_model_dir,
                                    "--budget", "64", "--segment-tokens", "800"], env)  # fmt: skip
     lines = check_terminal_run(code, shown)
     assert any("segment 1: prefilled" in line for line in lines), lines
+
+
+def test__summarize_many_parts_in_a_terminal__a_line_per_part(rocketkv_bin, env, doc, tiny_model_dir, tmp_path):
+    """A book's part summaries were printed whole on stderr (the KJV's 37: about 150 wrapped lines
+    before its summary); on a terminal each is now one line, cut to its width (whole in a pipe)."""
+    argv = [rocketkv_bin, "summarize", str(doc), "--model", str(tiny_model_dir), "--segment-tokens", "600"]
+    code, shown = run_in_terminal(argv, env, columns=100)
+    lines = check_terminal_run(code, shown, want_bar=False)
+    parts = [line for line in lines if "rocketkv: summary of part " in line]
+    assert len(parts) >= 3 and all(len(line) <= 100 for line in parts), parts
+    assert any(line.endswith("…") for line in parts), parts
+    piped = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert piped.returncode == 0 and any(len(line) > 100 for line in piped.stderr.splitlines()), piped.stderr
 
 
 def test__reconstruct_ingest_in_a_terminal__the_bar_names_the_re_read(rocketkv_bin, env, doc, tiny_model_dir, tmp_path):

@@ -198,7 +198,8 @@ def summarizing() -> Iterator[None]:
 
 def partial_logger(partials: list[dict], cite: bool = False) -> Callable[[Any], None]:
     """`on_partial` for `RocketKV.summarize`: each partial summary logged on stderr (with its
-    "Sources:" when `cite`) and kept in `partials` (for the `--json` record, with `citations`)."""
+    "Sources:" when `cite`; on a terminal, of a document of several parts, cut to one line) and
+    kept in `partials` (for the `--json` record, with `citations`)."""
 
     def on_partial(event) -> None:
         record = {"level": event.level, "segment": event.index, "summary": event.text, "mode": event.mode}
@@ -207,7 +208,11 @@ def partial_logger(partials: list[dict], cite: bool = False) -> Callable[[Any], 
             record["citations"] = [citation_record(c) for c in citations]
         partials.append(record)
         note = "" if event.mode in ("abstractive", "written") else f" [{event.mode}]"
-        log(f"summary of part {event.index + 1}/{event.total} (level {event.level}){note}: {event.text}")
+        line = f"summary of part {event.index + 1}/{event.total} (level {event.level}){note}: {event.text}"
+        if spinners() and event.total > 1:  # a book's 37 parts were 150 wrapped lines before its summary
+            width = max(40, err.width - len("rocketkv: "))
+            line = line if len(line) <= width else line[: width - 1] + "…"  # whole in --json and in a log
+        log(line)
         if citations is not None:
             log(sources_text(citations).rstrip("\n"))
 

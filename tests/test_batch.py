@@ -5,9 +5,11 @@ or duplicated row, worker processes, and the progress bar in a pseudo-terminal."
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -96,7 +98,7 @@ def test__batch__answers_like_ask_json_and_equal_documents_share_one_cache(job, 
     rows = lines_of(results)
     answers = {(r["id"], r["question_index"]): r for r in rows if "question_index" in r}
     assert set(answers) == {("a", 0), ("a", 1), ("b", 0), (3, 0), ("c", 0)}
-    assert all(set(r) == ASK_KEYS | {"id", "question_index"} for r in answers.values())
+    assert all(set(r) == ASK_KEYS | {"id", "question_index", "document_sha256"} for r in answers.values())
     kv_files = sorted((root / "cache").glob("*.kv"))
     assert len(kv_files) == 3  # a.txt and the equal inline text share one file
     assert answers[("a", 0)]["cache"] == answers[(3, 0)]["cache"] != answers[("b", 0)]["cache"]
@@ -104,7 +106,7 @@ def test__batch__answers_like_ask_json_and_equal_documents_share_one_cache(job, 
     (summary,) = [r for r in rows if "summary" in r]
     assert (
         summary["id"] == "b"
-        and set(summary) == SUMMARY_KEYS | {"id"}
+        and set(summary) == SUMMARY_KEYS | {"id", "document_sha256"}
         and summary["source"] == answers[("b", 0)]["cache"]
     )
     # each answer is what `rocketkv ask --cache FILE --json` gives from the same file
@@ -194,6 +196,39 @@ def test__rerun__skips_answered_rows_retries_bad_ones_and_reuses_the_cache(job, 
     a_kv = Path(next(r["cache"] for r in final if r["id"] == "a"))
     assert (a_kv.stat().st_ino, a_kv.stat().st_mtime_ns) == stamps[a_kv]
     assert run(rocketkv_bin, env, "inspect", c_kv).returncode == 0
+
+
+def test__rerun__answers_again_the_rows_whose_document_changed(rocketkv_bin, env, tiny_model_dir, tmp_path):
+    """A rerun kept an answer of a document edited since ("The code is 1234." answered after the
+    file said 9876): a line records its document's sha256, and a changed document's lines are
+    dropped as stale and answered again; an unchanged row is skipped. The results file keeps
+    its mode when it is rewritten."""
+    doc, other = tmp_path / "doc.txt", tmp_path / "other.txt"
+    doc.write_text(text_of_bytes(600, seed=4) + "\nThe code is 1234.\n")
+    other.write_text(text_of_bytes(600, seed=5) + "\nThe code is 77.\n")
+    manifest = write_manifest(
+        tmp_path / "m.jsonl",
+        [
+            {"id": "x", "document": "doc.txt", "questions": ["Code?"]},
+            {"id": "y", "document": "other.txt", "questions": ["Code?"]},
+        ],
+    )
+    results = tmp_path / "r.jsonl"
+    cmd = ["batch", manifest, "-o", results, "--model", tiny_model_dir, *OPTS]
+    assert run(rocketkv_bin, env, *cmd).returncode == 0
+    first = {r["id"]: r for r in lines_of(results)}
+    results.chmod(0o644)
+    doc.write_text(text_of_bytes(600, seed=4) + "\nThe code is 9876.\n")
+    again = run(rocketkv_bin, env, *cmd)
+    assert again.returncode == 0, again.stderr
+    assert "dropped 1 lines of changed or repeated rows or documents" in again.stderr, again.stderr
+    second = {r["id"]: r for r in lines_of(results)}
+    assert second["y"] == first["y"]  # unchanged: kept as it was, not asked again
+    assert (
+        second["x"]["document_sha256"] != first["x"]["document_sha256"] and second["x"]["cache"] != first["x"]["cache"]
+    )
+    assert second["x"]["document_sha256"] == hashlib.sha256(doc.read_bytes()).hexdigest()
+    assert stat.S_IMODE(results.stat().st_mode) == 0o644
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import os
 import stat
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,6 +184,15 @@ def _fields(obj: dict[str, Any], where: str, base: Path) -> tuple[str | None, st
     return path, text, tuple(questions), summary
 
 
+def _recorded_digest(raw: bytes) -> Any:
+    """The `document_sha256` a result line recorded (None: none, an older rocketkv's line)."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return obj.get("document_sha256") if isinstance(obj, dict) else None
+
+
 class Results:
     """The results file: what an earlier run finished, and appending rows as they finish.
 
@@ -200,10 +209,25 @@ class Results:
         self._created = self._wrote = False  # a file this run made, and whether a line went into it
         self.dropped = {"error": 0, "torn": 0, "stale": 0}
 
-    def open(self, rows: Iterable[Row | BadRow]) -> set[tuple[str, str, int]]:
+    def open(self, rows: Iterable[Row | BadRow],
+             digest: Callable[[Row], str | None] = lambda row: None) -> set[tuple[str, str, int]]:  # fmt: skip
+        """Read what an earlier run wrote (the keys of the answers kept); drop error lines, lines cut
+        by a crash, and stale lines: of a question no longer asked, a row repeated, or a document
+        whose bytes changed since it was answered (a line's `document_sha256` against
+        `digest(row)`, the document's now, read only for rows with such lines; None: unknown)."""
         if self.path is None:
             return set()
-        questions = {json.dumps(r.id): r.questions for r in rows if isinstance(r, Row)}
+        by_id = {json.dumps(r.id): r for r in rows if isinstance(r, Row)}
+        questions = {rid: r.questions for rid, r in by_id.items()}
+        digests: dict[str, str | None] = {}
+
+        def changed(rid: str, recorded: Any) -> bool:
+            if not isinstance(recorded, str) or rid not in by_id:
+                return False
+            if rid not in digests:
+                digests[rid] = digest(by_id[rid])
+            return digests[rid] is not None and digests[rid] != recorded
+
         done: set[tuple[str, str, int]] = set()
         kept: list[bytes] = []
         data = self._read()
@@ -219,6 +243,8 @@ class Results:
             lines.pop()
         for raw in lines:
             key, kind = self._classify(raw, questions)
+            if kind == "keep" and key is not None and changed(key[1], _recorded_digest(raw)):
+                kind = "stale"
             if kind != "keep":
                 self.dropped[kind] += 1
                 continue
@@ -278,6 +304,8 @@ class Results:
             with os.fdopen(fd, "wb") as f:
                 f.write(b"".join(line + b"\n" for line in kept))
                 f.flush()
+                with contextlib.suppress(OSError):  # the file keeps its mode (mkstemp's is 0600)
+                    os.fchmod(f.fileno(), stat.S_IMODE(os.stat(self.path).st_mode))
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)
         except BaseException:

@@ -11,13 +11,33 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from ..errors import InputError, OutputError, UsageError
+from ..errors import InputError, OutputError, RocketKVError, UsageError
 from .manifest import BadRow, Results, Row, error_row, read_manifest
-from .tasks import BatchProgress, BatchReport, BatchSettings, Log, Task, Tracker, load_worker, plan, run_task
+from .tasks import (
+    BatchProgress,
+    BatchReport,
+    BatchSettings,
+    Log,
+    Task,
+    Tracker,
+    document_sha256,
+    load_worker,
+    plan,
+    run_task,
+)
 
 # a running `rocketkv serve`, as `rocketkv batch` reaches it: one task sent, its events back
 # ({"event": "line", "line"}, {"event": "log", "message"}); errors raised as their rocketkv types
 Remote = Callable[[Task], Iterable[dict]]
+
+
+def _digest_or_none(row: Row) -> str | None:
+    """The row's `document_sha256` now, or None when it cannot be read (its row then fails as
+    it would have: its answers are not dropped for that)."""
+    try:
+        return document_sha256(row)
+    except RocketKVError:
+        return None
 
 
 def run_batch(
@@ -51,10 +71,10 @@ def run_batch(
     results = Results(output)
     failed = True
     try:
-        done = results.open(rows)
+        done = results.open(rows, _digest_or_none)
         if sum(results.dropped.values()):
             why = {"error": "error lines, to retry them", "torn": "lines cut by a crash",
-                   "stale": "lines of changed or repeated rows"}  # fmt: skip
+                   "stale": "lines of changed or repeated rows or documents"}  # fmt: skip
             log(f"resuming {output}: dropped " + ", ".join(f"{n} {why[k]}" for k, n in results.dropped.items() if n))
         tasks = plan(rows, done)
         tracker = Tracker(results, tasks, on_progress)

@@ -246,11 +246,13 @@ def _reusable(rk: RocketKV, path: Path, doc_sha256: str, settings: BatchSettings
     return cache
 
 
-def build(rk: RocketKV, row: Row, cache_dir: Path, settings: BatchSettings, log: Log) -> tuple[AnyCache, Path]:
-    """The row's cache from the build cache, ingested (atomically, under a lock) if not there.
+def build(rk: RocketKV, row: Row, cache_dir: Path, settings: BatchSettings, log: Log,
+          doc_sha: str | None = None) -> tuple[AnyCache, Path]:  # fmt: skip
+    """The row's cache from the build cache, ingested (atomically, under a lock) if not there;
+    `doc_sha`: the document's `document_sha256`, when the caller has it.
 
     Returns (cache, path of its `.kv` file). Raises the errors of `RocketKV.ingest`."""
-    doc_sha = document_sha256(row)
+    doc_sha = doc_sha or document_sha256(row)
     key = cache_key(rk, doc_sha, settings)
     path = cache_dir / f"{key}.kv"
     with _locked(cache_dir, key):
@@ -265,11 +267,14 @@ def build(rk: RocketKV, row: Row, cache_dir: Path, settings: BatchSettings, log:
 
 def run_task(rk: RocketKV, task: Task, cache_dir: Path, settings: BatchSettings, log: Log = lambda m: None):
     """The result lines of one task, each yielded as soon as it is made: `{"id",
-    "question_index", <the ask --json record>}` per question, `{"id", <the summarize --json
-    record>}` for the summary, or one error line (and nothing after it) when the row fails."""
+    "question_index", "document_sha256", <the ask --json record>}` per question, `{"id",
+    "document_sha256", <the summarize --json record>}` for the summary, or one error line (and
+    nothing after it) when the row fails. `document_sha256` (the document's bytes) lets a rerun
+    tell an answer of a document since changed (`Results.open`)."""
     row = task.row
     try:
-        cache, path = build(rk, row, cache_dir, settings, log)
+        doc_sha = document_sha256(row)
+        cache, path = build(rk, row, cache_dir, settings, log, doc_sha)
         asked = [row.questions[i] for i in task.questions]
         if asked:
             max_new = settings.config.max_new_tokens
@@ -277,9 +282,10 @@ def run_task(rk: RocketKV, task: Task, cache_dir: Path, settings: BatchSettings,
                 _focused(rk, cache, asked, settings.focus, max_new) if settings.focus
                 else rk.ask(cache, asked, max_new_tokens=max_new, dense=settings.dense))  # fmt: skip
             for index, ans in zip(task.questions, answers):
-                yield {"id": row.id, "question_index": index, **ans.to_dict(cache=str(path))}
+                yield {"id": row.id, "question_index": index, "document_sha256": doc_sha,
+                       **ans.to_dict(cache=str(path))}  # fmt: skip
         if task.summary:
-            yield _summary(rk, row, cache, path, settings)
+            yield {**_summary(rk, row, cache, path, settings), "document_sha256": doc_sha}
     except RocketKVError as exc:
         if exc.hint and "--encoding" in exc.hint:  # batch has no such option: documents are read as UTF-8
             exc = type(exc)(exc.message, "batch reads documents as UTF-8: convert it first (iconv -f CODEC -t "

@@ -416,7 +416,9 @@ def storage(kv_dtype: str):
     try:
         return KVStorage.parse(kv_dtype)
     except ValueError as exc:
-        raise UsageError(f"invalid option: --kv-dtype: {exc}") from None
+        said = str(exc).replace("kv_dtype must be one of", "--kv-dtype must be one of")
+        said = said if said.startswith("--kv-dtype") else f"--kv-dtype {kv_dtype}: {said}"
+        raise UsageError(f"invalid option: {said}", "e.g. --kv-dtype int8, int4 or float16 (docs/storage.md)") from None
 
 
 def default_kjv() -> Optional[Path]:

@@ -151,6 +151,22 @@ def test__wrong_values_and_types__one_line_errors_not_silent_answers(rk, doc, tm
         rk.summarize(out)
     with pytest.raises(UsageError, match="cache must be an opened cache, got a path"):
         rk.ask_focused(str(out), "What is the code?")
+    with pytest.raises(InputError, match="invalid option: topk must be an integer, got '5'"):  # a TypeError deep inside
+        list(rk.ask(cache, "What is the code?", topk="5"))
+    with pytest.raises(InputError, match=r"^give a document: a path, or text=$"):  # said "not both"
+        rk.ingest()
+    with pytest.raises(InputError, match="text= must be a str, got int"):  # an AttributeError
+        rk.ingest(text=5)
+    with pytest.raises(InputError, match="is not valid UTF-8 text"):  # a bare UnicodeEncodeError
+        rk.ingest(text="abc \udc80 def")
+    with pytest.raises(UsageError, match="token_budget must be a positive integer, got 0"):  # a bare ValueError
+        rk.ingest(text="hello world", token_budget=0)
+    with pytest.raises(UsageError, match="kv_dtype must be one of"):
+        rk.ingest(text="hello world", storage="int3")
+    from rocketkv_cli.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="unknown device 3"):  # an AttributeError
+        RocketKV.placement(3)
     numpy = pytest.importorskip("numpy")
     assert list(rk.ask(cache, "What is the code?", max_new_tokens=numpy.int64(2)))[0].n_answer_tokens <= 2
     from rocketkv_cli.errors import BudgetError

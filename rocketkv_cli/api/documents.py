@@ -228,8 +228,13 @@ class TextPieces:
     """An in-memory text with `TextStream`'s interface (for text rocketkv made itself, e.g. summaries)."""
 
     def __init__(self, text: str, source: str):
+        """Raises InputError: a text that is not valid Unicode (a lone surrogate)."""
         self.text, self.source = text, source
-        self.sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        try:
+            self.sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        except UnicodeEncodeError as exc:
+            raise InputError(f"document {source} is not valid UTF-8 text (character {exc.start})",
+                             "decode it with errors='replace' first") from None  # fmt: skip
         self.total_bytes = self.bytes_read = len(text.encode("utf-8"))
 
     def __iter__(self) -> Iterator[str]:

@@ -215,14 +215,21 @@ class RocketKV:
         beside `output` (in a temporary folder without one) so a rerun resumes an interrupted
         ingest. Writes are atomic; an existing `output` is replaced only with `force`.
         Raises:
-            InputError, OutputError, BudgetError, ValueError (invalid config fields).
+            InputError, OutputError, BudgetError; UsageError: invalid config fields or storage.
         """
-        cfg = config or with_preset_defaults(PrefillConfig(**config_fields), self.model_id, config_fields)
-        if storage is None:
-            storage = default_kv_dtype(self.model_id)
-        kv = storage if isinstance(storage, KVStorage) else KVStorage.parse(storage)
-        if (document is None) == (text is None):
+        if document is None and text is None:
+            raise InputError("give a document: a path, or text=")
+        if document is not None and text is not None:
             raise InputError("give a document path or text=, not both")
+        if text is not None and not isinstance(text, str):
+            raise InputError(f"text= must be a str, got {type(text).__name__}", "decode bytes first")
+        try:
+            cfg = config or with_preset_defaults(PrefillConfig(**config_fields), self.model_id, config_fields)
+            if storage is None:
+                storage = default_kv_dtype(self.model_id)
+            kv = storage if isinstance(storage, KVStorage) else KVStorage.parse(storage)
+        except (ValueError, TypeError) as exc:  # TypeError: a keyword no config field has
+            raise UsageError(f"invalid option: {exc}") from None
         stream: TextStream | TextPieces
         if text is not None:
             stream = TextPieces(text, "<text>")

@@ -138,6 +138,9 @@ def decode_config_for(cache: CompressedKVCache, sparse: bool = True, exact_worki
     A `topk` override below the stored page size, without a `page_size` override, caps the page
     at `topk` (as `resolve_budgets` does at ingest). Raises ValueError: overrides that do not make
     a valid `DecodeConfig`."""
+    for name, value in overrides.items():  # "5" from a caller would fail deep in a comparison
+        if value is not None and (isinstance(value, bool) or not hasattr(value, "__index__")):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
     b = cache.info.budgets
     vals = {"topk": b.topk, "page_size": b.page_size, "n_score_dims": b.n_score_dims}
     vals.update({k: v for k, v in overrides.items() if v is not None})

@@ -53,6 +53,8 @@ def resolve_device(device: str) -> torch.device:
     (`cuda` is the current one, `cuda:0` on most machines), so that `cuda` and `cuda:0` name one
     device wherever models are kept by device (the server's warm models). Raises ModelLoadError:
     CUDA absent, an index past the GPUs present, or an unknown name."""
+    if not isinstance(device, str):
+        raise ModelLoadError(f"unknown device {device!r}", "use cpu, cuda, cuda:N or auto (a string)")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":

@@ -944,3 +944,15 @@ def test__ask_a_large_document_in_memory__says_it_is_not_saved_and_how_to_keep_i
     small.write_text("The secret code is 4242.\n")
     r = run(rocketkv_bin, env, "ask", small, "What is the code?", "--model", tiny_model_dir, "--max-new-tokens", "2")
     assert r.returncode == 0 and "read in memory" not in r.stderr, r.stderr
+
+
+def test__ask_json__a_cache_name_that_is_not_utf8_stays_valid_json(rocketkv_bin, env, kv, tmp_path):
+    """A cache file named with a byte that is not UTF-8 was written raw into the `--json` line (not
+    UTF-8, so no JSON parser read it); it is now the escape `\\udcff`, which parses back to the name."""
+    odd = tmp_path / os.fsdecode(b"doc\xff.kv")
+    odd.write_bytes(kv.read_bytes())
+    r = subprocess.run([rocketkv_bin, "ask", "--cache", os.fsencode(odd), "What is the code?", "--json",
+                        "--max-new-tokens", "2"], capture_output=True, env=env, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout.decode("utf-8"))  # strict UTF-8
+    assert row["cache"] == str(odd)

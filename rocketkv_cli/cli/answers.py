@@ -184,7 +184,8 @@ class AnswerPrinter:
     def finish(self, text: str, record: dict, citations=None) -> None:
         """End the answer; `citations` (`Citation`s, or None) are listed under it ("Sources:")."""
         if self.fmt == "json":
-            self._write(json.dumps(record, ensure_ascii=False) + "\n")
+            line = json.dumps(record, ensure_ascii=False)  # a path's undecodable byte (a lone surrogate) as \udcff:
+            self._write(line.encode("utf-8", "backslashreplace").decode("utf-8") + "\n")  # valid UTF-8 and JSON
             return
         if self.stream:
             self._write("\n")

@@ -80,3 +80,21 @@ def test__bench_config__measures_the_models_own_ingest_defaults():
     assert bench_config(PrefillConfig(), "smollm2-135m", budget_given=False).token_budget == 1024
     assert bench_config(PrefillConfig(), "gemma-3-270m", budget_given=False).token_budget == 1024
     assert bench_config(PrefillConfig(), "/models/some-llama", budget_given=False).token_budget == 512
+
+
+def test__bench_default_lengths__capped_at_what_the_model_fits(rocketkv_bin, tiny_model_dir, tmp_path):
+    """`rocketkv bench -m smollm2-135m` with no --context-tokens failed ("--context-tokens 8192
+    exceeds what smollm2-135m fits (7808)"): the default lengths now stop at what the model fits,
+    said on stderr; lengths given by hand are still refused past it."""
+    source = tmp_path / "source.txt"
+    source.write_text(text_of_bytes(12000))
+    env = {**os.environ, "ROCKETKV_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"}
+    common = [rocketkv_bin, "bench", "--model", str(tiny_model_dir), "--budget", "64", "--steps", "2", "--source",
+              str(source), "--crossover", "", "--no-fresh-ask", "--no-memory"]  # fmt: skip
+    r = subprocess.run(common, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (said,) = [line for line in r.stderr.splitlines() if " fits " in line and "timing" in line]
+    room = int(said.split(" fits ")[1].split(" tokens")[0].replace(",", ""))
+    assert room < 4096 and [json.loads(x)["context_tokens"] for x in r.stdout.splitlines()] == [room]
+    given = subprocess.run([*common, "--context-tokens", "8192"], capture_output=True, text=True, env=env, timeout=600)
+    assert given.returncode == 1 and "--context-tokens 8192 exceeds what" in given.stderr, given.stderr

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -20,7 +20,13 @@ if TYPE_CHECKING:
 
 
 def bench(
-    context_tokens: Annotated[str, typer.Option(help="Comma-separated document lengths in tokens.")] = "4096,8192",
+    context_tokens: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Comma-separated document lengths in tokens (default 4096,8192, at most what the model fits).",
+            show_default=False,
+        ),
+    ] = None,
     budget: Annotated[
         Optional[int],
         typer.Option(
@@ -72,14 +78,17 @@ def bench(
     from ..eval.bench import crossover_tokens, machine_info
 
     setup(quiet, threads)
-    plan = bench_plan(context_tokens, source, budget, kv_dtypes, kv_dtype, crossover, steps, memory, fresh_ask,
-                      llama_cpp)  # fmt: skip
+    plan = bench_plan(context_tokens or DEFAULT_LENGTHS, source, budget, kv_dtypes, kv_dtype, crossover, steps, memory,
+                      fresh_ask, llama_cpp)  # fmt: skip
     src, text, cfg = plan.source, plan.text, plan.cfg
     kv_dtype = kv_dtype or default_kv_dtype(model or DEFAULT_MODEL)
     rk = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", False, weights)
     cfg, engine = bench_config(cfg, rk.model_id, budget is not None), rk.engine
     budget = cfg.token_budget
     room = rk.engine.context_limit(128)  # the answer plan and a question
+    if context_tokens is None and max(plan.lengths) > room:  # the default lengths: the longest the model fits
+        plan = replace(plan, lengths=sorted({min(n, room) for n in plan.lengths}))
+        log(f"{rk.model_id} fits {room:,} tokens: timing {', '.join(f'{n:,}' for n in plan.lengths)}")
     if max(plan.lengths) > room:
         raise InputError(f"--context-tokens {max(plan.lengths)} exceeds what {rk.model_id} fits ({room})")
     rows, cross = measure(engine, text, cfg, plan, storage(kv_dtype), budget)
@@ -94,6 +103,9 @@ def bench(
                   "attention_crossover": cross, "hsa_crossover_tokens": crossover_tokens(cross) if cross else None,
                   "weights": engine.loaded.weights, "kv_dtype": kv_dtype}  # fmt: skip
         write_report(json_path, report)
+
+
+DEFAULT_LENGTHS = "4096,8192"
 
 
 @dataclass(frozen=True)

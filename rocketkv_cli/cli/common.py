@@ -354,16 +354,18 @@ def ingest(rk, document, cfg, output=None, force=False, segment_tokens=None, kv_
     except ValueError as exc:
         raise UsageError(f"invalid option: {exc}") from None
     so_far = [0]
-
-    def on_segment(event) -> None:
-        so_far[0] += event.n_tokens
-        what = "found checkpointed" if event.resumed else "prefilled"
-        log(f"segment {event.index}: {what} ({event.n_tokens:,} tokens; {so_far[0]:,} so far)")
-
     # a method that re-reads the document (context reconstruction) does so after each prefill: the bar's second half
     label = "prefill + re-read" if method_class(cfg).capture == "reconstruct" else "prefill"
     with progress_bar() as bar:
         task = bar.add_task(label, total=None)
+
+        def on_segment(event) -> None:
+            so_far[0] += event.n_tokens
+            what = "found checkpointed" if event.resumed else "prefilled"
+            log(f"segment {event.index}: {what} ({event.n_tokens:,} tokens; {so_far[0]:,} so far)")
+            if event.resumed:  # read back, not prefilled: the bar's rate and time left start again after it
+                bar.reset(task, total=bar.tasks[0].total, completed=so_far[0])
+
         done = rk.ingest(document, output=output, force=force, config=cfg, segment_tokens=segment_tokens,
                          storage=storage(kv_dtype or default_kv_dtype(rk.model_id)), on_segment=on_segment,
                          progress=lambda n, total: bar.update(task, completed=n, total=total))  # fmt: skip

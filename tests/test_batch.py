@@ -557,3 +557,9 @@ def test__batch_bar__rates_and_time_left_are_averages_over_the_run():
     bar.add_task("batch", total=3, answers=0)
     fresh = bar.tasks[1]
     assert _Left().render(fresh).plain == "-:--:--" and _Rates().render(fresh).plain == "–/s  – questions/s"
+    # a 60 s model load before the first result is not averaged in (10 s per document: not 40)
+    bar.update(1, first=(60.0, 0, 0))
+    now[0] += 80
+    bar.update(1, completed=2, answers=2)
+    assert _Rates().render(bar.tasks[1]).plain == "0.10/s  0.10 questions/s"
+    assert _Left().render(bar.tasks[1]).plain == "0:00:10"

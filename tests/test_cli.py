@@ -407,10 +407,11 @@ def test__chat_from_a_pipe__loads_once_answers_each_line_as_ask_does(rocketkv_bi
 
 def test__chat_commands__help_and_quit_are_not_asked_as_questions(rocketkv_bin, env, kv):
     """`/help` printed help and `/quit` quit (they were answered as questions, as was `quit` at
-    a prompt); an unknown `/word` says so; the lines after `/quit` are not read."""
+    a prompt); an unknown `/word` says so (piped in: exit 1, a question fewer was answered); the
+    lines after `/quit` are not read."""
     expected = ask_json(rocketkv_bin, env, kv, QS[0])
     r = run(rocketkv_bin, env, "chat", "--cache", kv, "--json", stdin=f"/help\n/nope\n{QS[0]}\n/quit\n{QS[2]}\n")
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1, r.stderr
     drop = lambda row: {k: v for k, v in row.items() if k not in ("prefill_s", "decode_s")}
     assert [drop(json.loads(line)) for line in r.stdout.splitlines()] == [drop(row) for row in expected]
     assert "rocketkv: type a question and press Enter" in r.stderr, r.stderr

@@ -487,3 +487,18 @@ def test__cli_ingest_never_writes_checkpoints_through_a_planted_link(rocketkv_bi
     assert "Traceback" not in r.stderr and not out.exists()
     assert sorted(p.name for p in victim.iterdir()) == ["000000.kv", "owner"]
     assert (victim / "owner").read_text() == "precious\n" and (victim / "000000.kv").read_text() == "precious too\n"
+
+
+def test__checkpoints__a_link_planted_after_the_check_is_refused_before_a_write(tmp_path):
+    """The link check ran once, before the prefill; a link planted during it was written through
+    at the first save. Each save checks again (before the folder is claimed or written)."""
+    from rocketkv_cli.errors import OutputError
+    from rocketkv_cli.store.checkpoints import Checkpoints
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    checkpoints = Checkpoints(tmp_path / "m.kv")  # nothing there yet: accepted
+    (tmp_path / ".m.kv.segments").symlink_to(victim)
+    with pytest.raises(OutputError, match="is a symbolic link"):
+        checkpoints.save(0, None)  # refused before the part is looked at
+    assert list(victim.iterdir()) == []

@@ -305,6 +305,7 @@ def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches,
         {"document": f"{caches[0].parent}/\udfff.txt", "output": str(caches[0].parent / "x.kv")}
     )
     surrogate_chat = b'{"model": "kv:/tmp/\\ud800.kv", "messages": [{"role": "user", "content": "q"}]}'
+    undecodable = json.dumps({"cache": f"{caches[0].parent}/\udcff.kv", "questions": ["q"]}).encode()
     cases = [
         (("POST", "/v1/rocketkv/ask", b"{not json"), 400),
         (("POST", "/v1/rocketkv/ask", b"[" * 100_000 + b"]" * 100_000), 400),  # nested past Python's recursion
@@ -312,6 +313,7 @@ def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches,
         (("POST", "/v1/ingest", json.dumps({"document": str(loop), "output": str(loop) + ".kv"}).encode()), 400),
         (("POST", "/v1/rocketkv/ask", b"[1]"), 400),
         (("POST", "/v1/rocketkv/ask", b'{"cache": "/tmp/\\ud800.kv", "questions": ["q"]}'), 400),  # a lone surrogate
+        (("POST", "/v1/rocketkv/ask", undecodable), 404),  # a name's undecodable byte (\udcff): a path, not found
         (("POST", "/v1/ingest", surrogate_ingest.encode()), 400),
         (("POST", "/v1/chat/completions", surrogate_chat), 400),
         (("POST", "/v1/rocketkv/ask", json.dumps({"cache": "rel.kv", "questions": ["q"]}).encode()), 400),
@@ -614,6 +616,30 @@ def test__ask_right_after_serve_waits_for_the_server_to_start(rocketkv_bin, env,
         proc.wait(timeout=30)
 
 
+def test__a_lock_left_saying_starting_is_not_waited_on(rocketkv_bin, env, caches, tmp_path):
+    """A lock file that says "PID starting" for a live process but with no server behind it (a
+    server stopped as it started, its pid reused) made every command wait two minutes: with no
+    socket, or a socket file nobody listens on, the command answers in its own process."""
+    import socket as sockets
+
+    home = tmp_path / "home"
+    home.mkdir()
+    environ = {**env, "ROCKETKV_HOME": str(home)}
+    (home / "serve.sock.lock").write_text(f"{os.getpid()} starting\n")  # this test's process: alive
+    local = run(rocketkv_bin, environ, "ask", "--cache", caches[0], "--no-server", QUESTIONS[0])
+    for stale_socket in (False, True):
+        if stale_socket:  # bound, never listened on: connections are refused
+            s = sockets.socket(sockets.AF_UNIX)
+            s.bind(str(home / "serve.sock"))
+            s.close()
+        t0 = time.monotonic()
+        r = run(rocketkv_bin, environ, "ask", "--cache", caches[0], QUESTIONS[0])
+        assert r.returncode == 0 and r.stdout == local.stdout, r.stderr
+        assert time.monotonic() - t0 < 60, "waited on a server that is not there"
+        status = run(rocketkv_bin, environ, "serve", "status")
+        assert status.returncode == 1 and "no rocketkv server is running" in status.stderr, status.stderr
+
+
 def test__status_stop_and_idle_timeout(rocketkv_bin, env, served):
     none = run(rocketkv_bin, env, "serve", "status")
     assert none.returncode == 1 and "no rocketkv server is running" in none.stderr
@@ -626,6 +652,7 @@ def test__status_stop_and_idle_timeout(rocketkv_bin, env, served):
     assert stop.returncode == 0, stop.stderr
     assert s.proc.wait(timeout=30) == 0
     assert not (Path(env["ROCKETKV_HOME"]) / "serve.sock").exists()
+    assert (Path(env["ROCKETKV_HOME"]) / "serve.sock.lock").read_text() == ""  # no "starting" left to wait on
     time.sleep(0.2)  # the reader thread takes the last lines
     assert any("stopped (shutdown request)" in line for line in s.stderr_lines), s.stderr_lines
     idle = served("--idle-timeout", "1")

@@ -4,6 +4,7 @@ file, damage to scales is caught, and a segmented file is verified segment by se
 
 import dataclasses
 import json
+import os
 import re
 import struct
 from pathlib import Path
@@ -559,3 +560,17 @@ def test__dequantize__broadcast_groups_equal_the_gathered_formula_bit_for_bit(hk
     assert torch.equal(_dequantize(q, sc_v, lo_v, dim=2, group=gd), want_v)
     with pytest.raises(ValueError, match="quantization groups"):
         _dequantize(q, sc_k[:, :-1], lo_k[:, :-1], dim=1, group=g)
+
+
+def test__check_target__system_paths_refused_but_a_file_on_dev_shm_is_a_file(tmp_path):
+    """`-o /dev/stdout --force` (as root) replaced the link with the cache; refusing all of /dev
+    then refused a tmpfs file under /dev/shm too."""
+    from rocketkv_cli.errors import OutputError
+    from rocketkv_cli.store.atomic import check_target
+
+    for path in ("/dev/stdout", "/dev/null", "/proc/self/fd/1", "/sys/kernel/x.kv"):
+        with pytest.raises(OutputError, match="is a system path"):
+            check_target(Path(path), force=True)
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        assert check_target(shm / "rocketkv-test-x.kv", force=False) == shm

@@ -26,27 +26,37 @@ from .options import (
 )
 
 
+def _since_first(task) -> tuple[float, float, float]:
+    """(documents, answers, seconds) since the run's first result (`first` in the task's fields:
+    its elapsed time and counts then), so that the model's load and a start-up before it are not
+    averaged into the rates; before a second sample, since the bar started."""
+    elapsed = task.elapsed or 0.0
+    first = task.fields.get("first")
+    if first is not None and task.completed > first[1] and elapsed > first[0]:
+        return task.completed - first[1], task.fields.get("answers", 0) - first[2], elapsed - first[0]
+    return task.completed, task.fields.get("answers", 0), elapsed
+
+
 class _Rates(ProgressColumn):
-    """Documents and questions per second, each what is done so far over the time elapsed (Rich's
-    windowed speed read 125 documents/s for the whole ingest of a third document, two small ones
-    having finished within a few milliseconds), short enough for an 80-column terminal."""
+    """Documents and questions per second, averages since the first result (Rich's windowed speed
+    read 125 documents/s for the whole ingest of a third document, two small ones having finished
+    within a few milliseconds), short enough for an 80-column terminal."""
 
     def render(self, task) -> Text:
-        elapsed = task.elapsed or 0.0
-        answers = task.fields.get("answers", 0)
-        docs = f"{task.completed / elapsed:.2f}/s" if elapsed > 0 and task.completed else "–/s"
-        qs = f"{answers / elapsed:.2f} questions/s" if elapsed > 0 and answers else "– questions/s"
+        docs_done, answers, seconds = _since_first(task)
+        docs = f"{docs_done / seconds:.2f}/s" if seconds > 0 and docs_done else "–/s"
+        qs = f"{answers / seconds:.2f} questions/s" if seconds > 0 and answers else "– questions/s"
         return Text(f"{docs}  {qs}")
 
 
 class _Left(ProgressColumn):
-    """The time left at the average rate so far (`_Rates`): documents left × elapsed / done."""
+    """The time left at the average rate (`_Rates`): documents left × seconds / documents done."""
 
     def render(self, task) -> Text:
-        elapsed = task.elapsed or 0.0
-        if not task.completed or task.total is None or elapsed <= 0:
+        docs_done, _, seconds = _since_first(task)
+        if not docs_done or task.total is None or seconds <= 0:
             return Text("-:--:--")
-        left = round((task.total - task.completed) * elapsed / task.completed)
+        left = round((task.total - task.completed) * seconds / docs_done)
         return Text(f"{left // 3600}:{left // 60 % 60:02d}:{left % 60:02d}")
 
 
@@ -174,6 +184,8 @@ def batch_command(
         logged = [0]  # documents done, as last said on stderr where no bar is drawn (a pipe, a log file)
 
         def on_progress(state) -> None:
+            if "first" not in bar.tasks[0].fields:  # the rates count from here: the model's load is behind
+                bar.update(task, first=(bar.tasks[0].elapsed or 0.0, state.documents_done, state.answers_done))
             bar.update(task, total=state.documents_total, completed=state.documents_done, answers=state.answers_done)
             if bar.disable and state.documents_done > logged[0]:
                 logged[0] = state.documents_done

@@ -101,8 +101,16 @@ class Prompt:
             if not ahead:  # Ctrl-D typed during the answer
                 sys.stdout.write(PROMPT + "\n")
                 raise EOFError
+            if not ahead.endswith("\n"):  # a part of a line (left from a paste): to be edited and ended at the prompt
+                readline = self.readline
+                readline.set_startup_hook(lambda: readline.insert_text(ahead))
+                try:
+                    return input(PROMPT)
+                finally:
+                    readline.set_startup_hook(None)
             line = ahead.rstrip("\n")
-            sys.stdout.write(PROMPT + line + "\n")  # as readline would have shown it
+            shown = line.encode("utf-8", "backslashreplace").decode("utf-8")  # an undecodable byte: shown escaped
+            sys.stdout.write(PROMPT + shown + "\n")  # as readline would have shown it
             if line.strip():
                 self.readline.add_history(line)
             return line
@@ -126,7 +134,7 @@ class Prompt:
         fd = sys.stdin.fileno()
         if not select.select([fd], [], [], 0)[0]:
             return None
-        return os.read(fd, 1 << 16).decode("utf-8", "surrogateescape")
+        return os.read(fd, 1 << 16).decode(sys.stdin.encoding or "utf-8", "surrogateescape")
 
     def remember(self) -> None:
         """Save the history file; a question over `HISTORY_MAX_CHARS` (a pasted passage) is left
@@ -288,6 +296,7 @@ def converse(prompt: Prompt, turn: Callable[[str], Turn], source: str, json_out:
             break
         if command is not None:
             log(command)
+            failed = failed or command.startswith("unknown command")  # piped in: a question fewer, so exit 1
             continue
         prompt.remember()
         failed = not answer_turn(printer, turn, question, interactive) or failed

@@ -41,11 +41,10 @@ def _where(socket: Optional[Path], host: Optional[str], port: Optional[int], api
 
 def _health(where: Server) -> dict | None:
     """`/health` of the server at `where`, waiting for one still starting there (`starting_pid`)."""
-    info = health(where)
-    if info is None and where.path is not None and (pid := starting_pid(Path(where.path))) is not None:
+    if where.path is not None and (pid := starting_pid(Path(where.path))) is not None:
         with starting_said(pid):
-            info = wait_started(where, pid)
-    return info
+            return wait_started(where, pid)
+    return health(where)
 
 
 def _none_running(where: Server, hint: str) -> ServerError:
@@ -53,9 +52,9 @@ def _none_running(where: Server, hint: str) -> ServerError:
     socket (a server started with --port is found with --port too)."""
     others = tcp_servers() if where.path is not None else []
     if others:
-        host, port = others[0].removeprefix("http://").rsplit(":", 1)
+        host, _, port = others[0].removeprefix("http://").rpartition(":")
         named = f"--port {port}" if host == "127.0.0.1" else f"--host {host} --port {port}"
-        hint = f"one runs on {', '.join(others)}: name it with {named}"
+        hint = f"one runs on {', '.join(others)}" + ("" if ":" in host else f": name it with {named}")  # IPv6: no
     return ServerError(f"no rocketkv server is running on {where.url}", hint)
 
 

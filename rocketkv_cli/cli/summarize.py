@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import Annotated, Any, Optional
 
 import typer
+from rich.cells import cell_len, set_cell_size
 
 from ..errors import UsageError
 from .answers import AnswerPrinter, StreamOpt, resolve_format, share, where
@@ -210,8 +211,8 @@ def partial_logger(partials: list[dict], cite: bool = False) -> Callable[[Any], 
         note = "" if event.mode in ("abstractive", "written") else f" [{event.mode}]"
         line = f"summary of part {event.index + 1}/{event.total} (level {event.level}){note}: {event.text}"
         if spinners() and event.total > 1:  # a book's 37 parts were 150 wrapped lines before its summary
-            width = max(40, err.width - len("rocketkv: "))
-            line = line if len(line) <= width else line[: width - 1] + "…"  # whole in --json and in a log
+            line, width = " ".join(line.split()), max(40, err.width - len("rocketkv: "))
+            line = line if cell_len(line) <= width else set_cell_size(line, width - 1) + "…"  # whole in --json, a log
         log(line)
         if citations is not None:
             log(sources_text(citations).rstrip("\n"))

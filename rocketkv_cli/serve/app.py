@@ -366,7 +366,8 @@ def build_app(state: ServeState) -> Guard:
     async def failed(request: Request, exc: Exception) -> Response:
         """A failure no check foresaw: a JSON 500 (the client's one line), the trace in the server's
         log (Starlette logs it after this response)."""
-        return error_response(BadRequest(500, f"the server failed: {exc!r}", "RocketKVError"))
+        return error_response(BadRequest(500, "the server failed unexpectedly (its log has the details)",
+                                         "RocketKVError"))  # no internals to a TCP client  # fmt: skip
 
     app = Starlette(
         routes=[

@@ -22,6 +22,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -172,6 +173,9 @@ def locate(url: str | None, no_server: bool,
             if url:
                 raise
             raise errors.UsageError(exc.message.replace("--server ", "$ROCKETKV_SERVER=", 1), exc.hint) from None
+        if server.path is not None and (pid := starting_pid(Path(server.path))) is not None and waiting is not None:
+            with waiting(pid):
+                wait_started(server, pid)  # `rocketkv serve --socket S &` a moment ago
         if health(server) is None:
             where = "" if url else " ($ROCKETKV_SERVER)"
             instead = "answer here without --server" if url else "unset $ROCKETKV_SERVER, or pass --no-server"
@@ -183,7 +187,7 @@ def locate(url: str | None, no_server: bool,
     pid = starting_pid(path)
     if pid is not None:  # `rocketkv serve &` a moment ago: its socket is bound, torch still importing
         if waiting is None:
-            return server
+            return server if _listening(path) == "listening" else None
         with waiting(pid):
             info = wait_started(server, pid)
     else:
@@ -208,19 +212,20 @@ def tcp_servers() -> list[str]:
     for entry in entries:
         if entry.name.isdigit() and _alive(int(entry.name)):
             try:
-                found.append(entry.read_text().strip())
+                url = entry.read_text().strip()
             except OSError:
-                pass
+                continue
+            if re.fullmatch(r"http://\S+:\d+", url):  # one being written, or damaged: not named
+                found.append(url)
     return found
 
 
 def _alive(pid: int) -> bool:
+    """Whether process `pid` exists and is this user's (another user's reused pid is not our server)."""
     try:
         os.kill(pid, 0)  # no signal sent: whether the process exists
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
         return False
-    except PermissionError:
-        pass
     return True
 
 
@@ -246,14 +251,42 @@ def starting_pid(path: Path) -> int | None:
 
 def wait_started(server: Server, pid: int, timeout: float = STARTING_WAIT_S) -> dict | None:
     """`/health` of a server that is starting (`starting_pid`), once it answers; None when its
-    process ends first or it has not answered within `timeout` seconds."""
-    deadline = time.monotonic() + timeout
+    process ends first, or its lock names it but nothing is bound or listening there (a lock left
+    by a server stopped while it started). Raises ServerError when it is still starting after
+    `timeout` seconds (answering beside its imports is what waiting avoids)."""
+    path = Path(str(server.path))
+    deadline, missing_since = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
         info = health(server, timeout=1.0)  # connections wait in the socket's backlog until it serves
-        if info is not None or starting_pid(Path(str(server.path))) != pid:
+        if info is not None or starting_pid(path) != pid:
             return info or health(server)
+        state = _listening(path)
+        if state == "refused":  # a socket file nobody listens on: stale, whatever the lock says
+            return None
+        missing_since = None if state != "missing" else (missing_since or time.monotonic())
+        if missing_since is not None and time.monotonic() - missing_since > 3.0:  # it binds right after its lock
+            return None
         time.sleep(0.1)
-    return None
+    raise ServerError(f"the rocketkv server (pid {pid}) on {server.url} is still starting after {timeout:.0f} s",
+                      "wait and run the command again, or pass --no-server")  # fmt: skip
+
+
+def _listening(path: Path) -> str:
+    """ "listening" (a connection is taken, if only into the backlog), "refused" (a socket file no
+    process listens on) or "missing" (no socket file yet)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(0.5)
+    try:
+        sock.connect(str(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return "missing"
+    except ConnectionRefusedError:
+        return "refused"
+    except OSError:
+        return "listening"  # a full backlog, a time-out: something is there
+    finally:
+        sock.close()
+    return "listening"
 
 
 def _raise_error(event: dict) -> None:

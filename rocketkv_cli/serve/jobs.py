@@ -95,9 +95,9 @@ def allowed_path(raw: str, roots: tuple[Path, ...] | None, what: str) -> Path:
     if not raw or "\x00" in raw or not Path(raw).is_absolute():
         raise BadRequest(400, f"{what} must be an absolute path, got {raw!r}")
     try:
-        raw.encode("utf-8")
+        os.fsencode(raw)  # a name's undecodable byte comes as U+DC80-DCFF from the CLI: that encodes back
     except UnicodeEncodeError:  # a lone surrogate ("\ud800" in the JSON): no file system path is that
-        raise BadRequest(400, f"{what} is not valid UTF-8 text, got {raw!r}") from None
+        raise BadRequest(400, f"{what} is not a file system path (a lone surrogate), got {raw!r}") from None
     try:
         resolved = Path(raw).resolve()
     except (OSError, RuntimeError) as exc:  # a symlink loop: RuntimeError before Python 3.13, OSError after

@@ -14,6 +14,7 @@ answering in its own process beside the server's imports.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import os
 import socket
@@ -82,6 +83,8 @@ def bind_unix(path: Path) -> tuple[socket.socket, int]:
             os.umask(old)
         sock.listen(128)
     except (OSError, InputError) as exc:
+        with contextlib.suppress(OSError):
+            os.ftruncate(lock_fd, 0)
         os.close(lock_fd)
         if isinstance(exc, InputError):
             raise
@@ -140,6 +143,8 @@ def serve(cfg: ServeConfig, log: Log) -> None:
             except OSError:
                 pass
         if lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(lock_fd, 0)  # not "starting" for a client to wait on once this process is gone
             os.close(lock_fd)
         if listed is not None:
             listed.unlink(missing_ok=True)

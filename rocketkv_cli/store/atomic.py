@@ -45,7 +45,8 @@ def check_target(target: Path, force: bool) -> Path:
     if target.is_dir() and not target.is_symlink():
         raise OutputError(f"output path {target} is a directory", "give a file name with -o")
     system = next((p for p in (Path(os.path.abspath(target)), Path(os.path.realpath(target)))
-                   if p.parts[1:2] in (("dev",), ("proc",), ("sys",))), None)  # fmt: skip
+                   if p.parts[1:2] in (("proc",), ("sys",)) or (p.parts[1:2] == ("dev",) and len(p.parts) == 3)),
+                  None)  # /dev/stdout, /dev/sda; a file on the /dev/shm tmpfs is a file  # fmt: skip
     if system is not None:  # /dev/stdout is a link that --force would replace (as root), not a stream to write
         raise OutputError(f"{target} is a system path ({system}); a cache is written to a file of its own",
                           "name a file, e.g. -o doc.kv")  # fmt: skip

@@ -31,6 +31,10 @@ class Checkpoints:
         are written only into a folder of rocketkv's own, never through a link planted there)."""
         self.dir = checkpoint_folder(target)
         self._claimed = False
+        self._check_folder()
+
+    def _check_folder(self) -> None:
+        """Raises OutputError: the folder's name is a symbolic link or not a folder."""
         if self.dir.is_symlink() or (self.dir.exists() and not self.dir.is_dir()):
             what = "a symbolic link" if self.dir.is_symlink() else "not a folder"
             raise OutputError(f"the checkpoint folder {self.dir} is {what}; rocketkv writes an ingest's "
@@ -61,6 +65,7 @@ class Checkpoints:
         except OSError as exc:
             raise OutputError(f"cannot create the checkpoint folder {self.dir}: {exc.strerror}",
                               "choose a writable output directory, or remove what is in the way") from exc  # fmt: skip
+        self._check_folder()  # again before each write: a link planted during the prefill is refused too
         if not self._claimed:  # this process now owns the folder (see `abandoned_checkpoints`)
             claim_folder(self.dir)
             self._claimed = True

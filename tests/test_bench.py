@@ -63,7 +63,7 @@ def test__bench_kv_dtypes__storage_rows_side_by_side(rocketkv_bin, tiny_model_di
     assert storage[0]["top1_agreement"] == 1.0 and all(0 <= s["top1_agreement"] <= 1 for s in storage)
     bad = subprocess.run([rocketkv_bin, "bench", "--model", str(tiny_model_dir), "--kv-dtypes", "int3",
                           "--source", str(source)], capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
-    assert bad.returncode == 2 and "kv_dtype" in bad.stderr and "Traceback" not in bad.stderr  # a usage error
+    assert bad.returncode == 2 and "--kv-dtype" in bad.stderr and "Traceback" not in bad.stderr  # a usage error
 
 
 def test__bench_config__measures_the_models_own_ingest_defaults():

@@ -69,7 +69,7 @@ def read_questions(positional: list[str], questions_file: Optional[str], doc_is_
     was read until the machine ran out of memory)."""
     questions = list(positional)
     if questions_file is not None:
-        where = "stdin" if questions_file == "-" else f"questions file {questions_file}"
+        where = "questions from stdin" if questions_file == "-" else f"questions file {questions_file}"
         if questions_file == "-":
             if doc_is_stdin:
                 raise UsageError("the document and the questions cannot both come from stdin")
@@ -81,7 +81,8 @@ def read_questions(positional: list[str], questions_file: Optional[str], doc_is_
             except OSError as exc:
                 raise InputError(f"cannot read {where}: {exc}") from None
         if len(data) > MAX_QUESTIONS_BYTES:
-            raise InputError(f"{where} holds more than {MAX_QUESTIONS_BYTES // 2**20} MB of questions",
+            raise InputError(f"{where.replace('questions from stdin', 'stdin')} holds more than "
+                             f"{MAX_QUESTIONS_BYTES // 2**20} MB of questions",
                              "give questions one per line; a document is given as DOC or --cache")  # fmt: skip
         try:
             text = data.decode("utf-8-sig")

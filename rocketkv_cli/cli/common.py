@@ -221,14 +221,22 @@ def threads_note() -> str:
 
 
 @contextlib.contextmanager
+def spinning(message: str, elsewhere_logged: bool = False):
+    """A spinner with `message` on a terminal while the body runs, unless quiet; elsewhere
+    nothing, or the message as one stderr line with `elsewhere_logged`."""
+    if spinners():
+        with err.status(escape(message), spinner="dots"):
+            yield
+    else:
+        if elsewhere_logged:
+            log(message)
+        yield
+
+
 def starting():
     """A spinner on a terminal while torch and transformers are imported (several seconds on a
     small CPU, before any other output), unless quiet."""
-    if spinners():
-        with err.status("starting (importing torch)", spinner="dots"):
-            yield
-    else:
-        yield
+    return spinning("starting (importing torch)")
 
 
 def load_engine(model: Optional[str], device: str, dtype: str, trust_remote_code: bool, weights: str | None = None):

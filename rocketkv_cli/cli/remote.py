@@ -5,9 +5,9 @@ the `--json` records and the exit codes do not depend on where the answer was co
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Generator, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +16,7 @@ from rich.markup import escape
 from ..errors import UsageError
 from ..serve.client import Server, ServerError, events, locate
 from .answers import AnswerPrinter, answer_log_of, decode_timing
-from .common import Timings, err, log, spinners
+from .common import Timings, err, log, spinners, spinning
 
 
 def server_for(url: str | None, no_server: bool) -> Server | None:
@@ -26,16 +26,9 @@ def server_for(url: str | None, no_server: bool) -> Server | None:
     return locate(url, no_server, starting_said)
 
 
-@contextlib.contextmanager
-def starting_said(pid: int) -> Iterator[None]:
+def starting_said(pid: int) -> AbstractContextManager:
     """While a starting server (`pid`) is waited for: a spinner on a terminal, else one line."""
-    message = f"waiting for the rocketkv server to start (pid {pid})"
-    if not spinners():
-        log(message)
-        yield
-        return
-    with err.status(escape(message), spinner="dots"):
-        yield
+    return spinning(f"waiting for the rocketkv server to start (pid {pid})", elsewhere_logged=True)
 
 
 def unused_threads_note(server: Server | None, threads: int | None) -> None:

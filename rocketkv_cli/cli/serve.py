@@ -17,11 +17,10 @@ from ..serve.client import (
     ServerError,
     default_socket,
     health,
+    health_after_start,
     parse_url,
     post,
-    starting_pid,
     tcp_servers,
-    wait_started,
 )
 from ..serve.config import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_QUEUE, ServeConfig, default_memory_budget
 from ..signals import Terminated, handled, received
@@ -39,14 +38,6 @@ def _where(socket: Optional[Path], host: Optional[str], port: Optional[int], api
     return Server(path=str(socket or default_socket()), api_key=api_key)
 
 
-def _health(where: Server) -> dict | None:
-    """`/health` of the server at `where`, waiting for one still starting there (`starting_pid`)."""
-    if where.path is not None and (pid := starting_pid(Path(where.path))) is not None:
-        with starting_said(pid):
-            return wait_started(where, pid)
-    return health(where)
-
-
 def _none_running(where: Server, hint: str) -> ServerError:
     """ "no rocketkv server is running on URL", naming the TCP servers that do run when `where` is a
     socket (a server started with --port is found with --port too)."""
@@ -59,7 +50,7 @@ def _none_running(where: Server, hint: str) -> ServerError:
 
 
 def _status(where: Server, json_out: bool) -> None:
-    info = _health(where)
+    info = health_after_start(where, starting_said)
     if info is None:
         raise _none_running(where, "start one with `rocketkv serve`")
     if json_out:
@@ -79,7 +70,7 @@ def _status(where: Server, json_out: bool) -> None:
 
 
 def _stop(where: Server) -> None:
-    if _health(where) is None:
+    if health_after_start(where, starting_said) is None:
         raise _none_running(where, "nothing to stop")
     status, _ = post(where, "/v1/rocketkv/shutdown", {})
     if status != 200:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Annotated, Any, Optional
 
@@ -13,7 +12,7 @@ from rich.cells import cell_len, set_cell_size
 
 from ..errors import UsageError
 from .answers import AnswerPrinter, StreamOpt, resolve_format, share, where
-from .common import err, ingest, load_engine, log, open_stream, prefill_config, setup, spinners
+from .common import err, ingest, load_engine, log, open_stream, prefill_config, setup, spinners, spinning
 from .options import (
     CacheOpt,
     DenseOpt,
@@ -177,24 +176,13 @@ def summarize_command(
         from ..api.summaries import summarize  # torch: only once the model is loaded
 
         t0 = time.perf_counter()
-        with summarizing():
+        with spinning("summarizing"):  # a model writing a summary takes seconds with nothing else shown
             final = summarize(rk.engine, stored, cfg, max_new_tokens, not dense, on_partial,
                               extractive=writing is None, cite=n_cite,
                               write_from=writing or "document")  # as `rk.summarize`  # fmt: skip
     print_summary(final, source, time.perf_counter() - t0, partials, extractive, AnswerPrinter(fmt, stream), given)
     if server_hint:
         log(read_here_note("summarize"))
-
-
-@contextlib.contextmanager
-def summarizing() -> Iterator[None]:
-    """A spinner on a terminal while a summary is made (a model writing one takes seconds with
-    nothing else on the screen); the parts' lines print above it."""
-    if not spinners():
-        yield
-        return
-    with err.status("summarizing", spinner="dots"):
-        yield
 
 
 def partial_logger(partials: list[dict], cite: bool = False) -> Callable[[Any], None]:

@@ -173,10 +173,7 @@ def locate(url: str | None, no_server: bool,
             if url:
                 raise
             raise errors.UsageError(exc.message.replace("--server ", "$ROCKETKV_SERVER=", 1), exc.hint) from None
-        if server.path is not None and (pid := starting_pid(Path(server.path))) is not None and waiting is not None:
-            with waiting(pid):
-                wait_started(server, pid)  # `rocketkv serve --socket S &` a moment ago
-        if health(server) is None:
+        if health_after_start(server, waiting) is None:  # `rocketkv serve --socket S &` a moment ago: waited for
             where = "" if url else " ($ROCKETKV_SERVER)"
             instead = "answer here without --server" if url else "unset $ROCKETKV_SERVER, or pass --no-server"
             raise ServerError(f"no rocketkv server answers at {server.url}{where}",
@@ -184,19 +181,15 @@ def locate(url: str | None, no_server: bool,
         return server
     path = default_socket()
     server = Server(path=str(path), api_key=api_key)
-    pid = starting_pid(path)
-    if pid is not None:  # `rocketkv serve &` a moment ago: its socket is bound, torch still importing
-        if waiting is None:
-            return server if _listening(path) == "listening" else None
-        with waiting(pid):
-            info = wait_started(server, pid)
-    else:
+    if starting_pid(path) is None:
         try:
             if os.stat(path).st_uid != os.getuid():  # another user's socket: never send them our questions
                 return None
         except OSError:
             return None
-        info = health(server)
+    elif waiting is None:  # `rocketkv serve &` a moment ago: its socket is bound, torch still importing
+        return server if _listening(path) == "listening" else None
+    info = health_after_start(server, waiting)
     if info is None or info.get("version") != __version__:  # an older server left running: answer here
         return None
     return server
@@ -247,6 +240,17 @@ def starting_pid(path: Path) -> int | None:
         return None
     pid = int(said[0])
     return pid if _alive(pid) else None  # one killed while it started: its lock is free, the socket stale
+
+
+def health_after_start(server: Server, waiting: Callable[[int], AbstractContextManager] | None) -> dict | None:
+    """`health(server)`; for a server still starting on its Unix socket (`starting_pid`), once it
+    serves, with the context `waiting(pid)` held meanwhile (`wait_started`; without `waiting`, no
+    wait)."""
+    pid = starting_pid(Path(server.path)) if server.path is not None else None
+    if pid is None or waiting is None:
+        return health(server)
+    with waiting(pid):
+        return wait_started(server, pid)
 
 
 def wait_started(server: Server, pid: int, timeout: float = STARTING_WAIT_S) -> dict | None:

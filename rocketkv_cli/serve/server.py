@@ -63,6 +63,14 @@ def mark(lock_fd: int, state: str) -> None:
     os.pwrite(lock_fd, f"{os.getpid()} {state}\n".encode(), 0)
 
 
+def release(lock_fd: int) -> None:
+    """Empty the lock file (no "starting" left for a client to wait on once this process is gone)
+    and let the lock go."""
+    with contextlib.suppress(OSError):
+        os.ftruncate(lock_fd, 0)
+    os.close(lock_fd)
+
+
 def bind_unix(path: Path) -> tuple[socket.socket, int]:
     """A listening Unix socket at `path` (mode 0600 from the start), and the lock's descriptor.
     A stale socket file (its server is gone: the lock was free) is replaced. Raises InputError."""
@@ -83,9 +91,7 @@ def bind_unix(path: Path) -> tuple[socket.socket, int]:
             os.umask(old)
         sock.listen(128)
     except (OSError, InputError) as exc:
-        with contextlib.suppress(OSError):
-            os.ftruncate(lock_fd, 0)
-        os.close(lock_fd)
+        release(lock_fd)
         if isinstance(exc, InputError):
             raise
         raise InputError(f"cannot listen on {path}: {exc.strerror or exc}") from None
@@ -143,9 +149,7 @@ def serve(cfg: ServeConfig, log: Log) -> None:
             except OSError:
                 pass
         if lock_fd is not None:
-            with contextlib.suppress(OSError):
-                os.ftruncate(lock_fd, 0)  # not "starting" for a client to wait on once this process is gone
-            os.close(lock_fd)
+            release(lock_fd)
         if listed is not None:
             listed.unlink(missing_ok=True)
 

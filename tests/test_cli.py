@@ -214,6 +214,16 @@ def test__inspect_json__describes_the_cache(rocketkv_bin, env, kv):
     assert info["layer_budgets"] == "uniform"  # named as `ingest --json` names it (the config omits the default)
 
 
+def test__inspect__imports_no_transformers(rocketkv_bin, env, kv):
+    """`inspect` reads and checks the file with torch alone: transformers (seconds to import) and
+    the model stay out of it."""
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "rocketkv_cli", "inspect", str(kv)],
+                       capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert r.returncode == 0 and "context tokens" in r.stdout, r.stderr[-2000:]
+    assert "transformers" not in imported, sorted(m for m in imported if m.startswith("transformers"))[:5]
+
+
 def test__ingest__existing_target_refused_without_force(rocketkv_bin, env, kv, doc, tiny_model_dir):
     before = kv.read_bytes()
     r = run(rocketkv_bin, env, "ingest", doc, "-o", kv, "--model", tiny_model_dir)

@@ -13,11 +13,10 @@ from ..core.config import AttentionChoice
 from ..engine.answer import decode_config_for
 from ..errors import CacheFormatError, InputError, UsageError
 from ..model.loading import PRESETS, configure_transformers
-from ..store.checkpoints import Checkpoints
-from ..store.describe import describe as store_describe
-from ..store.format import load_cache
 from .citations import check_citable
-from .preflight import check_cache_file
+from .files import describe as describe  # re-exported: defined without transformers
+from .files import pending_checkpoints as pending_checkpoints
+from .files import read_cache as read_cache
 from .preflight import check_questions as check_questions  # defined torch-free, re-exported
 
 
@@ -31,18 +30,6 @@ def decode_weights_for(cache: AnyCache) -> str | None:
     was prefilled with integer weights (int8/int4 change what stage 1 kept), else None (the
     model's measured default: float and bf16 prefill alike, `model.weights.Bf16Linear`)."""
     return cache.info.weights if cache.info.weights in ("int8", "int4") else None
-
-
-def read_cache(path: str | Path) -> AnyCache:
-    """Load and validate a `.kv` file without a model. Raises CacheFormatError."""
-    check_cache_file(path)
-    return load_cache(path)
-
-
-def describe(path: str | Path) -> dict:
-    """What a `.kv` file holds (for `inspect`), validated; no model is loaded. Raises CacheFormatError."""
-    check_cache_file(path)
-    return store_describe(path)
 
 
 def check_decode_options(cache: AnyCache, dense: bool = False, hsa: bool = False, topk: int | None = None,
@@ -92,9 +79,3 @@ def check_cite(cache: AnyCache, cite: int, segments: int = 1) -> None:
         raise InputError("--cite needs one segment per answer", "drop --segments, or give --segment J")
     for part in cache.segments if isinstance(cache, SegmentedKVCache) else (cache,):
         check_citable(part)
-
-
-def pending_checkpoints(output: Path) -> tuple[int, Path]:
-    """(count, folder) of checkpointed segments an earlier, interrupted ingest into `output` left."""
-    checkpoints = Checkpoints(output)
-    return checkpoints.count(), checkpoints.dir

@@ -119,7 +119,7 @@ def ingest_command(
     target = check_output(output if output is not None else default_output(document), force, document)
     report_abandoned(target.parent, skip=target)
     rk = load_engine(model, device, dtype or "auto", trust_remote_code, weights)
-    from ..api.rocketkv import pending_checkpoints
+    from ..api.files import pending_checkpoints
 
     count, folder = pending_checkpoints(target)
     if count:

@@ -23,7 +23,7 @@ def inspect_command(
     from ..api.preflight import check_cache_file
 
     check_cache_file(cache, "inspect")  # a missing or unreadable path fails before torch is imported
-    from ..api.rocketkv import describe
+    from ..api.files import describe
 
     report_abandoned(cache.parent)
     info = describe(cache)

@@ -20,7 +20,7 @@ from ..errors import CacheFormatError
 from .header import FORMAT_VERSION, MAX_HEADER_BYTES, CacheFile, parse_header, rebuild_hint, version_for
 from .legacy import payload_digest, read_legacy
 from .metadata import REQUIRED_METADATA, all_segments, metadata_digest, metadata_info
-from .v3 import write_v3
+from .v3 import FileSegment, write_v3
 from .v3_read import read_v3
 
 __all__ = [  # the names callers import from here (the format's entry points)
@@ -86,6 +86,9 @@ def verify_file(path: str | Path) -> AnyCache:
     back whole. Returns the cache (its segments read again lazily on use). Raises CacheFormatError."""
     cache = load_cache(path, lazy=True)
     for seg in all_segments(cache):
-        seg.layers  # noqa: B018  (reads, checks the digest and every tensor against the metadata)
-        seg.release()
+        if isinstance(seg, FileSegment):
+            seg.check()  # reads, checks the digest and every tensor against the metadata
+        else:  # a legacy file's segment: read whole
+            seg.layers  # noqa: B018
+            seg.release()
     return cache

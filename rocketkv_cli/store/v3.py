@@ -42,6 +42,7 @@ class FileSegment(CompressedKVCache):
     """A segment of an open v3/v4 file: tokens read, KV read (and verified) on first use."""
 
     stored_loader: Callable[[], dict[str, torch.Tensor]]
+    check: Callable[[], None]  # reads the KV bytes and checks them as `layers` does, decoding nothing
     specs: dict[str, tuple[torch.dtype, list[int]]]
 
 

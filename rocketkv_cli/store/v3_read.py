@@ -138,9 +138,15 @@ def _segment(f: CacheFile, base: int, names: dict[str, dict], entry: dict, info:
             raise CacheFormatError(f"{shown}: {where}layer tensors disagree with the metadata", rebuild)
         return out  # type: ignore[return-value]
 
+    def check() -> None:  # what `layers` checks, without decoding the integer codes to float32
+        tensors = stored()
+        if not all(_checked(tensors, i, info) for i in range(info.identity.n_layers)):
+            raise CacheFormatError(f"{shown}: {where}layer tensors disagree with the metadata", rebuild)
+
     seg = FileSegment(info, loader=layers, token_ids=tokens.get("token_ids"),
                       token_offsets=tokens.get("token_offsets"), token_lines=tokens.get("token_lines"))  # fmt: skip
     seg.stored_loader = stored
+    seg.check = check
     seg.specs = {name: (_torch_dtype(names[name]["dtype"]), names[name]["shape"]) for name in kv_names}
     return seg
 
@@ -159,20 +165,34 @@ def _expected_names(info: CacheInfo) -> tuple[set[str], set[str]]:
 
 def _layer(tensors: dict[str, torch.Tensor], i: int, info: CacheInfo) -> LayerKV | None:
     """Layer i from its stored tensors, or None when they disagree with the metadata."""
+    if not _checked(tensors, i, info):
+        return None
+    positions = tensors[f"layers.{i}.positions"].to(torch.int64).unsqueeze(0)
+    storage = info.storage
+    if not storage.is_integer:
+        k, v = tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"]
+        return LayerKV(k.unsqueeze(0), v.unsqueeze(0), positions)
+    parts = {p: tensors[f"layers.{i}.{p}"] for p in layer_part_names(storage)}
+    try:
+        return LayerKV.from_stored(parts, positions, storage, info.identity.head_dim)
+    except (ValueError, RuntimeError):  # anything the checks missed is still a refusal, never a crash
+        return None
+
+
+def _checked(tensors: dict[str, torch.Tensor], i: int, info: CacheInfo) -> bool:
+    """Whether layer i's stored tensors agree with the metadata: positions, shapes, dtypes, finite
+    scales and minimums, non-negative scales, allocated key bits within their bytes."""
     n_kv, d, storage = info.identity.n_kv_heads, info.identity.head_dim, info.storage
     pos = tensors[f"layers.{i}.positions"]
     if pos.dtype not in POSITION_DTYPES or pos.dim() != 2:
-        return None
+        return False
     s = pos.shape[1]
     if not positions_ok(pos, n_kv, s, info.n_context_tokens):
-        return None
-    positions = pos.to(torch.int64).unsqueeze(0)
+        return False
     if not storage.is_integer:
         k, v = tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"]
         want = FLOAT_DTYPES[storage.kv_dtype]
-        if k.shape != (n_kv, s, d) or v.shape != (n_kv, s, d) or k.dtype != want or v.dtype != want:
-            return None
-        return LayerKV(k.unsqueeze(0), v.unsqueeze(0), positions)
+        return k.shape == (n_kv, s, d) and v.shape == (n_kv, s, d) and k.dtype == want and v.dtype == want
     parts = {p: tensors[f"layers.{i}.{p}"] for p in layer_part_names(storage)}
     width = d // 2 if storage.bits == 4 else d
     gd = min(storage.value_group_dims, d)
@@ -192,23 +212,18 @@ def _layer(tensors: dict[str, torch.Tensor], i: int, info: CacheInfo) -> LayerKV
     for p, shape in shapes.items():
         t = parts[p]
         if t.shape != shape:
-            return None
+            return False
         if p == "keys.bits":  # each channel 1–8 bits, each head's codes within the int4 bytes it was given
             if t.dtype != torch.uint8 or bool(((t < 1) | (t > 8)).any()) or bool((t.long().sum(1) > 4 * d).any()):
-                return None
+                return False
         elif p.endswith(".q"):
             if t.dtype != torch.uint8:
-                return None
+                return False
         elif p == "keys.rope_freqs":
             if t.dtype != torch.float32 or not bool(torch.isfinite(t).all()):
-                return None
+                return False
         elif t.dtype not in (torch.float16, torch.float32) or not bool(torch.isfinite(t).all()):
-            return None
+            return False
     if any(bool((parts[p] < 0).any()) for p in ("keys.scale", "values.scale")):
-        return None
-    if d % 2 and (storage.bits == 4 or storage.rotation == "rope"):  # no model has one; the codes need pairs
-        return None
-    try:
-        return LayerKV.from_stored(parts, positions, storage, d)
-    except (ValueError, RuntimeError):  # anything the checks above missed is still a refusal, never a crash
-        return None
+        return False
+    return not (d % 2 and (storage.bits == 4 or storage.rotation == "rope"))  # no model has one; codes need pairs

@@ -878,6 +878,32 @@ def test__a_questions_file_without_questions__says_so(rocketkv_bin, env, kv, tmp
     assert run(rocketkv_bin, env, "ask", "--cache", kv).returncode == 2
 
 
+def test__comment_lines__are_not_asked(rocketkv_bin, env, kv, tmp_path):
+    """A line whose first character other than a space is # is a comment in a questions file,
+    in `ask -` and in a chat piped in (it was asked as a question); comments alone are no question."""
+    expected = run(rocketkv_bin, env, "ask", "--cache", kv, QS[0], QS[2], "--json")
+    (tmp_path / "qs.txt").write_text(f"# about the document\n{QS[0]}\n  # an aside\n\n{QS[2]}\n")
+    from_file = run(rocketkv_bin, env, "ask", "--cache", kv, "--questions-file", tmp_path / "qs.txt", "--json")
+    chatted = run(rocketkv_bin, env, "chat", "--cache", kv, "--json", stdin=(tmp_path / "qs.txt").read_text())
+    drop = lambda out: [{k: v for k, v in json.loads(x).items() if not k.endswith("_s")} for x in out.splitlines()]
+    assert from_file.returncode == 0 and drop(from_file.stdout) == drop(expected.stdout), from_file.stderr
+    assert chatted.returncode == 0 and drop(chatted.stdout) == drop(expected.stdout), chatted.stderr
+    assert "no questions in stdin" in assert_one_line_error(run(rocketkv_bin, env, "ask", "--cache", kv, "-",
+                                                                stdin="# only a comment\n"))  # fmt: skip
+
+
+def test__chat_without_a_question_piped_in__ends_before_the_model_loads(rocketkv_bin, env, kv):
+    """`chat < /dev/null` (or blank and comment lines only) says so in one line, exit 1, without
+    importing torch (it loaded the model first, then ended with nothing)."""
+    for stdin in ("", "\n  \n# nothing to ask\n"):
+        r = subprocess.run([sys.executable, "-X", "importtime", "-m", "rocketkv_cli", "chat", "--cache", str(kv)],
+                           input=stdin, capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+        imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if "import time:" in line}
+        errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
+        assert r.returncode == 1 and errors == ["Error: no questions in stdin — write one question per line"], r.stderr
+        assert "torch" not in imported and r.stdout == ""
+
+
 def test__cli_dtype_names__are_the_loaders():
     """`--dtype` is checked at parse time against cli/'s own list (cli/ imports no torch): it must
     name exactly what `model.loading` loads, and auto."""

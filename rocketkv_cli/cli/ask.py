@@ -31,7 +31,7 @@ from .answers import (
     sampling_note,
     usage_error,
 )
-from .common import Timings, cache_budget_note, log, question_bar, setup, threads_note
+from .common import Timings, cache_budget_note, is_question, log, question_bar, setup, threads_note
 from .options import (
     CacheOpt,
     DenseOpt,
@@ -64,7 +64,8 @@ MAX_QUESTIONS_BYTES = 16 * 2**20  # a questions file (or stdin) larger than this
 
 
 def read_questions(positional: list[str], questions_file: Optional[str], doc_is_stdin: bool) -> list[str]:
-    """Questions from arguments and a file (`-` = stdin), one per line; may be empty. Raises
+    """Questions from arguments and a file (`-` = stdin), one per line (blank lines and # comment
+    lines skipped); may be empty. Raises
     InputError (a file that cannot be read or decoded, or over `MAX_QUESTIONS_BYTES`: `/dev/zero`
     was read until the machine ran out of memory)."""
     questions = list(positional)
@@ -88,7 +89,7 @@ def read_questions(positional: list[str], questions_file: Optional[str], doc_is_
             text = data.decode("utf-8-sig")
         except UnicodeDecodeError as exc:
             raise InputError(f"cannot read {where}: {exc}") from None
-        questions += [line.strip() for line in text.split("\n") if line.strip()]  # only \n ends a question
+        questions += [line.strip() for line in text.split("\n") if is_question(line)]  # only \n ends a question
     return check_questions(questions) if questions else questions  # none: `questions_of` says why
 
 
@@ -184,7 +185,8 @@ def ask_command(
     ] = None,
     cache: CacheOpt = None,
     questions_file: Annotated[
-        Optional[str], typer.Option(metavar="FILE", help="File with one question per line, or - for stdin.")
+        Optional[str],
+        typer.Option(metavar="FILE", help="File with one question per line (# starts a comment line), or - for stdin."),
     ] = None,
     max_new_tokens: MaxNewOpt = None,
     budget: DocBudgetOpt = None,

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ..api.preflight import check_questions
+from ..api.preflight import check_cache_file, check_questions, open_document
 from ..core.config import AttentionChoice
 from ..errors import InputError, RocketKVError, UsageError
 from ..serve.client import home
@@ -38,7 +38,7 @@ from .answers import (
     focus_passages_note,
     sampling_note,
 )
-from .common import cache_budget_note, err, fail, log, question_bar, setup
+from .common import cache_budget_note, err, fail, is_question, log, question_bar, setup
 from .options import (
     CacheOpt,
     DenseOpt,
@@ -79,6 +79,7 @@ class Prompt:
         if hasattr(sys.stdin, "reconfigure"):  # undecodable bytes reach check_questions, not a traceback
             sys.stdin.reconfigure(errors="surrogateescape")
         self.readline = None
+        self._pending: str | None = None  # the first question of a pipe, read before a model loads
         if self.interactive and sys.stdout.isatty():
             try:
                 import readline
@@ -92,8 +93,26 @@ class Prompt:
                 pass
             self.readline.set_history_length(1000)
 
+    def first_question(self) -> None:
+        """From a pipe or a file, read ahead to the first question (a line neither blank nor a #
+        comment), so that an input without one ends the command before a model loads; `read`
+        returns it first. Nothing is read at a terminal. Raises InputError: no question."""
+        if self.interactive:
+            return
+        while True:
+            try:
+                line = self.read()
+            except EOFError:
+                raise InputError("no questions in stdin", "write one question per line") from None
+            if is_question(line):
+                self._pending = line
+                return
+
     def read(self) -> str:
         """The next line. Raises EOFError at the end (Ctrl-D), KeyboardInterrupt on Ctrl-C."""
+        if self._pending is not None:
+            line, self._pending = self._pending, None
+            return line
         if self.readline is not None:
             ahead = self._typed_ahead()
             if ahead is None:
@@ -222,6 +241,13 @@ def chat_command(
         check_focus(options)
         focus_passages_note(ctx, focus)
     choice = ModelChoice(model, device, dtype, weights, trust_remote_code)
+    prompt = Prompt(home() / "chat_history")
+    if not prompt.interactive:  # `chat < /dev/null` ends before a model loads; a bad source is named first
+        if cache is not None:
+            check_cache_file(cache, "chat")
+        else:
+            open_document(str(document), encoding, errors)
+        prompt.first_question()
     remote = server_for(server, no_server) if cache is not None else None
     turn: Callable[[str], Turn]
     if remote is not None and cache is not None:  # a server only with --cache
@@ -241,7 +267,7 @@ def chat_command(
             turn = local_turns(focused_stream, source)
         else:
             turn = local_turns(rk.session(stored, log=log, **options).stream, source)
-    if converse(Prompt(home() / "chat_history"), turn, source, json_out):
+    if converse(prompt, turn, source, json_out):
         raise typer.Exit(1)
 
 
@@ -289,7 +315,7 @@ def converse(prompt: Prompt, turn: Callable[[str], Turn], source: str, json_out:
             err.print()  # a new prompt on its own line, like a shell
             continue
         question = line.strip()
-        if not question:
+        if not question or (not interactive and question.startswith("#")):  # a blank line, a comment in a pipe
             continue
         command = typed_command(question, interactive)
         if command == "quit":

@@ -480,3 +480,10 @@ OPTION_NAMES = {"token_budget": "--budget", "store_budget": "--store-budget", "m
 def option_names(message: str) -> str:
     """`message` with configuration field names replaced by the command-line options that set them."""
     return re.sub(r"(?<![\w-])(" + "|".join(OPTION_NAMES) + r")(?![\w-])", lambda m: OPTION_NAMES[m.group(1)], message)
+
+
+def is_question(line: str) -> bool:
+    """Whether a line read from a questions file or a pipe is a question: not blank, and not a
+    comment (its first character other than a space is #)."""
+    text = line.strip()
+    return bool(text) and not text.startswith("#")

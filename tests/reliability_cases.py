@@ -614,6 +614,7 @@ CASES: list[Case] = [
     Case("document a little longer than the budget", "options", lambda ws: ["ingest", ws.file("over.txt", b"The cat sat on the mat all day. Its name is Tom; the dog is Rex.\n"), "-o", ws.root / "over.kv", "--budget", "64", *M(ws)], 0, "", check=_kept_at_least_budget, notes="keeps the 64 tokens the budget allows, never fewer"),
     Case("unknown model name", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "m.kv", "--model", "no-such-model"], 1, "unknown model"),
     Case("model directory without weights", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "m.kv", "--model", no_weights(ws)], 1, "no *.safetensors"),
+    Case("a .gguf model that is no GGUF", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "m.kv", "--model", ws.file("junk.gguf", b"not a model")], 1, "is not a GGUF file"),
     Case("unsupported architecture", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "m.kv", "--model", unsupported(ws)], 1, "unsupported architecture"),
     Case("--device cuda without a GPU", "options", lambda ws: ["ingest", ws.doc, "-o", ws.root / "c.kv", "--device", "cuda", *M(ws)], 1, "no CUDA GPU"),
     # outputs

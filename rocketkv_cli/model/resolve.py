@@ -10,9 +10,7 @@ itself is `loading.py`'s.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import os
 import shutil
 import subprocess
@@ -156,24 +154,16 @@ def _converted_dir(gguf: Path, progress: Progress, key: str | None = None) -> Pa
     target = rocketkv_home() / "models" / f"{gguf.stem}-{key}"
     if (target / "config.json").exists():
         return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     progress(f"converting {gguf.name} to safetensors once (about a minute on 2 cores)")
-    try:  # the GGUF loader draws its own tqdm bar: in a log file a flood of lines, on a terminal a bar
-        # drawn under rocketkv's spinner that comes out as a burst of separate lines; the line above says it
-        with contextlib.redirect_stderr(io.StringIO()):
-            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    except Exception as exc:  # transformers raises many types for a bad GGUF
-        raise ModelLoadError(
-            f"cannot load GGUF {gguf}: {exc}".splitlines()[0], "check the file, or use another --model"
-        ) from exc
-    model.hf_quantizer = None  # type: ignore[assignment]  # the de-quantized model refuses save_pretrained while it keeps these
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
     with tempfile.TemporaryDirectory(dir=_mkdir(target.parent)) as tmp:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        # a child process (model/convert.py): the GGUF reader holds the GIL for tens of seconds,
+        # which froze the spinner drawn here, and its float32 copy's memory goes with the child
+        done = subprocess.run([sys.executable, "-m", "rocketkv_cli.model.convert", str(gguf), tmp],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, errors="replace")  # fmt: skip
+        if done.returncode != 0 or not (Path(tmp) / "config.json").is_file():
+            why = (done.stderr.strip().splitlines() or [f"the conversion exited with {done.returncode}"])[-1]
+            raise ModelLoadError(f"cannot load GGUF {gguf}: {why}", "check the file, or use another --model")
         try:
             os.replace(tmp, target)
         except OSError:

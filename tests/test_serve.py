@@ -616,6 +616,39 @@ def test__ask_right_after_serve_waits_for_the_server_to_start(rocketkv_bin, env,
         proc.wait(timeout=30)
 
 
+def test__ask_server_url_right_after_serve_port_waits_for_it_to_start(rocketkv_bin, env, caches, tmp_path):
+    """`rocketkv serve --port P &` then `ask --server http://localhost:P` at once: the server
+    listens before it imports torch and notes "starting" beside its URL in `tcp-servers/PID`; the
+    ask waits for it (it said "no rocketkv server answers" after the 2 s /health time-out)."""
+    home = tmp_path / "home"
+    environ = {**env, "ROCKETKV_HOME": str(home)}
+    proc = subprocess.Popen([rocketkv_bin, "serve", "--port", "0", "--allow-dir", str(caches[0].parent),
+                             "--idle-timeout", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=environ)  # fmt: skip
+    listed = home / "tcp-servers" / str(proc.pid)
+    try:
+        deadline = time.monotonic() + 60
+        while not (listed.exists() and listed.read_text().endswith("\nstarting\n")):
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not list itself starting"
+            time.sleep(0.01)
+        port = listed.read_text().split("\n")[0].rpartition(":")[2]
+        asked = run(rocketkv_bin, environ, "ask", "--server", f"http://localhost:{port}", "--cache", caches[0], "-v",
+                    QUESTIONS[0])  # fmt: skip
+        assert asked.returncode == 0, asked.stderr
+        assert f"rocketkv: waiting for the rocketkv server to start (pid {proc.pid})" in asked.stderr, asked.stderr
+        assert f"answered by the server at http://localhost:{port}" in asked.stderr, asked.stderr
+        local = run(rocketkv_bin, environ, "ask", "--cache", caches[0], "--no-server", QUESTIONS[0])
+        assert asked.stdout == local.stdout
+        deadline = time.monotonic() + 10
+        while not listed.read_text().endswith("\nready\n"):
+            assert time.monotonic() < deadline, listed.read_text()
+            time.sleep(0.05)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert not listed.exists()
+
+
 def test__a_lock_left_saying_starting_is_not_waited_on(rocketkv_bin, env, caches, tmp_path):
     """A lock file that says "PID starting" for a live process but with no server behind it (a
     server stopped as it started, its pid reused) made every command wait two minutes: with no

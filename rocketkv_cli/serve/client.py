@@ -41,7 +41,7 @@ BUSY_WAIT_S = 600.0  # how long a client waits for a busy server (503) before it
 UNIX_PATH_MAX = 107  # bytes in sockaddr_un.sun_path, less the terminating NUL (Linux)
 STARTING_WAIT_S = 120.0  # how long a client waits for a server that is starting (its imports: seconds)
 LOCK_STARTING, LOCK_READY = "starting", "ready"  # what a server's lock file says after its pid
-TCP_SERVERS = "tcp-servers"  # $ROCKETKV_HOME/tcp-servers/PID: the URL of each TCP server running
+TCP_SERVERS = "tcp-servers"  # $ROCKETKV_HOME/tcp-servers/PID: the URL of each TCP server running, then its state
 
 
 def home() -> Path:
@@ -197,6 +197,25 @@ def locate(url: str | None, no_server: bool,
 
 def tcp_servers() -> list[str]:
     """The URLs of this user's TCP servers still running (`server.list_tcp_server`), by pid."""
+    return [url for _, url, _ in _listed_tcp_servers()]
+
+
+def tcp_starting_pid(server: Server) -> int | None:
+    """The pid of a live TCP server of this user listening at `server`'s host and port that is
+    still starting, as its `tcp-servers/PID` file says; else None."""
+    for pid, url, state in _listed_tcp_servers():
+        if state == LOCK_STARTING and url == f"http://{_loopback(server.host)}:{server.port}":
+            return pid
+    return None
+
+
+def _loopback(host: str | None) -> str | None:
+    """`localhost` as the address a server started with the default --host lists."""
+    return "127.0.0.1" if host == "localhost" else host
+
+
+def _listed_tcp_servers() -> list[tuple[int, str, str]]:
+    """(pid, URL, state) of each TCP server `server.list_tcp_server` noted whose process lives."""
     found = []
     try:
         entries = sorted((home() / TCP_SERVERS).iterdir(), key=lambda p: p.name)
@@ -205,11 +224,11 @@ def tcp_servers() -> list[str]:
     for entry in entries:
         if entry.name.isdigit() and _alive(int(entry.name)):
             try:
-                url = entry.read_text().strip()
+                url, _, state = entry.read_text().strip().partition("\n")
             except OSError:
                 continue
             if re.fullmatch(r"http://\S+:\d+", url):  # one being written, or damaged: not named
-                found.append(url)
+                found.append((int(entry.name), url, state.strip() or LOCK_READY))
     return found
 
 
@@ -243,10 +262,10 @@ def starting_pid(path: Path) -> int | None:
 
 
 def health_after_start(server: Server, waiting: Callable[[int], AbstractContextManager] | None) -> dict | None:
-    """`health(server)`; for a server still starting on its Unix socket (`starting_pid`), once it
+    """`health(server)`; for a server still starting (`starting_pid`, `tcp_starting_pid`), once it
     serves, with the context `waiting(pid)` held meanwhile (`wait_started`; without `waiting`, no
     wait)."""
-    pid = starting_pid(Path(server.path)) if server.path is not None else None
+    pid = starting_pid(Path(server.path)) if server.path is not None else tcp_starting_pid(server)
     if pid is None or waiting is None:
         return health(server)
     with waiting(pid):
@@ -254,14 +273,19 @@ def health_after_start(server: Server, waiting: Callable[[int], AbstractContextM
 
 
 def wait_started(server: Server, pid: int, timeout: float = STARTING_WAIT_S) -> dict | None:
-    """`/health` of a server that is starting (`starting_pid`), once it answers; None when its
+    """`/health` of a server that is starting (`starting_pid`, `tcp_starting_pid`), once it answers; None when its
     process ends first, or its lock names it but nothing is bound or listening there (a lock left
     by a server stopped while it started). Raises ServerError when it is still starting after
     `timeout` seconds (answering beside its imports is what waiting avoids)."""
-    path = Path(str(server.path))
     deadline, missing_since = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
         info = health(server, timeout=1.0)  # connections wait in the socket's backlog until it serves
+        if server.path is None:  # TCP: bound before it was listed starting, so only its state is read
+            if info is not None or tcp_starting_pid(server) != pid:
+                return info or health(server)
+            time.sleep(0.1)
+            continue
+        path = Path(server.path)
         if info is not None or starting_pid(path) != pid:
             return info or health(server)
         state = _listening(path)

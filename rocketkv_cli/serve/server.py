@@ -138,6 +138,7 @@ def serve(cfg: ServeConfig, log: Log) -> None:
         def ready() -> None:
             if lock_fd is not None:
                 mark(lock_fd, LOCK_READY)
+            mark_listed(listed)
 
         _run(cfg, state_for(cfg, url, log), sock, url, log, ready)
     finally:
@@ -155,17 +156,26 @@ def serve(cfg: ServeConfig, log: Log) -> None:
 
 
 def list_tcp_server(url: str) -> Path | None:
-    """Note this TCP server in `$ROCKETKV_HOME/tcp-servers/PID` (its URL), so that `rocketkv serve
-    status` and `stop` without --port can name it (`client.tcp_servers`); None when that cannot be
-    written (only the hint is lost)."""
+    """Note this TCP server in `$ROCKETKV_HOME/tcp-servers/PID` (its URL, then "starting" until
+    `mark_listed` says "ready"), so that `rocketkv serve status` and `stop` without --port can name
+    it (`client.tcp_servers`) and a client waits while it starts (`client.tcp_starting_pid`); None
+    when that cannot be written (only the hint and the wait are lost)."""
     folder = home() / TCP_SERVERS
     try:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / str(os.getpid())
-        path.write_text(url + "\n")
+        path.write_text(f"{url}\n{LOCK_STARTING}\n")
     except OSError:
         return None
     return path
+
+
+def mark_listed(listed: Path | None) -> None:
+    """Say in a TCP server's `tcp-servers/PID` file that it serves now (clients stop waiting)."""
+    if listed is not None:
+        with contextlib.suppress(OSError):
+            url = listed.read_text().partition("\n")[0]
+            listed.write_text(f"{url}\n{LOCK_READY}\n")
 
 
 def state_for(cfg: ServeConfig, url: str, log: Log = lambda message: None) -> ServeState:

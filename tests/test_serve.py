@@ -356,6 +356,10 @@ def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches,
         got, data = send("POST", "/v1/rocketkv/ask", json.dumps({"cache": str(caches[0]), "questions": ["q"],
                                                                 **field}).encode())  # fmt: skip
         assert got == 403, (field, data)
+    for model in ("~/models/m", "org/../../tmp/m", "org/name/../m", "~"):  # read from the server's home or folder
+        got, data = send("POST", "/v1/rocketkv/ask", json.dumps({"cache": str(caches[0]), "questions": ["q"],
+                                                                "model": model}).encode())  # fmt: skip
+        assert got == 400 and "must be an absolute path" in data["error"]["message"], (model, data)
     unknown = json.dumps({"cache": str(caches[0]), "questions": ["q"], "model": "no-such-model"}).encode()
     got, data = send("POST", "/v1/rocketkv/ask", unknown)  # the request's mistake, not the server's
     assert got == 400 and data["error"]["type"] == "ModelLoadError", (got, data)
@@ -1070,3 +1074,16 @@ def test__job_waiting__a_long_wait_is_said_on_the_clients_stderr():
         assert events(job)[1:] == [{"event": "log", "message": "waited 12.3 s in the server behind another request"}]
     finally:
         loop.close()
+
+
+def test__a_model_path_is_sent_to_the_server_absolute(tmp_path, monkeypatch):
+    """`ask --model ./dir` through a server: the server takes only absolute model paths (a relative
+    one would be read from its own folder), so the client sends the path it means; presets and hub
+    ids go as they are."""
+    from rocketkv_cli.cli.sources import ModelChoice
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my-model").mkdir()
+    sent = lambda model: ModelChoice(model, "auto", None, None, False).for_server()["model"]
+    assert sent("my-model") == sent("./my-model") == str(tmp_path / "my-model")
+    assert sent("gemma-3-270m") == "gemma-3-270m" and sent("org/name") == "org/name" and sent(None) is None

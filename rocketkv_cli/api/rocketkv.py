@@ -39,7 +39,7 @@ from ..engine.answer import Answer, KeptAnswerer, Sampling, TextCallback, answer
 from ..engine.decoder import question_progress as question_progress
 from ..engine.engine import Engine, TokenProgress
 from ..errors import InputError, UsageError
-from ..model.loading import DEFAULT_MODEL, load_model
+from ..model.loading import DEFAULT_MODEL, PRESETS, load_model
 from ..model.resolve import resolve_device, resolve_dtype
 from ..store.checkpoints import Checkpoints
 from ..store.describe import kept_tokens_per_layer as kept_tokens_per_layer
@@ -512,6 +512,7 @@ def _scratch_checkpoints() -> Checkpoints:
 
 __all__ = [
     "DEFAULT_MODEL",
+    "PRESETS",
     "Answer",
     "abandoned_ingests",
     "check_cache_file",

@@ -13,6 +13,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import stat
 import threading
 import traceback
@@ -23,6 +24,7 @@ from typing import Any
 from ..api.preflight import check_questions
 from ..api.rocketkv import (
     DEFAULT_MODEL,
+    PRESETS,
     RocketKV,
     check_cite,
     check_decode_options,
@@ -110,12 +112,23 @@ def allowed_path(raw: str, roots: tuple[Path, ...] | None, what: str) -> Path:
 
 
 def model_choice(body: dict, roots: tuple[Path, ...] | None) -> str | None:
-    """The `model` field: a preset or hub id as given; a path (a model directory, a .gguf file)
-    resolved and inside the allowed roots like any other path. Raises BadRequest."""
+    """The `model` field: a preset or a hub id (`org/name`, no such folder here) as given; anything
+    else is a path (a model directory, a .gguf file: absolute, resolved, inside the allowed roots
+    like any other path; `~/…` and `org/../x` were read from the server's home and working
+    folder). Raises BadRequest."""
     model = _field(body, "model", str)
-    if model is None or not (model.startswith(("/", ".")) or model.endswith(".gguf")):
+    if model is None or model in PRESETS or _hub_id(model):
         return model
     return str(allowed_path(model, roots, "'model'"))
+
+
+def _hub_id(model: str) -> bool:
+    """Whether `model` names a model of the Hugging Face hub (`org/name`, or a bare name), which
+    the server reads only from the hub's local cache: not when a file or folder of that name lies
+    in the server's working folder (the loader would read that)."""
+    parts = model.split("/")
+    named = len(parts) <= 2 and all(re.fullmatch(r"[A-Za-z0-9][\w.-]*", part) for part in parts)
+    return named and not os.path.lexists(model)  # a bare name that is no preset: the loader says "unknown model"
 
 
 def trusted(body: dict, allowed: bool) -> bool:

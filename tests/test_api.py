@@ -78,6 +78,26 @@ def test__known_failures_are_rocketkv_errors(rk, doc, tmp_path, tiny_model_dir):
         rk.open(bad)
 
 
+def test__a_cache_opened_for_another_model__is_refused_where_it_is_answered(rk, doc, tmp_path):
+    """`rk.open` checks the file against the model, but a cache opened (or ingested) by one
+    `RocketKV` and handed to another was answered from: silently with the same shapes, with a
+    RuntimeError otherwise. Every answering call checks it now."""
+    from conftest import byte_tokenizer, tiny_model
+
+    other_dir = tmp_path / "other-model"
+    tiny_model("llama", seed=5).float().save_pretrained(other_dir)  # the same shapes, other weights
+    byte_tokenizer().save_pretrained(other_dir)
+    other = RocketKV.load(str(other_dir), device="cpu")
+    cache = rk.ingest(str(doc), token_budget=64).cache
+    calls = [lambda: list(other.ask(cache, ["Which code?"])), lambda: other.session(cache),
+             lambda: other.stream(cache, "Which code?"), lambda: other.ask_focused(cache, "Which code?"),
+             lambda: other.summarize(cache)]  # fmt: skip
+    for call in calls:
+        with pytest.raises(CacheFormatError, match="the cache was built for another model"):
+            call()
+    assert list(rk.ask(cache, ["Which code?"]))[0].text == list(rk.ask(cache, ["Which code?"]))[0].text
+
+
 def test__another_preset_than_the_cache_was_built_with__refused_before_loading(rk, doc, tmp_path):
     """`check_model_choice`: a preset named with --model that is not the cache's preset is
     refused from the file's header; the cache's own preset, no choice, or a model directory

@@ -257,7 +257,7 @@ class RocketKV:
         self.check(cache, str(path))
         return cache
 
-    def check(self, cache: AnyCache, path: str = "the cache") -> None:
+    def check(self, cache: AnyCache, path: str | None = None) -> None:
         """Refuse a cache built for another model, tokenizer or template. Raises CacheFormatError."""
         first = cache.segments[0] if isinstance(cache, SegmentedKVCache) else cache
         self.engine.check(first, path)
@@ -361,7 +361,7 @@ class RocketKV:
         as `ask_focused`'s (raised when the iteration starts); `on_chosen` gets the passages first."""
 
         def steps() -> Generator[str, None, Answer]:
-            _check_cache(cache)
+            self._opened(cache)
             if max_new_tokens is not None:
                 _positive_count("max_new_tokens", max_new_tokens)
             check_questions([question])
@@ -459,10 +459,17 @@ class RocketKV:
             "exact_working_set": not hsa,
         }  # a re-selected working set is attended exactly unless --hsa
 
+    def _opened(self, cache: AnyCache) -> None:
+        """Refuse what is not an opened cache (UsageError) or one built for another model than this
+        one (CacheFormatError: a cache opened by another `RocketKV` was answered from, wrongly or
+        with a RuntimeError of mismatched shapes)."""
+        _check_cache(cache)
+        self.check(cache)
+
     def _max_new(self, cache: AnyCache, max_new_tokens: int | None) -> int:
         """The answer's token limit: `max_new_tokens`, else the cache's plan. Raises UsageError: not
         None or a positive integer (0 took the default, -5 answered nothing, 2.5 was taken)."""
-        _check_cache(cache)
+        self._opened(cache)
         if max_new_tokens is not None:
             _positive_count("max_new_tokens", max_new_tokens)
         return max_new_tokens or cache.info.config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
@@ -491,7 +498,7 @@ class RocketKV:
         `summaries` module docstring). Neither `extractive` nor `write_from` given: the model's
         measured default (`core.config.summary_writing`: the presets extract). Raises BudgetError,
         InputError (`cite` for a cache without token offsets), UsageError (an unknown `write_from`)."""
-        _check_cache(cache)
+        self._opened(cache)
         _positive_count("max_new_tokens", max_new_tokens)
         try:
             writing = summary_writing(self.model_id, extractive, write_from, extractable(cache))

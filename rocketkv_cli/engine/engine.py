@@ -164,18 +164,22 @@ class Engine:
             )  # fmt: skip
         return limit
 
-    def check(self, cache: CompressedKVCache, path: str) -> None:
+    def check(self, cache: CompressedKVCache, path: str | None) -> None:
         """Refuse a cache built for another model, tokenizer, chat template, prompt or geometry.
+        `path`: the file it was read from (None: a cache already opened, named as such).
 
         Raises:
             CacheFormatError naming the first mismatch and the command that rebuilds the file.
         """
         label = cache.info.identity.mismatch(self.identity)
         if label is not None:
+            built = cache.info.identity.model_id
+            if path is None:
+                raise CacheFormatError(f"the cache was built for {label} (model {built}), not this one",
+                                       f"answer from it with the model it was opened for ({built})")  # fmt: skip
             doc = shlex.quote(cache.info.document_source) if cache.info.document_source else "DOC"
             rebuild = (f"rebuild it with: rocketkv ingest {doc} -o {shlex.quote(str(path))} "
                        f"--model {self.loaded.model_id} --force")  # fmt: skip
-            built = cache.info.identity.model_id
             raise CacheFormatError(f"{path} was built for {label} (model {built}), not this one", rebuild)
 
     # -- verb 1: prefill -------------------------------------------------------------------------

@@ -353,6 +353,20 @@ def test__results_file__anything_but_results_is_refused_and_left_as_it_was(conte
     assert path.read_bytes() == content
 
 
+@pytest.mark.parametrize("note", [b"# my notes about run A", b"TODO: check A2 by hand", b"[1, 2]"])
+def test__results_file__a_line_that_is_no_result_is_never_dropped(note, tmp_path):
+    """A results file holding results and a line of the user's (a note, another tool's output) had
+    that line dropped as if a crash had cut it, exit 0; whole lines are not crash debris (only a
+    cut last line, blank lines and a power loss's zeros are), so the file is refused, unchanged."""
+    path = tmp_path / "r.jsonl"
+    good = json.dumps({"id": "a", "question_index": 0, "question": "Q?", "answer": "x"}).encode()
+    content = b"\n".join([note, good, b'{"id": "a", "error": "x"}', note, b""])
+    path.write_bytes(content)
+    with pytest.raises(OutputError, match="line 1 is not a line `rocketkv batch` writes"):
+        Results(path).open([Row(1, "a", None, "text", ("Q?",), False)])
+    assert path.read_bytes() == content
+
+
 @pytest.mark.parametrize("content", [b"", b"\x00" * 512, b"\n\n", b'{"id": "a", "question_index": 0, "quest'])
 def test__results_file__what_a_crash_leaves_of_a_new_one_is_resumed(content, tmp_path):
     path = tmp_path / "r.jsonl"

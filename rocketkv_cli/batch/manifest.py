@@ -198,16 +198,17 @@ class Results:
 
     `path` None writes to stdout (nothing to resume). `open(rows)` reads an existing file,
     keeps every answered or summarized line (also those of ids not in this manifest) and drops
-    error lines (their rows are redone), torn or unparsable lines, and answers whose question
+    error lines (their rows are redone), a last line cut by a crash, and answers whose question
     no longer matches the manifest; if it dropped anything the file is rewritten atomically.
-    Returns the keys already done. Raises OutputError: the file cannot be read or written.
+    Returns the keys already done. Raises OutputError: the file cannot be read or written, or a
+    whole line of it is not one rocketkv writes (a note, another tool's output: never dropped).
     """
 
     def __init__(self, path: Path | None):
         self.path = path
         self._fd: int | None = None
         self._created = self._wrote = False  # a file this run made, and whether a line went into it
-        self.dropped = {"error": 0, "torn": 0, "stale": 0}
+        self.dropped = {"error": 0, "torn": 0, "stale": 0}  # torn: a last line cut by a crash
 
     def open(self, rows: Iterable[Row | BadRow],
              digest: Callable[[Row], str | None] = lambda row: None) -> set[tuple[str, str, int]]:  # fmt: skip
@@ -241,8 +242,11 @@ class Results:
         elif lines:
             self.dropped["torn"] += 1  # no newline at the end: a line cut by a crash
             lines.pop()
-        for raw in lines:
+        for number, raw in enumerate(lines, 1):
             key, kind = self._classify(raw, questions)
+            if kind == "torn" and raw.strip(b"\x00 \t\r"):  # not blank, nor a power loss's zeros: not ours to drop
+                raise OutputError(f"{self.path}: line {number} is not a line `rocketkv batch` writes, so the file is "
+                                  "left as it is", "give -o a new file name, or take that line out of it")  # fmt: skip
             if kind == "keep" and key is not None and changed(key[1], _recorded_digest(raw)):
                 kind = "stale"
             if kind != "keep":

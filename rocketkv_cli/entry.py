@@ -63,6 +63,9 @@ def _exit_now(code: object) -> None:
 def main() -> None:
     """Console-script entry point (`rocketkv`, `python -m rocketkv_cli`)."""
     install()
+    for stream in (sys.stdout, sys.stderr):  # a character the terminal's encoding lacks (PYTHONIOENCODING=ascii,
+        if hasattr(stream, "reconfigure"):  # a Latin-1 locale) is written escaped, not an error that loses the answer
+            stream.reconfigure(errors="backslashreplace")
     if not os.environ.get("OMP_NUM_THREADS", "x").strip():  # set but empty: unset, as rocketkv reads it, before
         del os.environ["OMP_NUM_THREADS"]  # torch loads OpenMP, which warns twice about an empty value
     try:

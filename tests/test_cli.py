@@ -993,3 +993,22 @@ def test__ask_json__a_cache_name_that_is_not_utf8_stays_valid_json(rocketkv_bin,
     assert r.returncode == 0, r.stderr
     row = json.loads(r.stdout.decode("utf-8"))  # strict UTF-8
     assert row["cache"] == str(odd)
+
+
+def test__a_stdout_that_is_not_utf8__gets_the_answer_escaped(rocketkv_bin, env, kv):
+    """With PYTHONIOENCODING=ascii (or a Latin-1 locale) an answer with a character the encoding
+    lacks was lost: exit 1, "unexpected UnicodeEncodeError". It is written escaped now, and --json
+    stays valid JSON (\\u escapes) with the same record."""
+    question = "Écrivez: où est le code? ☃"
+    utf8 = run(rocketkv_bin, env, "ask", "--cache", kv, question)
+    utf8_json = run(rocketkv_bin, env, "ask", "--cache", kv, question, "--json")
+    ascii_env = {**env, "PYTHONIOENCODING": "ascii"}
+    escaped = run(rocketkv_bin, ascii_env, "ask", "--cache", kv, question)
+    escaped_json = run(rocketkv_bin, ascii_env, "ask", "--cache", kv, question, "--json")
+    assert all(r.returncode == 0 for r in (utf8, utf8_json, escaped, escaped_json)), (
+        escaped.stderr + escaped_json.stderr
+    )
+    assert not utf8.stdout.isascii() or not utf8_json.stdout.isascii()  # the check checks something
+    assert escaped.stdout == utf8.stdout.encode("ascii", "backslashreplace").decode("ascii")
+    drop = lambda out: {k: v for k, v in json.loads(out).items() if not k.endswith("_s")}
+    assert escaped_json.stdout.isascii() and drop(escaped_json.stdout) == drop(utf8_json.stdout)

@@ -184,6 +184,11 @@ def _fields(obj: dict[str, Any], where: str, base: Path) -> tuple[str | None, st
     return path, text, tuple(questions), summary
 
 
+def utf8_stdout() -> bool:
+    """Whether stdout writes UTF-8 (else JSON lines go out as ASCII with \\u escapes, still valid)."""
+    return (getattr(sys.stdout, "encoding", None) or "").lower().replace("-", "").replace("_", "") == "utf8"
+
+
 def _recorded_digest(raw: bytes) -> Any:
     """The `document_sha256` a result line recorded (None: none, an older rocketkv's line)."""
     try:
@@ -330,7 +335,7 @@ class Results:
 
     def write(self, row: dict) -> None:
         """Append one row as one JSON line: a single write, then fsync (stdout: print and flush)."""
-        line = json.dumps(row, ensure_ascii=False) + "\n"
+        line = json.dumps(row, ensure_ascii=self._fd is None and not utf8_stdout()) + "\n"  # valid JSON on any stdout
         if self._fd is None:
             sys.stdout.write(line)
             sys.stdout.flush()

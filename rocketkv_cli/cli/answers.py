@@ -16,6 +16,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..batch.manifest import utf8_stdout
+
 FORMATS = ("auto", "text", "qa", "lines", "json")
 INDENT = "   "
 
@@ -184,7 +186,9 @@ class AnswerPrinter:
     def finish(self, text: str, record: dict, citations=None) -> None:
         """End the answer; `citations` (`Citation`s, or None) are listed under it ("Sources:")."""
         if self.fmt == "json":
-            line = json.dumps(record, ensure_ascii=False)  # a path's undecodable byte (a lone surrogate) as \udcff:
+            line = json.dumps(
+                record, ensure_ascii=not utf8_stdout()
+            )  # a lone surrogate (a path's undecodable byte) as \udcff:
             self._write(line.encode("utf-8", "backslashreplace").decode("utf-8") + "\n")  # valid UTF-8 and JSON
             return
         if self.stream:

@@ -278,3 +278,48 @@ def test__fixed_width_unpack__equals_a_bit_by_bit_reader(width, n):
     bits = [(int(byte) >> k) & 1 for byte in data for k in range(8)]
     expected = [sum(bits[i * width + k] << k for k in range(width)) for i in range(n)]
     assert _unpack_fixed(data, width, n).tolist() == expected
+
+
+def _fill(value, dtype):
+    return lambda t: torch.full((t.numel() * 8 // torch.finfo(dtype).bits,), value, dtype=dtype).view(torch.uint8)
+
+
+@pytest.mark.parametrize(
+    "storage, name, dtype", [("float32", "values", torch.float32), ("bfloat16", "keys", torch.bfloat16)]
+)
+def test__finite_but_huge_stored_values__refused_with_digests_recomputed(tmp_path, storage, name, dtype):
+    """A crafted cache whose keys or values are finite but huge (3e38, digests recomputed) passed
+    every check and was answered: attention's products overflowed into NaN (blank answers, "nan%"
+    citations, a sampler's RuntimeError). What float16 cannot hold is refused on load and by
+    `inspect`'s verification."""
+    from rocketkv_cli.store.format import verify_file
+
+    engine = make_engine("llama", torch.float32)
+    stored = engine.ingest(Document(text_of_bytes(40), "0" * 64, "d.txt"), CFG, storage=KVStorage.parse(storage))
+    path = save_cache(stored, tmp_path / "a.kv")
+    tensor = f"segments.0.layers.1.{name}"
+    load_cache(_rewrite(path, tmp_path / "fine.kv", (tensor, _fill(1.0, dtype)))).layers  # noqa: B018
+    verify_file(tmp_path / "fine.kv")  # a plain value passes: the rewrite itself is sound
+    crafted = _rewrite(path, tmp_path / "crafted.kv", (tensor, _fill(3e38, dtype)))
+    with pytest.raises(CacheFormatError, match="disagree with the metadata"):
+        verify_file(crafted)
+    with pytest.raises(CacheFormatError, match="disagree with the metadata"):
+        load_cache(crafted).layers  # noqa: B018
+
+
+@pytest.mark.parametrize("part", ["keys.scale", "keys.min", "values.scale", "values.min", "sinks.keys"])
+def test__integer_storage__float32_scales_past_float16s_range_are_refused(part):
+    """The check a file's layer passes (`store.v3_read._checked`), on a real layer's stored parts:
+    a scale, minimum or sink stored as float32 (a dtype the format allows) of 3e38 is refused; the
+    same parts as written pass."""
+    from rocketkv_cli.store.v3_read import _checked
+
+    engine = make_engine("llama", torch.float32)
+    storage = KVStorage.parse("int8")
+    stored = engine.ingest(Document(text_of_bytes(40), "0" * 64, "d.txt"), CFG, storage=storage)
+    layer = stored.layers[1]
+    tensors = {f"layers.1.{p}": t for p, t in layer.stored.items()}
+    tensors["layers.1.positions"] = layer.positions[0].to(torch.int32)
+    assert _checked(tensors, 1, stored.info)
+    tensors[f"layers.1.{part}"] = torch.full_like(tensors[f"layers.1.{part}"], 3e38, dtype=torch.float32)
+    assert not _checked(tensors, 1, stored.info)

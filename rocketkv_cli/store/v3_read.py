@@ -179,9 +179,19 @@ def _layer(tensors: dict[str, torch.Tensor], i: int, info: CacheInfo) -> LayerKV
         return None
 
 
+MAX_STORED_ABS = 65504.0  # float16's largest: what sinks and scales are stored in; a crafted 3e38 (finite) made
+# attention's products overflow into NaN (blank answers, "nan%" citations) instead of a refusal
+
+
+def _bounded(t: torch.Tensor) -> bool:
+    """Whether every element of `t` is a number within ±`MAX_STORED_ABS` (NaN is not)."""
+    return bool((t.float().abs() <= MAX_STORED_ABS).all())
+
+
 def _checked(tensors: dict[str, torch.Tensor], i: int, info: CacheInfo) -> bool:
-    """Whether layer i's stored tensors agree with the metadata: positions, shapes, dtypes, finite
-    scales and minimums, non-negative scales, allocated key bits within their bytes."""
+    """Whether layer i's stored tensors agree with the metadata: positions, shapes, dtypes, float
+    keys, values, scales, minimums and sinks within `MAX_STORED_ABS`, non-negative scales,
+    allocated key bits within their bytes."""
     n_kv, d, storage = info.identity.n_kv_heads, info.identity.head_dim, info.storage
     pos = tensors[f"layers.{i}.positions"]
     if pos.dtype not in POSITION_DTYPES or pos.dim() != 2:
@@ -192,7 +202,9 @@ def _checked(tensors: dict[str, torch.Tensor], i: int, info: CacheInfo) -> bool:
     if not storage.is_integer:
         k, v = tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"]
         want = FLOAT_DTYPES[storage.kv_dtype]
-        return k.shape == (n_kv, s, d) and v.shape == (n_kv, s, d) and k.dtype == want and v.dtype == want
+        if k.shape != (n_kv, s, d) or v.shape != (n_kv, s, d) or k.dtype != want or v.dtype != want:
+            return False
+        return _bounded(k) and _bounded(v)
     parts = {p: tensors[f"layers.{i}.{p}"] for p in layer_part_names(storage)}
     width = d // 2 if storage.bits == 4 else d
     gd = min(storage.value_group_dims, d)
@@ -222,7 +234,7 @@ def _checked(tensors: dict[str, torch.Tensor], i: int, info: CacheInfo) -> bool:
         elif p == "keys.rope_freqs":
             if t.dtype != torch.float32 or not bool(torch.isfinite(t).all()):
                 return False
-        elif t.dtype not in (torch.float16, torch.float32) or not bool(torch.isfinite(t).all()):
+        elif t.dtype not in (torch.float16, torch.float32) or not _bounded(t):  # scales, minimums, sinks
             return False
     if any(bool((parts[p] < 0).any()) for p in ("keys.scale", "values.scale")):
         return False

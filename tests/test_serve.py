@@ -327,6 +327,14 @@ def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches,
             400,
         ),  # fmt: skip
         (("POST", "/v1/rocketkv/ask", json.dumps({"cache": "/etc/passwd", "questions": ["q"]}).encode()), 403),
+        (
+            (
+                "POST",
+                "/v1/rocketkv/ask",
+                json.dumps({"cache": str(caches[0]), "questions": ["q"], "top_p": 10**400}).encode(),
+            ),
+            400,
+        ),  # no float holds it: was a 500
         (("POST", "/v1/rocketkv/ask", b"x" * (2 << 20)), 413),
         (("GET", "/v1/nothing-here", b""), 404),
         (

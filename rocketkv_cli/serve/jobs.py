@@ -71,6 +71,15 @@ def _field(body: dict, name: str, kind: type | tuple[type, ...], default: Any = 
     return value
 
 
+def _number(body: dict, name: str, default: float) -> float:
+    """A number field as a float. Raises BadRequest: not a number, or an integer too large for one."""
+    value = _field(body, name, (int, float), default)
+    try:
+        return float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        raise BadRequest(400, f"field {name!r} is out of range") from None
+
+
 def only_known(body: dict, known: frozenset[str], what: str) -> None:
     """Refuse a field `known` does not hold (400, naming it and the fields `what` takes): a
     misspelt option (`"max_tokens"` for `"max_new_tokens"`, `"focsu"`) silently ignored would
@@ -188,8 +197,8 @@ class AskRequest:
                 check_questions(questions)  # the CLI's own check, so the same one-line error
             except InputError as exc:
                 raise BadRequest(400, exc.message, hint=exc.hint) from None
-        temperature = float(_field(body, "temperature", (int, float), 0.0))
-        top_p = float(_field(body, "top_p", (int, float), 1.0))
+        temperature = _number(body, "temperature", 0.0)
+        top_p = _number(body, "top_p", 1.0)
         if not math.isfinite(temperature) or temperature < 0:
             raise BadRequest(400, f"temperature {temperature} is not a finite number ≥ 0", "UsageError")
         if not 0 < top_p <= 1:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import operator
+import os
 import shutil
 import time
 import weakref
@@ -31,6 +32,7 @@ from ..core.config import (
     AttentionChoice,
     PrefillConfig,
     default_kv_dtype,
+    kernels_choice,
     summary_writing,
     with_preset_defaults,
 )
@@ -170,6 +172,9 @@ class RocketKV:
         asked = requested_threads(threads)
         loaded = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=log,
                             weights=weights, kept=PreparedTensors(home() / "prepared"))  # fmt: skip
+        if kernels_choice() == "triton" and loaded.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise UsageError(f"ROCKETKV_KERNELS=triton runs on a CUDA device; the model is on {loaded.device}",
+                             "unset it (auto runs Triton on a GPU), or set TRITON_INTERPRET=1")  # fmt: skip
         n_threads = (asked or default_threads(wait=True))[0]  # other processes' load since rocketkv was imported
         apply_threads(n_threads)
         made = cls(Engine(loaded, compile_step=compile_step))

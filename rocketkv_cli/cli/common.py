@@ -207,11 +207,13 @@ def setup(quiet: bool, threads: int | None = None) -> None:
     chosen when the model loads: the cores this process may use less those other processes keep
     busy, `api.threads`). Nothing heavy is imported here, so that the checks that follow
     (options, documents, paths) answer in a fraction of a second. Raises UsageError for a thread
-    count < 1."""
+    count < 1 or a `$ROCKETKV_KERNELS` that is not auto, torch or triton."""
     from ..api.threads import requested_threads
+    from ..core.config import kernels_choice
 
     _state["quiet"] = quiet
     _state["threads"] = requested_threads(threads)
+    kernels_choice()  # a misspelt $ROCKETKV_KERNELS: a usage error now, not after the model loads
 
 
 def threads_note() -> str:

@@ -6,6 +6,7 @@ All budgets are in tokens, per KV head, per layer. Nothing here reads the enviro
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -30,6 +31,18 @@ SUMMARY_WRITE_FROM = ("sentences", "document")  # what a summary's model writes 
 FOCUS_EXCLUDES: dict[str, object] = {"dense": False, "hsa": False, "topk": None, "page_size": None,
                                      "n_score_dims": None, "segments": 1, "segment": None, "temperature": 0.0,
                                      "top_p": 1.0, "seed": None}  # fmt: skip
+
+
+KERNELS_ENV = "ROCKETKV_KERNELS"  # which implementation runs the kernel ops (`ops`): auto, torch or triton
+KERNEL_BACKENDS = ("auto", "torch", "triton")
+
+
+def kernels_choice() -> str:
+    """`$ROCKETKV_KERNELS` lower-cased (default `auto`). Raises UsageError: another value."""
+    value = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
+    if value not in KERNEL_BACKENDS:
+        raise UsageError(f"{KERNELS_ENV} must be one of {', '.join(KERNEL_BACKENDS)}, got {os.environ[KERNELS_ENV]!r}")
+    return value
 
 
 FOCUS_RANKINGS = ("bm25", "attention", "mixed")  # how focus ranks passages for a question (api/focus.py)

@@ -20,17 +20,17 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..core import attention, stage1, stage2
+from ..core.config import KERNEL_BACKENDS, KERNELS_ENV, kernels_choice
+from ..errors import UsageError
 from . import cpu
 
-ENV_VAR = "ROCKETKV_KERNELS"
-BACKENDS = ("auto", "torch", "triton")
+ENV_VAR, BACKENDS = KERNELS_ENV, KERNEL_BACKENDS
 log = logging.getLogger(__name__)
 
 # op → (reference function, "kernels module:launcher" loaded on first use)
@@ -55,10 +55,10 @@ def requested_backend() -> str:
     Raises:
         ValueError: a value other than auto, torch or triton.
     """
-    value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if value not in BACKENDS:
-        raise ValueError(f"{ENV_VAR} must be one of {', '.join(BACKENDS)}, got {os.environ[ENV_VAR]!r}")
-    return value
+    try:
+        return kernels_choice()
+    except UsageError as exc:
+        raise ValueError(exc.message) from None
 
 
 def triton_available() -> bool:

@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 
 from .. import __version__, errors
 from ..errors import InputError, RocketKVError
+from .config import check_socket_path
 
 SOCKET_NAME = "serve.sock"
 HEALTH_TIMEOUT_S = 2.0  # a warm server answers /health in milliseconds; a busy one still answers (async)
@@ -73,6 +74,8 @@ class Server:
     def __post_init__(self) -> None:
         if (self.path is None) == (self.host is None):
             raise ValueError("a server is a socket path or a host, not both")
+        if self.path is not None:
+            check_socket_path(self.path)
         if self.path is not None and len(os.fsencode(self.path)) > UNIX_PATH_MAX:
             raise InputError(f"socket path {self.path} is longer than {UNIX_PATH_MAX} bytes",
                              "set ROCKETKV_HOME to a shorter folder")  # fmt: skip

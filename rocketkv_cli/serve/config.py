@@ -42,6 +42,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def check_socket_path(path: str | Path) -> None:
+    """Raises UsageError unless `path` names a file (a socket beside its lock file): "", "." and
+    "/" name none (`--server unix:`, `--socket ""`)."""
+    if Path(path).name in ("", ".", ".."):
+        raise UsageError(f"socket path {str(path)!r} names no file",
+                                "give a file path, e.g. unix:/tmp/rocketkv.sock")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     """Where and how the server listens.
@@ -78,6 +86,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if (self.socket is None) == (self.host is None):
             raise UsageError("listen on a Unix socket or on --host/--port, not both")
+        if self.socket is not None:
+            check_socket_path(self.socket)
         if self.host is not None:
             if self.port is None or not 0 <= self.port <= 65535:
                 raise UsageError(f"--port must be in 0-65535, got {self.port}")

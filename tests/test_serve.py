@@ -808,6 +808,32 @@ def test__chat_from_a_pipe_uses_the_server_with_the_same_output(rocketkv_bin, en
     assert health(s.server)["served"] == 5  # remote: 1 check + 3 questions, then the refused check
 
 
+def test__chat_goes_on_in_its_own_process_once_the_server_is_gone(rocketkv_bin, env, caches, served):
+    """A chat through a server whose idle timeout passed while the prompt waited (or that was
+    stopped) answered every later question with "cannot reach the rocketkv server" until it was
+    restarted. The question is asked in the chat's own process instead, said once on stderr; the
+    answers are those of a chat without the server."""
+    local = run(rocketkv_bin, env, "chat", "--cache", caches[0], "--no-server", "--json",
+                stdin=QUESTIONS[0] + "\n" + QUESTIONS[1] + "\n")  # fmt: skip
+    s = served("--idle-timeout", "1")
+    chat = subprocess.Popen([rocketkv_bin, "chat", "--cache", str(caches[0]), "--json"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        chat.stdin.write(QUESTIONS[0] + "\n")
+        chat.stdin.flush()
+        first = chat.stdout.readline()  # answered by the server
+        assert s.proc.wait(timeout=60) == 0  # then its idle timeout passes
+        chat.stdin.write(QUESTIONS[1] + "\n")
+        chat.stdin.flush()
+        rest, errors = chat.communicate(timeout=300)  # closes stdin: the chat ends after this question
+    finally:
+        chat.kill()
+    drop = lambda out: [{k: v for k, v in json.loads(x).items() if not k.endswith("_s")} for x in out.splitlines()]
+    assert chat.returncode == 0, errors
+    assert drop(first + rest) == drop(local.stdout) and len(drop(local.stdout)) == 2
+    assert errors.count("is gone (stopped, or its idle timeout passed): answering in this process") == 1, errors
+
+
 def test__a_server_stopped_mid_answer__tells_its_client_and_logs_no_traceback(rocketkv_bin, env, caches, served,
                                                                               tmp_path):  # fmt: skip
     """SIGTERM while an answer streams: the answer ends at once with one line for the client (exit 1)

@@ -23,7 +23,7 @@ import typer
 from ..api.preflight import check_cache_file, check_questions, open_document
 from ..core.config import AttentionChoice
 from ..errors import InputError, RocketKVError, UsageError
-from ..serve.client import home
+from ..serve.client import ServerError, health, home
 from ..signals import handled
 from .answers import (
     AnswerPrinter,
@@ -249,13 +249,8 @@ def chat_command(
             open_document(str(document), encoding, errors)
         prompt.first_question()
     remote = server_for(server, no_server) if cache is not None else None
-    turn: Callable[[str], Turn]
-    if remote is not None and cache is not None:  # a server only with --cache
-        cache_budget_note(budget, cache)
-        focused = {} if focus is None else {"focus": focus}
-        turn, source = RemoteChat(remote, cache, {**options, **focused, **choice.for_server()}).turn, str(cache)
-        unused_threads_note(remote, threads)  # the server took the cache and options
-    else:
+
+    def local() -> tuple[Callable[[str], Turn], str]:  # the model and the cache loaded in this process
         reading = DocumentReading(encoding, errors, segment_tokens)
         rk, stored, source = open_source(document, cache, choice, budget, options, reading, command="chat")
         if focus is not None:  # each question's passages named on stderr, then its answer
@@ -264,11 +259,52 @@ def chat_command(
                 return rk.stream_focused(stored, question, passages=focus, max_new_tokens=max_new_tokens, cite=cite,
                                          on_chosen=lambda picked: log(picked.note()))  # fmt: skip
 
-            turn = local_turns(focused_stream, source)
-        else:
-            turn = local_turns(rk.session(stored, log=log, **options).stream, source)
+            return local_turns(focused_stream, source), source
+        return local_turns(rk.session(stored, log=log, **options).stream, source), source
+
+    turn: Callable[[str], Turn]
+    if remote is not None and cache is not None:  # a server only with --cache
+        cache_budget_note(budget, cache)
+        focused = {} if focus is None else {"focus": focus}
+        chat = RemoteChat(remote, cache, {**options, **focused, **choice.for_server()})
+        turn, source = ServerOrHere(chat, lambda: local()[0]).turn, str(cache)
+        unused_threads_note(remote, threads)  # the server took the cache and options
+    else:
+        turn, source = local()
     if converse(prompt, turn, source, json_out):
         raise typer.Exit(1)
+
+
+class ServerOrHere:
+    """A chat's questions answered by a server while it answers, then in this process: a server
+    that is gone (its idle timeout passed while the prompt waited, it was stopped or killed) made
+    every later question an error until the chat was restarted. A question the server never began
+    is asked here; one it broke off is an error line, and the next is asked here."""
+
+    def __init__(self, chat: RemoteChat, here: Callable[[], Callable[[str], Turn]]):
+        self.chat, self.here = chat, here
+        self.local: Callable[[str], Turn] | None = None
+
+    def turn(self, question: str) -> Turn:
+        if self.local is None:
+            pieces, begun = self.chat.turn(question), False
+            try:
+                while True:
+                    piece = next(pieces)
+                    begun = True
+                    yield piece
+            except StopIteration as end:
+                return end.value
+            except ServerError:
+                if health(self.chat.server) is not None:  # it answers: this request's own failure
+                    raise
+                log(f"the rocketkv server at {self.chat.server.url} is gone (stopped, or its idle timeout passed): "
+                    "answering in this process from now on")  # fmt: skip
+                self.local = self.here()
+                if begun:  # part of the answer was printed: this one failed, the next is asked here
+                    raise
+        assert self.local is not None
+        return (yield from self.local(question))
 
 
 QUIT_COMMANDS = ("/quit", "/exit", "/bye")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import signal
 import stat
 import subprocess
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import run_in_terminal, strip_ansi, text_of_bytes
 
-from rocketkv_cli.serve.client import Server, events, health
+from rocketkv_cli.serve.client import Server, events, health, parse_url
 
 QUESTIONS = ["What is the secret code?", "Which word comes first?", "river stone?", "north light", "seven"]
 TIMING_KEYS = ("prefill_s", "decode_s")
@@ -1121,3 +1122,23 @@ def test__a_model_path_is_sent_to_the_server_absolute(tmp_path, monkeypatch):
     sent = lambda model: ModelChoice(model, "auto", None, None, False).for_server()["model"]
     assert sent("my-model") == sent("./my-model") == str(tmp_path / "my-model")
     assert sent("gemma-3-270m") == "gemma-3-270m" and sent("org/name") == "org/name" and sent(None) is None
+
+
+def test__serve_json__prints_where_it_serves_and_its_stop_command_names_the_port(rocketkv_bin, env, tmp_path):
+    """`serve --port 0 --json` printed nothing on stdout (the chosen port was only in stderr's
+    prose), and its line said `stop with rocketkv serve stop`, which looks at the default socket."""
+    environ = {**env, "ROCKETKV_HOME": str(tmp_path / "home")}
+    proc = subprocess.Popen([rocketkv_bin, "serve", "--port", "0", "--json", "--idle-timeout", "0"], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environ)  # fmt: skip
+    try:
+        assert select.select([proc.stdout], [], [], 120)[0], "nothing on stdout"
+        event = json.loads(proc.stdout.readline())
+        assert event["event"] == "serving" and event["pid"] == proc.pid and event["url"].startswith("http://127.0.0.1:")
+        port = event["url"].rpartition(":")[2]
+        assert health(parse_url(event["url"])) is not None
+        stopped = run(rocketkv_bin, environ, "serve", "stop", "--port", port, "--json")
+        assert stopped.returncode == 0 and json.loads(stopped.stdout) == {"event": "stopped", "url": event["url"]}
+        assert proc.wait(timeout=30) == 0
+        assert f"stop with `rocketkv serve stop --port {port}`" in proc.stderr.read()
+    finally:
+        proc.kill()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -69,7 +70,7 @@ def _status(where: Server, json_out: bool) -> None:
                    + (f"; compiling failed, decoding eagerly: {failed}" if failed else ""))  # fmt: skip
 
 
-def _stop(where: Server) -> None:
+def _stop(where: Server, json_out: bool = False) -> None:
     if health_after_start(where, starting_said) is None:
         raise _none_running(where, "nothing to stop")
     status, _ = post(where, "/v1/rocketkv/shutdown", {})
@@ -82,6 +83,8 @@ def _stop(where: Server) -> None:
                               "it may be finishing an answer: try again, or send it SIGTERM")  # fmt: skip
         time.sleep(0.1)
     log(f"stopped the server on {where.url}")
+    if json_out:
+        typer.echo(json.dumps({"event": "stopped", "url": where.url}))
 
 
 ActionArg = Annotated[str, typer.Argument(metavar="[start|status|stop]", help="What to do (default: start).")]
@@ -157,7 +160,7 @@ def serve_command(
         host = "127.0.0.1"
     if action != "start":
         where = _where(socket, host, port, api_key)
-        _status(where, json_out) if action == "status" else _stop(where)
+        _status(where, json_out) if action == "status" else _stop(where, json_out)
         return
     from ..api.threads import requested_threads
 
@@ -170,8 +173,12 @@ def serve_command(
                       compile_step=compile_step)  # fmt: skip
     from ..serve.server import serve  # torch and the model stack: only once the options are checked
 
+    def announce(url: str) -> None:  # `--json`: where it serves, for a script that started it (--port 0)
+        if json_out:
+            typer.echo(json.dumps({"event": "serving", "url": url, "pid": os.getpid()}))
+
     try:
-        serve(cfg, log)
+        serve(cfg, log, announce)
     except (KeyboardInterrupt, Terminated):  # what stops a foreground server: not an error
         signum = received()
         handled()

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import fcntl
 import os
+import shlex
 import socket
 import stat
 import time
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import InputError
-from .client import LOCK_READY, LOCK_STARTING, TCP_SERVERS, home
+from .client import LOCK_READY, LOCK_STARTING, TCP_SERVERS, default_socket, home
 from .config import ServeConfig
 
 if TYPE_CHECKING:
@@ -115,11 +116,12 @@ def bind_tcp(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(cfg: ServeConfig, log: Log) -> None:
+def serve(cfg: ServeConfig, log: Log, announce: Callable[[str], None] = lambda url: None) -> None:
     """Run the server in the foreground until it is stopped (shutdown request, SIGINT/SIGTERM) or
     idle for `cfg.idle_timeout_s`; its socket is removed however it ends. Raises InputError when
     the socket cannot be had; KeyboardInterrupt or `signals.Terminated` (after the shutdown and
-    the cleanup) when a signal stopped it (`cli/serve.py` logs that stop; `_run` the others)."""
+    the cleanup) when a signal stopped it (`cli/serve.py` logs that stop; `_run` the others).
+    `announce(url)`: called with the address once it serves (`serve --json` prints it)."""
     lock_fd = None
     if cfg.socket is not None:
         sock, lock_fd = bind_unix(cfg.socket)
@@ -140,7 +142,7 @@ def serve(cfg: ServeConfig, log: Log) -> None:
                 mark(lock_fd, LOCK_READY)
             mark_listed(listed)
 
-        _run(cfg, state_for(cfg, url, log), sock, url, log, ready)
+        _run(cfg, state_for(cfg, url, log), sock, url, log, ready, announce)
     finally:
         sock.close()
         if cfg.socket is not None:
@@ -191,11 +193,23 @@ def state_for(cfg: ServeConfig, url: str, log: Log = lambda message: None) -> Se
                       max_body_bytes=cfg.max_body_bytes, max_tokens_limit=cfg.max_tokens_limit)  # fmt: skip
 
 
+def stop_command(cfg: ServeConfig, url: str) -> str:
+    """The command that stops this server: `rocketkv serve stop` with the --socket, --port (and
+    --host) it was started with when they are not the defaults (a bare stop looks at the default
+    socket only)."""
+    if cfg.socket is not None:
+        named = "" if cfg.socket == default_socket() else f" --socket {shlex.quote(str(cfg.socket))}"
+        return f"rocketkv serve stop{named}"
+    host, _, port = url.removeprefix("http://").rpartition(":")
+    return f"rocketkv serve stop --port {port}" + ("" if host == "127.0.0.1" else f" --host {shlex.quote(host)}")
+
+
 def _run(cfg: ServeConfig, state: ServeState, sock: socket.socket, url: str, log: Log,
-         ready: Callable[[], None] = lambda: None) -> None:  # fmt: skip
+         ready: Callable[[], None] = lambda: None,
+         announce: Callable[[str], None] = lambda url: None) -> None:  # fmt: skip
     """uvicorn on `sock` until a shutdown request, a signal (re-raised after the shutdown:
     KeyboardInterrupt or `signals.Terminated`) or the idle timeout; logs why it stopped. `ready()`
-    is called once uvicorn accepts connections."""
+    is called once uvicorn accepts connections; `announce(url)` as it starts serving."""
     import uvicorn
 
     from .app import build_app
@@ -226,7 +240,8 @@ def _run(cfg: ServeConfig, state: ServeState, sock: socket.socket, url: str, log
         watcher = asyncio.create_task(watch())
         threads = cfg.threads or f"{state.warm.current_threads} now, chosen before each request"
         log(f"serving on {url} (threads {threads}, memory budget {cfg.memory_budget / 1e9:.1f} GB, "
-            f"idle timeout {cfg.idle_timeout_s:.0f}s); stop with `rocketkv serve stop`")  # fmt: skip
+            f"idle timeout {cfg.idle_timeout_s:.0f}s); stop with `{stop_command(cfg, url)}`")  # fmt: skip
+        announce(url)
         if cfg.compile_step:
             log("--compile-step: each model's first answer compiles its decode step first (seconds: about 10 here, "
                 "more on a fresh machine)")  # fmt: skip

@@ -577,3 +577,33 @@ def test__batch_bar__rates_and_time_left_are_averages_over_the_run():
     bar.update(1, completed=2, answers=2)
     assert _Rates().render(bar.tasks[1]).plain == "0.10/s  0.10 questions/s"
     assert _Left().render(bar.tasks[1]).plain == "0:00:10"
+
+
+def test__run_task__a_progress_that_stops_ends_the_row_without_an_error_line(tmp_path):
+    """A server runs a batch row for a client; Ctrl-C on the client went unnoticed until the row's
+    ingest had finished (minutes for a book, the decode lock held). The row's ingest now reports
+    its chunks to `progress`, which may raise `Stopped`: the task ends there, with no error line
+    (the row is not answered, so a rerun does it) and no cache file."""
+    import torch
+    from conftest import make_engine
+
+    from rocketkv_cli.api.rocketkv import RocketKV
+    from rocketkv_cli.batch.tasks import BatchSettings, Stopped, Task, run_task
+
+    rk = RocketKV(make_engine("llama", torch.float32))
+    row = Row(1, "a", None, text_of_bytes(3000, seed=2), ("Which letter?",), False)
+    settings = BatchSettings(model="tiny")
+    calls = []
+
+    def progress(done: int, total: int) -> None:
+        calls.append((done, total))
+        if done > 0:
+            raise Stopped()
+
+    lines = run_task(rk, Task(row, (0,), False), tmp_path, settings, progress=progress)
+    with pytest.raises(Stopped):
+        next(lines)
+    assert calls[-1][0] > 0 and calls[-1][0] < calls[-1][1], calls  # stopped between chunks, before the end
+    assert not list(tmp_path.glob("*.kv"))
+    whole = list(run_task(rk, Task(row, (0,), False), tmp_path, settings, progress=lambda done, total: None))
+    assert len(whole) == 1 and "answer" in whole[0], whole

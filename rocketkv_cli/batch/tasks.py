@@ -247,9 +247,11 @@ def _reusable(rk: RocketKV, path: Path, doc_sha256: str, settings: BatchSettings
 
 
 def build(rk: RocketKV, row: Row, cache_dir: Path, settings: BatchSettings, log: Log,
-          doc_sha: str | None = None) -> tuple[AnyCache, Path]:  # fmt: skip
+          doc_sha: str | None = None, progress: Callable[[int, int], None] | None = None,
+          ) -> tuple[AnyCache, Path]:  # fmt: skip
     """The row's cache from the build cache, ingested (atomically, under a lock) if not there;
-    `doc_sha`: the document's `document_sha256`, when the caller has it.
+    `doc_sha`: the document's `document_sha256`, when the caller has it; `progress`: the ingest's
+    (`RocketKV.ingest`).
 
     Returns (cache, path of its `.kv` file). Raises the errors of `RocketKV.ingest`."""
     doc_sha = doc_sha or document_sha256(row)
@@ -261,20 +263,28 @@ def build(rk: RocketKV, row: Row, cache_dir: Path, settings: BatchSettings, log:
             return cache, path
         source = {"text": row.text} if row.text is not None else {"document": open_document(str(row.document))}
         done = rk.ingest(**source, output=path, force=True, config=settings.config, storage=settings.kv_storage,
-                         segment_tokens=settings.segment_tokens)  # fmt: skip
+                         segment_tokens=settings.segment_tokens,
+                         progress=progress or (lambda done, total: None))  # fmt: skip
         return done.cache, path
 
 
-def run_task(rk: RocketKV, task: Task, cache_dir: Path, settings: BatchSettings, log: Log = lambda m: None):
+class Stopped(Exception):
+    """Raised by a task's `progress` callback when whoever runs it gives up (a server's client went
+    away): the task ends there, with no error line."""
+
+
+def run_task(rk: RocketKV, task: Task, cache_dir: Path, settings: BatchSettings, log: Log = lambda m: None,
+             progress: Callable[[int, int], None] | None = None):  # fmt: skip
     """The result lines of one task, each yielded as soon as it is made: `{"id",
     "question_index", "document_sha256", <the ask --json record>}` per question, `{"id",
     "document_sha256", <the summarize --json record>}` for the summary, or one error line (and
     nothing after it) when the row fails. `document_sha256` (the document's bytes) lets a rerun
-    tell an answer of a document since changed (`Results.open`)."""
+    tell an answer of a document since changed (`Results.open`). `progress(done, total)`: the
+    ingest's tokens, chunk by chunk; it may raise `Stopped` to end the task there."""
     row = task.row
     try:
         doc_sha = document_sha256(row)
-        cache, path = build(rk, row, cache_dir, settings, log, doc_sha)
+        cache, path = build(rk, row, cache_dir, settings, log, doc_sha, progress)
         asked = [row.questions[i] for i in task.questions]
         if asked:
             max_new = settings.config.max_new_tokens
@@ -286,6 +296,8 @@ def run_task(rk: RocketKV, task: Task, cache_dir: Path, settings: BatchSettings,
                        **ans.to_dict(cache=str(path))}  # fmt: skip
         if task.summary:
             yield {**_summary(rk, row, cache, path, settings), "document_sha256": doc_sha}
+    except Stopped:
+        raise
     except RocketKVError as exc:
         if exc.hint and "--encoding" in exc.hint:  # batch has no such option: documents are read as UTF-8
             exc = type(exc)(exc.message, "batch reads documents as UTF-8: convert it first (iconv -f CODEC -t "

@@ -32,7 +32,7 @@ from ..api.rocketkv import (
     decode_weights_for,
     question_progress,
 )
-from ..batch.tasks import BatchSettings, Task
+from ..batch.tasks import BatchSettings, Stopped, Task
 from ..core.config import SUMMARY_WRITE_FROM, focus_conflicts
 from ..errors import CacheFormatError, InputError, OutputError, RocketKVError
 from .client import MAX_QUESTIONS
@@ -56,8 +56,8 @@ class BadRequest(Exception):
                           "code": self.status}}  # fmt: skip
 
 
-class Cancelled(Exception):
-    """The client went away: the job stops at the next piece of text."""
+class Cancelled(Stopped):
+    """The client went away: the job stops at the next piece of text (or chunk of a prefill)."""
 
 
 def _field(body: dict, name: str, kind: type | tuple[type, ...], default: Any = None, *, required: bool = False):
@@ -553,7 +553,12 @@ def batch_job(job: Job, warm: Warm, req: BatchTaskRequest) -> None:
         job.check()
         s = req.settings
         rk = warm.model(ModelKey(s.model, s.device, s.dtype, None, s.trust_remote_code), log)
-        for line in run_task(rk, req.task, req.cache_dir, s, log):
+
+        def progress(done: int, total: int) -> None:  # a row's ingest stops between chunks once its client has gone
+            job.check()
+            job.status(f"reading the document in the server: {done:,} of {total:,} tokens")
+
+        for line in run_task(rk, req.task, req.cache_dir, s, log, progress):
             job.emit({"event": "line", "line": line})
             job.check()
 

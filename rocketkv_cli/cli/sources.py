@@ -108,10 +108,10 @@ def in_memory_note(document: str, command: str) -> None:
     except OSError:
         return
     if size > IN_MEMORY_NOTE_BYTES:
-        name = shlex.quote(document)
+        name, kept = shlex.quote(document), shlex.quote(os.path.basename(document) + ".kv")  # here, not in its folder
         log(f"note: {document} ({size / 1e6:.1f} MB) is read in memory for this command and not saved; to ask it "
-            f"again in seconds, keep its cache once: rocketkv ingest {name} -o {shlex.quote(document + '.kv')} "
-            f"(resumable), then rocketkv {command} --cache {shlex.quote(document + '.kv')}")  # fmt: skip
+            f"again in seconds, keep its cache once: rocketkv ingest {name} -o {kept} "
+            f"(resumable), then rocketkv {command} --cache {kept}")  # fmt: skip
 
 
 def open_source(document: Optional[str], cache: Optional[Path], choice: ModelChoice, budget: Optional[int],

@@ -160,9 +160,7 @@ def summarize_command(
                                            on_partial, extractive=writing is None, cite=cite)  # fmt: skip
                 printer = AnswerPrinter(fmt, stream)
                 print_summary(final, source, time.perf_counter() - t0, partials, extractive, printer, given)
-                if server_hint:
-                    log(read_here_note("summarize"))
-                return
+                return  # from the text alone (seconds): a server, which answers from caches, would not be faster
             long_document_hint(document)
             stored = ingest(rk, pieces, cfg, segment_tokens=segment_tokens,
                             explicit=("token_budget", "max_new_tokens")).cache  # fmt: skip

@@ -489,6 +489,35 @@ def test__cli_ingest_never_writes_checkpoints_through_a_planted_link(rocketkv_bi
     assert (victim / "owner").read_text() == "precious\n" and (victim / "000000.kv").read_text() == "precious too\n"
 
 
+def test__cli_ingest_into_a_file_another_ingest_is_writing__refused_before_its_prefill(rocketkv_bin, tiny_model_dir,
+                                                                                      tmp_path):  # fmt: skip
+    """Two segmented ingests into one file, a second apart, both prefilled every segment before one
+    failed ("was replaced while in use"). The second is refused at once, naming the first (its
+    claim on the checkpoint folder: a running process of this host); the first's files untouched.
+    A claim left by a process that is gone is taken over (the rerun resumes)."""
+    from rocketkv_cli.store.atomic import host_tag
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text(lines_text(40))  # several 512-token segments
+    out, folder = tmp_path / "m.kv", tmp_path / ".m.kv.segments"
+    folder.mkdir()
+    (folder / "owner").write_text(f"{os.getpid()} {host_tag()}\n")  # this test's process: running
+    cmd = [rocketkv_bin, "ingest", str(doc), "-o", str(out), "--model", str(tiny_model_dir), "--segment-tokens", "512",
+           "--budget", "64"]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
+    assert r.returncode == 1 and errors == [f"Error: another rocketkv ingest (pid {os.getpid()}) is writing {out} now "
+                                            "— wait for it to finish (or stop it: its rerun resumes), then run this "
+                                            "again"], r.stderr  # fmt: skip
+    assert "prefill" not in r.stderr and not out.exists() and os.listdir(folder) == ["owner"]
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a process that has ended: its claim is stale
+    (folder / "owner").write_text(f"{gone.pid} {host_tag()}\n")
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and out.exists(), again.stderr
+
+
 def test__checkpoints__a_link_planted_after_the_check_is_refused_before_a_write(tmp_path):
     """The link check ran once, before the prefill; a link planted during it was written through
     at the first save. Each save checks again (before the folder is claimed or written)."""

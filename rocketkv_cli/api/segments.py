@@ -102,6 +102,8 @@ def ingest_stream(
     if second is None:
         stream.check_not_empty()
         return engine.ingest(Document(first, stream.sha256, stream.source), cfg, progress, storage)
+    if checkpoints:
+        checkpoints.claim()  # a second ingest into the same file is refused now, not after its prefill
     parts: list[CompressedKVCache] = []
     start = tokens_done = bytes_done = chars_done = lines_done = 0
     for index, text in enumerate(chain([first, second], texts)):

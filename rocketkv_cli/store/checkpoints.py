@@ -56,19 +56,28 @@ class Checkpoints:
             return None
         return part if same_build(part.info, expected) else None
 
-    def save(self, index: int, part: CompressedKVCache) -> CompressedKVCache:
-        """Write `part` and return it read back lazily from disk (its tensors leave RAM).
+    def claim(self) -> None:
+        """Make the folder and record this process as its writer, before the first segment's
+        prefill: a second ingest into the same file, started while this one runs, is refused at
+        once (both prefilled every segment before one of them failed).
 
-        Raises OutputError: the folder cannot be created or written."""
+        Raises OutputError: the folder cannot be created or written, or another running ingest
+        writes into it."""
         try:
             self.dir.mkdir(exist_ok=True)
         except OSError as exc:
             raise OutputError(f"cannot create the checkpoint folder {self.dir}: {exc.strerror}",
                               "choose a writable output directory, or remove what is in the way") from exc  # fmt: skip
-        self._check_folder()  # again before each write: a link planted during the prefill is refused too
+        self._check_folder()
         if not self._claimed:  # this process now owns the folder (see `abandoned_checkpoints`)
             claim_folder(self.dir)
             self._claimed = True
+
+    def save(self, index: int, part: CompressedKVCache) -> CompressedKVCache:
+        """Write `part` and return it read back lazily from disk (its tensors leave RAM).
+
+        Raises OutputError: the folder cannot be created or written."""
+        self.claim()  # again before each write: a link planted during the prefill is refused too
         save_cache(part, self._path(index), force=True)
         loaded = load_cache(self._path(index), lazy=True)
         if not isinstance(loaded, CompressedKVCache):

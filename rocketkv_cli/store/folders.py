@@ -14,6 +14,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import OutputError
 from .atomic import host_tag, owner_prefix, pid_alive, stale_entries
 
 _DIR_NAME = re.compile(r"^rocketkv-(\d+)-([0-9a-f]{8})-[A-Za-z0-9_]+$")
@@ -38,8 +39,13 @@ def checkpoint_folder(target: Path) -> Path:
 
 
 def claim_folder(folder: Path) -> None:
-    """Record this process as the one writing into `folder` (see `abandoned_checkpoints`)."""
+    """Record this process as the one writing into `folder` (see `abandoned_checkpoints`).
+    Raises OutputError: another process that is running writes into it."""
     path = folder / OWNER_FILE
+    if not path.is_symlink() and _owner_running(path) and _owner_pid(path) != os.getpid():
+        target = folder.parent / folder.name[1 : -len(CHECKPOINT_SUFFIX)]
+        raise OutputError(f"another rocketkv ingest (pid {_owner_pid(path)}) is writing {target} now",
+                          "wait for it to finish (or stop it: its rerun resumes), then run this again")  # fmt: skip
     path.unlink(missing_ok=True)  # a link planted in its place is removed, never written through
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     with os.fdopen(fd, "w") as f:
@@ -82,6 +88,14 @@ def abandoned_checkpoints(directory: Path) -> list[AbandonedCheckpoints]:
         target = directory / name[1 : -len(CHECKPOINT_SUFFIX)]
         found.append(AbandonedCheckpoints(folder, target, segments, sum(st.st_size for st in files), modified))
     return found
+
+
+def _owner_pid(owner: Path) -> int | None:
+    """The pid an owner file names (None: unreadable)."""
+    try:
+        return int(owner.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _owner_running(owner: Path) -> bool:

@@ -3,6 +3,7 @@ as the installed CLI does from the same file."""
 
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -183,6 +184,21 @@ def test__wrong_values_and_types__one_line_errors_not_silent_answers(rk, doc, tm
         rk.ingest(text="hello world", token_budget=0)
     with pytest.raises(UsageError, match="kv_dtype must be one of"):
         rk.ingest(text="hello world", storage="int3")
+    # wrong types at the boundary: each was a bare TypeError/RuntimeError, or taken ("no" as True)
+    wrong = [(lambda: RocketKV.load(123), "model must be a preset name or a path, got int"),
+             (lambda: RocketKV.load(str(tmp_path), threads="x"), "threads must be a positive integer, got 'x'"),
+             (lambda: RocketKV.load(str(tmp_path), threads=1.5), "threads must be a positive integer, got 1.5"),
+             (lambda: rk.open(None), "path must be a str or a pathlib.Path, got NoneType"),
+             (lambda: rk.open(b"/x.kv"), "path must be a str or a pathlib.Path, got bytes"),
+             (lambda: list(rk.ask(cache, None)), "questions must be a str or a list of str, got NoneType"),
+             (lambda: list(rk.ask(cache, ["Q?"], on_text=5)), "on_text must be a function, got int"),
+             (lambda: rk.ingest(text="hello", progress=5), "progress must be a function, got int"),
+             (lambda: list(rk.ask(cache, ["Q?"], dense="no")), "dense must be True or False, got 'no'"),
+             (lambda: rk.ask_focused(cache, "Q?", passages="x"), "focus needs at least 1 passage, got 'x'"),
+             ]  # fmt: skip
+    for call, message in wrong:
+        with pytest.raises(UsageError, match=re.escape(message)):
+            call()
     from rocketkv_cli.errors import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="unknown device 3"):  # an AttributeError

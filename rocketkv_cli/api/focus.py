@@ -88,8 +88,8 @@ def rank(texts: list[str], question: str, n: int, keep_start: bool = False) -> l
     only texts that share a word with the question; [] when none does. keep_start: text 0 too
     (a document's title and front matter), whatever its score, when any text is chosen.
     Raises UsageError: `n` < 1."""
-    if n < 1:
-        raise UsageError(f"focus needs at least 1 passage, got {n}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:  # "x" was a TypeError of `<`
+        raise UsageError(f"focus needs at least 1 passage, got {n!r}")
     scores = bm25(texts, question).tolist()
     ranked = sorted((i for i, s in enumerate(scores) if s > 0.0), key=lambda i: (-scores[i], i))
     chosen = set(ranked[:n])
@@ -102,8 +102,8 @@ def check_ranking(ranking: str, n: int) -> None:
     """Raises UsageError: an unknown ranking (`FOCUS_RANKINGS`) or `n` < 1 passages."""
     if ranking not in FOCUS_RANKINGS:
         raise UsageError(f"unknown focus ranking {ranking!r}", f"one of {', '.join(FOCUS_RANKINGS)}")
-    if n < 1:
-        raise UsageError(f"focus needs at least 1 passage, got {n}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:  # "x" was a TypeError of `<`
+        raise UsageError(f"focus needs at least 1 passage, got {n!r}")
 
 
 def ranked(texts: list[str], question: str, n: int, keep_start: bool = False, ranking: str = "bm25",

@@ -169,6 +169,11 @@ class RocketKV:
         answer pays seconds of compilation, later steps skip most of the eager step's Python
         calls; the logits are the eager step's bit for bit (docs/performance.md).
         Raises ModelLoadError; UsageError for a thread count < 1 or above the machine's CPUs."""
+        if not isinstance(model, (str, os.PathLike)):
+            raise UsageError(f"model must be a preset name or a path, got {type(model).__name__}")
+        if threads is not None:
+            _positive_count("threads", threads)
+        _callable("log", log)
         asked = requested_threads(threads)
         loaded = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, progress=log,
                             weights=weights, kept=PreparedTensors(home() / "prepared"))  # fmt: skip
@@ -222,6 +227,8 @@ class RocketKV:
         Raises:
             InputError, OutputError, BudgetError; UsageError: invalid config fields or storage.
         """
+        _callable("progress", progress)
+        _callable("on_segment", on_segment)
         if document is None and text is None:
             raise InputError("give a document: a path, or text=")
         if document is not None and text is not None:
@@ -257,7 +264,10 @@ class RocketKV:
         return Ingested(cache=cache, path=target, seconds=time.perf_counter() - t0)
 
     def open(self, path: str | Path) -> AnyCache:
-        """Load a `.kv` file and check it was built for this model. Raises CacheFormatError."""
+        """Load a `.kv` file and check it was built for this model. Raises CacheFormatError;
+        UsageError: `path` is not a str or a path."""
+        if not isinstance(path, (str, os.PathLike)) or isinstance(path, bytes):
+            raise UsageError(f"path must be a str or a pathlib.Path, got {type(path).__name__}")
         cache = read_cache(path)
         self.check(cache, str(path))
         return cache
@@ -305,8 +315,10 @@ class RocketKV:
             does not fit the context. UsageError: max_new_tokens or segments not a positive
             integer, cache not an opened cache.
         """
-        qs = [questions] if isinstance(questions, (str, bytes)) else list(questions)  # bytes: refused as bytes
         max_new = self._max_new(cache, max_new_tokens)  # checks the cache first
+        qs = _question_list(questions)
+        if on_text is not None:
+            _callable("on_text", on_text)
         overrides = self._overrides(dense, hsa, topk, page_size, n_score_dims)
         _positive_count("segments", segments)  # whatever the cache: 0 was taken where it had one segment
         check_cite(cache, cite, segments)
@@ -560,6 +572,23 @@ def _positive_count(name: str, value: object) -> None:
         count = 0
     if isinstance(value, bool) or count < 1:
         raise UsageError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _question_list(questions: object) -> list:
+    """`questions` (one str, or an iterable of them) as a list; each is checked where it is asked
+    (`check_questions`: bytes are refused as bytes). Raises UsageError: neither."""
+    if isinstance(questions, (str, bytes)):
+        return [questions]
+    try:
+        return list(questions)  # type: ignore[call-overload]
+    except TypeError:
+        raise UsageError(f"questions must be a str or a list of str, got {type(questions).__name__}") from None
+
+
+def _callable(name: str, value: object) -> None:
+    """Raises UsageError unless `value` can be called (a callback: `on_text`, `progress`, `log`)."""
+    if not callable(value):
+        raise UsageError(f"{name} must be a function, got {type(value).__name__}")
 
 
 def _check_cache(cache: object) -> None:

@@ -455,6 +455,9 @@ class AttentionChoice:
     hsa: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("dense", "hsa"):
+            if not isinstance(getattr(self, name), bool):  # "no" was taken as true
+                raise UsageError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.dense and self.hsa:
             raise UsageError("--dense and --hsa contradict each other", "give one of them")
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import logging
+import math
 import os
 import shlex
 import socket
@@ -193,6 +195,52 @@ def state_for(cfg: ServeConfig, url: str, log: Log = lambda message: None) -> Se
                       max_body_bytes=cfg.max_body_bytes, max_tokens_limit=cfg.max_tokens_limit)  # fmt: skip
 
 
+HEADERS_TIMEOUT_S = 10.0  # a new connection that has not sent its request's headers by then is closed
+
+
+def _timed_protocol() -> type:
+    """uvicorn's h11 protocol, with a new connection closed when its request's headers are not
+    all there `HEADERS_TIMEOUT_S` after it opened (uvicorn times out only idle keep-alive
+    connections, and restarts that timer at every byte): connections that sent part of a request
+    and then nothing were held open for ever, and 20,000 of them took every file descriptor (no
+    request could be answered, `/health` timed out)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class TimedH11Protocol(H11Protocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._headers_timer = self.loop.call_later(HEADERS_TIMEOUT_S, self._headers_too_slow)
+
+        def _headers_too_slow(self) -> None:
+            if self.cycle is None and not self.transport.is_closing():  # no request began on it
+                self.transport.close()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._headers_timer.cancel()
+            super().connection_lost(exc)
+
+    return TimedH11Protocol
+
+
+class _OnceAMinute(logging.Filter):
+    """Let asyncio's "socket.accept() out of system resource" (no file descriptor left: it retries
+    every second, each time with a traceback) through once a minute: a flood of connections wrote
+    427 MB of log in 50 s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last = -math.inf
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "out of system resource" not in record.getMessage():
+            return True
+        now = time.monotonic()
+        if now - self.last < 60:
+            return False
+        self.last = now
+        return True
+
+
 def stop_command(cfg: ServeConfig, url: str) -> str:
     """The command that stops this server: `rocketkv serve stop` with the --socket, --port (and
     --host) it was started with when they are not the defaults (a bare stop looks at the default
@@ -216,7 +264,8 @@ def _run(cfg: ServeConfig, state: ServeState, sock: socket.socket, url: str, log
     from .jobs import Job
 
     server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning", access_log=False, lifespan="off",
-                                           timeout_graceful_shutdown=3))  # fmt: skip
+                                           timeout_graceful_shutdown=3, http=_timed_protocol()))  # fmt: skip
+    logging.getLogger("asyncio").addFilter(_OnceAMinute())
     why = {"reason": "shutdown request"}
 
     async def main() -> None:

@@ -357,8 +357,12 @@ def converse(prompt: Prompt, turn: Callable[[str], Turn], source: str, json_out:
         if command == "quit":
             break
         if command is not None:
-            log(command)
-            failed = failed or command.startswith("unknown command")  # piped in: a question fewer, so exit 1
+            unknown = command.startswith("unknown command")
+            if unknown and not interactive:  # piped in: a question fewer, so an error line and exit 1
+                fail(command)
+            else:
+                log(command)
+            failed = failed or unknown
             continue
         prompt.remember()
         failed = not answer_turn(printer, turn, question, interactive) or failed

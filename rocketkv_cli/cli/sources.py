@@ -87,11 +87,15 @@ def memory_config(budget: Optional[int], max_new_tokens: Optional[int]):
 
 
 def ingest_in_memory(document: str, choice: ModelChoice, cfg, reading: DocumentReading,
-                     explicit: tuple[str, ...] = ("token_budget", "max_new_tokens")):  # fmt: skip
+                     explicit: tuple[str, ...] = ("token_budget", "max_new_tokens"),
+                     command: str | None = None):  # fmt: skip
     """DOC (`-`: stdin) ingested in memory with `cfg` (a `PrefillConfig`; the loaded model's
-    measured defaults fill the fields not in `explicit`) by the model loaded here.
+    measured defaults fill the fields not in `explicit`) by the model loaded here; `command`: the
+    command whose large DOC gets `in_memory_note` once the document is known to be text.
     Returns (RocketKV, cache). Raises InputError for a bad document (before the model loads)."""
     stream = open_stream(document, reading.encoding, reading.errors)
+    if command is not None:
+        in_memory_note(document, command)  # after the checks: a cache given as DOC is refused without it
     rk = load_engine(choice.model, choice.device, choice.dtype or "auto", choice.trust_remote_code, choice.weights)
     return rk, ingest(rk, stream, cfg, segment_tokens=reading.segment_tokens, explicit=explicit).cache
 
@@ -130,7 +134,6 @@ def open_source(document: Optional[str], cache: Optional[Path], choice: ModelCho
                                 command=command)  # fmt: skip
         return rk, stored, str(cache)
     given = ("max_new_tokens",) + (("token_budget",) if budget is not None else ())  # else the model's own budget
-    in_memory_note(document, command)
     rk, stored = ingest_in_memory(document, choice, memory_config(budget, options.get("max_new_tokens")), reading,
-                                  given)  # fmt: skip
+                                  given, command)  # fmt: skip
     return rk, stored, document

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -471,6 +472,7 @@ def test__batch_in_a_terminal__draws_the_bar_with_rates(many, rocketkv_bin, env,
     assert "━" in plain and "/s" in plain and "questions/s" in plain and "ETA" in plain, plain[-2000:]
     bars = [line for line in plain.replace("\r\n", "\n").replace("\r", "\n").split("\n") if "questions/s" in line]
     assert all("documents" in line and "ETA" in line for line in bars), bars  # one line on 80 columns: no wrap
+    assert "0/? documents" not in plain and re.search(r"\b0/\d+ documents", plain), bars[:3]  # the total from the start
     assert len(answers_by_key(tmp_path / "tty.jsonl")) == 72
 
 

@@ -359,6 +359,7 @@ class Tracker:
         self.left = {i: t.n_results for i, t in enumerate(tasks)}
         self.state = BatchProgress(documents_total=len(tasks))
         self.written = 0
+        on_progress(self.state)  # the documents to do, known before the first result (a bar showed "0/?")
 
     def write(self, task_index: int | None, line: dict) -> None:
         self.results.write(line)

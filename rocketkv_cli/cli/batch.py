@@ -179,14 +179,16 @@ def batch_command(
                 return events(found, "/v1/rocketkv/batch", body)
 
     with batch_bar() as bar:
-        task = bar.add_task("batch", total=None, answers=0)
+        task = bar.add_task("batch", total=None, answers=0, visible=False)  # shown once the rows are counted
 
         logged = [0]  # documents done, as last said on stderr where no bar is drawn (a pipe, a log file)
 
         def on_progress(state) -> None:
-            if "first" not in bar.tasks[0].fields:  # the rates count from here: the model's load is behind
+            began = state.documents_done or state.answers_done or state.errors  # a result: not the start's call
+            if began and "first" not in bar.tasks[0].fields:  # the rates count from here: the model's load is behind
                 bar.update(task, first=(bar.tasks[0].elapsed or 0.0, state.documents_done, state.answers_done))
-            bar.update(task, total=state.documents_total, completed=state.documents_done, answers=state.answers_done)
+            bar.update(task, total=state.documents_total, completed=state.documents_done, answers=state.answers_done,
+                       visible=True)  # fmt: skip
             if bar.disable and state.documents_done > logged[0]:
                 logged[0] = state.documents_done
                 log(f"{state.documents_done}/{state.documents_total} documents done, "

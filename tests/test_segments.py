@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -385,6 +386,10 @@ def test__cli_ingest_segments_resumes_after_sigint_and_answers(rocketkv_bin, tin
     r = subprocess.run(cmd + ["--json"], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "resuming" in r.stderr and "found checkpointed" in r.stderr
+    reused = re.search(
+        r"prefilled [\d,]+ tokens in \d+ segments \(([\d,]+) tokens of (\d+) segments? read back", r.stderr
+    )
+    assert reused and int(reused[2]) >= 2, r.stderr  # the summary line tells read-back work from this run's
     row = json.loads(r.stdout)
     assert row["n_segments"] >= 15 and not ckpt.exists()
     fresh = tmp_path / "fresh.kv"
@@ -400,6 +405,12 @@ def test__cli_ingest_segments_resumes_after_sigint_and_answers(rocketkv_bin, tin
     assert r3.returncode == 0, r3.stderr
     assert isinstance(load_cache(tmp_path / "short.kv"), CompressedKVCache)
     assert not stale.exists(), "a checkpoint folder was left behind"
+    other = tmp_path / ".book2.kv.segments"  # checkpoints that cannot be used: said, not silently redone
+    other.mkdir()
+    (other / "000000.kv").write_bytes(b"left from another run")
+    r4 = subprocess.run(cmd[:4] + [str(tmp_path / "book2.kv")] + cmd[5:], env=env, capture_output=True, text=True,
+                        timeout=300)  # fmt: skip
+    assert r4.returncode == 0 and "none of the 1 segment checkpointed earlier matched this run" in r4.stderr, r4.stderr
     info = json.loads(subprocess.run([rocketkv_bin, "inspect", str(out), "--json"], capture_output=True, text=True,
                                      timeout=60).stdout)  # fmt: skip
     assert info["n_segments"] == row["n_segments"] and len(info["segments"]) == row["n_segments"]

@@ -352,8 +352,9 @@ def open_stream(doc_path: str, encoding: str, errors: str = "strict"):
 
 
 def ingest(rk, document, cfg, output=None, force=False, segment_tokens=None, kv_dtype=None,
-           explicit=("token_budget", "max_new_tokens")):  # fmt: skip
-    """`RocketKV.ingest` with a progress bar (tokens, tokens/s, ETA) and a line per segment.
+           explicit=("token_budget", "max_new_tokens"), checkpointed: int = 0):  # fmt: skip
+    """`RocketKV.ingest` with a progress bar (tokens, tokens/s, ETA) and a line per segment;
+    `checkpointed`: the checkpoints an earlier run left (said when none of them could be used).
 
     `cfg` gets the loaded preset's measured stage-1 defaults in the fields not in `explicit`
     (the options the user gave; `with_preset_defaults`). Returns the `Ingested` result."""
@@ -363,7 +364,7 @@ def ingest(rk, document, cfg, output=None, force=False, segment_tokens=None, kv_
         cfg = with_preset_defaults(cfg, rk.model_id, explicit)
     except ValueError as exc:
         raise UsageError(f"invalid option: {exc}") from None
-    so_far = [0]
+    so_far, reused = [0], [0, 0]  # tokens so far; segments and tokens read back from checkpoints
     # a method that re-reads the document (context reconstruction) does so after each prefill: the bar's second half
     label = "prefill + re-read" if method_class(cfg).capture == "reconstruct" else "prefill"
     with progress_bar() as bar:
@@ -374,6 +375,7 @@ def ingest(rk, document, cfg, output=None, force=False, segment_tokens=None, kv_
             what = "found checkpointed" if event.resumed else "prefilled"
             log(f"segment {event.index}: {what} ({event.n_tokens:,} tokens; {so_far[0]:,} so far)")
             if event.resumed:  # read back, not prefilled: the bar's rate and time left start again after it
+                reused[0], reused[1] = reused[0] + 1, reused[1] + event.n_tokens
                 bar.reset(task, total=bar.tasks[0].total, completed=so_far[0])
 
         done = rk.ingest(document, output=output, force=force, config=cfg, segment_tokens=segment_tokens,
@@ -382,11 +384,20 @@ def ingest(rk, document, cfg, output=None, force=False, segment_tokens=None, kv_
     stored = done.cache
     n_parts = stored.n_segments
     where = f" in {n_parts} segments" if n_parts > 1 else ""
+    if reused[0]:  # a resumed ingest: what was read back is not what this run prefilled
+        where += f" ({reused[1]:,} tokens of {plural_segments(reused[0])} read back from checkpoints)"
+    elif checkpointed:
+        log(f"none of the {plural_segments(checkpointed)} checkpointed earlier matched this run (another document, "
+            "model, --segment-tokens or option): every segment was prefilled")  # fmt: skip
     log(f"prefilled {stored.n_context_tokens:,} tokens{where} in {done.seconds:.1f}s; "
         f"keeping up to {stored.max_kept_tokens:,} per KV head per layer{' per segment' if where else ''}"
         + ("; adaptive layer budgets: the layers keep different counts, the same total"
            if cfg.layer_budgets != "uniform" else ""))  # fmt: skip
     return done
+
+
+def plural_segments(n: int) -> str:
+    return f"{n} segment{'s' * (n != 1)}"
 
 
 def report_abandoned(directory: Path, skip: Optional[Path] = None) -> None:

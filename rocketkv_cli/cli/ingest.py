@@ -125,7 +125,7 @@ def ingest_command(
     if count:
         log(f"resuming: found {count} checkpointed segments in {folder} (reused if they match)")
     try:
-        done = ingest(rk, stream, cfg, target, force, segment_tokens, kv_dtype, explicit)
+        done = ingest(rk, stream, cfg, target, force, segment_tokens, kv_dtype, explicit, count)
     except (KeyboardInterrupt, Terminated):
         try:
             kept, folder = pending_checkpoints(target)

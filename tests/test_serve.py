@@ -1115,11 +1115,14 @@ def test__a_model_path_is_sent_to_the_server_absolute(tmp_path, monkeypatch):
     """`ask --model ./dir` through a server: the server takes only absolute model paths (a relative
     one would be read from its own folder), so the client sends the path it means; presets and hub
     ids go as they are."""
+    from rocketkv_cli.cli.remote import model_for_server
     from rocketkv_cli.cli.sources import ModelChoice
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "my-model").mkdir()
-    sent = lambda model: ModelChoice(model, "auto", None, None, False).for_server()["model"]
+    sent = lambda model: model_for_server(ModelChoice(model, "auto", None, None, False).for_server())["model"]
+    assert sent("~/my-model") == str(tmp_path / "my-model")
     assert sent("my-model") == sent("./my-model") == str(tmp_path / "my-model")
     assert sent("gemma-3-270m") == "gemma-3-270m" and sent("org/name") == "org/name" and sent(None) is None
 

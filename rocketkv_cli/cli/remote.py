@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 from rich.markup import escape
 
+from ..core.config import PRESET_WEIGHTS_DEFAULTS  # keyed by the presets
 from ..errors import UsageError
 from ..serve.client import Server, ServerError, events, locate
 from .answers import AnswerPrinter, answer_log_of, decode_timing
@@ -56,11 +57,12 @@ def read_here_note(command: str) -> str:
 
 
 def model_for_server(options: dict) -> dict:
-    """`options` with a `model` that names an existing path made absolute (the server resolves
-    paths from its own folder, not the client's)."""
+    """`options` with a `model` that names an existing path here (`./dir`, `~/m.gguf`; not a
+    preset) made absolute: the server takes a model path only absolute and inside its allowed
+    folders (a relative one or `~` would be its own folder's and home's)."""
     model = options.get("model")
-    if model and os.path.exists(model):
-        return {**options, "model": os.path.abspath(model)}
+    if model and model not in PRESET_WEIGHTS_DEFAULTS and os.path.lexists(os.path.expanduser(model)):
+        return {**options, "model": os.path.abspath(os.path.expanduser(model))}
     return options
 
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from ..core.config import DEFAULT_TOKEN_BUDGET, PRESET_WEIGHTS_DEFAULTS  # keyed by the presets
+from ..core.config import DEFAULT_TOKEN_BUDGET
 from .common import Timings, cache_budget_note, ingest, load_engine, log, open_stream, prefill_config, starting
 
 DECODE_OPTIONS = ("dense", "hsa", "topk", "page_size", "n_score_dims")  # checked against a file's budgets
@@ -31,13 +31,9 @@ class ModelChoice:
     trust_remote_code: bool
 
     def for_server(self) -> dict:
-        """The fields of a server request (`serve.jobs.AskRequest`): a model given as a path here
-        (`--model ./dir`, `~/m.gguf`) sent absolute, as the server takes paths."""
-        fields = asdict(self)
-        model = self.model
-        if model is not None and model not in PRESET_WEIGHTS_DEFAULTS and os.path.lexists(os.path.expanduser(model)):
-            fields["model"] = os.path.abspath(os.path.expanduser(model))
-        return fields
+        """The fields of a server request (`serve.jobs.AskRequest`; `remote.model_for_server` makes
+        a model path absolute)."""
+        return asdict(self)
 
 
 @dataclass(frozen=True)

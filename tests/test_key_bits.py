@@ -290,7 +290,7 @@ def _fill(value, dtype):
 def test__finite_but_huge_stored_values__refused_with_digests_recomputed(tmp_path, storage, name, dtype):
     """A crafted cache whose keys or values are finite but huge (3e38, digests recomputed) passed
     every check and was answered: attention's products overflowed into NaN (blank answers, "nan%"
-    citations, a sampler's RuntimeError). What float16 cannot hold is refused on load and by
+    citations, a sampler's RuntimeError). Values past `MAX_STORED_ABS` are refused on load and by
     `inspect`'s verification."""
     from rocketkv_cli.store.format import verify_file
 
@@ -307,11 +307,29 @@ def test__finite_but_huge_stored_values__refused_with_digests_recomputed(tmp_pat
         load_cache(crafted).layers  # noqa: B018
 
 
+@pytest.mark.parametrize("storage", ["float32", "bfloat16", "int8", "int4"])
+def test__values_past_float16s_range__are_written_and_read_back(tmp_path, storage):
+    """The writer keeps scales, minimums and sinks in float32 where float16's range is short (a
+    model whose values pass 32,752): such a file reads back and verifies (a bound at float16's
+    range refused it, and every rebuild wrote the same file)."""
+    from rocketkv_cli.store.format import verify_file
+
+    engine = make_engine("llama", torch.float32)
+    for layer in engine.model.model.layers:
+        layer.self_attn.v_proj.weight.data *= 1e5
+    stored = engine.ingest(Document(text_of_bytes(40), "0" * 64, "d.txt"), CFG, storage=KVStorage.parse(storage))
+    biggest = max(float(layer.values.abs().max()) for layer in stored.layers)
+    assert biggest > 65504, biggest  # the case this checks
+    path = save_cache(stored, tmp_path / "big.kv")
+    verify_file(path)
+    assert all(torch.isfinite(layer.values).all() for layer in load_cache(path).layers)
+
+
 @pytest.mark.parametrize("part", ["keys.scale", "keys.min", "values.scale", "values.min", "sinks.keys"])
-def test__integer_storage__float32_scales_past_float16s_range_are_refused(part):
+def test__integer_storage__float32_scales_no_model_makes_are_refused(part):
     """The check a file's layer passes (`store.v3_read._checked`), on a real layer's stored parts:
-    a scale, minimum or sink stored as float32 (a dtype the format allows) of 3e38 is refused; the
-    same parts as written pass."""
+    a scale, minimum or sink stored as float32 (a dtype the format allows) of 3e38 (finite, past
+    `MAX_STORED_ABS`) is refused; the same parts as written pass."""
     from rocketkv_cli.store.v3_read import _checked
 
     engine = make_engine("llama", torch.float32)

@@ -179,8 +179,9 @@ def _layer(tensors: dict[str, torch.Tensor], i: int, info: CacheInfo) -> LayerKV
         return None
 
 
-MAX_STORED_ABS = 65504.0  # float16's largest: what sinks and scales are stored in; a crafted 3e38 (finite) made
-# attention's products overflow into NaN (blank answers, "nan%" citations) instead of a refusal
+MAX_STORED_ABS = 2.0**40  # no key, value, scale, minimum or sink of a real model comes near it (the writer keeps
+# float32 where float16's range is short); past it, attention's products and the norms' squares of the residual they
+# feed can overflow float32 into NaN: a crafted 3e38 (finite) gave blank answers and "nan%" citations, not a refusal
 
 
 def _bounded(t: torch.Tensor) -> bool:
@@ -190,7 +191,7 @@ def _bounded(t: torch.Tensor) -> bool:
 
 def _checked(tensors: dict[str, torch.Tensor], i: int, info: CacheInfo) -> bool:
     """Whether layer i's stored tensors agree with the metadata: positions, shapes, dtypes, float
-    keys, values, scales, minimums and sinks within `MAX_STORED_ABS`, non-negative scales,
+    keys, values, scales, minimums and sinks finite and within `MAX_STORED_ABS`, non-negative scales,
     allocated key bits within their bytes."""
     n_kv, d, storage = info.identity.n_kv_heads, info.identity.head_dim, info.storage
     pos = tensors[f"layers.{i}.positions"]

@@ -199,20 +199,31 @@ HEADERS_TIMEOUT_S = 10.0  # a new connection that has not sent its request's hea
 
 
 def _timed_protocol() -> type:
-    """uvicorn's h11 protocol, with a new connection closed when its request's headers are not
-    all there `HEADERS_TIMEOUT_S` after it opened (uvicorn times out only idle keep-alive
-    connections, and restarts that timer at every byte): connections that sent part of a request
-    and then nothing were held open for ever, and 20,000 of them took every file descriptor (no
-    request could be answered, `/health` timed out)."""
+    """uvicorn's h11 protocol, with a connection closed when a request's headers are not all there
+    `HEADERS_TIMEOUT_S` after it opened or after its last response (uvicorn times out only idle
+    keep-alive connections, and restarts that timer at every byte): connections that sent part of
+    a request, then a byte now and then, were held open for ever, and 20,000 of them took every
+    file descriptor (no request could be answered, `/health` timed out)."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class TimedH11Protocol(H11Protocol):
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:  # a kept-alive connection waits for its next request's headers
+            super().on_response_complete()
+            self._arm()
+
+        def _arm(self) -> None:
+            timer = getattr(self, "_headers_timer", None)
+            if timer is not None:
+                timer.cancel()
+            self._waiting_since = self.cycle  # a new request replaces the cycle once its headers are all there
             self._headers_timer = self.loop.call_later(HEADERS_TIMEOUT_S, self._headers_too_slow)
 
         def _headers_too_slow(self) -> None:
-            if self.cycle is None and not self.transport.is_closing():  # no request began on it
+            if self.cycle is self._waiting_since and not self.transport.is_closing():  # no request began since
                 self.transport.close()
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -265,7 +276,9 @@ def _run(cfg: ServeConfig, state: ServeState, sock: socket.socket, url: str, log
 
     server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning", access_log=False, lifespan="off",
                                            timeout_graceful_shutdown=3, http=_timed_protocol()))  # fmt: skip
-    logging.getLogger("asyncio").addFilter(_OnceAMinute())
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _OnceAMinute) for f in asyncio_log.filters):  # once per process
+        asyncio_log.addFilter(_OnceAMinute())
     why = {"reason": "shutdown request"}
 
     async def main() -> None:

@@ -503,30 +503,59 @@ def test__cli_ingest_never_writes_checkpoints_through_a_planted_link(rocketkv_bi
 def test__cli_ingest_into_a_file_another_ingest_is_writing__refused_before_its_prefill(rocketkv_bin, tiny_model_dir,
                                                                                       tmp_path):  # fmt: skip
     """Two segmented ingests into one file, a second apart, both prefilled every segment before one
-    failed ("was replaced while in use"). The second is refused at once, naming the first (its
-    claim on the checkpoint folder: a running process of this host); the first's files untouched.
-    A claim left by a process that is gone is taken over (the rerun resumes)."""
+    failed ("was replaced while in use"). The second is refused at once, naming the first: the
+    first holds a lock on its checkpoint folder's owner file while it runs. A lock given up (the
+    ingest ended, failed, or its process died, whatever its pid or host) is taken over."""
+    import fcntl
+
     from rocketkv_cli.store.atomic import host_tag
 
     doc = tmp_path / "doc.txt"
     doc.write_text(lines_text(40))  # several 512-token segments
     out, folder = tmp_path / "m.kv", tmp_path / ".m.kv.segments"
     folder.mkdir()
-    (folder / "owner").write_text(f"{os.getpid()} {host_tag()}\n")  # this test's process: running
+    held = open(folder / "owner", "w")  # noqa: SIM115  (held open: the lock lives as long as it does)
+    held.write(f"{os.getpid()} {host_tag()}\n")
+    held.flush()
+    fcntl.flock(held, fcntl.LOCK_EX)  # as a running ingest holds it
     cmd = [rocketkv_bin, "ingest", str(doc), "-o", str(out), "--model", str(tiny_model_dir), "--segment-tokens", "512",
            "--budget", "64"]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
     assert r.returncode == 1 and errors == [f"Error: another rocketkv ingest (pid {os.getpid()}) is writing {out} now "
-                                            "— wait for it to finish (or stop it: its rerun resumes), then run this "
+                                            "— wait for it to finish (or stop it: a rerun resumes it), then run this "
                                             "again"], r.stderr  # fmt: skip
     assert "prefill" not in r.stderr and not out.exists() and os.listdir(folder) == ["owner"]
-    gone = subprocess.Popen(["true"])
-    gone.wait()  # a process that has ended: its claim is stale
-    (folder / "owner").write_text(f"{gone.pid} {host_tag()}\n")
+    held.close()  # the other ingest ended (a pid still running, or another host's, no longer matters)
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and out.exists(), again.stderr
+
+
+def test__an_ingest_that_failed_in_a_running_process__lets_a_rerun_elsewhere_resume(tiny_model_dir, rocketkv_bin,
+                                                                                     tmp_path):  # fmt: skip
+    """A segmented ingest that fails or is cancelled in a process that goes on (a server whose
+    client left, a notebook's KeyboardInterrupt) gives up its claim: a rerun in another process
+    resumes from its checkpoints instead of being refused for as long as that process lives."""
+    from rocketkv_cli.api.rocketkv import RocketKV
+
+    rk = RocketKV.load(str(tiny_model_dir), device="cpu")
+    doc = tmp_path / "doc.txt"
+    doc.write_text(lines_text(40))
+    out = tmp_path / "m.kv"
+    seen = []
+
+    def progress(done: int, total: int) -> None:
+        seen.append(done)
+        if len(list((tmp_path / ".m.kv.segments").glob("*.kv"))) >= 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        rk.ingest(doc, output=out, token_budget=64, segment_tokens=512, progress=progress)
+    r = subprocess.run([rocketkv_bin, "ingest", str(doc), "-o", str(out), "--model", str(tiny_model_dir),
+                        "--segment-tokens", "512", "--budget", "64"], env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0 and "found checkpointed" in r.stderr, r.stderr
 
 
 def test__checkpoints__a_link_planted_after_the_check_is_refused_before_a_write(tmp_path):

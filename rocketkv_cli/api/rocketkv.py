@@ -255,12 +255,15 @@ class RocketKV:
             target = check_output(output, force, doc_path)
         checkpoints = Checkpoints(target) if target is not None else _scratch_checkpoints()
         t0 = time.perf_counter()
-        cache = ingest_stream(self.engine, stream, cfg, segment_tokens, checkpoints, on_segment, progress, kv)
-        if target is not None:
-            save_cache(cache, target, force=force)
-            if isinstance(cache, SegmentedKVCache):
-                cache = verify_file(target)  # the checkpoints go only once the file reads back whole
-            checkpoints.remove()
+        try:
+            cache = ingest_stream(self.engine, stream, cfg, segment_tokens, checkpoints, on_segment, progress, kv)
+            if target is not None:
+                save_cache(cache, target, force=force)
+                if isinstance(cache, SegmentedKVCache):
+                    cache = verify_file(target)  # the checkpoints go only once the file reads back whole
+                checkpoints.remove()
+        finally:  # failed or interrupted: the checkpoints stay for a rerun, which may run in another process
+            checkpoints.release()
         return Ingested(cache=cache, path=target, seconds=time.perf_counter() - t0)
 
     def open(self, path: str | Path) -> AnyCache:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..core.cache import CacheInfo, CompressedKVCache
 from ..errors import CacheFormatError, OutputError
-from .folders import AbandonedCheckpoints, abandoned_checkpoints, checkpoint_folder, claim_folder
+from .folders import AbandonedCheckpoints, abandoned_checkpoints, checkpoint_folder, claim_folder, release_folder
 from .format import load_cache, save_cache, verify_file
 
 __all__ = ["AbandonedCheckpoints", "Checkpoints", "abandoned_checkpoints", "same_build"]
@@ -84,7 +84,13 @@ class Checkpoints:
             raise CacheFormatError(f"checkpoint {self._path(index)} did not read back as one segment")
         return loaded
 
+    def release(self) -> None:
+        """Give up the claim (`claim`): the ingest ended, finished or failed."""
+        release_folder(self.dir)
+        self._claimed = False
+
     def remove(self) -> None:
+        self.release()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def count(self) -> int:

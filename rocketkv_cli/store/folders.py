@@ -6,6 +6,7 @@ behind before anything heavy is imported.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
@@ -38,18 +39,46 @@ def checkpoint_folder(target: Path) -> Path:
     return target.parent / f".{target.name}{CHECKPOINT_SUFFIX}"
 
 
+_CLAIMS: dict[Path, int] = {}  # folder → its owner file's descriptor, locked while this process writes there
+
+
 def claim_folder(folder: Path) -> None:
-    """Record this process as the one writing into `folder` (see `abandoned_checkpoints`).
-    Raises OutputError: another process that is running writes into it."""
+    """Record this process as the one writing into `folder` (see `abandoned_checkpoints`), and hold
+    an exclusive lock on its owner file until `release_folder` (or the process's end: a killed or
+    crashed ingest leaves no lock behind, whatever host or pid it had). Claiming a folder this
+    process holds does nothing.
+    Raises OutputError: another process holds it (an ingest into the same file is running)."""
+    if folder in _CLAIMS:
+        return
     path = folder / OWNER_FILE
-    if not path.is_symlink() and _owner_running(path) and _owner_pid(path) != os.getpid():
+    if path.is_symlink():
+        path.unlink()  # a link planted in its place is removed, never written through
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:  # a hard link planted there: never written through
+        os.close(fd)
+        path.unlink()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held: an ingest into the same file runs now
+        os.close(fd)
         target = folder.parent / folder.name[1 : -len(CHECKPOINT_SUFFIX)]
-        raise OutputError(f"another rocketkv ingest (pid {_owner_pid(path)}) is writing {target} now",
-                          "wait for it to finish (or stop it: its rerun resumes), then run this again")  # fmt: skip
-    path.unlink(missing_ok=True)  # a link planted in its place is removed, never written through
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    with os.fdopen(fd, "w") as f:
-        f.write(f"{os.getpid()} {host_tag()}\n")
+        pid = _owner_pid(path)
+        hint = "wait for it to finish (or stop it: a rerun resumes it), then run this again"
+        raise OutputError(
+            f"another rocketkv ingest{f' (pid {pid})' if pid else ''} is writing {target} now", hint
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()} {host_tag()}\n".encode(), 0)
+    _CLAIMS[folder] = fd
+
+
+def release_folder(folder: Path) -> None:
+    """Let another process claim `folder` (an ingest that ended, finished or failed)."""
+    fd = _CLAIMS.pop(folder, None)
+    if fd is not None:
+        os.close(fd)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -1018,3 +1019,18 @@ def test__a_stdout_that_is_not_utf8__gets_the_answer_escaped(rocketkv_bin, env, 
     assert escaped.stdout == utf8.stdout.encode("ascii", "backslashreplace").decode("ascii")
     drop = lambda out: {k: v for k, v in json.loads(out).items() if not k.endswith("_s")}
     assert escaped_json.stdout.isascii() and drop(escaped_json.stdout) == drop(utf8_json.stdout)
+
+
+def test__chat_doc_from_a_pipe__reads_the_whole_document(rocketkv_bin, env, doc, tiny_model_dir):
+    """`echo Q | rocketkv chat <(cat doc.txt)`: the check made before the model loads read the
+    pipe's first block and dropped it ("document /dev/fd/63 is empty"); a regular file is checked,
+    a pipe is read once, by the ingest."""
+    expected = run(rocketkv_bin, env, "chat", doc, "--model", tiny_model_dir, "--json", "--no-server",
+                   stdin=QS[0] + "\n")  # fmt: skip
+    r = subprocess.run(["bash", "-c", f"echo {shlex.quote(QS[0])} | {shlex.quote(rocketkv_bin)} chat <(cat "
+                        f"{shlex.quote(str(doc))}) --model {shlex.quote(str(tiny_model_dir))} --json --no-server"],
+                       capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert expected.returncode == 0 and r.returncode == 0, r.stderr
+    drop = lambda out: [{k: v for k, v in json.loads(x).items() if not k.endswith("_s") and k != "cache"}
+                        for x in out.splitlines()]  # fmt: skip
+    assert drop(r.stdout) == drop(expected.stdout) and len(drop(r.stdout)) == 1

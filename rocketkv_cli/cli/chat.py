@@ -245,7 +245,7 @@ def chat_command(
     if not prompt.interactive:  # `chat < /dev/null` ends before a model loads; a bad source is named first
         if cache is not None:
             check_cache_file(cache, "chat")
-        else:
+        elif os.path.isfile(str(document)):  # a pipe (`<(cat doc)`) is not read here: its first block would be lost
             open_document(str(document), encoding, errors)
         prompt.first_question()
     remote = server_for(server, no_server) if cache is not None else None

@@ -885,14 +885,18 @@ def test__a_questions_file_without_questions__says_so(rocketkv_bin, env, kv, tmp
 
 
 def test__comment_lines__are_not_asked(rocketkv_bin, env, kv, tmp_path):
-    """A line whose first character other than a space is # is a comment in a questions file,
-    in `ask -` and in a chat piped in (it was asked as a question); comments alone are no question."""
+    """A line that is `#` alone or starts with `# ` (after spaces) is a comment in a questions file,
+    in `ask -` and in a chat piped in (it was asked as a question), and their count is said;
+    `#1 …` and `#word` are questions; comments alone are no question."""
     expected = run(rocketkv_bin, env, "ask", "--cache", kv, QS[0], QS[2], "--json")
-    (tmp_path / "qs.txt").write_text(f"# about the document\n{QS[0]}\n  # an aside\n\n{QS[2]}\n")
+    (tmp_path / "qs.txt").write_text(f"# about the document\n{QS[0]}\n  # an aside\n#\n\n{QS[2]}\n")
     from_file = run(rocketkv_bin, env, "ask", "--cache", kv, "--questions-file", tmp_path / "qs.txt", "--json")
     chatted = run(rocketkv_bin, env, "chat", "--cache", kv, "--json", stdin=(tmp_path / "qs.txt").read_text())
     drop = lambda out: [{k: v for k, v in json.loads(x).items() if not k.endswith("_s")} for x in out.splitlines()]
     assert from_file.returncode == 0 and drop(from_file.stdout) == drop(expected.stdout), from_file.stderr
+    assert "3 comment lines (starting '# ') not asked" in from_file.stderr, from_file.stderr
+    hashed = run(rocketkv_bin, env, "ask", "--cache", kv, "-", "--json", stdin="#1 code?\n#MeToo: when?\n")
+    assert [json.loads(x)["question"] for x in hashed.stdout.splitlines()] == ["#1 code?", "#MeToo: when?"]
     assert chatted.returncode == 0 and drop(chatted.stdout) == drop(expected.stdout), chatted.stderr
     assert "no questions in stdin" in assert_one_line_error(run(rocketkv_bin, env, "ask", "--cache", kv, "-",
                                                                 stdin="# only a comment\n"))  # fmt: skip

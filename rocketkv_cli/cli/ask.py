@@ -64,8 +64,8 @@ MAX_QUESTIONS_BYTES = 16 * 2**20  # a questions file (or stdin) larger than this
 
 
 def read_questions(positional: list[str], questions_file: Optional[str], doc_is_stdin: bool) -> list[str]:
-    """Questions from arguments and a file (`-` = stdin), one per line (blank lines and # comment
-    lines skipped); may be empty. Raises
+    """Questions from arguments and a file (`-` = stdin), one per line (blank lines and comment
+    lines, `# …`, skipped: said on stderr); may be empty. Raises
     InputError (a file that cannot be read or decoded, or over `MAX_QUESTIONS_BYTES`: `/dev/zero`
     was read until the machine ran out of memory)."""
     questions = list(positional)
@@ -89,7 +89,11 @@ def read_questions(positional: list[str], questions_file: Optional[str], doc_is_
             text = data.decode("utf-8-sig")
         except UnicodeDecodeError as exc:
             raise InputError(f"cannot read {where}: {exc}") from None
-        questions += [line.strip() for line in text.split("\n") if is_question(line)]  # only \n ends a question
+        lines = [line.strip() for line in text.split("\n")]  # only \n ends a question
+        asked = [line for line in lines if is_question(line)]
+        if comments := sum(1 for line in lines if line and not is_question(line)):
+            log(f"{where}: {comments} comment line{'s' * (comments != 1)} (starting '# ') not asked")
+        questions += asked
     return check_questions(questions) if questions else questions  # none: `questions_of` says why
 
 
@@ -186,7 +190,9 @@ def ask_command(
     cache: CacheOpt = None,
     questions_file: Annotated[
         Optional[str],
-        typer.Option(metavar="FILE", help="File with one question per line (# starts a comment line), or - for stdin."),
+        typer.Option(
+            metavar="FILE", help='File with one question per line (a line starting "# " is a comment), or - for stdin.'
+        ),
     ] = None,
     max_new_tokens: MaxNewOpt = None,
     budget: DocBudgetOpt = None,

@@ -94,8 +94,8 @@ class Prompt:
             self.readline.set_history_length(1000)
 
     def first_question(self) -> None:
-        """From a pipe or a file, read ahead to the first question (a line neither blank nor a #
-        comment), so that an input without one ends the command before a model loads; `read`
+        """From a pipe or a file, read ahead to the first question (a line neither blank nor a
+        comment, `is_question`), so that an input without one ends the command before a model loads; `read`
         returns it first. Nothing is read at a terminal. Raises InputError: no question."""
         if self.interactive:
             return
@@ -351,7 +351,7 @@ def converse(prompt: Prompt, turn: Callable[[str], Turn], source: str, json_out:
             err.print()  # a new prompt on its own line, like a shell
             continue
         question = line.strip()
-        if not question or (not interactive and question.startswith("#")):  # a blank line, a comment in a pipe
+        if not question or (not interactive and not is_question(question)):  # a blank line, a comment in a pipe
             continue
         command = typed_command(question, interactive)
         if command == "quit":

@@ -497,6 +497,6 @@ def option_names(message: str) -> str:
 
 def is_question(line: str) -> bool:
     """Whether a line read from a questions file or a pipe is a question: not blank, and not a
-    comment (its first character other than a space is #)."""
+    comment: `#` alone or followed by a space ("#1 risk factor?" and "#MeToo: when?" are asked)."""
     text = line.strip()
-    return bool(text) and not text.startswith("#")
+    return bool(text) and text != "#" and not text.startswith("# ")

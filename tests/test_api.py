@@ -96,7 +96,7 @@ def test__a_cache_opened_for_another_model__is_refused_where_it_is_answered(rk, 
     for call in calls:
         with pytest.raises(CacheFormatError, match="the cache was built for another model"):
             call()
-    assert list(rk.ask(cache, ["Which code?"]))[0].text == list(rk.ask(cache, ["Which code?"]))[0].text
+    assert list(rk.ask(cache, ["Which code?"]))[0].n_answer_tokens >= 1  # its own model still answers from it
 
 
 def test__another_preset_than_the_cache_was_built_with__refused_before_loading(rk, doc, tmp_path):

@@ -303,6 +303,8 @@ class ServerOrHere:
                 self.local = self.here()
                 if begun:  # part of the answer was printed: this one failed, the next is asked here
                     raise
+            finally:
+                pieces.close()  # Ctrl-C here closes the request at once, which cancels the answer in the server
         assert self.local is not None
         return (yield from self.local(question))
 

@@ -1185,3 +1185,23 @@ def test__a_connection_that_never_finishes_its_headers_is_closed(served, caches)
         took = time.monotonic() - t0
         assert closed and took < HEADERS_TIMEOUT_S + 10, (first_a_whole_request, took)
     assert health(s.server) is not None  # and the server serves whole requests
+
+
+def test__a_tcp_listing_left_saying_starting_is_not_waited_on(rocketkv_bin, env, caches, tmp_path):
+    """A `tcp-servers/PID` file left saying "starting" for a live pid (a server killed as it
+    started, its pid reused) with nothing listening on the port made `--server URL` wait two
+    minutes: a refused connection ends the wait, and the client says no server answers."""
+    import socket as sockets
+
+    home = tmp_path / "home"
+    (home / "tcp-servers").mkdir(parents=True)
+    probe = sockets.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # a port nobody listens on
+    (home / "tcp-servers" / str(os.getpid())).write_text(f"http://127.0.0.1:{port}\nstarting\n")  # this test: alive
+    t0 = time.monotonic()
+    r = run(rocketkv_bin, {**env, "ROCKETKV_HOME": str(home)}, "ask", "--server", f"http://127.0.0.1:{port}",
+            "--cache", caches[0], QUESTIONS[0])  # fmt: skip
+    assert r.returncode == 1 and f"no rocketkv server answers at http://127.0.0.1:{port}" in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 30, "waited on a server that is not there"

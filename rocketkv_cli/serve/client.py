@@ -283,9 +283,11 @@ def wait_started(server: Server, pid: int, timeout: float = STARTING_WAIT_S) -> 
     deadline, missing_since = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
         info = health(server, timeout=1.0)  # connections wait in the socket's backlog until it serves
-        if server.path is None:  # TCP: bound before it was listed starting, so only its state is read
+        if server.path is None:  # TCP: bound before it was listed starting
             if info is not None or tcp_starting_pid(server) != pid:
                 return info or health(server)
+            if _refused(server):  # nobody listens there: a listing left saying "starting" (its pid reused)
+                return None
             time.sleep(0.1)
             continue
         path = Path(server.path)
@@ -300,6 +302,17 @@ def wait_started(server: Server, pid: int, timeout: float = STARTING_WAIT_S) -> 
         time.sleep(0.1)
     raise ServerError(f"the rocketkv server (pid {pid}) on {server.url} is still starting after {timeout:.0f} s",
                       "wait and run the command again, or pass --no-server")  # fmt: skip
+
+
+def _refused(server: Server) -> bool:
+    """Whether a TCP connection to `server` is refused (nothing listens on its port)."""
+    try:
+        socket.create_connection((str(server.host), int(server.port or 0)), timeout=0.5).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:  # a time-out, a full backlog: something may be there
+        return False
+    return False
 
 
 def _listening(path: Path) -> str:

@@ -168,10 +168,21 @@ def list_tcp_server(url: str) -> Path | None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / str(os.getpid())
-        path.write_text(f"{url}\n{LOCK_STARTING}\n")
+        _write_listing(path, f"{url}\n{LOCK_STARTING}\n")
     except OSError:
         return None
     return path
+
+
+def _write_listing(path: Path, text: str) -> None:
+    """`text` into `path` whole (a temporary file renamed over it: a reader never sees half a URL,
+    and a link planted at `path` is replaced, not written through). Raises OSError."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def mark_listed(listed: Path | None) -> None:
@@ -179,7 +190,7 @@ def mark_listed(listed: Path | None) -> None:
     if listed is not None:
         with contextlib.suppress(OSError):
             url = listed.read_text().partition("\n")[0]
-            listed.write_text(f"{url}\n{LOCK_READY}\n")
+            _write_listing(listed, f"{url}\n{LOCK_READY}\n")
 
 
 def state_for(cfg: ServeConfig, url: str, log: Log = lambda message: None) -> ServeState:

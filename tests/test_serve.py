@@ -1205,3 +1205,11 @@ def test__a_tcp_listing_left_saying_starting_is_not_waited_on(rocketkv_bin, env,
             "--cache", caches[0], QUESTIONS[0])  # fmt: skip
     assert r.returncode == 1 and f"no rocketkv server answers at http://127.0.0.1:{port}" in r.stderr, r.stderr
     assert time.monotonic() - t0 < 30, "waited on a server that is not there"
+
+
+def test__batch_with_a_missing_manifest__says_only_that_with_a_server_running(rocketkv_bin, env, served, tmp_path):
+    """`rocketkv batch nope.jsonl` with a server running said "rows run by the server at …" before
+    "manifest not found": the manifest is checked first now."""
+    served("--idle-timeout", "0")
+    r = run(rocketkv_bin, env, "batch", tmp_path / "nope.jsonl")
+    assert r.returncode == 1 and r.stderr == f"Error: manifest not found: {tmp_path / 'nope.jsonl'} — check the path\n"

@@ -70,6 +70,21 @@ def error_row(row_id: RowId | None, line: int, message: str) -> dict:
     return {"id": row_id, "line": line, "error": message.replace("\r", "\\r").replace("\n", "\\n")}
 
 
+def check_manifest_path(path: Path) -> None:
+    """Refuse a manifest path that is missing, a directory or a device, before anything else is
+    done (the command said where its rows would run first). Raises InputError."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise InputError(f"manifest not found: {path}", "check the path") from None
+    except OSError as exc:
+        raise InputError(f"cannot read manifest {path}: {exc.strerror}") from None
+    if stat.S_ISDIR(mode):
+        raise InputError(f"{path} is a directory, not a manifest", "give a .jsonl file")
+    if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):  # /dev/zero would be read until memory ran out
+        raise InputError(f"{path} is a device, not a manifest", "give a .jsonl file")
+
+
 def read_manifest(path: Path) -> list[Row | BadRow]:
     """Every non-blank line of the manifest at `path`, as a `Row` or a `BadRow`.
 
@@ -77,15 +92,10 @@ def read_manifest(path: Path) -> list[Row | BadRow]:
     workers on other machines read the same file from shared storage). An `id` seen on an
     earlier line makes a `BadRow`. Raises InputError: the manifest itself cannot be read.
     """
+    check_manifest_path(path)
+    too_large = InputError(f"manifest {path} is larger than {MAX_MANIFEST_BYTES >> 30} GiB", "split it into several")
     try:
         mode = os.stat(path).st_mode
-        if stat.S_ISDIR(mode):
-            raise InputError(f"{path} is a directory, not a manifest", "give a .jsonl file")
-        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):  # /dev/zero would be read until memory ran out
-            raise InputError(f"{path} is a device, not a manifest", "give a .jsonl file")
-        too_large = InputError(
-            f"manifest {path} is larger than {MAX_MANIFEST_BYTES >> 30} GiB", "split it into several"
-        )
         if stat.S_ISREG(mode) and os.stat(path).st_size > MAX_MANIFEST_BYTES:
             raise too_large
         with open(path, "rb") as f:

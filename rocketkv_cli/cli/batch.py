@@ -138,11 +138,13 @@ def batch_command(
     command after an interruption: answered rows are skipped, failed rows are retried.
     """
     from ..api.rocketkv import DEFAULT_MODEL, configure
+    from ..batch.manifest import check_manifest_path
     from ..batch.run import BatchSettings, run_batch
 
     if not manifest.name:  # "" or "/": no file name to read, nor to name the results after
         raise usage_error("MANIFEST", f"{str(manifest)!r} names no file")
     setup(quiet)
+    check_manifest_path(manifest)  # a missing manifest is said first, not after "rows run by the server"
     configure(quiet, progress_bars=err.is_terminal and not quiet)  # transformers offline and silent (one worker too)
     out = None if output == "-" else Path(output) if output is not None else default_output(manifest)
     folder = cache_dir if cache_dir is not None else manifest.with_name(_stem(manifest) + ".kv-cache")

@@ -432,6 +432,8 @@ def test__storage_names__parse_and_print_back(name, expected):
         ("int4+sinks2+sinks0", "names the sink count twice"),
         ("float16+sinks2", "sinksN only applies to int8 and int4"),
         ("int3", "kv_dtype must be one of"),
+        ("int8+sinks99999999", "sink_tokens must be an integer in [0, 2^20], got 99999999"),  # was "unknown option"
+        ("int8+sinks1048577", "sink_tokens must be an integer in [0, 2^20], got 1048577"),
     ],
 )
 def test__storage_names__unknown_parts_refused(name, message):

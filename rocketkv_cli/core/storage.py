@@ -113,9 +113,11 @@ class KVStorage:
                 if chosen:
                     raise ValueError(f"storage {name!r} names two key bases; choose one of rope, hadamard")
                 rotation, chosen = extra, True
-            elif extra.startswith("sinks") and extra[5:].isdigit() and len(extra) <= 12:
+            elif extra.startswith("sinks") and extra[5:].isascii() and extra[5:].isdigit():
                 if sinks_named:
                     raise ValueError(f"storage {name!r} names the sink count twice; give one sinksN")
+                if len(extra) > 12:  # more digits than any count: said as the range, not as an unknown option
+                    raise ValueError(f"sink_tokens must be an integer in [0, 2^20], got {extra[5:]}")
                 sinks, sinks_named = int(extra[5:]), True
             else:
                 raise ValueError(f"unknown storage option {extra!r} in {name!r} (known: rope, hadamard, alloc, sinksN)")

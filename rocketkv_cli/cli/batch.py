@@ -11,7 +11,7 @@ from rich.text import Text
 
 from ..errors import UsageError
 from .answers import FocusOpt, usage_error
-from .common import err, fail, log, prefill_config, setup, spinners, storage
+from .common import err, fail, log, plural, prefill_config, setup, spinners, storage
 from .options import (
     BudgetOpt,
     DeviceOpt,
@@ -211,8 +211,3 @@ def batch_command(
         )
         raise fail(f"{plural(report.n_errors, 'row')} failed (their error lines are in {where}) — fix "
                    f"{'them' if report.n_errors > 1 else 'it'} and {rerun}")  # fmt: skip
-
-
-def plural(n: int, noun: str) -> str:
-    """ "1 row", "4 rows" (nouns that take an s)."""
-    return f"{n:,} {noun}{'s' * (n != 1)}"

@@ -385,9 +385,9 @@ def ingest(rk, document, cfg, output=None, force=False, segment_tokens=None, kv_
     n_parts = stored.n_segments
     where = f" in {n_parts} segments" if n_parts > 1 else ""
     if reused[0]:  # a resumed ingest: what was read back is not what this run prefilled
-        where += f" ({reused[1]:,} tokens of {plural_segments(reused[0])} read back from checkpoints)"
+        where += f" ({reused[1]:,} tokens of {plural(reused[0], 'segment')} read back from checkpoints)"
     elif checkpointed:
-        log(f"none of the {plural_segments(checkpointed)} checkpointed earlier matched this run (another document, "
+        log(f"none of the {plural(checkpointed, 'segment')} checkpointed earlier matched this run (another document, "
             "model, --segment-tokens or option): every segment was prefilled")  # fmt: skip
     log(f"prefilled {stored.n_context_tokens:,} tokens{where} in {done.seconds:.1f}s; "
         f"keeping up to {stored.max_kept_tokens:,} per KV head per layer{' per segment' if where else ''}"
@@ -396,8 +396,9 @@ def ingest(rk, document, cfg, output=None, force=False, segment_tokens=None, kv_
     return done
 
 
-def plural_segments(n: int) -> str:
-    return f"{n} segment{'s' * (n != 1)}"
+def plural(n: int, noun: str) -> str:
+    """ "1 row", "4 rows" (nouns that take an s)."""
+    return f"{n:,} {noun}{'s' * (n != 1)}"
 
 
 def report_abandoned(directory: Path, skip: Optional[Path] = None) -> None:

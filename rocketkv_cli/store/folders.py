@@ -119,19 +119,23 @@ def abandoned_checkpoints(directory: Path) -> list[AbandonedCheckpoints]:
     return found
 
 
+def _owner(owner: Path) -> tuple[int, str] | None:
+    """(pid, host tag) an owner file names; None: unreadable or malformed."""
+    try:
+        pid, host = owner.read_text().split()
+        return int(pid), host
+    except (OSError, ValueError):
+        return None
+
+
 def _owner_pid(owner: Path) -> int | None:
     """The pid an owner file names (None: unreadable)."""
-    try:
-        return int(owner.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
+    named = _owner(owner)
+    return None if named is None else named[0]
 
 
 def _owner_running(owner: Path) -> bool:
     """Whether the process named in a folder's owner file is running (on this host; a folder
     owned on another host counts as running: it cannot be checked from here)."""
-    try:
-        pid, host = owner.read_text().split()
-        return host != host_tag() or pid_alive(int(pid))
-    except (OSError, ValueError):
-        return False
+    named = _owner(owner)
+    return named is not None and (named[1] != host_tag() or pid_alive(named[0]))

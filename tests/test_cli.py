@@ -361,6 +361,8 @@ def test__several_questions__qa_and_lines_formats_say_which_answer_is_which(rock
         (["--cache", "KV", "a?", "--max-new-tokens", "ten"], "'--max-new-tokens': 'ten' is not an integer"),
         (["--cache", "KV", "a?", "--temperature=warm"], "'--temperature' / '-t': 'warm' is not a number"),
         (["--cache", "KV", "KV", "a?"], "give one of them"),
+        (["--cache", "KV", "a?", "--threads", "0"], "'--threads': must be at least 1, got '0'"),
+        (["--cache", "KV", "a?", "--threads=-2"], "'--threads': must be at least 1, got '-2'"),
     ],
     ids=[
         "nothing",
@@ -376,6 +378,8 @@ def test__several_questions__qa_and_lines_formats_say_which_answer_is_which(rock
         "not-an-integer",
         "not-a-number",
         "document-and-cache",
+        "below-the-least",
+        "below-the-least-with-equals",
     ],  # fmt: skip
 )
 def test__ask_usage_errors__exit_2_before_the_model_loads(rocketkv_bin, env, kv, args, says):

@@ -7,6 +7,7 @@ hints. Exit codes: 0 ok, 1 known failure (one line), 2 usage error, 130 interrup
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated
 
@@ -68,13 +69,17 @@ def _text_like(arg: str) -> bool:
 # Typer's messages for a value of the wrong type, which do not say the value
 _NOT_A = {"Input should be a valid integer, unable to parse string as an integer": "an integer",
           "Input should be a valid number, unable to parse string as a number": "a number"}  # fmt: skip
+# and for a value out of an option's range (`min=`, `max=`): "Input should be greater than or equal to 1"
+_BOUND = re.compile(r"Input should be (greater|less) than( or equal to)? (\S+)")
 
 
 def _with_value(text: str, param, args: list[str] | None) -> str:
     """`text` with Typer's "Input should be a valid integer, …" replaced by "'abc' is not an
-    integer", the value read back from the command line `args` after the option's flag."""
+    integer", and "Input should be greater than or equal to 1" by "must be at least 1, got '0'",
+    the value read back from the command line `args` after the option's flag."""
     phrase = next((p for p in _NOT_A if p in text), None)
-    if phrase is None or param is None or not args:
+    bound = _BOUND.search(text)
+    if (phrase is None and bound is None) or param is None or not args:
         return text
     flags = list(getattr(param, "opts", [])) + list(getattr(param, "secondary_opts", []))
     value = None
@@ -83,7 +88,14 @@ def _with_value(text: str, param, args: list[str] | None) -> str:
             value = args[i + 1]
         elif any(arg.startswith(f + "=") for f in flags if f.startswith("--")):
             value = arg.split("=", 1)[1]
-    return text if value is None else text.replace(phrase, f"{value!r} is not {_NOT_A[phrase]}")
+    if value is None:
+        return text
+    if phrase is not None:
+        return text.replace(phrase, f"{value!r} is not {_NOT_A[phrase]}")
+    side, inclusive, limit = bound.groups()
+    words = {("greater", True): "at least", ("greater", False): "more than",
+             ("less", True): "at most", ("less", False): "less than"}[(side, bool(inclusive))]  # fmt: skip
+    return text.replace(bound.group(0), f"must be {words} {limit}, got {value!r}")
 
 
 class _OneLineUsage:

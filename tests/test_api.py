@@ -66,6 +66,23 @@ def test__text_in_memory_and_a_long_text_in_segments(rk):
     assert a.segments is not None and len(a.segments) == 1
 
 
+def test__a_question_too_long__the_error_says_which_of_the_questions(rk):
+    """With several questions, a BudgetError names the one that does not fit ("question 2 of 3"),
+    on a one-part cache and on a segmented one (checked one question at a time), before any is
+    answered; one question alone is "question"."""
+    from rocketkv_cli.errors import BudgetError
+
+    long_question = "word " * rk.engine.shape.max_context_tokens
+    one = rk.ingest(text="The code is 77.\n" * 20, token_budget=64, max_new_tokens=4).cache
+    parts = rk.ingest(text=text_of_bytes(3000).replace(" ", "\n", 80), token_budget=64, max_new_tokens=4,
+                      segment_tokens=800).cache  # fmt: skip
+    for cache in (one, parts):
+        with pytest.raises(BudgetError, match=r"^question 2 of 3 is [\d,]+ tokens; only [\d,]+ fit after"):
+            list(rk.ask(cache, ["What is the code?", long_question, "Which word?"]))
+        with pytest.raises(BudgetError, match=r"^question is [\d,]+ tokens"):
+            list(rk.ask(cache, long_question))
+
+
 def test__known_failures_are_rocketkv_errors(rk, doc, tmp_path, tiny_model_dir):
     with pytest.raises(InputError, match="empty question"):
         list(rk.ask(rk.ingest(str(doc), token_budget=64).cache, ["  "]))

@@ -342,8 +342,8 @@ def answer_segmented(
     for question in questions:
         chosen = [segment] if segment is not None else route(engine, stored, question, n_segments)
         jobs.append((question, chosen, merge_segments(stored, chosen)))
-    for question, _, part in jobs:
-        prepare_questions(engine, part, [question], max_new_tokens)
+    for i, (question, _, part) in enumerate(jobs, 1):
+        prepare_questions(engine, part, [question], max_new_tokens, numbered=(i, len(jobs)))
     decodes = [decode_config_for(part, sparse, **overrides) for _, _, part in jobs]
 
     def answers() -> Iterator[Answer]:

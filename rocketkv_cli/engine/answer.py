@@ -153,9 +153,15 @@ def decode_config_for(cache: CompressedKVCache, sparse: bool = True, exact_worki
 
 
 def prepare_questions(
-    engine: Engine, cache: CompressedKVCache, questions: Iterable[str], max_new_tokens: int
+    engine: Engine,
+    cache: CompressedKVCache,
+    questions: Iterable[str],
+    max_new_tokens: int,
+    numbered: tuple[int, int] | None = None,
 ) -> list[tuple[str, list[int]]]:
     """Each question with its framed token ids, checked against the room left after the document.
+    numbered: (number of the first question, questions in all) for the error's "question 2 of 3",
+    where the questions are checked one call at a time (default: these questions, from 1).
 
     Raises:
         InputError: an empty question. BudgetError: a question that does not fit the context.
@@ -163,7 +169,8 @@ def prepare_questions(
     context = engine.shape.max_context_tokens
     room = context - cache.n_context_tokens - max_new_tokens
     prepared, qs = [], list(questions)
-    for question in check_questions(qs) if qs else []:  # empty, not UTF-8: InputError
+    first, total = numbered or (1, len(qs))
+    for i, question in enumerate(check_questions(qs) if qs else [], first):  # empty, not UTF-8: InputError
         ids = engine.question_ids(question)
         if room <= 0:  # no question could fit: the answer's length is what to change
             raise BudgetError(f"an answer of up to {max_new_tokens:,} tokens leaves no room for a question: the "
@@ -171,7 +178,8 @@ def prepare_questions(
                               "lower --max-new-tokens")  # fmt: skip
         if len(ids) > room:
             raise BudgetError(
-                f"question is {len(ids)} tokens; only {max(room, 0)} fit after the document and the answer",
+                f"{f'question {i} of {total}' if total > 1 else 'question'} is {len(ids):,} tokens; "
+                f"only {max(room, 0):,} fit after the document and the answer",
                 "shorten the question or lower --max-new-tokens",
             )
         prepared.append((question, ids))

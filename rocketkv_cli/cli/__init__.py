@@ -90,8 +90,8 @@ def _with_value(text: str, param, args: list[str] | None) -> str:
             value = arg.split("=", 1)[1]
     if value is None:
         return text
-    if phrase is not None:
-        return text.replace(phrase, f"{value!r} is not {_NOT_A[phrase]}")
+    if bound is None:
+        return text.replace(str(phrase), f"{value!r} is not {_NOT_A[str(phrase)]}")
     side, inclusive, limit = bound.groups()
     words = {("greater", True): "at least", ("greater", False): "more than",
              ("less", True): "at most", ("less", False): "less than"}[(side, bool(inclusive))]  # fmt: skip

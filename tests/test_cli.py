@@ -232,6 +232,14 @@ def test__ingest__existing_target_refused_without_force(rocketkv_bin, env, kv, d
     assert kv.read_bytes() == before
 
 
+def test__ingest__a_path_with_a_line_break__one_line_on_stderr(rocketkv_bin, env, doc, tiny_model_dir, tmp_path):
+    out = tmp_path / "two\nlines.kv"
+    r = run(rocketkv_bin, env, "ingest", doc, "-o", out, "--model", tiny_model_dir)
+    assert r.returncode == 0 and r.stdout == f"{out}\n" and out.is_file(), r.stderr
+    wrote = [line for line in r.stderr.splitlines() if "wrote" in line]
+    assert wrote == [f"rocketkv: wrote {tmp_path}/two\\nlines.kv ({out.stat().st_size / 1e6:.1f} MB)"], r.stderr
+
+
 @pytest.mark.parametrize("command", ["ask", "ingest"])
 def test__cache_given_as_the_document__says_use_cache(rocketkv_bin, env, kv, command, tmp_path):
     """A new user's slip: `ask X.kv QUESTION` without --cache names the fix, not an encoding."""

@@ -53,9 +53,13 @@ def spinners() -> bool:
     return err.is_terminal and not _state["quiet"]
 
 
+def one_line(text: str) -> str:
+    """`text` with its line breaks written as `\\n` and `\\r` (a path or message on one line)."""
+    return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
 def fail(message: str, code: int = 1) -> typer.Exit:
-    one_line = message.replace("\r", "\\r").replace("\n", "\\n")
-    err.print(f"[bold red]Error:[/bold red] {escape(one_line)}", soft_wrap=True, emoji=False)
+    err.print(f"[bold red]Error:[/bold red] {escape(one_line(message))}", soft_wrap=True, emoji=False)
     return typer.Exit(code)
 
 

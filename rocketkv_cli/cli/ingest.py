@@ -9,7 +9,7 @@ import typer
 
 from ..methods import registry
 from ..signals import Terminated, note_done
-from .common import ingest, load_engine, log, open_stream, prefill_config, report_abandoned, setup, storage
+from .common import ingest, load_engine, log, one_line, open_stream, prefill_config, report_abandoned, setup, storage
 from .options import (
     BudgetOpt,
     DeviceOpt,
@@ -136,7 +136,7 @@ def ingest_command(
         raise
     note_done(f"{target} was written")  # an interrupt from here on says the file is complete
     size = target.stat().st_size
-    log(f"wrote {target} ({size / 1e6:.1f} MB)")
+    log(f"wrote {one_line(str(target))} ({size / 1e6:.1f} MB)")
     if json_out:
         from ..api.rocketkv import kept_tokens_per_layer
 

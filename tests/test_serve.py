@@ -416,6 +416,15 @@ def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches,
         streamy = {"model": f"kv:{caches[0]}", "messages": [{"role": "user", "content": "q"}], "stream": stream}
         got, data = send("POST", "/v1/chat/completions", json.dumps(streamy).encode())
         assert got == 400 and "'stream' must be true or false" in data["error"]["message"], (got, data)
+    for n in (1.0, True, 2):  # 1.0 and true equal 1 in Python: they were taken
+        got, data = send("POST", "/v1/chat/completions", json.dumps({**streamy, "stream": False, "n": n}).encode())
+        assert got == 400 and "only n = 1 is supported" in data["error"]["message"], (n, got, data)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    for parts, kind in (([{"type": "text", "text": "What is in this picture?"}, image], "'image_url'"),
+                        (["What?"], "'str'")):  # fmt: skip
+        pictured = {**streamy, "stream": False, "messages": [{"role": "user", "content": parts}]}
+        got, data = send("POST", "/v1/chat/completions", json.dumps(pictured).encode())  # was answered without it
+        assert got == 400 and f"a content part of type {kind} is not supported" in data["error"]["message"], data
     sampled = {"cache": str(caches[0]), "temperature": 0.7}  # an ask field summarize would ignore
     got, data = send("POST", "/v1/rocketkv/summarize", json.dumps(sampled).encode())
     assert got == 400 and "unknown field 'temperature'" in data["error"]["message"], (got, data)

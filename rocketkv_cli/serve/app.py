@@ -415,8 +415,13 @@ def openai_to_ask(body: dict, max_tokens_limit: int) -> dict:
     if not users:
         raise BadRequest(400, "no user message to answer")
     content = users[-1].get("content")
-    if isinstance(content, list):  # content parts: the text ones, joined
-        parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+    if isinstance(content, list):  # content parts: text only, joined
+        other = [p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content]
+        other = [kind for kind in other if kind != "text"]
+        if other:  # an image or audio part left out would answer another question than the one asked
+            raise BadRequest(400, f"a content part of type {str(other[0])[:40]!r} is not supported: text only",
+                             "UsageError")  # fmt: skip
+        parts = [p.get("text") for p in content]
         if not all(isinstance(p, str) for p in parts):
             raise BadRequest(400, "a text part's 'text' must be a string")
         content = "".join(str(p) for p in parts)
@@ -433,7 +438,7 @@ def openai_to_ask(body: dict, max_tokens_limit: int) -> dict:
     if body.get("stream") is not None and not isinstance(body["stream"], bool):  # "yes" or 1 pass a truth test
         raise BadRequest(400, f"field 'stream' must be true or false, got {body['stream']!r}")
     n = body.get("n", 1)
-    if n != 1:
+    if not (type(n) is int and n == 1):  # not 1.0 or true, which equal 1 in Python
         raise BadRequest(400, "only n = 1 is supported", "UsageError")
     for name in unsupported_fields(body):  # never accepted and then ignored: the client would rely on them
         raise BadRequest(400, f"field {name!r} is not supported by rocketkv", "UsageError",

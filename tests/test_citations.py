@@ -50,3 +50,36 @@ def test__cite__a_longer_line_gets_a_full_window_of_whole_words_inside_it():
         # whole words of a 240-character window: at least 230 characters even at the line's ends
         assert 230 <= len(text) <= 240, (at, len(text))
         assert (c.start == start or doc[c.start - 1] == " ") and doc[c.end] in " \n", (at, text[:20], text[-20:])
+
+
+def _passages(doc: str, best: dict[str, float], n: int) -> list[tuple[int, int, str]]:
+    """(first line, last line, text) of the `n` passages cited when the tokens at the first
+    characters of `best`'s words in `doc` get those scores (every other token 0)."""
+    rk = RocketKV(make_engine("llama", torch.float32))
+    cache = rk.ingest(text=doc).cache
+    offsets = cache.token_offsets.tolist()
+    scores = torch.zeros(len(offsets))
+    for word, score in best.items():
+        scores[offsets.index(doc.index(word))] = score
+    cited = cite(rk.engine.tokenizer, cache, scores, torch.ones(len(offsets)), n)
+    return [(c.first_line, c.last_line, doc[c.start : c.end]) for c in cited]
+
+
+def test__cite__neighbouring_whole_lines_are_one_passage_a_blank_line_apart_two():
+    """Hard-wrapped prose: a sentence wrapped over lines 2 and 3 is cited once, as lines 2-3 (it
+    was two fragments, each using a place); lines with a blank line between stay apart."""
+    doc = "intro words\nYou may charge any price\nfor each copy you convey.\n\nThe warranty is void.\nend\n"
+    got = _passages(doc, {"charge": 1.0, "each": 0.9, "warranty": 0.5}, 2)
+    assert got == [(2, 3, "You may charge any price\nfor each copy you convey."), (5, 5, "The warranty is void.")]
+    got = _passages(doc, {"each": 1.0, "warranty": 0.9}, 2)  # line 3, then line 5: not neighbours
+    assert got == [(3, 3, "for each copy you convey."), (5, 5, "The warranty is void.")]
+
+
+def test__cite__neighbouring_lines_join_only_under_twice_the_window():
+    one, two, three = (" ".join(f"{c}{i:03d}" for i in range(40)) for c in "abc")  # 199 characters each
+    doc = f"intro\n{one}\n{two}\n{three}\nend\n"
+    got = _passages(doc, {"a000": 1.0, "b000": 0.9, "c000": 0.8}, 2)  # the window: 240 characters
+    assert [(a, b) for a, b, _ in got] == [(2, 3), (4, 4)]  # 3 lines would span 599 characters, over 480
+    assert got[0][2] == f"{one}\n{two}"
+    (only,) = _passages(doc, {"a000": 1.0, "b000": 0.9}, 1)  # one passage asked for: picked, then done
+    assert only[:2] == (2, 2)

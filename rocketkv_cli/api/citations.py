@@ -9,7 +9,8 @@ Passages (`cite`): the document token with the best score (words and numbers onl
 and punctuation collect attention wherever they are, as attention sinks) picks its line of the
 source; the line, cut to `window_chars` characters around that token when it is longer (shifted
 to stay inside the line), is a passage; its tokens are then out of the running and the next token
-picks the next passage.
+picks the next passage. A whole line next to a passage of whole lines joins it (hard-wrapped
+prose: a sentence over two lines is one passage), while the two span under twice the window.
 Each passage's weight is the share of the answer's attention on the document that falls on it.
 How often the cited passage holds a planted fact was measured by scripts/citation_report.py
 (commit 275f22f; docs/citations.md).
@@ -107,6 +108,13 @@ def _whole_words(span: list[int], ids: list[int], texts: dict[int, str]) -> list
     return span[first : last + 1] or span
 
 
+def _touching(a: list[int], b: list[int], lines: list[int], offsets: list[int], most_chars: int) -> bool:
+    """Whether passages `a` and `b` (token positions) sit on neighbouring lines, together spanning
+    fewer than `most_chars` characters."""
+    next_to = lines[a[0]] == lines[b[-1]] + 1 or lines[b[0]] == lines[a[-1]] + 1
+    return next_to and max(offsets[a[-1]], offsets[b[-1]]) - min(offsets[a[0]], offsets[b[0]]) < most_chars
+
+
 def _token_text(tokenizer, ids: list[int], i: int) -> str:
     return tokenizer.decode([ids[i]], skip_special_tokens=True)
 
@@ -177,9 +185,18 @@ def cite(
     else:
         candidates.sort(key=lambda i: -float(weights[i]))
     used: set[int] = set()
-    out: list[Citation] = []
+    spans: list[list[int]] = []  # each passage's positions, in document order
+    whole: list[bool] = []  # whether each passage is whole lines (not a window of a longer line)
+
+    def passage(span: list[int]) -> Citation:
+        first, last = span[0], span[-1]
+        text = " ".join(tokenizer.decode(ids[first : last + 1], skip_special_tokens=True).split())
+        return Citation(start=source_start(tokenizer, ids, offsets, first, last),
+                        end=source_end(tokenizer, ids, offsets, first, last), first_line=lines[first],
+                        last_line=lines[last], weight=float(shares[span].sum()) / total, text=text)  # fmt: skip
+
     for best in candidates:
-        if len(out) == n_passages:
+        if len(spans) == n_passages:
             break
         if best in used:
             continue
@@ -189,13 +206,19 @@ def cite(
         # the window's characters, and the line's indent or line break where it reaches them
         span = [i for i in line if (lo <= offsets[i] < hi or offsets[i] < lo <= start or offsets[i] >= hi >= end)
                 and i not in used]  # fmt: skip
-        if len(span) < len(line):  # a window inside a longer line: whole words only
+        entire = len(span) == len(line)
+        if not entire:  # a window inside a longer line: whole words only
             span = _whole_words(span, ids, texts)
         used.update(by_line[lines[best]] if rank == "sum" else span)
-        first, last = span[0], span[-1]
-        text = " ".join(tokenizer.decode(ids[first : last + 1], skip_special_tokens=True).split())
-        start = source_start(tokenizer, ids, offsets, first, last)
-        end = source_end(tokenizer, ids, offsets, first, last)
-        out.append(Citation(start=start, end=end, first_line=lines[first], last_line=lines[last],
-                            weight=float(shares[span].sum()) / total, text=text))  # fmt: skip
+
+        # a whole line next to a passage of whole lines joins it (a sentence wrapped over two
+        # lines is one passage, not two fragments), up to twice the window
+        near = [j for j, other in enumerate(spans) if entire and whole[j] and _touching(span, other, lines, offsets,
+                                                                                        2 * window_chars)]  # fmt: skip
+        if near:
+            spans[near[0]] = sorted(spans[near[0]] + span)
+        else:
+            spans.append(span)
+            whole.append(entire)
+    out = [passage(span) for span in spans]
     return tuple(out)

@@ -421,6 +421,11 @@ def test__manifest__paths_relative_to_it_and_duplicate_ids(tmp_path):
     first, second = read_manifest(manifest)
     assert isinstance(first, Row) and first.document == str(tmp_path / "sub" / "d.txt")
     assert isinstance(second, BadRow) and second.line == 3 and "duplicate id 1 (first on line 1)" in second.error
+    manifest = write_manifest(tmp_path / "bad-first.jsonl", [{"id": 1, "text": "t", "question": ["Q?"]},
+                                                             {"id": 1, "text": "t", "questions": ["Q?"]}])  # fmt: skip
+    first, second = read_manifest(manifest)  # the first row is bad (a misspelt field): its error line has id 1
+    assert isinstance(first, BadRow) and first.id == 1 and "unknown field" in first.error, first
+    assert isinstance(second, BadRow) and "duplicate id 1 (first on line 1)" in second.error, second
 
 
 def test__bare_ray_option_means_auto():

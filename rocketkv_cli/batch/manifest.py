@@ -90,7 +90,7 @@ def read_manifest(path: Path) -> list[Row | BadRow]:
 
     Relative document paths are relative to the manifest's folder (made absolute here, so that
     workers on other machines read the same file from shared storage). An `id` seen on an
-    earlier line makes a `BadRow`. Raises InputError: the manifest itself cannot be read.
+    earlier line (a good or a bad row) makes a `BadRow`. Raises InputError: the manifest itself cannot be read.
     """
     check_manifest_path(path)
     too_large = InputError(f"manifest {path} is larger than {MAX_MANIFEST_BYTES >> 30} GiB", "split it into several")
@@ -113,13 +113,13 @@ def read_manifest(path: Path) -> list[Row | BadRow]:
         if not raw.strip():
             continue
         row = parse_row(raw, number, base)
-        if isinstance(row, Row):
-            key = json.dumps(row.id)
-            if key in first_line:
+        key = json.dumps(row.id)
+        if row.id is not None and key in first_line:  # the first may be a bad row: its error line has the id too
+            if isinstance(row, Row):
                 row = BadRow(number, row.id, f"line {number}: duplicate id {key} (first on line {first_line[key]})"
                              " — give each row its own id")  # fmt: skip
-            else:
-                first_line[key] = number
+        elif row.id is not None:
+            first_line[key] = number
         rows.append(row)
     return rows
 

@@ -73,9 +73,10 @@ def run_batch(
     try:
         done = results.open(rows, _digest_or_none)
         if sum(results.dropped.values()):
-            why = {"error": "error lines, to retry them", "torn": "lines cut by a crash",
-                   "stale": "lines of changed or repeated rows or documents"}  # fmt: skip
-            log(f"resuming {output}: dropped " + ", ".join(f"{n} {why[k]}" for k, n in results.dropped.items() if n))
+            why = {"error": ("error line", "to retry"), "torn": ("line", "cut by a crash"),
+                   "stale": ("line", "of changed or repeated rows or documents")}  # fmt: skip
+            dropped = [f"{n:,} {why[k][0]}{'s' * (n != 1)} {why[k][1]}" for k, n in results.dropped.items() if n]
+            log(f"resuming {output}: dropped " + ", ".join(dropped))
         tasks = plan(rows, done)
         tracker = Tracker(results, tasks, on_progress)
         for row in rows:

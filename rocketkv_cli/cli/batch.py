@@ -207,7 +207,10 @@ def batch_command(
         rerun = (
             "rerun the same command; answered rows are kept"
             if out is not None
-            else "run them again (with -o FILE, a rerun keeps the answered rows and redoes only these)"
+            else f"run {'them' if report.n_errors > 1 else 'it'} again (with -o FILE, a rerun keeps the answered rows "
+            f"and redoes only {'these' if report.n_errors > 1 else 'this one'})"
         )
-        raise fail(f"{plural(report.n_errors, 'row')} failed (their error lines are in {where}) — fix "
-                   f"{'them' if report.n_errors > 1 else 'it'} and {rerun}")  # fmt: skip
+        many = report.n_errors > 1
+        lines = "their error lines are" if many else "its error line is"
+        raise fail(f"{plural(report.n_errors, 'row')} failed ({lines} in {where}) — fix "
+                   f"{'them' if many else 'it'} and {rerun}")  # fmt: skip

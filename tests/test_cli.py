@@ -5,6 +5,7 @@ import os
 import re
 import shlex
 import signal
+import stat
 import subprocess
 import sys
 
@@ -1050,3 +1051,22 @@ def test__chat_doc_from_a_pipe__reads_the_whole_document(rocketkv_bin, env, doc,
     drop = lambda out: [{k: v for k, v in json.loads(x).items() if not k.endswith("_s") and k != "cache"}
                         for x in out.splitlines()]  # fmt: skip
     assert drop(r.stdout) == drop(expected.stdout) and len(drop(r.stdout)) == 1
+
+
+@pytest.mark.parametrize("command", ["eval", "bench"])
+def test__report_json__refused_before_the_run_as_an_output_file_is(rocketkv_bin, env, command, tmp_path):
+    """`eval --json` and `bench --json` replaced an existing report without --force, replaced a
+    FIFO or a device node with a file, and bench found a missing folder only after minutes of
+    measurement (the report lost): each is now refused before the model loads."""
+    kept = tmp_path / "kept.json"
+    kept.write_text('{"precious": 1}')
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    for target, extra, says in [(kept, [], "already exists — pass --force to replace it"),
+                                (fifo, ["--force"], "is not a regular file; rocketkv will not replace it"),
+                                (tmp_path / "nodir" / "r.json", [], "does not exist"),
+                                (tmp_path, [], "is a directory — give a file name with --json")]:  # fmt: skip
+        r = run(rocketkv_bin, env, command, "--json", target, *extra)
+        assert r.returncode == 1 and says in assert_one_line_error(r), (target, r.stderr)
+        assert "loaded" not in r.stderr, r.stderr
+    assert kept.read_text() == '{"precious": 1}' and stat.S_ISFIFO(fifo.stat().st_mode)

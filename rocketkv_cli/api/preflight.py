@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..engine.inputs import check_questions as check_questions  # the one question check, torch-free
 from ..errors import CacheFormatError, OutputError, UsageError
-from ..store.atomic import check_target, probe_writable, remove_stale_temp_files
+from ..store.atomic import atomic_write, check_target, probe_writable, remove_stale_temp_files
 from ..store.folders import AbandonedCheckpoints, abandoned_checkpoints
 from .documents import TextStream
 
@@ -43,6 +43,19 @@ def default_output(document: str) -> Path:
         raise UsageError(f"{document} is not a regular file (a pipe or a device), so it gives no output name",
                          "pass -o FILE.kv")  # fmt: skip
     return path.with_name(path.name + ".kv")
+
+
+def check_report(path: Path, force: bool) -> None:
+    """Refuse a report's `--json` path before a run, as an `-o` is refused (`check_target`: a
+    directory, a missing folder, a special file, an existing file without `force`).
+    Raises OutputError."""
+    check_target(path, force, "--json")
+
+
+def write_report(path: Path, force: bool, text: str) -> None:
+    """`text` (a JSON report) at `path`, whole or not at all, never over a file that appeared
+    meanwhile without `force` (`atomic_write`). Raises OutputError."""
+    atomic_write(path, force, lambda f: f.write(text.encode("utf-8")), "--json")
 
 
 def check_output(output: str | Path, force: bool, document: str | None = None) -> Path:

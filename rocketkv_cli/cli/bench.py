@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
@@ -13,6 +12,7 @@ from rich.console import Console
 
 from ..errors import InputError, UsageError
 from .common import default_kjv, err, load_engine, log, prefill_config, print_row, setup, steps_bar, storage
+from .eval import check_report_path, write_report
 from .options import DeviceOpt, DtypeOpt, KvDtypeOpt, ModelOpt, QuietOpt, ThreadsOpt, WeightsOpt
 
 if TYPE_CHECKING:
@@ -65,6 +65,7 @@ def bench(
     json_path: Annotated[
         Optional[Path], typer.Option("--json", help="Write all results, configuration and versions here.")
     ] = None,
+    force: Annotated[bool, typer.Option("--force", "-f", help="Replace an existing --json file.")] = False,
     model: ModelOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = None,
@@ -78,6 +79,7 @@ def bench(
     from ..eval.bench import crossover_tokens, machine_info
 
     setup(quiet, threads)
+    check_report_path(json_path, force)  # before minutes of measurement
     plan = bench_plan(context_tokens or DEFAULT_LENGTHS, source, budget, kv_dtypes, kv_dtype, crossover, steps, memory,
                       fresh_ask, llama_cpp)  # fmt: skip
     src, text, cfg = plan.source, plan.text, plan.cfg
@@ -102,7 +104,7 @@ def bench(
                   "layer_windows": [spec.sliding_window for spec in engine.shape.layers], "rows": rows,
                   "attention_crossover": cross, "hsa_crossover_tokens": crossover_tokens(cross) if cross else None,
                   "weights": engine.loaded.weights, "kv_dtype": kv_dtype}  # fmt: skip
-        write_report(json_path, report)
+        write_report(json_path, force, json.dumps(report, indent=2))
 
 
 DEFAULT_LENGTHS = "4096,8192"
@@ -225,14 +227,6 @@ def _main_table(rows: list[dict], title: str):
             f"{r['peak_rss_ratio']:.2f}" if "peak_rss_ratio" in r else "-",
         )  # fmt: skip
     return table
-
-
-def write_report(json_path: Path, report: dict) -> None:
-    """`report` as JSON at `json_path`, replacing an old report whole or not at all."""
-    partial = json_path.with_name(f".{json_path.name}.tmp")
-    partial.write_text(json.dumps(report, indent=2))
-    os.replace(partial, json_path)
-    log(f"wrote {json_path}")
 
 
 def _storage_table(rows: list[dict]):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -15,10 +14,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..api.documents import read_document
-from ..errors import InputError, OutputError, UsageError
+from ..errors import InputError, UsageError
 from ..eval.names import DEFAULT_METHODS, eval_methods
 from ..methods import registry
-from .common import default_kjv, err, load_engine, log, setup, steps_bar, storage
+from .common import default_kjv, err, load_engine, log, one_line, setup, steps_bar, storage
 from .options import DeviceOpt, DtypeOpt, KvDtypeOpt, ModelOpt, QuietOpt, ThreadsOpt, WeightsOpt
 
 
@@ -100,6 +99,7 @@ def eval_command(
     json_path: Annotated[
         Optional[Path], typer.Option("--json", help="Write the report (every record, configuration, versions) here.")
     ] = None,
+    force: Annotated[bool, typer.Option("--force", "-f", help="Replace an existing --json file.")] = False,
     stage2: Annotated[
         str,
         typer.Option(
@@ -123,7 +123,7 @@ def eval_command(
                "max_new_tokens": max_new_tokens, "store_factor": store_factor,
                "reconstruct_pool_kernel": reconstruct_pool_kernel}  # fmt: skip
     cfg = eval_config(methods, tasks, stage2, context_tokens, budgets, observations, pool_kernels, kv_dtype, numbers)
-    check_report_path(json_path)
+    check_report_path(json_path, force)
     cfg, haystack_text, haystack_path = with_haystack(cfg, haystack)
     engine = load_engine(model or DEFAULT_MODEL, device, dtype or "auto", False, weights).engine
     report = run_with_progress(engine, cfg, haystack_text)
@@ -139,10 +139,7 @@ def eval_command(
             if "full" in cfg.methods:
                 console.print(_table(report, n, "agreement % with full attention (greedy tokens)"))
     if json_path is not None:
-        tmp_json = json_path.with_name(f".{json_path.name}.tmp")
-        tmp_json.write_text(json.dumps(report, indent=1, ensure_ascii=False))
-        os.replace(tmp_json, json_path)  # an old report is replaced whole or not at all
-        log(f"wrote {json_path}")
+        write_report(json_path, force, json.dumps(report, indent=1, ensure_ascii=False))
 
 
 def eval_config(methods: str, tasks: str, stage2: str, context_tokens: str, budgets: str, observations: str,
@@ -167,13 +164,20 @@ def eval_config(methods: str, tasks: str, stage2: str, context_tokens: str, budg
         raise UsageError(f"invalid option: {exc}") from None
 
 
-def check_report_path(json_path: Optional[Path]) -> None:
-    """Refuse a `--json` path that cannot be written (a directory, a missing folder) before the run.
-    Raises OutputError."""
-    if json_path is not None and json_path.is_dir():
-        raise OutputError(f"--json {json_path} is a directory", "give a file name")
-    if json_path is not None and not (json_path.parent if str(json_path.parent) else Path(".")).is_dir():
-        raise OutputError(f"--json directory {json_path.parent} does not exist", f"mkdir -p {json_path.parent}")
+def check_report_path(json_path: Optional[Path], force: bool) -> None:
+    """Refuse a `--json` path before the run (`api.preflight.check_report`). Raises OutputError."""
+    from ..api.preflight import check_report
+
+    if json_path is not None:
+        check_report(json_path, force)
+
+
+def write_report(json_path: Path, force: bool, text: str) -> None:
+    """`text` (a JSON report) at `json_path`, whole or not at all. Raises OutputError."""
+    from ..api.preflight import write_report as write
+
+    write(json_path, force, text)
+    log(f"wrote {one_line(str(json_path))}")
 
 
 def with_haystack(cfg, haystack: Optional[Path]):

@@ -36,44 +36,48 @@ REUSED_PID_AFTER_S = 7 * 24 * 3600.0  # a live pid this old is another process t
 _TEMP_NAME = re.compile(r"^\.rocketkv-(?:(\d+)-([0-9a-f]{8})-)?[A-Za-z0-9_]+\.tmp$")
 
 
-def check_target(target: Path, force: bool) -> Path:
+def check_target(target: Path, force: bool, flag: str = "-o") -> Path:
     """Refuse an output path rocketkv must not write (also called before a long ingest starts).
 
-    Returns the target's directory. Raises OutputError: a directory, an existing file without
+    flag: the option that named it, for the hints (`-o`, `--json`). Returns the target's
+    directory. Raises OutputError: a directory, an existing file without
     `force`, a special file (device, FIFO, socket), or a missing directory.
     """
     if target.is_dir() and not target.is_symlink():
-        raise OutputError(f"output path {target} is a directory", "give a file name with -o")
+        raise OutputError(f"output path {target} is a directory", f"give a file name with {flag}")
     system = next((p for p in (Path(os.path.abspath(target)), Path(os.path.realpath(target)))
                    if p.parts[1:2] in (("proc",), ("sys",)) or (p.parts[1:2] == ("dev",) and len(p.parts) == 3)),
                   None)  # /dev/stdout, /dev/sda; a file on the /dev/shm tmpfs is a file  # fmt: skip
     if system is not None:  # /dev/stdout is a link that --force would replace (as root), not a stream to write
-        raise OutputError(f"{target} is a system path ({system}); a cache is written to a file of its own",
-                          "name a file, e.g. -o doc.kv")  # fmt: skip
+        raise OutputError(f"{target} is a system path ({system}); rocketkv writes to a file of its own",
+                          f"name a file, e.g. {flag} {'doc.kv' if flag == '-o' else 'report.json'}")  # fmt: skip
     if (target.exists() or target.is_symlink()) and not force:
         raise OutputError(f"{target} already exists", "pass --force to replace it")
     if target.exists() and not target.is_symlink() and not target.is_file():
-        raise OutputError(f"{target} is not a regular file; rocketkv will not replace it", "choose another -o")
+        raise OutputError(f"{target} is not a regular file; rocketkv will not replace it", f"choose another {flag}")
     parent = target.parent if str(target.parent) else Path(".")
     if not parent.is_dir():
         blocking = next((p for p in (parent, *parent.parents) if p.exists() and not p.is_dir()), None)
         if blocking is not None:  # `mkdir -p` would fail there
-            raise OutputError(f"output directory {parent} cannot exist: {blocking} is a file", "choose another -o")
+            raise OutputError(f"output directory {parent} cannot exist: {blocking} is a file", f"choose another {flag}")
         raise OutputError(f"output directory {parent} does not exist", f"create it first: mkdir -p {parent}")
     return parent
 
 
-def atomic_write(target: Path, force: bool, write: Callable[[BinaryIO], object]) -> Path:
+def atomic_write(target: Path, force: bool, write: Callable[[BinaryIO], object], flag: str = "-o") -> Path:
     """Write through `write(file)` into a temporary file beside `target`, fsync, then rename.
+    flag: as `check_target`'s.
 
     The temporary file is named for this process (`make_temp_file`); stale ones left in the
     directory by killed runs are removed first (`remove_stale_temp_files`)."""
-    parent = check_target(target, force)
+    parent = check_target(target, force, flag)
     remove_stale_temp_files(parent)
     try:
         fd, tmp = make_temp_file(parent)
     except OSError as exc:
-        raise OutputError(f"cannot write in {parent}: {exc.strerror}", "choose a writable directory with -o") from exc
+        raise OutputError(
+            f"cannot write in {parent}: {exc.strerror}", f"choose a writable directory with {flag}"
+        ) from exc
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)

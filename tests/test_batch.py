@@ -354,6 +354,29 @@ def test__results_file__anything_but_results_is_refused_and_left_as_it_was(conte
     assert path.read_bytes() == content
 
 
+def test__results_file__one_run_at_a_time_writes_it(tmp_path, rocketkv_bin):
+    """Two batches with one -o wrote every answer twice: the second is now refused while the first
+    holds the file, from this process or another; the lock file goes with the run that held it."""
+    out = tmp_path / "r.jsonl"
+    first = Results(out)
+    first.open([])
+    second = Results(out)
+    with pytest.raises(OutputError, match=r"another rocketkv batch is writing .*r\.jsonl now"):
+        second.open([])
+    second.close()
+    manifest = write_manifest(tmp_path / "m.jsonl", [{"id": 1, "text": "t", "questions": ["Q?"]}])
+    env = {**os.environ, "ROCKETKV_HOME": str(tmp_path / "home")}
+    r = subprocess.run([rocketkv_bin, "batch", str(manifest), "-o", str(out), "--no-server"], capture_output=True,
+                       text=True, env=env, timeout=120)  # fmt: skip
+    assert r.returncode == 1 and "Error: another rocketkv batch is writing" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "loaded" not in r.stderr, r.stderr
+    first.close()
+    assert not (tmp_path / ".r.jsonl.lock").exists()
+    again = Results(out)
+    assert again.open([]) == set()
+    again.close()
+
+
 @pytest.mark.parametrize("note", [b"# my notes about run A", b"TODO: check A2 by hand", b"[1, 2]"])
 def test__results_file__a_line_that_is_no_result_is_never_dropped(note, tmp_path):
     """A results file holding results and a line of the user's (a note, another tool's output) had

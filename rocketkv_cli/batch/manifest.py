@@ -11,6 +11,7 @@ it can skip what is answered and redo the rest.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import stat
@@ -222,6 +223,7 @@ class Results:
     def __init__(self, path: Path | None):
         self.path = path
         self._fd: int | None = None
+        self._lock: int | None = None  # the lock file's descriptor while this run writes the file
         self._created = self._wrote = False  # a file this run made, and whether a line went into it
         self.dropped = {"error": 0, "torn": 0, "stale": 0}  # torn: a last line cut by a crash
 
@@ -233,6 +235,7 @@ class Results:
         `digest(row)`, the document's now, read only for rows with such lines; None: unknown)."""
         if self.path is None:
             return set()
+        self._take_lock()
         by_id = {json.dumps(r.id): r for r in rows if isinstance(r, Row)}
         questions = {rid: r.questions for rid, r in by_id.items()}
         digests: dict[str, str | None] = {}
@@ -298,6 +301,40 @@ class Results:
         if isinstance(obj.get("summary"), str):
             return ("s", rid, -1), "keep"
         return None, "keep"  # someone else's line: not ours to drop
+
+    def _lock_path(self) -> Path:
+        assert self.path is not None
+        return self.path.with_name(f".{self.path.name}.lock")
+
+    def _take_lock(self) -> None:
+        """Hold an exclusive lock on `.<name>.lock` beside the results file while this run writes
+        it: two runs with one `-o` wrote every answer twice. The lock file is removed by `close`; a
+        lock taken on a file another run removed meanwhile is taken again on the new one.
+        Raises OutputError: another run holds it, or the folder cannot hold the lock file."""
+        path = self._lock_path()
+        if not path.parent.is_dir():
+            raise OutputError(f"output directory {path.parent} does not exist",
+                              f"create it first: mkdir -p {path.parent}")  # fmt: skip
+        while True:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            except OSError as exc:
+                raise OutputError(f"cannot write results file {self.path}: {exc.strerror}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                raise OutputError(f"another rocketkv batch is writing {self.path} now",
+                                  "wait for it to finish (or stop it: a rerun resumes), then run this again, "
+                                  "or give -o another file") from None  # fmt: skip
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False))
+            except FileNotFoundError:
+                same = False
+            if same:
+                self._lock = fd
+                return
+            os.close(fd)  # removed (or replaced) by the run that held it: lock the file there now
 
     def _read(self) -> bytes:
         assert self.path is not None
@@ -367,6 +404,11 @@ class Results:
                 with contextlib.suppress(OSError):
                     if self.path.stat().st_size == 0:
                         self.path.unlink()
+        if self._lock is not None:  # removed while still held, so no run can lock a file about to go
+            with contextlib.suppress(OSError):
+                self._lock_path().unlink()
+            os.close(self._lock)
+            self._lock = None
 
 
 def _is_result(raw: bytes) -> bool:

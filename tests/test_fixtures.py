@@ -49,3 +49,30 @@ def test__fixtures_cover_every_older_format_and_a_sliding_window_model():
     assert v4 == {"int8", "int4", "int4+rope"}  # v4's sinks (default 4), and pre-RoPE keys with their frequencies
     v5 = {n: load_cache(DATA / n).info for n in RECORD if n.startswith("v5")}
     assert {i.storage.name for i in v5.values()} == {"int4+alloc"} and {i.format_version for i in v5.values()} == {5}
+
+
+@pytest.mark.parametrize("name", ["v1-llama.kv", "v2-llama.kv"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 3e38])
+def test__an_old_file_with_keys_that_are_no_numbers__refused_not_answered(name, bad, tmp_path):
+    """v1/v2 files were read with shapes, dtypes and positions checked, not values: NaN keys passed
+    `inspect` and were answered as blank tokens. Their digests recomputed, they are refused now, as
+    v3+ files are (past `MAX_STORED_ABS`)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from rocketkv_cli.errors import CacheFormatError
+    from rocketkv_cli.store.legacy import payload_digest
+    from rocketkv_cli.store.metadata import metadata_digest
+
+    with safe_open(str(DATA / name), "pt") as f:
+        meta = dict(f.metadata())
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118  (safe_open has no iteration)
+    key = next(k for k in sorted(tensors) if k.endswith("layers.0.keys"))
+    tensors[key] = tensors[key].clone()
+    tensors[key].view(-1)[:5] = bad
+    meta["payload_sha256"] = payload_digest(tensors)
+    meta["metadata_sha256"] = metadata_digest(meta)
+    path = tmp_path / name
+    save_file(tensors, str(path), metadata=meta)
+    with pytest.raises(CacheFormatError):
+        load_cache(path)

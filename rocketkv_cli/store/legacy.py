@@ -14,7 +14,7 @@ import torch
 from ..core.cache import AnyCache, CacheInfo, CompressedKVCache, LayerKV, SegmentedKVCache
 from ..errors import CacheFormatError
 from .header import CacheFile, is_count, tensor_from
-from .metadata import parse_budgets, positions_ok, segment_info, token_ids_ok
+from .metadata import bounded, parse_budgets, positions_ok, segment_info, token_ids_ok
 
 SEGMENT_FIELDS = ("n_context_tokens", "start_token", "budgets", "ids_sha256")
 
@@ -92,12 +92,13 @@ def _segment_entries(meta: dict, version: int, n_ctx: int, path: str, rebuild: s
 
 def _layer(tensors: dict, prefix: str, info: CacheInfo) -> LayerKV | None:
     """One layer's `LayerKV` (`[1, Hkv, S, D]`, `[1, Hkv, S]`), or None when its tensors disagree
-    with the metadata (shapes, dtype, positions)."""
+    with the metadata (shapes, dtype, positions) or hold a key or value that is no number within
+    `metadata.MAX_STORED_ABS` (NaN, inf: answered as blank tokens)."""
     k, v, pos = (tensors[f"{prefix}{kind}"] for kind in ("keys", "values", "positions"))
     n_kv, head_dim = info.identity.n_kv_heads, info.identity.head_dim
     ok = (
         k.dim() == 3 and k.shape[0] == n_kv and k.shape[2] == head_dim and v.shape == k.shape
         and k.dtype == v.dtype and str(k.dtype).removeprefix("torch.") == info.dtype and pos.dtype == torch.int64
-        and positions_ok(pos, n_kv, k.shape[1], info.n_context_tokens)
+        and positions_ok(pos, n_kv, k.shape[1], info.n_context_tokens) and bounded(k) and bounded(v)
     )  # fmt: skip
     return LayerKV(k.unsqueeze(0), v.unsqueeze(0), pos.unsqueeze(0)) if ok else None

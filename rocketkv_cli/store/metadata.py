@@ -28,6 +28,16 @@ REQUIRED_METADATA = (
 BUDGET_FIELDS = ("prompt_budget", "capacity_budget", "topk", "page_size", "n_score_dims")
 
 
+MAX_STORED_ABS = 2.0**40  # no key, value, scale, minimum or sink of a real model comes near it (the writer keeps
+# float32 where float16's range is short); past it, attention's products and the norms' squares of the residual they
+# feed can overflow float32 into NaN: a crafted 3e38 (finite) gave blank answers and "nan%" citations, not a refusal
+
+
+def bounded(t: torch.Tensor) -> bool:
+    """Whether every element of `t` is a number within ±`MAX_STORED_ABS` (NaN is not)."""
+    return bool((t.float().abs() <= MAX_STORED_ABS).all())
+
+
 def now() -> str:
     """The current UTC time, ISO 8601 to the second (`created_at`)."""
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

@@ -16,7 +16,7 @@ from ..core.quant import alloc_stream_bytes
 from ..core.storage import FLOAT_DTYPES, layer_part_names
 from ..errors import CacheFormatError
 from .header import TORCH_DTYPES, CacheFile, is_count, tensor_from
-from .metadata import parse_budgets, positions_ok, segment_info, token_ids_ok
+from .metadata import bounded, parse_budgets, positions_ok, segment_info, token_ids_ok
 from .v3 import (
     ENTRY_FIELDS,
     LINE_RUNS,
@@ -179,19 +179,9 @@ def _layer(tensors: dict[str, torch.Tensor], i: int, info: CacheInfo) -> LayerKV
         return None
 
 
-MAX_STORED_ABS = 2.0**40  # no key, value, scale, minimum or sink of a real model comes near it (the writer keeps
-# float32 where float16's range is short); past it, attention's products and the norms' squares of the residual they
-# feed can overflow float32 into NaN: a crafted 3e38 (finite) gave blank answers and "nan%" citations, not a refusal
-
-
-def _bounded(t: torch.Tensor) -> bool:
-    """Whether every element of `t` is a number within ±`MAX_STORED_ABS` (NaN is not)."""
-    return bool((t.float().abs() <= MAX_STORED_ABS).all())
-
-
 def _checked(tensors: dict[str, torch.Tensor], i: int, info: CacheInfo) -> bool:
     """Whether layer i's stored tensors agree with the metadata: positions, shapes, dtypes, float
-    keys, values, scales, minimums and sinks finite and within `MAX_STORED_ABS`, non-negative scales,
+    keys, values, scales, minimums and sinks finite and within `metadata.MAX_STORED_ABS`, non-negative scales,
     allocated key bits within their bytes."""
     n_kv, d, storage = info.identity.n_kv_heads, info.identity.head_dim, info.storage
     pos = tensors[f"layers.{i}.positions"]
@@ -205,7 +195,7 @@ def _checked(tensors: dict[str, torch.Tensor], i: int, info: CacheInfo) -> bool:
         want = FLOAT_DTYPES[storage.kv_dtype]
         if k.shape != (n_kv, s, d) or v.shape != (n_kv, s, d) or k.dtype != want or v.dtype != want:
             return False
-        return _bounded(k) and _bounded(v)
+        return bounded(k) and bounded(v)
     parts = {p: tensors[f"layers.{i}.{p}"] for p in layer_part_names(storage)}
     width = d // 2 if storage.bits == 4 else d
     gd = min(storage.value_group_dims, d)
@@ -235,7 +225,7 @@ def _checked(tensors: dict[str, torch.Tensor], i: int, info: CacheInfo) -> bool:
         elif p == "keys.rope_freqs":
             if t.dtype != torch.float32 or not bool(torch.isfinite(t).all()):
                 return False
-        elif t.dtype not in (torch.float16, torch.float32) or not _bounded(t):  # scales, minimums, sinks
+        elif t.dtype not in (torch.float16, torch.float32) or not bounded(t):  # scales, minimums, sinks
             return False
     if any(bool((parts[p] < 0).any()) for p in ("keys.scale", "values.scale")):
         return False

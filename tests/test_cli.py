@@ -861,9 +861,35 @@ def test__questions_on_stdin_that_are_not_utf8__refused_like_a_questions_file(ro
     r = subprocess.run([rocketkv_bin, "ask", "--cache", str(kv), "--questions-file", "-"], input=junk,
                        capture_output=True, env=env, timeout=300)  # fmt: skip
     res = subprocess.CompletedProcess(r.args, r.returncode, r.stdout.decode(), r.stderr.decode())
-    assert "cannot read questions from stdin: 'utf-8' codec can't decode" in assert_one_line_error(res)
+    assert "questions from stdin is not UTF-8 text (byte 0xf8 at offset 0)" in assert_one_line_error(res)
     by_path = run(rocketkv_bin, env, "ask", "--cache", kv, "--questions-file", tmp_path / "junk.bin")
-    assert "cannot read questions file" in assert_one_line_error(by_path)
+    assert f"questions file {tmp_path / 'junk.bin'} is not UTF-8 text" in assert_one_line_error(by_path)
+
+
+def test__questions_file__utf16_binary_and_paths__one_line_each_cr_line_ends_split(rocketkv_bin, env, kv, tmp_path):
+    """A UTF-16 questions file (or one whose NULs show it, or any binary file) was answered as
+    questions of NUL characters, exit 0; a missing file or a folder said Python's errno text; a
+    file of CR line ends (old Macs) was one question."""
+    text = "Who?\nWhere?\n"
+    cases = [(text.encode("utf-16"), "is UTF-16 text — save it as UTF-8: iconv -f UTF-16 -t UTF-8"),
+             (text.encode("utf-16-le"), "holds NUL bytes: binary data or UTF-16, not UTF-8 text")]  # fmt: skip
+    for i, (data, says) in enumerate(cases):
+        (tmp_path / f"q{i}.txt").write_bytes(data)
+        r = run(rocketkv_bin, env, "ask", "--cache", kv, "--questions-file", tmp_path / f"q{i}.txt")
+        assert says in assert_one_line_error(r) and "loaded" not in r.stderr, r.stderr
+    for path, says in ((tmp_path / "nope.txt", "not found — check the path"), (tmp_path, "is a directory")):
+        r = run(rocketkv_bin, env, "ask", "--cache", kv, "--questions-file", path)
+        assert says in assert_one_line_error(r) and "Errno" not in r.stderr, r.stderr
+    from rocketkv_cli.engine.inputs import check_questions
+    from rocketkv_cli.errors import InputError
+
+    for question, says in (("Who?\x00", "holds a NUL character"), ("\x01\x02", "no visible text")):  # chat, the API
+        with pytest.raises(InputError, match=says):
+            check_questions(["Where?", question])
+    (tmp_path / "cr.txt").write_bytes(b"Who?\rWhere?\r")
+    r = run(rocketkv_bin, env, "ask", "--cache", kv, "--questions-file", tmp_path / "cr.txt", "--max-new-tokens", "2",
+            "--json")  # fmt: skip
+    assert r.returncode == 0 and [json.loads(line)["question"] for line in r.stdout.splitlines()] == ["Who?", "Where?"]
 
 
 def test__rebuild_hint__names_the_document_by_its_absolute_path_from_any_directory(rocketkv_bin, env, tiny_model_dir,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -79,22 +80,42 @@ def read_questions(positional: list[str], questions_file: Optional[str], doc_is_
             try:
                 with open(questions_file, "rb") as f:
                     data = f.read(MAX_QUESTIONS_BYTES + 1)
+            except FileNotFoundError:
+                raise InputError(f"{where} not found", "check the path") from None
+            except IsADirectoryError:
+                raise InputError(f"{where} is a directory", "give a file of questions, one per line") from None
             except OSError as exc:
-                raise InputError(f"cannot read {where}: {exc}") from None
+                raise InputError(f"cannot read {where}: {exc.strerror or exc}") from None
         if len(data) > MAX_QUESTIONS_BYTES:
             raise InputError(f"{where.replace('questions from stdin', 'stdin')} holds more than "
                              f"{MAX_QUESTIONS_BYTES // 2**20} MB of questions",
                              "give questions one per line; a document is given as DOC or --cache")  # fmt: skip
-        try:
-            text = data.decode("utf-8-sig")
-        except UnicodeDecodeError as exc:
-            raise InputError(f"cannot read {where}: {exc}") from None
-        lines = [line.strip() for line in text.split("\n")]  # only \n ends a question
+        text = _questions_text(data, where)
+        ends = "\n" if "\n" in text or "\r" not in text else "\r"  # a file of CR line ends (old Macs): CR
+        lines = [line.strip() for line in text.split(ends)]  # else only \n ends a question
         asked = [line for line in lines if is_question(line)]
         if comments := sum(1 for line in lines if line and not is_question(line)):
             log(f"{where}: {comments} comment line{'s' * (comments != 1)} (starting '# ') not asked")
         questions += asked
     return check_questions(questions) if questions else questions  # none: `questions_of` says why
+
+
+def _questions_text(data: bytes, where: str) -> str:
+    """The questions' bytes as text: UTF-8 (a BOM allowed). Raises InputError naming what they
+    are instead: UTF-16 (its BOM, or the NUL bytes of ASCII in it), other binary data, or bytes
+    that are no UTF-8."""
+    name = shlex.quote(where.removeprefix("questions file "))
+    save = f"save it as UTF-8: iconv -f UTF-16 -t UTF-8 {name} > questions.txt"
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise InputError(f"{where} is UTF-16 text", save if where.startswith("questions file") else "send UTF-8")
+    if b"\0" in data:
+        raise InputError(f"{where} holds NUL bytes: binary data or UTF-16, not UTF-8 text",
+                         "give questions as UTF-8 text, one per line")  # fmt: skip
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{where} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})",
+                         "save it as UTF-8") from None  # fmt: skip
 
 
 def _is_file(text: str) -> bool:

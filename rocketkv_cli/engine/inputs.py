@@ -26,7 +26,8 @@ def check_questions(questions: Iterable[str]) -> list[str]:
     """The questions of an `ask`, a `chat` line or a batch row, checked here once for every
     caller: each a non-empty, UTF-8-encodable string, at least one.
 
-    Raises InputError with one-line messages (empty question, not UTF-8, none given)."""
+    Raises InputError with one-line messages (empty question, a NUL character, control characters
+    only, not UTF-8, none given)."""
     qs = list(questions)
     wrong = [q for q in qs if not isinstance(q, str)]
     if wrong:
@@ -35,6 +36,11 @@ def check_questions(questions: Iterable[str]) -> list[str]:
         raise InputError(f"a question must be text (str), got {kind}", hint)
     if any(not q.strip() for q in qs):
         raise InputError("empty question", "give each question some text")
+    if any("\0" in q for q in qs):  # UTF-16 read as UTF-8, a binary file: never a question to answer
+        raise InputError("a question holds a NUL character (binary data, or UTF-16 read as UTF-8)",
+                         "give questions as UTF-8 text")  # fmt: skip
+    if any(not any(c.isprintable() for c in q.strip()) for q in qs):
+        raise InputError("a question has no visible text (control characters only)", "give each question some text")
     for q in qs:
         try:
             q.encode("utf-8")

@@ -496,6 +496,21 @@ def test__a_public_host_needs_an_api_key(rocketkv_bin, env):
     assert r.returncode == 2 and "--api-key" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("key", ["ключключключ", "secret\nsecret", "two words here"])
+def test__an_api_key_no_header_can_carry__refused_by_the_server_and_the_client(rocketkv_bin, env, caches, key):
+    """A server started with such a key could never be reached (every client's header refuses it),
+    and the client died with "unexpected UnicodeEncodeError": both say so in one line now."""
+    r = run(rocketkv_bin, env, "serve", "--port", "0", "--api-key", key)
+    assert r.returncode == 2 and "--api-key must be visible ASCII" in r.stderr and "Traceback" not in r.stderr, r
+    r = run(rocketkv_bin, {**env, "ROCKETKV_API_KEY": key}, "ask", "--server", "http://127.0.0.1:9", "--cache",
+            caches[0], "Who?")  # fmt: skip
+    assert (
+        r.returncode == 1
+        and r.stderr.startswith("Error: ROCKETKV_API_KEY holds characters")
+        and r.stderr.count("\n") == 1
+    ), r.stderr
+
+
 def test__a_socket_path_that_names_a_file_is_refused_and_kept(rocketkv_bin, env, tmp_path):
     doc = tmp_path / "doc.kv"
     doc.write_bytes(b"precious")

@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 
 from .. import __version__, errors
 from ..errors import InputError, RocketKVError
-from .config import check_socket_path
+from .config import api_key_ok, check_socket_path
 
 SOCKET_NAME = "serve.sock"
 HEALTH_TIMEOUT_S = 2.0  # a warm server answers /health in milliseconds; a busy one still answers (async)
@@ -76,6 +76,9 @@ class Server:
             raise ValueError("a server is a socket path or a host, not both")
         if self.path is not None:
             check_socket_path(self.path)
+        if self.api_key and not api_key_ok(self.api_key):
+            raise InputError("ROCKETKV_API_KEY holds characters an HTTP header cannot carry (a space, a line break, "
+                             "a letter outside ASCII)", "set it to the server's --api-key")  # fmt: skip
         if self.path is not None and len(os.fsencode(self.path)) > UNIX_PATH_MAX:
             raise InputError(f"socket path {self.path} is longer than {UNIX_PATH_MAX} bytes",
                              "set ROCKETKV_HOME to a shorter folder")  # fmt: skip

@@ -42,6 +42,12 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def api_key_ok(key: str) -> bool:
+    """Whether `key` can travel in an `Authorization: Bearer` header as every client sends it:
+    visible ASCII only (no spaces, line breaks or other letters: http.client refuses them)."""
+    return all("!" <= c <= "~" for c in key)
+
+
 def check_socket_path(path: str | Path) -> None:
     """Raises UsageError unless `path` names a file (a socket beside its lock file): "", "." and
     "/" name none (`--server unix:`, `--socket ""`)."""
@@ -96,6 +102,8 @@ class ServeConfig:
                                  "or listen on 127.0.0.1 (the default with --port)")  # fmt: skip
         if self.api_key is not None and len(self.api_key) < 8:
             raise UsageError("--api-key must be at least 8 characters")
+        if self.api_key is not None and not api_key_ok(self.api_key):  # no client could ever send it
+            raise UsageError("--api-key must be visible ASCII characters (letters, digits, punctuation; no spaces)")
         if not self.idle_timeout_s >= 0:  # NaN fails too
             raise UsageError(f"--idle-timeout must be ≥ 0 (0: never), got {self.idle_timeout_s}")
         for name in ("memory_budget", "threads", "max_queue", "max_body_bytes", "max_tokens_limit"):

@@ -212,6 +212,7 @@ def test__wrong_values_and_types__one_line_errors_not_silent_answers(rk, doc, tm
              (lambda: rk.ingest(text="hello", progress=5), "progress must be a function, got int"),
              (lambda: list(rk.ask(cache, ["Q?"], dense="no")), "dense must be True or False, got 'no'"),
              (lambda: rk.ask_focused(cache, "Q?", passages="x"), "focus needs at least 1 passage, got 'x'"),
+             (lambda: list(rk.ask(cache, "Q?", segment=0, segments=2)), "segment 0 and segments 2 ask for two"),
              ]  # fmt: skip
     for call, message in wrong:
         with pytest.raises(UsageError, match=re.escape(message)):

@@ -372,6 +372,7 @@ def test__several_questions__qa_and_lines_formats_say_which_answer_is_which(rock
         (["--cache", "KV", "KV", "a?"], "give one of them"),
         (["--cache", "KV", "a?", "--threads", "0"], "'--threads': must be at least 1, got '0'"),
         (["--cache", "KV", "a?", "--threads=-2"], "'--threads': must be at least 1, got '-2'"),
+        (["--cache", "KV", "a?", "--segment", "1", "--segments", "2"], "--segment J (that one), not both"),
     ],
     ids=[
         "nothing",
@@ -389,6 +390,7 @@ def test__several_questions__qa_and_lines_formats_say_which_answer_is_which(rock
         "document-and-cache",
         "below-the-least",
         "below-the-least-with-equals",
+        "segment-and-segments",
     ],  # fmt: skip
 )
 def test__ask_usage_errors__exit_2_before_the_model_loads(rocketkv_bin, env, kv, args, says):
@@ -1096,3 +1098,12 @@ def test__report_json__refused_before_the_run_as_an_output_file_is(rocketkv_bin,
         assert r.returncode == 1 and says in assert_one_line_error(r), (target, r.stderr)
         assert "loaded" not in r.stderr, r.stderr
     assert kept.read_text() == '{"precious": 1}' and stat.S_ISFIFO(fifo.stat().st_mode)
+
+
+@pytest.mark.parametrize("command", ["ask", "chat", "summarize", "batch"])
+def test__server_and_no_server_together__a_usage_error(rocketkv_bin, env, kv, command, tmp_path):
+    """`--server URL --no-server` answered in this process, the URL ignored: now exit 2, one line."""
+    first = {"ask": ["--cache", kv, "Who?"], "chat": ["--cache", kv], "summarize": ["--cache", kv],
+             "batch": [tmp_path / "m.jsonl"]}[command]  # fmt: skip
+    r = run(rocketkv_bin, env, command, *first, "--no-server", "--server", "unix:/nowhere.sock", stdin="Who?\n")
+    assert "--server names a server and --no-server says answer here" in assert_one_line_error(r, code=2)

@@ -496,6 +496,14 @@ def test__a_public_host_needs_an_api_key(rocketkv_bin, env):
     assert r.returncode == 2 and "--api-key" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("action", ["start", "status", "stop"])
+def test__a_socket_and_a_port_together__a_usage_error(rocketkv_bin, env, action, tmp_path):
+    """`serve --socket S --port N` served on TCP, the socket ignored (and status or stop looked there)."""
+    r = run(rocketkv_bin, env, "serve", action, "--socket", str(tmp_path / "s.sock"), "--port", "0")
+    assert r.returncode == 2 and "--socket) or on TCP (--host/--port), not both" in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and not (tmp_path / "s.sock").exists(), r.stderr
+
+
 @pytest.mark.parametrize("key", ["ключключключ", "secret\nsecret", "two words here"])
 def test__an_api_key_no_header_can_carry__refused_by_the_server_and_the_client(rocketkv_bin, env, caches, key):
     """A server started with such a key could never be reached (every client's header refuses it),

@@ -324,6 +324,9 @@ class RocketKV:
             _callable("on_text", on_text)
         overrides = self._overrides(dense, hsa, topk, page_size, n_score_dims)
         _positive_count("segments", segments)  # whatever the cache: 0 was taken where it had one segment
+        if segment is not None and segments != 1:  # one of them was ignored
+            raise UsageError(f"segment {segment} and segments {segments} ask for two things",
+                             "give --segments N (the N best) or --segment J (that one), not both")  # fmt: skip
         check_cite(cache, cite, segments)
         unused_overrides_note(cache, dense, overrides, log)
         try:
@@ -441,6 +444,9 @@ class RocketKV:
         max_new = self._max_new(cache, max_new_tokens)
         overrides = self._overrides(dense, hsa, topk, page_size, n_score_dims)
         _positive_count("segments", segments)  # whatever the cache: 0 was taken where it had one segment
+        if segment is not None and segments != 1:  # one of them was ignored
+            raise UsageError(f"segment {segment} and segments {segments} ask for two things",
+                             "give --segments N (the N best) or --segment J (that one), not both")  # fmt: skip
         check_cite(cache, cite, segments)
         unused_overrides_note(cache, dense, overrides, log)
         try:

@@ -99,6 +99,13 @@ def usage_error(param: str, message: str) -> typer.BadParameter:
     return typer.BadParameter(message, param_hint=param)
 
 
+def check_segments(segments: int, segment: int | None) -> None:
+    """`--segment J` with `--segments N` (one of them would be ignored): the API's refusal, as a
+    usage error (exit 2) before the model loads."""
+    if segment is not None and segments != 1:
+        raise usage_error("--segment", "give --segments N (the N best) or --segment J (that one), not both")
+
+
 class _Missing(typer.BadParameter):
     def format_message(self) -> str:
         return self.message

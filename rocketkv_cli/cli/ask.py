@@ -25,6 +25,7 @@ from .answers import (
     TopPOpt,
     answer_log,
     check_focus,
+    check_segments,
     decode_timing,
     focus_passages_note,
     missing_arguments,
@@ -58,7 +59,7 @@ from .options import (
     TrustOpt,
     WeightsOpt,
 )
-from .remote import ask_remote, read_here_note, server_for, server_running, unused_threads_note
+from .remote import ask_remote, check_server_flags, read_here_note, server_for, server_running, unused_threads_note
 from .sources import DocumentReading, ModelChoice, open_source
 
 MAX_QUESTIONS_BYTES = 16 * 2**20  # a questions file (or stdin) larger than this is refused, not read on
@@ -253,9 +254,11 @@ def ask_command(
     decoded; several questions are shown as Q:/A: records (see --format). With --cache, a running
     `rocketkv serve` answers (the model and cache stay loaded there); --no-server answers here.
     """
+    check_server_flags(server, no_server)
     doc, questions = questions_of(args, cache, questions_file)  # usage errors first: before torch is imported
     fmt, stream = resolve_format(fmt, json_out, stream, len(questions), cite)
     check_attention(dense, hsa)
+    check_segments(segments, segment)
     timings = Timings()
     setup(quiet, threads)
     if note := sampling_note(temperature, seed):

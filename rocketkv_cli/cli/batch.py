@@ -140,7 +140,9 @@ def batch_command(
     from ..api.rocketkv import DEFAULT_MODEL, configure
     from ..batch.manifest import check_manifest_path
     from ..batch.run import BatchSettings, run_batch
+    from .remote import check_server_flags
 
+    check_server_flags(server, no_server)
     if not manifest.name:  # "" or "/": no file name to read, nor to name the results after
         raise usage_error("MANIFEST", f"{str(manifest)!r} names no file")
     setup(quiet)

@@ -35,6 +35,7 @@ from .answers import (
     TopPOpt,
     answer_log,
     check_focus,
+    check_segments,
     focus_passages_note,
     sampling_note,
 )
@@ -61,7 +62,7 @@ from .options import (
     TrustOpt,
     WeightsOpt,
 )
-from .remote import RemoteChat, Turn, server_for, unused_threads_note
+from .remote import RemoteChat, Turn, check_server_flags, server_for, unused_threads_note
 from .sources import DocumentReading, ModelChoice, open_source
 
 PROMPT = "> "
@@ -226,12 +227,14 @@ def chat_command(
     Ctrl-D quits. Questions can also come from a pipe, one per line (there Ctrl-C stops the
     command). With --cache, a running `rocketkv serve` answers (--no-server: this process).
     """
+    check_server_flags(server, no_server)
     setup(quiet, threads)
     if (document is None) == (cache is None):
         raise UsageError("give either --cache FILE.kv or DOC", "e.g. rocketkv chat --cache book.kv")
     if document == "-":
         raise UsageError("chat reads its questions from stdin, so DOC cannot be -", "ingest it first: rocketkv ingest")
     AttentionChoice(dense=dense, hsa=hsa)  # the API's check (UsageError), before the model loads
+    check_segments(segments, segment)
     if note := sampling_note(temperature, seed):
         log(note)
     options = {"max_new_tokens": max_new_tokens, "dense": dense, "hsa": hsa, "temperature": temperature,

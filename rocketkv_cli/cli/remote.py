@@ -20,6 +20,13 @@ from .answers import AnswerPrinter, answer_log_of, decode_timing
 from .common import Timings, err, log, spinners, spinning
 
 
+def check_server_flags(url: str | None, no_server: bool) -> None:
+    """`--server URL` with `--no-server` (one was ignored): a usage error, exit 2. `$ROCKETKV_SERVER`
+    with `--no-server` is fine: the flag overrides the environment."""
+    if url is not None and no_server:
+        raise UsageError("--server names a server and --no-server says answer here: give one of them")
+
+
 def server_for(url: str | None, no_server: bool) -> Server | None:
     """The server to answer through, or None (in this process); a server still starting (`rocketkv
     serve &` a moment ago) is waited for, said on stderr. Raises ServerError for a `--server` that

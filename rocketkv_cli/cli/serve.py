@@ -155,6 +155,8 @@ def serve_command(
                                          f"{MAX_MEMORY_GB:,}, not {memory_gb}")  # fmt: skip
     if not 0 <= idle_timeout < math.inf:
         raise usage_error("--idle-timeout", f"give seconds ≥ 0 (0: never), not {idle_timeout}")
+    if socket is not None and (host is not None or port is not None):  # one of them was ignored
+        raise usage_error("--socket", "listen on a Unix socket (--socket) or on TCP (--host/--port), not both")
     setup(quiet, threads)
     if host is None and port is not None:
         host = "127.0.0.1"

@@ -32,7 +32,14 @@ from .options import (
     WeightsOpt,
     one_of,
 )
-from .remote import read_here_note, server_for, server_running, summarize_remote, unused_threads_note
+from .remote import (
+    check_server_flags,
+    read_here_note,
+    server_for,
+    server_running,
+    summarize_remote,
+    unused_threads_note,
+)
 from .sources import ModelChoice, open_cache
 
 LONG_DOCUMENT_BYTES = 1 << 20  # about 250K tokens of English: several segments, each prefilled in minutes on a CPU
@@ -118,6 +125,7 @@ def summarize_command(
     `rejected` why each output was rejected. --cite lists the source passages (line ranges) each summary came
     from (docs/summaries.md, "Citations"). With --cache, a running `rocketkv serve` summarizes.
     """
+    check_server_flags(server, no_server)
     setup(quiet, threads)
     if (document is None) == (cache is None):
         raise UsageError("give either DOC or --cache FILE.kv", "e.g. rocketkv summarize book.txt")

@@ -555,6 +555,13 @@ def test__models__lists_and_removes_what_is_stored(rocketkv_bin, env, tmp_path):
     assert r.returncode == 0, r.stderr
     assert sorted(p.name for p in home.rglob("*") if p.is_file()) == ["mine.gguf"]
     assert "4.0 KB" in r.stderr  # freed
+    elsewhere = tmp_path / "elsewhere"  # a converted model kept on another disk, linked in
+    elsewhere.mkdir()
+    (elsewhere / "model.safetensors").write_bytes(b"x" * 10)
+    (home / "models" / "linked").symlink_to(elsewhere)
+    r = run(rocketkv_bin, env, "models", "--remove", "linked")  # said "Cannot call rmtree on a symbolic link"
+    assert r.returncode == 0 and not (home / "models" / "linked").is_symlink(), r.stderr
+    assert (elsewhere / "model.safetensors").read_bytes() == b"x" * 10 and not list((home / "models").iterdir())
 
 
 COMMAND_NAMES = ["ingest", "ask", "chat", "summarize", "inspect", "models", "bench", "eval"]

@@ -74,7 +74,7 @@ def remove_models(names: Iterable[str]) -> list[StoredModel]:
     for entry in chosen.values():
         doomed = entry.path.with_name(f".removing-{entry.name}-{os.getpid()}")
         os.replace(entry.path, doomed)
-        if doomed.is_dir():
+        if doomed.is_dir() and not doomed.is_symlink():  # a link to a folder: the link goes, never its target
             shutil.rmtree(doomed)
         else:
             doomed.unlink()

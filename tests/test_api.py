@@ -213,6 +213,8 @@ def test__wrong_values_and_types__one_line_errors_not_silent_answers(rk, doc, tm
              (lambda: list(rk.ask(cache, ["Q?"], dense="no")), "dense must be True or False, got 'no'"),
              (lambda: rk.ask_focused(cache, "Q?", passages="x"), "focus needs at least 1 passage, got 'x'"),
              (lambda: list(rk.ask(cache, "Q?", segment=0, segments=2)), "segment 0 and segments 2 ask for two"),
+             (lambda: next(iter(rk.ask(cache, "Q?", max_new_tokens=1))).to_dict(cache=cache),
+              "cache must be the cache file's path (str or Path), got"),
              ]  # fmt: skip
     for call, message in wrong:
         with pytest.raises(UsageError, match=re.escape(message)):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import secrets
 import threading
 import time
@@ -23,7 +24,7 @@ import torch
 
 from ..core.cache import CompressedKVCache
 from ..core.config import DecodeConfig
-from ..errors import BudgetError
+from ..errors import BudgetError, UsageError
 from ..model.hf import AttentionMass, attention_mass
 from .attribution import Citer, baseline_mass, token_scores
 from .decoder import Decoder
@@ -97,9 +98,15 @@ class Answer:
     citations: tuple[Any, ...] | None = None
     n_decoded_tokens: int | None = None  # tokens decoded, those cut (a loop's repeat, a stop string) included
 
-    def to_dict(self, cache: str) -> dict:
+    def to_dict(self, cache: str | os.PathLike) -> dict:
         """The `ask --json` record (stable keys; `segments` only for segmented caches, `sampling`
-        only when sampled, `n_decoded_tokens` only when some decoded tokens were cut)."""
+        only when sampled, `n_decoded_tokens` only when some decoded tokens were cut). cache: the
+        path of the cache file answered from (its `cache` key). Raises UsageError: anything else as
+        `cache` (an opened cache object would make a record that is no JSON)."""
+        if not isinstance(cache, (str, os.PathLike)):
+            raise UsageError(f"cache must be the cache file's path (str or Path), got {type(cache).__name__}",
+                             "pass the path you opened, e.g. answer.to_dict(cache='doc.kv')")  # fmt: skip
+        cache = os.fspath(cache)
         row = {"question": self.question, "answer": self.text, "cache": cache,
                "n_question_tokens": self.n_question_tokens, "n_answer_tokens": self.n_answer_tokens,
                "stop_reason": self.stop_reason, "prefill_s": round(self.prefill_s, 4),

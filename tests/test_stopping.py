@@ -8,7 +8,7 @@ from conftest import byte_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rocketkv_cli.engine.stopping import AnswerText, AnswerTokens, find_loop, text_units
+from rocketkv_cli.engine.stopping import AFTER_TEXT_STOPS, ANSWER_ECHO, AnswerText, AnswerTokens, find_loop, text_units
 from rocketkv_cli.model.templates import PLAIN_STOP_STRINGS
 
 STOPS = PLAIN_STOP_STRINGS  # ("\n\n", "\nQuestion:")
@@ -38,6 +38,18 @@ def test__answer_that_is_the_template__is_cut_to_nothing():
     assert AnswerText(raw, STOPS).text() == ""
     assert AnswerText(" 5817.\nQuestion:", STOPS).text() == "5817."
     assert AnswerText("\n1. The keeper.", STOPS).stop_at() is None  # a line break, then an answer
+
+
+def test__a_line_labelled_answer_after_the_answer__is_cut_one_at_its_start_kept():
+    """Gemma 3 270M went on from its answer to a line "Answer: " and the same answer again; an
+    answer that begins "Answer: …" (no text before it) is kept whole."""
+    stops = STOPS + (ANSWER_ECHO,)
+    echoed = "A user product is a consumer product.\nAnswer: A user product is a consumer product."
+    assert AnswerText(echoed, stops).text() == "A user product is a consumer product."
+    assert AnswerText(echoed, ()).text() == echoed  # without the stop: the echo stays
+    for kept in ("Answer: Yes, you can.", "Yes.\nThe Answer: you can.", "Yes. Answer: you can."):
+        assert AnswerText(kept, stops).text() == kept, kept
+    assert AnswerText("  Answer: yes", stops).stop_at() is None  # leading spaces are no text
 
 
 def test__chat_framing__an_echo_of_the_prompts_question_line_is_cut():
@@ -141,7 +153,7 @@ TOKENS = st.lists(st.one_of(st.integers(0, len(PIECES) - 1), st.integers(2, 257)
 
 
 @settings(max_examples=400, deadline=None)
-@given(TOKENS, TOKENS, st.integers(0, 12), TOKENS, st.sampled_from([STOPS, (), ("\n\n\n",)]))
+@given(TOKENS, TOKENS, st.integers(0, 12), TOKENS, st.sampled_from([STOPS, (), ("\n\n\n",), (ANSWER_ECHO,)]))
 def test__streamed_pieces_join_to_the_final_answer(prefix, chunk, repeats, suffix, stops):
     """Whatever the tokens (words, digits, line breaks, stop strings, a chunk repeated into a
     loop, bytes of a character split across tokens), the pieces taken while decoding, joined,
@@ -158,7 +170,7 @@ def test__streamed_pieces_join_to_the_final_answer(prefix, chunk, repeats, suffi
     state.finish()
     pieces.append(state.take_final())
     assert "".join(pieces) == state.text()
-    assert not any(s in "\n" + state.text() for s in stops)
+    assert not any(s in ("\n" + state.text())[s in AFTER_TEXT_STOPS :] for s in stops)
 
 
 def test__streamed_pieces__a_loop_of_the_first_word_cut_right_after_it():

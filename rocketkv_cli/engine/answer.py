@@ -30,7 +30,7 @@ from .attribution import Citer, baseline_mass, token_scores
 from .decoder import Decoder
 from .engine import QUESTION_RESERVE_TOKENS, Engine
 from .inputs import check_questions
-from .stopping import AnswerTokens
+from .stopping import ANSWER_ECHO, AnswerTokens
 
 __all__ = ["Answer", "Answerer", "KeptAnswerer", "Sampling", "answer", "decode_config_for", "drain", "generate"]
 
@@ -390,7 +390,7 @@ def stream_answer(
     seed = None if sampling.greedy else (sampling.seed if sampling.seed is not None else secrets.randbits(63))
     rng = torch.Generator().manual_seed(seed) if seed is not None else None
     skip_blank = any(not s.strip() for s in stops)  # a blank first token would end the answer at once
-    stops = stops + engine.prompt.echo_stops(question)
+    stops = stops + engine.prompt.echo_stops(question) + (ANSWER_ECHO,)
     decode_text = lambda tokens: engine.tokenizer.decode(tokens, skip_special_tokens=True)
     t0 = time.perf_counter()
     state = AnswerTokens(decode_text, stops)

@@ -5,7 +5,9 @@ Pure text rules over the decoded answer (docs/algorithm.md §4), shared by every
 - stop strings: the answer is cut at the first stop string of the framing (for the plain framing
   `\\n\\n` and `\\nQuestion:`; for a chat template, after a blank line, the prompt's question line
   echoed: `PromptFormat.echo_stops`); the answer's start counts as the start of a line, so an
-  answer that *is* the template (`Question: … Answer:`) is cut there too (issue 17 item 3).
+  answer that *is* the template (`Question: … Answer:`) is cut there too (issue 17 item 3); and
+  for every framing `\nAnswer:` after some text (`ANSWER_ECHO`: Gemma 3 270M went on from an answer
+  to "\nAnswer: " and the same answer again), though an answer may itself begin "Answer: …".
 - loops: the text is read as units — numbers (every number the same unit, so that counting
   "1. 2. 3. …" repeats), words (lower-cased, in pieces of at most 12 characters, so scripts
   without spaces still have units) and punctuation marks; whitespace is ignored, so a loop that
@@ -25,6 +27,8 @@ import re
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
+ANSWER_ECHO = "\nAnswer:"  # a line that labels the answer again after it (the model echoes the Q/A pattern)
+AFTER_TEXT_STOPS = (ANSWER_ECHO,)  # stops that count only after some text: an answer may begin "Answer: …"
 MIN_LOOP_UNITS = 24
 MAX_LOOP_PERIOD = 64
 _UNIT = re.compile(r"\d+|[^\W\d_]{1,12}|[^\w\s]")
@@ -81,9 +85,10 @@ class AnswerText:
         return self.raw.lstrip()
 
     def stop_at(self) -> int | None:
-        """Offset in `body` of the first stop string (the body's start is a line start), or None."""
+        """Offset in `body` of the first stop string (the body's start is a line start, except for
+        `AFTER_TEXT_STOPS`), or None."""
         line = "\n" + self.body
-        hits = [line.find(s) for s in self.stops if s in line]
+        hits = [i for s in self.stops if (i := line.find(s, 1 if s in AFTER_TEXT_STOPS else 0)) >= 0]
         return max(0, min(hits) - 1) if hits else None
 
     def text(self) -> str:

@@ -300,6 +300,7 @@ def test__interrupted_then_rerun__no_lost_or_duplicated_row(many, how, workers, 
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=60)
         assert proc.returncode == 130 and "Error: interrupted" in stderr and "Traceback" not in stderr, stderr
+        assert f"kept in {out}: rerun the same command to resume" in stderr, stderr
         assert group_gone(proc.pid), "worker processes left behind"
     partial = answers_by_key(out)  # every line whole, none twice
     assert 7 <= len(partial) < 72

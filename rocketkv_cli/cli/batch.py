@@ -10,8 +10,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.text import Text
 
 from ..errors import UsageError
+from ..signals import Terminated
 from .answers import FocusOpt, usage_error
-from .common import err, fail, log, plural, prefill_config, setup, spinners, storage
+from .common import err, fail, log, one_line, plural, prefill_config, setup, spinners, storage
 from .options import (
     BudgetOpt,
     DeviceOpt,
@@ -198,8 +199,14 @@ def batch_command(
                 log(f"{state.documents_done}/{state.documents_total} documents done, "
                     f"{plural(state.answers_done, 'answer')} written")  # fmt: skip
 
-        report = run_batch(manifest, out, folder, settings, workers=workers, ray_address=ray,
-                           on_progress=on_progress, log=log, remote=remote)  # fmt: skip
+        try:
+            report = run_batch(manifest, out, folder, settings, workers=workers, ray_address=ray,
+                               on_progress=on_progress, log=log, remote=remote)  # fmt: skip
+        except (KeyboardInterrupt, Terminated):
+            if out is not None:  # the answers written are kept: say how to go on
+                bar.stop()
+                log(f"the answers written so far are kept in {one_line(str(out))}: rerun the same command to resume")
+            raise
     where = "stdout" if out is None else str(out)
     log(f"{plural(report.n_rows, 'row')}: {report.n_skipped} already answered, {plural(report.n_written, 'line')} "
         f"written to {where}, {report.n_errors} failed")  # fmt: skip

@@ -1114,3 +1114,15 @@ def test__server_and_no_server_together__a_usage_error(rocketkv_bin, env, kv, co
              "batch": [tmp_path / "m.jsonl"]}[command]  # fmt: skip
     r = run(rocketkv_bin, env, command, *first, "--no-server", "--server", "unix:/nowhere.sock", stdin="Who?\n")
     assert "--server names a server and --no-server says answer here" in assert_one_line_error(r, code=2)
+
+
+def test__h_is_help_and_version_names_the_tool(rocketkv_bin, env):
+    """`-h` was "No such option: -h" (exit 2); `--version` printed a bare "0.1.0"."""
+    from rocketkv_cli import __version__
+
+    for args in (["-h"], ["ask", "-h"], ["serve", "status", "-h"]):
+        r = run(rocketkv_bin, env, *args)
+        assert r.returncode == 0 and r.stdout.startswith("Usage: rocketkv") and r.stderr == "", (args, r.stderr)
+        assert r.stdout == run(rocketkv_bin, env, *args[:-1], "--help").stdout
+    r = run(rocketkv_bin, env, "--version")
+    assert r.returncode == 0 and r.stdout == f"rocketkv {__version__}\n", r.stdout

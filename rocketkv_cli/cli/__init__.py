@@ -131,6 +131,7 @@ app = typer.Typer(
     add_completion=True,  # --install-completion / --show-completion (bash, zsh, fish, powershell)
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # click's plain help: wraps at 80 columns, cuts no option name
+    context_settings={"help_option_names": ["-h", "--help"]},  # -h as most Unix tools take it
 )
 _PLACEHOLDERS = {int: "N", float: "X", Path: "PATH", str: "TEXT"}
 
@@ -173,7 +174,7 @@ class Command(_OneLineUsage, TyperCommand):
 
 def _print_version(value: bool) -> None:
     if value:
-        typer.echo(__version__)
+        typer.echo(f"rocketkv {__version__}")  # "NAME VERSION", as git, curl and pip print it
         raise typer.Exit(0)
 
 

@@ -462,6 +462,30 @@ def test__a_client_that_leaves_mid_body__no_traceback_and_the_server_serves(env,
     assert health(server)["status"] == "ok"
 
 
+def test__malformed_http__a_json_400_and_the_server_serves(env, served):
+    """Requests h11 cannot parse (a bad chunk size, a negative or doubled Content-Length, a garbage
+    request line, a TLS hello) got uvicorn's text/plain "Invalid HTTP request received.": every
+    refusal of this server is the JSON error now."""
+    import socket
+
+    s = served("--host", "127.0.0.1", "--port", "0", "--idle-timeout", "0")
+    server = s.server
+    head = b"POST /v1/rocketkv/ask HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    for raw in (head + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n", head + b"Content-Length: -5\r\n\r\n",
+                head + b"Content-Length: 5\r\nContent-Length: 6\r\n\r\n", b"GARBAGE\r\n\r\n",
+                bytes.fromhex("16030100a5010000a10303") + b"\0" * 40):  # fmt: skip
+        with socket.create_connection((server.host, server.port), timeout=10) as conn:
+            conn.sendall(raw)
+            reply = b""
+            while chunk := conn.recv(65536):
+                reply += chunk
+        status, _, rest = reply.partition(b"\r\n")
+        headers, _, body = rest.partition(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in headers.lower(), reply
+        assert json.loads(body)["error"]["message"].startswith("malformed HTTP request"), reply
+    assert health(server)["status"] == "ok"
+
+
 def test__a_body_shorter_than_its_content_length__408_and_its_place_in_the_queue_freed(env, served):
     """A client that announces 100 bytes, sends 10 and keeps its socket open: answered 408 (a JSON
     error) once the body timeout passes, instead of holding a place in the queue for good."""

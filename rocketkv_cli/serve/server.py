@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import json
 import logging
 import math
 import os
@@ -215,7 +216,7 @@ def _timed_protocol() -> type:
     keep-alive connections, and restarts that timer at every byte): connections that sent part of
     a request, then a byte now and then, were held open for ever, and 20,000 of them took every
     file descriptor (no request could be answered, `/health` timed out)."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+    from uvicorn.protocols.http.h11_impl import H11Protocol, h11  # uvicorn's own h11 (its HTTP/1.1 parser)
 
     class TimedH11Protocol(H11Protocol):
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -240,6 +241,20 @@ def _timed_protocol() -> type:
         def connection_lost(self, exc: Exception | None) -> None:
             self._headers_timer.cancel()
             super().connection_lost(exc)
+
+        def send_400_response(self, msg: str) -> None:  # uvicorn's is text/plain: every refusal here is JSON
+            error = {"message": "malformed HTTP request: it cannot be parsed as HTTP/1.1", "type": "UsageError",
+                     "hint": None, "param": None, "code": 400}  # fmt: skip
+            body = json.dumps({"error": error}).encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       (b"connection", b"close")]  # fmt: skip
+            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                          h11.EndOfMessage()):  # fmt: skip
+                try:
+                    self.transport.write(self.conn.send(event))
+                except h11.LocalProtocolError:  # a state where h11 sends no response (uvicorn's would fail too)
+                    break
+            self.transport.close()
 
     return TimedH11Protocol
 

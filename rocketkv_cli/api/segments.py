@@ -286,9 +286,10 @@ def merge_segments(stored: SegmentedKVCache, indices: list[int]) -> CompressedKV
         InputError: an index out of range.
     """
     if not indices or any(not 0 <= j < len(stored.segments) for j in indices):
+        wrong = ", ".join(str(j) for j in indices if not 0 <= j < len(stored.segments)) or "none"
         raise InputError(
-            f"segment {indices} out of range; this cache has segments 0-{len(stored.segments) - 1}",
-            "see them with: rocketkv inspect CACHE",
+            f"segment {wrong} out of range; this cache has segments 0-{len(stored.segments) - 1}",
+            "`rocketkv inspect FILE.kv` lists them",
         )
     parts = [stored.segments[j] for j in indices]
     if len(parts) == 1:

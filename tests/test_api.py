@@ -83,7 +83,7 @@ def test__a_question_too_long__the_error_says_which_of_the_questions(rk):
             list(rk.ask(cache, long_question))
     from rocketkv_cli.errors import InputError
 
-    with pytest.raises(InputError, match=r"^segment 9 out of range; this cache has segments 0-\d+$") as e:
+    with pytest.raises(InputError, match=r"^segment 9 out of range; this cache has segments 0-\d+ — ") as e:
         list(rk.ask(parts, "Which word?", segment=9))  # said "segment [9]", and "rocketkv inspect CACHE"
     assert e.value.hint == "`rocketkv inspect FILE.kv` lists them"
 

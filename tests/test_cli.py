@@ -241,6 +241,22 @@ def test__ingest__a_path_with_a_line_break__one_line_on_stderr(rocketkv_bin, env
     assert wrote == [f"rocketkv: wrote {tmp_path}/two\\nlines.kv ({out.stat().st_size / 1e6:.1f} MB)"], r.stderr
 
 
+def test__ingest_without_o__a_read_only_folder_is_not_written_even_as_root(rocketkv_bin, env, doc, tiny_model_dir,
+                                                                          tmp_path):  # fmt: skip
+    """`ingest DOC` writes DOC.kv beside DOC: root did so into a folder of mode r-xr-xr-x (the
+    shared data folder); a folder without write bits is refused now, before the model loads."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "doc.txt").write_text(doc.read_text())
+    shared.chmod(0o555)
+    try:
+        r = run(rocketkv_bin, env, "ingest", shared / "doc.txt", "--model", tiny_model_dir)
+        assert "is read-only (no write permission)" in assert_one_line_error(r) and "loaded" not in r.stderr
+        assert sorted(p.name for p in shared.iterdir()) == ["doc.txt"]
+    finally:
+        shared.chmod(0o755)
+
+
 @pytest.mark.parametrize("command", ["ask", "ingest"])
 def test__cache_given_as_the_document__says_use_cache(rocketkv_bin, env, kv, command, tmp_path):
     """A new user's slip: `ask X.kv QUESTION` without --cache names the fix, not an encoding."""

@@ -8,6 +8,7 @@ check, `check_questions`, is the engine's (`engine/inputs.py`, also torch-free) 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import stat
@@ -35,13 +36,19 @@ def default_output(document: str) -> Path:
     """Where `ingest DOC` writes without `-o`: DOC's whole name plus `.kv` (`a.txt` → `a.txt.kv`,
     so `a.txt` and `a.md` never replace each other's cache). Raises UsageError (exit 2) for stdin and for
     a document that is not a regular file (a pipe such as `<(cat doc)`, a device): it has no
-    name worth keeping, and its directory is not one to write in."""
+    name worth keeping, and its directory is not one to write in. Raises OutputError for a document
+    in a folder without write permission bits (root could write there; the folder says not to)."""
     if document == "-":
         raise UsageError("reading from stdin needs an output file", "pass -o FILE.kv")
     path = Path(document)
     if not path.is_file():
         raise UsageError(f"{document} is not a regular file (a pipe or a device), so it gives no output name",
                          "pass -o FILE.kv")  # fmt: skip
+    folder = path.parent if str(path.parent) else Path(".")
+    with contextlib.suppress(OSError):  # a folder that cannot be read is found by the output's own checks
+        if not folder.stat().st_mode & 0o222:  # no write bit: meant read-only, even where root could write
+            raise OutputError(f"the document's folder {folder} is read-only (no write permission), so the cache "
+                              "is not written beside it", "pass -o FILE.kv")  # fmt: skip
     return path.with_name(path.name + ".kv")
 
 

@@ -77,8 +77,9 @@ class Server:
         if self.path is not None:
             check_socket_path(self.path)
         if self.api_key and not api_key_ok(self.api_key):
-            raise InputError("ROCKETKV_API_KEY holds characters an HTTP header cannot carry (a space, a line break, "
-                             "a letter outside ASCII)", "set it to the server's --api-key")  # fmt: skip
+            raise InputError("ROCKETKV_API_KEY holds characters an HTTP header cannot carry as given (a line "
+                             "break, a letter outside ASCII, a space at either end)",
+                             "set it to the server's --api-key")  # fmt: skip
         if self.path is not None and len(os.fsencode(self.path)) > UNIX_PATH_MAX:
             raise InputError(f"socket path {self.path} is longer than {UNIX_PATH_MAX} bytes",
                              "set ROCKETKV_HOME to a shorter folder")  # fmt: skip

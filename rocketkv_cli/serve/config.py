@@ -43,9 +43,11 @@ def is_loopback(host: str) -> bool:
 
 
 def api_key_ok(key: str) -> bool:
-    """Whether `key` can travel in an `Authorization: Bearer` header as every client sends it:
-    visible ASCII only (no spaces, line breaks or other letters: http.client refuses them)."""
-    return all("!" <= c <= "~" for c in key)
+    """Whether `key` reaches the server as it was given in an `Authorization: Bearer` header:
+    printable ASCII (inner spaces and tabs too), no line break or other control character
+    (http.client refuses them), no other letter (clients encode them differently: curl sends UTF-8,
+    http.client Latin-1), no space at either end (HTTP drops it)."""
+    return key == key.strip() and all(" " <= c <= "~" or c == "\t" for c in key)
 
 
 def check_socket_path(path: str | Path) -> None:
@@ -103,7 +105,8 @@ class ServeConfig:
         if self.api_key is not None and len(self.api_key) < 8:
             raise UsageError("--api-key must be at least 8 characters")
         if self.api_key is not None and not api_key_ok(self.api_key):  # no client could ever send it
-            raise UsageError("--api-key must be visible ASCII characters (letters, digits, punctuation; no spaces)")
+            raise UsageError("--api-key must be printable ASCII (letters, digits, punctuation, inner spaces), "
+                             "with no line break and no space at either end")  # fmt: skip
         if not self.idle_timeout_s >= 0:  # NaN fails too
             raise UsageError(f"--idle-timeout must be ≥ 0 (0: never), got {self.idle_timeout_s}")
         for name in ("memory_budget", "threads", "max_queue", "max_body_bytes", "max_tokens_limit"):

@@ -896,21 +896,32 @@ def test__questions_file__utf16_binary_and_paths__one_line_each_cr_line_ends_spl
     questions of NUL characters, exit 0; a missing file or a folder said Python's errno text; a
     file of CR line ends (old Macs) was one question."""
     text = "Who?\nWhere?\n"
-    cases = [(text.encode("utf-16"), "is UTF-16 text — save it as UTF-8: iconv -f UTF-16 -t UTF-8"),
-             (text.encode("utf-16-le"), "holds NUL bytes: binary data or UTF-16, not UTF-8 text")]  # fmt: skip
+    cases = [(text.encode("utf-16"), "is UTF-16 text — save it as UTF-8: iconv -f UTF-16 -t UTF-8 {q} > {q}.utf8.txt"),
+             (text.encode("utf-32"), "is UTF-32 text — save it as UTF-8: iconv -f UTF-32 -t UTF-8"),
+             (text.encode("utf-16-le"), "holds NUL bytes: binary data or UTF-16, not UTF-8 text"),
+             (b"\xef\xbb\xbfWhat?\n\xff", "is not UTF-8 text (byte 0xff at offset 9)")]  # fmt: skip
     for i, (data, says) in enumerate(cases):
-        (tmp_path / f"q{i}.txt").write_bytes(data)
-        r = run(rocketkv_bin, env, "ask", "--cache", kv, "--questions-file", tmp_path / f"q{i}.txt")
-        assert says in assert_one_line_error(r) and "loaded" not in r.stderr, r.stderr
+        q = tmp_path / f"q{i}.txt"  # the hint's iconv writes beside it: never `> q.txt` over the file it reads
+        q.write_bytes(data)
+        r = run(rocketkv_bin, env, "ask", "--cache", kv, "--questions-file", q)
+        assert says.format(q=q) in assert_one_line_error(r) and "loaded" not in r.stderr, r.stderr
     for path, says in ((tmp_path / "nope.txt", "not found — check the path"), (tmp_path, "is a directory")):
         r = run(rocketkv_bin, env, "ask", "--cache", kv, "--questions-file", path)
         assert says in assert_one_line_error(r) and "Errno" not in r.stderr, r.stderr
     from rocketkv_cli.engine.inputs import check_questions
     from rocketkv_cli.errors import InputError
 
-    for question, says in (("Who?\x00", "holds a NUL character"), ("\x01\x02", "no visible text")):  # chat, the API
-        with pytest.raises(InputError, match=says):
+    for question, says in (("Who?\x00", "holds a NUL character"), ("\x01\u200b\x02", "question 2 of 2 has no visible")):
+        with pytest.raises(InputError, match=says):  # chat's lines, the API's and the server's questions
             check_questions(["Where?", question])
+    newer = [
+        "\U0001fae8",
+        "\U000f0001",
+        "a\tb",
+        "\u05d0\u200f?",
+        "\U0001f469\u200d\U0001f4bb?",
+    ]  # Unicode 15, private use
+    assert check_questions(newer) == newer  # Python 3.11's isprintable() is False for the first two
     (tmp_path / "cr.txt").write_bytes(b"Who?\rWhere?\r")
     r = run(rocketkv_bin, env, "ask", "--cache", kv, "--questions-file", tmp_path / "cr.txt", "--max-new-tokens", "2",
             "--json")  # fmt: skip

@@ -93,7 +93,7 @@ def read_questions(positional: list[str], questions_file: Optional[str], doc_is_
                              "give questions one per line; a document is given as DOC or --cache")  # fmt: skip
         text = _questions_text(data, where)
         ends = "\n" if "\n" in text or "\r" not in text else "\r"  # a file of CR line ends (old Macs): CR
-        lines = [line.strip() for line in text.split(ends)]  # else only \n ends a question
+        lines = [line.strip().strip("\x1a") for line in text.split(ends)]  # else only \n ends a question; ^Z: DOS's end
         asked = [line for line in lines if is_question(line)]
         if comments := sum(1 for line in lines if line and not is_question(line)):
             log(f"{where}: {comments} comment line{'s' * (comments != 1)} (starting '# ') not asked")
@@ -101,21 +101,33 @@ def read_questions(positional: list[str], questions_file: Optional[str], doc_is_
     return check_questions(questions) if questions else questions  # none: `questions_of` says why
 
 
+_BOMS = (
+    (b"\xff\xfe\x00\x00", "UTF-32"),
+    (b"\x00\x00\xfe\xff", "UTF-32"),
+    (b"\xff\xfe", "UTF-16"),
+    (b"\xfe\xff", "UTF-16"),
+)  # fmt: skip  (UTF-32 LE's begins as UTF-16 LE's: checked first)
+
+
 def _questions_text(data: bytes, where: str) -> str:
     """The questions' bytes as text: UTF-8 (a BOM allowed). Raises InputError naming what they
-    are instead: UTF-16 (its BOM, or the NUL bytes of ASCII in it), other binary data, or bytes
-    that are no UTF-8."""
-    name = shlex.quote(where.removeprefix("questions file "))
-    save = f"save it as UTF-8: iconv -f UTF-16 -t UTF-8 {name} > questions.txt"
-    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
-        raise InputError(f"{where} is UTF-16 text", save if where.startswith("questions file") else "send UTF-8")
+    are instead: UTF-16 or UTF-32 (their BOM), binary data or UTF-16 without a BOM (NUL bytes),
+    or bytes that are no UTF-8 (the first one and its offset in the file)."""
+    encoding = next((name for bom, name in _BOMS if data.startswith(bom)), None)
+    if encoding is not None:
+        path = where.removeprefix("questions file ")
+        hint = (f"save it as UTF-8: iconv -f {encoding} -t UTF-8 {shlex.quote(path)} > "
+                f"{shlex.quote(path + '.utf8.txt')}" if path != where else "send UTF-8")  # fmt: skip
+        raise InputError(f"{where} is {encoding} text", hint)
     if b"\0" in data:
         raise InputError(f"{where} holds NUL bytes: binary data or UTF-16, not UTF-8 text",
                          "give questions as UTF-8 text, one per line")  # fmt: skip
+    bom = 3 if data.startswith(b"\xef\xbb\xbf") else 0
     try:
-        return data.decode("utf-8-sig")
+        return data[bom:].decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise InputError(f"{where} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})",
+        at = bom + exc.start
+        raise InputError(f"{where} is not UTF-8 text (byte 0x{data[at]:02x} at offset {at})",
                          "save it as UTF-8") from None  # fmt: skip
 
 

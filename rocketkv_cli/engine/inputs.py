@@ -7,6 +7,7 @@ Reading files into documents is `api/documents.py`.
 from __future__ import annotations
 
 import bisect
+import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -20,6 +21,9 @@ class Document:
     text: str
     sha256: str
     source: str
+
+
+_INVISIBLE = {"Cc", "Cf", "Zs", "Zl", "Zp"}  # controls, format characters (zero-width), spaces, line ends
 
 
 def check_questions(questions: Iterable[str]) -> list[str]:
@@ -39,8 +43,11 @@ def check_questions(questions: Iterable[str]) -> list[str]:
     if any("\0" in q for q in qs):  # UTF-16 read as UTF-8, a binary file: never a question to answer
         raise InputError("a question holds a NUL character (binary data, or UTF-16 read as UTF-8)",
                          "give questions as UTF-8 text")  # fmt: skip
-    if any(not any(c.isprintable() for c in q.strip()) for q in qs):
-        raise InputError("a question has no visible text (control characters only)", "give each question some text")
+    blank = next((i for i, q in enumerate(qs, 1) if all(unicodedata.category(c) in _INVISIBLE for c in q)), None)
+    if blank is not None:  # an unknown or private-use character counts as visible (Python's tables may be older)
+        which = f"question {blank} of {len(qs)}" if len(qs) > 1 else "the question"
+        raise InputError(f"{which} has no visible text (control or format characters only)",
+                         "give each question some text")  # fmt: skip
     for q in qs:
         try:
             q.encode("utf-8")

@@ -371,11 +371,47 @@ def test__results_file__one_run_at_a_time_writes_it(tmp_path, rocketkv_bin):
                        text=True, env=env, timeout=120)  # fmt: skip
     assert r.returncode == 1 and "Error: another rocketkv batch is writing" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and "loaded" not in r.stderr, r.stderr
+    link = tmp_path / "link.jsonl"  # the same file by another name: the same lock
+    link.symlink_to(out)
+    with pytest.raises(OutputError, match="another rocketkv batch is writing"):
+        Results(link).open([])
     first.close()
     assert not (tmp_path / ".r.jsonl.lock").exists()
     again = Results(out)
     assert again.open([]) == set()
     again.close()
+
+
+def test__results_file__no_lock_file_possible__the_run_goes_on_unlocked(tmp_path, monkeypatch):
+    """A folder where no lock file can be made (read-only; its results file writable) or a file
+    system without locks (flock's ENOLCK on some NFS mounts): a resume works as before locks."""
+    import errno
+    import fcntl
+
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    out = folder / "r.jsonl"
+    out.write_text('{"id": 1, "question_index": 0, "question": "Q?", "answer": "A"}\n')
+    real_open = os.open
+
+    def no_lock_file(path, *args, **kwargs):
+        if str(path).endswith(".lock"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_lock_file)  # root writes a folder of mode 0555 anyway: refuse it here
+    results = Results(out)
+    assert results.open([]) == {("q", "1", 0)}
+    results.close()
+    monkeypatch.setattr(os, "open", real_open)
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    results = Results(out)
+    assert results.open([]) == {("q", "1", 0)}  # not "another rocketkv batch is writing" for ever
+    results.close()
 
 
 @pytest.mark.parametrize("note", [b"# my notes about run A", b"TODO: check A2 by hand", b"[1, 2]"])

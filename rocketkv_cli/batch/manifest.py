@@ -224,6 +224,7 @@ class Results:
         self.path = path
         self._fd: int | None = None
         self._lock: int | None = None  # the lock file's descriptor while this run writes the file
+        self._lock_file: Path | None = None
         self._created = self._wrote = False  # a file this run made, and whether a line went into it
         self.dropped = {"error": 0, "torn": 0, "stale": 0}  # torn: a last line cut by a crash
 
@@ -235,6 +236,7 @@ class Results:
         `digest(row)`, the document's now, read only for rows with such lines; None: unknown)."""
         if self.path is None:
             return set()
+        self._check_path()
         self._take_lock()
         by_id = {json.dumps(r.id): r for r in rows if isinstance(r, Row)}
         questions = {rid: r.questions for rid, r in by_id.items()}
@@ -304,48 +306,65 @@ class Results:
 
     def _lock_path(self) -> Path:
         assert self.path is not None
-        return self.path.with_name(f".{self.path.name}.lock")
+        real = Path(os.path.realpath(self.path))  # one lock for a file however it is named (links, ../)
+        return real.with_name(f".{real.name}.lock")
 
     def _take_lock(self) -> None:
-        """Hold an exclusive lock on `.<name>.lock` beside the results file while this run writes
-        it: two runs with one `-o` wrote every answer twice. The lock file is removed by `close`; a
-        lock taken on a file another run removed meanwhile is taken again on the new one.
-        Raises OutputError: another run holds it, or the folder cannot hold the lock file."""
+        """Hold an exclusive lock on `.<name>.lock` beside the results file (its real path) while
+        this run writes it: two runs with one `-o` wrote every answer twice. The lock file is
+        removed by `close`; a lock taken on a file another run removed meanwhile is taken again on
+        the new one. Where no lock file can be made (a folder this user cannot write, whose results
+        file they can) or the file system has no locks (some NFS and FUSE mounts), the run goes on
+        unlocked, as before locks were taken.
+        Raises OutputError: another run holds it."""
         path = self._lock_path()
-        if not path.parent.is_dir():
-            raise OutputError(f"output directory {path.parent} does not exist",
-                              f"create it first: mkdir -p {path.parent}")  # fmt: skip
         while True:
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-            except OSError as exc:
-                raise OutputError(f"cannot write results file {self.path}: {exc.strerror}") from None
+            except OSError:
+                return
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
+            except BlockingIOError:
                 os.close(fd)
-                raise OutputError(f"another rocketkv batch is writing {self.path} now",
+                raise OutputError(f"another rocketkv batch is writing {self.path} now (it holds {path})",
                                   "wait for it to finish (or stop it: a rerun resumes), then run this again, "
                                   "or give -o another file") from None  # fmt: skip
+            except OSError:  # ENOLCK, EOPNOTSUPP: no locks here
+                os.close(fd)
+                return
             try:
                 same = os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False))
             except FileNotFoundError:
                 same = False
             if same:
-                self._lock = fd
+                self._lock, self._lock_file = fd, path
                 return
             os.close(fd)  # removed (or replaced) by the run that held it: lock the file there now
+
+    def _check_path(self) -> None:
+        """Raises OutputError: the results path is a directory, a device or a pipe (it is read to its
+        end, then rewritten in place), or its folder does not exist."""
+        assert self.path is not None
+        try:
+            mode = os.stat(self.path).st_mode
+        except FileNotFoundError:
+            if not self.path.parent.is_dir():
+                raise OutputError(f"output directory {self.path.parent} does not exist",
+                                  f"create it first: mkdir -p {self.path.parent}") from None  # fmt: skip
+            return
+        except OSError as exc:
+            raise OutputError(f"cannot read results file {self.path}: {exc.strerror}") from None
+        if stat.S_ISDIR(mode):
+            raise OutputError(f"results path {self.path} is a directory", "give a file name with -o")
+        if not stat.S_ISREG(mode):
+            hint = "give -o a file name, or -o - to print the results"
+            raise OutputError(f"results path {self.path} is not a regular file: a results file is resumed and "
+                              "rewritten in place", hint)  # fmt: skip
 
     def _read(self) -> bytes:
         assert self.path is not None
         try:
-            mode = os.stat(self.path).st_mode
-            if stat.S_ISDIR(mode):
-                raise OutputError(f"results path {self.path} is a directory", "give a file name with -o")
-            if not stat.S_ISREG(mode):  # a device or a pipe: it is read to its end, then rewritten in place
-                hint = "give -o a file name, or -o - to print the results"
-                raise OutputError(f"results path {self.path} is not a regular file: a results file is resumed and "
-                                  "rewritten in place", hint)  # fmt: skip
             return self.path.read_bytes()
         except FileNotFoundError:
             return b""
@@ -404,9 +423,9 @@ class Results:
                 with contextlib.suppress(OSError):
                     if self.path.stat().st_size == 0:
                         self.path.unlink()
-        if self._lock is not None:  # removed while still held, so no run can lock a file about to go
-            with contextlib.suppress(OSError):
-                self._lock_path().unlink()
+        if self._lock is not None and self._lock_file is not None:  # removed while held: no run locks a file
+            with contextlib.suppress(OSError):  # about to go
+                self._lock_file.unlink()
             os.close(self._lock)
             self._lock = None
 

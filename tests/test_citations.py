@@ -81,5 +81,19 @@ def test__cite__neighbouring_lines_join_only_under_twice_the_window():
     got = _passages(doc, {"a000": 1.0, "b000": 0.9, "c000": 0.8}, 2)  # the window: 240 characters
     assert [(a, b) for a, b, _ in got] == [(2, 3), (4, 4)]  # 3 lines would span 599 characters, over 480
     assert got[0][2] == f"{one}\n{two}"
-    (only,) = _passages(doc, {"a000": 1.0, "b000": 0.9}, 1)  # one passage asked for: picked, then done
-    assert only[:2] == (2, 2)
+    for n in (1, 2, 3):  # the first passage is the same however many are asked for
+        assert _passages(doc, {"a000": 1.0, "b000": 0.9, "c000": 0.8}, n)[0] == got[0]
+
+
+def test__cite__a_neighbour_joins_only_if_the_answer_drew_on_it():
+    """A neighbouring line with no score, or under `JOIN_SHARE` of the cited line's best, stays out
+    (it was taken in while passage places were free: "intro" and "end" scored 0)."""
+    from rocketkv_cli.api.citations import JOIN_SHARE
+
+    doc = "intro words\nYou may charge any price\nfor each copy you convey.\n\nThe warranty is void.\nend\n"
+    got = _passages(doc, {"charge": 1.0, "warranty": 0.9}, 3)  # line 3 ("each"): 0
+    assert [(a, b) for a, b, _ in got][:2] == [(2, 2), (5, 5)], got
+    low = _passages(doc, {"charge": 1.0, "each": JOIN_SHARE * 0.9, "warranty": 0.9}, 2)
+    assert [(a, b) for a, b, _ in low] == [(2, 2), (5, 5)], low
+    high = _passages(doc, {"charge": 1.0, "each": JOIN_SHARE * 1.1, "warranty": 0.9}, 2)
+    assert [(a, b) for a, b, _ in high] == [(2, 3), (5, 5)], high

@@ -9,8 +9,9 @@ Passages (`cite`): the document token with the best score (words and numbers onl
 and punctuation collect attention wherever they are, as attention sinks) picks its line of the
 source; the line, cut to `window_chars` characters around that token when it is longer (shifted
 to stay inside the line), is a passage; its tokens are then out of the running and the next token
-picks the next passage. A whole line next to a passage of whole lines joins it (hard-wrapped
-prose: a sentence over two lines is one passage), while the two span under twice the window.
+picks the next passage. A whole line takes in the whole lines before and after it whose best
+token scores at least `JOIN_SHARE` of its own (hard-wrapped prose: a sentence over two lines is
+one passage, not two fragments), while the passage spans under twice the window.
 Each passage's weight is the share of the answer's attention on the document that falls on it.
 How often the cited passage holds a planted fact was measured by scripts/citation_report.py
 (commit 275f22f; docs/citations.md).
@@ -108,11 +109,25 @@ def _whole_words(span: list[int], ids: list[int], texts: dict[int, str]) -> list
     return span[first : last + 1] or span
 
 
-def _touching(a: list[int], b: list[int], lines: list[int], offsets: list[int], most_chars: int) -> bool:
-    """Whether passages `a` and `b` (token positions) sit on neighbouring lines, together spanning
-    fewer than `most_chars` characters."""
-    next_to = lines[a[0]] == lines[b[-1]] + 1 or lines[b[0]] == lines[a[-1]] + 1
-    return next_to and max(offsets[a[-1]], offsets[b[-1]]) - min(offsets[a[0]], offsets[b[0]]) < most_chars
+JOIN_SHARE = 0.25  # a neighbouring line joins a cited line when its best score is at least this share of the line's
+
+
+def _with_neighbours(span: list[int], by_line: dict[int, list[int]], lines: list[int], offsets: list[int],
+                     used: set[int], best_of, score: float, most_chars: int, line_span) -> list[int]:  # fmt: skip
+    """`span` (a whole line's positions) with the whole lines before and after it whose best word
+    scores at least `JOIN_SHARE` × `score` (the cited line's best), none of their tokens cited
+    yet, the passage spanning fewer than `most_chars` characters; the better neighbour first.
+    Hard-wrapped prose: a sentence over two lines is one passage, not two fragments."""
+    here = lines[span[0]]
+    out = list(span)
+    for ln in sorted((here - 1, here + 1), key=lambda n: -best_of(n) if n in by_line else 0.0):
+        if ln not in by_line or any(i in used for i in by_line[ln]) or best_of(ln) < JOIN_SHARE * score:
+            continue
+        lo, hi = line_span(ln)
+        first, last = min(lo, offsets[out[0]]), max(hi, offsets[out[-1]])
+        if last - first < most_chars and hi - lo <= most_chars // 2:  # the neighbour fits a window whole
+            out = sorted(out + by_line[ln])
+    return out
 
 
 def _token_text(tokenizer, ids: list[int], i: int) -> str:
@@ -185,18 +200,17 @@ def cite(
     else:
         candidates.sort(key=lambda i: -float(weights[i]))
     used: set[int] = set()
-    spans: list[list[int]] = []  # each passage's positions, in document order
-    whole: list[bool] = []  # whether each passage is whole lines (not a window of a longer line)
+    out: list[Citation] = []
+    line_best: dict[int, float] = {}
 
-    def passage(span: list[int]) -> Citation:
-        first, last = span[0], span[-1]
-        text = " ".join(tokenizer.decode(ids[first : last + 1], skip_special_tokens=True).split())
-        return Citation(start=source_start(tokenizer, ids, offsets, first, last),
-                        end=source_end(tokenizer, ids, offsets, first, last), first_line=lines[first],
-                        last_line=lines[last], weight=float(shares[span].sum()) / total, text=text)  # fmt: skip
+    def best_of(ln: int) -> float:  # the best score of a line's word tokens
+        if ln not in line_best:
+            toks = [i for i in by_line[ln] if content[ids[i]]]
+            line_best[ln] = float(weights[toks].max()) if toks else 0.0
+        return line_best[ln]
 
     for best in candidates:
-        if len(spans) == n_passages:
+        if len(out) == n_passages:
             break
         if best in used:
             continue
@@ -206,19 +220,17 @@ def cite(
         # the window's characters, and the line's indent or line break where it reaches them
         span = [i for i in line if (lo <= offsets[i] < hi or offsets[i] < lo <= start or offsets[i] >= hi >= end)
                 and i not in used]  # fmt: skip
-        entire = len(span) == len(line)
-        if not entire:  # a window inside a longer line: whole words only
+        if len(span) < len(line):  # a window inside a longer line: whole words only
             span = _whole_words(span, ids, texts)
-        used.update(by_line[lines[best]] if rank == "sum" else span)
-
-        # a whole line next to a passage of whole lines joins it (a sentence wrapped over two
-        # lines is one passage, not two fragments), up to twice the window
-        near = [j for j, other in enumerate(spans) if entire and whole[j] and _touching(span, other, lines, offsets,
-                                                                                        2 * window_chars)]  # fmt: skip
-        if near:
-            spans[near[0]] = sorted(spans[near[0]] + span)
-        else:
-            spans.append(span)
-            whole.append(entire)
-    out = [passage(span) for span in spans]
+        else:  # a whole line takes in a whole neighbouring line the answer drew on nearly as much
+            whole_line = lambda ln: _line_span(by_line[ln], ids, offsets, texts)  # noqa: E731
+            span = _with_neighbours(span, by_line, lines, offsets, used, best_of, float(weights[best]),
+                                    2 * window_chars, whole_line)  # fmt: skip
+        used.update(span, by_line[lines[best]] if rank == "sum" else ())
+        first, last = span[0], span[-1]
+        text = " ".join(tokenizer.decode(ids[first : last + 1], skip_special_tokens=True).split())
+        start = source_start(tokenizer, ids, offsets, first, last)
+        end = source_end(tokenizer, ids, offsets, first, last)
+        out.append(Citation(start=start, end=end, first_line=lines[first], last_line=lines[last],
+                            weight=float(shares[span].sum()) / total, text=text))  # fmt: skip
     return tuple(out)

@@ -323,10 +323,7 @@ class RocketKV:
         if on_text is not None:
             _callable("on_text", on_text)
         overrides = self._overrides(dense, hsa, topk, page_size, n_score_dims)
-        _positive_count("segments", segments)  # whatever the cache: 0 was taken where it had one segment
-        if segment is not None and segments != 1:  # one of them was ignored
-            raise UsageError(f"segment {segment} and segments {segments} ask for two things",
-                             "give --segments N (the N best) or --segment J (that one), not both")  # fmt: skip
+        _check_segments(segments, segment)
         check_cite(cache, cite, segments)
         unused_overrides_note(cache, dense, overrides, log)
         try:
@@ -443,10 +440,7 @@ class RocketKV:
         """
         max_new = self._max_new(cache, max_new_tokens)
         overrides = self._overrides(dense, hsa, topk, page_size, n_score_dims)
-        _positive_count("segments", segments)  # whatever the cache: 0 was taken where it had one segment
-        if segment is not None and segments != 1:  # one of them was ignored
-            raise UsageError(f"segment {segment} and segments {segments} ask for two things",
-                             "give --segments N (the N best) or --segment J (that one), not both")  # fmt: skip
+        _check_segments(segments, segment)
         check_cite(cache, cite, segments)
         unused_overrides_note(cache, dense, overrides, log)
         try:
@@ -571,6 +565,15 @@ __all__ = [
     "open_document",
     "read_cache",
 ]
+
+
+def _check_segments(segments: int, segment: int | None) -> None:
+    """Raises UsageError: `segments` not a positive integer (whatever the cache: 0 was taken where
+    it had one segment), or given with `segment` (one of the two would be ignored)."""
+    _positive_count("segments", segments)
+    if segment is not None and segments != 1:
+        raise UsageError(f"segment {segment} and segments {segments} ask for two things",
+                         "give --segments N (the N best) or --segment J (that one), not both")  # fmt: skip
 
 
 def _positive_count(name: str, value: object) -> None:

@@ -420,6 +420,9 @@ def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches,
     for n in (1.0, True, 2):  # 1.0 and true equal 1 in Python: they were taken
         got, data = send("POST", "/v1/chat/completions", json.dumps({**streamy, "stream": False, "n": n}).encode())
         assert got == 400 and "only n = 1 is supported" in data["error"]["message"], (n, got, data)
+    nulled = {**streamy, "stream": False, "n": None, "max_tokens": 1}  # null: not set, as OpenAI takes it
+    got, data = send("POST", "/v1/chat/completions", json.dumps(nulled).encode())
+    assert got == 200 and data["choices"][0]["message"]["role"] == "assistant", (got, data)
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     for parts, kind in (([{"type": "text", "text": "What is in this picture?"}, image], "'image_url'"),
                         (["What?"], "'str'")):  # fmt: skip

@@ -437,7 +437,7 @@ def openai_to_ask(body: dict, max_tokens_limit: int) -> dict:
                          "UsageError")  # fmt: skip
     if body.get("stream") is not None and not isinstance(body["stream"], bool):  # "yes" or 1 pass a truth test
         raise BadRequest(400, f"field 'stream' must be true or false, got {body['stream']!r}")
-    n = body.get("n", 1)
+    n = 1 if body.get("n") is None else body["n"]  # OpenAI's clients may send null for "not set"
     if not (type(n) is int and n == 1):  # not 1.0 or true, which equal 1 in Python
         raise BadRequest(400, "only n = 1 is supported", "UsageError")
     for name in unsupported_fields(body):  # never accepted and then ignored: the client would rely on them

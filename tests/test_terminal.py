@@ -244,6 +244,26 @@ def test__chat_in_a_terminal__history_ctrl_c_cancels_the_answer_ctrl_d_quits(roc
     assert "answered from the document on its own" in " ".join(shown.split()), shown[:600]  # no memory: said
 
 
+def test__chat_in_a_terminal__its_banner_and_help_break_between_words(rocketkv_bin, env, kv, tmp_path):
+    """At 80 columns the banner (~170 characters) and /help were left to the terminal, which broke
+    them inside words ("answe" / "r"); Rich breaks them between words now."""
+    term = Terminal([rocketkv_bin, "chat", "--cache", str(kv)], {**env, "ROCKETKV_HOME": str(tmp_path / "h")}, 80)
+    at = term.expect("> ")
+    term.send("/help\r")
+    at = term.expect("> ", at + 2)
+    term.send("\x04")
+    assert term.wait() == 0
+    shown = term.plain()
+    shown = shown[shown.index("rocketkv: chat with") :]  # the banner on: the spinners' lines before are erased
+    lines = [line.split("\r")[-1].rstrip() for line in shown.split("\r\n")]  # what a line shows last
+    assert all(len(line) <= 80 for line in lines), lines  # one raw line of ~170 characters before
+    text = " ".join(line for line in lines if line)  # line breaks only where spaces were: the words whole
+    from rocketkv_cli.cli.chat import HELP
+
+    assert f"rocketkv: {HELP}" in text, lines
+    assert "Ctrl-C cancels an answer, Ctrl-D or /quit quits, /help" in text, lines
+
+
 def test__chat_in_a_terminal__a_line_and_ctrl_d_typed_during_an_answer_are_kept(rocketkv_bin, env, kv, tmp_path):
     """Typed while an answer is printed: a whole question is asked next (shown after the prompt),
     and a Ctrl-D then quits, 0 (readline took a Ctrl-D typed ahead for nothing and the prompt

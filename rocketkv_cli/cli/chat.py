@@ -340,7 +340,7 @@ def converse(prompt: Prompt, turn: Callable[[str], Turn], source: str, json_out:
                             show_question=not interactive)  # fmt: skip
     if interactive:
         log(f"chat with {source}: type a question and press Enter (each is answered from the document on its own, "
-            "without the earlier ones); Ctrl-C cancels an answer, Ctrl-D or /quit quits, /help")  # fmt: skip
+            "without the earlier ones); Ctrl-C cancels an answer, Ctrl-D or /quit quits, /help", wrap=True)  # fmt: skip
     failed = False
     while True:
         try:
@@ -366,7 +366,7 @@ def converse(prompt: Prompt, turn: Callable[[str], Turn], source: str, json_out:
             if unknown and not interactive:  # piped in: a question fewer, so an error line and exit 1
                 fail(command)
             else:
-                log(command)
+                log(command, wrap=True)
             failed = failed or unknown
             continue
         prompt.remember()

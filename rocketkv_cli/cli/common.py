@@ -42,10 +42,12 @@ err = Console(stderr=True, highlight=False)
 _state: dict = {"quiet": False, "threads": None}
 
 
-def log(message: str) -> None:
-    """One status line on stderr (user text is never parsed as Rich markup)."""
+def log(message: str, wrap: bool = False) -> None:
+    """One status line on stderr (user text is never parsed as Rich markup). wrap: broken between
+    words at a terminal's width (a long message read by a person: chat's banner and help), not
+    left to the terminal, which breaks it inside words."""
     if not _state["quiet"]:
-        err.print(f"[dim]rocketkv:[/dim] {escape(message)}", emoji=False, soft_wrap=True)
+        err.print(f"[dim]rocketkv:[/dim] {escape(message)}", emoji=False, soft_wrap=not (wrap and err.is_terminal))
 
 
 def spinners() -> bool:

@@ -291,6 +291,7 @@ def progress_bar() -> Progress:
         BarColumn(),
         _TokenCount(),
         _TokenRate(),
+        TextColumn("ETA"),  # the time left says what it is, as batch's bar does
         TimeRemainingColumn(),
         console=err,
         disable=not spinners(),

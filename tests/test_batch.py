@@ -675,3 +675,15 @@ def test__run_task__a_progress_that_stops_ends_the_row_without_an_error_line(tmp
     assert not list(tmp_path.glob("*.kv"))
     whole = list(run_task(rk, Task(row, (0,), False), tmp_path, settings, progress=lambda done, total: None))
     assert len(whole) == 1 and "answer" in whole[0], whole
+
+
+def test__cache_dir_that_is_a_file__said_so(rocketkv_bin, env, tiny_model_dir, tmp_path):
+    """`--cache-dir /dev/null` (or any file) said "File exists — pass --cache-dir" to one who had."""
+    manifest = write_manifest(tmp_path / "m.jsonl", [{"id": 1, "text": "t", "questions": ["Q?"]}])
+    plain = tmp_path / "plain-file"
+    plain.write_text("x")
+    for folder in (plain, "/dev/null"):
+        r = run(rocketkv_bin, env, "batch", manifest, "-o", tmp_path / "r.jsonl", "--cache-dir", folder, "--model",
+                tiny_model_dir, "--no-server")  # fmt: skip
+        assert r.returncode == 1 and f"the cache folder {folder} is a file, not a folder" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and plain.read_text() == "x"

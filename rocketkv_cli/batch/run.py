@@ -119,9 +119,12 @@ def run_batch(
 
 
 def _make_dir(cache_dir: Path) -> None:
+    if cache_dir.exists() and not cache_dir.is_dir():  # mkdir said "File exists", and "pass --cache-dir" to one who had
+        raise OutputError(f"the cache folder {cache_dir} is a file, not a folder", "give --cache-dir a folder")
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise OutputError(f"cannot create the cache folder {cache_dir}: {exc.strerror}", "pass --cache-dir") from None
+        raise OutputError(f"cannot create the cache folder {cache_dir}: {exc.strerror}",
+                          "give --cache-dir a folder you can write") from None  # fmt: skip
     if not os.access(cache_dir, os.W_OK):
         raise OutputError(f"cannot write to the cache folder {cache_dir}", "pass a writable --cache-dir")

@@ -804,7 +804,7 @@ def test__ctrl_c_in_a_terminal_and_sigterm_in_a_pipe_stop_the_server_cleanly(roc
     while b"serving on" not in shown and time.monotonic() < deadline:
         if select.select([fd], [], [], 0.2)[0]:
             shown += os.read(fd, 4096)
-    os.kill(pid, signal.SIGINT)
+    os.write(fd, b"\x03")  # Ctrl-C typed: the terminal echoes "^C" and sends SIGINT to the foreground job
     while time.monotonic() < deadline:
         if select.select([fd], [], [], 0.2)[0]:
             try:
@@ -825,6 +825,7 @@ def test__ctrl_c_in_a_terminal_and_sigterm_in_a_pipe_stop_the_server_cleanly(roc
     code = os.waitstatus_to_exitcode(status)
     screen = strip_ansi(shown.decode(errors="replace"))
     assert code == 0 and "stopped (interrupted)" in screen and "Error" not in screen, (code, screen)
+    assert "^Crocketkv" not in screen, screen  # its line began after the echoed ^C
     assert not sock.exists()
     s = served("--idle-timeout", "0", "--socket", tmp_path / "t.sock")
     s.proc.send_signal(signal.SIGTERM)

@@ -26,7 +26,7 @@ from ..serve.client import (
 from ..serve.config import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_QUEUE, ServeConfig, default_memory_budget
 from ..signals import Terminated, handled, received
 from .answers import usage_error
-from .common import log, setup
+from .common import err, log, setup
 from .options import JsonOpt, QuietOpt, ThreadsOpt, TrustOpt
 from .remote import starting_said
 
@@ -184,4 +184,6 @@ def serve_command(
     except (KeyboardInterrupt, Terminated):  # what stops a foreground server: not an error
         signum = received()
         handled()
+        if signum != signal.SIGTERM and err.is_terminal:  # after the terminal's "^C", on a line of its own
+            err.print()
         log(f"stopped ({'SIGTERM' if signum == signal.SIGTERM else 'interrupted'})")

@@ -71,11 +71,12 @@ def error_row(row_id: RowId | None, line: int, message: str) -> dict:
     return {"id": row_id, "line": line, "error": message.replace("\r", "\\r").replace("\n", "\\n")}
 
 
-def check_manifest_path(path: Path) -> None:
+def check_manifest_path(path: Path) -> os.stat_result:
     """Refuse a manifest path that is missing, a directory or a device, before anything else is
-    done (the command said where its rows would run first). Raises InputError."""
+    done (the command said where its rows would run first); returns its `os.stat`. Raises InputError."""
     try:
-        mode = os.stat(path).st_mode
+        found = os.stat(path)
+        mode = found.st_mode
     except FileNotFoundError:
         raise InputError(f"manifest not found: {path}", "check the path") from None
     except OSError as exc:
@@ -84,6 +85,7 @@ def check_manifest_path(path: Path) -> None:
         raise InputError(f"{path} is a directory, not a manifest", "give a .jsonl file")
     if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):  # /dev/zero would be read until memory ran out
         raise InputError(f"{path} is a device, not a manifest", "give a .jsonl file")
+    return found
 
 
 def read_manifest(path: Path) -> list[Row | BadRow]:
@@ -93,12 +95,11 @@ def read_manifest(path: Path) -> list[Row | BadRow]:
     workers on other machines read the same file from shared storage). An `id` seen on an
     earlier line (a good or a bad row) makes a `BadRow`. Raises InputError: the manifest itself cannot be read.
     """
-    check_manifest_path(path)
+    found = check_manifest_path(path)
     too_large = InputError(f"manifest {path} is larger than {MAX_MANIFEST_BYTES >> 30} GiB", "split it into several")
+    if stat.S_ISREG(found.st_mode) and found.st_size > MAX_MANIFEST_BYTES:
+        raise too_large
     try:
-        mode = os.stat(path).st_mode
-        if stat.S_ISREG(mode) and os.stat(path).st_size > MAX_MANIFEST_BYTES:
-            raise too_large
         with open(path, "rb") as f:
             data = f.read(MAX_MANIFEST_BYTES + 1)  # a pipe (`<(…)`) has no size to check first
     except FileNotFoundError:
@@ -114,13 +115,13 @@ def read_manifest(path: Path) -> list[Row | BadRow]:
         if not raw.strip():
             continue
         row = parse_row(raw, number, base)
-        key = json.dumps(row.id)
-        if row.id is not None and key in first_line:  # the first may be a bad row: its error line has the id too
-            if isinstance(row, Row):
+        if row.id is not None:  # a bad row's id counts too: its error line carries it
+            key = json.dumps(row.id)
+            if key not in first_line:
+                first_line[key] = number
+            elif isinstance(row, Row):
                 row = BadRow(number, row.id, f"line {number}: duplicate id {key} (first on line {first_line[key]})"
                              " — give each row its own id")  # fmt: skip
-        elif row.id is not None:
-            first_line[key] = number
         rows.append(row)
     return rows
 
@@ -389,10 +390,7 @@ class Results:
         _fsync_dir(folder)
 
     def _open_append(self) -> int:
-        assert self.path is not None
-        if not self.path.parent.is_dir():
-            raise OutputError(f"output directory {self.path.parent} does not exist",
-                              f"create it first: mkdir -p {self.path.parent}")  # fmt: skip
+        assert self.path is not None  # its folder was checked by `_check_path`
         try:
             self._created = not self.path.exists()
             return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)

@@ -825,7 +825,7 @@ def test__ctrl_c_in_a_terminal_and_sigterm_in_a_pipe_stop_the_server_cleanly(roc
     code = os.waitstatus_to_exitcode(status)
     screen = strip_ansi(shown.decode(errors="replace"))
     assert code == 0 and "stopped (interrupted)" in screen and "Error" not in screen, (code, screen)
-    assert "^Crocketkv" not in screen, screen  # its line began after the echoed ^C
+    assert "^Crocketkv: stopped" not in screen, screen  # its line begins after the echoed ^C
     assert not sock.exists()
     s = served("--idle-timeout", "0", "--socket", tmp_path / "t.sock")
     s.proc.send_signal(signal.SIGTERM)

@@ -609,6 +609,32 @@ def test__every_command_that_runs_the_model_takes_threads(rocketkv_bin, env, com
     assert "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize(
+    "args, name",
+    [
+        (["ask", "--cache", "", "q?"], "'--cache'"),
+        (["ask", "--cache", "x.kv", "--questions-file", "", "q?"], "'--questions-file'"),
+        (["ingest", ""], "'DOCUMENT'"),
+        (["ingest", "x.txt", "-o", ""], "'--output'"),
+        (["summarize", ""], "'[DOC]'"),
+        (["chat", ""], "'[DOC]'"),
+        (["inspect", ""], "'CACHE'"),
+        (["batch", ""], "'MANIFEST'"),
+        (["batch", "m.jsonl", "--cache-dir", ""], "'--cache-dir'"),
+        (["serve", "--allow-dir", ""], "'--allow-dir'"),
+        (["serve", "--socket", ""], "'--socket'"),
+        (["eval", "--json", ""], "'--json'"),
+        (["bench", "--source", ""], "'--source'"),
+    ],
+)
+def test__an_empty_path__a_usage_error_not_the_current_folder(rocketkv_bin, env, tmp_path, args, name):
+    """An empty path (`--allow-dir "$UNSET"`) is refused by name, exit 2: it used to become `.`, the
+    current folder (`inspect ''`: ". is a directory"; `serve --allow-dir ''` served the folder)."""
+    r = run(rocketkv_bin, env, *args, cwd=tmp_path)
+    error = assert_one_line_error(r, code=2)
+    assert f"Invalid value for {name}" in error and "is empty" in error, error
+
+
 @pytest.mark.parametrize("command", ["ingest", "ask", "serve"])
 def test__threads_beyond_the_machines_cpus__a_usage_error(rocketkv_bin, env, command, tmp_path):
     """More threads than the machine has CPUs (99999 used to fail starting them: exit 1 with

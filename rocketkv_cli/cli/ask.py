@@ -58,6 +58,7 @@ from .options import (
     TopkOpt,
     TrustOpt,
     WeightsOpt,
+    path_text,
 )
 from .remote import ask_remote, check_server_flags, read_here_note, server_for, server_running, unused_threads_note
 from .sources import DocumentReading, ModelChoice, open_source
@@ -225,7 +226,9 @@ def ask_command(
     questions_file: Annotated[
         Optional[str],
         typer.Option(
-            metavar="FILE", help='File with one question per line (a line starting "# " is a comment), or - for stdin.'
+            metavar="FILE",
+            parser=path_text,
+            help='File with one question per line (a line starting "# " is a comment), or - for stdin.',
         ),
     ] = None,
     max_new_tokens: MaxNewOpt = None,

@@ -24,6 +24,8 @@ from .options import (
     SegmentTokensOpt,
     ServerOpt,
     TrustOpt,
+    path_text,
+    path_value,
 )
 
 
@@ -94,14 +96,25 @@ def default_output(manifest: Path) -> Path:
 
 def batch_command(
     manifest: Annotated[
-        Path, typer.Argument(help='JSON lines: {"id", "document" | "text", "questions", "summary"} per document.')
+        Path,
+        typer.Argument(
+            metavar="MANIFEST",
+            parser=path_value,
+            help='JSON lines: {"id", "document" | "text", "questions", "summary"} per document.',
+        ),
     ],  # fmt: skip
     output: Annotated[
         Optional[str],
-        typer.Option("--output", "-o", help="Results (JSON lines; - = stdout). Default: MANIFEST.results.jsonl."),
+        typer.Option(
+            "--output",
+            "-o",
+            parser=path_text,
+            help="Results (JSON lines; - = stdout). Default: MANIFEST.results.jsonl.",
+        ),
     ] = None,
     cache_dir: Annotated[
-        Optional[Path], typer.Option(help="Build cache of .kv files (default: MANIFEST.kv-cache/ beside it).")
+        Optional[Path],
+        typer.Option(parser=path_value, help="Build cache of .kv files (default: MANIFEST.kv-cache/ beside it)."),
     ] = None,
     workers: Annotated[
         Optional[int], typer.Option(min=1, help="Model copies: local processes (default 1), or Ray actors.")

@@ -13,7 +13,7 @@ from rich.console import Console
 from ..errors import InputError, UsageError
 from .common import default_kjv, err, load_engine, log, prefill_config, print_row, setup, steps_bar, storage
 from .eval import check_report_path, write_report
-from .options import DeviceOpt, DtypeOpt, KvDtypeOpt, ModelOpt, QuietOpt, ThreadsOpt, WeightsOpt
+from .options import DeviceOpt, DtypeOpt, KvDtypeOpt, ModelOpt, QuietOpt, ThreadsOpt, WeightsOpt, path_value
 
 if TYPE_CHECKING:
     from ..core.config import PrefillConfig
@@ -40,7 +40,8 @@ def bench(
     source: Annotated[
         Optional[Path],
         typer.Option(
-            help="Real text to cut documents from (default: shared/data/kjv.txt above the current directory)."
+            parser=path_value,
+            help="Real text to cut documents from (default: shared/data/kjv.txt above the current directory).",
         ),
     ] = None,
     steps: Annotated[int, typer.Option(min=1, help="Decode steps timed (median), after 4 warm-up steps.")] = 24,
@@ -63,7 +64,8 @@ def bench(
     ] = None,
     kv_dtype: KvDtypeOpt = None,
     json_path: Annotated[
-        Optional[Path], typer.Option("--json", help="Write all results, configuration and versions here.")
+        Optional[Path],
+        typer.Option("--json", parser=path_value, help="Write all results, configuration and versions here."),
     ] = None,
     force: Annotated[bool, typer.Option("--force", "-f", help="Replace an existing --json file.")] = False,
     model: ModelOpt = None,

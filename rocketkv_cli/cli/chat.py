@@ -61,6 +61,7 @@ from .options import (
     ThreadsOpt,
     TrustOpt,
     WeightsOpt,
+    path_text,
 )
 from .remote import RemoteChat, Turn, check_server_flags, server_for, unused_threads_note
 from .sources import DocumentReading, ModelChoice, open_source
@@ -190,7 +191,10 @@ def chat_command(
     document: Annotated[
         Optional[str],
         typer.Argument(
-            metavar="[DOC]", show_default=False, help="A text file to ingest in memory first (or use --cache)."
+            metavar="[DOC]",
+            show_default=False,
+            parser=path_text,
+            help="A text file to ingest in memory first (or use --cache).",
         ),
     ] = None,
     cache: CacheOpt = None,

@@ -18,7 +18,7 @@ from ..errors import InputError, UsageError
 from ..eval.names import DEFAULT_METHODS, eval_methods
 from ..methods import registry
 from .common import default_kjv, err, load_engine, log, one_line, setup, steps_bar, storage
-from .options import DeviceOpt, DtypeOpt, KvDtypeOpt, ModelOpt, QuietOpt, ThreadsOpt, WeightsOpt
+from .options import DeviceOpt, DtypeOpt, KvDtypeOpt, ModelOpt, QuietOpt, ThreadsOpt, WeightsOpt, path_value
 
 
 def _ints(name: str, text: str, allow_auto: bool = False) -> tuple[int, ...]:
@@ -94,10 +94,16 @@ def eval_command(
     ] = None,
     haystack: Annotated[
         Optional[Path],
-        typer.Option(help="Real text for niah_text (default: shared/data/kjv.txt in or above the current directory)."),
+        typer.Option(
+            parser=path_value,
+            help="Real text for niah_text (default: shared/data/kjv.txt in or above the current directory).",
+        ),
     ] = None,
     json_path: Annotated[
-        Optional[Path], typer.Option("--json", help="Write the report (every record, configuration, versions) here.")
+        Optional[Path],
+        typer.Option(
+            "--json", parser=path_value, help="Write the report (every record, configuration, versions) here."
+        ),
     ] = None,
     force: Annotated[bool, typer.Option("--force", "-f", help="Replace an existing --json file.")] = False,
     stage2: Annotated[

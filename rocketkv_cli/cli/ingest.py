@@ -27,13 +27,17 @@ from .options import (
     TopkOpt,
     TrustOpt,
     WeightsOpt,
+    path_text,
 )
 
 
 def ingest_command(
-    document: Annotated[str, typer.Argument(help="Text file to read, or - for stdin.")],
+    document: Annotated[
+        str, typer.Argument(metavar="DOCUMENT", parser=path_text, help="Text file to read, or - for stdin.")
+    ],
     output: Annotated[  # text, not a Path: a trailing / (a directory) must not be lost
-        Optional[str], typer.Option("--output", "-o", help="Cache file to write (default: DOC.kv, e.g. a.txt.kv).")
+        Optional[str],
+        typer.Option("--output", "-o", parser=path_text, help="Cache file to write (default: DOC.kv, e.g. a.txt.kv)."),
     ] = None,
     budget: BudgetOpt = None,
     max_new_tokens: Annotated[int, typer.Option(help="Answer length the budget plans for, in tokens.")] = 128,

@@ -9,11 +9,13 @@ from typing import Annotated
 import typer
 
 from .common import report_abandoned
-from .options import JsonOpt
+from .options import JsonOpt, path_value
 
 
 def inspect_command(
-    cache: Annotated[Path, typer.Argument(help="A .kv file.", readable=False)],  # unreadable: rocketkv's error
+    cache: Annotated[
+        Path, typer.Argument(metavar="CACHE", help="A .kv file.", parser=path_value)
+    ],  # unreadable: rocketkv's error
     json_out: JsonOpt = False,
 ) -> None:
     """Show what a .kv cache holds (validates the file; does not load the model).

@@ -12,6 +12,20 @@ import typer
 
 from ..errors import UsageError
 
+
+def path_text(value: str) -> str:
+    """A path given on the command line (`parser=` of its option), refused when empty (exit 2): an
+    empty string would otherwise become the current folder (`Path("")` is `.`), as `"$UNSET"` does."""
+    if not value:
+        raise typer.BadParameter("is empty: give a path")
+    return value
+
+
+def path_value(value: str) -> Path:
+    """`path_text` as a `Path` (`parser=` of a `Path` option)."""
+    return Path(path_text(value))
+
+
 ModelOpt = Annotated[
     Optional[str],
     typer.Option(
@@ -116,9 +130,9 @@ TopkOpt = Annotated[Optional[int], typer.Option(min=1, help="Override: tokens at
 PageSizeOpt = Annotated[Optional[int], typer.Option(min=1, help="Override: tokens per key min/max page.")]
 ScoreDimsOpt = Annotated[Optional[int], typer.Option(min=1, help="Override: head dims used for page scores.")]
 EncodingOpt = Annotated[str, typer.Option(help="Text encoding of the document.")]
-CacheOpt = Annotated[  # readable=False: an unreadable file gets rocketkv's one-line error, not a usage box
+CacheOpt = Annotated[  # parsed as text: an unreadable file gets rocketkv's one-line error, not a usage box
     Optional[Path],
-    typer.Option("--cache", "-c", readable=False, metavar="FILE.kv", help="A .kv file from `rocketkv ingest`."),
+    typer.Option("--cache", "-c", parser=path_value, metavar="FILE.kv", help="A .kv file from `rocketkv ingest`."),
 ]
 ErrorsOpt = Annotated[
     str, typer.Option(help="Decoding errors in the document: strict, replace, ignore or backslashreplace.")

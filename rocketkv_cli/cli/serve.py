@@ -27,7 +27,7 @@ from ..serve.config import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_QUEUE, ServeConfi
 from ..signals import Terminated, handled, received
 from .answers import usage_error
 from .common import err, log, setup
-from .options import JsonOpt, QuietOpt, ThreadsOpt, TrustOpt
+from .options import JsonOpt, QuietOpt, ThreadsOpt, TrustOpt, path_value
 from .remote import starting_said
 
 ACTIONS = ("start", "status", "stop")
@@ -89,7 +89,8 @@ def _stop(where: Server, json_out: bool = False) -> None:
 
 ActionArg = Annotated[str, typer.Argument(metavar="[start|status|stop]", help="What to do (default: start).")]
 SocketOpt = Annotated[
-    Optional[Path], typer.Option(metavar="PATH", help="Unix socket (default: $ROCKETKV_HOME/serve.sock).")
+    Optional[Path],
+    typer.Option(metavar="PATH", parser=path_value, help="Unix socket (default: $ROCKETKV_HOME/serve.sock)."),
 ]
 HostOpt = Annotated[
     Optional[str],
@@ -105,7 +106,7 @@ ApiKeyOpt = Annotated[
 ]  # fmt: skip
 AllowDirOpt = Annotated[
     Optional[list[Path]],
-    typer.Option("--allow-dir", metavar="DIR",
+    typer.Option("--allow-dir", metavar="DIR", parser=path_value,
                  help="Serve caches and documents only from these folders (repeatable; TCP default: the "
                       "current folder)."),
 ]  # fmt: skip

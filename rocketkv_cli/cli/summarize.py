@@ -31,6 +31,7 @@ from .options import (
     TrustOpt,
     WeightsOpt,
     one_of,
+    path_text,
 )
 from .remote import (
     check_server_flags,
@@ -82,7 +83,8 @@ SummaryPassagesOpt = Annotated[
 def summarize_command(
     ctx: typer.Context,
     document: Annotated[
-        Optional[str], typer.Argument(metavar="[DOC]", help="Text file, or - for stdin (or use --cache).")
+        Optional[str],
+        typer.Argument(metavar="[DOC]", parser=path_text, help="Text file, or - for stdin (or use --cache)."),
     ] = None,
     cache: CacheOpt = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Summary length limit in tokens.")] = 256,

@@ -687,3 +687,20 @@ def test__cache_dir_that_is_a_file__said_so(rocketkv_bin, env, tiny_model_dir, t
                 tiny_model_dir, "--no-server")  # fmt: skip
         assert r.returncode == 1 and f"the cache folder {folder} is a file, not a folder" in r.stderr, r.stderr
         assert "Traceback" not in r.stderr and plain.read_text() == "x"
+
+
+def test__resuming_a_results_file_named_with_a_line_break__one_line_each(rocketkv_bin, env, tiny_model_dir, tmp_path):
+    """The rerun's "skipping"/"resuming" lines name the results file on one line (`\\n` written
+    out), as every other message does: a name holding a line break used to split the line in two."""
+    rows = [{"id": 1, "text": "Some text.", "questions": ["Q?"]}, {"id": 2, "document": "no.txt", "questions": ["Q?"]}]
+    manifest = write_manifest(tmp_path / "m.jsonl", rows)
+    out = tmp_path / "re\nsults.jsonl"
+    cmd = ["batch", manifest, "-o", out, "--model", tiny_model_dir, "--no-server", *OPTS]
+    assert run(rocketkv_bin, env, *cmd).returncode == 1  # row 2's document is missing
+    again = run(rocketkv_bin, env, *cmd)
+    assert again.returncode == 1, again.stderr
+    lines = again.stderr.splitlines()
+    assert any(line.startswith("rocketkv: skipping 1 row already answered in ") and line.endswith("re\\nsults.jsonl")
+               for line in lines), again.stderr  # fmt: skip
+    assert any(line.startswith("rocketkv: resuming ") and "re\\nsults.jsonl: dropped" in line for line in lines)
+    assert all(line.startswith(("rocketkv:", "Error:")) for line in lines), again.stderr

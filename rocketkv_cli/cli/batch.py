@@ -214,13 +214,14 @@ def batch_command(
 
         try:
             report = run_batch(manifest, out, folder, settings, workers=workers, ray_address=ray,
-                               on_progress=on_progress, log=log, remote=remote)  # fmt: skip
+                               on_progress=on_progress, log=lambda m: log(one_line(m)),  # a path on one line
+                               remote=remote)  # fmt: skip
         except (KeyboardInterrupt, Terminated):
             if out is not None:  # the answers written are kept: say how to go on
                 bar.stop()
                 log(f"the answers written so far are kept in {one_line(str(out))}: rerun the same command to resume")
             raise
-    where = "stdout" if out is None else str(out)
+    where = "stdout" if out is None else one_line(str(out))
     log(f"{plural(report.n_rows, 'row')}: {report.n_skipped} already answered, {plural(report.n_written, 'line')} "
         f"written to {where}, {report.n_errors} failed")  # fmt: skip
     if out is not None:

@@ -630,6 +630,19 @@ def test__the_memory_budget_counts_the_decode_buffers_a_model_keeps(rocketkv_bin
     assert health(s.server)["caches"] == [str(caches[0].resolve())]
 
 
+def test__a_model_and_cache_over_the_budget_stay_warm_together(rocketkv_bin, env, caches, served, tmp_path):
+    """A budget smaller than one model and one cache (`--memory-gb 0.000001`): the pair used last
+    stays warm. Opening the cache evicted the model, and loading the model evicted the cache, so
+    every request loaded both again (seconds each)."""
+    s = served("--idle-timeout", "0", "--socket", tmp_path / "b.sock", "--memory-gb", "0.000001")
+    for _ in range(3):
+        r = run(rocketkv_bin, env, "ask", "--cache", caches[0], "--server", s.url, QUESTIONS[0])
+        assert r.returncode == 0, r.stderr
+    assert sum("loaded " in line for line in s.stderr_lines) == 1, s.stderr_lines
+    info = health(s.server)
+    assert info["caches"] == [str(caches[0].resolve())] and len(info["models"]) == 1, info
+
+
 def _copy(src: Path, dst: Path) -> Path:
     dst.write_bytes(src.read_bytes())
     return dst

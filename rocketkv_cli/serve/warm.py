@@ -66,8 +66,8 @@ class Warm:
     """Models and caches kept loaded, bounded by `memory_budget` bytes: what each holds in memory,
     counted again after every job (`settle`): a model's parameters and buffers plus the decode
     buffers it keeps (`RocketKV.held_bytes`), a cache's file size until it is read, then its
-    tensors (`resident_bytes`). The entries in use (or used last) are never evicted, so one model
-    and one cache larger than the budget still work (alone). `lock` serialises decodes: the
+    tensors (`resident_bytes`). The model and the cache used last are never evicted, so one model
+    and one cache larger than the budget still work, and stay warm, alone. `lock` serialises decodes: the
     server runs one answer at a time with all its threads, so concurrent clients never
     oversubscribe the cores."""
 
@@ -147,7 +147,7 @@ class Warm:
         if file_identity(path) != identity:  # replaced while it was read: read the new one next time
             return cache
         self.caches[path] = _WarmCache(identity, cache, set())
-        self._evict(keep_cache=path)
+        self._evict(keep_model=next(reversed(self.models), None), keep_cache=path)  # the model used last stays
         return cache
 
     def _forget(self, path: Path) -> None:
@@ -176,7 +176,7 @@ class Warm:
         self.log(line)
         log(line + " (in the server)")
         self.models[key] = (rk, _model_bytes(rk))
-        self._evict(keep_model=key)
+        self._evict(keep_model=key, keep_cache=next(reversed(self.caches), None))  # the cache opened for it stays
         return rk
 
     def check(self, rk: RocketKV, key: ModelKey, path: Path, cache: AnyCache, display: str) -> None:

@@ -436,7 +436,7 @@ def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches,
 
 
 BAD_SERVE_VALUES = [["--memory-gb", "nan"], ["--memory-gb", "inf"], ["--memory-gb", "-1"], ["--memory-gb", "1e30"],
-                    ["--idle-timeout", "nan"], ["--idle-timeout", "-5"]]  # fmt: skip
+                    ["--idle-timeout", "nan"], ["--idle-timeout", "-5"], ["--idle-timeout", "1e300"]]  # fmt: skip
 
 
 @pytest.mark.parametrize("args", BAD_SERVE_VALUES)

@@ -4,7 +4,6 @@ itself), or show (`status`) or stop (`stop`) the running one. docs/serve.md."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import time
@@ -116,6 +115,7 @@ MemoryOpt = Annotated[
     typer.Option(metavar="GB", help="Memory for warm models and caches (default: half the machine's)."),
 ]
 MAX_MEMORY_GB = 1_000_000  # a petabyte: beyond it a budget is a typo, not a machine
+MAX_IDLE_TIMEOUT_S = 365 * 24 * 3600  # a year: longer is a typo for 0 (never), not a plan
 CompileOpt = Annotated[
     bool,
     typer.Option(
@@ -154,8 +154,9 @@ def serve_command(
     if memory_gb is not None and not 0 < memory_gb <= MAX_MEMORY_GB:  # NaN fails both
         raise usage_error("--memory-gb", f"give the gigabytes for warm models and caches, > 0 and ≤ "
                                          f"{MAX_MEMORY_GB:,}, not {memory_gb}")  # fmt: skip
-    if not 0 <= idle_timeout < math.inf:
-        raise usage_error("--idle-timeout", f"give seconds ≥ 0 (0: never), not {idle_timeout}")
+    if not 0 <= idle_timeout <= MAX_IDLE_TIMEOUT_S:  # NaN fails both
+        raise usage_error("--idle-timeout", f"give seconds ≥ 0 and ≤ {MAX_IDLE_TIMEOUT_S:,} (a year; 0: never), "
+                                            f"not {idle_timeout}")  # fmt: skip
     if socket is not None and (host is not None or port is not None):  # one of them was ignored
         raise usage_error("--socket", "listen on a Unix socket (--socket) or on TCP (--host/--port), not both")
     setup(quiet, threads)

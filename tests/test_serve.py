@@ -490,6 +490,38 @@ def test__malformed_http__a_json_400_and_the_server_serves(env, served):
     assert health(server)["status"] == "ok"
 
 
+def test__a_compressed_body_or_two_framings__refused_by_name(env, served):
+    """A gzip body was read as JSON ("not JSON"); Content-Length beside Transfer-Encoding was
+    framed by one of them silently (RFC 9112 §6.1 lets a server refuse it: a proxy may have used the
+    other). Each gets its own JSON error and the server keeps serving."""
+    import gzip
+    import socket
+
+    s = served("--host", "127.0.0.1", "--port", "0", "--idle-timeout", "0")
+    server = s.server
+    head = b"POST /v1/rocketkv/ask HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    packed = gzip.compress(b'{"cache": "/x.kv", "questions": ["q"]}')
+    cases = [
+        (head + b"Content-Encoding: gzip\r\nContent-Length: %d\r\n\r\n" % len(packed) + packed, 415,
+         "Content-Encoding 'gzip' is not supported"),
+        (head + b"Content-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n{}\n\r\n0\r\n\r\n", 400,
+         "Content-Length and Transfer-Encoding both given"),
+    ]  # fmt: skip
+    for raw, code, message in cases:
+        with socket.create_connection((server.host, server.port), timeout=10) as conn:
+            conn.sendall(raw)
+            reply = b""
+            while chunk := conn.recv(65536):
+                reply += chunk
+                if b"\r\n\r\n" in reply and reply.rstrip().endswith(b"}"):
+                    break
+        status, _, rest = reply.partition(b"\r\n")
+        body = rest.partition(b"\r\n\r\n")[2]
+        assert status.startswith(b"HTTP/1.1 %d" % code), reply
+        assert json.loads(body)["error"]["message"] == message, reply
+    assert health(server)["status"] == "ok"
+
+
 def test__a_body_shorter_than_its_content_length__408_and_its_place_in_the_queue_freed(env, served):
     """A client that announces 100 bytes, sends 10 and keeps its socket open: answered 408 (a JSON
     error) once the body timeout passes, instead of holding a place in the queue for good."""

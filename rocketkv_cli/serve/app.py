@@ -154,7 +154,14 @@ class Guard:
                 return BadRequest(403, f"Host {host!r} is not this server's", "InputError")
         if scope["method"] == "POST" and not headers.get("content-type", "").startswith("application/json"):
             return BadRequest(415, "send the body as Content-Type: application/json", "InputError")
+        coding = headers.get("content-encoding", "identity").strip().lower()
+        if coding not in ("", "identity"):  # a compressed body read as JSON was "not JSON"
+            return BadRequest(415, f"Content-Encoding {coding!r} is not supported", "InputError",
+                              "send the body uncompressed")  # fmt: skip
         length = headers.get("content-length")
+        if length is not None and "transfer-encoding" in headers:  # which one frames the body? (RFC 9112 §6.1)
+            return BadRequest(400, "Content-Length and Transfer-Encoding both given", "InputError",
+                              "send one of them")  # fmt: skip
         if length is not None and (not length.isdigit() or int(length) > state.max_body_bytes):
             return BadRequest(413, f"request body over {state.max_body_bytes} bytes")
         busy = state.in_flight()  # a left client's job may still wait for the lock: it counts

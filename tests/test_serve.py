@@ -673,6 +673,10 @@ def test__a_model_and_cache_over_the_budget_stay_warm_together(rocketkv_bin, env
     assert sum("loaded " in line for line in s.stderr_lines) == 1, s.stderr_lines
     info = health(s.server)
     assert info["caches"] == [str(caches[0].resolve())] and len(info["models"]) == 1, info
+    r = run(rocketkv_bin, env, "ask", "--cache", caches[0], "--server", s.url, "--dtype", "bfloat16", QUESTIONS[0])
+    assert r.returncode == 0, r.stderr
+    (model,) = health(s.server)["models"]  # the float32 one evicted; each named with its dtype (was its name twice)
+    assert model.endswith("(bfloat16)"), model
 
 
 def _copy(src: Path, dst: Path) -> Path:

@@ -1179,3 +1179,15 @@ def test__h_is_help_and_version_names_the_tool(rocketkv_bin, env):
         assert r.stdout == run(rocketkv_bin, env, *args[:-1], "--help").stdout
     r = run(rocketkv_bin, env, "--version")
     assert r.returncode == 0 and r.stdout == f"rocketkv {__version__}\n", r.stdout
+
+
+def test__a_full_disk_under_stdout__no_promise_of_a_resume(rocketkv_bin, env, kv):
+    """`inspect … > /dev/full` (ENOSPC on stdout): one line saying the disk is full; the hint that
+    "an ingest or a batch resumes where it stopped" was given to every command, whatever it was."""
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([rocketkv_bin, "inspect", str(kv)], stdout=full, stderr=subprocess.PIPE, text=True, env=env,
+                           timeout=120)  # fmt: skip
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == "Error: no space left on the device — free some space and run the command again", (
+        r.stderr
+    )

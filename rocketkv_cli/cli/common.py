@@ -145,7 +145,8 @@ def command(fn):
                 raise _signal_exit(signum) from None
             if os.environ.get("ROCKETKV_DEBUG") == "1":
                 raise
-            raise fail(os_error_line(exc)) from None
+            resumes = RESUMING.get(fn.__name__) if kwargs.get("output") != "-" else None  # stdout: nothing kept
+            raise fail(os_error_line(exc, resumes)) from None
         except Exception as exc:  # unexpected: still one line unless debugging
             signum = received()
             if signum is not None:  # the interrupt surfaced as another error on its way up
@@ -160,15 +161,21 @@ def command(fn):
     return wrapper
 
 
-def os_error_line(exc: OSError) -> str:
+RESUMING = {  # what a rerun of the command keeps, where it keeps anything (its output a file, not stdout)
+    "ingest_command": "a long document's finished segments are kept",
+    "batch_command": "the answered rows are kept",
+}
+
+
+def os_error_line(exc: OSError, resumes: str | None = None) -> str:
     """The one line for an OSError that reached a command: the system's reason and the file, with
-    what to do for a full disk or a name too long."""
+    what to do for a full disk or a name too long; `resumes`: what a rerun keeps (`RESUMING`)."""
     name = exc.filename if isinstance(exc.filename, str) else None
     shown = name if name is None or len(name) <= 120 else name[:60] + "…" + name[-40:]
     where = f": {shown}" if shown else ""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return (f"no space left on the device{where} — free some space and run the command again "
-                "(an ingest or a batch resumes where it stopped)")  # fmt: skip
+        kept = f" ({resumes})" if resumes else ""
+        return f"no space left on the device{where} — free some space and run the command again{kept}"  # fmt: skip
     if exc.errno == errno.ENAMETOOLONG:
         return f"file name too long{where} — use a shorter name"
     return f"{exc.strerror or exc}{where}"

@@ -439,6 +439,23 @@ BAD_SERVE_VALUES = [["--memory-gb", "nan"], ["--memory-gb", "inf"], ["--memory-g
                     ["--idle-timeout", "nan"], ["--idle-timeout", "-5"], ["--idle-timeout", "1e300"]]  # fmt: skip
 
 
+def test__a_socket_in_a_missing_folder_or_under_a_file__one_line_nothing_created(rocketkv_bin, env, tmp_path):
+    """`--socket /typo/dir/s.sock` made the missing folders and served there; under a file it said
+    "File exists: /etc/passwd". Only the default socket's folder ($ROCKETKV_HOME) is made."""
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    for sock, said in ((tmp_path / "no" / "such" / "s.sock", f"the folder {tmp_path / 'no' / 'such'} does not exist"),
+                       (plain / "s.sock", f"{plain} is not a folder")):  # fmt: skip
+        r = run(rocketkv_bin, env, "serve", "--socket", sock, "--idle-timeout", "1")
+        assert (
+            r.returncode == 1
+            and r.stderr
+            == f"Error: --socket {sock}: {said} — name a socket in an existing "
+            "folder, or leave --socket out (default: $ROCKETKV_HOME/serve.sock)\n"
+        ), r.stderr
+    assert not (tmp_path / "no").exists() and plain.read_text() == "x"
+
+
 @pytest.mark.parametrize("args", BAD_SERVE_VALUES)
 def test__serve_option_values_no_budget_could_be__usage_errors(rocketkv_bin, env, args):
     """NaN gigabytes was "unexpected ValueError" (exit 1), -1 named an internal field in bytes."""

@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..errors import InputError
 from ..serve.client import (
     Server,
     ServerError,
@@ -25,7 +26,7 @@ from ..serve.client import (
 from ..serve.config import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_QUEUE, ServeConfig, default_memory_budget
 from ..signals import Terminated, handled, received
 from .answers import usage_error
-from .common import err, log, setup
+from .common import err, log, one_line, setup
 from .options import JsonOpt, QuietOpt, ThreadsOpt, TrustOpt, path_value
 from .remote import starting_said
 
@@ -166,6 +167,12 @@ def serve_command(
         where = _where(socket, host, port, api_key)
         _status(where, json_out) if action == "status" else _stop(where, json_out)
         return
+    if socket is not None and not socket.parent.is_dir():  # made only for the default, under $ROCKETKV_HOME
+        folder = one_line(str(socket.parent))
+        what = f"{folder} is not a folder" if socket.parent.exists() else f"the folder {folder} does not exist"
+        raise InputError(f"--socket {one_line(str(socket))}: {what}",
+                         "name a socket in an existing folder, or leave --socket out (default: "
+                         "$ROCKETKV_HOME/serve.sock)")  # fmt: skip
     from ..api.threads import requested_threads
 
     roots = tuple(allow_dir) if allow_dir else ((Path.cwd(),) if host is not None else None)

@@ -354,6 +354,11 @@ def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches,
         got, data = send(method, path, body)
         assert got == status, (path, body[:80], got, data)
         assert isinstance(data["error"]["message"], str) and data["error"]["message"]
+    for field, said in (({"cite": True}, "field 'cite' must be an integer, not true"),
+                        ({"questions": "q"}, "field 'questions' must be a list, not a string")):  # fmt: skip
+        got, data = send("POST", "/v1/rocketkv/ask", json.dumps({"cache": str(caches[0]), "questions": ["q"],
+                                                                **field}).encode())  # fmt: skip
+        assert got == 400 and data["error"]["message"] == said, data  # was "has the wrong type (bool)"
     relative = json.dumps({"model": "kv:doc.kv", "messages": [{"role": "user", "content": "q"}]}).encode()
     got, data = send("POST", "/v1/chat/completions", relative)  # named in the user's terms: the model field
     assert got == 400 and data["error"]["message"] == "model 'kv:doc.kv' must name the cache by its absolute path"

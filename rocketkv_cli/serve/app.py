@@ -400,7 +400,7 @@ def openai_to_ask(body: dict, max_tokens_limit: int) -> dict:
     default), not OpenAI's 1. Raises BadRequest."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise BadRequest(400, f"field 'model' has the wrong type ({type(model).__name__})",
+        raise BadRequest(400, "field 'model' must be a string",
                          hint="use model 'kv:/path/to/doc.kv'")  # fmt: skip
     if not model:
         raise BadRequest(400, "missing field 'model'", hint="use model 'kv:/path/to/doc.kv'")

@@ -67,8 +67,23 @@ def _field(body: dict, name: str, kind: type | tuple[type, ...], default: Any = 
         return default
     value = body[name]
     if not isinstance(value, kind) or (isinstance(value, bool) and kind in (int, float, (int, float))):
-        raise BadRequest(400, f"field {name!r} has the wrong type ({type(value).__name__})")
+        raise BadRequest(400, f"field {name!r} must be {_JSON_KINDS.get(kind, kind)}, not {_json_kind(value)}")
     return value
+
+
+_JSON_KINDS: dict[Any, str] = {int: "an integer", (int, float): "a number", float: "a number", str: "a string",
+                               bool: "true or false", list: "a list", dict: "an object"}  # fmt: skip
+
+
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, as `_field`'s refusal names it ("true", "a string", …)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return (
+            "a number with a fraction" if value == value and value not in (float("inf"), float("-inf")) else "a number"
+        )
+    return next((what for kind, what in _JSON_KINDS.items() if kind is not float and isinstance(value, kind)), "null")
 
 
 def _number(body: dict, name: str, default: float) -> float:

@@ -66,6 +66,9 @@ def main() -> None:
     for stream in (sys.stdout, sys.stderr):  # a character the terminal's encoding lacks (PYTHONIOENCODING=ascii,
         if hasattr(stream, "reconfigure"):  # a Latin-1 locale) is written escaped, not an error that loses the answer
             stream.reconfigure(errors="backslashreplace")
+    for name in ("COLUMNS", "LINES"):  # a width or height of 0: Rich (and Typer's help) would draw nothing, errors
+        if os.environ.get(name, "").strip().isdigit() and int(os.environ[name]) == 0:  # included: as if unset
+            del os.environ[name]
     if not os.environ.get("OMP_NUM_THREADS", "x").strip():  # set but empty: unset, as rocketkv reads it, before
         del os.environ["OMP_NUM_THREADS"]  # torch loads OpenMP, which warns twice about an empty value
     try:

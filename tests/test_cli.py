@@ -1191,3 +1191,36 @@ def test__a_full_disk_under_stdout__no_promise_of_a_resume(rocketkv_bin, env, kv
     assert r.stderr.strip() == "Error: no space left on the device — free some space and run the command again", (
         r.stderr
     )
+
+
+def test__stderr_reader_gone__answers_and_files_still_written_exit_0(rocketkv_bin, env, kv, doc, tiny_model_dir):
+    """stderr a pipe nobody reads any more (`2> >(head -1)`): Rich's broken-pipe handler copied
+    /dev/null over stdout and exited 1, so the answers were lost and an ingest that wrote its file
+    failed. The status lines are dropped; stdout gets everything, exit 0."""
+
+    def without_stderr(*args):
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader is gone before the first status line
+        try:
+            return subprocess.run([rocketkv_bin, *map(str, args)], stdout=subprocess.PIPE, stderr=write_end,
+                                  text=True, env=env, timeout=300)  # fmt: skip
+        finally:
+            os.close(write_end)
+
+    asked = run(rocketkv_bin, env, "ask", "--cache", kv, "--format", "lines", "--no-server", "Who?", "What?")
+    assert asked.returncode == 0 and len(asked.stdout.splitlines()) == 2, asked.stderr
+    r = without_stderr("ask", "--cache", kv, "--format", "lines", "--no-server", "Who?", "What?")
+    assert (r.returncode, r.stdout) == (0, asked.stdout)
+    out = doc.parent / "no-stderr.kv"
+    r = without_stderr("ingest", doc, "-o", out, "--model", tiny_model_dir, "--budget", "64")
+    assert (r.returncode, r.stdout.strip()) == (0, str(out))
+    assert run(rocketkv_bin, env, "inspect", out).returncode == 0
+
+
+@pytest.mark.parametrize("value", ["0", "00"])
+def test__a_terminal_width_of_0__errors_still_shown(rocketkv_bin, env, value, tmp_path):
+    """`COLUMNS=0` made Rich draw every line at width 0: nothing on stderr, the error lost."""
+    r = run(rocketkv_bin, {**env, "COLUMNS": value, "LINES": "0"}, "ask", "--cache", tmp_path / "nope.kv", "Who?",
+            "--no-server")  # fmt: skip
+    error = assert_one_line_error(r)
+    assert error.startswith(f"Error: cache file not found: {tmp_path / 'nope.kv'}"), error

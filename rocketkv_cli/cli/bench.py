@@ -8,10 +8,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
-from rich.console import Console
 
 from ..errors import InputError, UsageError
-from .common import default_kjv, err, load_engine, log, prefill_config, print_row, setup, steps_bar, storage
+from .common import (
+    StderrConsole,
+    default_kjv,
+    err,
+    load_engine,
+    log,
+    prefill_config,
+    print_row,
+    setup,
+    steps_bar,
+    storage,
+)
 from .eval import check_report_path, write_report
 from .options import DeviceOpt, DtypeOpt, KvDtypeOpt, ModelOpt, QuietOpt, ThreadsOpt, WeightsOpt, path_value
 
@@ -194,15 +204,15 @@ def measure(engine, text: str, cfg: PrefillConfig, plan: BenchPlan, kv_storage, 
 
 def show_tables(rows: list[dict], cross: list[dict], title: str, storages: bool) -> None:
     """The results as tables on stderr (wider than the terminal if need be, so that no column is cut)."""
-    Console(stderr=True, width=max(err.width, 170), highlight=False).print(_main_table(rows, title))
+    StderrConsole(width=max(err.width, 170)).print(_main_table(rows, title))
     for r in rows:
         if "llama_cpp_error" in r:
             err.print(f"rocketkv: llama.cpp at {r['context_tokens']} tokens did not run: {r['llama_cpp_error']}",
                       markup=False, soft_wrap=True)  # fmt: skip
     if storages:
-        Console(stderr=True, width=max(err.width, 120), highlight=False).print(_storage_table(rows))
+        StderrConsole(width=max(err.width, 120)).print(_storage_table(rows))
     if cross:
-        Console(stderr=True, width=max(err.width, 100), highlight=False).print(_crossover_table(cross))
+        StderrConsole(width=max(err.width, 100)).print(_crossover_table(cross))
 
 
 def _main_table(rows: list[dict], title: str):

@@ -38,7 +38,24 @@ from ..errors import InputError, RocketKVError, UsageError
 from ..methods import method_class
 from ..signals import EXIT_CODES, Terminated, install, mark_reported, message, received
 
-err = Console(stderr=True, highlight=False)
+
+class StderrConsole(Console):
+    """A Rich console on stderr that outlives stderr's reader (`2> >(head -1)`): Rich's own
+    `on_broken_pipe` copied /dev/null over *stdout* and exited 1, losing the answers still to be
+    printed there and failing a command whose file was written. Here stderr's later lines go to
+    /dev/null and the command goes on (a broken stdout still ends it: 141)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(stderr=True, highlight=False, **kwargs)
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stderr.fileno())
+        os.close(devnull)
+
+
+err = StderrConsole()
 _state: dict = {"quiet": False, "threads": None}
 
 

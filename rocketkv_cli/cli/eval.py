@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
@@ -17,7 +16,7 @@ from ..api.documents import read_document
 from ..errors import InputError, UsageError
 from ..eval.names import DEFAULT_METHODS, eval_methods
 from ..methods import registry
-from .common import default_kjv, err, load_engine, log, one_line, setup, steps_bar, storage
+from .common import StderrConsole, default_kjv, err, load_engine, log, one_line, setup, steps_bar, storage
 from .options import DeviceOpt, DtypeOpt, KvDtypeOpt, ModelOpt, QuietOpt, ThreadsOpt, WeightsOpt, path_value
 
 
@@ -139,7 +138,7 @@ def eval_command(
     for row in report["summary"]:
         typer.echo(json.dumps({"model": engine.loaded.model_id, **row}))
     if not quiet:
-        console = Console(stderr=True, width=max(err.width, 160), highlight=False)
+        console = StderrConsole(width=max(err.width, 160))
         for n in cfg.context_tokens:
             console.print(_table(report, n, "score % (expected values found)"))
             if "full" in cfg.methods:

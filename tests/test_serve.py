@@ -359,6 +359,11 @@ def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches,
         got, data = send("POST", "/v1/rocketkv/ask", json.dumps({"cache": str(caches[0]), "questions": ["q"],
                                                                 **field}).encode())  # fmt: skip
         assert got == 400 and data["error"]["message"] == said, data  # was "has the wrong type (bool)"
+    two = json.dumps(
+        {"model": f"kv:{caches[1]}", "cache": str(caches[0]), "messages": [{"role": "user", "content": "q"}]}
+    ).encode()
+    got, data = send("POST", "/v1/chat/completions", two)  # was answered from one and labelled as the other
+    assert got == 400 and "name different caches" in data["error"]["message"], data
     relative = json.dumps({"model": "kv:doc.kv", "messages": [{"role": "user", "content": "q"}]}).encode()
     got, data = send("POST", "/v1/chat/completions", relative)  # named in the user's terms: the model field
     assert got == 400 and data["error"]["message"] == "model 'kv:doc.kv' must name the cache by its absolute path"

@@ -415,6 +415,13 @@ def openai_to_ask(body: dict, max_tokens_limit: int) -> dict:
             )
     else:
         named_model = None if model.startswith("kv:") or model == "rocketkv" else model
+        if (
+            isinstance(cache, str)
+            and model.startswith("kv:")
+            and os.path.normpath(model[3:]) != os.path.normpath(cache)
+        ):
+            raise BadRequest(400, f"model {model!r} and cache {cache!r} name different caches",
+                             hint="name the cache once: in model as 'kv:/path', or in 'cache'")  # fmt: skip
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest(400, "'messages' must be a non-empty list")

@@ -1224,3 +1224,14 @@ def test__a_terminal_width_of_0__errors_still_shown(rocketkv_bin, env, value, tm
             "--no-server")  # fmt: skip
     error = assert_one_line_error(r)
     assert error.startswith(f"Error: cache file not found: {tmp_path / 'nope.kv'}"), error
+
+
+def test__a_home_too_long_for_a_socket__asks_answer_here(rocketkv_bin, env, kv, tmp_path):
+    """A `$ROCKETKV_HOME` whose serve.sock path is over the 107 bytes a Unix socket can name: no
+    server can listen there, so `ask` answers in its process; it refused ("socket path … is longer
+    than 107 bytes") unless --no-server was given."""
+    home = tmp_path / ("h" * 120)
+    home.mkdir()
+    r = run(rocketkv_bin, {**env, "ROCKETKV_HOME": str(home)}, "ask", "--cache", kv, "--format", "lines", "Who?")
+    here = run(rocketkv_bin, env, "ask", "--cache", kv, "--format", "lines", "--no-server", "Who?")
+    assert r.returncode == 0 and r.stdout == here.stdout and r.stdout.strip(), r.stderr

@@ -187,6 +187,8 @@ def locate(url: str | None, no_server: bool,
                               f"start one with `rocketkv serve`, or {instead}")  # fmt: skip
         return server
     path = default_socket()
+    if len(os.fsencode(str(path))) > UNIX_PATH_MAX:  # no server can listen there (`serve` says why): answer here
+        return None
     server = Server(path=str(path), api_key=api_key)
     if starting_pid(path) is None:
         try:

@@ -286,6 +286,27 @@ def test__chat_in_a_terminal__a_line_and_ctrl_d_typed_during_an_answer_are_kept(
     assert "Traceback" not in shown and "Error:" not in shown, shown[-2000:]
 
 
+def test__chat_in_a_terminal__lines_pasted_at_the_prompt_are_asked_one_by_one(rocketkv_bin, env, kv, tmp_path):
+    """Three questions pasted at once (each ended by Enter, "\\r", without bracketed paste): each is
+    asked in turn and kept in the history. The first was answered and the other two put back on the
+    line as one question with "^M" in it, to which whatever was typed next (/quit) was added."""
+    home = tmp_path / "home"
+    term = Terminal([rocketkv_bin, "chat", "--cache", str(kv), "--max-new-tokens", "2"],
+                    {**env, "ROCKETKV_HOME": str(home)})  # fmt: skip
+    at = term.expect("> ") - 2  # the first question is echoed after this prompt, the others after their own
+    questions = ["What is the code?", "Which word?", "What is first?"]
+    term.send("".join(q + "\r" for q in questions))
+    for q in questions:
+        at = term.expect(f"> {q}\r\n", at)
+        at = term.expect("rocketkv: answered", at)
+    term.expect("> ", at)
+    term.send("/quit\r")
+    assert term.wait() == 0, term.plain()[-2000:]
+    assert "^M" not in term.plain() and "Error:" not in term.plain(), term.plain()[-2000:]
+    kept = (home / "chat_history").read_text().splitlines()
+    assert [line for line in kept if not line.startswith("_HiStOrY")][-3:] == questions, kept
+
+
 def test__chat_focus_in_a_terminal__names_the_passages_then_streams_the_answer(rocketkv_bin, env, kv, tmp_path):
     """`chat --focus 1 --cite`: after a question, the stderr line naming the passage it is answered
     from, on its own line, then the answer and its Sources; Ctrl-D quits, 0."""

@@ -82,6 +82,8 @@ class Prompt:
             sys.stdin.reconfigure(errors="surrogateescape")
         self.readline = None
         self._pending: str | None = None  # the first question of a pipe, read before a model loads
+        self._queued: list[str] = []  # whole lines typed or pasted ahead, asked one at a time
+        self._partial = ""  # the unfinished line after them, given to readline to edit
         if self.interactive and sys.stdout.isatty():
             try:
                 import readline
@@ -116,20 +118,25 @@ class Prompt:
             line, self._pending = self._pending, None
             return line
         if self.readline is not None:
-            ahead = self._typed_ahead()
-            if ahead is None:
-                return input(PROMPT)
-            if not ahead:  # Ctrl-D typed during the answer
-                sys.stdout.write(PROMPT + "\n")
-                raise EOFError
-            if not ahead.endswith("\n"):  # a part of a line (left from a paste): to be edited and ended at the prompt
-                readline = self.readline
-                readline.set_startup_hook(lambda: readline.insert_text(ahead))
+            if not self._queued:
+                ahead = self._typed_ahead()
+                if ahead is None and not self._partial:
+                    return input(PROMPT)
+                if ahead == "" and not self._partial:  # Ctrl-D typed during the answer
+                    sys.stdout.write(PROMPT + "\n")
+                    raise EOFError
+                # lines pasted at the prompt arrive with the terminal in readline's mode, ended by
+                # "\r" (Enter), not "\n": each is a question, asked in turn
+                ahead = (self._partial + (ahead or "")).replace("\r\n", "\n").replace("\r", "\n")
+                *self._queued, self._partial = ahead.split("\n")
+            if not self._queued:  # a part of a line (left from a paste): to be edited and ended at the prompt
+                readline, partial, self._partial = self.readline, self._partial, ""
+                readline.set_startup_hook(lambda: readline.insert_text(partial))
                 try:
                     return input(PROMPT)
                 finally:
                     readline.set_startup_hook(None)
-            line = ahead.rstrip("\n")
+            line = self._queued.pop(0)
             shown = line.encode("utf-8", "backslashreplace").decode("utf-8")  # an undecodable byte: shown escaped
             sys.stdout.write(PROMPT + shown + "\n")  # as readline would have shown it
             if line.strip():

@@ -706,6 +706,32 @@ def test__a_model_and_cache_over_the_budget_stay_warm_together(rocketkv_bin, env
     assert model.endswith("(bfloat16)"), model
 
 
+def test__warm__a_spent_budget_evicts_what_the_job_does_not_use(caches, tiny_model_dir):
+    """The warm set's choices, with real models and caches (two dtypes of the tiny model: A, B;
+    the budget fits A, B and a cache less one byte). A request for (cache b, model A) while A and
+    B are warm and B was used last evicts B, not A (A was evicted and loaded again); an ingest on B
+    after it drops that cache, not A (the cache was kept over the budget as the last used)."""
+    from rocketkv_cli.serve.warm import ModelKey, Warm
+
+    key_a, key_b = (ModelKey(str(tiny_model_dir), "cpu", dtype, None, False) for dtype in ("float32", "bfloat16"))
+    probe = Warm(10**12, threads=1)
+    probe.model(key_a), probe.model(key_b), probe.cache(caches[1].resolve())
+    size_a, size_b = (probe.models[k][1] for k in probe.models)
+    warm = Warm(size_a + size_b + probe.caches[caches[1].resolve()].n_bytes - 1, threads=1)
+    with warm.job():
+        model_a = warm.model(key_a)
+    with warm.job():
+        warm.model(key_b)
+    assert list(warm.models) == [key_a, key_b] and not warm.caches
+    with warm.job():  # as `answer_job` opens them: the cache, then the model for it
+        stored = warm.cache(caches[1].resolve())
+        assert warm.model(key_a, keep_cache=caches[1].resolve()) is model_a  # still warm, not loaded again
+    assert list(warm.models) == [key_a] and list(warm.caches) == [caches[1].resolve()] and stored is not None
+    with warm.job():  # as `ingest_job` opens its model: no cache
+        warm.model(key_b)
+    assert list(warm.models) == [key_a, key_b] and not warm.caches
+
+
 def _copy(src: Path, dst: Path) -> Path:
     dst.write_bytes(src.read_bytes())
     return dst

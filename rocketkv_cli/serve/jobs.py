@@ -406,10 +406,10 @@ def _open(warm: Warm, req: AskRequest, job: Job):
     key = ModelKey(req.model or stored.info.identity.model_id, req.device, req.dtype or stored.info.dtype,
                    req.weights or decode_weights_for(stored), req.trust_remote_code)  # fmt: skip
     if not job.announce:
-        rk = warm.model(key)
+        rk = warm.model(key, keep_cache=req.path)
     else:
         rk = warm.model(key, log=lambda message: job.emit({"event": "log", "message": message}),
-                        loading=job.status)  # fmt: skip
+                        loading=job.status, keep_cache=req.path)  # fmt: skip
     warm.check(rk, key, req.path, stored, req.display)
     return rk, stored
 

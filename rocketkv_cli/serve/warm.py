@@ -66,8 +66,9 @@ class Warm:
     """Models and caches kept loaded, bounded by `memory_budget` bytes: what each holds in memory,
     counted again after every job (`settle`): a model's parameters and buffers plus the decode
     buffers it keeps (`RocketKV.held_bytes`), a cache's file size until it is read, then its
-    tensors (`resident_bytes`). The model and the cache used last are never evicted, so one model
-    and one cache larger than the budget still work, and stay warm, alone. `lock` serialises decodes: the
+    tensors (`resident_bytes`). The model and the cache a job uses are never evicted for it, nor,
+    after it, the model and the cache it used, so one model and one cache larger than the budget
+    still work, and stay warm, alone. `lock` serialises decodes: the
     server runs one answer at a time with all its threads, so concurrent clients never
     oversubscribe the cores."""
 
@@ -85,6 +86,7 @@ class Warm:
         self.caches: OrderedDict[Path, _WarmCache] = OrderedDict()
         self.lock = threading.Lock()
         self.reloads = 0  # caches read again because their file changed (for /health and tests)
+        self._job_cache: Path | None = None  # the cache the running job opened (kept when it settles)
 
     def used_bytes(self) -> int:
         """Bytes the warm models and caches hold now (see the class)."""
@@ -102,6 +104,7 @@ class Warm:
             waiting(None)
             self.lock.acquire()
             waiting(time.monotonic() - t0)
+        self._job_cache = None
         try:
             if self.threads is None and (busy := self.load.elsewhere()) is not None:
                 self.current_threads = threads_for(available_cores(), self.load.n_cores, busy)
@@ -115,18 +118,21 @@ class Warm:
 
     def settle(self) -> None:
         """After a job (under `lock`): evict least recently used entries until what is held fits
-        the budget again, keeping the model and the cache used last (a cache grows when it is
-        first answered from: its layers are read and decoded, a model keeps decode buffers)."""
-        last_model = next(reversed(self.models), None)
-        last_cache = next(reversed(self.caches), None)
-        self._evict(keep_model=last_model, keep_cache=last_cache)
+        the budget again, keeping the model used last and the cache the job opened, if any (a
+        cache grows when it is first answered from: its layers are read and decoded, a model keeps
+        decode buffers; an ingest opens none, and keeps none of the caches before it)."""
+        self._evict(keep_model=next(reversed(self.models), None), keep_cache=self._job_cache)
 
-    def _evict(self, keep_model: ModelKey | None = None, keep_cache: Path | None = None) -> None:
+    def _evict(self, keep_model: ModelKey | None = None, keep_cache: Path | None = None, models: bool = True) -> None:
+        """Evict least recently used entries, caches first, until what is held fits the budget,
+        never `keep_model` or `keep_cache`, and no model unless `models`."""
         while self.used_bytes() > self.memory_budget:
             cache = next((p for p in self.caches if p != keep_cache), None)
             if cache is not None:
                 self._forget(cache)
                 continue
+            if not models:
+                return
             model = next((k for k in self.models if k != keep_model), None)
             if model is None:
                 return
@@ -137,6 +143,7 @@ class Warm:
         Raises CacheFormatError (a damaged file), InputError/OSError (a missing one)."""
         identity = file_identity(path)
         warm = self.caches.get(path)
+        self._job_cache = path
         if warm is not None and warm.identity == identity:
             self.caches.move_to_end(path)
             return warm.cache
@@ -147,7 +154,7 @@ class Warm:
         if file_identity(path) != identity:  # replaced while it was read: read the new one next time
             return cache
         self.caches[path] = _WarmCache(identity, cache, set())
-        self._evict(keep_model=next(reversed(self.models), None), keep_cache=path)  # the model used last stays
+        self._evict(keep_cache=path, models=False)  # which model the job needs is not known yet: `model` evicts
         return cache
 
     def _forget(self, path: Path) -> None:
@@ -156,9 +163,12 @@ class Warm:
         for rk, _ in self.models.values():
             rk.release(warm.cache)
 
-    def model(self, key: ModelKey, log=lambda message: None, loading=lambda message: None) -> RocketKV:
+    def model(self, key: ModelKey, log=lambda message: None, loading=lambda message: None,
+              keep_cache: Path | None = None) -> RocketKV:  # fmt: skip
         """The model for `key`, loaded on first use; `auto` device and dtype are resolved first,
         so that a request naming them and one naming what they resolve to share one model.
+        Other entries are evicted to fit the budget (before a load too, where the budget is
+        already spent), never `keep_cache` (the cache the job answers from).
         A load is announced with `loading(message)` before it starts (the client's spinner), and
         its "loaded ... in N s" line goes to `log` (the client) and to the server's own log.
         Raises ModelLoadError."""
@@ -166,7 +176,9 @@ class Warm:
         key = dataclasses.replace(key, device=device, dtype=dtype)
         if key in self.models:
             self.models.move_to_end(key)
+            self._evict(keep_model=key, keep_cache=keep_cache)
             return self.models[key][0]
+        self._evict(keep_cache=keep_cache)  # room for the new model: never two at once in a spent budget
         loading(f"loading {key.model} in the server")
         t0 = time.perf_counter()
         rk = RocketKV.load(key.model, device=key.device, dtype=key.dtype, trust_remote_code=key.trust_remote_code,
@@ -176,7 +188,7 @@ class Warm:
         self.log(line)
         log(line + " (in the server)")
         self.models[key] = (rk, _model_bytes(rk))
-        self._evict(keep_model=key, keep_cache=next(reversed(self.caches), None))  # the cache opened for it stays
+        self._evict(keep_model=key, keep_cache=keep_cache)
         return rk
 
     def check(self, rk: RocketKV, key: ModelKey, path: Path, cache: AnyCache, display: str) -> None:

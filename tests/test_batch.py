@@ -336,6 +336,30 @@ def test__results_file__torn_and_zeroed_lines_are_repaired(tmp_path):
     ]
 
 
+def test__results_file__a_write_the_disk_refuses__one_error_saying_a_rerun_keeps_the_rows(tmp_path):
+    """A results line the file system refuses (here past RLIMIT_FSIZE: EFBIG, as a full disk
+    gives ENOSPC) is an OutputError naming the file and saying what a rerun keeps, not the generic
+    "no space left" line, which promised a resume to every command (stdout's failures included)."""
+    import resource
+
+    path = tmp_path / "r.jsonl"
+    results = Results(path)
+    results.open([])
+    results.write({"id": "a", "question_index": 0, "question": "Q?", "answer": "x"})
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    before = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails (EFBIG) instead of killing
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (path.stat().st_size + 10, limits[1]))
+        with pytest.raises(OutputError) as caught:
+            results.write({"id": "a", "question_index": 1, "question": "R?", "answer": "y" * 100})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, before)
+        results.close()
+    assert caught.value.message == f"cannot write results file {path}: File too large", caught.value.message
+    assert caught.value.hint == "fix that and rerun the same command: the answered rows are kept"
+
+
 @pytest.mark.parametrize(
     "content",
     [

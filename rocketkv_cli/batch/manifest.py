@@ -406,9 +406,13 @@ class Results:
             return
         data = line.encode("utf-8", "surrogateescape")
         self._wrote = True
-        while data:
-            data = data[os.write(self._fd, data) :]
-        os.fsync(self._fd)
+        try:
+            while data:
+                data = data[os.write(self._fd, data) :]
+            os.fsync(self._fd)
+        except OSError as exc:  # a full disk: a torn last line is repaired by the rerun
+            raise OutputError(f"cannot write results file {self.path}: {exc.strerror}",
+                              "fix that and rerun the same command: the answered rows are kept") from None  # fmt: skip
 
     def close(self, failed: bool = False) -> None:
         """Close the file. After a `failed` run (the model did not load, Ray was unreachable), a

@@ -162,8 +162,7 @@ def command(fn):
                 raise _signal_exit(signum) from None
             if os.environ.get("ROCKETKV_DEBUG") == "1":
                 raise
-            resumes = RESUMING.get(fn.__name__) if kwargs.get("output") != "-" else None  # stdout: nothing kept
-            raise fail(os_error_line(exc, resumes)) from None
+            raise fail(os_error_line(exc)) from None
         except Exception as exc:  # unexpected: still one line unless debugging
             signum = received()
             if signum is not None:  # the interrupt surfaced as another error on its way up
@@ -178,21 +177,15 @@ def command(fn):
     return wrapper
 
 
-RESUMING = {  # what a rerun of the command keeps, where it keeps anything (its output a file, not stdout)
-    "ingest_command": "a long document's finished segments are kept",
-    "batch_command": "the answered rows are kept",
-}
-
-
-def os_error_line(exc: OSError, resumes: str | None = None) -> str:
+def os_error_line(exc: OSError) -> str:
     """The one line for an OSError that reached a command: the system's reason and the file, with
-    what to do for a full disk or a name too long; `resumes`: what a rerun keeps (`RESUMING`)."""
+    what to do for a full disk or a name too long. (What a rerun keeps is said where the writes
+    that keep it are made: batch's results file, ingest's checkpoints.)"""
     name = exc.filename if isinstance(exc.filename, str) else None
     shown = name if name is None or len(name) <= 120 else name[:60] + "…" + name[-40:]
     where = f": {shown}" if shown else ""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        kept = f" ({resumes})" if resumes else ""
-        return f"no space left on the device{where} — free some space and run the command again{kept}"  # fmt: skip
+        return f"no space left on the device{where} — free some space and run the command again"
     if exc.errno == errno.ENAMETOOLONG:
         return f"file name too long{where} — use a shorter name"
     return f"{exc.strerror or exc}{where}"

@@ -613,6 +613,7 @@ def test__every_command_that_runs_the_model_takes_threads(rocketkv_bin, env, com
     "args, name",
     [
         (["ask", "--cache", "", "q?"], "'--cache'"),
+        (["ask", "", "q?"], "[DOC]"),
         (["ask", "--cache", "x.kv", "--questions-file", "", "q?"], "'--questions-file'"),
         (["ingest", ""], "'DOCUMENT'"),
         (["ingest", "x.txt", "-o", ""], "'--output'"),

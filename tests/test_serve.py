@@ -355,6 +355,7 @@ def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches,
         assert got == status, (path, body[:80], got, data)
         assert isinstance(data["error"]["message"], str) and data["error"]["message"]
     for field, said in (({"cite": True}, "field 'cite' must be an integer, not true"),
+                        ({"cite": 2.0}, "field 'cite' must be an integer, not 2.0"),
                         ({"questions": "q"}, "field 'questions' must be a list, not a string")):  # fmt: skip
         got, data = send("POST", "/v1/rocketkv/ask", json.dumps({"cache": str(caches[0]), "questions": ["q"],
                                                                 **field}).encode())  # fmt: skip
@@ -533,6 +534,8 @@ def test__a_compressed_body_or_two_framings__refused_by_name(env, served):
          "Content-Encoding 'gzip' is not supported"),
         (head + b"Content-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n{}\n\r\n0\r\n\r\n", 400,
          "Content-Length and Transfer-Encoding both given"),
+        (head + b"Content-Encoding: GZIP\r\nContent-Encoding: identity\r\nContent-Length: %d\r\n\r\n" % len(packed)
+         + packed, 415, "Content-Encoding 'GZIP' is not supported"),  # every header read, not the last one
     ]  # fmt: skip
     for raw, code, message in cases:
         with socket.create_connection((server.host, server.port), timeout=10) as conn:
@@ -702,8 +705,9 @@ def test__a_model_and_cache_over_the_budget_stay_warm_together(rocketkv_bin, env
     assert info["caches"] == [str(caches[0].resolve())] and len(info["models"]) == 1, info
     r = run(rocketkv_bin, env, "ask", "--cache", caches[0], "--server", s.url, "--dtype", "bfloat16", QUESTIONS[0])
     assert r.returncode == 0, r.stderr
-    (model,) = health(s.server)["models"]  # the float32 one evicted; each named with its dtype (was its name twice)
-    assert model.endswith("(bfloat16)"), model
+    info = health(s.server)
+    (model,) = info["model_descriptions"]  # the float32 one evicted; each named with its dtype too
+    assert model.endswith("(bfloat16)") and model.startswith(info["models"][0] + " on cpu"), info
 
 
 def test__warm__a_spent_budget_evicts_what_the_job_does_not_use(caches, tiny_model_dir):

@@ -164,6 +164,8 @@ def questions_of(args: Optional[list[str]], cache: Optional[Path], questions_fil
         raise usage_error("DOC", f"{args[0]!r} is a document, and --cache {cache} names the cache to answer from: "
                                  "give one of them")  # fmt: skip
     doc, rest = (None, args) if cache is not None else (args[0], args[1:])
+    if doc == "":  # `"$UNSET"`: not the current folder, nor a document named nothing
+        raise usage_error("[DOC]", "is empty: give a path")
     if rest == ["-"] and questions_file is None:  # `echo QUESTION | rocketkv ask --cache F.kv -`
         rest, questions_file = [], "-"
     questions = read_questions(rest, questions_file, doc == "-")

@@ -15,14 +15,15 @@ from ..errors import UsageError
 
 def path_text(value: str) -> str:
     """A path given on the command line (`parser=` of its option), refused when empty (exit 2): an
-    empty string would otherwise become the current folder (`Path("")` is `.`), as `"$UNSET"` does."""
+    empty string would otherwise become the current folder (`Path("")` is `.`), as `"$UNSET"` does.
+    Raises typer.BadParameter."""
     if not value:
         raise typer.BadParameter("is empty: give a path")
     return value
 
 
 def path_value(value: str) -> Path:
-    """`path_text` as a `Path` (`parser=` of a `Path` option)."""
+    """`path_text` as a `Path` (`parser=` of a `Path` option). Raises typer.BadParameter."""
     return Path(path_text(value))
 
 

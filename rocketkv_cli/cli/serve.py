@@ -59,7 +59,7 @@ def _status(where: Server, json_out: bool) -> None:
         return
     typer.echo(f"running: pid {info['pid']} on {info['url']}, threads {info['threads']}, up {info['uptime_s']:.0f}s, "
                f"{info['served']} request{'s' * (info['served'] != 1)} served, {info['active']} in flight")  # fmt: skip
-    typer.echo(f"models: {', '.join(info['models']) or '-'}")
+    typer.echo(f"models: {'; '.join(info.get('model_descriptions') or info['models']) or '-'}")
     typer.echo(f"caches: {', '.join(info['caches']) or '-'}")
     buffers = info.get("decode_buffers_bytes", 0) / 1e6
     typer.echo(f"memory: {info['used_bytes'] / 1e6:.1f} MB of {info['memory_budget_bytes'] / 1e9:.1f} GB "
@@ -110,7 +110,9 @@ AllowDirOpt = Annotated[
                  help="Serve caches and documents only from these folders (repeatable; TCP default: the "
                       "current folder)."),
 ]  # fmt: skip
-IdleOpt = Annotated[float, typer.Option(metavar="SECONDS", help="Exit after this long without a request (0: never).")]
+IdleOpt = Annotated[
+    float, typer.Option(metavar="SECONDS", help="Exit after this long without a request (0: never; at most a year).")
+]
 MemoryOpt = Annotated[
     Optional[float],
     typer.Option(metavar="GB", help="Memory for warm models and caches (default: half the machine's)."),

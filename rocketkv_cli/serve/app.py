@@ -154,9 +154,15 @@ class Guard:
                 return BadRequest(403, f"Host {host!r} is not this server's", "InputError")
         if scope["method"] == "POST" and not headers.get("content-type", "").startswith("application/json"):
             return BadRequest(415, "send the body as Content-Type: application/json", "InputError")
-        coding = headers.get("content-encoding", "identity").strip().lower()
-        if coding not in ("", "identity"):  # a compressed body read as JSON was "not JSON"
-            return BadRequest(415, f"Content-Encoding {coding!r} is not supported", "InputError",
+        codings = [
+            c.strip()
+            for k, v in scope.get("headers", [])
+            if k.lower() == b"content-encoding"
+            for c in v.decode("latin-1").split(",")
+        ]  # every header's every coding: the dict keeps the last
+        coding = next((c for c in codings if c.lower() not in ("", "identity")), None)
+        if scope["method"] == "POST" and coding is not None:  # a compressed body read as JSON was "not JSON"
+            return BadRequest(415, f"Content-Encoding {coding[:40]!r} is not supported", "InputError",
                               "send the body uncompressed")  # fmt: skip
         length = headers.get("content-length")
         if length is not None and "transfer-encoding" in headers:  # which one frames the body? (RFC 9112 §6.1)

@@ -76,13 +76,11 @@ _JSON_KINDS: dict[Any, str] = {int: "an integer", (int, float): "a number", floa
 
 
 def _json_kind(value: Any) -> str:
-    """What a JSON value is, as `_field`'s refusal names it ("true", "a string", …)."""
+    """What a JSON value is, as `_field`'s refusal names it ("true", "a string", "2.0", …)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float):
-        return (
-            "a number with a fraction" if value == value and value not in (float("inf"), float("-inf")) else "a number"
-        )
+        return repr(value)  # "2.0", "1.5", "inf": the value itself says why it is not an integer
     return next((what for kind, what in _JSON_KINDS.items() if kind is not float and isinstance(value, kind)), "null")
 
 

@@ -208,7 +208,8 @@ class Warm:
         captured = sum(getattr(rk.engine.step, "captured_steps", 0) for _, (rk, _) in models)
         failures = [f for _, (rk, _) in models if (f := getattr(rk.engine.step, "failure", None))]
         used = sum(n for _, (_, n) in models) + buffers + sum(c.n_bytes for _, c in caches)
-        return {"models": [rk.description for _, (rk, _) in models],  # with its dtype: a model loaded twice
+        return {"models": [k.model for k, _ in models],
+                "model_descriptions": [rk.description for _, (rk, _) in models],  # a model loaded twice: which
                 "caches": [str(p) for p, _ in caches], "used_bytes": used,
                 "decode_buffers_bytes": buffers, "memory_budget_bytes": self.memory_budget,
                 "reloads": self.reloads, "compile_step": self.compile_step,

@@ -3,6 +3,7 @@ when stderr is a terminal, which no piped test exercises (a crash hid there: iss
 
 import os
 import signal
+import stat
 import subprocess
 
 import pytest
@@ -305,6 +306,27 @@ def test__chat_in_a_terminal__lines_pasted_at_the_prompt_are_asked_one_by_one(ro
     assert "^M" not in term.plain() and "Error:" not in term.plain(), term.plain()[-2000:]
     kept = (home / "chat_history").read_text().splitlines()
     assert [line for line in kept if not line.startswith("_HiStOrY")][-3:] == questions, kept
+
+
+def test__chat_in_a_terminal__a_fifo_as_its_history_file__prompts_without_it(rocketkv_bin, env, kv, tmp_path):
+    """A FIFO where the history file goes (`mkfifo ~/.cache/rocketkv/chat_history`): chat hung
+    before its prompt, opening it to read; it prompts and answers now, without a history."""
+    home = tmp_path / "home"
+    home.mkdir()
+    os.mkfifo(home / "chat_history")
+    term = Terminal([rocketkv_bin, "chat", "--cache", str(kv), "--max-new-tokens", "2"],
+                    {**env, "ROCKETKV_HOME": str(home)})  # fmt: skip
+    try:
+        at = term.expect("> ", timeout=120)
+        term.send("Which word?\r")
+        at = term.expect("rocketkv: answered", at, timeout=60)
+        term.expect("> ", at, timeout=60)
+        term.send("/quit\r")
+        code = term.wait(timeout=60)
+    finally:
+        term.proc.kill()
+    assert code == 0 and "Error:" not in term.plain(), term.plain()[-2000:]
+    assert stat.S_ISFIFO((home / "chat_history").stat().st_mode)  # left as it was
 
 
 def test__chat_focus_in_a_terminal__names_the_passages_then_streams_the_answer(rocketkv_bin, env, kv, tmp_path):

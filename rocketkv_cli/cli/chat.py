@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import select
+import stat
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -71,13 +72,24 @@ HISTORY_MAX_CHARS = 2000
 MAX_LINE_CHARS = 4 * 2**20  # a question read from a pipe longer than this ends the chat (InputError)
 
 
+def _plain_or_missing(path: Path) -> bool:
+    """Whether `path` is a regular file (links followed) or nothing: a history file readline can
+    read and write without blocking (a FIFO or a device there would hang the prompt)."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return True
+    except OSError:  # a broken link, a loop, no permission: readline fails, quietly
+        return True
+
+
 class Prompt:
     """Reads questions: `input()` with readline history when stdin and stdout are terminals;
     the prompt on stderr when only stdin is; plain lines from a pipe."""
 
     def __init__(self, history: Path):
         self.interactive = sys.stdin.isatty()
-        self.history = history
+        self.history: Path | None = history
         if hasattr(sys.stdin, "reconfigure"):  # undecodable bytes reach check_questions, not a traceback
             sys.stdin.reconfigure(errors="surrogateescape")
         self.readline = None
@@ -90,9 +102,12 @@ class Prompt:
             except ImportError:  # pragma: no cover - platforms without readline
                 readline = None  # type: ignore[assignment]
             self.readline = readline
+        if self.readline is not None and not _plain_or_missing(history):  # a FIFO there would block: no history
+            self.history = None
         if self.readline is not None:
             try:
-                self.readline.read_history_file(str(history))
+                if self.history is not None:
+                    self.readline.read_history_file(str(history))
             except OSError:
                 pass
             self.readline.set_history_length(1000)
@@ -167,7 +182,7 @@ class Prompt:
     def remember(self) -> None:
         """Save the history file; a question over `HISTORY_MAX_CHARS` (a pasted passage) is left
         out of it, so that Up does not bring back kilobytes."""
-        if self.readline is not None:
+        if self.readline is not None and self.history is not None:
             n = self.readline.get_current_history_length()
             if n and len(self.readline.get_history_item(n) or "") > HISTORY_MAX_CHARS:
                 self.readline.remove_history_item(n - 1)  # get is 1-based, remove 0-based

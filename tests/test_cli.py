@@ -578,6 +578,11 @@ def test__models__lists_and_removes_what_is_stored(rocketkv_bin, env, tmp_path):
     r = run(rocketkv_bin, env, "models", "--remove", "linked")  # said "Cannot call rmtree on a symbolic link"
     assert r.returncode == 0 and not (home / "models" / "linked").is_symlink(), r.stderr
     assert (elsewhere / "model.safetensors").read_bytes() == b"x" * 10 and not list((home / "models").iterdir())
+    (home / "models" / "broken").symlink_to(tmp_path / "gone")  # its target removed: listing it failed, and removing
+    r = run(rocketkv_bin, env, "models", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["bytes"] == 0, r.stderr
+    r = run(rocketkv_bin, env, "models", "--remove", "broken")
+    assert r.returncode == 0 and not (home / "models" / "broken").is_symlink(), r.stderr
 
 
 COMMAND_NAMES = ["ingest", "ask", "chat", "summarize", "inspect", "models", "bench", "eval"]

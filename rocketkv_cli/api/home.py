@@ -49,10 +49,24 @@ def stored_models() -> list[StoredModel]:
         for path in entries:
             if path.name.startswith("."):  # a conversion or removal in progress
                 continue
-            files = [f for f in path.rglob("*") if f.is_file()] if path.is_dir() else [path]
-            size = sum(f.stat().st_size for f in files)
-            found.append(StoredModel(path.name, kind, preset_of_file(path.name), path, size))
+            found.append(StoredModel(path.name, kind, preset_of_file(path.name), path, _bytes_of(path)))
     return found
+
+
+def _bytes_of(path: Path) -> int:
+    """Bytes of the files at or under `path` (links followed); what cannot be read (a broken link,
+    a folder without permission) counts 0, so that it is still listed, and removable."""
+    try:
+        files = [f for f in path.rglob("*") if f.is_file()] if path.is_dir() else [path]
+    except OSError:
+        return 0
+    total = 0
+    for f in files:
+        try:
+            total += f.stat().st_size
+        except OSError:
+            pass
+    return total
 
 
 def remove_models(names: Iterable[str]) -> list[StoredModel]:

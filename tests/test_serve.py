@@ -354,6 +354,11 @@ def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches,
         got, data = send(method, path, body)
         assert got == status, (path, body[:80], got, data)
         assert isinstance(data["error"]["message"], str) and data["error"]["message"]
+    long_name = "/tmp/" + "n" * 300 + ".kv"  # was a 500 ("File name too long") and a traceback in the server's log
+    for path, body in (("/v1/rocketkv/ask", {"cache": long_name, "questions": ["q"]}),
+                       ("/v1/ingest", {"document": long_name, "output": long_name})):  # fmt: skip
+        got, data = send("POST", path, json.dumps(body).encode())
+        assert got == 400 and "a file name too long" in data["error"]["message"], (path, data)
     for field, said in (({"cite": True}, "field 'cite' must be an integer, not true"),
                         ({"cite": 2.0}, "field 'cite' must be an integer, not 2.0"),
                         ({"questions": "q"}, "field 'questions' must be a list, not a string")):  # fmt: skip

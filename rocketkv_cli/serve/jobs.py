@@ -112,16 +112,21 @@ def _positive(body: dict, name: str, limit: int | None = None) -> int | None:
     return value
 
 
+PATH_MAX, NAME_MAX = 4096, 255  # bytes: Linux's limits on a path and on one name in it (ENAMETOOLONG beyond)
+
+
 def allowed_path(raw: str, roots: tuple[Path, ...] | None, what: str) -> Path:
     """`raw` (an absolute path) resolved, symlinks included, and inside one of `roots` (None: any).
-    Raises BadRequest (400 a relative path or one that cannot be resolved, such as a symlink loop;
-    403 outside the roots)."""
+    Raises BadRequest (400 a relative path, a name too long, or one that cannot be resolved, such
+    as a symlink loop; 403 outside the roots)."""
     if not raw or "\x00" in raw or not Path(raw).is_absolute():
         raise BadRequest(400, f"{what} must be an absolute path, got {raw!r}")
     try:
         os.fsencode(raw)  # a name's undecodable byte comes as U+DC80-DCFF from the CLI: that encodes back
     except UnicodeEncodeError:  # a lone surrogate ("\ud800" in the JSON): no file system path is that
         raise BadRequest(400, f"{what} is not a file system path (a lone surrogate), got {raw!r}") from None
+    if len(os.fsencode(raw)) >= PATH_MAX or any(len(os.fsencode(part)) > NAME_MAX for part in Path(raw).parts):
+        raise BadRequest(400, f"{what} is a file name too long: {raw[:60]}…", hint="use a shorter name")
     try:
         resolved = Path(raw).resolve()
     except (OSError, RuntimeError) as exc:  # a symlink loop: RuntimeError before Python 3.13, OSError after

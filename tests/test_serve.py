@@ -702,6 +702,7 @@ def test__a_model_and_cache_over_the_budget_stay_warm_together(rocketkv_bin, env
     stays warm. Opening the cache evicted the model, and loading the model evicted the cache, so
     every request loaded both again (seconds each)."""
     s = served("--idle-timeout", "0", "--socket", tmp_path / "b.sock", "--memory-gb", "0.000001")
+    assert "no idle timeout" in s.stderr_lines[0], s.stderr_lines  # "idle timeout 0s" read as none at all
     for _ in range(3):
         r = run(rocketkv_bin, env, "ask", "--cache", caches[0], "--server", s.url, QUESTIONS[0])
         assert r.returncode == 0, r.stderr

@@ -319,8 +319,8 @@ def _run(cfg: ServeConfig, state: ServeState, sock: socket.socket, url: str, log
                     said_ready = True
                 idle = time.monotonic() - state.last_activity
                 if cfg.idle_timeout_s and state.in_flight() == 0 and idle > cfg.idle_timeout_s:
-                    why["reason"] = f"idle for {cfg.idle_timeout_s:.0f}s"
-                    log(f"idle for {cfg.idle_timeout_s:.0f}s: stopping")
+                    why["reason"] = f"idle for {cfg.idle_timeout_s:g}s"
+                    log(f"idle for {cfg.idle_timeout_s:g}s: stopping")
                     break
             server.should_exit = True
             Job.stop_all()  # answers in progress end now, each client told in one line
@@ -328,7 +328,8 @@ def _run(cfg: ServeConfig, state: ServeState, sock: socket.socket, url: str, log
         watcher = asyncio.create_task(watch())
         threads = cfg.threads or f"{state.warm.current_threads} now, chosen before each request"
         log(f"serving on {url} (threads {threads}, memory budget {cfg.memory_budget / 1e9:.1f} GB, "
-            f"idle timeout {cfg.idle_timeout_s:.0f}s); stop with `{stop_command(cfg, url)}`")  # fmt: skip
+            f"{f'idle timeout {cfg.idle_timeout_s:g}s' if cfg.idle_timeout_s else 'no idle timeout'}); "
+            f"stop with `{stop_command(cfg, url)}`")  # fmt: skip
         announce(url)
         if cfg.compile_step:
             log("--compile-step: each model's first answer compiles its decode step first (seconds: about 10 here, "

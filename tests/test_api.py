@@ -235,3 +235,26 @@ def test__wrong_values_and_types__one_line_errors_not_silent_answers(rk, doc, tm
     with pytest.raises(BudgetError, match="an answer of up to 1,000,000,000 tokens leaves no room for a question") as e:
         list(rk.ask(cache, "What is the code?", max_new_tokens=10**9))
     assert e.value.hint == "lower --max-new-tokens"  # shortening the question could not help
+
+
+def test__ingest_stopped_in_its_first_segment__leaves_no_checkpoint_folder(rk, doc, tmp_path):
+    """Ctrl-C before the first segment was done left `.X.kv.segments/` with only its owner file,
+    which `inspect` and `ingest` then named as an unfinished ingest to resume (nothing to resume).
+    Stopped after a finished segment, the folder and that segment stay for the rerun."""
+    from rocketkv_cli.store.folders import checkpoint_folder
+
+    target = tmp_path / "out.kv"
+
+    def stop(done, total):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        rk.ingest(doc, output=target, segment_tokens=128, progress=stop)
+    assert not checkpoint_folder(target).exists() and not target.exists()
+
+    def stop_after_one(event):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        rk.ingest(doc, output=target, segment_tokens=128, on_segment=stop_after_one)
+    assert len(list(checkpoint_folder(target).glob("*.kv"))) == 1 and not target.exists()

@@ -127,7 +127,7 @@ def ingest_command(
 
     count, folder = pending_checkpoints(target)
     if count:
-        log(f"resuming: found {count} checkpointed segments in {folder} (reused if they match)")
+        log(f"resuming: found {count} checkpointed segment{'s' * (count != 1)} in {folder} (reused if they match)")
     try:
         done = ingest(rk, stream, cfg, target, force, segment_tokens, kv_dtype, explicit, count)
     except (KeyboardInterrupt, Terminated):

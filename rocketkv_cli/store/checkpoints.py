@@ -85,7 +85,11 @@ class Checkpoints:
         return loaded
 
     def release(self) -> None:
-        """Give up the claim (`claim`): the ingest ended, finished or failed."""
+        """Give up the claim (`claim`): the ingest ended, finished or failed. A folder this process
+        made that holds no finished segment (an ingest stopped during its first) goes too: there
+        is nothing in it to resume, and `inspect` and `ingest` would name it as unfinished work."""
+        if self._claimed and self.count() == 0:  # still ours: no other ingest can be writing into it
+            shutil.rmtree(self.dir, ignore_errors=True)
         release_folder(self.dir)
         self._claimed = False
 

@@ -117,8 +117,8 @@ DocBudgetOpt = Annotated[  # ask/chat: applies to a DOC ingested in memory; a ca
 ]  # fmt: skip
 BudgetOpt = Annotated[
     Optional[int],
-    typer.Option("--budget", "-b", metavar="T", help="Token budget t per KV head per layer (tokens; default 512, the "
-                 "model's own where measured: 1024 on the presets, docs/frontier.md)."),
+    typer.Option("--budget", "-b", metavar="T", help="Token budget t per KV head per layer (tokens; default: the "
+                 "model's measured one, 1024 on both presets (docs/frontier.md); 512 for other models)."),
 ]  # fmt: skip
 SummaryBudgetOpt = Annotated[
     int,

@@ -801,6 +801,34 @@ def test__ask_right_after_serve_waits_for_the_server_to_start(rocketkv_bin, env,
         proc.wait(timeout=30)
 
 
+def test__ask_launched_with_serve_in_one_line__waits_for_it(rocketkv_bin, env, caches, tmp_path):
+    """`rocketkv serve & rocketkv ask …` on one line: the ask reached its check before the server,
+    still importing the CLI, had taken its lock, and answered in its own process (2 runs of 3 for
+    a new user). A `rocketkv serve` for the default socket started under 3 s ago (seen in /proc)
+    is now waited for to take its lock; one on another socket is not."""
+    home = tmp_path / "home"
+    environ = {**env, "ROCKETKV_HOME": str(home)}
+    elsewhere = subprocess.Popen([rocketkv_bin, "serve", "--socket", str(tmp_path / "other.sock"), "--idle-timeout",
+                                  "0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=environ)  # fmt: skip
+    try:
+        alone = run(rocketkv_bin, environ, "ask", "--cache", caches[0], "-v", QUESTIONS[0])
+        assert alone.returncode == 0 and "waiting for the rocketkv server" not in alone.stderr, alone.stderr
+    finally:
+        elsewhere.kill()
+        elsewhere.wait(timeout=30)
+    proc = subprocess.Popen([rocketkv_bin, "serve", "--idle-timeout", "0"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=environ)  # fmt: skip
+    try:
+        asked = run(rocketkv_bin, environ, "ask", "--cache", caches[0], "-v", QUESTIONS[0])  # no wait between
+        assert asked.returncode == 0, asked.stderr
+        assert f"rocketkv: waiting for the rocketkv server to start (pid {proc.pid})" in asked.stderr, asked.stderr
+        assert asked.stdout == alone.stdout
+        assert health(Server(path=str(home / "serve.sock")))["served"] == 1
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
 def test__ask_server_url_right_after_serve_port_waits_for_it_to_start(rocketkv_bin, env, caches, tmp_path):
     """`rocketkv serve --port P &` then `ask --server http://localhost:P` at once: the server
     listens before it imports torch and notes "starting" beside its URL in `tcp-servers/PID`; the

@@ -190,6 +190,18 @@ def locate(url: str | None, no_server: bool,
     if len(os.fsencode(str(path))) > UNIX_PATH_MAX:  # no server can listen there (`serve` says why): answer here
         return None
     server = Server(path=str(path), api_key=api_key)
+    found = _on_default_socket(server, waiting)
+    if found is None and (launched := launching_pid()) is not None:
+        _wait_for_lock(path, launched)  # `rocketkv serve & rocketkv ask …`: the server is not at its lock yet
+        found = _on_default_socket(server, waiting)
+    return found
+
+
+def _on_default_socket(server: Server, waiting: Callable[[int], AbstractContextManager] | None) -> Server | None:
+    """`server` (the default socket) when a server of this version answers there or is starting
+    there (waited for as `locate` says); else None."""
+    assert server.path is not None  # the default socket
+    path = Path(server.path)
     if starting_pid(path) is None:
         try:
             if os.stat(path).st_uid != os.getuid():  # another user's socket: never send them our questions
@@ -248,6 +260,60 @@ def _alive(pid: int) -> bool:
     except (ProcessLookupError, PermissionError):
         return False
     return True
+
+
+LAUNCH_WINDOW_S = 3.0  # seconds: a `rocketkv serve` younger than this may not have taken its lock yet
+
+
+def launching_pid(now: float | None = None) -> int | None:
+    """A `rocketkv serve` of this user, for the default socket of this `$ROCKETKV_HOME` (no
+    `--socket`, `--host`, `--port`; not `status` or `stop`), started under `LAUNCH_WINDOW_S`
+    seconds ago: it may not have reached its lock (the CLI's imports take as long as this
+    client's). Read from Linux's /proc; None elsewhere, or when there is none."""
+    try:
+        uptime = float(Path("/proc/uptime").read_text().split()[0]) if now is None else now
+        tick = os.sysconf("SC_CLK_TCK")
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit() and int(name) != os.getpid()]
+    except (OSError, ValueError):
+        return None
+    ours = (os.environ.get("ROCKETKV_HOME") or None, os.environ.get("HOME"))
+    for pid in pids:
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != os.getuid():
+                continue
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if not _serves_default_socket([os.fsdecode(a) for a in argv]):
+                continue
+            started = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]) / tick
+            environ = dict(
+                e.split(b"=", 1) for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in e
+            )
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not readable
+            continue
+        theirs = tuple((os.fsdecode(v) or None) if (v := environ.get(k)) is not None else None
+                       for k in (b"ROCKETKV_HOME", b"HOME"))  # fmt: skip
+        if uptime - started < LAUNCH_WINDOW_S and theirs == ours:
+            return pid
+    return None
+
+
+def _serves_default_socket(argv: list[str]) -> bool:
+    """Whether a command line is `rocketkv serve [start] [options]` on the default socket."""
+    for i, arg in enumerate(argv[:-1]):
+        if (os.path.basename(arg) == "rocketkv" or arg == "rocketkv_cli") and argv[i + 1] == "serve":
+            rest = argv[i + 2 :]
+            return not any(a in ("status", "stop") or a.startswith(("--socket", "--host", "--port", "-h", "--help"))
+                           for a in rest)  # fmt: skip
+    return False
+
+
+def _wait_for_lock(path: Path, pid: int, timeout: float = LAUNCH_WINDOW_S) -> None:
+    """Until the launching server `pid` has taken the lock of `path` (or ended), `timeout` at most."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _alive(pid) and not path.with_name(path.name + ".lock").exists():
+        time.sleep(0.02)
+    while time.monotonic() < deadline and _alive(pid) and starting_pid(path) is None and not path.exists():
+        time.sleep(0.02)  # the lock file made, "PID starting" not yet written in it
 
 
 def starting_pid(path: Path) -> int | None:

@@ -1242,3 +1242,17 @@ def test__a_home_too_long_for_a_socket__asks_answer_here(rocketkv_bin, env, kv, 
     r = run(rocketkv_bin, {**env, "ROCKETKV_HOME": str(home)}, "ask", "--cache", kv, "--format", "lines", "Who?")
     here = run(rocketkv_bin, env, "ask", "--cache", kv, "--format", "lines", "--no-server", "Who?")
     assert r.returncode == 0 and r.stdout == here.stdout and r.stdout.strip(), r.stderr
+
+
+def test__c_locale__a_utf8_question_is_asked_as_written(rocketkv_bin, env, kv):
+    """`LC_ALL=C` without Python's UTF-8 mode: the arguments' non-ASCII bytes reach Python as
+    surrogate escapes, and "日本?" was refused as "not valid UTF-8 text"; bytes that are not UTF-8
+    still are."""
+    c_env = {**env, "LC_ALL": "C", "PYTHONUTF8": "0"}
+    r = subprocess.run([rocketkv_bin, "ask", "--cache", str(kv), "--json", "--no-server", "日本?".encode()],
+                       capture_output=True, env=c_env, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["question"] == "日本?"
+    r = subprocess.run([rocketkv_bin, "ask", "--cache", str(kv), "--no-server", b"\xff\xfe?"], capture_output=True,
+                       env=c_env, timeout=300)  # fmt: skip
+    assert r.returncode == 1 and b"a question is not valid UTF-8 text" in r.stderr, r.stderr

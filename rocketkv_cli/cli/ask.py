@@ -33,7 +33,7 @@ from .answers import (
     sampling_note,
     usage_error,
 )
-from .common import Timings, cache_budget_note, is_question, log, question_bar, setup, threads_note
+from .common import Timings, cache_budget_note, is_question, log, question_bar, setup, threads_note, utf8_text
 from .options import (
     CacheOpt,
     DenseOpt,
@@ -71,7 +71,7 @@ def read_questions(positional: list[str], questions_file: Optional[str], doc_is_
     lines, `# …`, skipped: said on stderr); may be empty. Raises
     InputError (a file that cannot be read or decoded, or over `MAX_QUESTIONS_BYTES`: `/dev/zero`
     was read until the machine ran out of memory)."""
-    questions = list(positional)
+    questions = [utf8_text(q) for q in positional]
     if questions_file is not None:
         where = "questions from stdin" if questions_file == "-" else f"questions file {questions_file}"
         if questions_file == "-":

@@ -40,7 +40,7 @@ from .answers import (
     focus_passages_note,
     sampling_note,
 )
-from .common import cache_budget_note, err, fail, is_question, log, question_bar, setup
+from .common import cache_budget_note, err, fail, is_question, log, question_bar, setup, utf8_text
 from .options import (
     CacheOpt,
     DenseOpt,
@@ -370,7 +370,7 @@ def converse(prompt: Prompt, turn: Callable[[str], Turn], source: str, json_out:
     failed = False
     while True:
         try:
-            line = prompt.read()
+            line = utf8_text(prompt.read())
         except EOFError:
             if interactive:
                 err.print()

@@ -77,6 +77,18 @@ def one_line(text: str) -> str:
     return text.replace("\r", "\\r").replace("\n", "\\n")
 
 
+def utf8_text(text: str) -> str:
+    """An argument or a terminal line read as UTF-8 where Python decoded it with another encoding
+    (`LC_ALL=C` without UTF-8 mode: every non-ASCII byte a surrogate escape, so "日本?" read as not
+    UTF-8): bytes that are valid UTF-8 become the text they encode; anything else is left as it was."""
+    if not any("\udc80" <= c <= "\udcff" for c in text):
+        return text
+    try:
+        return os.fsencode(text).decode("utf-8")
+    except UnicodeError:
+        return text
+
+
 def fail(message: str, code: int = 1) -> typer.Exit:
     err.print(f"[bold red]Error:[/bold red] {escape(one_line(message))}", soft_wrap=True, emoji=False)
     return typer.Exit(code)

@@ -571,3 +571,15 @@ def test__checkpoints__a_link_planted_after_the_check_is_refused_before_a_write(
     with pytest.raises(OutputError, match="is a symbolic link"):
         checkpoints.save(0, None)  # refused before the part is looked at
     assert list(victim.iterdir()) == []
+
+
+def test__segment_routing_line__numbered_only_among_several_questions(engine):
+    """ "question 1: answering from segment 2" for every chat turn through a server (each turn is
+    one request of one question): one question's line has no number, several questions' do."""
+    stored = ingest_stream(engine, TextPieces(lines_text(30), "doc.txt"), CFG, segment_tokens=300)
+    said: list[str] = []
+    list(answer_segmented(engine, stored, ["which word?"], 2, True, {}, segment=1, log=said.append))
+    assert said == ["answering from segment 1"], said
+    said.clear()
+    list(answer_segmented(engine, stored, ["which word?", "what?"], 2, True, {}, segment=0, log=said.append))
+    assert said == ["question 1: answering from segment 0", "question 2: answering from segment 0"], said

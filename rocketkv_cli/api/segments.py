@@ -349,7 +349,8 @@ def answer_segmented(
 
     def answers() -> Iterator[Answer]:
         for i, ((question, chosen, part), decode) in enumerate(zip(jobs, decodes)):
-            log(f"question {i + 1}: answering from segment{'s' * (len(chosen) > 1)} {', '.join(map(str, chosen))}")
+            which = f"question {i + 1}: " if len(jobs) > 1 else ""  # one question (a chat turn): no number
+            log(f"{which}answering from segment{'s' * (len(chosen) > 1)} {', '.join(map(str, chosen))}")
             ans = next(
                 answer(
                     engine,

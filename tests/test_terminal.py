@@ -329,6 +329,21 @@ def test__chat_in_a_terminal__a_fifo_as_its_history_file__prompts_without_it(roc
     assert stat.S_ISFIFO((home / "chat_history").stat().st_mode)  # left as it was
 
 
+def test__ask_reading_questions_from_a_terminal__says_so(rocketkv_bin, env, kv):
+    """`ask --cache F -` at a terminal waited with nothing shown; now it says it reads questions
+    from the terminal and how to end them, then answers what was typed."""
+    term = Terminal([rocketkv_bin, "ask", "--cache", str(kv), "--max-new-tokens", "2", "-"], env)
+    try:
+        at = term.expect("rocketkv: reading questions, one per line, from the terminal: type, then press Ctrl-D",
+                         timeout=120)  # fmt: skip
+        term.send("Which word?\r\x04")
+        term.expect("rocketkv: answered", at, timeout=120)
+        code = term.wait(timeout=60)
+    finally:
+        term.proc.kill()
+    assert code == 0 and "Error:" not in term.plain(), term.plain()[-2000:]
+
+
 def test__chat_focus_in_a_terminal__names_the_passages_then_streams_the_answer(rocketkv_bin, env, kv, tmp_path):
     """`chat --focus 1 --cite`: after a question, the stderr line naming the passage it is answered
     from, on its own line, then the answer and its Sources; Ctrl-D quits, 0."""

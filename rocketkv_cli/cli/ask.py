@@ -33,7 +33,17 @@ from .answers import (
     sampling_note,
     usage_error,
 )
-from .common import Timings, cache_budget_note, is_question, log, question_bar, setup, threads_note, utf8_text
+from .common import (
+    Timings,
+    cache_budget_note,
+    is_question,
+    log,
+    question_bar,
+    reading_terminal,
+    setup,
+    threads_note,
+    utf8_text,
+)
 from .options import (
     CacheOpt,
     DenseOpt,
@@ -77,6 +87,7 @@ def read_questions(positional: list[str], questions_file: Optional[str], doc_is_
         if questions_file == "-":
             if doc_is_stdin:
                 raise UsageError("the document and the questions cannot both come from stdin")
+            reading_terminal("questions, one per line,")
             data = sys.stdin.buffer.read(MAX_QUESTIONS_BYTES + 1)
         else:
             try:

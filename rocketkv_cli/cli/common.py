@@ -380,9 +380,19 @@ def print_row(bar: Progress, line: str) -> None:
         bar.start()
 
 
+def reading_terminal(what: str) -> None:
+    """Before `what` is read from stdin: when stdin is a terminal, say so (the command otherwise
+    waits with nothing shown for input the user may not know it wants)."""
+    if sys.stdin is not None and sys.stdin.isatty():
+        log(f"reading {what} from the terminal: type, then press Ctrl-D at the start of a line to end")
+
+
 def open_stream(doc_path: str, encoding: str, errors: str = "strict"):
     """The document as a validated stream (fails before any model loads)."""
     from ..api.preflight import open_document
+
+    if doc_path == "-":
+        reading_terminal("the document")
 
     return open_document(doc_path, encoding, errors)
 

@@ -1256,3 +1256,11 @@ def test__c_locale__a_utf8_question_is_asked_as_written(rocketkv_bin, env, kv):
     r = subprocess.run([rocketkv_bin, "ask", "--cache", str(kv), "--no-server", b"\xff\xfe?"], capture_output=True,
                        env=c_env, timeout=300)  # fmt: skip
     assert r.returncode == 1 and b"a question is not valid UTF-8 text" in r.stderr, r.stderr
+
+
+def test__an_option_before_its_command__says_where_it_goes(rocketkv_bin, env):
+    """`rocketkv --threads 1 ask …` said only "No such option: --threads"."""
+    error = assert_one_line_error(run(rocketkv_bin, env, "--threads", "1", "ask", "--cache", "x.kv", "q?"), code=2)
+    assert "No such option: --threads (a command's options go after it: rocketkv ask --threads …)" in error, error
+    error = assert_one_line_error(run(rocketkv_bin, env, "--bogus"), code=2)
+    assert "go after it" not in error, error  # no command named: nothing to say about where

@@ -49,6 +49,8 @@ class OneLineUsageError(_UsageError):  # type: ignore[misc,valid-type]
         before_dashes = (args or [])[: (args or []).index("--")] if "--" in (args or []) else (args or [])
         if type(original).__name__ == "NoSuchOption" and any(_text_like(a) for a in before_dashes):
             text += " (text that starts with '-', such as a question, goes after --)"
+        elif type(original).__name__ == "NoSuchOption" and (later := _command_after(original.ctx, before_dashes)):
+            text += f" (a command's options go after it: rocketkv {later} {original.option_name} …)"
         super().__init__(text, original.ctx)
         self.exit_code = original.exit_code
         ctx = original.ctx  # an option missing its value is raised before the command has a context
@@ -58,6 +60,15 @@ class OneLineUsageError(_UsageError):  # type: ignore[misc,valid-type]
         joint = " Try" if self.format_message().endswith("?") else "; try"  # "Did you mean 'ask'? Try …"
         hint = f"{joint} '{self.command_path} --help'" if self.command_path else ""
         typer.echo(f"Error: {self.format_message()}{hint}", file=file, err=file is None)
+
+
+def _command_after(ctx, args: list[str]) -> str | None:
+    """The command named later in `args` when `ctx` is the `rocketkv` group itself (`rocketkv
+    --threads 1 ask …`: an option given before its command), else None."""
+    if ctx is None or ctx.parent is not None or not hasattr(ctx.command, "list_commands"):
+        return None
+    commands = set(ctx.command.list_commands(ctx))
+    return next((a for a in args if a in commands), None)
 
 
 def _text_like(arg: str) -> bool:

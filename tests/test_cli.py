@@ -1231,6 +1231,10 @@ def test__a_terminal_width_of_0__errors_still_shown(rocketkv_bin, env, value, tm
             "--no-server")  # fmt: skip
     error = assert_one_line_error(r)
     assert error.startswith(f"Error: cache file not found: {tmp_path / 'nope.kv'}"), error
+    assert error.endswith(f"build one with: rocketkv ingest DOC -o {tmp_path / 'nope.kv'}"), error
+    r = run(rocketkv_bin, env, "ask", "--cache", tmp_path / "notes.txt", "Who?", "--no-server")
+    error = assert_one_line_error(r)  # not "-o notes.txt": a cache written under a text file's name
+    assert error.endswith("give a .kv file, written by: rocketkv ingest DOC -o FILE.kv"), error
 
 
 def test__a_home_too_long_for_a_socket__asks_answer_here(rocketkv_bin, env, kv, tmp_path):

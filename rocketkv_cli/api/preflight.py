@@ -108,7 +108,8 @@ def check_cache_file(path: str | Path, command: str = "ask") -> None:
     if str(path) == "-" and not os.path.lexists("-"):  # a file named - (./-) is still read
         raise UsageError("a cache cannot come from stdin (-)", "give the .kv file's path")
     p = Path(path)
-    build = f"build one with: rocketkv ingest DOC -o {path}"
+    build = (f"build one with: rocketkv ingest DOC -o {path}" if str(path).endswith(".kv")
+             else "give a .kv file, written by: rocketkv ingest DOC -o FILE.kv")  # not `-o notes.txt`  # fmt: skip
     try:
         st = p.stat()
     except FileNotFoundError:

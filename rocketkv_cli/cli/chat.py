@@ -341,7 +341,9 @@ class ServerOrHere:
 QUIT_COMMANDS = ("/quit", "/exit", "/bye")
 HELP = ("type a question and press Enter: it is answered from the document on its own (a follow-up needs "
         "its own full question); Ctrl-C cancels an answer or clears the line; Up brings back earlier questions; "
-        "Ctrl-D or /quit quits")  # fmt: skip
+        "Ctrl-D or /quit (/exit, /bye) quits")  # fmt: skip
+PIPED_HELP = ("one question per line, each answered from the document on its own; blank lines and lines "
+              "starting '# ' are skipped; /quit (/exit, /bye) or the end of the input ends the chat")  # fmt: skip
 
 
 def typed_command(line: str, interactive: bool) -> str | None:
@@ -351,7 +353,7 @@ def typed_command(line: str, interactive: bool) -> str | None:
     if word in QUIT_COMMANDS or (interactive and word in ("quit", "exit")):
         return "quit"
     if word in ("/help", "/?", "?") and (interactive or word != "?"):
-        return HELP
+        return HELP if interactive else PIPED_HELP  # no Up or Ctrl-C to offer a pipe
     if re.fullmatch(r"/[a-z]+", word):
         return f"unknown command {line}: /help lists what chat takes (a question is plain text)"
     return None

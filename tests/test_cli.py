@@ -1269,3 +1269,9 @@ def test__an_option_before_its_command__says_where_it_goes(rocketkv_bin, env):
     assert "No such option: --threads (a command's options go after it: rocketkv ask --threads …)" in error, error
     error = assert_one_line_error(run(rocketkv_bin, env, "--bogus"), code=2)
     assert "go after it" not in error, error  # no command named: nothing to say about where
+
+
+def test__summarize_budget_below_the_observation_window__a_usage_error_it_can_act_on(rocketkv_bin, env, kv):
+    """`summarize --budget 1` said "lower --window-size", an option summarize does not have."""
+    error = assert_one_line_error(run(rocketkv_bin, env, "summarize", "--cache", kv, "--budget", "1"), code=2)
+    assert "'--budget'" in error and "must be at least 32, got '1'" in error and "window" not in error, error

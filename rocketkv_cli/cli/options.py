@@ -1,5 +1,6 @@
 """The command line's option types (`Annotated` Typer options shared by the commands) and the
-checks made as they are parsed (exit 2, before any model loads). Standard library and Typer only."""
+checks made as they are parsed (exit 2, before any model loads). Standard library, Typer and
+the torch-free `core.config` only."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..core.config import DEFAULT_WINDOW_SIZE
 from ..errors import UsageError
 
 
@@ -120,9 +122,9 @@ BudgetOpt = Annotated[
     typer.Option("--budget", "-b", metavar="T", help="Token budget t per KV head per layer (tokens; default: the "
                  "model's measured one, 1024 on both presets (docs/frontier.md); 512 for other models)."),
 ]  # fmt: skip
-SummaryBudgetOpt = Annotated[
+SummaryBudgetOpt = Annotated[  # at least the observation window, which stage 1 always keeps (no --window-size here)
     int,
-    typer.Option("--budget", "-b", min=1, metavar="T",
+    typer.Option("--budget", "-b", min=DEFAULT_WINDOW_SIZE, metavar="T",
                  help="Token budget t per KV head per layer (tokens) of what summarize ingests in memory: a DOC "
                       "the model writes from (--write-from document) and the part summaries it condenses. "
                       "Default 512, the budget docs/summaries.md measured (not ingest's preset default)."),

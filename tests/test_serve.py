@@ -262,6 +262,9 @@ def test__openai_client_over_tcp_streaming_and_not(rocketkv_bin, env, caches, se
     assert "".join(c.choices[0].delta.content or "" for c in pieces) == expected
     listed = [m.id for m in client.models.list()]
     assert model.replace(str(caches[0]), str(caches[0].resolve())) in listed
+    assert client.models.retrieve(model).id == model  # was a 404 for every model
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        client.models.retrieve(f"kv:{caches[0].parent}/nope.kv")
     outside = tmp_path / "elsewhere.kv"
     outside.write_bytes(caches[0].read_bytes())
     with pytest.raises(openai.PermissionDeniedError, match="outside the server's allowed folders"):

@@ -2,6 +2,7 @@
 
     GET  /health                    liveness and what is warm (no key needed)
     GET  /v1/models                 the warm caches as OpenAI models (`kv:<path>`)
+    GET  /v1/models/{model}         one `kv:<path>` model (`models.retrieve`), 404 if no cache is there
     POST /v1/chat/completions       OpenAI chat completions over a cache (SSE with "stream": true)
     POST /v1/rocketkv/ask           rocketkv's own protocol (NDJSON events; what `rocketkv ask` uses)
     POST /v1/rocketkv/summarize     a cache's summary (NDJSON events; what `rocketkv summarize` uses)
@@ -40,6 +41,7 @@ from .jobs import (
     IngestRequest,
     Job,
     SummarizeRequest,
+    allowed_path,
     answer_job,
     batch_job,
     ingest_job,
@@ -293,6 +295,13 @@ def build_app(state: ServeState) -> Guard:
         data = [{"id": f"kv:{p}", "object": "model", "created": 0, "owned_by": "rocketkv"} for p in warm]
         return JSONResponse({"object": "list", "data": data})
 
+    async def model(request: Request) -> Response:
+        """One model as `models.retrieve` asks for it: a `kv:` cache the server may read, or 404."""
+        name = request.path_params["name"]
+        if name.startswith("kv:") and allowed_path(name[3:], state.roots, "the model's cache").is_file():
+            return JSONResponse({"id": name, "object": "model", "created": 0, "owned_by": "rocketkv"})
+        raise BadRequest(404, f"model {name[:200]!r} not found", hint="name a cache as kv:/path/to/doc.kv")
+
     async def ask(request: Request) -> Response:
         req = AskRequest.parse(
             await _json_body(request), state.roots, None, state.trust_remote_code
@@ -386,6 +395,7 @@ def build_app(state: ServeState) -> Guard:
         routes=[
             Route("/health", health, methods=["GET"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{name:path}", model, methods=["GET"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/rocketkv/ask", ask, methods=["POST"]),
             Route("/v1/rocketkv/summarize", summarize, methods=["POST"]),

@@ -98,3 +98,5 @@ def test__bench_default_lengths__capped_at_what_the_model_fits(rocketkv_bin, tin
     assert room < 4096 and [json.loads(x)["context_tokens"] for x in r.stdout.splitlines()] == [room]
     given = subprocess.run([*common, "--context-tokens", "8192"], capture_output=True, text=True, env=env, timeout=600)
     assert given.returncode == 1 and "--context-tokens 8192 exceeds what" in given.stderr, given.stderr
+    empty = subprocess.run([*common, "--context-tokens", ""], capture_output=True, text=True, env=env, timeout=600)
+    assert empty.returncode == 2 and empty.stderr.startswith("Error: --context-tokens is empty"), empty.stderr

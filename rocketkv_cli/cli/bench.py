@@ -92,6 +92,10 @@ def bench(
 
     setup(quiet, threads)
     check_report_path(json_path, force)  # before minutes of measurement
+    if context_tokens is not None and not context_tokens.strip(" ,"):  # `"$UNSET"`: not the defaults, uncapped
+        raise UsageError(
+            "--context-tokens is empty", "give lengths such as 4096,8192, or leave it out for the defaults"
+        )
     plan = bench_plan(context_tokens or DEFAULT_LENGTHS, source, budget, kv_dtypes, kv_dtype, crossover, steps, memory,
                       fresh_ask, llama_cpp)  # fmt: skip
     src, text, cfg = plan.source, plan.text, plan.cfg

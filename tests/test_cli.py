@@ -1275,3 +1275,11 @@ def test__summarize_budget_below_the_observation_window__a_usage_error_it_can_ac
     """`summarize --budget 1` said "lower --window-size", an option summarize does not have."""
     error = assert_one_line_error(run(rocketkv_bin, env, "summarize", "--cache", kv, "--budget", "1"), code=2)
     assert "'--budget'" in error and "must be at least 32, got '1'" in error and "window" not in error, error
+
+
+def test__threads_given_beside_an_openmp_value_it_cannot_read__no_openmp_warnings(rocketkv_bin, env, kv):
+    """`OMP_NUM_THREADS=abc rocketkv ask --threads 1 …`: --threads decides, and libgomp's "Invalid
+    value for environment variable OMP_NUM_THREADS" was printed twice as torch loaded."""
+    r = run(rocketkv_bin, {**env, "OMP_NUM_THREADS": "abc"}, "ask", "--cache", kv, "--threads", "1", "--no-server",
+            "Who?")  # fmt: skip
+    assert r.returncode == 0 and "libgomp" not in r.stderr and "OMP_NUM_THREADS" not in r.stderr, r.stderr

@@ -1283,3 +1283,13 @@ def test__threads_given_beside_an_openmp_value_it_cannot_read__no_openmp_warning
     r = run(rocketkv_bin, {**env, "OMP_NUM_THREADS": "abc"}, "ask", "--cache", kv, "--threads", "1", "--no-server",
             "Who?")  # fmt: skip
     assert r.returncode == 0 and "libgomp" not in r.stderr and "OMP_NUM_THREADS" not in r.stderr, r.stderr
+
+
+def test__ingest_prints_a_non_utf8_output_name_as_its_bytes(rocketkv_bin, env, doc, tiny_model_dir, tmp_path):
+    """`kv=$(rocketkv ingest …)` with a file name that is not UTF-8: stdout said "doc\\udcff.kv", a
+    name no file has; it is the name's bytes now, usable as given."""
+    out = os.fsdecode(bytes(tmp_path) + b"/doc\xff.kv")
+    r = subprocess.run([rocketkv_bin, "ingest", str(doc), "-o", out, "--model", str(tiny_model_dir), "--budget", "64"],
+                       capture_output=True, env=env, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == os.fsencode(out) + b"\n" and os.path.isfile(os.fsdecode(r.stdout.rstrip(b"\n")))

@@ -12,7 +12,7 @@ from rich.text import Text
 from ..errors import UsageError
 from ..signals import Terminated
 from .answers import FocusOpt, usage_error
-from .common import err, fail, log, one_line, plural, prefill_config, setup, spinners, storage
+from .common import echo_path, err, fail, log, one_line, plural, prefill_config, setup, spinners, storage
 from .options import (
     BudgetOpt,
     DeviceOpt,
@@ -225,7 +225,7 @@ def batch_command(
     log(f"{plural(report.n_rows, 'row')}: {report.n_skipped} already answered, {plural(report.n_written, 'line')} "
         f"written to {where}, {report.n_errors} failed")  # fmt: skip
     if out is not None:
-        typer.echo(str(out))
+        echo_path(out)
     if report.n_errors:
         rerun = (
             "rerun the same command; answered rows are kept"

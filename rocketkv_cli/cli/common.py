@@ -77,6 +77,18 @@ def one_line(text: str) -> str:
     return text.replace("\r", "\\r").replace("\n", "\\n")
 
 
+def echo_path(path: str | Path) -> None:
+    """A path written on stdout as its bytes, for a script to use (`kv=$(rocketkv ingest doc.txt)`):
+    a name that is not valid UTF-8 came out as "\\udcff" text, which names no file."""
+    out = getattr(sys.stdout, "buffer", None)
+    if out is None:  # an in-process text stream (a test runner's capture)
+        typer.echo(str(path))
+        return
+    sys.stdout.flush()
+    out.write(os.fsencode(path) + b"\n")
+    out.flush()
+
+
 def utf8_text(text: str) -> str:
     """An argument or a terminal line read as UTF-8 where Python decoded it with another encoding
     (`LC_ALL=C` without UTF-8 mode: every non-ASCII byte a surrogate escape, so "日本?" read as not

@@ -9,7 +9,18 @@ import typer
 
 from ..methods import registry
 from ..signals import Terminated, note_done
-from .common import ingest, load_engine, log, one_line, open_stream, prefill_config, report_abandoned, setup, storage
+from .common import (
+    echo_path,
+    ingest,
+    load_engine,
+    log,
+    one_line,
+    open_stream,
+    prefill_config,
+    report_abandoned,
+    setup,
+    storage,
+)
 from .options import (
     BudgetOpt,
     DeviceOpt,
@@ -150,4 +161,4 @@ def ingest_command(
                "layer_budgets": cfg.layer_budgets, "kept_tokens_per_layer": kept_tokens_per_layer(cache)}  # fmt: skip
         typer.echo(json.dumps(row))
     else:
-        typer.echo(str(target))
+        echo_path(target)

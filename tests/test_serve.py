@@ -357,6 +357,11 @@ def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches,
         got, data = send(method, path, body)
         assert got == status, (path, body[:80], got, data)
         assert isinstance(data["error"]["message"], str) and data["error"]["message"]
+    got, data = send(
+        "POST", "/health", b"{}", headers={"Content-Type": "text/plain"}
+    )  # was 415, then "no such endpoint"
+    assert got == 405 and data["error"]["message"] == "POST is not allowed on /health", data
+    assert data["error"]["hint"] == "use GET, HEAD", data
     long_name = "/tmp/" + "n" * 300 + ".kv"  # was a 500 ("File name too long") and a traceback in the server's log
     for path, body in (("/v1/rocketkv/ask", {"cache": long_name, "questions": ["q"]}),
                        ("/v1/ingest", {"document": long_name, "output": long_name})):  # fmt: skip

@@ -154,7 +154,11 @@ class Guard:
             name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
             if name.strip("[]") not in {state.host.strip("[]"), "localhost", "127.0.0.1", "::1"}:
                 return BadRequest(403, f"Host {host!r} is not this server's", "InputError")
-        if scope["method"] == "POST" and not headers.get("content-type", "").startswith("application/json"):
+        if (
+            scope["method"] == "POST"
+            and scope["path"].startswith("/v1/")  # a POST elsewhere: 404 or 405 as routed
+            and not headers.get("content-type", "").startswith("application/json")
+        ):
             return BadRequest(415, "send the body as Content-Type: application/json", "InputError")
         codings = [
             c.strip()
@@ -383,6 +387,10 @@ def build_app(state: ServeState) -> Guard:
 
     async def not_found(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)
+        if status == 405:  # the endpoint exists, for another method
+            allow = (getattr(exc, "headers", None) or {}).get("Allow", "")
+            return error_response(BadRequest(405, f"{request.method} is not allowed on {request.url.path}",
+                                             hint=f"use {allow}" if allow else None))  # fmt: skip
         return error_response(BadRequest(status, f"no such endpoint: {request.method} {request.url.path}"))
 
     async def failed(request: Request, exc: Exception) -> Response:

@@ -265,6 +265,9 @@ def test__openai_client_over_tcp_streaming_and_not(rocketkv_bin, env, caches, se
     assert client.models.retrieve(model).id == model  # was a 404 for every model
     with pytest.raises(openai.NotFoundError, match="not found"):
         client.models.retrieve(f"kv:{caches[0].parent}/nope.kv")
+    (caches[0].parent / "notes.txt").write_text("not a cache")
+    with pytest.raises(openai.NotFoundError, match="not found"):  # a file, but no cache: no model
+        client.models.retrieve(f"kv:{caches[0].parent}/notes.txt")
     outside = tmp_path / "elsewhere.kv"
     outside.write_bytes(caches[0].read_bytes())
     with pytest.raises(openai.PermissionDeniedError, match="outside the server's allowed folders"):
@@ -835,6 +838,52 @@ def test__ask_launched_with_serve_in_one_line__waits_for_it(rocketkv_bin, env, c
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize(
+    "argv, serves",
+    [
+        (["/venv/bin/python3", "/venv/bin/rocketkv", "serve"], True),
+        (["/venv/bin/rocketkv", "serve", "--idle-timeout", "0"], True),
+        (["python3.11", "-m", "rocketkv_cli", "serve", "start"], True),
+        (["/venv/bin/rocketkv", "serve", "--socket", "/tmp/s.sock"], False),
+        (["/venv/bin/rocketkv", "serve", "--port=0"], False),
+        (["/venv/bin/rocketkv", "serve", "stop"], False),
+        (["/venv/bin/rocketkv", "serve", "status", "--json"], False),
+        (["man", "rocketkv", "serve"], False),
+        (["vim", "rocketkv", "serve"], False),
+        (["/venv/bin/rocketkv", "ask", "serve"], False),
+    ],
+)
+def test__launching_server__told_from_its_command_line(argv, serves):
+    """Which fresh processes a client waits for to take the default socket (`launching_pid`):
+    `rocketkv serve` on the default socket, not on another, not `status`/`stop`, not `man rocketkv
+    serve` (an ask beside it waited 3 s for nothing)."""
+    from rocketkv_cli.serve.client import _serves_default_socket
+
+    assert _serves_default_socket(argv) == serves
+
+
+def test__waiting_for_a_launching_server__ends_when_the_lock_names_it(tmp_path):
+    """A killed server's lock file ("PID ready") and socket are there before the new server takes
+    them: the wait went on to the old ones at once and the ask answered beside the new server."""
+    from rocketkv_cli.serve.client import _wait_for_lock
+
+    path = tmp_path / "serve.sock"
+    path.with_name("serve.sock.lock").write_text("1 ready\n")  # the killed server's
+    path.write_text("")  # and its socket file
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        t0 = time.monotonic()
+        _wait_for_lock(path, proc.pid, timeout=0.5)
+        assert time.monotonic() - t0 >= 0.5  # the old lock names another pid: waited it out
+        path.with_name("serve.sock.lock").write_text(f"{proc.pid} starting\n")
+        t0 = time.monotonic()
+        _wait_for_lock(path, proc.pid, timeout=5)
+        assert time.monotonic() - t0 < 1
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test__ask_server_url_right_after_serve_port_waits_for_it_to_start(rocketkv_bin, env, caches, tmp_path):

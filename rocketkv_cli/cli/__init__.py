@@ -49,7 +49,9 @@ class OneLineUsageError(_UsageError):  # type: ignore[misc,valid-type]
         before_dashes = (args or [])[: (args or []).index("--")] if "--" in (args or []) else (args or [])
         if type(original).__name__ == "NoSuchOption" and any(_text_like(a) for a in before_dashes):
             text += " (text that starts with '-', such as a question, goes after --)"
-        elif type(original).__name__ == "NoSuchOption" and (later := _command_after(original.ctx, before_dashes)):
+        elif type(original).__name__ == "NoSuchOption" and (
+            later := _command_after(original.ctx, before_dashes, original.option_name)
+        ):
             text += f" (a command's options go after it: rocketkv {later} {original.option_name} …)"
         super().__init__(text, original.ctx)
         self.exit_code = original.exit_code
@@ -62,13 +64,17 @@ class OneLineUsageError(_UsageError):  # type: ignore[misc,valid-type]
         typer.echo(f"Error: {self.format_message()}{hint}", file=file, err=file is None)
 
 
-def _command_after(ctx, args: list[str]) -> str | None:
-    """The command named later in `args` when `ctx` is the `rocketkv` group itself (`rocketkv
-    --threads 1 ask …`: an option given before its command), else None."""
+def _command_after(ctx, args: list[str], option: str) -> str | None:
+    """The command named later in `args` when `ctx` is the `rocketkv` group itself and that
+    command takes `option` (`rocketkv --threads 1 ask …`: an option given before its command),
+    else None."""
     if ctx is None or ctx.parent is not None or not hasattr(ctx.command, "list_commands"):
         return None
     commands = set(ctx.command.list_commands(ctx))
-    return next((a for a in args if a in commands), None)
+    name = next((a for a in args if a in commands), None)
+    command = ctx.command.get_command(ctx, name) if name is not None else None
+    takes = command is not None and any(option in (*p.opts, *p.secondary_opts) for p in command.params)
+    return name if takes else None
 
 
 def _text_like(arg: str) -> bool:

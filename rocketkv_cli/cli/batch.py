@@ -114,7 +114,10 @@ def batch_command(
     ] = None,
     cache_dir: Annotated[
         Optional[Path],
-        typer.Option(parser=path_value, help="Build cache of .kv files (default: MANIFEST.kv-cache/ beside it)."),
+        typer.Option(
+            parser=path_value,
+            help="Build cache of .kv files (default: beside MANIFEST, named after it: jobs.jsonl → jobs.kv-cache/).",
+        ),
     ] = None,
     workers: Annotated[
         Optional[int], typer.Option(min=1, help="Model copies: local processes (default 1), or Ray actors.")

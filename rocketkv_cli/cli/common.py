@@ -261,7 +261,7 @@ def setup(quiet: bool, threads: int | None = None) -> None:
     _state["quiet"] = quiet
     _state["threads"] = requested_threads(threads)
     omp = os.environ.get("OMP_NUM_THREADS", "")
-    if threads is not None and omp and not re.fullmatch(r"\s*[0-9]+\s*(,\s*[0-9]+\s*)*", omp):
+    if threads is not None and omp and not re.fullmatch(r"\s*0*[1-9][0-9]*\s*(,\s*0*[1-9][0-9]*\s*)*", omp):
         del os.environ["OMP_NUM_THREADS"]  # --threads decides; OpenMP would warn twice about "abc" as torch loads
     kernels_choice()  # a misspelt $ROCKETKV_KERNELS: a usage error now, not after the model loads
 

@@ -34,6 +34,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import __version__
+from ..api.preflight import check_cache_file
+from ..errors import CacheFormatError
 from .jobs import (
     AskRequest,
     BadRequest,
@@ -302,8 +304,13 @@ def build_app(state: ServeState) -> Guard:
     async def model(request: Request) -> Response:
         """One model as `models.retrieve` asks for it: a `kv:` cache the server may read, or 404."""
         name = request.path_params["name"]
-        if name.startswith("kv:") and allowed_path(name[3:], state.roots, "the model's cache").is_file():
-            return JSONResponse({"id": name, "object": "model", "created": 0, "owned_by": "rocketkv"})
+        if name.startswith("kv:"):
+            try:
+                check_cache_file(allowed_path(name[3:], state.roots, "the model's cache"))  # a cache: its header
+            except CacheFormatError:
+                pass
+            else:
+                return JSONResponse({"id": name, "object": "model", "created": 0, "owned_by": "rocketkv"})
         raise BadRequest(404, f"model {name[:200]!r} not found", hint="name a cache as kv:/path/to/doc.kv")
 
     async def ask(request: Request) -> Response:
@@ -388,9 +395,12 @@ def build_app(state: ServeState) -> Guard:
     async def not_found(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)
         if status == 405:  # the endpoint exists, for another method
-            allow = (getattr(exc, "headers", None) or {}).get("Allow", "")
-            return error_response(BadRequest(405, f"{request.method} is not allowed on {request.url.path}",
-                                             hint=f"use {allow}" if allow else None))  # fmt: skip
+            allow = ", ".join(sorted(filter(None, (getattr(exc, "headers", None) or {}).get("Allow", "").split(", "))))
+            response = error_response(BadRequest(405, f"{request.method} is not allowed on {request.url.path}",
+                                                 hint=f"use {allow}" if allow else None))  # fmt: skip
+            if allow:
+                response.headers["Allow"] = allow  # set in hash order by Starlette: sorted here
+            return response
         return error_response(BadRequest(status, f"no such endpoint: {request.method} {request.url.path}"))
 
     async def failed(request: Request, exc: Exception) -> Response:

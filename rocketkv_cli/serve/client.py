@@ -298,9 +298,13 @@ def launching_pid(now: float | None = None) -> int | None:
 
 
 def _serves_default_socket(argv: list[str]) -> bool:
-    """Whether a command line is `rocketkv serve [start] [options]` on the default socket."""
+    """Whether a command line is `rocketkv serve [start] [options]` on the default socket: the
+    console script (run directly or by an interpreter) or `python -m rocketkv_cli`, not a command
+    that names it (`man rocketkv serve`)."""
     for i, arg in enumerate(argv[:-1]):
-        if (os.path.basename(arg) == "rocketkv" or arg == "rocketkv_cli") and argv[i + 1] == "serve":
+        script = os.path.basename(arg) == "rocketkv" and (i == 0 or (i == 1 and "python" in os.path.basename(argv[0])))
+        module = arg == "rocketkv_cli" and i >= 1 and argv[i - 1] == "-m"
+        if (script or module) and argv[i + 1] == "serve":
             rest = argv[i + 2 :]
             return not any(a in ("status", "stop") or a.startswith(("--socket", "--host", "--port", "-h", "--help"))
                            for a in rest)  # fmt: skip
@@ -308,12 +312,16 @@ def _serves_default_socket(argv: list[str]) -> bool:
 
 
 def _wait_for_lock(path: Path, pid: int, timeout: float = LAUNCH_WINDOW_S) -> None:
-    """Until the launching server `pid` has taken the lock of `path` (or ended), `timeout` at most."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and _alive(pid) and not path.with_name(path.name + ".lock").exists():
+    """Until the launching server `pid` has written its pid in the lock of `path` (a killed
+    server's lock file and socket may be there before it), or has ended; `timeout` at most."""
+    lock, deadline = path.with_name(path.name + ".lock"), time.monotonic() + timeout
+    while time.monotonic() < deadline and _alive(pid):
+        try:
+            if lock.read_text(errors="replace").split()[:1] == [str(pid)]:
+                return
+        except (OSError, IndexError):
+            pass
         time.sleep(0.02)
-    while time.monotonic() < deadline and _alive(pid) and starting_pid(path) is None and not path.exists():
-        time.sleep(0.02)  # the lock file made, "PID starting" not yet written in it
 
 
 def starting_pid(path: Path) -> int | None:

@@ -94,8 +94,11 @@ class Checkpoints:
         self._claimed = False
 
     def remove(self) -> None:
+        """Delete the folder (the ingest's file is written), then give up the claim: while it is
+        held no other ingest can have started writing into the folder."""
+        if self._claimed:
+            shutil.rmtree(self.dir, ignore_errors=True)
         self.release()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
     def count(self) -> int:
         return len(list(self.dir.glob("*.kv"))) if self.dir.is_dir() else 0

@@ -69,6 +69,14 @@ def claim_folder(folder: Path) -> None:
         raise OutputError(
             f"another rocketkv ingest{f' (pid {pid})' if pid else ''} is writing {target} now", hint
         ) from None
+    try:
+        same = os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False))
+    except FileNotFoundError:
+        same = False
+    if not same:  # the ingest that held it removed its folder meanwhile (`Checkpoints.release`): make it again
+        os.close(fd)
+        folder.mkdir(exist_ok=True)
+        return claim_folder(folder)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()} {host_tag()}\n".encode(), 0)
     _CLAIMS[folder] = fd

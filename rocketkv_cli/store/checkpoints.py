@@ -94,10 +94,16 @@ class Checkpoints:
         self._claimed = False
 
     def remove(self) -> None:
-        """Delete the folder (the ingest's file is written), then give up the claim: while it is
-        held no other ingest can have started writing into the folder."""
-        if self._claimed:
-            shutil.rmtree(self.dir, ignore_errors=True)
+        """Delete the folder (the ingest's file is written), holding the claim while it does, so
+        that no other ingest can have started writing into it; one left by an earlier run (an
+        ingest that wrote no segment this time) is claimed first. A folder another running ingest
+        holds is its own: left alone."""
+        if not self._claimed and self.dir.is_dir():
+            try:
+                self.claim()
+            except OutputError:
+                return
+        shutil.rmtree(self.dir, ignore_errors=True)
         self.release()
 
     def count(self) -> int:

@@ -77,9 +77,7 @@ def _plain_or_missing(path: Path) -> bool:
     read and write without blocking (a FIFO or a device there would hang the prompt)."""
     try:
         return stat.S_ISREG(os.stat(path).st_mode)
-    except FileNotFoundError:
-        return True
-    except OSError:  # a broken link, a loop, no permission: readline fails, quietly
+    except OSError:  # missing (made on exit), a broken link, a loop, no permission: readline fails quietly
         return True
 
 

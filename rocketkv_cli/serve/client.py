@@ -265,13 +265,13 @@ def _alive(pid: int) -> bool:
 LAUNCH_WINDOW_S = 3.0  # seconds: a `rocketkv serve` younger than this may not have taken its lock yet
 
 
-def launching_pid(now: float | None = None) -> int | None:
+def launching_pid() -> int | None:
     """A `rocketkv serve` of this user, for the default socket of this `$ROCKETKV_HOME` (no
     `--socket`, `--host`, `--port`; not `status` or `stop`), started under `LAUNCH_WINDOW_S`
     seconds ago: it may not have reached its lock (the CLI's imports take as long as this
     client's). Read from Linux's /proc; None elsewhere, or when there is none."""
     try:
-        uptime = float(Path("/proc/uptime").read_text().split()[0]) if now is None else now
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
         tick = os.sysconf("SC_CLK_TCK")
         pids = [int(name) for name in os.listdir("/proc") if name.isdigit() and int(name) != os.getpid()]
     except (OSError, ValueError):

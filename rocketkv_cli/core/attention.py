@@ -52,8 +52,12 @@ def exact_attention(
         sliding_window: tokens, or None for full attention.
         softcap: logit soft-capping (Gemma 2), or None.
     Returns:
-        `[B, H, T, D]` in the query dtype.
+        `[B, H, T, D]` in the query dtype. Keys and values in another floating dtype (a bfloat16
+        working set) are attended with the query rounded to theirs, as a decode step attends them.
     """
+    if keys.dtype != query.dtype:
+        return exact_attention(query.to(keys.dtype), keys, values, key_positions, query_positions, scaling,
+                               sliding_window, softcap).to(query.dtype)  # fmt: skip
     b, h, t, d = query.shape
     hkv, s = keys.shape[1], keys.shape[2]
     assert keys.shape == (b, hkv, s, d) and values.shape[:3] == (b, hkv, s), (query.shape, keys.shape)

@@ -176,12 +176,15 @@ class Decoder:
         question's queries gave the stored keys (`scores[layer]` `[1, Hkv, S]`, from its prefill:
         `ops.question_attention`), max-pool, keep the top `plan.prompt_budget` per KV head (the
         stored first and last tokens included) and narrow the layer to them
-        (`RocketLayer.select_context`)."""
+        (`RocketLayer.select_context`). Where the working set is attended exactly (not by
+        stage-2 HSA) and without a logit soft-cap, it is held in `Engine.working_set_dtype`."""
+        exact = self.decode is None or not self.decode.uses_hsa(plan.prompt_budget)
         for i, spec in enumerate(self.engine.shape.layers):
             layer = self.cache.layers[i]
             if spec.sliding_window is not None or layer.n_context <= plan.prompt_budget or i not in scores:
                 continue
-            layer.select_context(plan.keep(scores[i]))  # [1, Hkv, prompt_budget]
+            dtype = self.engine.working_set_dtype if exact and spec.softcap is None else None
+            layer.select_context(plan.keep(scores[i]), dtype)  # [1, Hkv, prompt_budget]
 
     def decode_one_token(self, token: int) -> torch.Tensor:
         """Run one token at the next position; returns its logits `[1, V]` float32."""

@@ -38,6 +38,7 @@ from ..model.hf import (
     rocketkv_attention,
     rope_frequencies,
 )
+from ..model.linears import cpu_has_native_bf16
 from ..model.loading import LoadedModel, chat_template_digest, model_digest, stop_token_ids, tokenizer_digest
 from ..model.step import DecodeStep, decode_step_for
 from ..model.templates import PromptFormat, prompt_format, read_prompt
@@ -80,6 +81,16 @@ class Engine:
         # compile at the first decode, then a faster step (docs/performance.md)
         if compile_step and self.step is not None:
             self.step = CapturedStep(self.step)
+        # The dtype of a question's re-selected working set (its keys and values; `Decoder`):
+        # bfloat16 where the decode linears are bfloat16 (`bf16` weights, each product's input
+        # already rounded to it) on a CPU that multiplies bfloat16 natively, where exact decode
+        # attention over it is faster and answers as over float32 (docs/performance.md, "A
+        # bfloat16 working set"); None: the model's dtype, and always with compile_step (the
+        # captured step compiles float32 working sets only). Settable (tests, benchmarks).
+        self.working_set_dtype: torch.dtype | None = (
+            torch.bfloat16 if loaded.weights == "bf16" and loaded.device.type == "cpu" and not compile_step
+            and loaded.dtype == torch.float32 and cpu_has_native_bf16() else None
+        )  # fmt: skip
 
     def check_storage(self, storage: KVStorage) -> None:
         """Refuse, before any prefill, a storage this model cannot hold as named: int4 or pre-RoPE

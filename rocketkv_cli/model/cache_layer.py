@@ -195,12 +195,14 @@ class RocketLayer(CacheLayerMixin):
         self.n_context = min(self.n_context, n_tokens)
         self._context_pages = None
 
-    def select_context(self, kept: torch.Tensor) -> None:
+    def select_context(self, kept: torch.Tensor, dtype: torch.dtype | None = None) -> None:
         """Narrow the stored context to the tokens `kept` (`[B, Hkv, P]` int64 ascending indices
         into it, per KV head), the tail moved up behind them: a question's working set
         (re-selection). The working set is gathered into buffers of its own (reused from one
         question to the next), so the stored context is neither copied nor written;
-        `crop_to_context()` switches back to it.
+        `crop_to_context()` switches back to it. dtype: the working set's keys and values are
+        held in it (rounded once, here; the tokens appended later are rounded as they come);
+        None = the stored context's dtype.
 
         Raises:
             ValueError: `kept` does not fit the layer's batch, KV heads or context.
@@ -210,10 +212,12 @@ class RocketLayer(CacheLayerMixin):
         if (b, hkv) != tuple(self.keys.shape[:2]) or p > n:
             raise ValueError(f"kept indices {tuple(kept.shape)} do not fit a context of {n} tokens")
         cap = p + self.keys.shape[2] - n  # the room for a tail the buffers had
+        dtype = dtype or self.keys.dtype
         work = self._working
-        if self._stored is not None or work is None or work[0].shape[2] < cap:  # narrowed again: fresh buffers
-            work = (self.keys.new_empty(b, hkv, cap, self.keys.shape[3]), self.values.new_empty(b, hkv, cap,
-                    self.values.shape[3]), self.positions.new_empty(b, hkv, cap))  # fmt: skip
+        if self._stored is not None or work is None or work[0].shape[2] < cap or work[0].dtype != dtype:
+            work = (self.keys.new_empty(b, hkv, cap, self.keys.shape[3], dtype=dtype),  # fresh buffers
+                    self.values.new_empty(b, hkv, cap, self.values.shape[3], dtype=dtype),
+                    self.positions.new_empty(b, hkv, cap))  # fmt: skip
         for dst, src in zip(work, (self.keys, self.values, self.positions)):
             take_rows(src, kept, out=dst[:, :, :p])
             dst[:, :, p : p + end - n] = src[:, :, n:end]
@@ -268,13 +272,17 @@ def take_rows(buffer: torch.Tensor, kept: torch.Tensor, out: torch.Tensor | None
     expanded index reads it element by element). out: `[B, Hkv, P, ...]` whose `out[b, h]` are
     contiguous (a working set's buffers, sliced along P): the rows are written there, one
     `index_select` per KV head, with no temporary (a question's re-selection gathers ~160 MB on
-    SmolLM2; a temporary and its copy doubled that)."""
+    SmolLM2; a temporary and its copy doubled that); an `out` of another dtype takes each head's
+    rows converted, through one head's temporary."""
     if out is not None and buffer.device.type != "cpu":  # one launch, not one per KV head
         return out.copy_(take_rows(buffer, kept))
     if out is not None:
         for i in range(kept.shape[0]):
             for h in range(kept.shape[1]):
-                torch.index_select(buffer[i, h], 0, kept[i, h], out=out[i, h])
+                if out.dtype == buffer.dtype:
+                    torch.index_select(buffer[i, h], 0, kept[i, h], out=out[i, h])
+                else:
+                    out[i, h].copy_(torch.index_select(buffer[i, h], 0, kept[i, h]))
         return out
     b, hkv, c = buffer.shape[:3]
     base = torch.arange(b * hkv, device=buffer.device).view(b, hkv, 1) * c  # [B, Hkv, 1]: each head's first row

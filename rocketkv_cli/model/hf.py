@@ -288,13 +288,16 @@ def exact_decode_attention(
     and the keys and values of a decode step are read from memory, not cache (docs/performance.md,
     "Decode step"), and the scores are one product per KV head (`ops.cpu.key_logits`).
     Half-precision keys keep SDPA on a CPU too: a bfloat16 matmul would round the logits
-    themselves (a step of 0.25 at a logit of 44), where SDPA keeps its scores in float32.
+    themselves (a step of 0.25 at a logit of 44), where SDPA keeps its scores in float32. Keys
+    and values in another dtype than the query (a bfloat16 working set, `Engine.working_set_dtype`)
+    take the query rounded to theirs and give the output back in the query's.
     `tests/test_step.py` compares both with `core.attention.exact_attention`.
     """
     b, h, _, d = query.shape
     hkv = keys.shape[1]
     if keys.device.type != "cpu" or keys.dtype not in (torch.float32, torch.float64) or query.dtype != keys.dtype:
-        return F.scaled_dot_product_attention(query, keys, values, scale=scaling, enable_gqa=h != hkv)
+        out = F.scaled_dot_product_attention(query.to(keys.dtype), keys, values, scale=scaling, enable_gqa=h != hkv)
+        return out.to(query.dtype)
     scores = ops.cpu.key_logits(query.view(b, hkv, h // hkv, d), keys)  # [B, Hkv, G, S]
     probs = torch.softmax(scores.mul_(scaling), dim=-1).to(values.dtype)
     return torch.matmul(probs, values).view(b, h, 1, values.shape[-1])

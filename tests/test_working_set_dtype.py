@@ -1,0 +1,163 @@
+"""A question's working set held in bfloat16 (`Engine.working_set_dtype`, docs/performance.md, "A
+bfloat16 working set"): what is gathered, what is attended, and that the stored context and the
+paths that attend the working set otherwise (stage-2 HSA, sliding windows) are left as they were."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_engine, text_of_bytes
+
+from rocketkv_cli.core.config import PrefillConfig
+from rocketkv_cli.engine.answer import decode_config_for
+from rocketkv_cli.engine.decoder import Decoder
+from rocketkv_cli.engine.inputs import Document
+
+CFG = PrefillConfig(token_budget=32, max_new_tokens=8, window_size=8, pool_kernel_size=5, store_budget=128)
+QUESTION = "Which letter comes first?"
+
+
+def _stored(engine):
+    return engine.ingest(Document(text_of_bytes(600, seed=4), "0" * 64, "d.txt"), CFG)
+
+
+def _selected(engine, stored, dtype, decode="exact"):
+    """A decoder after one question's prefill with the engine's working set in `dtype`."""
+    engine.working_set_dtype = dtype
+    dec = decode_config_for(stored, exact_working_set=1) if decode == "exact" else decode_config_for(stored)
+    decoder = Decoder(engine, stored, 300, dec)
+    with decoder.attention():
+        decoder.prefill(engine.question_ids(QUESTION))
+    return decoder
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test__working_set__gathered_in_bfloat16_as_the_float_one_rounded(arch):
+    """The same tokens as the float working set, each key and value that one rounded once; the
+    stored context, sliding-window layers and positions keep the model's dtype; after `reset`
+    the layers read the stored context again, unchanged."""
+    engine = make_engine(arch)
+    stored = _stored(engine)
+    ref = _selected(engine, stored, None)
+    got = _selected(engine, stored, torch.bfloat16)
+    narrowed = 0
+    for i, spec in enumerate(engine.shape.layers):
+        a, b = ref.cache.layers[i], got.cache.layers[i]
+        assert (a.n_context, a.length) == (b.n_context, b.length)
+        ka, va, pa = a.view()
+        kb, vb, pb = b.view()
+        assert torch.equal(pa, pb), f"layer {i}: another working set"
+        selected = spec.sliding_window is None and a.n_context < stored.layers[i].n_kept_tokens
+        narrowed += selected
+        assert kb.dtype == (torch.bfloat16 if selected else torch.float64), (i, kb.dtype)
+        assert torch.equal(kb, ka.to(kb.dtype)) and torch.equal(vb, va.to(vb.dtype)), f"layer {i}"
+    assert narrowed, "no layer was narrowed to a working set"
+    got.reset()
+    for i, layer in enumerate(got.cache.layers):
+        s = stored.layers[i].n_kept_tokens
+        assert layer.keys.dtype == torch.float64 and torch.equal(layer.keys[:, :, :s], stored.layers[i].keys)
+
+
+def test__working_set__attended_by_stage_2_hsa_stays_in_the_models_dtype():
+    """`ask --hsa` (no exact working set): HSA's page scores and sparse products read float keys."""
+    engine = make_engine("llama")
+    stored = _stored(engine)
+    decoder = _selected(engine, stored, torch.bfloat16, decode="hsa")
+    hsa = [layer for layer in decoder.cache.layers if decoder.decode.uses_hsa(layer.n_context)]
+    assert hsa, "HSA must really attend some working set here"
+    assert all(layer.keys.dtype == torch.float64 for layer in decoder.cache.layers)
+    with decoder.attention():
+        assert bool(decoder.decode_one_token(5).isfinite().all())
+
+
+def test__working_set__reused_while_its_dtype_holds_and_made_anew_when_it_changes():
+    engine = make_engine("llama")
+    stored = _stored(engine)
+    engine.working_set_dtype = torch.bfloat16
+    decoder = Decoder(engine, stored, 300, decode_config_for(stored, exact_working_set=1))
+    seen = []
+    for dtype in (torch.bfloat16, torch.bfloat16, None):
+        engine.working_set_dtype = dtype
+        with decoder.attention():
+            decoder.prefill(engine.question_ids(QUESTION))
+        layer = decoder.cache.layers[0]
+        seen.append((layer.keys.dtype, layer.keys.data_ptr()))
+        decoder.reset()
+    assert seen[0] == seen[1], "the second question allocated new working-set buffers"
+    assert seen[2][0] == torch.float64 and seen[2][1] != seen[0][1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test__teacher_forced_logits__equal_step_by_step_decode_over_a_bfloat16_working_set(arch):
+    """`Decoder.score` (one forward over the answer) attends the bfloat16 working set as the
+    decode steps do: the same logits to 1e-5 of the largest, as with weight-only formats
+    (tests/test_decode.py; SDPA's blocks may round one bfloat16 output apart: measured 2e-6)."""
+    engine = make_engine(arch)
+    stored = _stored(engine)
+    engine.working_set_dtype = torch.bfloat16
+    ids, answer = engine.question_ids(QUESTION), [7, 101, 55, 200, 33, 9]
+    decoder = Decoder(engine, stored, 300, decode_config_for(stored, exact_working_set=1))
+    with decoder.attention():
+        steps = [decoder.prefill(ids)[0]]
+        assert any(layer.keys.dtype == torch.bfloat16 for layer in decoder.cache.layers)
+        for token in answer[:-1]:
+            steps.append(decoder.decode_one_token(token)[0])
+    decoder.reset()
+    stepwise = torch.stack(steps)
+    err = (decoder.score(ids, answer) - stepwise).abs()
+    tol = 1e-5 * float(stepwise.abs().max())
+    assert float(err.max()) < tol, f"max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"
+
+
+@pytest.mark.parametrize("b, h, hkv, s, d", [(1, 9, 3, 3467, 64), (1, 4, 4, 37, 16), (2, 6, 2, 129, 24)])
+def test__exact_decode_attention__over_bfloat16_keys_equals_float64_attention_of_the_rounded_inputs(b, h, hkv, s, d):
+    """The float query is rounded to bfloat16 and attends bfloat16 keys and values; the output
+    comes back in the query's dtype, within the rounding of the probabilities and of the output
+    (bfloat16: 2⁻⁸ relative) of float64 attention over the rounded query, keys and values."""
+    from rocketkv_cli.model.hf import exact_decode_attention
+
+    g = torch.Generator().manual_seed(s)
+    q = torch.randn(b, h, 1, d, generator=g)
+    k = (torch.randn(b, hkv, s, d, generator=g) * 2).to(torch.bfloat16)
+    v = torch.randn(b, hkv, s, d, generator=g).to(torch.bfloat16)
+    scaling = d**-0.5
+    out = exact_decode_attention(q, k, v, scaling)
+    assert out.dtype == torch.float32 and out.shape == (b, h, 1, d)
+    kk = k.double().repeat_interleave(h // hkv, dim=1)
+    vv = v.double().repeat_interleave(h // hkv, dim=1)
+    probs = torch.softmax(q.to(torch.bfloat16).double() @ kk.transpose(-1, -2) * scaling, dim=-1)
+    want = probs @ vv  # [B, H, 1, D]
+    err = (out.double() - want).abs()
+    tol = 2**-7 * float(want.abs().max())
+    assert float(err.max()) < tol, f"max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}, tol {tol:.3g}"
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("weights", ["float", "bf16", "head-bf16"])
+def test__working_set_dtype__bfloat16_only_for_bf16_decode_linears_on_a_native_bfloat16_cpu(weights, native,
+                                                                                          monkeypatch):  # fmt: skip
+    import rocketkv_cli.engine.engine as engine_module
+    from rocketkv_cli.engine.engine import Engine
+    from rocketkv_cli.model.loading import LoadedModel
+
+    monkeypatch.setattr(engine_module, "cpu_has_native_bf16", lambda: native)
+    base = make_engine("llama", dtype=torch.float32).loaded
+    for dtype in (torch.float32, torch.float64):
+        loaded = LoadedModel(model_id=base.model_id, model=base.model.to(dtype), tokenizer=base.tokenizer,
+                             device=base.device, dtype=dtype, weights=weights)  # fmt: skip
+        want = torch.bfloat16 if weights == "bf16" and native and dtype == torch.float32 else None
+        assert Engine(loaded).working_set_dtype == want, (weights, native, dtype)
+        assert Engine(loaded, compile_step=True).working_set_dtype is None, "the captured step compiles float32"
+
+
+def test__cpu_has_native_bf16__reads_the_cpus_flags():
+    from rocketkv_cli.model.linears import cpu_has_native_bf16
+
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        assert cpu_has_native_bf16() is False
+        return
+    flags = set().union(*(line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")))
+    assert cpu_has_native_bf16() == bool(flags & {"avx512_bf16", "amx_bf16"})

@@ -161,3 +161,28 @@ def test__cpu_has_native_bf16__reads_the_cpus_flags():
         return
     flags = set().union(*(line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")))
     assert cpu_has_native_bf16() == bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def test__load_line__names_a_bfloat16_working_set():
+    from rocketkv_cli.api.rocketkv import RocketKV
+
+    rk = RocketKV(make_engine("llama", dtype=torch.float32))
+    rk.engine.working_set_dtype = None
+    assert rk.description == "tiny-llama on cpu (float32)"
+    rk.engine.working_set_dtype = torch.bfloat16
+    assert rk.description == "tiny-llama on cpu (float32, bf16 working sets)"
+
+
+def test__bench_captured_step__times_a_float32_working_set_and_restores_the_choice(tmp_path):
+    """`rocketkv bench`'s captured column runs the captured step as `compile_step=True` does (a
+    float32 working set: with a bfloat16 one it would never apply and the column would be empty)."""
+    from rocketkv_cli.eval.bench import captured_step_s
+    from rocketkv_cli.store.format import save_cache
+
+    engine = make_engine("llama", dtype=torch.float32)
+    path = tmp_path / "d.kv"
+    save_cache(_stored(engine), path)
+    engine.working_set_dtype = torch.bfloat16
+    step_s = captured_step_s(engine, path, QUESTION, steps=3, warmup=2)
+    assert step_s is not None and step_s > 0
+    assert engine.working_set_dtype == torch.bfloat16

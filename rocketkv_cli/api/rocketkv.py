@@ -192,9 +192,13 @@ class RocketKV:
 
     @property
     def description(self) -> str:
-        """The model as its load line names it: "gemma-3-270m on cpu (float32, head-int4 weights)"."""
+        """The model as its load line names it: "gemma-3-270m on cpu (float32, head-int4 weights)",
+        "smollm2-135m on cpu (float32, bf16 weights, bf16 working sets)" (`Engine.working_set_dtype`)."""
         loaded = self.engine.loaded
         weights = f", {loaded.weights} weights" if loaded.weights != "float" else ""
+        working = self.engine.working_set_dtype
+        if working is not None:
+            weights += f", {str(working).removeprefix('torch.').replace('bfloat16', 'bf16')} working sets"
         what = str(loaded.dtype).removeprefix("torch.") + weights
         return f"{loaded.model_id} on {loaded.device} ({what})"
 

@@ -72,7 +72,6 @@ def main() -> int:
     if eager is None:
         sys.exit(f"{a.model} has no direct decode step to capture")
     captured = CapturedStep(eager)
-    rk.engine.working_set_dtype = None  # as `RocketKV.load(compile_step=True)`: the step compiles float32 working sets
     steps = {"eager": eager, "captured": captured}
 
     def answer(name: str, question: str):

@@ -96,6 +96,33 @@ def test__captured_step__equals_the_eager_step_bit_for_bit(arch, weights):
     engine.step = eager
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test__captured_step__over_a_bfloat16_working_set_equals_the_eager_step_bit_for_bit(arch):
+    """A cache whose questions re-select their working set, held in bfloat16 (SmolLM2's default
+    on a CPU with native bfloat16, `Engine.working_set_dtype`): every step captured, the logits
+    the eager step's bit for bit (the query's cast, the bfloat16 attention and the output's cast
+    are torch's), so `serve --compile-step` answers as `--no-server` does."""
+    engine = make_engine(arch, torch.float32)
+    quantize_weights(engine.model, "bf16")
+    cfg = PrefillConfig(token_budget=32, max_new_tokens=8, window_size=8, pool_kernel_size=5, store_budget=128)
+    stored = engine.ingest(Document(text_of_bytes(700, seed=7), "0" * 64, "d.txt"), cfg)
+    engine.working_set_dtype = torch.bfloat16
+    eager = engine.step
+    captured = CapturedStep(eager)
+    decoder = Decoder(engine, stored, 64, decode_config_for(stored, exact_working_set=1))
+    for i, question in enumerate(QUESTIONS, 1):
+        engine.step = eager
+        ref, fed = _run(engine, decoder, question)
+        assert any(layer.keys.dtype == torch.bfloat16 for layer in decoder.cache.layers), "no bfloat16 working set"
+        engine.step = captured
+        got, _ = _run(engine, decoder, question, fed)
+        assert captured.failure is None, captured.failure
+        assert captured.captured_steps == i * STEPS, "every step must run compiled"
+        err = (got - ref).abs()
+        assert torch.equal(got, ref), f"max error {float(err.max()):.3g}, mean {float(err.mean()):.3g}"
+    engine.step = eager
+
+
 def test__captured_step__norms_of_many_rows_sum_as_torch_does():
     """The reduction inductor would reorder, alone and large: torch.rms_norm over 4,000 rows of
     2,304 (inductor's own mean differs in about a quarter of the outputs here) through the

@@ -70,6 +70,27 @@ def test__working_set__attended_by_stage_2_hsa_stays_in_the_models_dtype():
         assert bool(decoder.decode_one_token(5).isfinite().all())
 
 
+def test__working_set__of_soft_capped_layers_stays_in_the_models_dtype():
+    """Gemma 2 caps its attention logits (tanh), which `exact_attention` computes from a matmul of
+    q and K: over bfloat16 keys the logits themselves would round, so its layers keep float."""
+    engine = make_engine("gemma2")
+    assert any(spec.softcap for spec in engine.shape.layers)
+    decoder = _selected(engine, _stored(engine), torch.bfloat16)
+    assert any(layer._stored is not None for layer in decoder.cache.layers), "no layer was narrowed"
+    assert all(layer.keys.dtype == torch.float64 for layer in decoder.cache.layers)
+
+
+def test__working_set__attended_by_hsa_in_bfloat16_is_refused_not_miscomputed():
+    """The choice is made when the working set is selected, the attention each step: a bfloat16
+    working set that stage 2 would attend is an error, not a dtype mismatch deep in HSA."""
+    engine = make_engine("llama")
+    stored = _stored(engine)
+    decoder = _selected(engine, stored, torch.bfloat16)  # exact: bfloat16
+    decoder.decode = decode_config_for(stored)  # as if HSA had been chosen after the selection
+    with decoder.attention(), pytest.raises(RuntimeError, match="working set attended by stage-2 HSA"):
+        decoder.decode_one_token(5)
+
+
 def test__working_set__reused_while_its_dtype_holds_and_made_anew_when_it_changes():
     engine = make_engine("llama")
     stored = _stored(engine)
@@ -142,24 +163,27 @@ def test__working_set_dtype__bfloat16_only_for_bf16_decode_linears_on_a_native_b
 
     monkeypatch.setattr(engine_module, "cpu_has_native_bf16", lambda: native)
     base = make_engine("llama", dtype=torch.float32).loaded
-    for dtype in (torch.float32, torch.float64):
+    for dtype, device in ((torch.float32, "cpu"), (torch.float64, "cpu"), (torch.float32, "cuda")):
         loaded = LoadedModel(model_id=base.model_id, model=base.model.to(dtype), tokenizer=base.tokenizer,
-                             device=base.device, dtype=dtype, weights=weights)  # fmt: skip
-        want = torch.bfloat16 if weights == "bf16" and native and dtype == torch.float32 else None
-        assert Engine(loaded).working_set_dtype == want, (weights, native, dtype)
-        assert Engine(loaded, compile_step=True).working_set_dtype is None, "the captured step compiles float32"
+                             device=torch.device(device), dtype=dtype, weights=weights)  # fmt: skip
+        want = torch.bfloat16 if weights == "bf16" and native and dtype == torch.float32 and device == "cpu" else None
+        assert Engine(loaded).working_set_dtype == want, (weights, native, dtype, device)
+        assert Engine(loaded, compile_step=True).working_set_dtype == want, "the captured step compiles it too"
 
 
-def test__cpu_has_native_bf16__reads_the_cpus_flags():
+def test__cpu_has_native_bf16__agrees_with_lscpu():
+    """Against another reader of the CPU's flags: util-linux's `lscpu` (its "Flags:" line)."""
+    import shutil
+    import subprocess
+
     from rocketkv_cli.model.linears import cpu_has_native_bf16
 
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            text = f.read()
-    except OSError:
-        assert cpu_has_native_bf16() is False
-        return
-    flags = set().union(*(line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")))
+    if shutil.which("lscpu") is None:
+        pytest.skip("no lscpu here")
+    out = subprocess.run(["lscpu"], capture_output=True, text=True, env={"LC_ALL": "C", "PATH": "/usr/bin:/bin"})
+    flags = {f for line in out.stdout.splitlines() if line.startswith("Flags:") for f in line.split()[1:]}
+    if not flags:
+        pytest.skip("lscpu shows no flags here")
     assert cpu_has_native_bf16() == bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
@@ -173,9 +197,9 @@ def test__load_line__names_a_bfloat16_working_set():
     assert rk.description == "tiny-llama on cpu (float32, bf16 working sets)"
 
 
-def test__bench_captured_step__times_a_float32_working_set_and_restores_the_choice(tmp_path):
-    """`rocketkv bench`'s captured column runs the captured step as `compile_step=True` does (a
-    float32 working set: with a bfloat16 one it would never apply and the column would be empty)."""
+def test__bench_captured_step__times_the_captured_step_over_a_bfloat16_working_set(tmp_path):
+    """`rocketkv bench`'s captured column: the captured step applies to a bfloat16 working set
+    (it did not at first, and the column went empty where the working set is bfloat16)."""
     from rocketkv_cli.eval.bench import captured_step_s
     from rocketkv_cli.store.format import save_cache
 

@@ -85,10 +85,9 @@ class Engine:
         # bfloat16 where the decode linears are bfloat16 (`bf16` weights, each product's input
         # already rounded to it) on a CPU that multiplies bfloat16 natively, where exact decode
         # attention over it is faster and answers as over float32 (docs/performance.md, "A
-        # bfloat16 working set"); None: the model's dtype, and always with compile_step (the
-        # captured step compiles float32 working sets only). Settable (tests, benchmarks).
+        # bfloat16 working set"); None: the model's dtype. Settable (tests, benchmarks).
         self.working_set_dtype: torch.dtype | None = (
-            torch.bfloat16 if loaded.weights == "bf16" and loaded.device.type == "cpu" and not compile_step
+            torch.bfloat16 if loaded.weights == "bf16" and loaded.device.type == "cpu"
             and loaded.dtype == torch.float32 and cpu_has_native_bf16() else None
         )  # fmt: skip
 

@@ -136,17 +136,15 @@ def rocketkv_answer_s(
 def captured_step_s(engine: Engine, path: Path, question: str, steps: int, warmup: int) -> float | None:
     """`rocketkv_answer_s`'s median decode step (exact attention over the working set) through the
     step compiled once (`model/captured.py`, compiled in the warm-up steps); None where it does
-    not apply to this model or device (its steps would be the direct step's). The working set is
-    float32 here, as `RocketKV.load(compile_step=True)` keeps it (`Engine.working_set_dtype`)."""
+    not apply to this model or device (its steps would be the direct step's)."""
     if engine.step is None:
         return None
-    saved, saved_dtype = engine.step, engine.working_set_dtype
+    saved = engine.step
     captured = engine.step = CapturedStep(saved)  # type: ignore[arg-type]
-    engine.working_set_dtype = None
     try:
         _, step_s = rocketkv_answer_s(engine, path, question, steps, warmup, sparse=False)
     finally:
-        engine.step, engine.working_set_dtype = saved, saved_dtype
+        engine.step = saved
     return step_s if captured.captured_steps > warmup + steps // 2 else None
 
 

@@ -6,7 +6,8 @@ captured decode step"). `CapturedStep` runs each layer as one compiled function 
 own static buffers (`_layer` for the pre-norm layouts, `_sandwich_layer` for Gemma 3's): the norms,
 the q/k/v projection (and Gemma's q and k norms), RoPE, the new token's key, value and position
 written after the layer's last token (`RocketLayer.append`), exact decode attention over the
-layer's keys or its sliding window's (`hf.exact_decode_attention`; the number of keys a symbolic
+layer's keys or its sliding window's (`hf.exact_decode_attention`, float32 keys or a bfloat16
+working set's; the number of keys a symbolic
 size: one graph for every length and every buffer's room), the output projection, the MLP and
 the residual adds. Inductor fuses the elementwise work (the norms but for their mean, RoPE, the
 SiLU, the adds, the casts) and calls torch's own kernels for the products, the softmax, the
@@ -358,8 +359,8 @@ class CapturedStep:
         if not decode_attention_is_exact(cache):
             return False
         return all(
-            layer.keys.device.type == "cpu" and layer.keys.dtype == torch.float32
-            and layer.values.dtype == torch.float32 and layer.keys.is_contiguous() and layer.values.is_contiguous()
+            layer.keys.device.type == "cpu" and layer.keys.dtype in (torch.float32, torch.bfloat16)
+            and layer.values.dtype == layer.keys.dtype and layer.keys.is_contiguous() and layer.values.is_contiguous()
             and layer.positions.is_contiguous() and layer.length < layer.keys.shape[2]
             for layer in cache.layers
         )  # fmt: skip

@@ -172,6 +172,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         return out.transpose(1, 2).contiguous(), None
     dec = session.decode
     hsa = dec if dec is not None and spec.sliding_window is None and dec.uses_hsa(layer.n_context) else None
+    if hsa is not None and keys.dtype != query.dtype:  # `Decoder.select_working_set` keeps HSA's float
+        raise RuntimeError(f"layer {module.layer_idx}: a {keys.dtype} working set attended by stage-2 HSA")
     if hsa is not None and query.shape[2] == 1:
         out = _hsa_step(query, keys, values, layer, hsa, spec)
     elif hsa is not None and session.hsa_from is not None and bool((q_pos >= session.hsa_from).any()):
@@ -295,6 +297,11 @@ def exact_decode_attention(
     """
     b, h, _, d = query.shape
     hkv = keys.shape[1]
+    if keys.device.type == "cpu" and query.dtype != keys.dtype:  # a bfloat16 working set
+        # enable_gqa=True whatever H / Hkv (1 is a grouping too): `h != hkv` would be a SymBool, which
+        # SDPA refuses, once the captured step (`model/captured.py`) compiles head counts symbolically
+        out = F.scaled_dot_product_attention(query.to(keys.dtype), keys, values, scale=scaling, enable_gqa=True)
+        return out.to(query.dtype)
     if keys.device.type != "cpu" or keys.dtype not in (torch.float32, torch.float64) or query.dtype != keys.dtype:
         out = F.scaled_dot_product_attention(query.to(keys.dtype), keys, values, scale=scaling, enable_gqa=h != hkv)
         return out.to(query.dtype)

@@ -36,6 +36,7 @@ from rich.text import Text
 
 from ..errors import InputError, RocketKVError, UsageError
 from ..methods import method_class
+from ..serve.client import process_age_s
 from ..signals import EXIT_CODES, Terminated, install, mark_reported, message, received
 
 
@@ -213,16 +214,6 @@ def os_error_line(exc: OSError) -> str:
     if exc.errno == errno.ENAMETOOLONG:
         return f"file name too long{where} — use a shorter name"
     return f"{exc.strerror or exc}{where}"
-
-
-def process_age_s() -> float | None:
-    """Seconds since this process started (Linux `/proc`), or None where that is unknown."""
-    try:
-        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 class Timings:

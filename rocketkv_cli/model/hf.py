@@ -303,8 +303,7 @@ def exact_decode_attention(
         out = F.scaled_dot_product_attention(query.to(keys.dtype), keys, values, scale=scaling, enable_gqa=True)
         return out.to(query.dtype)
     if keys.device.type != "cpu" or keys.dtype not in (torch.float32, torch.float64) or query.dtype != keys.dtype:
-        out = F.scaled_dot_product_attention(query.to(keys.dtype), keys, values, scale=scaling, enable_gqa=h != hkv)
-        return out.to(query.dtype)
+        return F.scaled_dot_product_attention(query, keys, values, scale=scaling, enable_gqa=h != hkv)
     scores = ops.cpu.key_logits(query.view(b, hkv, h // hkv, d), keys)  # [B, Hkv, G, S]
     probs = torch.softmax(scores.mul_(scaling), dim=-1).to(values.dtype)
     return torch.matmul(probs, values).view(b, h, 1, values.shape[-1])

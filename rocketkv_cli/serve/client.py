@@ -265,16 +265,25 @@ def _alive(pid: int) -> bool:
 LAUNCH_WINDOW_S = 3.0  # seconds: a `rocketkv serve` younger than this may not have taken its lock yet
 
 
+def process_age_s(pid: int | str = "self") -> float | None:
+    """Seconds since process `pid` started (Linux `/proc`), or None where that is unknown (another
+    system, a process gone)."""
+    try:
+        start_ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def launching_pid() -> int | None:
     """A `rocketkv serve` of this user, for the default socket of this `$ROCKETKV_HOME` (no
     `--socket`, `--host`, `--port`; not `status` or `stop`), started under `LAUNCH_WINDOW_S`
     seconds ago: it may not have reached its lock (the CLI's imports take as long as this
     client's). Read from Linux's /proc; None elsewhere, or when there is none."""
     try:
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        tick = os.sysconf("SC_CLK_TCK")
         pids = [int(name) for name in os.listdir("/proc") if name.isdigit() and int(name) != os.getpid()]
-    except (OSError, ValueError):
+    except OSError:
         return None
     ours = (os.environ.get("ROCKETKV_HOME") or None, os.environ.get("HOME"))
     for pid in pids:
@@ -284,7 +293,7 @@ def launching_pid() -> int | None:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             if not _serves_default_socket([os.fsdecode(a) for a in argv]):
                 continue
-            started = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]) / tick
+            age = process_age_s(pid)
             environ = dict(
                 e.split(b"=", 1) for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in e
             )
@@ -292,7 +301,7 @@ def launching_pid() -> int | None:
             continue
         theirs = tuple((os.fsdecode(v) or None) if (v := environ.get(k)) is not None else None
                        for k in (b"ROCKETKV_HOME", b"HOME"))  # fmt: skip
-        if uptime - started < LAUNCH_WINDOW_S and theirs == ours:
+        if age is not None and age < LAUNCH_WINDOW_S and theirs == ours:
             return pid
     return None
 
@@ -314,31 +323,34 @@ def _serves_default_socket(argv: list[str]) -> bool:
 def _wait_for_lock(path: Path, pid: int, timeout: float = LAUNCH_WINDOW_S) -> None:
     """Until the launching server `pid` has written its pid in the lock of `path` (a killed
     server's lock file and socket may be there before it), or has ended; `timeout` at most."""
-    lock, deadline = path.with_name(path.name + ".lock"), time.monotonic() + timeout
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and _alive(pid):
-        try:
-            if lock.read_text(errors="replace").split()[:1] == [str(pid)]:
-                return
-        except (OSError, IndexError):
-            pass
+        if (_lock_words(path) or [""])[0] == str(pid):
+            return
         time.sleep(0.02)
+
+
+def _lock_words(path: Path) -> list[str] | None:
+    """The words of the lock file `<path>.lock` ("PID STATE", `server.py`), when it is this user's
+    and not a link; None when there is none such."""
+    try:
+        fd = os.open(path.with_name(path.name + ".lock"), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, 64).decode("ascii", "replace").split() if os.fstat(fd).st_uid == os.getuid() else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def starting_pid(path: Path) -> int | None:
     """The pid of a live server of this user that has bound the socket at `path` and is still
     starting (importing torch, seconds), as its lock file `<path>.lock` says ("PID starting"); else
     None (no lock file, another user's, a server serving already, or its process gone)."""
-    try:
-        fd = os.open(path.with_name(path.name + ".lock"), os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        if os.fstat(fd).st_uid != os.getuid():
-            return None
-        said = os.read(fd, 64).decode("ascii", "replace").split()
-    finally:
-        os.close(fd)
-    if len(said) != 2 or said[1] != LOCK_STARTING or not said[0].isdigit():
+    said = _lock_words(path)
+    if said is None or len(said) != 2 or said[1] != LOCK_STARTING or not said[0].isdigit():
         return None
     pid = int(said[0])
     return pid if _alive(pid) else None  # one killed while it started: its lock is free, the socket stale

@@ -132,16 +132,17 @@ def test__ask_uses_the_running_server_and_answers_byte_identically(rocketkv_bin,
     verbose = run(rocketkv_bin, env, "ask", "--cache", cache, "-v", QUESTIONS[0])
     assert f"answered by the server at {s.url} (threads: " in verbose.stderr, verbose.stderr  # as --no-server's -v
     assert "--threads" not in verbose.stderr, verbose.stderr
-    threads = run(rocketkv_bin, env, "ask", "--cache", cache, "--threads", "1", QUESTIONS[0])  # the server's apply
+    # the server computes with its own threads (1: OMP_NUM_THREADS of the tests' environment), not the client's
+    threads = run(rocketkv_bin, env, "ask", "--cache", cache, "--threads", "2", QUESTIONS[0])
     here = run(rocketkv_bin, env, "ask", "--cache", cache, "--threads", "1", "--no-server", QUESTIONS[0])
     assert threads.returncode == 0 and threads.stdout == here.stdout, threads.stderr
     assert "note: --threads" not in here.stderr, here.stderr
-    assert f"note: --threads 1 is not used: the server at {s.url} computes with its own threads" in threads.stderr
-    argv = [rocketkv_bin, "ask", "--cache", str(cache), "--threads", "1", "--stream", QUESTIONS[0]]
+    assert f"note: --threads 2 is not used: the server at {s.url} computes with its own threads" in threads.stderr
+    argv = [rocketkv_bin, "ask", "--cache", str(cache), "--threads", "2", "--stream", QUESTIONS[0]]
     both = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=300)
     assert both.returncode == 0 and here.stdout.strip() in both.stdout, both.stdout
     # the note is said when the server takes the request, never after (or inside) the answer
-    assert both.stdout.index("note: --threads 1") < both.stdout.index(here.stdout.strip()), both.stdout
+    assert both.stdout.index("note: --threads 2") < both.stdout.index(here.stdout.strip()), both.stdout
     missing = run(rocketkv_bin, env, "ask", "--cache", cache.with_name("none.kv"), "--threads", "1", QUESTIONS[0])
     assert missing.returncode == 1 and missing.stderr.startswith("Error: cache file not found"), missing.stderr
     for argv in (["summarize", "--cache", cache.with_name("none.kv")], ["chat", "--cache", cache.with_name("none.kv")]):
@@ -1471,3 +1472,17 @@ def test__batch_with_a_missing_manifest__says_only_that_with_a_server_running(ro
     served("--idle-timeout", "0")
     r = run(rocketkv_bin, env, "batch", tmp_path / "nope.jsonl")
     assert r.returncode == 1 and r.stderr == f"Error: manifest not found: {tmp_path / 'nope.jsonl'} — check the path\n"
+
+
+def test__threads_note_only_where_the_server_computes_with_other_threads(rocketkv_bin, env, caches, served):
+    """`ask --threads N` through a server started with `--threads N` says nothing of threads (the
+    server computes with N, always); with another N it notes that the server's own count is used."""
+    cache = caches[0]
+    s = served("--threads", "1", "--idle-timeout", "0")
+    info = health(s.server)
+    assert info["threads"] == 1 and info["threads_fixed"] is True, info
+    same = run(rocketkv_bin, env, "ask", "--cache", cache, "--threads", "1", QUESTIONS[0])
+    assert same.returncode == 0 and "--threads" not in same.stderr, same.stderr
+    other = run(rocketkv_bin, env, "ask", "--cache", cache, "--threads", "2", QUESTIONS[0])
+    assert other.returncode == 0 and other.stdout == same.stdout, other.stderr
+    assert f"note: --threads 2 is not used: the server at {s.url} computes with its own threads (1 now)" in other.stderr

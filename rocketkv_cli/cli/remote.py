@@ -15,7 +15,7 @@ from rich.markup import escape
 
 from ..core.config import PRESET_WEIGHTS_DEFAULTS  # keyed by the presets
 from ..errors import UsageError
-from ..serve.client import Server, ServerError, events, locate
+from ..serve.client import Server, ServerError, events, health, locate
 from .answers import AnswerPrinter, answer_log_of, decode_timing
 from .common import Timings, err, log, spinners, spinning
 
@@ -41,11 +41,17 @@ def starting_said(pid: int) -> AbstractContextManager:
 
 def unused_threads_note(server: Server | None, threads: int | None) -> None:
     """Say on stderr that a `--threads` given (`threads`) is not used by `server` (nothing when no
-    server answers or none was given). Called once the server has taken the request, so that an
-    error (a cache not found) is not preceded by a note about threads."""
-    if server is not None and threads is not None:
-        log(f"note: --threads {threads} is not used: the server at {server.url} computes with its own threads "
-            "(rocketkv serve --threads N); --no-server computes here")  # fmt: skip
+    server answers, none was given, or the server computes with that count whatever the load:
+    `rocketkv serve --threads` the same, from `/health`). Called once the server has taken the
+    request, so that an error (a cache not found) is not preceded by a note about threads."""
+    if server is None or threads is None:
+        return
+    info = health(server) or {}
+    if info.get("threads_fixed") and info.get("threads") == threads:
+        return
+    now = f" ({info['threads']} now)" if isinstance(info.get("threads"), int) else ""
+    log(f"note: --threads {threads} is not used: the server at {server.url} computes with its own threads{now} "
+        "(rocketkv serve --threads N); --no-server computes here")  # fmt: skip
 
 
 def server_running(url: str | None) -> bool:

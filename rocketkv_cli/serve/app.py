@@ -84,7 +84,8 @@ class ServeState:
 
     def health(self) -> dict:
         return {"service": "rocketkv", "status": "ok", "version": __version__, "pid": os.getpid(), "url": self.url,
-                "threads": self.warm.current_threads, "uptime_s": round(time.monotonic() - self.started, 1),
+                "threads": self.warm.current_threads, "threads_fixed": self.warm.threads is not None,
+                "uptime_s": round(time.monotonic() - self.started, 1),
                 "active": self.in_flight(), "served": self.served, "max_queue": self.max_queue,
                 "idle_timeout_s": self.idle_timeout_s, "cancelled": Job.cancelled_total,
                 **self.warm.describe()}  # fmt: skip

@@ -803,6 +803,7 @@ def test__ask_right_after_serve_waits_for_the_server_to_start(rocketkv_bin, env,
         assert asked.returncode == 0, asked.stderr
         assert f"rocketkv: waiting for the rocketkv server to start (pid {proc.pid})" in asked.stderr, asked.stderr
         assert "answered by the server at unix:" in asked.stderr, asked.stderr
+        assert re.search(r"timing: .*waiting for the server to start \d+\.\d\ds, ", asked.stderr), asked.stderr
         assert lock.read_text() == f"{proc.pid} ready\n"
         twice = run(rocketkv_bin, environ, "serve", "--idle-timeout", "0")
         assert twice.returncode == 1 and "already running" in twice.stderr, twice.stderr

@@ -300,7 +300,7 @@ def ask_command(
     choice = ModelChoice(model, device, dtype, weights, trust_remote_code)
     printer = AnswerPrinter(fmt, stream)
     local = no_server or len(questions) > MAX_QUESTIONS
-    remote = server_for(server, local) if doc is None else None
+    remote = server_for(server, local, timings) if doc is None else None
     server_hint = doc is not None and not local and server_running(server)  # said once answered, never before an error
     try:
         if remote is not None and cache is not None:  # doc is None: --cache was given

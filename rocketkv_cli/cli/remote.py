@@ -5,9 +5,9 @@ the `--json` records and the exit codes do not depend on where the answer was co
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Generator, Iterator
-from contextlib import AbstractContextManager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,16 +27,24 @@ def check_server_flags(url: str | None, no_server: bool) -> None:
         raise UsageError("--server names a server and --no-server says answer here: give one of them")
 
 
-def server_for(url: str | None, no_server: bool) -> Server | None:
+def server_for(url: str | None, no_server: bool, timings: Timings | None = None) -> Server | None:
     """The server to answer through, or None (in this process); a server still starting (`rocketkv
-    serve &` a moment ago) is waited for, said on stderr. Raises ServerError for a `--server` that
-    does not answer, UsageError for a malformed URL."""
-    return locate(url, no_server, starting_said)
+    serve &` a moment ago) is waited for, said on stderr, and the wait is a span of `timings`
+    (`--verbose`). Raises ServerError for a `--server` that does not answer, UsageError for a
+    malformed URL."""
+    return locate(url, no_server, lambda pid: starting_said(pid, timings))
 
 
-def starting_said(pid: int) -> AbstractContextManager:
-    """While a starting server (`pid`) is waited for: a spinner on a terminal, else one line."""
-    return spinning(f"waiting for the rocketkv server to start (pid {pid})", elsewhere_logged=True)
+@contextlib.contextmanager
+def starting_said(pid: int, timings: Timings | None = None) -> Iterator[None]:
+    """While a starting server (`pid`) is waited for: a spinner on a terminal, else one line; the
+    wait timed into `timings` when given."""
+    with spinning(f"waiting for the rocketkv server to start (pid {pid})", elsewhere_logged=True):
+        if timings is None:
+            yield
+        else:
+            with timings.span("waiting for the server to start"):
+                yield
 
 
 def unused_threads_note(server: Server | None, threads: int | None) -> None:

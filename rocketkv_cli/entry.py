@@ -43,8 +43,8 @@ def _exit_now(code: object) -> None:
         atexit._run_exitfuncs()
     except KeyboardInterrupt:  # raised by other code while those run: its exit code, as everywhere else
         os._exit(EXIT_CODES[signal.SIGINT])
-    except Terminated:
-        os._exit(EXIT_CODES[signal.SIGTERM])
+    except Terminated as stop:
+        os._exit(EXIT_CODES[stop.signum])
     signum = received()
     if signum is not None:  # a signal while the exit ran: its line ("terminated after out.kv was written") and code
         report(signum)
@@ -77,8 +77,8 @@ def main() -> None:
         app(args=with_bare_ray(sys.argv[1:]))
     except KeyboardInterrupt:
         exit_for_signal(signal.SIGINT)
-    except Terminated:
-        exit_for_signal(signal.SIGTERM)
+    except Terminated as stop:
+        exit_for_signal(stop.signum)
     except SystemExit as done:
         signum = received()
         if signum is None:

@@ -687,6 +687,7 @@ CASES: list[Case] = [
     Case("SIGINT while the model libraries import", "interrupt", lambda ws: ["ingest", ws.doc, "-o", ws.root / "early.kv", *M(ws)], 130, "interrupted", send_signal=signal.SIGINT, signal_after_s=0.8, check=_no_file("early.kv"), notes="torch and transformers"),
     Case("SIGINT during ingest", "interrupt", lambda ws: ["ingest", ws.file("long.txt", b"word " * 700), "-o", ws.root / "sigint.kv", "--chunk-tokens", "4", *M(ws)], 130, "interrupted", send_signal=signal.SIGINT, check=_no_partial_then("sigint.kv")),
     Case("SIGTERM during ingest", "interrupt", lambda ws: ["ingest", ws.file("long.txt", b"word " * 700), "-o", ws.root / "sigterm.kv", "--chunk-tokens", "4", *M(ws)], 143, "terminated", send_signal=signal.SIGTERM, check=_no_partial_then("sigterm.kv")),
+    Case("SIGHUP during ingest", "interrupt", lambda ws: ["ingest", ws.file("long.txt", b"word " * 700), "-o", ws.root / "sighup.kv", "--chunk-tokens", "4", *M(ws)], 129, "hung up", send_signal=signal.SIGHUP, check=_no_partial_then("sighup.kv"), notes="the terminal closed: cleaned up as after SIGTERM"),
     Case("SIGINT during ask", "interrupt", lambda ws: ["ask", "--cache", ws.kv, "--questions-file", ws.file("qs.txt", b"Which word?\n" * 300), "--max-new-tokens", "6"], 130, "interrupted", send_signal=signal.SIGINT),
     Case("SIGTERM during ask", "interrupt", lambda ws: ["ask", "--cache", ws.kv, "--questions-file", ws.file("qs.txt", b"Which word?\n" * 300), "--max-new-tokens", "6"], 143, "terminated", send_signal=signal.SIGTERM),
 ]  # fmt: skip

@@ -30,6 +30,7 @@ def _worker(worker_id: int, settings: BatchSettings, workers: int, cache_dir: Pa
     from .tasks import Task, load_worker, run_task
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent decides
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # so does a closed terminal's hangup
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     configure(quiet=True, progress_bars=False)
     try:

@@ -2,7 +2,7 @@
 the Python API (`rocketkv_cli.api.rocketkv`), printing, and mapping errors (`common.command`).
 
 stdout carries results only (`--json`: one JSON object per line); stderr carries progress, logs and
-hints. Exit codes: 0 ok, 1 known failure (one line), 2 usage error, 130 interrupted (143 SIGTERM).
+hints. Exit codes: 0 ok, 1 known failure (one line), 2 usage error, 130 interrupted (143 SIGTERM, 129 SIGHUP).
 """
 
 from __future__ import annotations

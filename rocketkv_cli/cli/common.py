@@ -127,7 +127,7 @@ def _stdout_closed() -> typer.Exit:
 
 
 def _signal_exit(signum: int) -> typer.Exit:
-    """The one line for an interrupt (printed once), and its exit code (130, 143)."""
+    """The one line for an interrupt (printed once), and its exit code (130, 143, 129)."""
     mark_reported(signum)
     return fail(message(signum), EXIT_CODES[signum])
 
@@ -149,7 +149,8 @@ def stdout_usable() -> bool:
 
 
 def command(fn):
-    """Wrap a command body: known errors → one line + exit 1 (usage errors 2); Ctrl-C → 130; SIGTERM → 143.
+    """Wrap a command body: known errors → one line + exit 1 (usage errors 2); Ctrl-C → 130;
+    SIGTERM → 143; SIGHUP → 129.
 
     Signals are handled by `rocketkv_cli.signals` (installed before the heavy imports); an
     unexpected error after a signal was received is reported as that signal (an interrupted
@@ -173,8 +174,8 @@ def command(fn):
             raise fail(message, 2 if isinstance(exc, UsageError) else 1) from None
         except KeyboardInterrupt:
             raise _signal_exit(signal.SIGINT) from None
-        except Terminated:
-            raise _signal_exit(signal.SIGTERM) from None
+        except Terminated as stop:
+            raise _signal_exit(stop.signum) from None
         except (typer.Exit, typer.Abort, typer.BadParameter, SystemExit):  # BadParameter: a usage error, exit 2
             raise
         except BrokenPipeError:

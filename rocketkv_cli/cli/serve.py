@@ -195,6 +195,6 @@ def serve_command(
     except (KeyboardInterrupt, Terminated):  # what stops a foreground server: not an error
         signum = received()
         handled()
-        if signum != signal.SIGTERM and err.is_terminal:  # after the terminal's "^C", on a line of its own
+        if signum == signal.SIGINT and err.is_terminal:  # after the terminal's "^C", on a line of its own
             err.print()
-        log(f"stopped ({'SIGTERM' if signum == signal.SIGTERM else 'interrupted'})")
+        log(f"stopped ({signal.Signals(signum).name if signum in (signal.SIGTERM, signal.SIGHUP) else 'interrupted'})")

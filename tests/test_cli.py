@@ -257,14 +257,17 @@ def test__ingest_without_o__a_read_only_folder_is_not_written_even_as_root(rocke
         shared.chmod(0o755)
 
 
-@pytest.mark.parametrize("command", ["ask", "ingest"])
+@pytest.mark.parametrize("command", ["ask", "ingest", "summarize", "chat"])
 def test__cache_given_as_the_document__says_use_cache(rocketkv_bin, env, kv, command, tmp_path):
-    """A new user's slip: `ask X.kv QUESTION` without --cache names the fix, not an encoding."""
-    args = [kv, "Who?"] if command == "ask" else [kv, "-o", tmp_path / "again.kv"]
-    r = run(rocketkv_bin, env, command, *args)
+    """A new user's slip: `ask X.kv QUESTION` without --cache names the fix, not an encoding; the
+    fix is the command's own (`summarize --cache X.kv`, not `ask`)."""
+    args = {"ask": [kv, "Who?"], "ingest": [kv, "-o", tmp_path / "again.kv"]}.get(command, [kv])
+    r = run(rocketkv_bin, env, command, *args, stdin="Who?\n" if command == "chat" else None)
     errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
     assert r.returncode == 1 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
-    assert "is a rocketkv cache, not a document" in errors[0] and f"--cache {kv}" in errors[0], errors
+    fix = {"summarize": f"rocketkv summarize --cache {kv}", "chat": f"rocketkv chat --cache {kv}"}
+    assert "is a rocketkv cache, not a document" in errors[0], errors
+    assert errors[0].endswith(fix.get(command, f"rocketkv ask --cache {kv} QUESTION")), errors
     assert not (tmp_path / "again.kv").exists() and "rocketkv: loaded" not in r.stderr
     if command == "ask":  # a cache over 256 KB got the in-memory note (an ingest of the cache!) before the error
         big = tmp_path / "big.kv"

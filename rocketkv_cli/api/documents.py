@@ -7,6 +7,7 @@ from __future__ import annotations
 import codecs
 import hashlib
 import os
+import shlex
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,15 @@ from ..errors import InputError, UsageError
 READ_BLOCK_BYTES = 1 << 20
 DECODE_ERRORS = ("strict", "replace", "ignore", "backslashreplace")  # handlers whose output is plain text
 MAX_PIECE_CHARS = 1 << 20  # a line longer than this is cut (at whitespace when there is some)
+
+
+def with_cache(command: str, path: str) -> str:
+    """The command line that answers from the cache `path` for `command` (ask, chat, summarize;
+    ingest and the rest: ask), as a hint for a cache given where a document goes."""
+    quoted = shlex.quote(path)
+    if command in ("chat", "summarize"):
+        return f"rocketkv {command} --cache {quoted}"
+    return f"rocketkv ask --cache {quoted} QUESTION"
 
 
 def _looks_like_cache(head: bytes, path: str) -> bool:
@@ -39,8 +49,8 @@ class TextStream:
     bytes (naming the byte offset).
     """
 
-    def __init__(self, path: str, encoding: str = "utf-8", errors: str = "strict"):
-        self.path, self.encoding, self._errors = path, encoding, errors
+    def __init__(self, path: str, encoding: str = "utf-8", errors: str = "strict", command: str = "ask"):
+        self.path, self.encoding, self._errors, self._command = path, encoding, errors, command
         codec = "utf-8-sig" if encoding.lower().replace("_", "-") in ("utf-8", "utf8") else encoding
         try:
             if not codecs.lookup(codec)._is_text_encoding:
@@ -101,7 +111,7 @@ class TextStream:
             if b"\x00" in block and self._codec.lower().startswith("utf-8"):
                 if self.bytes_read == 0 and _looks_like_cache(block, str(path)):
                     raise InputError(f"{path} is a rocketkv cache, not a document",
-                                     f"pass it with --cache: rocketkv ask --cache {path} QUESTION")  # fmt: skip
+                                     f"pass it with --cache: {with_cache(self._command, str(path))}")  # fmt: skip
                 at = self.bytes_read + block.index(b"\x00")
                 raise InputError(
                     f"{path} looks binary (NUL byte at offset {at})",
@@ -149,7 +159,7 @@ class TextStream:
                 if not self._peeked:
                     self.check_not_empty()
             return
-        check = TextStream(self.path, self.encoding, self._errors)
+        check = TextStream(self.path, self.encoding, self._errors, self._command)
         for _ in check:
             pass
         check.check_not_empty()

@@ -24,10 +24,11 @@ from .documents import TextStream
 MAX_HEADER_BYTES = 100 << 20  # a safetensors header's bound, as `store.format` (torch-free here)
 
 
-def open_document(path: str, encoding: str = "utf-8", errors: str = "strict") -> TextStream:
+def open_document(path: str, encoding: str = "utf-8", errors: str = "strict", command: str = "ask") -> TextStream:
     """A document as a stream (`-` = stdin), with a regular file decoded once up front so a bad
-    document fails before any model loads. Raises InputError (missing, binary, bad encoding, empty)."""
-    stream = TextStream(path, encoding=encoding, errors=errors)
+    document fails before any model loads; `command`: the command whose line a cache given here is
+    pointed to. Raises InputError (missing, binary, bad encoding, empty, a cache)."""
+    stream = TextStream(path, encoding=encoding, errors=errors, command=command)
     stream.validate()
     return stream
 

@@ -273,7 +273,7 @@ def chat_command(
         if cache is not None:
             check_cache_file(cache, "chat")
         elif os.path.isfile(str(document)):  # a pipe (`<(cat doc)`) is not read here: its first block would be lost
-            open_document(str(document), encoding, errors)
+            open_document(str(document), encoding, errors, "chat")
         prompt.first_question()
     remote = server_for(server, no_server) if cache is not None else None
 

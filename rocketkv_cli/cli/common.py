@@ -394,14 +394,15 @@ def reading_terminal(what: str) -> None:
         log(f"reading {what} from the terminal: type, then press Ctrl-D at the start of a line to end")
 
 
-def open_stream(doc_path: str, encoding: str, errors: str = "strict"):
-    """The document as a validated stream (fails before any model loads)."""
+def open_stream(doc_path: str, encoding: str, errors: str = "strict", command: str = "ask"):
+    """The document as a validated stream (fails before any model loads); `command`: for the hint
+    when a cache is given instead."""
     from ..api.preflight import open_document
 
     if doc_path == "-":
         reading_terminal("the document")
 
-    return open_document(doc_path, encoding, errors)
+    return open_document(doc_path, encoding, errors, command)
 
 
 def ingest(rk, document, cfg, output=None, force=False, segment_tokens=None, kv_dtype=None,

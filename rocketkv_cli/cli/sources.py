@@ -89,7 +89,7 @@ def ingest_in_memory(document: str, choice: ModelChoice, cfg, reading: DocumentR
     measured defaults fill the fields not in `explicit`) by the model loaded here; `command`: the
     command whose large DOC gets `in_memory_note` once the document is known to be text.
     Returns (RocketKV, cache). Raises InputError for a bad document (before the model loads)."""
-    stream = open_stream(document, reading.encoding, reading.errors)
+    stream = open_stream(document, reading.encoding, reading.errors, command or "ask")
     if command is not None:
         in_memory_note(document, command)  # after the checks: a cache given as DOC is refused without it
     rk = load_engine(choice.model, choice.device, choice.dtype or "auto", choice.trust_remote_code, choice.weights)

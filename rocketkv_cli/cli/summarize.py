@@ -159,7 +159,7 @@ def summarize_command(
         from ..core.config import summary_writing
 
         if document is not None:
-            pieces = open_stream(document, encoding, errors)  # a bad document fails before the model loads
+            pieces = open_stream(document, encoding, errors, "summarize")  # a bad document fails before the model loads
             rk = load_engine(choice.model, choice.device, choice.dtype or "auto", trust_remote_code, weights)
             writing, source = summary_writing(rk.model_id, extractive, write_from), document
             if writing != "document":  # nothing to prefill: extract, or extract then write

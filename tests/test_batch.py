@@ -728,3 +728,42 @@ def test__resuming_a_results_file_named_with_a_line_break__one_line_each(rocketk
                for line in lines), again.stderr  # fmt: skip
     assert any(line.startswith("rocketkv: resuming ") and "re\\nsults.jsonl: dropped" in line for line in lines)
     assert all(line.startswith(("rocketkv:", "Error:")) for line in lines), again.stderr
+
+
+def test__a_document_given_as_the_manifest__one_error_and_nothing_written(rocketkv_bin, env, tmp_path):
+    """`rocketkv batch book.txt` (a new user's slip): every line of the book became an error line of
+    a results file written beside it; now one error names the mistake and nothing is written. A
+    manifest with some JSON rows still answers them and writes an error line for each other line."""
+    doc = tmp_path / "book.txt"
+    doc.write_text("Call me Ishmael.\nSome years ago, never mind how long precisely,\n\n{not json either\n")
+    r = run(rocketkv_bin, env, "batch", doc)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"Error: {doc} is not a JSON-lines manifest: none of its 3 lines is JSON — "), lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["book.txt"]
+    from rocketkv_cli.batch.manifest import BadRow, Row, read_manifest
+
+    doc.write_text('Call me Ishmael.\n{"id": 1, "text": "t", "questions": ["Q?"]}\n')
+    rows = read_manifest(doc)
+    assert [type(r) for r in rows] == [BadRow, Row] and rows[0].error.startswith("line 1 is not valid JSON"), rows
+
+
+def test__a_manifest_in_a_read_only_folder__results_not_written_beside_it(rocketkv_bin, env, tmp_path):
+    """As `ingest DOC` in a read-only folder: the default results file and cache folder would go
+    beside the manifest, where the folder's permissions say not to write (root could): refused
+    with the options that put them elsewhere, before any model loads."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    manifest = write_manifest(shared / "m.jsonl", [{"id": 1, "text": "t", "questions": ["Q?"]}])
+    shared.chmod(0o555)
+    try:
+        r = run(rocketkv_bin, env, "batch", manifest, "--no-server")
+        assert r.returncode == 1 and r.stderr.strip().startswith(
+            f"Error: the manifest's folder {shared} is read-only (no write permission), so the results and the cache "
+            "folder are not written beside it — pass -o RESULTS.jsonl and --cache-dir DIR"), r.stderr  # fmt: skip
+        assert sorted(p.name for p in shared.iterdir()) == ["m.jsonl"] and "loaded" not in r.stderr
+        r = run(rocketkv_bin, env, "batch", manifest, "--no-server", "-o", tmp_path / "r.jsonl",
+                "--cache-dir", tmp_path / "c", "--model", "nosuch")  # fmt: skip
+        assert r.returncode == 1 and "unknown model 'nosuch'" in r.stderr, r.stderr
+    finally:
+        shared.chmod(0o755)

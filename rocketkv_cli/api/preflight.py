@@ -45,12 +45,19 @@ def default_output(document: str) -> Path:
     if not path.is_file():
         raise UsageError(f"{document} is not a regular file (a pipe or a device), so it gives no output name",
                          "pass -o FILE.kv")  # fmt: skip
-    folder = path.parent if str(path.parent) else Path(".")
-    with contextlib.suppress(OSError):  # a folder that cannot be read is found by the output's own checks
-        if not folder.stat().st_mode & 0o222:  # no write bit: meant read-only, even where root could write
-            raise OutputError(f"the document's folder {folder} is read-only (no write permission), so the cache "
-                              "is not written beside it", "pass -o FILE.kv")  # fmt: skip
+    check_folder_writable(path, "document", "the cache is", "pass -o FILE.kv")
     return path.with_name(path.name + ".kv")
+
+
+def check_folder_writable(path: Path, what: str, output: str, hint: str) -> None:
+    """Refuse to write `output` ("the cache is": default names) beside `path` (the `what`: document, manifest) when
+    its folder has no write permission bits: root could write there, but the folder says not to.
+    A folder that cannot be read is left to the output's own checks. Raises OutputError."""
+    folder = path.parent if str(path.parent) else Path(".")
+    with contextlib.suppress(OSError):
+        if not folder.stat().st_mode & 0o222:
+            raise OutputError(f"the {what}'s folder {folder} is read-only (no write permission), so {output} "
+                              "not written beside it", hint)  # fmt: skip
 
 
 def check_report(path: Path, force: bool) -> None:

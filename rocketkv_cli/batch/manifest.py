@@ -56,6 +56,7 @@ class BadRow:
     line: int
     id: RowId | None
     error: str
+    not_json: bool = False  # the line is not JSON at all (not UTF-8, or no JSON value)
 
 
 def question_key(row_id: RowId, index: int) -> tuple[str, str, int]:
@@ -93,7 +94,9 @@ def read_manifest(path: Path) -> list[Row | BadRow]:
 
     Relative document paths are relative to the manifest's folder (made absolute here, so that
     workers on other machines read the same file from shared storage). An `id` seen on an
-    earlier line (a good or a bad row) makes a `BadRow`. Raises InputError: the manifest itself cannot be read.
+    earlier line (a good or a bad row) makes a `BadRow`. Raises InputError: the manifest itself
+    cannot be read, or none of its lines is JSON (a document given as the manifest: its lines would
+    each become an error line).
     """
     found = check_manifest_path(path)
     too_large = InputError(f"manifest {path} is larger than {MAX_MANIFEST_BYTES >> 30} GiB", "split it into several")
@@ -123,6 +126,10 @@ def read_manifest(path: Path) -> list[Row | BadRow]:
                 row = BadRow(number, row.id, f"line {number}: duplicate id {key} (first on line {first_line[key]})"
                              " — give each row its own id")  # fmt: skip
         rows.append(row)
+    if rows and all(isinstance(r, BadRow) and r.not_json for r in rows):
+        raise InputError(f"{path} is not a JSON-lines manifest: none of its {len(rows):,} lines is JSON",
+                         'write one JSON object per line, e.g. {"id": 1, "document": "book.txt", '
+                         '"questions": ["Who wrote it?"]}')  # fmt: skip
     return rows
 
 
@@ -143,10 +150,10 @@ def parse_row(raw: bytes, number: int, base: Path) -> Row | BadRow:
     try:
         obj = json.loads(raw.decode("utf-8-sig" if number == 1 else "utf-8"))
     except UnicodeDecodeError:
-        return BadRow(number, None, f"{where} is not UTF-8 text — save the manifest as UTF-8")
+        return BadRow(number, None, f"{where} is not UTF-8 text — save the manifest as UTF-8", not_json=True)
     except json.JSONDecodeError as exc:
         return BadRow(number, None, f"{where} is not valid JSON ({exc.msg} at column {exc.colno})"
-                      " — write one JSON object per line")  # fmt: skip
+                      " — write one JSON object per line", not_json=True)  # fmt: skip
     except (ValueError, RecursionError) as exc:  # an integer of over 4,300 digits; nesting past Python's recursion
         why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc).split(";")[0]
         return BadRow(number, None, f"{where} cannot be read as JSON ({why}) — write one JSON object per line")

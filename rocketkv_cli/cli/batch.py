@@ -164,6 +164,13 @@ def batch_command(
         raise usage_error("MANIFEST", f"{str(manifest)!r} names no file")
     setup(quiet)
     check_manifest_path(manifest)  # a missing manifest is said first, not after "rows run by the server"
+    beside = [what for what, given in (("the results", output is not None), ("the cache folder", cache_dir is not None))
+              if not given]  # fmt: skip
+    if beside:
+        from ..api.preflight import check_folder_writable
+
+        written = " and ".join(beside) + (" are" if len(beside) > 1 else " is")
+        check_folder_writable(manifest, "manifest", written, "pass -o RESULTS.jsonl and --cache-dir DIR")
     configure(quiet, progress_bars=err.is_terminal and not quiet)  # transformers offline and silent (one worker too)
     out = None if output == "-" else Path(output) if output is not None else default_output(manifest)
     folder = cache_dir if cache_dir is not None else manifest.with_name(_stem(manifest) + ".kv-cache")

@@ -114,8 +114,10 @@ def _cmd(ws: Workspace, case: Case) -> list[str]:
 
 def default_sigint() -> None:
     """In the child: Ctrl-C handled normally even when the tests run as a background job (which
-    starts with SIGINT ignored, and so would its children)."""
+    starts with SIGINT ignored, and so would its children), and a hangup too under `nohup` (which
+    ignores SIGHUP)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def startup_seconds() -> float:

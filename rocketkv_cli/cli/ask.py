@@ -160,6 +160,15 @@ def server_note(remote) -> str:
     return f"answered by the server at {remote.url}" + (f" (threads: {threads}, the server's)" if threads else "")
 
 
+def split_question(args: list[str]) -> bool:
+    """Whether the question arguments look like one question the shell split at its spaces
+    (`ask --cache X.kv Who wrote it?`, unquoted): two or more single words, the last ending in "?",
+    none of the others ending a sentence. Several real questions end in "?" each (`Who? When?`)."""
+    words = [a for a in args if a]
+    return (len(words) == len(args) >= 2 and words[-1].endswith("?") and not any(w.split() != [w] for w in words)
+            and not any(w[-1] in "?!.:;" for w in words[:-1]))  # fmt: skip
+
+
 def questions_of(args: Optional[list[str]], cache: Optional[Path], questions_file: Optional[str]):
     """(DOC or None, questions) from the arguments: the usage errors come first, before the engine
     (torch) is imported. Raises typer.BadParameter (exit 2), UsageError, InputError."""
@@ -179,6 +188,9 @@ def questions_of(args: Optional[list[str]], cache: Optional[Path], questions_fil
         raise usage_error("[DOC]", "is empty: give a path")
     if rest == ["-"] and questions_file is None:  # `echo QUESTION | rocketkv ask --cache F.kv -`
         rest, questions_file = [], "-"
+    if split_question(rest):
+        raise usage_error("QUESTION...", f"{len(rest)} words, each asked as a question of its own: quote a question "
+                                         f"of several words, {shlex.quote(' '.join(rest))}")  # fmt: skip
     questions = read_questions(rest, questions_file, doc == "-")
     if not questions and questions_file is not None:  # given, but it holds no question
         where = "stdin" if questions_file == "-" else questions_file

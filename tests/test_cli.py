@@ -1298,3 +1298,48 @@ def test__ingest_prints_a_non_utf8_output_name_as_its_bytes(rocketkv_bin, env, d
                        capture_output=True, env=env, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert r.stdout == os.fsencode(out) + b"\n" and os.path.isfile(os.fsdecode(r.stdout.rstrip(b"\n")))
+
+
+def test__an_unquoted_question__a_usage_error_naming_the_quoted_question(rocketkv_bin, env, kv):
+    """`ask --cache X.kv Who wrote this license?` without quotes was four questions ("Who", "wrote",
+    …), four answers of nonsense and seconds each (a new user's slip): a usage error now, before
+    the model loads, that shows the question quoted. Questions that each end a sentence stay
+    several questions."""
+    r = run(rocketkv_bin, env, "ask", "--cache", kv, "Who", "wrote", "this", "license?")
+    assert r.returncode == 2 and "loaded" not in r.stderr, r.stderr
+    assert ("4 words, each asked as a question of its own: quote a question of several words, "
+            "'Who wrote this license?'") in " ".join(r.stderr.split()), r.stderr  # fmt: skip
+    from rocketkv_cli.cli.ask import split_question
+
+    for args in (["Who?", "When?"], ["What is the code?", "why"], ["Summarize.", "Why?"]):
+        assert not split_question(args), args
+    assert split_question(["secret", "code?"]) and not split_question(["", "code?"])
+
+
+def test__a_pdf_or_compressed_file_as_the_document__named_with_what_to_do(rocketkv_bin, env, tiny_model_dir, tmp_path):
+    """A PDF was refused as "not valid utf-8 … pass --encoding latin-1" and a .gz as "looks binary …
+    pass --encoding utf-16": hints that read either as garbage (from a new user's trial). The format
+    is named now, with the step that makes text of it; a text that merely starts like one is text."""
+    import gzip
+    import zipfile
+
+    pdf = tmp_path / "paper.pdf"
+    pdf.write_bytes(b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n1 0 obj\n<< /Type /Catalog >>\nendobj\n")
+    gz = tmp_path / "notes.txt.gz"
+    gz.write_bytes(gzip.compress(b"The secret code is 4242.\n" * 20))
+    docx = tmp_path / "letter.docx"
+    with zipfile.ZipFile(docx, "w") as z:
+        z.writestr("word/document.xml", "<w:document/>")
+    cases = [
+        (pdf, "a PDF", f"extract its text first, e.g. pdftotext -layout {pdf} out.txt"),
+        (gz, "gzip-compressed", f"decompress it first: gunzip -c {gz} | rocketkv ingest - -o out.kv"),
+        (docx, "a ZIP archive (or a .docx, .odt or .epub)", "extract its text first"),
+    ]
+    for path, what, hint in cases:
+        r = run(rocketkv_bin, env, "ingest", path, "-o", tmp_path / "x.kv", "--model", tiny_model_dir)
+        line = assert_one_line_error(r)
+        assert line.startswith(f"Error: {path} is {what}, not a text document — {hint}"), line
+        assert "loaded" not in r.stderr and not (tmp_path / "x.kv").exists()
+    text = tmp_path / "bz.txt"
+    text.write_text("BZh1 is how a bzip2 file starts; this one is text.\n" * 5)
+    assert run(rocketkv_bin, env, "ingest", text, "-o", tmp_path / "x.kv", "--model", tiny_model_dir).returncode == 0

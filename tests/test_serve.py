@@ -680,6 +680,10 @@ def test__a_cache_replaced_on_disk_is_read_again(rocketkv_bin, env, caches, serv
     assert old.stdout == first.stdout  # the first answer was from the first file
     status = run(rocketkv_bin, env, "serve", "status", "--json")
     assert json.loads(status.stdout)["reloads"] == 1
+    flag = run(rocketkv_bin, env, "serve", "--status", "--json")  # as other servers spell it
+    assert flag.returncode == 0 and json.loads(flag.stdout)["reloads"] == 1, flag.stderr
+    both = run(rocketkv_bin, env, "serve", "status", "--stop")
+    assert both.returncode == 2 and "give one action: status and stop contradict each other" in both.stderr
 
 
 def test__the_memory_budget_counts_the_decode_buffers_a_model_keeps(rocketkv_bin, env, caches, served, tmp_path):

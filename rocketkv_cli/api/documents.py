@@ -7,6 +7,7 @@ from __future__ import annotations
 import codecs
 import hashlib
 import os
+import re
 import shlex
 import sys
 from collections.abc import Iterator
@@ -27,6 +28,31 @@ def with_cache(command: str, path: str) -> str:
     if command in ("chat", "summarize"):
         return f"rocketkv {command} --cache {quoted}"
     return f"rocketkv ask --cache {quoted} QUESTION"
+
+
+# formats that are not text in any encoding, by their first bytes: (pattern, what, hint; {q}: the quoted path)
+BINARY_FORMATS = tuple((re.compile(pattern, re.DOTALL), what, hint) for pattern, what, hint in (
+    (rb"%PDF-", "a PDF", "extract its text first, e.g. pdftotext -layout {q} out.txt"),
+    (rb"\x1f\x8b", "gzip-compressed", "decompress it first: gunzip -c {q} | rocketkv ingest - -o out.kv"),
+    (rb"BZh[1-9]1AY&SY", "bzip2-compressed", "decompress it first: bunzip2 -c {q} | rocketkv ingest - -o out.kv"),
+    (rb"\xfd7zXZ\x00", "xz-compressed", "decompress it first: xz -dc {q} | rocketkv ingest - -o out.kv"),
+    (rb"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it first: zstd -dc {q} | rocketkv ingest - -o out.kv"),
+    (rb"PK\x03\x04", "a ZIP archive (or a .docx, .odt or .epub)",
+     "extract its text first, e.g. pandoc {q} -t plain -o out.txt"),
+    (rb"\x7fELF", "a program (ELF)", "rocketkv reads text documents"),
+    (rb"\x89PNG\r\n", "a PNG image", "rocketkv reads text documents"),
+    (rb"\xff\xd8\xff", "a JPEG image", "rocketkv reads text documents"),
+))  # fmt: skip
+
+
+def binary_format(head: bytes, path: str) -> tuple[str, str] | None:
+    """(what the file is, what to do) when `head`, a file's first bytes, starts as a known binary
+    format does (`BINARY_FORMATS`): a PDF or a compressed file given as a document would otherwise
+    be refused as "not valid utf-8", with a hint (another encoding) that reads it as garbage."""
+    for pattern, what, hint in BINARY_FORMATS:
+        if pattern.match(head):
+            return what, hint.format(q=shlex.quote(path))
+    return None
 
 
 def _looks_like_cache(head: bytes, path: str) -> bool:
@@ -108,6 +134,8 @@ class TextStream:
         hint = "pass --encoding latin-1 (or the right codec), or --errors replace"
         for block in self._blocks():
             self._digest.update(block)
+            if self.bytes_read == 0 and (known := binary_format(block, str(path))) is not None:
+                raise InputError(f"{path} is {known[0]}, not a text document", known[1])
             if b"\x00" in block and self._codec.lower().startswith("utf-8"):
                 if self.bytes_read == 0 and _looks_like_cache(block, str(path)):
                     raise InputError(f"{path} is a rocketkv cache, not a document",

@@ -88,6 +88,9 @@ def _stop(where: Server, json_out: bool = False) -> None:
 
 
 ActionArg = Annotated[str, typer.Argument(metavar="[start|status|stop]", help="What to do (default: start).")]
+# `serve --status` and `serve --stop`, as other servers spell them: the actions, not in --help
+StatusFlag = Annotated[bool, typer.Option("--status", hidden=True)]
+StopFlag = Annotated[bool, typer.Option("--stop", hidden=True)]
 SocketOpt = Annotated[
     Optional[Path],
     typer.Option(metavar="PATH", parser=path_value, help="Unix socket (default: $ROCKETKV_HOME/serve.sock)."),
@@ -145,6 +148,8 @@ def serve_command(
     compile_step: CompileOpt = False,
     json_out: JsonOpt = False,
     quiet: QuietOpt = False,
+    status_flag: StatusFlag = False,
+    stop_flag: StopFlag = False,
 ) -> None:
     """Keep models and caches loaded in a local server that `ask` uses by itself.
 
@@ -154,6 +159,11 @@ def serve_command(
     """
     if action not in ACTIONS:
         raise usage_error("ACTION", f"use start, status or stop, not {action!r}")
+    flagged = [name for name, on in (("status", status_flag), ("stop", stop_flag)) if on]
+    if flagged and (len(flagged) > 1 or action not in ("start", flagged[0])):  # two actions named
+        named = [action, *flagged] if action != "start" else flagged
+        raise usage_error("ACTION", f"give one action: {' and '.join(named)} contradict each other")
+    action = flagged[0] if flagged else action
     if memory_gb is not None and not 0 < memory_gb <= MAX_MEMORY_GB:  # NaN fails both
         raise usage_error("--memory-gb", f"give the gigabytes for warm models and caches, > 0 and ≤ "
                                          f"{MAX_MEMORY_GB:,}, not {memory_gb}")  # fmt: skip

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import stat
 import subprocess
@@ -104,7 +105,7 @@ def without_timings(stdout: str) -> list[dict]:
     return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in rows]
 
 
-def test__ask_uses_the_running_server_and_answers_byte_identically(rocketkv_bin, env, caches, served):
+def test__ask_uses_the_running_server_and_answers_byte_identically(rocketkv_bin, env, caches, served, tiny_model_dir):
     cache = caches[0]
     local = run(rocketkv_bin, env, "ask", "--cache", cache, "--no-server", *QUESTIONS)
     local_json = run(rocketkv_bin, env, "ask", "--cache", cache, "--no-server", "--json", "--cite", *QUESTIONS[:2])
@@ -148,6 +149,17 @@ def test__ask_uses_the_running_server_and_answers_byte_identically(rocketkv_bin,
     for argv in (["summarize", "--cache", cache.with_name("none.kv")], ["chat", "--cache", cache.with_name("none.kv")]):
         r = run(rocketkv_bin, env, *argv, "--threads", "1")
         assert r.returncode == 1 and r.stderr.startswith("Error: cache file not found"), r.stderr
+    # a document read here while the server runs: the note names this document's commands, not DOC placeholders
+    doc = cache.with_suffix(".txt")
+    read = run(rocketkv_bin, env, "ask", doc, "--model", tiny_model_dir, QUESTIONS[0])
+    assert read.returncode == 0, read.stderr
+    assert (f"ingest it once (rocketkv ingest {doc}), then rocketkv ask --cache {doc}.kv answers through the "
+            "server") in " ".join(read.stderr.split()), read.stderr  # fmt: skip
+    shutil.copy(cache, f"{doc}.kv")  # ingested under its default name: only the ask is named
+    read = run(rocketkv_bin, env, "summarize", doc, "--model", tiny_model_dir, "--max-new-tokens", "4")
+    assert read.returncode == 0, read.stderr
+    assert f"rocketkv summarize --cache {doc}.kv answers from its cache through the server" in " ".join(
+        read.stderr.split()), read.stderr  # fmt: skip
 
 
 def test__ask_focus__through_the_server_as_in_process(rocketkv_bin, env, caches, served):

@@ -332,7 +332,7 @@ def ask_command(
         printer.end_line()
         raise
     if server_hint:
-        log(read_here_note("ask"))
+        log(read_here_note("ask", str(doc)))
     if verbose:
         log(server_note(remote) if remote is not None else threads_note())
         log(timings.summary())

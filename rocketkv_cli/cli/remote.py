@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -70,11 +71,21 @@ def server_running(url: str | None) -> bool:
         return False
 
 
-def read_here_note(command: str) -> str:
+def read_here_note(command: str, document: str) -> str:
     """What `command DOC` says, after its answer, when a server was running but the document was
-    read in this process (a server answers only from a cache)."""
-    return (f"a server is running, but this document was read in this process: ingest it once (rocketkv ingest "
-            f"DOC -o DOC.kv) and {command} with --cache to answer through the server")  # fmt: skip
+    read in this process (a server answers only from a cache): the two commands for `document`
+    (its `ingest` default output name; stdin's `-` has none: FILE.kv), or the one where that
+    cache exists."""
+    if document == "-":
+        ingest, cache = "rocketkv ingest - -o FILE.kv", "FILE.kv"
+    else:
+        cache = shlex.quote(document + ".kv")
+        ingest = f"rocketkv ingest {shlex.quote(document)}"
+        if os.path.isfile(document + ".kv"):  # ingested already (its default name)
+            return (f"a server is running, but this document was read in this process: rocketkv {command} --cache "
+                    f"{cache} answers from its cache through the server")  # fmt: skip
+    return (f"a server is running, but this document was read in this process: ingest it once ({ingest}), then "
+            f"rocketkv {command} --cache {cache} answers through the server")  # fmt: skip
 
 
 def model_for_server(options: dict) -> dict:

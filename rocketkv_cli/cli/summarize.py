@@ -190,7 +190,7 @@ def summarize_command(
                               write_from=writing or "document")  # as `rk.summarize`  # fmt: skip
     print_summary(final, source, time.perf_counter() - t0, partials, extractive, AnswerPrinter(fmt, stream), given)
     if server_hint:
-        log(read_here_note("summarize"))
+        log(read_here_note("summarize", str(document)))
 
 
 def partial_logger(partials: list[dict], cite: bool = False) -> Callable[[Any], None]:

@@ -961,9 +961,14 @@ def test__a_lock_left_saying_starting_is_not_waited_on(rocketkv_bin, env, caches
         assert status.returncode == 1 and "no rocketkv server is running" in status.stderr, status.stderr
 
 
-def test__status_stop_and_idle_timeout(rocketkv_bin, env, served):
+def test__status_stop_and_idle_timeout(rocketkv_bin, env, served, tmp_path):
     none = run(rocketkv_bin, env, "serve", "status")
     assert none.returncode == 1 and "no rocketkv server is running" in none.stderr
+    assert none.stderr.rstrip().endswith("start one with `rocketkv serve`"), none.stderr
+    # the hint starts the server the status asked about, not the default one
+    elsewhere = run(rocketkv_bin, env, "serve", "status", "--socket", tmp_path / "my s.sock")
+    assert elsewhere.returncode == 1 and elsewhere.stderr.rstrip().endswith(
+        f"start one with `rocketkv serve --socket '{tmp_path / 'my s.sock'}'`"), elsewhere.stderr  # fmt: skip
     s = served("--idle-timeout", "0")
     status = run(rocketkv_bin, env, "serve", "status")
     assert status.returncode == 0 and f"pid {s.proc.pid}" in status.stdout

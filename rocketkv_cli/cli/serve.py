@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import time
 from pathlib import Path
@@ -50,10 +51,23 @@ def _none_running(where: Server, hint: str) -> ServerError:
     return ServerError(f"no rocketkv server is running on {where.url}", hint)
 
 
+def start_command(where: Server) -> str:
+    """`rocketkv serve` with what names `where` when it is not the default socket (--socket, or
+    --host/--port), so that a status's hint starts the server it asked about."""
+    if where.path is not None:
+        return (
+            "rocketkv serve"
+            if where.path == str(default_socket())
+            else f"rocketkv serve --socket {shlex.quote(where.path)}"
+        )
+    host, port = where.host or "127.0.0.1", where.port
+    return f"rocketkv serve --port {port}" if host == "127.0.0.1" else f"rocketkv serve --host {host} --port {port}"
+
+
 def _status(where: Server, json_out: bool) -> None:
     info = health_after_start(where, starting_said)
     if info is None:
-        raise _none_running(where, "start one with `rocketkv serve`")
+        raise _none_running(where, f"start one with `{start_command(where)}`")
     if json_out:
         typer.echo(json.dumps(info))
         return

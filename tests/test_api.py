@@ -258,3 +258,30 @@ def test__ingest_stopped_in_its_first_segment__leaves_no_checkpoint_folder(rk, d
     with pytest.raises(KeyboardInterrupt):
         rk.ingest(doc, output=target, segment_tokens=128, on_segment=stop_after_one)
     assert len(list(checkpoint_folder(target).glob("*.kv"))) == 1 and not target.exists()
+
+
+def test__a_model_that_overflows_its_dtype__an_error_not_a_cache_or_an_answer_of_garbage(tiny_model_dir, tmp_path):
+    """Gemma 3 in float16 overflowed: ingest wrote a cache of inf and NaN that every later read
+    refused, and `ask` printed an empty "answer" with exit 0 (from an adversarial trial). Here the
+    tiny model's key and value weights are set so large that float16 overflows: ingest raises and writes nothing, and an
+    answer's prefill and decode steps refuse NaN or no finite logit."""
+    import torch
+
+    from rocketkv_cli.engine.answer import Sampling, choose_token
+
+    rk = RocketKV.load(str(tiny_model_dir), device="cpu", dtype="float16")
+    with torch.no_grad():
+        for layer in rk.engine.model.model.layers:  # keys and values past float16's 65,504
+            layer.self_attn.k_proj.weight.fill_(6e4)
+            layer.self_attn.v_proj.weight.fill_(6e4)
+    out = tmp_path / "nan.kv"
+    with pytest.raises(InputError, match=r"the model overflowed in float16 \(inf or NaN"):
+        rk.ingest(text="The secret code is 4242. " * 20, output=out)
+    assert not out.exists()
+    greedy = Sampling()
+    assert choose_token(torch.tensor([[0.5, 2.0, -1.0]]), greedy, None) == 1
+    for bad in ([[0.5, float("nan"), 1.0]], [[float("-inf")] * 3]):
+        with pytest.raises(InputError, match="the model overflowed"):
+            choose_token(torch.tensor(bad), greedy, None)
+    with pytest.raises(InputError, match="the model overflowed"):
+        choose_token(torch.tensor([[0.5, float("nan")]]), Sampling(temperature=0.7, seed=1), torch.Generator())

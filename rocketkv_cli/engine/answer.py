@@ -29,7 +29,7 @@ from ..model.hf import AttentionMass, attention_mass
 from .attribution import Citer, baseline_mass, token_scores
 from .decoder import Decoder
 from .engine import QUESTION_RESERVE_TOKENS, Engine
-from .inputs import check_questions
+from .inputs import check_questions, overflow_error
 from .stopping import ANSWER_ECHO, AnswerTokens
 
 __all__ = ["Answer", "Answerer", "KeptAnswerer", "Sampling", "answer", "decode_config_for", "drain", "generate"]
@@ -432,10 +432,18 @@ def stream_answer(
 def choose_token(logits: torch.Tensor, sampling: Sampling, rng: torch.Generator | None) -> int:
     """The next token from logits `[1, V]`: the argmax when greedy; else a sample (on the CPU, in
     float64, so a seed gives the same tokens on any device) from the temperature-scaled softmax
-    restricted to the top-p nucleus (the most likely tokens until their mass reaches top_p)."""
+    restricted to the top-p nucleus (the most likely tokens until their mass reaches top_p).
+    Raises InputError (`inputs.overflow_error`): NaN logits, or no finite one (a model that
+    overflowed its dtype: Gemma in float16), whose "answer" would be garbage that looks like one."""
     if sampling.greedy or rng is None:
-        return int(logits.max(dim=-1).indices)  # argmax's first maximum; ~3× faster than argmax on a CPU
+        best = logits.max(dim=-1)  # argmax's first maximum; ~3× faster than argmax on a CPU
+        token = int(best.indices)
+        if not math.isfinite(float(best.values)):  # max propagates NaN
+            raise overflow_error()
+        return token
     scores = logits[0].detach().to("cpu", torch.float64)  # [V]
+    if not math.isfinite(float(scores.max())):
+        raise overflow_error()
     # shifted by the maximum before the division (softmax is unchanged by a shift): a temperature so
     # small that logit / temperature overflows (1e-320) still gives the argmax, not inf / inf = NaN
     probs = torch.softmax((scores - scores.max()) / sampling.temperature, dim=-1)  # [V]

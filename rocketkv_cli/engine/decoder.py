@@ -28,6 +28,7 @@ from ..model.hf import (
     rocketkv_attention,
 )
 from ..model.weights import decode_step
+from .inputs import overflow_error
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -143,6 +144,8 @@ class Decoder:
             self.position += len(piece)
             if report is not None:
                 report(start + len(piece), len(ids))
+        if not bool(torch.isfinite(logits).all()):  # e.g. Gemma in float16: its activations overflow it
+            raise overflow_error(self.engine.dtype_name)
         if reselect is not None:
             self.select_working_set(scores or {}, reselect)
         return logits

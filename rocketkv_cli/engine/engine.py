@@ -13,6 +13,7 @@ No argument parsing or printing here; progress goes through callbacks.
 
 from __future__ import annotations
 
+import math
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from ..model.linears import cpu_has_native_bf16
 from ..model.loading import LoadedModel, chat_template_digest, model_digest, stop_token_ids, tokenizer_digest
 from ..model.step import DecodeStep, decode_step_for
 from ..model.templates import PromptFormat, prompt_format, read_prompt
-from .inputs import Document, DocumentTokens, tokenize, tokenize_document
+from .inputs import Document, DocumentTokens, overflow_error, tokenize, tokenize_document
 
 QUESTION_RESERVE_TOKENS = 256  # room kept for a question when checking a document against the context
 TokenProgress = Callable[[int, int], None]  # (tokens done, tokens total)
@@ -333,6 +334,10 @@ class Engine:
                 f"{budgets.prompt_budget} tokens, below the observation window ({cfg.window_size})",
                 "raise --budget or lower --max-new-tokens",
             )
+        for layer in prefill.layers:  # a cache of inf or NaN would be written, then refused when read
+            # one float32 sum each (inf and NaN survive it; no mask the size of the layer)
+            if not all(math.isfinite(float(t.sum(dtype=torch.float32))) for t in (layer.keys, layer.values)):
+                raise overflow_error(self.dtype_name)
         method = method_for(cfg)
         n_stored = cfg.stored_tokens(n, budgets.prompt_budget)  # the file's tokens per KV head (≥ the working set)
         stored_per_layer = layer_budgets(prefill.layers, cfg, method, n_stored)  # {layer index: tokens per KV head}

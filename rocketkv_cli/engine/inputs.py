@@ -101,3 +101,11 @@ def tokenize_document(tokenizer, framing: str, text: str, add_special_tokens: bo
         offsets.append(char_start + at)
         lines.append(line_start + bisect.bisect_left(newlines, at))
     return DocumentTokens(ids, offsets, lines)
+
+
+def overflow_error(dtype: str | None = None) -> InputError:
+    """The error for a model whose numbers left `dtype`'s range (inf or NaN in its keys, values or
+    logits): an answer or a cache made of them would be garbage that looks like a result."""
+    where = f" in {dtype}" if dtype else ""
+    return InputError(f"the model overflowed{where} (inf or NaN in its activations)",
+                      "run it with --dtype bfloat16 or --dtype float32")  # fmt: skip

@@ -189,3 +189,28 @@ def test__streamed_pieces__a_loop_of_the_first_word_cut_right_after_it():
     state.finish()
     pieces.append(state.take_final())
     assert reason == "repetition" and state.text() == "ok" and "".join(pieces) == "ok", (reason, pieces)
+
+
+def test__an_answer_cut_by_the_length_limit__drops_a_tail_that_begins_a_stop_string():
+    """ "5817.\\nQuestion" at --max-new-tokens 8, "5817." at 7 and 9 (from an adversarial trial): a
+    tail that is the framing's next "Question:" begun is dropped at the limit, as one more token
+    would have stopped there; a line of text that merely starts like it ("Q", "Qu") is kept, and
+    without the limit (EOS) the text is as it ends."""
+    stops = ("\n\n", "\nQuestion:")
+    assert AnswerText("5817.\nQuestion", stops).text_at_limit() == "5817."
+    assert AnswerText(" 5817.\nQues", stops).text_at_limit() == "5817."
+    assert AnswerText("Options:\nA\nQu", stops).text_at_limit() == "Options:\nA\nQu"
+    assert AnswerText("It is red. Question", stops).text_at_limit() == "It is red. Question"  # not at a line start
+    assert AnswerText("Question", stops).text_at_limit() == ""  # the whole answer was the stop string's start
+    tokens = {1: "5817.", 2: "\n", 3: "Question"}
+    state = AnswerTokens(lambda ids: "".join(tokens[i] for i in ids), stops)
+    for t in (1, 2, 3):
+        assert state.add(t) is None
+    shown = state.take_final()
+    state.finish(at_limit=True)
+    assert shown + state.take_final() == state.text() == "5817."
+    eos = AnswerTokens(lambda ids: "".join(tokens[i] for i in ids), stops)
+    for t in (1, 2, 3):
+        eos.add(t)
+    eos.finish()
+    assert eos.text() == "5817.\nQuestion"

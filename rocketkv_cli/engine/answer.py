@@ -417,7 +417,7 @@ def stream_answer(
             if len(state.tokens) == max_new_tokens:
                 break
             logits = decoder.decode_one_token(token)
-    state.finish()
+    state.finish(at_limit=reason == "length")
     if piece := state.take_final():
         yield piece
     out = state.tokens

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 ANSWER_ECHO = "\nAnswer:"  # a line that labels the answer again after it (the model echoes the Q/A pattern)
 AFTER_TEXT_STOPS = (ANSWER_ECHO,)  # stops that count only after some text: an answer may begin "Answer: …"
+MIN_STOP_TAIL_CHARS = 4  # a cut answer's tail dropped as a stop string's start: its line break and 3+ characters
 MIN_LOOP_UNITS = 24
 MAX_LOOP_PERIOD = 64
 _UNIT = re.compile(r"\d+|[^\W\d_]{1,12}|[^\w\s]")
@@ -96,6 +97,18 @@ class AnswerText:
         cut = self.stop_at()
         return (self.body if cut is None else self.body[:cut]).strip()
 
+    def text_at_limit(self) -> str:
+        """`text()` of an answer the length limit cut: a tail that is the start of a stop string
+        (the framing's next "Question" on a line of its own) is dropped, as it would have been
+        had the limit allowed a few more tokens, so a higher limit never gives a shorter answer."""
+        text = self.text()
+        line = "\n" + text
+        for s in self.stops:  # a line break and 3+ characters of it: "\nQue", not a line "Q" that may be text
+            for n in range(min(len(s) - 1, len(line)), MIN_STOP_TAIL_CHARS - 1, -1):
+                if line.endswith(s[:n]) and (s[0] == "\n" or s in AFTER_TEXT_STOPS):
+                    return text[: max(0, len(line) - n - 1)].rstrip()
+        return text
+
     def loop_cut(self) -> int | None:
         """When the text ends in a loop: the offset in `body` where the kept text ends; else None.
 
@@ -158,7 +171,7 @@ class AnswerTokens:
         self.tokens: list[int] = []
         self.shown = ""
         self._state = AnswerText("", stops)
-        self._done = False
+        self._done = self._at_limit = False
 
     def add(self, token: int) -> str | None:
         self.tokens.append(token)
@@ -174,15 +187,16 @@ class AnswerTokens:
             return "stop_string"
         return None
 
-    def finish(self) -> None:
-        """No more tokens (EOS or the length limit): the whole text is final."""
-        self._done = True
+    def finish(self, at_limit: bool = False) -> None:
+        """No more tokens (EOS or, `at_limit`, the length limit): the whole text is final; at the
+        limit without a tail that begins a stop string (`AnswerText.text_at_limit`)."""
+        self._done, self._at_limit = True, at_limit
 
     def text(self) -> str:
-        return self._state.text()
+        return self._state.text_at_limit() if self._at_limit else self._state.text()
 
     def take_final(self) -> str:
-        final = self._state.text() if self._done else self._state.final_prefix()
+        final = self.text() if self._done else self._state.final_prefix()
         if not final.startswith(self.shown):  # cannot happen (tests/test_stopping.py); never repeat text
             return ""
         piece, self.shown = final[len(self.shown) :], final

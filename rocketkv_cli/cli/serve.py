@@ -3,6 +3,7 @@ itself), or show (`status`) or stop (`stop`) the running one. docs/serve.md."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -219,6 +220,8 @@ def serve_command(
     except (KeyboardInterrupt, Terminated):  # what stops a foreground server: not an error
         signum = received()
         handled()
-        if signum == signal.SIGINT and err.is_terminal:  # after the terminal's "^C", on a line of its own
-            err.print()
-        log(f"stopped ({signal.Signals(signum).name if signum in (signal.SIGTERM, signal.SIGHUP) else 'interrupted'})")
+        with contextlib.suppress(OSError):  # a closed terminal (SIGHUP) takes no line: the exit is still 0
+            if signum == signal.SIGINT and err.is_terminal:  # after the terminal's "^C", on a line of its own
+                err.print()
+            name = signal.Signals(signum).name if signum in (signal.SIGTERM, signal.SIGHUP) else "interrupted"
+            log(f"stopped ({name})")

@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import shlex
+import signal
 import socket
 import stat
 import time
@@ -339,5 +340,24 @@ def _run(cfg: ServeConfig, state: ServeState, sock: socket.socket, url: str, log
         finally:
             watcher.cancel()
 
-    asyncio.run(main())
+    # uvicorn stops gracefully on SIGINT and SIGTERM (answers in flight told, then the signal
+    # raised again); a hangup (the terminal closed) gets the same: without this, the CLI's handler
+    # raised inside the event loop, mid-request, with a traceback in the log
+    hangup: list[int] = []
+    previous = signal.getsignal(signal.SIGHUP)
+
+    def on_hangup(signum: int, frame: object) -> None:
+        hangup.append(signum)
+        why["reason"] = "SIGHUP"
+        server.should_exit = True
+
+    if previous not in (signal.SIG_IGN, None):  # `nohup rocketkv serve` keeps running
+        signal.signal(signal.SIGHUP, on_hangup)
+    try:
+        asyncio.run(main())
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGHUP, previous)
+    if hangup and callable(previous):
+        signal.raise_signal(signal.SIGHUP)  # the CLI's handler: its exit, as after uvicorn's re-raise
     log(f"stopped ({why['reason']})")

@@ -1,7 +1,7 @@
 """The `rocketkv` console script. It installs the signal handling first (`signals.py`) and only
 then imports the command line (Typer, Rich, and through the commands torch and transformers), so
-that Ctrl-C or SIGTERM at any moment ends with one line and the usual exit code: 130 (SIGINT),
-143 (SIGTERM).
+that Ctrl-C, SIGTERM or SIGHUP at any moment ends with one line and the usual exit code: 130
+(SIGINT), 143 (SIGTERM), 129 (SIGHUP).
 
 Standard library only: this module runs before anything heavy is imported. The signal state lives
 in `signals.py`, which `cli/common.py` reads too (so that an interrupt that a library turned into

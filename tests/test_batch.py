@@ -739,7 +739,10 @@ def test__a_document_given_as_the_manifest__one_error_and_nothing_written(rocket
     r = run(rocketkv_bin, env, "batch", doc)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1, r.stderr
-    assert lines[0].startswith(f"Error: {doc} is not a JSON-lines manifest: none of its 3 lines is JSON — "), lines
+    assert lines[0].startswith(
+        f"Error: {doc} is not a JSON-lines manifest: none of its 3 lines is JSON (line 1 is "
+        "not valid JSON (Expecting value at column 1)) — write one JSON object per line"
+    ), lines
     assert sorted(p.name for p in tmp_path.iterdir()) == ["book.txt"]
     from rocketkv_cli.batch.manifest import BadRow, Row, read_manifest
 

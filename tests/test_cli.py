@@ -1314,6 +1314,8 @@ def test__an_unquoted_question__a_usage_error_naming_the_quoted_question(rocketk
     for args in (["Who?", "When?"], ["What is the code?", "why"], ["Summarize.", "Why?"]):
         assert not split_question(args), args
     assert split_question(["secret", "code?"]) and not split_question(["", "code?"])
+    for args in (["作者是谁？", "它讲了什么?"], ["总结一下", "作者是谁?"], ["Zusammenfassung", "Wärme?"]):  # a review's
+        assert not split_question(args), args
 
 
 def test__a_pdf_or_compressed_file_as_the_document__named_with_what_to_do(rocketkv_bin, env, tiny_model_dir, tmp_path):

@@ -127,8 +127,10 @@ def read_manifest(path: Path) -> list[Row | BadRow]:
                              " — give each row its own id")  # fmt: skip
         rows.append(row)
     if rows and all(isinstance(r, BadRow) and r.not_json for r in rows):
-        raise InputError(f"{path} is not a JSON-lines manifest: none of its {len(rows):,} lines is JSON",
-                         'write one JSON object per line, e.g. {"id": 1, "document": "book.txt", '
+        first = rows[0].error.split(" — ")[0]  # type: ignore[union-attr]  # "line 1 is not UTF-8 text", …
+        lines = "its one line is" if len(rows) == 1 else f"none of its {len(rows):,} lines is"
+        raise InputError(f"{path} is not a JSON-lines manifest: {lines} JSON ({first})",
+                         'write one JSON object per line in UTF-8, e.g. {"id": 1, "document": "book.txt", '
                          '"questions": ["Who wrote it?"]}')  # fmt: skip
     return rows
 

@@ -163,10 +163,12 @@ def server_note(remote) -> str:
 def split_question(args: list[str]) -> bool:
     """Whether the question arguments look like one question the shell split at its spaces
     (`ask --cache X.kv Who wrote it?`, unquoted): two or more single words, the last ending in "?",
-    none of the others ending a sentence. Several real questions end in "?" each (`Who? When?`)."""
+    none of the others ending a sentence. Several real questions end in "?" each (`Who? When?`).
+    Only words in ASCII letters: scripts without spaces between words (Chinese, Japanese) give
+    whole questions as single arguments, and other punctuation ends their sentences."""
     words = [a for a in args if a]
-    return (len(words) == len(args) >= 2 and words[-1].endswith("?") and not any(w.split() != [w] for w in words)
-            and not any(w[-1] in "?!.:;" for w in words[:-1]))  # fmt: skip
+    return (len(words) == len(args) >= 2 and words[-1].endswith("?") and all(w.isascii() for w in words)
+            and not any(w.split() != [w] for w in words) and not any(w[-1] in "?!.:;" for w in words[:-1]))  # fmt: skip
 
 
 def questions_of(args: Optional[list[str]], cache: Optional[Path], questions_file: Optional[str]):

@@ -625,3 +625,25 @@ def test__pid_alive__a_pid_past_the_systems_range_is_not_alive():
     from rocketkv_cli.store.atomic import pid_alive
 
     assert pid_alive(os.getpid()) and not pid_alive(10**20) and not pid_alive(0)
+
+
+def test__model_work_folders__a_killed_conversions_is_removed_by_the_next(tmp_path):
+    """A conversion killed with SIGKILL left a `tmpXXXX` folder of hundreds of MB in
+    $ROCKETKV_HOME/models that nothing removed and `rocketkv models` listed as a model (from an
+    adversarial trial). Work folders are named for their process now: the next one removes those
+    of processes that are gone, never a live one's, and `models` does not list them."""
+    from rocketkv_cli.model.resolve import WORK_PREFIX, _work_dir
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f"{WORK_PREFIX}{gone.pid}-abc"
+    (dead / "sub").mkdir(parents=True)
+    (dead / "sub" / "model.safetensors").write_bytes(b"x" * 1000)
+    live = tmp_path / f"{WORK_PREFIX}{os.getppid()}-def"  # pytest's parent: alive
+    live.mkdir()
+    other = tmp_path / "notes"
+    other.mkdir()
+    with _work_dir(tmp_path) as work:
+        assert Path(work).name.startswith(f"{WORK_PREFIX}{os.getpid()}-") and Path(work).is_dir()
+        assert not dead.exists() and live.is_dir() and other.is_dir()
+    assert not Path(work).exists()

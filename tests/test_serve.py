@@ -235,7 +235,7 @@ def test__errors_are_the_same_one_line_with_and_without_the_server(rocketkv_bin,
     assert r.returncode == 0 and "a server is running" in r.stderr.splitlines()[-1], r.stderr  # after the answer
     r = run(rocketkv_bin, env, "summarize", caches[0].with_suffix(".txt"), "--model", tiny_model_dir, "--budget", "64",
             "--max-new-tokens", "4")  # fmt: skip
-    assert r.returncode == 0 and "summarize with --cache" in r.stderr.splitlines()[-1], r.stderr
+    assert r.returncode == 0 and "rocketkv summarize --cache" in r.stderr.splitlines()[-1], r.stderr
 
 
 def test__a_server_named_with_server_must_answer(rocketkv_bin, env, caches, tmp_path):

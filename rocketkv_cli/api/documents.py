@@ -134,13 +134,12 @@ class TextStream:
         hint = "pass --encoding latin-1 (or the right codec), or --errors replace"
         for block in self._blocks():
             self._digest.update(block)
-            if self.bytes_read == 0 and b"\x00" in block and _looks_like_cache(block, str(path)):  # before the
-                raise InputError(
-                    f"{path} is a rocketkv cache, not a document",  # formats: a header length can
-                    f"pass it with --cache: {with_cache(self._command, str(path))}",
-                )  # start as gzip does
-            if self.bytes_read == 0 and (known := binary_format(block, str(path))) is not None:
-                raise InputError(f"{path} is {known[0]}, not a text document", known[1])
+            if self.bytes_read == 0:  # a cache first: its header's length can start as gzip's magic does
+                if b"\x00" in block and _looks_like_cache(block, str(path)):
+                    fix = f"pass it with --cache: {with_cache(self._command, str(path))}"
+                    raise InputError(f"{path} is a rocketkv cache, not a document", fix)
+                if (known := binary_format(block, str(path))) is not None:
+                    raise InputError(f"{path} is {known[0]}, not a text document", known[1])
             if b"\x00" in block and self._codec.lower().startswith("utf-8"):
                 at = self.bytes_read + block.index(b"\x00")
                 raise InputError(

@@ -4,6 +4,7 @@ each answer to milliseconds; the real presets are covered by the benchmark (docs
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import re
@@ -1512,3 +1513,91 @@ def test__threads_note_only_where_the_server_computes_with_other_threads(rocketk
     other = run(rocketkv_bin, env, "ask", "--cache", cache, "--threads", "2", QUESTIONS[0])
     assert other.returncode == 0 and other.stdout == same.stdout, other.stderr
     assert f"note: --threads 2 is not used: the server at {s.url} computes with its own threads (1 now)" in other.stderr
+
+
+def test__questions_over_the_servers_body_limit__answered_in_process(rocketkv_bin, env, caches, served, tmp_path):
+    """A questions file whose request is over the server's body limit (1 MiB) failed with "request
+    body over 1048576 bytes"; it is answered in the client's own process, as with --no-server (the
+    same stdout, stderr and exit code), and /health says the limit."""
+    cache = caches[0]
+    s = served("--idle-timeout", "0")
+    assert health(s.server)["max_body_bytes"] == 1 << 20
+    questions = tmp_path / "questions.txt"
+    questions.write_text(f"{QUESTIONS[0]}\n{'What does the river say? ' * 48_000}\n")  # 1.2 MB, 2 questions
+    through = run(rocketkv_bin, env, "ask", "--cache", cache, "--questions-file", questions, "--json")
+    here = run(rocketkv_bin, env, "ask", "--cache", cache, "--questions-file", questions, "--json", "--no-server")
+    assert "request body" not in through.stderr, through.stderr
+    untimed = lambda text: re.sub(r" in \d+\.\ds", "", text)  # noqa: E731 (the model's load time)
+    assert (through.returncode, untimed(through.stderr)) == (here.returncode, untimed(here.stderr))
+    assert without_timings(through.stdout) == without_timings(here.stdout)
+
+
+def test__a_request_over_the_body_limit__does_not_fit__and_batch_runs_it_here(env, served, tmp_path, tiny_model_dir,
+                                                                              monkeypatch):  # fmt: skip
+    """`fits` asks the server's limit for a large request; a batch through a server whose
+    `remote` returns None for a task (its row over the limit: a text of a megabyte and more) runs
+    that task in its own process: the same result lines as a batch without a server. (A real row
+    that large takes minutes to prefill on the tiny model; the in-process path is what it adds.)"""
+    from rocketkv_cli.batch.run import run_batch
+    from rocketkv_cli.batch.tasks import BatchSettings
+    from rocketkv_cli.core.config import PrefillConfig
+    from rocketkv_cli.serve.client import fits
+
+    s = served("--idle-timeout", "0")
+    assert fits(s.server, {"text": "x" * 500_000})
+    assert not fits(s.server, {"text": "x" * (1 << 20)}) and not fits(s.server, {"text": "é" * 180_000})
+    monkeypatch.setenv("ROCKETKV_HOME", env["ROCKETKV_HOME"])
+    manifest = tmp_path / "rows.jsonl"
+    rows = [{"id": i, "text": text_of_bytes(600, seed=i), "questions": [QUESTIONS[0]]} for i in range(2)]
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    settings = BatchSettings(model=str(tiny_model_dir), config=PrefillConfig(token_budget=64), threads=1)
+    results = {}
+    for name, remote in (("here", None), ("none", lambda task: None)):
+        run_batch(manifest, tmp_path / f"{name}.jsonl", tmp_path / f"caches-{name}", settings, remote=remote)
+        results[name] = [{k: v for k, v in json.loads(line).items() if k not in ("elapsed_s", "cache", *TIMING_KEYS)}
+                         for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]  # fmt: skip
+    assert len(results["here"]) == 2 and all("answer" in r for r in results["here"]), results["here"]
+    assert results["none"] == results["here"]
+
+
+class _Broken(http.server.BaseHTTPRequestHandler):
+    """A server that says it is rocketkv (`/health`) and answers an ask with `self.server.stream`:
+    a damaged or foreign stream, which rocketkv's own server never sends."""
+
+    def do_GET(self):
+        self._reply(json.dumps({"service": "rocketkv", "status": "ok", "version": "0"}).encode())
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._reply(self.server.stream)
+
+    def _reply(self, body: bytes):
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("stream", [
+    b'{"event": "done"}\n',  # no answer at all: printed nothing and exited 0
+    b'{"event": "answer", "record": null}\n{"event": "done"}\n',  # a TypeError's traceback
+    b'{"event": "answer", "record": {"answer": 7}}\n{"event": "done"}\n',
+    b'["event", "done"]\n',  # JSON, not an event object
+])  # fmt: skip
+def test__a_server_that_sends_no_answer_or_a_damaged_one__one_line_exit_1(rocketkv_bin, env, caches, stream):
+    """A server (or a proxy) whose stream ends with `done` but no answer, or whose answer record is
+    not one, made `ask` exit 0 with nothing printed, or crash; now one line and exit 1."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Broken)
+    httpd.stream = stream
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        r = run(rocketkv_bin, env, "ask", "--server", url, "--cache", caches[0], QUESTIONS[0])
+    finally:
+        httpd.shutdown()
+    assert r.returncode == 1 and r.stdout == "", (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"Error: the server at {url} "), r.stderr

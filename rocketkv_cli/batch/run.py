@@ -28,7 +28,7 @@ from .tasks import (
 
 # a running `rocketkv serve`, as `rocketkv batch` reaches it: one task sent, its events back
 # ({"event": "line", "line"}, {"event": "log", "message"}); errors raised as their rocketkv types
-Remote = Callable[[Task], Iterable[dict]]
+Remote = Callable[[Task], Iterable[dict] | None]  # None: run that task here
 
 
 def _digest_or_none(row: Row) -> str | None:
@@ -57,7 +57,8 @@ def run_batch(
     address, `auto` for a running cluster, or `local` to start one for this run; None: the
     cluster's CPUs divided by `settings.threads`). remote: run each task on a running server
     instead (`rocketkv serve`, which keeps the model loaded and runs `run_task` itself; a task the
-    server refuses, such as a document outside its `--allow-dir`, becomes the row's error line).
+    server refuses, such as a document outside its `--allow-dir`, becomes the row's error line;
+    `remote` returns None for a task to run in this process: a request over the server's body limit).
     Raises:
         InputError: an unreadable manifest, Ray missing or unreachable. OutputError: the results
         file or cache folder cannot be written. ModelLoadError: the model does not load.
@@ -88,9 +89,16 @@ def run_batch(
         if tasks:
             _make_dir(cache_dir)
             if remote is not None:
+                rk = None  # loaded for the first task the server cannot take (a request over its body limit)
                 for i, task in enumerate(tasks):
+                    sent = remote(task)
+                    if sent is None:
+                        rk = rk or load_worker(settings)
+                        for line in run_task(rk, task, cache_dir, settings, log):
+                            tracker.write(i, line)
+                        continue
                     try:
-                        for event in remote(task):
+                        for event in sent:
                             if event.get("event") == "line":
                                 tracker.write(i, event["line"])
                             elif event.get("event") == "log":

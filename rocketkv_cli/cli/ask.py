@@ -12,7 +12,7 @@ import typer
 from ..api.preflight import check_questions
 from ..core.config import AttentionChoice
 from ..errors import InputError, UsageError
-from ..serve.client import MAX_QUESTIONS
+from ..serve.client import MAX_QUESTIONS, fits
 from .answers import (
     AnswerPrinter,
     CiteOpt,
@@ -315,6 +315,8 @@ def ask_command(
     printer = AnswerPrinter(fmt, stream)
     local = no_server or len(questions) > MAX_QUESTIONS
     remote = server_for(server, local, timings) if doc is None else None
+    if remote is not None and not fits(remote, {"questions": questions}):
+        remote = None  # over the server's request limit: answered here, as past MAX_QUESTIONS
     server_hint = doc is not None and not local and server_running(server)  # said once answered, never before an error
     try:
         if remote is not None and cache is not None:  # doc is None: --cache was given

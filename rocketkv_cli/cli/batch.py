@@ -195,7 +195,7 @@ def batch_command(
         if found is not None:
             import json
 
-            from ..serve.client import events
+            from ..serve.client import events, fits
 
             sent = {**settings.to_dict(), **model_for_server({"model": settings.model})}
             cache_abs = str(folder.resolve())
@@ -204,7 +204,7 @@ def batch_command(
 
             def remote(task):
                 body = {"task": json.loads(task.to_json()), "cache_dir": cache_abs, "settings": sent}
-                return events(found, "/v1/rocketkv/batch", body)
+                return events(found, "/v1/rocketkv/batch", body) if fits(found, body) else None  # None: run here
 
     with batch_bar() as bar:
         task = bar.add_task("batch", total=None, answers=0, visible=False)  # shown once the rows are counted

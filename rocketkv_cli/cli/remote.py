@@ -16,7 +16,7 @@ from rich.markup import escape
 
 from ..core.config import PRESET_WEIGHTS_DEFAULTS  # keyed by the presets
 from ..errors import UsageError
-from ..serve.client import Server, ServerError, events, health, locate
+from ..serve.client import Server, ServerError, answer_record, events, health, locate
 from .answers import AnswerPrinter, answer_log_of, decode_timing
 from .common import Timings, err, log, spinners, spinning
 
@@ -150,11 +150,11 @@ def ask_remote(server: Server, cache: Path, questions: list[str], options: dict,
             started = True
         kind = event.get("event")
         if kind == "piece":
-            printer.piece(event["text"])
+            printer.piece(str(event.get("text", "")))
         elif kind == "log":
-            log(event["message"])
+            log(str(event.get("message", "")))
         elif kind == "answer":
-            record = event["record"]
+            record = answer_record(server, event)
             citations = None if event.get("citations") is None else [
                 SimpleNamespace(**c) for c in event["citations"]]  # fmt: skip
             printer.finish(record["answer"], record, citations)
@@ -166,6 +166,9 @@ def ask_remote(server: Server, cache: Path, questions: list[str], options: dict,
             done += 1
             if done < len(questions):
                 printer.start(questions[done])
+    if done < len(questions):  # the stream said done with answers missing: never an exit 0 without them
+        raise ServerError(f"the server at {server.url} sent {done} of {len(questions)} answers",
+                          "run the command again (with --no-server to answer without it)")  # fmt: skip
 
 
 Turn = Generator[str, None, tuple[str, dict, list | None, str]]  # pieces; then (text, record, citations, log line)
@@ -189,11 +192,11 @@ class RemoteChat:
         result = None
         for event in server_events(self.server, "/v1/rocketkv/ask", {**self.body, "questions": [question]}):
             if event.get("event") == "piece":
-                yield event["text"]
+                yield str(event.get("text", ""))
             elif event.get("event") == "log":
-                log(event["message"])
+                log(str(event.get("message", "")))
             elif event.get("event") == "answer":
-                record = event["record"]
+                record = answer_record(self.server, event)
                 citations = None if event.get("citations") is None else [
                     SimpleNamespace(**c) for c in event["citations"]]  # fmt: skip
                 result = (record["answer"], record, citations, answer_log_of(record))

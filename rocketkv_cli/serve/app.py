@@ -87,6 +87,7 @@ class ServeState:
                 "threads": self.warm.current_threads, "threads_fixed": self.warm.threads is not None,
                 "uptime_s": round(time.monotonic() - self.started, 1),
                 "active": self.in_flight(), "served": self.served, "max_queue": self.max_queue,
+                "max_body_bytes": self.max_body_bytes,
                 "idle_timeout_s": self.idle_timeout_s, "cancelled": Job.cancelled_total,
                 **self.warm.describe()}  # fmt: skip
 
@@ -178,7 +179,7 @@ class Guard:
             return BadRequest(400, "Content-Length and Transfer-Encoding both given", "InputError",
                               "send one of them")  # fmt: skip
         if length is not None and (not length.isdigit() or int(length) > state.max_body_bytes):
-            return BadRequest(413, f"request body over {state.max_body_bytes} bytes")
+            return BadRequest(413, f"request body over {state.max_body_bytes} bytes", "InputError", TOO_LARGE_HINT)
         busy = state.in_flight()  # a left client's job may still wait for the lock: it counts
         if scope["method"] == "POST" and scope["path"] != "/v1/rocketkv/shutdown" and busy >= state.max_queue:
             return BadRequest(503, f"the server is busy ({busy} requests in flight)", "RocketKVError",
@@ -186,6 +187,7 @@ class Guard:
         return None
 
 
+TOO_LARGE_HINT = "send a smaller request (rocketkv's commands: --no-server answers without the server)"
 BODY_TIMEOUT_S = 20.0  # seconds between a request's start and the end of its body
 
 
@@ -206,7 +208,7 @@ def _limited(receive, limit: int, timeout_s: float = BODY_TIMEOUT_S):
         if message["type"] == "http.request":
             seen[0] += len(message.get("body", b""))
             if seen[0] > limit:
-                raise BadRequest(413, f"request body over {limit} bytes")
+                raise BadRequest(413, f"request body over {limit} bytes", "InputError", TOO_LARGE_HINT)
             done[0] = not message.get("more_body", False)
         else:
             done[0] = True

@@ -33,11 +33,13 @@ from urllib.parse import urlsplit
 
 from .. import __version__, errors
 from ..errors import InputError, RocketKVError
-from .config import api_key_ok, check_socket_path
+from .config import DEFAULT_MAX_BODY_BYTES, api_key_ok, check_socket_path
 
 SOCKET_NAME = "serve.sock"
 HEALTH_TIMEOUT_S = 2.0  # a warm server answers /health in milliseconds; a busy one still answers (async)
 MAX_QUESTIONS = 1000  # per request; `ask` with more answers in its own process
+SMALL_REQUEST_BYTES = 64 * 1024  # a request body under this fits any server: sent without asking its limit
+REQUEST_MARGIN_BYTES = 32 * 1024  # the fields a request adds to what `fits` is given (paths, options), at most
 BUSY_WAIT_S = 600.0  # how long a client waits for a busy server (503) before it reports it
 UNIX_PATH_MAX = 107  # bytes in sockaddr_un.sun_path, less the terminating NUL (Linux)
 STARTING_WAIT_S = 120.0  # how long a client waits for a server that is starting (its imports: seconds)
@@ -425,6 +427,18 @@ def _listening(path: Path) -> str:
     return "listening"
 
 
+def fits(server: Server, payload: dict) -> bool:
+    """Whether a request carrying `payload` (its questions, a document's text), with the fields a
+    request adds to it (`REQUEST_MARGIN_BYTES`), is within the server's body limit (`/health`'s
+    `max_body_bytes`; a server that does not say has the default, 1 MiB). A command whose request
+    does not fit answers in its own process, as the same command does without a server."""
+    size = len(json.dumps(payload).encode()) + REQUEST_MARGIN_BYTES
+    if size <= SMALL_REQUEST_BYTES:
+        return True
+    limit = (health(server) or {}).get("max_body_bytes", DEFAULT_MAX_BODY_BYTES)
+    return isinstance(limit, int) and size <= limit
+
+
 def _raise_error(event: dict) -> None:
     """Re-raise an error event as its `rocketkv_cli.errors` type (RocketKVError if unknown)."""
     kind = getattr(errors, str(event.get("type", "")), None)
@@ -454,6 +468,29 @@ def _retry_after(value: str | None) -> float:
 def _lost(server: Server) -> ServerError:
     return ServerError(f"the rocketkv server at {server.url} stopped before the answer was complete",
                        "run the command again (with --no-server to answer without it)")  # fmt: skip
+
+
+def _foreign(server: Server) -> ServerError:
+    return ServerError(f"the server at {server.url} answered something that is not rocketkv's protocol",
+                       "check --server / $ROCKETKV_SERVER, or pass --no-server")  # fmt: skip
+
+
+def answer_record(server: Server, event: dict) -> dict:
+    """The `record` of an `answer` event, checked: a JSON object with the answer's text, its
+    timings (seconds), token count and stop reason, and `citations` (when the event has them) a
+    list of objects. Raises ServerError otherwise (a server that is not rocketkv's, or a damaged
+    stream: never an empty answer printed as if it were one)."""
+    record, citations = event.get("record"), event.get("citations")
+    number = (int, float)
+    fields = {"answer": str, "stop_reason": str, "n_answer_tokens": int, "prefill_s": number, "decode_s": number}
+    listed = citations is None or (isinstance(citations, list) and all(isinstance(c, dict) for c in citations))
+    if not isinstance(record, dict) or not listed:
+        raise _foreign(server)
+    for name, kind in fields.items():
+        value = record.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool):  # type: ignore[arg-type]
+            raise _foreign(server)
+    return record
 
 
 def _send(server: Server, path: str, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
@@ -498,6 +535,8 @@ def events(server: Server, path: str, body: dict) -> Iterator[dict]:
             if not line:
                 break
             event = json.loads(line)
+            if not isinstance(event, dict):
+                raise _foreign(server)
             if event.get("event") == "done":
                 return
             if event.get("event") == "error":

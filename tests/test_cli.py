@@ -1345,3 +1345,15 @@ def test__a_pdf_or_compressed_file_as_the_document__named_with_what_to_do(rocket
     text = tmp_path / "bz.txt"
     text.write_text("BZh1 is how a bzip2 file starts; this one is text.\n" * 5)
     assert run(rocketkv_bin, env, "ingest", text, "-o", tmp_path / "x.kv", "--model", tiny_model_dir).returncode == 0
+
+
+def test__ingest_options_are_checked_against_the_presets_budget_before_the_model_loads(rocketkv_bin, env, tmp_path):
+    """`ingest DOC --window-size 800` (the default preset's budget is 1024) was a usage error citing
+    "--budget 512"; it passes the option check now, so a missing DOC is what is said. A window over
+    the preset's budget is still refused, naming 1024."""
+    r = run(rocketkv_bin, env, "ingest", tmp_path / "nope.txt", "--window-size", "800")
+    error = assert_one_line_error(r, code=1)
+    assert "not found" in error and "budget" not in error, error
+    r = run(rocketkv_bin, env, "ingest", tmp_path / "nope.txt", "--window-size", "1100")
+    error = assert_one_line_error(r, code=2)
+    assert "--budget 1024 is below the observation window (--window-size 1100)" in error, error

@@ -114,3 +114,24 @@ def test__summary_writing__presets_extract_unless_asked_to_write():
     assert summary_writing("/models/Qwen2.5-1.5B-Instruct", extractive=True, write_from="document") is None
     with pytest.raises(ValueError, match="write_from must be one of sentences, document"):
         summary_writing("gemma-3-270m", write_from="paragraphs")
+
+
+def test__preset_config__options_are_checked_against_the_presets_token_budget():
+    """`ingest --window-size 800` on a preset was refused against the generic budget (512), though
+    the preset's is 1024; `--store-budget 600` silently dropped the budget to 512. Both are checked
+    against the preset's 1024 now, and its other defaults still give way where they must."""
+    from rocketkv_cli.core.config import PRESET_PREFILL_DEFAULTS, STORE_ALL, preset_config
+
+    for preset, defaults in PRESET_PREFILL_DEFAULTS.items():
+        cfg = preset_config(preset, {"window_size": 800})
+        assert (cfg.window_size, cfg.token_budget, cfg.store_budget) == (800, 1024, STORE_ALL), preset
+        with pytest.raises(ValueError, match=r"budget \(1024\), got 600"):
+            preset_config(preset, {"store_budget": 600})
+        with pytest.raises(ValueError, match=r"1024 is below the observation window"):
+            preset_config(preset, {"window_size": 1100})
+        assert preset_config(preset, {"store_budget": 600, "token_budget": 512}).store_budget == 600
+        adaptive = preset_config(preset, {"layer_budgets": "adaptive"})  # the store default gives way to it
+        assert adaptive.layer_budgets == "adaptive" and adaptive.token_budget == defaults["token_budget"]
+    assert preset_config("some/other-model", {"window_size": 32}) == PrefillConfig(window_size=32)
+    with pytest.raises(ValueError, match="observation window"):
+        preset_config("some/other-model", {"window_size": 800})  # no preset: the generic budget, 512

@@ -310,3 +310,31 @@ def test__tokens__hand_worked_starts():
     text = '"Hello" world. (Yes\' x\n  (Z) \t"a'
     assert sc._tokens(text) == [("Hello", True), ("world", False), ("Yes", True), ("x", False), ("Z", True),
                                 ("a", False)]  # fmt: skip
+
+
+@pytest.mark.parametrize("text, kept", [
+    ("Mail john@x.com now", "Mail   now"),
+    ("Mail <john@x.com>, now", "Mail  , now"),
+    ("Write to (jane.doe@x.org) today", "Write to   today"),
+    ("see http://x.com/a. Then www.gnu.org/licenses/ ok", "see   Then   ok"),
+    ("contact:bob@y.io.", " "),
+    ("no address @ here or a@b", "no address @ here or a@b"),
+])  # fmt: skip
+def test__url__links_and_addresses_removed(text, kept):
+    assert sc.URL.sub(" ", text) == kept
+
+
+def test__a_long_word_without_spaces__checked_in_linear_time():
+    """A base64 blob (or minified code) summarized: the address pattern matched from every
+    character of a word, so 100 KB took seconds and 2 MB hours (an adversarial trial). A 1 MB word,
+    and 1 MB of words holding an @ each, now take well under a second; the bound here is loose."""
+    import base64
+    import random
+    import time
+
+    blob = base64.b64encode(random.Random(0).randbytes(750_000)).decode()  # 1 MB, no spaces
+    for text in (blob, "ab@cd" * 200_000, "x." * 500_000 + "@"):
+        started = time.perf_counter()
+        sc.URL.sub(" ", text)
+        sc.document_names(text)
+        assert time.perf_counter() - started < 10, len(text)  # quadratic: hours

@@ -33,8 +33,8 @@ from ..core.config import (
     PrefillConfig,
     default_kv_dtype,
     kernels_choice,
+    preset_config,
     summary_writing,
-    with_preset_defaults,
 )
 from ..core.quant import KVStorage
 from ..engine.answer import Answer, KeptAnswerer, Sampling, TextCallback, answer, decode_config_for, hsa_min_tokens
@@ -240,7 +240,7 @@ class RocketKV:
         if text is not None and not isinstance(text, str):
             raise InputError(f"text= must be a str, got {type(text).__name__}", "decode bytes first")
         try:
-            cfg = config or with_preset_defaults(PrefillConfig(**config_fields), self.model_id, config_fields)
+            cfg = config or preset_config(self.model_id, config_fields)
             if storage is None:
                 storage = default_kv_dtype(self.model_id)
             kv = storage if isinstance(storage, KVStorage) else KVStorage.parse(storage)

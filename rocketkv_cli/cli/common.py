@@ -508,11 +508,12 @@ def default_kjv() -> Optional[Path]:
     return None
 
 
-def prefill_config(**kw):
+def prefill_config(preset: str | None = None, **kw):
     """A `PrefillConfig` from option values (`pool_kernel_size` as text: odd or 'auto';
-    `store_budget` as text: a token count or 'all').
-    Raises InputError naming the invalid value."""
-    from ..core.config import PrefillConfig
+    `store_budget` as text: a token count or 'all'); `preset`: the model whose measured defaults
+    fill the options not given, checked with them (`core.config.preset_config`).
+    Raises UsageError naming the invalid value."""
+    from ..core.config import PrefillConfig, preset_config
 
     pool = kw.pop("pool_kernel_size", None)
     if pool is None:
@@ -530,8 +531,9 @@ def prefill_config(**kw):
             kw["store_budget"] = int(store)
         except ValueError:
             raise UsageError(f"--store-budget must be a token count or 'all', got {store!r}") from None
+    fields = {k: v for k, v in kw.items() if v is not None}
     try:
-        return PrefillConfig(**{k: v for k, v in kw.items() if v is not None})
+        return PrefillConfig(**fields) if preset is None else preset_config(preset, fields)
     except ValueError as exc:
         raise UsageError(f"invalid option: {exc}") from None  # `command` shows the options' names
 

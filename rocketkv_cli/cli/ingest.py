@@ -116,6 +116,7 @@ def ingest_command(
     the output: an interrupted ingest continues where it stopped when the same command is rerun.
     """
     from ..api.preflight import check_output, default_output  # no torch: these answer at once
+    from ..core.config import DEFAULT_MODEL
     from .options import method_options
 
     setup(quiet, threads)
@@ -126,7 +127,7 @@ def ingest_command(
         method_options=method_options(method_option) or None,
     )  # fmt: skip
     explicit = [k for k, v in options.items() if v is not None]  # the preset's measured defaults fill the rest
-    cfg = prefill_config(**options)
+    cfg = prefill_config(preset=model or DEFAULT_MODEL, **options)  # checked with the preset's defaults
     if kv_dtype is not None:
         storage(kv_dtype)  # an unknown storage fails before the model loads
     stream = open_stream(document, encoding, errors)  # bad documents fail before anything else is touched

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -118,6 +118,8 @@ def default_kv_dtype(model_id: str) -> str:
     choice, `PRESET_KV_DTYPE_DEFAULTS`, else `DEFAULT_KV_DTYPE`)."""
     return PRESET_KV_DTYPE_DEFAULTS.get(model_id, DEFAULT_KV_DTYPE)
 
+
+DEFAULT_MODEL = "gemma-3-270m"  # the model used where none is named (a preset of `model.resolve.PRESETS`)
 
 # Stage-1 settings chosen per preset by measurement: they replace PrefillConfig's own defaults for that
 # model only, and never a field the user set. The store and the answering budget follow the measured
@@ -460,6 +462,23 @@ class AttentionChoice:
                 raise UsageError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.dense and self.hsa:
             raise UsageError("--dense and --hsa contradict each other", "give one of them")
+
+
+def preset_config(model_id: str, fields: Mapping[str, Any]) -> PrefillConfig:
+    """A `PrefillConfig` of the user's `fields` with the measured stage-1 defaults of preset
+    `model_id` (`PRESET_PREFILL_DEFAULTS`) in the others. The fields are checked against the
+    preset's token budget, the default `--help` and the docs name, never silently against another
+    (`--window-size 800` fits the presets' 1024, not the generic 512; `--store-budget 600` under
+    it is an error, not a budget of 512); the preset's other defaults give way where they do not
+    combine with the user's fields (`with_preset_defaults`).
+
+    Raises:
+        ValueError: the user's fields are invalid with that budget. TypeError: a name no field has.
+    """
+    given = dict(fields)
+    preset = PRESET_PREFILL_DEFAULTS.get(model_id, {})
+    budget = {k: v for k, v in preset.items() if k == "token_budget" and k not in given}
+    return with_preset_defaults(PrefillConfig(**{**budget, **given}), model_id, [*given, *budget])
 
 
 def with_preset_defaults(cfg: PrefillConfig, model_id: str, explicit: Iterable[str]) -> PrefillConfig:

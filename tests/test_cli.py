@@ -1369,3 +1369,16 @@ def test__ingest_options_are_checked_against_the_presets_budget_before_the_model
     r = run(rocketkv_bin, env, "ingest", tmp_path / "nope.txt", "--window-size", "1100")
     error = assert_one_line_error(r, code=2)
     assert "--budget 1024 is below the observation window (--window-size 1100)" in error, error
+
+
+def test__batch_with_a_missing_manifest__refused_before_torch(env, tmp_path):
+    """`rocketkv batch nope.jsonl` imported torch (seconds) before saying the manifest is missing;
+    like ask's and ingest's checks of their files, it answers before torch loads now."""
+    probe = "import sys; from rocketkv_cli.entry import main\n"
+    probe += "sys.argv = ['rocketkv', 'batch', sys.argv[1]]\n"
+    probe += "try:\n    main()\nexcept SystemExit as e:\n    print('torch' in sys.modules, e.code)\n"
+    missing = tmp_path / "nope.jsonl"
+    r = subprocess.run([sys.executable, "-c", probe, str(missing)], env=env, capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    assert r.stdout.split() == ["False", "1"], (r.stdout, r.stderr)
+    assert f"manifest not found: {missing}" in r.stderr, r.stderr

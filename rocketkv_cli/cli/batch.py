@@ -154,9 +154,7 @@ def batch_command(
     settings match); results are written one JSON line per answer as they finish. Rerun the same
     command after an interruption: answered rows are skipped, failed rows are retried.
     """
-    from ..api.rocketkv import DEFAULT_MODEL, configure
-    from ..batch.manifest import check_manifest_path
-    from ..batch.run import BatchSettings, run_batch
+    from ..batch.manifest import check_manifest_path  # torch-free: the checks below answer before torch loads
     from .remote import check_server_flags
 
     check_server_flags(server, no_server)
@@ -171,6 +169,9 @@ def batch_command(
 
         written = " and ".join(beside) + (" are" if len(beside) > 1 else " is")
         check_folder_writable(manifest, "manifest", written, "pass -o RESULTS.jsonl and --cache-dir DIR")
+    from ..api.rocketkv import DEFAULT_MODEL, configure
+    from ..batch.run import BatchSettings, run_batch
+
     configure(quiet, progress_bars=err.is_terminal and not quiet)  # transformers offline and silent (one worker too)
     out = None if output == "-" else Path(output) if output is not None else default_output(manifest)
     folder = cache_dir if cache_dir is not None else manifest.with_name(_stem(manifest) + ".kv-cache")

@@ -976,6 +976,15 @@ def test__status_stop_and_idle_timeout(rocketkv_bin, env, served, tmp_path):
     assert status.returncode == 0 and f"pid {s.proc.pid}" in status.stdout
     twice = run(rocketkv_bin, env, "serve", "--idle-timeout", "0")
     assert twice.returncode == 1 and "already running" in twice.stderr
+    assert "see `rocketkv serve status`, or stop it with `rocketkv serve stop`" in twice.stderr, twice.stderr
+    # a server on another socket: the hint names that socket (the default's commands would miss it)
+    mine = tmp_path / "my s.sock"
+    other = served("--socket", mine, "--idle-timeout", "0")
+    again = run(rocketkv_bin, env, "serve", "--socket", mine, "--idle-timeout", "0")
+    named = f"--socket '{mine}'"
+    assert again.returncode == 1 and f"`rocketkv serve status {named}`, or stop it with `rocketkv serve stop {named}`" \
+        in again.stderr, again.stderr  # fmt: skip
+    other.stop()
     stop = run(rocketkv_bin, env, "serve", "stop")
     assert stop.returncode == 0, stop.stderr
     assert s.proc.wait(timeout=30) == 0

@@ -55,8 +55,9 @@ def _lock(path: Path) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
+        named = "" if path == default_socket() else f" --socket {shlex.quote(str(path))}"  # the server on it
         raise InputError(f"a rocketkv server is already running on {path}",
-                         "see `rocketkv serve status`, or stop it with `rocketkv serve stop`") from None  # fmt: skip
+                         f"see `rocketkv serve status{named}`, or stop it with `rocketkv serve stop{named}`") from None  # fmt: skip
     mark(fd, LOCK_STARTING)
     return fd
 

@@ -402,6 +402,11 @@ def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches,
     assert send("GET", "/v1/models", key="wrong-key-123")[0] == 401
     assert send("POST", "/v1/rocketkv/shutdown", b"{}", key="wrong-key-123")[0] == 401
     ask = json.dumps({"cache": str(caches[0]), "questions": ["q"]}).encode()
+    for kind in ("application/jsonx", "application/json-seq", ""):  # were accepted: a prefix matched
+        assert send("POST", "/v1/rocketkv/ask", ask, headers={"Content-Type": kind})[0] == 415, kind
+    for kind in ("APPLICATION/JSON", "Application/Json; charset=utf-8"):  # were 415: media types ignore case
+        got, data = send("POST", "/v1/rocketkv/ask", b'{"questions": ["q"]}', headers={"Content-Type": kind})
+        assert got == 400 and data["error"]["message"] == "missing field 'cache'", (kind, data)  # read as JSON
     assert send("POST", "/v1/rocketkv/ask", ask, headers={"Content-Type": "text/plain"})[0] == 415  # a web page's
     assert send("POST", "/v1/rocketkv/ask", ask, headers={"Host": "evil.example:80"})[0] == 403  # DNS rebinding
     for field in ({"model": "/tmp/elsewhere-model"}, {"trust_remote_code": True}):

@@ -161,8 +161,8 @@ class Guard:
         if (
             scope["method"] == "POST"
             and scope["path"].startswith("/v1/")  # a POST elsewhere: 404 or 405 as routed
-            and not headers.get("content-type", "").startswith("application/json")
-        ):
+            and headers.get("content-type", "").split(";")[0].strip().lower() != "application/json"
+        ):  # a media type is case-insensitive, its parameters (charset) aside; `application/jsonx` is not JSON
             return BadRequest(415, "send the body as Content-Type: application/json", "InputError")
         codings = [
             c.strip()

@@ -251,6 +251,25 @@ def test__a_server_named_with_server_must_answer(rocketkv_bin, env, caches, tmp_
     assert r.returncode == 1 and "($ROCKETKV_SERVER)" in r.stderr and "unset $ROCKETKV_SERVER" in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("url, said", [
+    ("http://127.0.0.1:0", "the port is not a number in 1-65535"),  # was port 80
+    ("http://user:pw@127.0.0.1:5", "give http://host:port alone"),  # these were dropped unsaid
+    ("http://127.0.0.1:5/?x=1", "give http://host:port alone"),
+    ("http://127.0.0.1:5#top", "give http://host:port alone"),
+    ("", "--server is empty"),  # was the default socket
+    (" ", "--server is empty"),
+])  # fmt: skip
+def test__server_urls_that_would_be_misread__usage_errors(url, said):
+    """`--server` values that were read as something else (port 0 as 80, an empty value as the
+    default socket) or lost parts silently: each a usage error naming what is wrong."""
+    from rocketkv_cli.cli.remote import check_server_flags
+    from rocketkv_cli.errors import UsageError
+
+    with pytest.raises(UsageError, match=re.escape(said)):
+        check_server_flags(url, False)
+        parse_url(url)
+
+
 def test__the_client_path_imports_neither_torch_nor_transformers(env, caches, served):
     served("--idle-timeout", "0")
     code = ("import sys\nfrom rocketkv_cli.cli import app\n"

@@ -26,6 +26,8 @@ def check_server_flags(url: str | None, no_server: bool) -> None:
     with `--no-server` is fine: the flag overrides the environment."""
     if url is not None and no_server:
         raise UsageError("--server names a server and --no-server says answer here: give one of them")
+    if url is not None and not url.strip():  # `--server "$UNSET"`: not the default socket, silently
+        raise UsageError("--server is empty: give unix:/path/to/socket or http://host:port")
 
 
 def server_for(url: str | None, no_server: bool, timings: Timings | None = None) -> Server | None:

@@ -84,7 +84,7 @@ class Server:
                              "set it to the server's --api-key")  # fmt: skip
         if self.path is not None and len(os.fsencode(self.path)) > UNIX_PATH_MAX:
             raise InputError(f"socket path {self.path} is longer than {UNIX_PATH_MAX} bytes",
-                             "set ROCKETKV_HOME to a shorter folder")  # fmt: skip
+                             "use a shorter path (the default socket is in $ROCKETKV_HOME)")  # fmt: skip
 
     @property
     def url(self) -> str:
@@ -135,10 +135,15 @@ def parse_url(url: str, api_key: str | None = None) -> Server:
         raise errors.UsageError(f"--server {url}: not a URL; give unix:/path/to/socket or http://host:port") from None
     if parts.scheme != "http" or not hostname or parts.path not in ("", "/"):
         raise errors.UsageError(f"--server {url}: give unix:/path/to/socket or http://host:port")
+    if parts.query or parts.fragment or "@" in parts.netloc:  # never sent: not silently dropped either
+        raise errors.UsageError(f"--server {url}: give http://host:port alone (no user, query or fragment; "
+                                "the API key comes from $ROCKETKV_API_KEY)")  # fmt: skip
     try:
-        port = parts.port or 80
+        port = 80 if parts.port is None else parts.port
     except ValueError:
-        raise errors.UsageError(f"--server {url}: the port is not a number in 1-65535") from None
+        port = 0
+    if not 1 <= port <= 65535:  # `:0` was port 80
+        raise errors.UsageError(f"--server {url}: the port is not a number in 1-65535")
     return Server(host=hostname, port=port, api_key=api_key)
 
 

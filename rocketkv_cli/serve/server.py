@@ -56,8 +56,8 @@ def _lock(path: Path) -> int:
     except BlockingIOError:
         os.close(fd)
         named = "" if path == default_socket() else f" --socket {shlex.quote(str(path))}"  # the server on it
-        raise InputError(f"a rocketkv server is already running on {path}",
-                         f"see `rocketkv serve status{named}`, or stop it with `rocketkv serve stop{named}`") from None  # fmt: skip
+        hint = f"see `rocketkv serve status{named}`, or stop it with `rocketkv serve stop{named}`"
+        raise InputError(f"a rocketkv server is already running on {path}", hint) from None
     mark(fd, LOCK_STARTING)
     return fd
 

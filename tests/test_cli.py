@@ -1382,3 +1382,14 @@ def test__batch_with_a_missing_manifest__refused_before_torch(env, tmp_path):
                        timeout=120)  # fmt: skip
     assert r.stdout.split() == ["False", "1"], (r.stdout, r.stderr)
     assert f"manifest not found: {missing}" in r.stderr, r.stderr
+
+
+def test__control_characters_in_a_name__written_escaped_on_stderr(rocketkv_bin, env, tmp_path):
+    """An ESC in a file name reached the terminal raw in the error line (`\\n` and `\\r` were escaped,
+    ESC was not): a name could colour or clear the user's screen. Every control character but tab
+    is written as `\\xNN` now."""
+    name = tmp_path / "nope\x1b[2Jred\x07.txt"
+    r = run(rocketkv_bin, env, "ingest", name)
+    error = assert_one_line_error(r, code=1)
+    assert "\x1b" not in r.stderr and "\x07" not in r.stderr, r.stderr
+    assert "nope\\x1b[2Jred\\x07.txt" in error, error

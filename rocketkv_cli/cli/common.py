@@ -65,7 +65,8 @@ def log(message: str, wrap: bool = False) -> None:
     words at a terminal's width (a long message read by a person: chat's banner and help), not
     left to the terminal, which breaks it inside words."""
     if not _state["quiet"]:
-        err.print(f"[dim]rocketkv:[/dim] {escape(message)}", emoji=False, soft_wrap=not (wrap and err.is_terminal))
+        err.print(f"[dim]rocketkv:[/dim] {escape(shown(message))}", emoji=False,
+                  soft_wrap=not (wrap and err.is_terminal))  # fmt: skip
 
 
 def spinners() -> bool:
@@ -73,9 +74,20 @@ def spinners() -> bool:
     return err.is_terminal and not _state["quiet"]
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # control characters but tab and line feed
+
+
+def shown(text: str) -> str:
+    """`text` with its control characters but tab and line feed written as `\\xNN` (an ESC in a
+    file name would otherwise reach the terminal as the start of a command to it: colours, a
+    cleared screen), CR as `\\r`."""
+    return _CONTROL.sub(lambda m: "\\r" if m.group() == "\r" else f"\\x{ord(m.group()):02x}", text)
+
+
 def one_line(text: str) -> str:
-    """`text` with its line breaks written as `\\n` and `\\r` (a path or message on one line)."""
-    return text.replace("\r", "\\r").replace("\n", "\\n")
+    """`text` on one line: its line breaks written as `\\n` and `\\r`, other control characters
+    as `shown` writes them (a path or message on one line)."""
+    return shown(text).replace("\n", "\\n")
 
 
 def echo_path(path: str | Path) -> None:

@@ -1393,3 +1393,18 @@ def test__control_characters_in_a_name__written_escaped_on_stderr(rocketkv_bin, 
     error = assert_one_line_error(r, code=1)
     assert "\x1b" not in r.stderr and "\x07" not in r.stderr, r.stderr
     assert "nope\\x1b[2Jred\\x07.txt" in error, error
+
+
+def test__models__lists_without_importing_torch(env, tmp_path):
+    """`rocketkv models` imported torch (3-4 s) to list files; it answers at once now."""
+    probe = "import sys; from rocketkv_cli.entry import main\n"
+    probe += "sys.argv = ['rocketkv', 'models', '--json']\n"
+    probe += "try:\n    main()\nexcept SystemExit as e:\n    print('torch' in sys.modules, e.code)\n"
+    home = tmp_path / "home"
+    (home / "downloads").mkdir(parents=True)
+    (home / "downloads" / "mine.gguf").write_bytes(b"GGUF" + bytes(60))
+    r = subprocess.run([sys.executable, "-c", probe], env={**env, "ROCKETKV_HOME": str(home)}, capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+    listed, (imported, code) = r.stdout.splitlines()[:-1], r.stdout.splitlines()[-1].split()
+    assert (imported, code) == ("False", "0"), (r.stdout, r.stderr)
+    assert [json.loads(line)["name"] for line in listed] == ["mine.gguf"], r.stdout  # one object per line

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InputError
-from ..model.loading import preset_of_file, rocketkv_home
+from ..model.resolve import preset_of_file, rocketkv_home  # torch-free: `models` lists files at once
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ def models_command(
     loaded on every run, downloads/ the GGUF files they were made from, prepared/ the int4 LM
     heads that --weights head-int4 (Gemma's default) computes once per model and torch version.
     """
-    from ..api.rocketkv import home, remove_models, stored_models
+    from ..api.home import home, remove_models, stored_models  # torch-free: a listing answers at once
 
     setup(quiet)
     if remove:

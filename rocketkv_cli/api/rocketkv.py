@@ -49,7 +49,15 @@ from ..store.folders import make_scratch_dir
 from ..store.format import save_cache, verify_file
 from ..store.metadata import all_segments
 from ..store.prepared import PreparedTensors
-from .checks import check_cite, check_decode_options, check_model_choice, check_questions, describe, read_cache
+from .checks import (
+    check_cite,
+    check_decode_options,
+    check_model_choice,
+    check_questions,
+    check_segment,
+    describe,
+    read_cache,
+)
 from .checks import configure as configure
 from .checks import decode_weights_for as decode_weights_for
 from .checks import pending_checkpoints as pending_checkpoints
@@ -328,6 +336,7 @@ class RocketKV:
             _callable("on_text", on_text)
         overrides = self._overrides(dense, hsa, topk, page_size, n_score_dims)
         _check_segments(segments, segment)
+        check_segment(cache, segment)
         check_cite(cache, cite, segments)
         unused_overrides_note(cache, dense, overrides, log)
         try:
@@ -335,8 +344,6 @@ class RocketKV:
             if isinstance(cache, SegmentedKVCache):
                 return answer_segmented(self.engine, cache, qs, max_new, not dense, overrides, segments, segment, log,
                                         sampling, on_text, cite, self._kept)  # fmt: skip
-            if segment not in (None, 0):
-                raise InputError(f"--segment {segment}: this cache has one segment (0)")
             decode = decode_config_for(cache, sparse=not dense, **overrides)
         except ValueError as exc:
             raise InputError(f"invalid option: {exc}") from None  # may depend on the cache's budgets: exit 1
@@ -445,6 +452,7 @@ class RocketKV:
         max_new = self._max_new(cache, max_new_tokens)
         overrides = self._overrides(dense, hsa, topk, page_size, n_score_dims)
         _check_segments(segments, segment)
+        check_segment(cache, segment)
         check_cite(cache, cite, segments)
         unused_overrides_note(cache, dense, overrides, log)
         try:
@@ -453,10 +461,6 @@ class RocketKV:
             decode_config_for(first, sparse=not dense, **overrides)  # validates the overrides now
         except ValueError as exc:
             raise InputError(f"invalid option: {exc}") from None  # may depend on the cache's budgets: exit 1
-        if not isinstance(cache, SegmentedKVCache) and segment not in (None, 0):
-            raise InputError(f"--segment {segment}: this cache has one segment (0)")
-        if isinstance(cache, SegmentedKVCache) and segment is not None and not 0 <= segment < cache.n_segments:
-            raise InputError(f"--segment {segment} out of range; this cache has segments 0-{cache.n_segments - 1}")
         return Session(self.engine, cache, max_new, not dense, overrides, sampling, segments, segment, log, cite)
 
     def stream(self, cache: AnyCache, question: str, **options) -> AnswerStream:
@@ -554,6 +558,7 @@ __all__ = [
     "AnswerStream",
     "Citation",
     "check_cite",
+    "check_segment",
     "Sampling",
     "Session",
     "StoredModel",

@@ -46,7 +46,7 @@ class DocumentReading:
 
 
 def open_cache(cache: Path, choice: ModelChoice, timings: Timings | None = None, cite: int = 0, segments: int = 1,
-               decode_options: dict | None = None, command: str = "ask"):  # fmt: skip
+               decode_options: dict | None = None, command: str = "ask", segment: int | None = None):  # fmt: skip
     """Validate the file (and that it can give `cite` citations, and that `decode_options`, the
     stage-2 overrides, suit its budgets), load the model it was built with (or `choice.model`),
     check they match. Returns (RocketKV, cache). Raises CacheFormatError, InputError, UsageError,
@@ -56,11 +56,19 @@ def open_cache(cache: Path, choice: ModelChoice, timings: Timings | None = None,
     check_cache_file(cache, command)  # a missing or unreadable path fails before torch is imported
     timings = timings or Timings()
     with timings.span("imports (torch, transformers)"), starting():
-        from ..api.rocketkv import check_cite, check_decode_options, check_model_choice, decode_weights_for, read_cache
+        from ..api.rocketkv import (
+            check_cite,
+            check_decode_options,
+            check_model_choice,
+            check_segment,
+            decode_weights_for,
+            read_cache,
+        )
 
     with timings.span("cache read + verify"):
         stored = read_cache(cache)
     check_model_choice(stored, choice.model, cache)
+    check_segment(stored, segment)
     check_cite(stored, cite, segments)
     check_decode_options(stored, **(decode_options or {}))
     ident = stored.info.identity
@@ -127,7 +135,7 @@ def open_source(document: Optional[str], cache: Optional[Path], choice: ModelCho
         decode = {k: options[k] for k in DECODE_OPTIONS if k in options}
         rk, stored = open_cache(cache, choice, timings, cite=options.get("cite", 0),
                                 segments=options.get("segments", 1), decode_options=decode,
-                                command=command)  # fmt: skip
+                                command=command, segment=options.get("segment"))  # fmt: skip
         return rk, stored, str(cache)
     given = ("max_new_tokens",) + (("token_budget",) if budget is not None else ())  # else the model's own budget
     rk, stored = ingest_in_memory(document, choice, memory_config(budget, options.get("max_new_tokens")), reading,

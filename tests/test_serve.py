@@ -459,6 +459,10 @@ def test__bad_requests_get_json_errors_and_the_server_keeps_serving(env, caches,
     got, data = send("POST", "/v1/ingest", json.dumps({"document": str(caches[0]), "output": str(caches[0]),
                                                        "overwrite": True}).encode())  # fmt: skip
     assert got == 400 and "'overwrite'" in data["error"]["message"], (got, data)
+    got, data = send("POST", "/v1/ingest", json.dumps({"document": str(caches[0].with_suffix(".txt")),
+                                                       "output": str(caches[0].parent / ".kv")}).encode())  # fmt: skip
+    nameless = str(caches[0].parent / ".kv")  # was "is a link to …, which is not a .kv file"
+    assert got == 400 and data["error"]["message"] == f"'output' {nameless!r} has no name before .kv", data
     row = {"line": 1, "id": "a", "document": str(caches[0].with_suffix(".txt")), "text": None, "questions": ["q?"],
            "summary": False}  # fmt: skip
     settings = {"model": "smollm2-135m", "device": "cpu", "dtype": "auto", "config": {}, "storage": "int8"}

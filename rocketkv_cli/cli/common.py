@@ -295,6 +295,12 @@ def starting():
     return spinning("starting (importing torch)")
 
 
+def shown_step(message: str) -> str:
+    """A model-load step's line as a spinner's text: its first clause ("converting X to safetensors
+    once (about a minute on 2 cores)" → "converting X to safetensors once"), one line."""
+    return one_line(message.split(" (")[0].rstrip(":;, "))
+
+
 def load_engine(model: Optional[str], device: str, dtype: str, trust_remote_code: bool, weights: str | None = None):
     """`RocketKV.load` (None: the default model) with transformers offline and silent, a spinner
     on a terminal and a timing line on stderr."""
@@ -313,8 +319,16 @@ def load_engine(model: Optional[str], device: str, dtype: str, trust_remote_code
         err.status(escape(f"loading {model}"), spinner="dots")  # a path may hold "[/b]"
         if spinners()
         else contextlib.nullcontext()
-    ):
-        rk = RocketKV.load(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, log=log,
+    ) as shown:
+
+        def step(message: str) -> None:
+            """A first load's step (assembling, converting: a minute) logged, and named by the spinner,
+            which said "loading" throughout."""
+            log(message)
+            if shown is not None:
+                shown.update(escape(shown_step(message)))
+
+        rk = RocketKV.load(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, log=step,
                            weights=weights, threads=_state["threads"][0])  # fmt: skip
     log(f"loaded {rk.description} in {time.perf_counter() - t0:.1f}s")
     return rk

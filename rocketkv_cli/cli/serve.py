@@ -62,7 +62,9 @@ def start_command(where: Server) -> str:
             else f"rocketkv serve --socket {shlex.quote(where.path)}"
         )
     host, port = where.host or "127.0.0.1", where.port
-    return f"rocketkv serve --port {port}" if host == "127.0.0.1" else f"rocketkv serve --host {host} --port {port}"
+    if host == "127.0.0.1":
+        return f"rocketkv serve --port {port}"
+    return f"rocketkv serve --host {shlex.quote(host)} --port {port}"
 
 
 def _status(where: Server, json_out: bool) -> None:

@@ -275,6 +275,8 @@ class IngestRequest:
         output = _field(body, "output", str, required=True)
         if not output.endswith(".kv"):  # the server writes caches, never another kind of file
             raise BadRequest(400, f"'output' must name a .kv file, got {output!r}")
+        if Path(output).name == ".kv":  # no stem: Path's suffix is "" (a hidden file), not a link's target
+            raise BadRequest(400, f"'output' {output!r} has no name before .kv", hint="name the file, e.g. doc.kv")
         resolved = allowed_path(output, roots, "'output'")
         if resolved.suffix != ".kv":  # a link named .kv to another file: that file would be replaced
             raise BadRequest(400, f"'output' {output!r} is a link to {str(resolved)!r}, which is not a .kv file")

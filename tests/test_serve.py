@@ -1215,6 +1215,13 @@ def test__a_cache_whose_name_is_not_utf8__answered_and_the_server_stays_healthy(
     status = run_odd("serve", "status", "--socket", tmp_path / "s.sock")
     assert status.returncode == 0 and "running: pid" in status.stdout, status.stdout + status.stderr
     assert "Traceback" not in "".join(s.stderr_lines)
+    # a line break or an ESC in a warm cache's name: `serve status` keeps its caches on one line, escaped
+    tricky = tmp_path / "two\nlines\x1b[31m.kv"
+    tricky.write_bytes(caches[0].read_bytes())
+    assert run_odd("ask", "--cache", tricky, QUESTIONS[0], "--server", s.url).returncode == 0
+    status = run_odd("serve", "status", "--socket", tmp_path / "s.sock")
+    listed = [line for line in status.stdout.splitlines() if line.startswith("caches: ")]
+    assert len(listed) == 1 and "two\\nlines\\x1b[31m.kv" in listed[0] and "\x1b" not in status.stdout, status.stdout
 
 
 def _send(server: Server, path: str, body: dict, timeout: float = 300):

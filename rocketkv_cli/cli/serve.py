@@ -76,8 +76,9 @@ def _status(where: Server, json_out: bool) -> None:
         return
     typer.echo(f"running: pid {info['pid']} on {info['url']}, threads {info['threads']}, up {info['uptime_s']:.0f}s, "
                f"{info['served']} request{'s' * (info['served'] != 1)} served, {info['active']} in flight")  # fmt: skip
-    typer.echo(f"models: {'; '.join(info.get('model_descriptions') or info['models']) or '-'}")
-    typer.echo(f"caches: {', '.join(info['caches']) or '-'}")
+    models = "; ".join(one_line(m) for m in info.get("model_descriptions") or info["models"])  # a path may hold \n
+    typer.echo(f"models: {models or '-'}")
+    typer.echo(f"caches: {', '.join(one_line(c) for c in info['caches']) or '-'}")
     buffers = info.get("decode_buffers_bytes", 0) / 1e6
     typer.echo(f"memory: {info['used_bytes'] / 1e6:.1f} MB of {info['memory_budget_bytes'] / 1e9:.1f} GB "
                f"(models, caches, and {buffers:.1f} MB of decode buffers)")  # fmt: skip

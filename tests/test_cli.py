@@ -1354,6 +1354,19 @@ def test__a_pdf_or_compressed_file_as_the_document__named_with_what_to_do(rocket
         line = assert_one_line_error(r)
         assert line.startswith(f"Error: {path} is {what}, not a text document — {hint}"), line
         assert "loaded" not in r.stderr and not (tmp_path / "x.kv").exists()
+    # ask and summarize: the decompressed text piped into the same command; stdin: named as stdin, and
+    # the decompressor goes into the pipe (it said "- is gzip-compressed … gunzip -c - | rocketkv ingest …")
+    for args, hint in ((["ask", gz, "q?"], f"gunzip -c {gz} | rocketkv ask - QUESTION"),
+                       (["summarize", gz], f"gunzip -c {gz} | rocketkv summarize -")):  # fmt: skip
+        line = assert_one_line_error(run(rocketkv_bin, env, *args, "--model", tiny_model_dir))
+        assert line.endswith(f"decompress it first: {hint}"), line
+    packed = gzip.compress(b"The secret code is 4242.\n")
+    r = subprocess.run([rocketkv_bin, "ingest", "-", "-o", str(tmp_path / "x.kv"), "--model", str(tiny_model_dir)],
+                       input=packed, capture_output=True, env=env, timeout=300)  # fmt: skip
+    r = subprocess.CompletedProcess(r.args, r.returncode, r.stdout.decode(), r.stderr.decode())
+    line = assert_one_line_error(r)
+    assert line.endswith("Error: stdin is gzip-compressed, not a text document — decompress it first: pipe it "
+                         "through gunzip -c"), line  # fmt: skip
     text = tmp_path / "bz.txt"
     text.write_text("BZh1 is how a bzip2 file starts; this one is text.\n" * 5)
     assert run(rocketkv_bin, env, "ingest", text, "-o", tmp_path / "x.kv", "--model", tiny_model_dir).returncode == 0

@@ -30,13 +30,14 @@ def with_cache(command: str, path: str) -> str:
     return f"rocketkv ask --cache {quoted} QUESTION"
 
 
-# formats that are not text in any encoding, by their first bytes: (pattern, what, hint; {q}: the quoted path)
+# formats that are not text in any encoding, by their first bytes: (pattern, what, hint; {q}: the quoted
+# path, {then}: the command the decompressed text is piped into)
 BINARY_FORMATS = tuple((re.compile(pattern, re.DOTALL), what, hint) for pattern, what, hint in (
     (rb"%PDF-", "a PDF", "extract its text first, e.g. pdftotext -layout {q} out.txt"),
-    (rb"\x1f\x8b", "gzip-compressed", "decompress it first: gunzip -c {q} | rocketkv ingest - -o out.kv"),
-    (rb"BZh[1-9]1AY&SY", "bzip2-compressed", "decompress it first: bunzip2 -c {q} | rocketkv ingest - -o out.kv"),
-    (rb"\xfd7zXZ\x00", "xz-compressed", "decompress it first: xz -dc {q} | rocketkv ingest - -o out.kv"),
-    (rb"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it first: zstd -dc {q} | rocketkv ingest - -o out.kv"),
+    (rb"\x1f\x8b", "gzip-compressed", "decompress it first: gunzip -c {q} | {then}"),
+    (rb"BZh[1-9]1AY&SY", "bzip2-compressed", "decompress it first: bunzip2 -c {q} | {then}"),
+    (rb"\xfd7zXZ\x00", "xz-compressed", "decompress it first: xz -dc {q} | {then}"),
+    (rb"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it first: zstd -dc {q} | {then}"),
     (rb"PK\x03\x04", "a ZIP archive (or a .docx, .odt or .epub)",
      "extract its text first, e.g. pandoc {q} -t plain -o out.txt"),
     (rb"\x7fELF", "a program (ELF)", "rocketkv reads text documents"),
@@ -45,13 +46,23 @@ BINARY_FORMATS = tuple((re.compile(pattern, re.DOTALL), what, hint) for pattern,
 ))  # fmt: skip
 
 
-def binary_format(head: bytes, path: str) -> tuple[str, str] | None:
+# what reads a decompressed document from a pipe, per command (chat's stdin holds its questions)
+PIPED_INTO = {"ask": "rocketkv ask - QUESTION", "summarize": "rocketkv summarize -"}
+
+
+def binary_format(head: bytes, path: str, command: str = "ingest") -> tuple[str, str] | None:
     """(what the file is, what to do) when `head`, a file's first bytes, starts as a known binary
     format does (`BINARY_FORMATS`): a PDF or a compressed file given as a document would otherwise
-    be refused as "not valid utf-8", with a hint (another encoding) that reads it as garbage."""
+    be refused as "not valid utf-8", with a hint (another encoding) that reads it as garbage. A
+    compressed file's hint pipes it into `command` where that reads a document from stdin (else
+    into ingest); stdin (`-`) is told to be piped through the decompressor."""
     for pattern, what, hint in BINARY_FORMATS:
         if pattern.match(head):
-            return what, hint.format(q=shlex.quote(path))
+            if path == "-" and "{then}" in hint:  # already a pipe: the tool goes before rocketkv in it
+                tool = hint.split(" {q}")[0].removeprefix("decompress it first: ")
+                return what, f"decompress it first: pipe it through {tool}"
+            then = PIPED_INTO.get(command, "rocketkv ingest - -o out.kv")
+            return what, hint.format(q=shlex.quote(path), then=then)
     return None
 
 
@@ -138,8 +149,9 @@ class TextStream:
                 if b"\x00" in block and _looks_like_cache(block, str(path)):
                     fix = f"pass it with --cache: {with_cache(self._command, str(path))}"
                     raise InputError(f"{path} is a rocketkv cache, not a document", fix)
-                if (known := binary_format(block, str(path))) is not None:
-                    raise InputError(f"{path} is {known[0]}, not a text document", known[1])
+                if (known := binary_format(block, str(path), self._command)) is not None:
+                    named = "stdin" if path == "-" else path
+                    raise InputError(f"{named} is {known[0]}, not a text document", known[1])
             if b"\x00" in block and self._codec.lower().startswith("utf-8"):
                 at = self.bytes_read + block.index(b"\x00")
                 raise InputError(

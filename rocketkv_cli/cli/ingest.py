@@ -130,7 +130,7 @@ def ingest_command(
     cfg = prefill_config(preset=model or DEFAULT_MODEL, **options)  # checked with the preset's defaults
     if kv_dtype is not None:
         storage(kv_dtype)  # an unknown storage fails before the model loads
-    stream = open_stream(document, encoding, errors)  # bad documents fail before anything else is touched
+    stream = open_stream(document, encoding, errors, "ingest")  # bad documents fail before anything else is touched
     # the output is checked (name, directory, permission to write) before the model loads, not after a long prefill
     target = check_output(output if output is not None else default_output(document), force, document)
     report_abandoned(target.parent, skip=target)

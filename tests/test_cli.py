@@ -815,7 +815,7 @@ def test__weights_int8__recorded_in_the_cache_and_used_by_ask(rocketkv_bin, env,
     assert r.returncode == 0, r.stderr
     assert read_cache(out).info.weights == "int8"
     r = run(rocketkv_bin, env, "inspect", out)
-    assert re.search(r"dtype\s+float32, int8 weights", r.stdout), r.stdout
+    assert re.search(r"model dtype\s+float32, int8 weights", r.stdout), r.stdout
     r = run(rocketkv_bin, env, "ask", "--cache", out, "What is the code?", "--max-new-tokens", "4")
     assert r.returncode == 0 and r.stdout.strip(), r.stderr
     assert "(float32, int8 weights)" in r.stderr, r.stderr

@@ -70,7 +70,11 @@ def _lines(info: dict) -> list[tuple[str, str]]:
         ("cache", info["cache"]),
         ("format", f"{info['format']} v{info['format_version']} (rocketkv {info['rocketkv_version']})"),
         ("model", f"{info['model_id']} (digest {info['model_digest'][:12]})"),
-        ("dtype", info["dtype"] + (f", {info['weights']} weights" if info.get("weights", "float") != "float" else "")),
+        # the model's dtype at prefill, not the stored keys' (the next row): "dtype" alone was read as theirs
+        (
+            "model dtype",
+            info["dtype"] + (f", {weights} weights" if (weights := info.get("weights", "float")) != "float" else ""),
+        ),
         (
             "storage",
             f"{info['kv_dtype']} keys/values{_sinks(info)}, {info['kv_bytes_per_token']:,.0f} bytes per document token",

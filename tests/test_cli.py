@@ -1430,3 +1430,13 @@ def test__ask_segment_out_of_range__refused_before_the_model_loads(rocketkv_bin,
     error = assert_one_line_error(r, code=1)
     assert error == "Error: --segment 3: this cache has one segment (0)", error
     assert "loaded" not in r.stderr, r.stderr
+
+
+def test__ask_echoes_a_question_with_control_characters_escaped(rocketkv_bin, env, kv):
+    """Several questions are echoed as `Q: …` records; an ESC or a CR in one (a pipe's questions:
+    `chat` and `ask -`) reached the terminal raw, where it could clear the screen or overwrite the
+    line. The echo writes them as `\\xNN` and `\\r` now; the question asked is unchanged."""
+    r = run(rocketkv_bin, env, "ask", "--cache", kv, "--no-server", "--format", "qa", "Code?\x1b[2J", "Which\rword?")
+    assert r.returncode == 0, r.stderr
+    assert "\x1b" not in r.stdout and "\r" not in r.stdout, repr(r.stdout)
+    assert "Q: Code?\\x1b[2J\n" in r.stdout and "Q: Which\\rword?\n" in r.stdout, r.stdout

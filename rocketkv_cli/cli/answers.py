@@ -17,6 +17,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..batch.manifest import utf8_stdout
+from .common import shown
 
 FORMATS = ("auto", "text", "qa", "lines", "json")
 INDENT = "   "
@@ -181,7 +182,8 @@ class AnswerPrinter:
 
     def start(self, question: str) -> None:
         if self.fmt == "qa" and self.show_question:
-            self._write(("\n" if self.records else "") + "Q: " + self._qa(question) + "\n")
+            # the question echoed as the user can read it: an ESC or a CR in it would drive their terminal
+            self._write(("\n" if self.records else "") + "Q: " + self._qa(shown(question)) + "\n")
             self._prefix = "A: "
         self.records += 1
 

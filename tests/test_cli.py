@@ -461,6 +461,11 @@ def test__chat_from_a_pipe__cr_line_ends_are_line_ends(rocketkv_bin, env, kv, en
     (the CR hid the first on a terminal) and only the last was answered; each is asked now, as
     `ask -` reads them. CRLF ends keep no CR in the question."""
     expected = ask_json(rocketkv_bin, env, kv, QS[0], QS[2])
+    # U+2028 and a form feed inside a question are no line ends (a split on every line break of
+    # str.splitlines made them two questions); the JSON records show each question as asked
+    r = run(rocketkv_bin, env, "chat", "--cache", kv, "--json", stdin=f"{QS[0]}\u2028x\x0cy{end}")
+    assert r.returncode == 0 and [json.loads(line)["question"] for line in r.stdout.split("\n") if line] == [
+        f"{QS[0]}\u2028x\x0cy"], r.stdout  # fmt: skip
     r = run(rocketkv_bin, env, "chat", "--cache", kv, "--json", stdin=f"{QS[0]}{end}{QS[2]}{end}")
     assert r.returncode == 0, r.stderr
     drop = lambda row: {k: v for k, v in row.items() if k not in ("prefill_s", "decode_s")}  # noqa: E731

@@ -44,10 +44,10 @@ MIN_NAMES = 5
 NAME_CAPITALISED_SHARE = 0.90
 
 REFERENCE = re.compile(r"(?<![^\W_])(?:[1-3] ?)?[A-Z][A-Za-z]*\.? ?\d+:\d+(?:[-–]\d+)?(?![^\W_])")
-# an e-mail address starts a word (or follows an opening bracket or quote) and holds one @: an
-# address matched from any character of a word made the pattern quadratic in a word's length
-# (a 100 KB base64 blob took seconds, 2 MB hours)
-URL = re.compile(r"(?:https?://|www\.)\S+|(?<![^\s<(\[\"'])<?[^\s@<]+@[^\s@]+\.[^\s@>]+>?")
+# an e-mail address is a whole word (one match may start per word) holding an @: a pattern that could
+# start inside a word (at any character, or after each bracket or quote) was quadratic in the word's
+# length: a 100 KB base64 blob took seconds, minified JSON minutes
+URL = re.compile(r"(?:https?://|www\.)\S+|(?<!\S)[^\s@]+@[^\s@]+\.[^\s@]+")
 _WORD = re.compile(r"[^\W_]+")
 _LETTERS = re.compile(r"[^\W\d_]+")
 _UNIT_END = re.compile(r"(?<=[.!?])\s+|\n+")  # sentences of a summary: after . ! ? or at a line end

@@ -315,8 +315,9 @@ def ask_command(
     printer = AnswerPrinter(fmt, stream)
     local = no_server or len(questions) > MAX_QUESTIONS
     remote = server_for(server, local, timings) if doc is None else None
-    if remote is not None and not fits(remote, {"questions": questions}):
-        remote = None  # over the server's request limit: answered here, as past MAX_QUESTIONS
+    if remote is not None and not fits(remote, {"questions": questions}):  # as past MAX_QUESTIONS: answered here
+        log(f"the questions are over the request limit of the server at {remote.url}: answered in this process")
+        remote = None
     server_hint = doc is not None and not local and server_running(server)  # said once answered, never before an error
     try:
         if remote is not None and cache is not None:  # doc is None: --cache was given

@@ -148,7 +148,7 @@ def batch_command(
     """Answer the questions (and summaries) of many documents, loading the model once per worker.
 
     With a running `rocketkv serve` (and neither --workers nor --ray), the server runs each row on
-    its warm model instead: no model load here; the results are the same lines.
+    its warm model instead: no model load here (but for a row over its request limit); the same lines.
 
     Each document is ingested once into the cache folder (reused while the document, model and
     settings match); results are written one JSON line per answer as they finish. Rerun the same
@@ -205,7 +205,10 @@ def batch_command(
 
             def remote(task):
                 body = {"task": json.loads(task.to_json()), "cache_dir": cache_abs, "settings": sent}
-                return events(found, "/v1/rocketkv/batch", body) if fits(found, body) else None  # None: run here
+                if fits(found, body):
+                    return events(found, "/v1/rocketkv/batch", body)
+                log(f"row {one_line(str(task.row.id))} is over the server's request limit: run in this process")
+                return None  # run here (the model loads here for the first such row)
 
     with batch_bar() as bar:
         task = bar.add_task("batch", total=None, answers=0, visible=False)  # shown once the rows are counted

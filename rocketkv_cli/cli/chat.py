@@ -167,8 +167,11 @@ class Prompt:
         if len(line) > MAX_LINE_CHARS and not line.endswith("\n"):
             raise InputError(f"a line of the input is over {MAX_LINE_CHARS:,} characters",
                              "give one question per line; a document is given as DOC or --cache")  # fmt: skip
-        if "\r" in line:  # CR line ends (CRLF, or CR alone as old Macs wrote): each a line, as `ask -` reads them
-            line, *self._split = line.replace("\r\n", "\n").replace("\r", "\n").splitlines(keepends=True)
+        if line.endswith("\r\n"):  # a CRLF line end: the CR is no part of the question
+            line = line[:-2] + "\n"
+        elif "\r" in line and not line.endswith("\n"):  # CR line ends alone, as old Macs wrote: each a line, as
+            # `ask -` reads a file without a line feed (one with line feeds keeps a CR inside a line, as here)
+            line, *self._split = [part + "\n" for part in line.split("\r") if part] or [line]
         return line
 
     @staticmethod

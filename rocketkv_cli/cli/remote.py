@@ -186,7 +186,7 @@ class RemoteChat:
         self.body = {**fields, **model_for_server(options)}
         for event in server_events(server, "/v1/rocketkv/ask", {**self.body, "questions": [], "check_only": True}):
             if event.get("event") == "log":  # the model loaded for it; else "checked": the options passed
-                log(event["message"])
+                log(str(event.get("message", "")))
 
     def turn(self, question: str) -> Turn:
         """The answer's pieces as they are decoded; returns (text, record, citations, log line).
@@ -215,11 +215,11 @@ def summarize_remote(server: Server, cache: Path, options: dict, on_partial) -> 
     final = None
     for event in server_events(server, "/v1/rocketkv/summarize", body):
         if event.get("event") == "log":
-            log(event["message"])
+            log(str(event.get("message", "")))
         elif event.get("event") == "partial":
             on_partial(SimpleNamespace(**{k: v for k, v in event.items() if k != "event"}))
         elif event.get("event") == "summary":
             final = SimpleNamespace(**{k: v for k, v in event.items() if k != "event"})
-    if final is None:
+    if final is None or not isinstance(getattr(final, "text", None), str):
         raise ServerError(f"the server at {server.url} sent no summary", "run the command again")
     return final

@@ -124,3 +124,28 @@ def test__choose_token__a_tiny_temperature_samples_the_argmax(temperature):
     rng = torch.Generator().manual_seed(0)
     picks = {choose_token(logits, Sampling(temperature=temperature, seed=0), rng) for _ in range(20)}
     assert picks == {1}, picks
+
+
+def test__two_streams_read_in_turn_on_one_model__refused_not_mixed(rk, cache):
+    """Two streams (or two sessions' streams) read a piece at a time in turn shared rocketkv's
+    attention session, so each step of one attended over the other's cache: tracebacks, then
+    answers mixed from both with no error (an adversarial trial). A stream resumed after another
+    was decoded is refused now; the model answers as before afterwards. A whole answer read while
+    another is paused (nested, as from an on_text) stays fine."""
+    from rocketkv_cli.errors import UsageError
+
+    opts = {"max_new_tokens": 12, "temperature": 1.5, "seed": 3}  # sampled: the answers run their 12 tokens
+    alone = ["".join(rk.stream(cache, q, **opts)) for q in QS[:2]]
+    for make in (lambda q: iter(rk.stream(cache, q, **opts)), lambda q: iter(rk.session(cache, **opts).stream(q))):
+        first, second = make(QS[0]), make(QS[1])
+        next(first)
+        with pytest.raises(UsageError, match="two answers were decoded in turn on one model"):
+            for _ in range(12):
+                next(second)
+                next(first)
+    assert ["".join(rk.stream(cache, q, **opts)) for q in QS[:2]] == alone
+    pieces, inner = [], []  # a whole answer read while another is paused: its session restored after it
+    for piece in rk.stream(cache, QS[0], **opts):
+        pieces.append(piece)
+        inner.append("".join(rk.stream(cache, QS[1], **opts)))
+    assert "".join(pieces) == alone[0] and inner and set(inner) == {alone[1]}

@@ -414,6 +414,7 @@ def stream_answer(
                 break
             if piece := state.take_final():
                 yield piece
+                decoder.check_attending()  # another answer decoded while this one was paused: refused
             if len(state.tokens) == max_new_tokens:
                 break
             logits = decoder.decode_one_token(token)

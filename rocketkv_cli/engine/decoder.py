@@ -12,17 +12,19 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..core.cache import CompressedKVCache
 from ..core.config import DecodeConfig
+from ..errors import UsageError
 from ..methods.reselect import Reselection, reselection_for
 from ..model.hf import (
     RocketCache,
     RocketLayer,
     active_attention_mass,
+    attending,
     attention_mass_paused,
     forward_tokens,
     rocketkv_attention,
@@ -89,12 +91,27 @@ class Decoder:
         self._base = self.n_context_tokens  # position of a question's first token after `reset`
         self._token = torch.zeros(1, 1, dtype=torch.long, device=dev)  # [1, 1] static input
         self._position = torch.zeros(1, dtype=torch.long, device=dev)  # [1]
+        self._session: Any = None  # `rocketkv_attention`'s session while inside `attention()`
 
     @contextlib.contextmanager
     def attention(self) -> Iterator[None]:
         """rocketkv's attention over this decoder's cache (around a question's prefill + decode)."""
-        with rocketkv_attention(self.engine.model, self.cache, self.engine.shape, decode=self.decode):
-            yield
+        with rocketkv_attention(self.engine.model, self.cache, self.engine.shape, decode=self.decode) as session:
+            self._session = session
+            try:
+                yield
+            finally:
+                self._session = None
+
+    def check_attending(self) -> None:
+        """After a pause inside `attention()` (an answer's generator resumed): raise UsageError when
+        another answer on this model was decoded meanwhile, which replaced this one's attention
+        session (its steps would attend over the other's cache: a wrong answer, or a crash)."""
+        if self._session is not None and not attending(self.engine.model, self._session):
+            raise UsageError("two answers were decoded in turn on one model (a stream read while another was "
+                             "paused): each would attend over the other's cache",
+                             "read each stream to its end before the next starts, or answer the second with "
+                             "another RocketKV")  # fmt: skip
 
     def prefill(self, ids: list[int]) -> torch.Tensor:
         """Run `ids` at the next positions; returns the last position's logits `[1, V]` float32.

@@ -349,6 +349,13 @@ def rocketkv_attention(
         model.set_attn_implementation(previous)
 
 
+def attending(model: Any, session: _Session) -> bool:
+    """Whether `session` (yielded by `rocketkv_attention`) is still the one `model` attends with: a
+    generator that decodes inside the block and yields between steps finds, when resumed, another
+    answer's session there if one was decoded while it was paused (two streams read in turn)."""
+    return _SESSION.get() is session and model.config._attn_implementation == ATTN_NAME
+
+
 @torch.inference_mode()
 def forward_tokens(
     model: Any, cache: RocketCache, input_ids: torch.Tensor, positions: torch.Tensor, n_logits: int = 1

@@ -220,10 +220,23 @@ def test__wrong_values_and_types__one_line_errors_not_silent_answers(rk, doc, tm
              (lambda: list(rk.ask(cache, "Q?", segment=0, segments=2)), "segment 0 and segments 2 ask for two"),
              (lambda: next(iter(rk.ask(cache, "Q?", max_new_tokens=1))).to_dict(cache=cache),
               "cache must be the cache file's path (str or Path), got"),
+             # a truthy string replaced an existing file (force="no"); the rest were errors from inside
+             (lambda: rk.ingest(text="hello", output=out, force="no"), "force must be True or False, got 'no'"),
+             (lambda: rk.ingest(text="hello", output=5), "output must be a str or a pathlib.Path, got int"),
+             (lambda: rk.ingest(text="hello", storage=5), "storage must be a KVStorage or its name, got int"),
+             (lambda: rk.ingest(text="hello", config="x"), "config must be a PrefillConfig, got str"),
+             (lambda: rk.ingest(text="hello", segment_tokens="x"), "segment_tokens must be a token count, got 'x'"),
+             (lambda: RocketKV.load(str(tmp_path), trust_remote_code="yes"),
+              "trust_remote_code must be True or False, got 'yes'"),
              ]  # fmt: skip
     for call, message in wrong:
         with pytest.raises(UsageError, match=re.escape(message)):
             call()
+    assert rk.open(out).info.n_context_tokens > 2  # force="no" left the cache as it was
+    from rocketkv_cli.errors import ModelLoadError as LoadError
+
+    with pytest.raises(LoadError):  # a Path to no model: a TypeError inside ('PosixPath' is not iterable)
+        RocketKV.load(tmp_path / "no-such-model")
     from rocketkv_cli.errors import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="unknown device 3"):  # an AttributeError

@@ -179,6 +179,9 @@ class RocketKV:
         Raises ModelLoadError; UsageError for a thread count < 1 or above the machine's CPUs."""
         if not isinstance(model, (str, os.PathLike)):
             raise UsageError(f"model must be a preset name or a path, got {type(model).__name__}")
+        model = os.fspath(model)  # a Path: read as its text (it was a TypeError inside)
+        _flag("trust_remote_code", trust_remote_code)
+        _flag("compile_step", compile_step)
         if threads is not None:
             _positive_count("threads", threads)
         _callable("log", log)
@@ -241,6 +244,16 @@ class RocketKV:
         """
         _callable("progress", progress)
         _callable("on_segment", on_segment)
+        _flag("force", force)
+        if output is not None and (not isinstance(output, (str, os.PathLike)) or isinstance(output, bytes)):
+            raise UsageError(f"output must be a str or a pathlib.Path, got {type(output).__name__}")
+        if config is not None and not isinstance(config, PrefillConfig):
+            raise UsageError(f"config must be a PrefillConfig, got {type(config).__name__}",
+                             "or give its fields as keywords")  # fmt: skip
+        if storage is not None and not isinstance(storage, (str, KVStorage)):
+            raise UsageError(f"storage must be a KVStorage or its name, got {type(storage).__name__}")
+        if segment_tokens is not None and (isinstance(segment_tokens, bool) or not isinstance(segment_tokens, int)):
+            raise UsageError(f"segment_tokens must be a token count, got {segment_tokens!r}")
         if document is None and text is None:
             raise InputError("give a document: a path, or text=")
         if document is not None and text is not None:
@@ -604,6 +617,13 @@ def _question_list(questions: object) -> list:
         return list(questions)  # type: ignore[call-overload]
     except TypeError:
         raise UsageError(f"questions must be a str or a list of str, got {type(questions).__name__}") from None
+
+
+def _flag(name: str, value: object, none: bool = False) -> None:
+    """Raises UsageError unless `value` is True or False (or None where `none`): a truthy string
+    such as "no" read as True replaced a file with `force="no"`."""
+    if not (isinstance(value, bool) or (none and value is None)):
+        raise UsageError(f"{name} must be True or False{' or None' if none else ''}, got {value!r}")
 
 
 def _callable(name: str, value: object) -> None:

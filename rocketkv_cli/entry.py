@@ -11,6 +11,7 @@ module: no import circle.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -85,6 +86,20 @@ def main() -> None:
             _exit_now(done.code)  # the command ran to its end
             raise
         exit_for_signal(signum)  # Typer's own handler exits 130 silently (an interrupt while it parses)
+    except OSError as exc:  # outside a command's own handling: `--help > /dev/full` (help and version print here)
+        signum = received()
+        if signum is not None:
+            exit_for_signal(signum)
+        if os.environ.get("ROCKETKV_DEBUG") == "1":
+            raise
+        closed = isinstance(exc, BrokenPipeError)  # `| head`: ends quietly, 128 + SIGPIPE, as Unix tools do
+        if not closed:
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.write(f"Error: cannot write the output: {exc.strerror or exc}\n")
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # the exit's flush of what is left, unwritten
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _exit_now(141 if closed else 1)
+        sys.exit(141 if closed else 1)
     except BaseException:
         signum = received()
         if signum is None:

@@ -1445,3 +1445,13 @@ def test__ask_echoes_a_question_with_control_characters_escaped(rocketkv_bin, en
     assert r.returncode == 0, r.stderr
     assert "\x1b" not in r.stdout and "\r" not in r.stdout, repr(r.stdout)
     assert "Q: Code?\\x1b[2J\n" in r.stdout and "Q: Which\\rword?\n" in r.stdout, r.stdout
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["ask", "--help"]])
+def test__help_or_version_into_a_full_device__one_line_exit_1(rocketkv_bin, env, args):
+    """`rocketkv --help > /dev/full` printed a traceback ending in OSError: help and the version are
+    printed while the arguments are parsed, outside any command's error handling."""
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([rocketkv_bin, *args], stdout=full, stderr=subprocess.PIPE, text=True, env=env, timeout=60)
+    assert r.returncode == 1 and r.stderr == "Error: cannot write the output: No space left on device\n", r.stderr

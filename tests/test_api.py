@@ -298,3 +298,16 @@ def test__a_model_that_overflows_its_dtype__an_error_not_a_cache_or_an_answer_of
             choose_token(torch.tensor(bad), greedy, None)
     with pytest.raises(InputError, match="the model overflowed"):
         choose_token(torch.tensor([[0.5, float("nan")]]), Sampling(temperature=0.7, seed=1), torch.Generator())
+
+
+def test__a_summary_longer_than_the_context__a_budget_error_not_an_overflow(rk, doc, tmp_path):
+    """`summarize --write-from document --max-new-tokens 10**20` failed with "unexpected TypeError:
+    new_empty(): … Overflow" (the decode buffers were sized before any check); ask said the budget."""
+    from rocketkv_cli.errors import BudgetError
+
+    out = tmp_path / "s.kv"
+    rk.ingest(str(doc), output=out, token_budget=64, max_new_tokens=6)
+    cache = rk.open(out)
+    for too_many in (10**20, 4096):  # the tiny model's context is 4,096 tokens
+        with pytest.raises(BudgetError, match=f"an answer of up to {too_many:,} tokens does not fit after"):
+            rk.summarize(cache, max_new_tokens=too_many, write_from="document")

@@ -221,6 +221,11 @@ class Answerer:
     ):
         self._baseline: AttentionMass | None = None
         self.engine, self.cache = engine, cache
+        context = engine.shape.max_context_tokens
+        if max_new_tokens >= context - cache.n_context_tokens:  # before buffers of that size (an overflow, or GBs)
+            raise BudgetError(f"an answer of up to {max_new_tokens:,} tokens does not fit after the document: it "
+                              f"holds {cache.n_context_tokens:,} of the model's {context:,}",
+                              "lower --max-new-tokens")  # fmt: skip
         self.tail_tokens = tail_tokens(question_tokens, max_new_tokens)
         self.decoder = Decoder(engine, cache, self.tail_tokens, decode)
         cache.compact()  # the decoder holds its own copy: the float layers go, the verified codes stay

@@ -342,3 +342,16 @@ def test__a_long_word_without_spaces__checked_in_linear_time():
         sc.URL.sub(" ", text)
         sc.document_names(text)
         assert time.perf_counter() - started < 10, len(text)  # quadratic: hours
+
+
+@pytest.mark.parametrize("text, sentences", [
+    ("Москва большая. Город красивый. Я люблю его.", ["Москва большая.", "Город красивый.", "Я люблю его."]),
+    ("北京是首都。上海很大。广州在南方！", ["北京是首都。", "上海很大。", "广州在南方！"]),
+    ("Il fait beau. École fermée. « Oui », dit-il. Fin.", ["Il fait beau.", "École fermée.", "« Oui », dit-il.", "Fin."]),
+    ("The code is 5. It works. e.g. this stays", ["The code is 5.", "It works. e.g. this stays"]),
+])  # fmt: skip
+def test__split_sentences__non_latin_and_accented_sentences_end_too(text, sentences):
+    """A sentence ended only before an ASCII capital or digit: Russian, Chinese and French text with
+    an accented capital was one "sentence", so a summary of it was its first words cut off with " …"
+    or the whole document verbatim (an adversarial trial)."""
+    assert sc.split_sentences(text) == sentences

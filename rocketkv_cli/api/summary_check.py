@@ -52,7 +52,13 @@ _WORD = re.compile(r"[^\W_]+")
 _LETTERS = re.compile(r"[^\W\d_]+")
 _UNIT_END = re.compile(r"(?<=[.!?])\s+|\n+")  # sentences of a summary: after . ! ? or at a line end
 _ENDED = re.compile(r"[.!?][\"'”’)\]]*\s*$")  # a whole sentence's end, not a clause's (: ; ,)
-_SENTENCE_END = re.compile(r"(?:(?<=[.!?])|(?<=[.!?][\"'”’)]))\s+(?=[\"'“‘(]?[A-Z0-9])")
+# a sentence ends at . ! ? before whitespace and a capital, a digit, an opening quote, or a letter
+# outside ASCII (a Cyrillic, Greek or accented capital; scripts without case), and at 。！？ (CJK:
+# no space follows them); ASCII alone split no Russian, French-accented or Chinese text at all
+_SENTENCE_END = re.compile(
+    r"(?:(?<=[.!?])|(?<=[.!?][\"'”’)]))\s+(?=[\"'“‘«(]?(?:[A-Z0-9]|[^\x00-\x7f]))"  # . ! ? then a start
+    r"|(?<=[。！？])\s*"  # CJK's ends
+)
 _OPENERS = "\"'“‘([ \t"
 
 STOPWORDS = frozenset(
@@ -269,8 +275,8 @@ def split_sentences(text: str) -> list[str]:
     """Sentences of a document, in order: references removed, each sentence's lines joined.
 
     Paragraphs end at blank lines and at references (a verse per line); inside one, a sentence
-    ends at . ! ? (closing quotes or brackets kept) before whitespace and a capital, digit or
-    opening quote.
+    ends at . ! ? (closing quotes or brackets kept) before whitespace and a capital, digit,
+    opening quote or letter outside ASCII, and at 。！？ (CJK).
     """
     text = REFERENCE.sub("\n\n", text)
     out: list[str] = []

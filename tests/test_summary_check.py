@@ -355,3 +355,16 @@ def test__split_sentences__non_latin_and_accented_sentences_end_too(text, senten
     an accented capital was one "sentence", so a summary of it was its first words cut off with " …"
     or the whole document verbatim (an adversarial trial)."""
     assert sc.split_sentences(text) == sentences
+
+
+def test__a_log_without_sentences__is_not_said_to_hold_no_words():
+    """`summarize` of a log (lines without . ! ?, repeating each other) said "it holds no words";
+    the reason is said now. A text of no words still says so."""
+    from rocketkv_cli.api.summaries import extracted_sentences
+    from rocketkv_cli.errors import InputError
+
+    log = "\n".join(f"2026-12-07 10:{i:02d} WARN disk usage high on node0 retrying backup job" for i in range(60))
+    with pytest.raises(InputError, match=r"no \. ! \? ends its text, or each part repeats the words around it"):
+        extracted_sentences(log)
+    with pytest.raises(InputError, match=r"it holds no words"):
+        extracted_sentences("123 456 --- ...")

@@ -66,6 +66,7 @@ from .summary_check import (
     extract_sentences,
     grounding,
     outline_placed,
+    split_sentences,
 )
 
 SUMMARY_STOP_STRINGS = ("\n\n\n",)  # summaries are paragraphs: only a long gap ends one early
@@ -243,8 +244,7 @@ def outline(partials: Sequence[tuple[str, Spans]], names: tuple[str, ...] | None
     wanted = names if names is not None else tuple(document_names("\n\n".join(summaries)))
     placed = outline_placed(summaries, wanted, [text for text, _ in texts])
     if not placed:
-        raise InputError("the document has no sentence to extract a summary from (it holds no words)",
-                         "summarize a text document")  # fmt: skip
+        raise no_sentence("\n\n".join(text for text, _ in texts))
     sentences = [sentence for sentence, _, _ in placed]
     checked = "\n\n".join([*summaries, *(sentence for sentence, _, rank in placed if rank == 1)])
     if not cite:
@@ -323,11 +323,23 @@ def extracted_sentences(text: str, names: tuple[str, ...] | None = None) -> list
     Raises:
         InputError: a text without a word.
     """
-    sentences = extract_sentences(PART_LABEL.sub("", text), names=names)
+    plain = PART_LABEL.sub("", text)
+    sentences = extract_sentences(plain, names=names)
     if not sentences:
-        raise InputError("the document has no sentence to extract a summary from (it holds no words)",
-                         "summarize a text document")  # fmt: skip
+        raise no_sentence(plain)
     return sentences
+
+
+def no_sentence(text: str) -> InputError:
+    """The error for a document no summary sentence could be taken from: it holds no words, or
+    its words are in no sentence a summary may take (no . ! ? ends them, or each repeats a run of
+    words around it: a log, a list, the same line many times), which "holds no words" misnamed."""
+    if not split_sentences(text):
+        return InputError("the document has no sentence to extract a summary from (it holds no words)",
+                          "summarize a text document")  # fmt: skip
+    return InputError("the document has no sentence to extract a summary from: no . ! ? ends its text, or each "
+                      "part repeats the words around it (a log, a list, one line many times)",
+                      "summarize prose; for a log or a list, ask a question about it instead")  # fmt: skip
 
 
 def extracted_summary(sentences: list[str], question: str, rejected: tuple[str, ...] = ()) -> Summary:

@@ -28,6 +28,8 @@ def test__stream__pieces_arrive_before_the_answer_ends_and_join_to_it(rk, cache)
     rest = list(pieces)
     assert stream.answer is not None and len(rest) >= 1
     assert "".join([first, *rest]) == stream.answer.text
+    answer = stream.answer
+    assert list(stream) == [] and stream.answer is answer  # read again: nothing more, the answer kept (it was None)
 
 
 def test__ask_on_text__pieces_of_each_answer_join_to_it(rk, cache):

@@ -24,6 +24,8 @@ class AnswerStream:
         self.answer: Answer | None = None
 
     def __iter__(self) -> Iterator[str]:
+        if self.answer is not None:  # read to its end before: no pieces again, and the answer stays (it was None)
+            return
         self.answer = yield from self._steps
 
     def steps(self) -> Generator[str, None, Answer]:

@@ -64,7 +64,7 @@ def check_segment(cache: AnyCache, segment: int | None) -> None:
         if segment != 0:
             raise InputError(f"--segment {segment}: this cache has one segment (0)")
     elif not 0 <= segment < cache.n_segments:
-        raise InputError(f"--segment {segment} out of range; this cache has segments 0-{cache.n_segments - 1}",
+        raise InputError(f"segment {segment} out of range; this cache has segments 0-{cache.n_segments - 1}",
                          "`rocketkv inspect FILE.kv` lists them")  # fmt: skip
 
 

@@ -31,13 +31,13 @@ def with_cache(command: str, path: str) -> str:
 
 
 # formats that are not text in any encoding, by their first bytes: (pattern, what, hint; {q}: the quoted
-# path, {then}: the command the decompressed text is piped into)
+# path); a compressed format's hint is the command that decompresses it to stdout (`binary_format`)
 BINARY_FORMATS = tuple((re.compile(pattern, re.DOTALL), what, hint) for pattern, what, hint in (
     (rb"%PDF-", "a PDF", "extract its text first, e.g. pdftotext -layout {q} out.txt"),
-    (rb"\x1f\x8b", "gzip-compressed", "decompress it first: gunzip -c {q} | {then}"),
-    (rb"BZh[1-9]1AY&SY", "bzip2-compressed", "decompress it first: bunzip2 -c {q} | {then}"),
-    (rb"\xfd7zXZ\x00", "xz-compressed", "decompress it first: xz -dc {q} | {then}"),
-    (rb"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it first: zstd -dc {q} | {then}"),
+    (rb"\x1f\x8b", "gzip-compressed", "gunzip -c"),
+    (rb"BZh[1-9]1AY&SY", "bzip2-compressed", "bunzip2 -c"),
+    (rb"\xfd7zXZ\x00", "xz-compressed", "xz -dc"),
+    (rb"\x28\xb5\x2f\xfd", "zstd-compressed", "zstd -dc"),
     (rb"PK\x03\x04", "a ZIP archive (or a .docx, .odt or .epub)",
      "extract its text first, e.g. pandoc {q} -t plain -o out.txt"),
     (rb"\x7fELF", "a program (ELF)", "rocketkv reads text documents"),
@@ -57,12 +57,14 @@ def binary_format(head: bytes, path: str, command: str = "ingest") -> tuple[str,
     compressed file's hint pipes it into `command` where that reads a document from stdin (else
     into ingest); stdin (`-`) is told to be piped through the decompressor."""
     for pattern, what, hint in BINARY_FORMATS:
-        if pattern.match(head):
-            if path == "-" and "{then}" in hint:  # already a pipe: the tool goes before rocketkv in it
-                tool = hint.split(" {q}")[0].removeprefix("decompress it first: ")
-                return what, f"decompress it first: pipe it through {tool}"
-            then = PIPED_INTO.get(command, "rocketkv ingest - -o out.kv")
-            return what, hint.format(q=shlex.quote(path), then=then)
+        if not pattern.match(head):
+            continue
+        if not what.endswith("-compressed"):
+            return what, hint.format(q=shlex.quote(path))
+        if path == "-":  # already a pipe: the decompressor goes before rocketkv in it
+            return what, f"decompress it first: pipe it through {hint}"
+        then = PIPED_INTO.get(command, "rocketkv ingest - -o out.kv")
+        return what, f"decompress it first: {hint} {shlex.quote(path)} | {then}"
     return None
 
 

@@ -319,14 +319,14 @@ def load_engine(model: Optional[str], device: str, dtype: str, trust_remote_code
         err.status(escape(f"loading {model}"), spinner="dots")  # a path may hold "[/b]"
         if spinners()
         else contextlib.nullcontext()
-    ) as shown:
+    ) as spinner:
 
         def step(message: str) -> None:
             """A first load's step (assembling, converting: a minute) logged, and named by the spinner,
             which said "loading" throughout."""
             log(message)
-            if shown is not None:
-                shown.update(escape(shown_step(message)))
+            if spinner is not None:
+                spinner.update(escape(shown_step(message)))
 
         rk = RocketKV.load(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, log=step,
                            weights=weights, threads=_state["threads"][0])  # fmt: skip

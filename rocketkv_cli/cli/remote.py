@@ -133,6 +133,14 @@ def server_events(server: Server, path: str, body: dict) -> Iterator[dict]:
             shown.stop()
 
 
+def _answer_of(server: Server, event: dict) -> tuple[dict, list | None]:
+    """An `answer` event's record (checked: `client.answer_record`) and its citations as objects
+    with the attributes `api.citations.Citation` has (None: none asked for)."""
+    record = answer_record(server, event)
+    citations = event.get("citations")
+    return record, None if citations is None else [SimpleNamespace(**c) for c in citations]
+
+
 def ask_remote(server: Server, cache: Path, questions: list[str], options: dict, printer: AnswerPrinter,
                timings: Timings | None = None, accepted: Callable[[], None] | None = None) -> None:  # fmt: skip
     """Answer `questions` from `cache` on `server` and print them as `ask` does.
@@ -156,9 +164,7 @@ def ask_remote(server: Server, cache: Path, questions: list[str], options: dict,
         elif kind == "log":
             log(str(event.get("message", "")))
         elif kind == "answer":
-            record = answer_record(server, event)
-            citations = None if event.get("citations") is None else [
-                SimpleNamespace(**c) for c in event["citations"]]  # fmt: skip
+            record, citations = _answer_of(server, event)
             printer.finish(record["answer"], record, citations)
             log(answer_log_of(record))
             if timings is not None:
@@ -198,9 +204,7 @@ class RemoteChat:
             elif event.get("event") == "log":
                 log(str(event.get("message", "")))
             elif event.get("event") == "answer":
-                record = answer_record(self.server, event)
-                citations = None if event.get("citations") is None else [
-                    SimpleNamespace(**c) for c in event["citations"]]  # fmt: skip
+                record, citations = _answer_of(self.server, event)
                 result = (record["answer"], record, citations, answer_log_of(record))
         if result is None:
             raise ServerError(f"the server at {self.server.url} sent no answer", "run the command again")
